@@ -1,0 +1,49 @@
+# graphdraft: the commands a newcomer needs.
+#   make demo   serve a batch of prompts with speculative decoding
+#   make test   CPU test suite (Triton kernels run under TRITON_INTERPRET=1)
+# GPU targets (test-gpu, perf, demo-gpu) use the machine's own python3 and install nothing.
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+GPU_PY  ?= python3
+TORCH_CPU_PIN := torch==2.13.0
+PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
+OUT     ?= perf/out
+
+.PHONY: install test test-gpu perf demo demo-gpu lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# The exact CPU pin first: an unpinned torch would pull a multi-GB CUDA build.
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH_CPU_PIN)
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PYTEST_CPU) -q -m "not gpu" -p no:cacheprovider --benchmark-disable tests
+
+lint: install
+	$(VPY) -m ruff check graphdraft capture tests perf
+
+demo: install
+	$(VPY) -m graphdraft demo
+
+# --- GPU machine: its python3 already has torch, triton, pytest, pytest-benchmark, hypothesis.
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider tests
+
+perf:
+	mkdir -p $(OUT)
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -s -p no:cacheprovider perf \
+		--benchmark-json=$(OUT)/benchmark.json
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json
+
+demo-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo
+
+clean:
+	rm -rf $(VENV) perf/out .pytest_cache

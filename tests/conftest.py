@@ -1,0 +1,24 @@
+"""Test set-up: Triton's interpreter on CPU, and the `gpu` marker.
+
+TRITON_INTERPRET is read when ``@triton.jit`` decorates, so it is set here,
+before any test module imports a kernel.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
