@@ -1,0 +1,160 @@
+"""Every persistent buffer of the runtime, documented in one place.
+
+Each buffer is allocated once, for the largest batch, and written in place:
+a captured CUDA graph holds pointers into these tensors, so they are never
+re-allocated, resized or replaced. A forward over `bs` rows reads and writes
+their first rows (`buf[:bs]`, `buf[:num_tokens]`). Rows past the live batch
+and up to the padded batch size hold neutral values written before each
+replay: request slot 0 (the reserved dummy request, whose page-table row is
+all zeros, so every position maps to the dummy page 0), seq len 1, accept
+length 1, out-cache location 0 (the dummy slot), token id 0, hidden 0.
+
+Sizes: `max_bs = RuntimeConfig.max_bs`, `max_tokens = RuntimeConfig.max_num_tokens`,
+`N = spec_num_tokens`, `S = speculative_num_steps`, `H` the draft hidden size,
+`kH` the width of the target's captured hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from graphdraft.config import RuntimeConfig
+
+DUMMY_REQ_SLOT = 0
+"""Request-pool slot reserved for padded rows; its page-table row stays all zeros."""
+DUMMY_PAGE = 0
+"""KV page reserved for padded rows and unmapped positions; slot 0 is its first slot."""
+
+
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class InputBuffers:
+    """The target forward's inputs, filled by the engine; the draft's first step reuses them.
+
+    input_ids            [max_tokens] int64  target input token ids (prefill rows first, then N per decode row)
+    positions            [max_tokens] int64  position of each input token in its request
+    out_cache_loc        [max_tokens] int64  KV slot each input token writes
+    seq_lens             [max_bs] int32      KV length of each row after this step's input
+    req_pool_indices     [max_bs] int64      each row's request-pool slot
+    extend_lens          [max_bs] int32      input tokens of each row this step (N for decode rows)
+    shifted_prefill_ids  [max_tokens] int64  prefill rows: the next token of each position
+                                             (prompt shifted one left; -1 where it is the target's output)
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    extend_lens: torch.Tensor
+    shifted_prefill_ids: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: RuntimeConfig) -> InputBuffers:
+        t, b, dev = cfg.max_num_tokens, cfg.max_bs, cfg.device
+        return cls(
+            input_ids=_zeros(t, torch.int64, dev),
+            positions=_zeros(t, torch.int64, dev),
+            out_cache_loc=_zeros(t, torch.int64, dev),
+            seq_lens=torch.ones(b, dtype=torch.int32, device=dev),
+            req_pool_indices=_zeros(b, torch.int64, dev),
+            extend_lens=torch.ones(b, dtype=torch.int32, device=dev),
+            shifted_prefill_ids=_zeros(t, torch.int64, dev),
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def pad_rows(self, start: int, stop: int) -> None:
+        """Neutral per-row values in rows [start, stop): dummy request, seq len 1."""
+        if stop <= start:
+            return
+        self.seq_lens[start:stop] = 1
+        self.req_pool_indices[start:stop] = DUMMY_REQ_SLOT
+        self.extend_lens[start:stop] = 1
+
+    def pad_tokens(self, start: int, stop: int) -> None:
+        """Neutral per-token values in tokens [start, stop): id 0, position 0, dummy slot 0."""
+        if stop <= start:
+            return
+        self.input_ids[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.out_cache_loc[start:stop] = 0
+
+
+@dataclass
+class RuntimeStates:
+    """Per request slot state that outlives a step.
+
+    valid_cache_lengths  [max_reqs + 1] int32  committed KV length of each request slot
+                                               before the current step (slot 0: dummy, always 0)
+    """
+
+    valid_cache_lengths: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: RuntimeConfig) -> RuntimeStates:
+        return cls(valid_cache_lengths=_zeros(cfg.max_running_requests + 1, torch.int32, cfg.device))
+
+
+@dataclass
+class DraftBuffers:
+    """The drafter's own static inputs and outputs (what its CUDA graphs read and write).
+
+    first_input_ids   [max_tokens] int64      first step's token ids (target output tokens, shifted layout)
+    first_hidden      [max_bs * N, kH] dtype  target hidden states of a decode batch (graph input)
+    accept_lengths    [max_bs] int32          tokens committed this step per row (prefill rows: 1)
+    gather_ids        [max_bs] int64          first step: the token row that goes to the LM head
+    write_start       [max_bs] int64          position draft step 1 writes (accepted prefix end)
+    positions         [max_bs] int64          multi-step: current draft position per row
+    seq_lens          [max_bs] int32          the draft attention's seq-len alias: KV length per row,
+                                              advanced in place before each draft step
+    out_cache_loc     [(S - 1) * max_bs] int64  KV slots of draft steps 2..S; a batch of bs uses the
+                                              first (S - 1) * bs entries viewed `[S - 1, bs]`
+    ids               [max_bs] int64          current draft token per row (target vocab ids)
+    hidden            [max_bs, H] dtype       current draft hidden (pre-norm) per row
+    next_tokens       [max_bs, S + 1] int32   column 0: last verified token; 1..S: draft tokens
+    """
+
+    first_input_ids: torch.Tensor
+    first_hidden: torch.Tensor
+    accept_lengths: torch.Tensor
+    gather_ids: torch.Tensor
+    write_start: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    next_tokens: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: RuntimeConfig, hidden_size: int, target_hidden_width: int,
+                 dtype: torch.dtype) -> DraftBuffers:
+        b, n, s, dev = cfg.max_bs, cfg.spec_num_tokens, cfg.speculative_num_steps, cfg.device
+        return cls(
+            first_input_ids=_zeros(cfg.max_num_tokens, torch.int64, dev),
+            first_hidden=_zeros((b * n, target_hidden_width), dtype, dev),
+            accept_lengths=torch.ones(b, dtype=torch.int32, device=dev),
+            gather_ids=_zeros(b, torch.int64, dev),
+            write_start=torch.ones(b, dtype=torch.int64, device=dev),
+            positions=_zeros(b, torch.int64, dev),
+            seq_lens=torch.ones(b, dtype=torch.int32, device=dev),
+            out_cache_loc=_zeros(max(s - 1, 1) * b, torch.int64, dev),
+            ids=_zeros(b, torch.int64, dev),
+            hidden=_zeros((b, hidden_size), dtype, dev),
+            next_tokens=_zeros((b, s + 1), torch.int32, dev),
+        )
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))

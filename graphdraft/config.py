@@ -1,0 +1,204 @@
+"""Configuration: one runtime dataclass and the model-shape dataclass.
+
+`RuntimeConfig` holds every knob of the drafting runtime with defaults that
+work; its field names follow the serving ecosystem's CLI flags
+(`--speculative-num-steps`, `--cuda-graph-max-bs`, `--enforce-eager`, ...).
+`ModelConfig` is the shape of a Llama-family model (a target or an EAGLE-3
+draft head), named like Hugging Face's `LlamaConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"bfloat16"` / `torch.bfloat16` -> `torch.bfloat16`; anything else raises."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class RuntimeConfig:
+    """Every knob of the drafting runtime.
+
+    Chain drafting: `spec_num_tokens = speculative_num_steps + 1` tokens per
+    decode row go into verify (the last verified token and the drafts).
+    """
+
+    speculative_num_steps: int = 3
+    page_size: int = 16
+    max_running_requests: int = 64
+    """Request-pool slots available to live requests (slot 0 is reserved extra)."""
+    max_context_len: int = 4096
+    """Longest sequence (prompt + output + draft look-ahead) a request may reach."""
+    max_num_batched_tokens: int = 4096
+    """Token budget of one forward (chunked-prefill size); persistent token buffers use it."""
+    num_kv_pages: int | None = None
+    """KV pages in the pool (page 0 is the reserved dummy). None: enough for every slot at max context."""
+    cuda_graph_max_bs: int = 64
+    cuda_graph_bs: tuple[int, ...] | None = None
+    """Explicit padded batch-size schedule; None: 1, 2, 4, 8, 16, 24, ... up to cuda_graph_max_bs."""
+    enforce_eager: bool = False
+    """Turn every CUDA graph off (also: env GRAPHDRAFT_EAGER=1)."""
+    dtype: str = "bfloat16"
+    device: str = field(default_factory=default_device)
+    validate_inputs: bool = True
+    """Check every call's shapes, dtypes and value ranges (a host sync); off on a tuned hot path."""
+    kernel_backend: str = "auto"
+    """"triton" (Triton kernels), "torch" (plain torch path), or "auto" (triton on CUDA)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------
+    @property
+    def spec_num_tokens(self) -> int:
+        return self.speculative_num_steps + 1
+
+    @property
+    def max_bs(self) -> int:
+        """Largest batch the persistent buffers hold."""
+        return self.max_running_requests
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def use_triton(self) -> bool:
+        return self.kernel_backend == "triton" or (
+            self.kernel_backend == "auto" and str(self.device).startswith("cuda"))
+
+    @property
+    def max_pages_per_req(self) -> int:
+        return -(-self.max_context_len // self.page_size)
+
+    @property
+    def total_kv_pages(self) -> int:
+        """Pages in the pool including the reserved dummy page 0."""
+        if self.num_kv_pages is not None:
+            return self.num_kv_pages + 1
+        return self.max_running_requests * self.max_pages_per_req + 1
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Rows of the persistent token buffers: the chunk budget or a full decode batch."""
+        return max(self.max_num_batched_tokens, self.max_bs * self.spec_num_tokens)
+
+    def replace(self, **changes: Any) -> RuntimeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.speculative_num_steps, int) and self.speculative_num_steps >= 1,
+             "speculative_num_steps", "an int >= 1")
+        need(isinstance(self.page_size, int) and self.page_size >= 1, "page_size", "an int >= 1")
+        need(isinstance(self.max_running_requests, int) and self.max_running_requests >= 1,
+             "max_running_requests", "an int >= 1")
+        need(isinstance(self.max_context_len, int) and self.max_context_len >= 2,
+             "max_context_len", "an int >= 2")
+        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens", "an int >= 1")
+        need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
+             "num_kv_pages", "None or an int >= 1")
+        need(isinstance(self.cuda_graph_max_bs, int) and 1 <= self.cuda_graph_max_bs,
+             "cuda_graph_max_bs", "an int >= 1")
+        need(self.cuda_graph_max_bs <= self.max_running_requests, "cuda_graph_max_bs",
+             f"<= max_running_requests ({self.max_running_requests})")
+        if self.cuda_graph_bs is not None:
+            sizes = tuple(self.cuda_graph_bs)
+            need(all(isinstance(s, int) and s >= 1 for s in sizes) and len(sizes) > 0
+                 and list(sizes) == sorted(set(sizes)) and sizes[-1] <= self.cuda_graph_max_bs,
+                 "cuda_graph_bs",
+                 f"ints >= 1, strictly ascending, each <= cuda_graph_max_bs ({self.cuda_graph_max_bs})")
+            self.cuda_graph_bs = sizes
+        resolve_dtype(self.dtype)
+        need(self.kernel_backend in ("auto", "triton", "torch"), "kernel_backend",
+             "'auto', 'triton' or 'torch'")
+        need(self.kernel_backend != "triton" or str(self.device).startswith("cuda"),
+             "kernel_backend", "'torch' or 'auto' on a CPU device")
+        need(str(self.device).split(":")[0] in ("cpu", "cuda"), "device", "'cpu' or 'cuda[:N]'")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family model: a target (many layers) or an EAGLE-3 head (one layer).
+
+    For an EAGLE-3 head `draft_vocab_size` may be smaller than `vocab_size`
+    (its LM head predicts draft ids, mapped to target ids by `hot_token_ids`),
+    and `num_aux_hidden_states` (k) target layers are concatenated into its
+    `fc` input of width `k * hidden_size`.
+    """
+
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 1
+    vocab_size: int = 128256
+    draft_vocab_size: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    num_aux_hidden_states: int = 3
+    aux_hidden_state_layer_ids: tuple[int, ...] | None = None
+    """Target layers whose input residual stream is captured for EAGLE-3; None: [2, L//2, L-3]."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "num_hidden_layers", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected a divisor of num_attention_heads "
+                f"({self.num_attention_heads}), got {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even int, got {self.head_dim}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size: expected 1..vocab_size ({self.vocab_size}), "
+                             f"got {self.draft_vocab_size}")
+        if self.aux_hidden_state_layer_ids is not None:
+            self.aux_hidden_state_layer_ids = tuple(int(i) for i in self.aux_hidden_state_layer_ids)
+            self.num_aux_hidden_states = len(self.aux_hidden_state_layer_ids)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the LM head: the draft vocab for a head that has one, else the vocab."""
+        return self.draft_vocab_size or self.vocab_size
+
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose *input* residual stream is captured for EAGLE-3."""
+        if self.aux_hidden_state_layer_ids is not None:
+            return self.aux_hidden_state_layer_ids
+        n = self.num_hidden_layers
+        return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

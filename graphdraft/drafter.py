@@ -1,0 +1,307 @@
+"""The EAGLE / EAGLE-3 drafter: first draft step + multi-step chain, eager or graph-replayed.
+
+After each target forward the serving loop calls `run(ctx, hidden_states,
+output_tokens, accept_lengths)` and gets `next_tokens [bs, S + 1]` int32:
+column 0 the last verified token of each request, columns 1..S the drafts.
+
+Inputs (rows: `num_extends` prefill rows first, then decode rows of N tokens):
+  output_tokens    [num_extends + num_decodes * N]  the target's token after each sampled
+                   position: a prefill row's last position, each of a decode row's N positions
+  hidden_states    [input_num_tokens, k*H]          target hidden states of every input token
+  accept_lengths   [bs]                             tokens committed this step (decode rows 0..N;
+                                                    prefill rows: ignored)
+and the engine's `InputBuffers` (positions, out_cache_loc, seq_lens, req_pool_indices,
+extend_lens, shifted_prefill_ids) plus `RuntimeStates.valid_cache_lengths` (before this step).
+
+The two forwards:
+  first step  over the target's token layout; KV of every token is written, and the
+              gathered row of each request (decode: `row*N - 1 + clamp(accept, 1, N)`;
+              prefill: its last token) attends over the accepted prefix only.
+  multi-step  S - 1 pure decode steps, one token per request, writing from
+              `valid_cache_lengths[req] + accept` (decode rows) or `seq_lens` (prefill rows).
+              One kernel writes every step's KV slots up front; the seq-len alias is
+              advanced in place before each step.
+
+Both forwards read and write only `DraftBuffers` / `InputBuffers`; `capture.CapturedForward`
+decides whether a call replays a CUDA graph or runs the same function eagerly. Decode
+batches are always padded to the graph schedule (also when graphs are off), so
+`enforce_eager` reproduces graph numerics exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from graphdraft import ops
+from graphdraft.attention import PagedAttentionBackend
+from graphdraft.batch import ForwardContext, ForwardMode
+from graphdraft.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.config import RuntimeConfig
+from graphdraft.eagle3 import Eagle3DraftHead
+from graphdraft.kv_cache import KVPool
+from graphdraft.nvtx import nvtx_range
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterStats:
+    calls: int = 0
+    decode_calls: int = 0
+    mixed_calls: int = 0
+    skipped_multi_step: int = 0
+
+
+class EagleDrafter:
+    """Runs an `Eagle3DraftHead` over the shared page table with its own KV pool."""
+
+    def __init__(self, head: Eagle3DraftHead, cfg: RuntimeConfig, *, req_to_page: torch.Tensor,
+                 input_buffers: InputBuffers, runtime_states: RuntimeStates,
+                 kv_pool: KVPool | None = None, graph_pool: GraphPool | None = None) -> None:
+        self.head, self.cfg = head, cfg
+        self.N, self.S = cfg.spec_num_tokens, cfg.speculative_num_steps
+        self.device = torch.device(cfg.device)
+        mc = head.config
+        if mc.max_position_embeddings < cfg.max_context_len:
+            raise ValueError(f"max_context_len: expected <= the head's max_position_embeddings "
+                             f"({mc.max_position_embeddings}), got {cfg.max_context_len}")
+        if input_buffers.max_bs < cfg.max_bs or input_buffers.max_tokens < cfg.max_num_tokens:
+            raise ValueError("input_buffers: expected buffers allocated for this RuntimeConfig")
+        self.req_to_page = req_to_page
+        self.inputs, self.states = input_buffers, runtime_states
+        self.kv_pool = kv_pool or KVPool(1, cfg.total_kv_pages, cfg.page_size, mc.num_key_value_heads,
+                                         mc.head_dim, head.dtype, self.device)
+        self.backend = PagedAttentionBackend(req_to_page, cfg.page_size, cfg.max_context_len,
+                                             cfg.use_triton)
+        head.set_use_triton(cfg.use_triton)
+        self.bufs = DraftBuffers.allocate(cfg, mc.hidden_size, head.target_hidden_width, head.dtype)
+        # `row * N - 1` per decode row: gather id = offset + clamp(accept, 1, N).
+        self._row_offsets = torch.arange(cfg.max_bs, device=self.device) * self.N - 1
+        self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
+        enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
+        self.graph_pool = graph_pool or GraphPool()
+        self.first_step_graphs = CapturedForward(
+            "draft_first_step", self._first_step_decode, self.schedule, pool=self.graph_pool,
+            enabled=enabled)
+        self.multi_step_graphs = CapturedForward(
+            "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
+            enabled=enabled and self.S > 1)
+        self.stats = DrafterStats()
+
+    # ------------------------------------------------------------------
+    # Graphs
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture both draft forwards for every size of the schedule (largest first).
+
+        Buffers are reset to neutral values first, so warm-up runs see length-1
+        sequences of the dummy request.
+        """
+        self._reset_neutral()
+        self.first_step_graphs.capture()
+        self.multi_step_graphs.capture()
+        self._reset_neutral()
+
+    def _reset_neutral(self) -> None:
+        mb = self.cfg.max_bs
+        self.inputs.pad_rows(0, mb)
+        self.inputs.pad_tokens(0, mb * self.N)
+        self._pad_draft_rows(0, mb)
+
+    def _pad_draft_rows(self, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        b, n = self.bufs, self.N
+        b.first_input_ids[start * n: stop * n] = 0
+        b.first_hidden[start * n: stop * n] = 0
+        b.accept_lengths[start:stop] = 1
+        b.write_start[start:stop] = 1
+        b.ids[start:stop] = 0
+        b.hidden[start:stop] = 0
+
+    # ------------------------------------------------------------------
+    # The two forwards (run eagerly or captured; identical code)
+    # ------------------------------------------------------------------
+    def _first_step(self, bs: int, num_tokens: int, num_extends: int, hidden: torch.Tensor):
+        """One draft forward over `num_tokens` tokens; writes ids/hidden/write_start/next_tokens[:, :2]."""
+        b, ib, n = self.bufs, self.inputs, self.N
+        ne = num_extends
+        npt = num_tokens - (bs - ne) * n  # prefill tokens
+        req = ib.req_pool_indices[:bs]
+        acc = b.accept_lengths[:bs]
+        seq = ib.seq_lens[:bs]
+        safe_acc = acc.clamp(1, n)
+        if ne < bs:  # decode rows
+            torch.add(self._row_offsets[: bs - ne] + npt, safe_acc[ne:], out=b.gather_ids[ne:bs])
+            torch.clamp(seq[ne:] - n + safe_acc[ne:], min=1, out=b.seq_lens[ne:bs])
+            torch.add(self.states.valid_cache_lengths[req[ne:]], acc[ne:], out=b.write_start[ne:bs])
+        if ne > 0:  # prefill rows
+            torch.sub(torch.cumsum(ib.extend_lens[:ne], 0), 1, out=b.gather_ids[:ne])
+            b.seq_lens[:ne].copy_(seq[:ne])
+            b.write_start[:ne].copy_(seq[:ne])
+        gather = b.gather_ids[:bs]
+        ids = b.first_input_ids[:num_tokens]
+        metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
+        out = self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
+                        self.kv_pool.layer(0), self.backend, metadata, gather)
+        b.ids[:bs].copy_(out.ids)
+        b.hidden[:bs].copy_(out.hidden)
+        b.next_tokens[:bs, 0].copy_(ids.index_select(0, gather))
+        b.next_tokens[:bs, 1].copy_(out.ids)
+        return b.next_tokens[:bs]
+
+    def _first_step_decode(self, bs: int):
+        return self._first_step(bs, bs * self.N, 0, self.bufs.first_hidden[: bs * self.N])
+
+    def _multi_step(self, bs: int):
+        """Draft steps 2..S for `bs` rows; writes next_tokens[:bs, 2:]."""
+        b, steps = self.bufs, self.S
+        req = self.inputs.req_pool_indices[:bs]
+        write_start = b.write_start[:bs]
+        locs = b.out_cache_loc[: (steps - 1) * bs]
+        ops.out_cache_loc_uniform(locs, req, write_start, self.req_to_page, self.cfg.page_size,
+                                  steps - 1, use_triton=self.cfg.use_triton)
+        locs = locs.view(steps - 1, bs)
+        seq_lens, positions = b.seq_lens[:bs], b.positions[:bs]
+        seq_lens.copy_(write_start + 1)
+        positions.copy_(write_start)
+        metadata = self.backend.bind_metadata(req, seq_lens)
+        ids, hidden = b.ids[:bs], b.hidden[:bs]
+        for i in range(1, steps):
+            self.backend.advance_draft_forward_metadata(seq_lens)
+            out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
+                            self.backend, metadata)
+            b.next_tokens[:bs, i + 1].copy_(out.ids)
+            ids, hidden = out.ids, out.hidden
+            if i + 1 < steps:
+                ops.advance_positions_and_seq_lens(seq_lens, positions,
+                                                   use_triton=self.cfg.use_triton)
+        return b.next_tokens[:bs]
+
+    # ------------------------------------------------------------------
+    # Public entry point
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    @nvtx_range("drafter")
+    def run(self, ctx: ForwardContext, hidden_states: torch.Tensor, output_tokens: torch.Tensor,
+            accept_lengths: torch.Tensor) -> torch.Tensor:
+        """Draft for the target batch described by `ctx`; returns a new `[bs, S + 1]` int32 tensor."""
+        if self.cfg.validate_inputs:
+            self.validate(ctx, hidden_states, output_tokens, accept_lengths)
+        bs, ne, n = ctx.bs, ctx.num_extends, self.N
+        self.stats.calls += 1
+        if bs == 0:
+            return torch.empty((0, self.S + 1), dtype=torch.int32, device=self.device)
+        b, ib = self.bufs, self.inputs
+        decode = ctx.forward_mode is ForwardMode.DECODE
+        pbs = padded_batch_size(self.schedule, bs) or bs  # eager pads too: same numerics
+
+        with nvtx_range("draft_prepare"):
+            b.accept_lengths[:bs].copy_(accept_lengths)
+            if decode:
+                t = bs * n
+                ib.pad_rows(bs, pbs)
+                ib.pad_tokens(t, pbs * n)
+                b.first_input_ids[:t].copy_(output_tokens)
+                b.first_hidden[:t].copy_(hidden_states)
+                self._pad_draft_rows(bs, pbs)
+            else:
+                self._prepare_mixed_ids(ctx, output_tokens)
+
+        with nvtx_range("draft_first_step"):
+            if decode:
+                self.stats.decode_calls += 1
+                self.first_step_graphs.run(pbs)
+            else:
+                self.stats.mixed_calls += 1
+                self._first_step(bs, ctx.input_num_tokens, ne, hidden_states)
+
+        if self.S > 1 and not ctx.all_extends_mid_chunk:
+            with nvtx_range("draft_multi_step"):
+                if not decode:  # the first step ran at bs: neutral rows up to pbs
+                    ib.pad_rows(bs, pbs)
+                    self._pad_draft_rows(bs, pbs)
+                self.multi_step_graphs.run(pbs)
+        elif self.S > 1:
+            self.stats.skipped_multi_step += 1
+            b.next_tokens[:bs, 2:] = b.next_tokens[:bs, :1]
+        return b.next_tokens[:bs].clone()
+
+    def _prepare_mixed_ids(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
+        """First-step ids of a prefill/mixed batch: shifted prompt ids, then decode rows' outputs."""
+        ne, n = ctx.num_extends, self.N
+        npt = ctx.input_num_tokens - ctx.num_decodes * n
+        ids = self.bufs.first_input_ids[: ctx.input_num_tokens]
+        ids[:npt].copy_(self.inputs.shifted_prefill_ids[:npt])
+        last = torch.cumsum(self.inputs.extend_lens[:ne].long(), 0) - 1
+        ids[last] = torch.where(ids[last] < 0, output_tokens[:ne].long(), ids[last])
+        ids[npt:].copy_(output_tokens[ne:])
+
+    # ------------------------------------------------------------------
+    # Validation (a host sync; `RuntimeConfig.validate_inputs=False` skips it)
+    # ------------------------------------------------------------------
+    def validate(self, ctx: ForwardContext, hidden_states: torch.Tensor,
+                 output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> None:
+        """Raise ValueError naming the first bad argument; writes nothing."""
+        cfg, n = self.cfg, self.N
+        bs, ne, nd = ctx.bs, ctx.num_extends, ctx.num_decodes
+        if bs > cfg.max_bs:
+            raise ValueError(f"ctx.bs: expected <= max_running_requests ({cfg.max_bs}), got {bs}")
+        if ctx.input_num_tokens > cfg.max_num_tokens:
+            raise ValueError(f"ctx.input_num_tokens: expected <= {cfg.max_num_tokens}, "
+                             f"got {ctx.input_num_tokens}")
+        if ctx.input_num_tokens < ne + nd * n:
+            raise ValueError(f"ctx.input_num_tokens: expected >= num_extends + num_decodes * "
+                             f"{n} = {ne + nd * n}, got {ctx.input_num_tokens}")
+        if nd and ne == 0 and ctx.input_num_tokens != bs * n:
+            raise ValueError(f"ctx.input_num_tokens: expected bs * {n} = {bs * n} for a decode "
+                             f"batch, got {ctx.input_num_tokens}")
+
+        def check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+            if t.dtype not in dtypes:
+                raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+            if t.device.type != self.device.type:
+                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
+
+        ints = (torch.int32, torch.int64)
+        check("output_tokens", output_tokens, (ne + nd * n,), ints)
+        check("accept_lengths", accept_lengths, (bs,), ints)
+        check("hidden_states", hidden_states, (ctx.input_num_tokens, self.head.target_hidden_width),
+              (self.head.dtype,))
+        if output_tokens.numel():
+            lo, hi = int(output_tokens.min()), int(output_tokens.max())
+            if lo < 0 or hi >= self.head.config.vocab_size:
+                raise ValueError(f"output_tokens: expected ids in [0, {self.head.config.vocab_size}), "
+                                 f"got values in [{lo}, {hi}]")
+        if nd:
+            acc = accept_lengths[ne:]
+            lo, hi = int(acc.min()), int(acc.max())
+            if lo < 0 or hi > n:
+                raise ValueError(f"accept_lengths: expected decode rows in [0, {n}], "
+                                 f"got values in [{lo}, {hi}]")
+        ib = self.inputs
+        req = ib.req_pool_indices[:bs]
+        if bs and (int(req.min()) < 1 or int(req.max()) >= self.req_to_page.shape[0]):
+            raise ValueError(f"input_buffers.req_pool_indices: expected live slots in "
+                             f"[1, {self.req_to_page.shape[0]}), got {req.tolist()}")
+        if bs and int(ib.seq_lens[:bs].min()) < 1:
+            raise ValueError("input_buffers.seq_lens: expected >= 1 for every row")
+        if ne:
+            npt = ctx.input_num_tokens - nd * n
+            lens = ib.extend_lens[:ne]
+            if int(lens.min()) < 1 or int(lens.sum()) != npt:
+                raise ValueError(f"input_buffers.extend_lens: expected prefill rows >= 1 summing to "
+                                 f"{npt}, got {lens.tolist()}")
+            shifted = ib.shifted_prefill_ids[:npt]
+            if int(shifted.min()) < -1 or int(shifted.max()) >= self.head.config.vocab_size:
+                raise ValueError("input_buffers.shifted_prefill_ids: expected ids in "
+                                 f"[-1, {self.head.config.vocab_size})")

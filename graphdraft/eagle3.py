@@ -1,0 +1,122 @@
+"""The EAGLE-3 draft head: one Llama decoder layer over [embedding ; target hidden].
+
+Weights (HF layout, `[out, in]`):
+  embed_tokens  [V, H]          may be the target's (shared, not copied)
+  fc            [H, k*H]        projects the k concatenated target hidden states
+  midlayer      input_layernorm [H], hidden_norm [H], self_attn (qkv [(Hq+2Hkv)*D, 2H], o [H, Hq*D]),
+                post_attention_layernorm [H], mlp (gate_up [2F, H], down [H, F])
+  norm          [H]
+  lm_head       [Vd, H]         over the draft vocab
+  hot_token_ids [Vd] int64      draft id -> target id (absent when Vd == V)
+
+One step over T tokens (positions `[T]`, KV slots `[T]`):
+  e = embed(ids);  h = fc(hidden) if hidden is k*H wide else hidden
+  KV of every token from qkv(cat(input_layernorm(e), hidden_norm(h)))
+  then, for the B gathered rows only: attention -> o_proj, + h, post-norm, MLP, + residual
+  -> pre-norm hidden `[B, H]` (the next step's hidden input) and logits of norm(pre-norm) `[B, Vd]`.
+Because the head has a single layer, the non-gathered rows only feed the KV cache,
+so only the gathered rows run attention, MLP and LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.batch import CaptureHiddenMode
+from graphdraft.config import ModelConfig
+from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.logits import LogitsOutput, LogitsProcessor
+from graphdraft.ops import rope_cos_sin_cache
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, 2 * h, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype)
+
+
+@dataclass
+class DraftStepOutput:
+    """ids int64 `[B]` (target vocab), hidden `[B, H]` (pre-norm), logits `[B, Vd]`."""
+
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+class Eagle3DraftHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 embed_tokens: torch.Tensor | None = None,
+                 hot_token_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        h, k = cfg.hidden_size, cfg.num_aux_hidden_states
+        self.embed_tokens = (nn.Parameter(embed_tokens, requires_grad=False)
+                             if embed_tokens is not None else _param(cfg.vocab_size, h, dtype=dtype))
+        self.fc = _param(h, k * h, dtype=dtype)
+        self.midlayer = Eagle3MidLayer(cfg, dtype)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.lm_head = _param(cfg.output_vocab_size, h, dtype=dtype)
+        if hot_token_ids is not None:
+            if hot_token_ids.shape != (cfg.output_vocab_size,):
+                raise ValueError(f"hot_token_ids: expected shape ({cfg.output_vocab_size},), "
+                                 f"got {tuple(hot_token_ids.shape)}")
+            self.register_buffer("hot_token_ids", hot_token_ids.to(torch.int64))
+        else:
+            self.hot_token_ids = None
+        self.register_buffer("cos_sin", rope_cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False)
+        self.logits_processor = LogitsProcessor(self.hot_token_ids)
+        self.use_triton = False
+
+    def set_use_triton(self, use_triton: bool) -> None:
+        set_use_triton(self, use_triton)
+        self.logits_processor.use_triton = use_triton
+
+    def _apply(self, fn, recurse=True):  # keep the logits processor's map on the module's device
+        out = super()._apply(fn, recurse)
+        self.logits_processor.hot_token_ids = self.hot_token_ids
+        return out
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def target_hidden_width(self) -> int:
+        return self.config.num_aux_hidden_states * self.config.hidden_size
+
+    def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids."""
+        return self.hot_token_ids[draft_ids] if self.hot_token_ids is not None else draft_ids
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                backend: PagedAttentionBackend, metadata: AttentionMetadata,
+                gather_ids: torch.Tensor | None = None) -> DraftStepOutput:
+        """input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
+        out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T)."""
+        layer = self.midlayer
+        embeds = self.embed_tokens[input_ids]
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = torch.nn.functional.linear(hidden, self.fc)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        attn_out = layer.self_attn(x, positions, out_cache_loc, kv, self.cos_sin, backend, metadata,
+                                   gather_ids)
+        residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
+        normed, residual = layer.post_attention_layernorm(attn_out, residual)
+        normed, prenorm = self.norm(layer.mlp(normed), residual)
+        out: LogitsOutput = self.logits_processor(
+            normed, self.lm_head, hidden_states=prenorm,
+            capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True)
+        return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)

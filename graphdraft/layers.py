@@ -1,0 +1,102 @@
+"""Llama building blocks shared by the target model and the EAGLE-3 head.
+
+Weights are plain `nn.Parameter`s in HF layout (`[out_features, in_features]`),
+with q/k/v and gate/up fused: `qkv_proj [(Hq + 2 Hkv) * D, in]`,
+`gate_up_proj [2 F, H]`. Each layer calls `graphdraft.ops`, which runs the
+torch path or the Triton path (`use_triton`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphdraft import ops
+from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.use_triton = False
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`[M, H]`; with residual: `(norm(x + residual), x + residual)`."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, use_triton=self.use_triton)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with RoPE over the paged KV cache.
+
+    forward: x `[T, input_size]` -> `[B, H]` (B = len(gather_ids), else T).
+    KV of all T tokens is written first; only the gathered query rows attend.
+    """
+
+    def __init__(self, cfg: ModelConfig, input_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, input_size, dtype=dtype)
+        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.sm_scale = self.head_dim ** -0.5
+        self.use_triton = False
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+                backend: PagedAttentionBackend, metadata: AttentionMetadata,
+                gather_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = ops.linear(x, self.qkv_proj)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv
+        ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
+                              use_triton=self.use_triton)
+        if gather_ids is not None:
+            q = q.index_select(0, gather_ids)
+        out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata)
+        return ops.linear(out.reshape(out.shape[0], self.q_size), self.o_proj)
+
+
+class MLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, `[M, H] -> [M, H]`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
+        self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = ops.linear(x, self.gate_up_proj)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
+        return ops.linear(torch.nn.functional.silu(gate) * up, self.down_proj)
+
+
+def set_use_triton(module: nn.Module, use_triton: bool) -> None:
+    """Route every layer of `module` to the Triton (True) or torch (False) path."""
+    for m in module.modules():
+        if hasattr(m, "use_triton"):
+            m.use_triton = use_triton
+
+
+@torch.no_grad()
+def init_random_(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Fill every weight with N(0, std) (norm weights: 1 + N(0, 0.1)), deterministically."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        if name.endswith("norm.weight") or "layernorm" in name or name.endswith("hidden_norm.weight"):
+            vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            vals = std * torch.randn(p.shape, generator=gen)
+        p.copy_(vals.to(p.dtype))

@@ -1,0 +1,177 @@
+"""The hot-path operations, each with a plain-torch path and a Triton path.
+
+A model picks one path at construction (`use_triton`): Triton kernels on CUDA,
+torch on CPU (and as the reference the kernel tests compare against). Both
+paths are CUDA-graph capturable: no host sync, no data-dependent shapes.
+The torch paths are vectorised and run on any device; `graphdraft.kernels`
+holds the Triton kernels.
+
+Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm (HF Llama semantics: fp32 statistics, cast before the weight multiply)
+# ---------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             *, use_triton: bool = False):
+    """`[M, N] -> [M, N]`; with `residual`: `h = x + residual`, returns `(norm(h), h)`."""
+    if use_triton:
+        from graphdraft.kernels.norm import rms_norm as rms_norm_triton
+        return rms_norm_triton(x, weight, eps, residual=residual)
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed, x) if residual is not None else normed
+
+
+# ---------------------------------------------------------------------------
+# RoPE (NeoX / HF rotate_half) fused with the KV write
+# ---------------------------------------------------------------------------
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+                       scaling: dict | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+    """`[max_positions, head_dim]` fp32: cos in the first half of the columns, sin in the second.
+
+    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            factor = scaling["factor"]
+            low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+            old_ctx = scaling.get("original_max_position_embeddings", 8192)
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            wavelen = 2 * torch.pi / inv_freq
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+            inv_freq = torch.where(is_mid, mid, scaled)
+        elif kind not in (None, "default"):
+            raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (expected 'llama3')")
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, H, D]`, cos/sin `[T, 1, D/2]` fp32 -> rotated x in x.dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out_cache_loc: torch.Tensor, *, use_triton: bool = False) -> None:
+    """Rotate q `[T, Hq, D]` in place; write rotated k and v (`[T, Hkv, D]`) to the cache slots."""
+    if use_triton:
+        from graphdraft.kernels.rope import rope_and_store_kv as rope_triton
+        rope_triton(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc)
+        return
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions].unsqueeze(1)
+    cos, sin = cs[..., :half], cs[..., half:]
+    q.copy_(_rotate(q, cos, sin))
+    k_cache[out_cache_loc] = _rotate(k, cos, sin)
+    v_cache[out_cache_loc] = v
+
+
+# ---------------------------------------------------------------------------
+# Paged attention: query row t attends to positions [0, kv_lens[t]) of its request
+# ---------------------------------------------------------------------------
+def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
+             page_size: int) -> torch.Tensor:
+    """Slots of `positions`; `req_pool_indices` broadcasts against it; 0 where unmapped."""
+    max_pages = req_to_page.shape[1]
+    page_idx = torch.div(positions, page_size, rounding_mode="floor")
+    inside = (page_idx < max_pages) & (positions >= 0)
+    pages = req_to_page[req_pool_indices, page_idx.clamp(0, max_pages - 1)].long()
+    slot = pages * page_size + torch.remainder(positions, page_size)
+    return torch.where(inside & (pages > 0), slot, torch.zeros_like(slot))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, req_to_page: torch.Tensor,
+                    page_size: int, sm_scale: float, max_kv_len: int, *,
+                    use_triton: bool = False) -> torch.Tensor:
+    """q `[T, Hq, D]` -> `[T, Hq, D]`; row t reads exactly positions `[0, kv_lens[t])`.
+
+    `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit).
+    """
+    if use_triton:
+        from graphdraft.kernels.decode_attention import paged_decode_attention
+        return paged_decode_attention(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
+                                      page_size, sm_scale, max_kv_len=max_kv_len)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if t == 0:
+        return torch.empty_like(q)
+    pos = torch.arange(max_kv_len, device=q.device)
+    slots = kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0), page_size)
+    valid = pos.unsqueeze(0) < kv_lens.unsqueeze(1)                  # [T, L]
+    k = k_cache[slots].float()                                        # [T, L, Hkv, D]
+    v = v_cache[slots].float()
+    qg = q.float().view(t, hkv, hq // hkv, d)                         # [T, Hkv, G, D]
+    scores = torch.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid[:, None, None, :], probs, torch.zeros_like(probs))  # NaN-safe
+    v = torch.where(valid[:, :, None, None], v, torch.zeros_like(v))  # garbage past kv_lens stays out
+    out = torch.einsum("thgl,tlhd->thgd", probs, v)
+    return out.reshape(t, hq, d).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Greedy sampling fused with the draft->target vocab map
+# ---------------------------------------------------------------------------
+def argmax_with_map(logits: torch.Tensor, hot_token_ids: torch.Tensor | None = None, *,
+                    use_triton: bool = False) -> torch.Tensor:
+    """`[B, V]` -> int64 `[B]`: index of the row max (ties: lowest index), mapped by `hot_token_ids`."""
+    if use_triton:
+        from graphdraft.kernels.argmax import argmax_with_map as argmax_triton
+        return argmax_triton(logits, hot_token_ids)
+    ids = torch.argmax(logits, dim=-1)
+    return hot_token_ids[ids] if hot_token_ids is not None else ids
+
+
+# ---------------------------------------------------------------------------
+# KV write locations
+# ---------------------------------------------------------------------------
+def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
+                          cache_start: torch.Tensor, req_to_page: torch.Tensor, page_size: int,
+                          length: int, *, use_triton: bool = False) -> None:
+    """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`."""
+    bs = req_pool_indices.shape[0]
+    if bs == 0 or length == 0:
+        return
+    if use_triton:
+        from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform
+        compute_out_cache_loc_uniform(out, req_pool_indices, cache_start, req_to_page, page_size,
+                                      length, out_stride_req=1, out_stride_tok=bs)
+        return
+    pos = cache_start.long().unsqueeze(0) + torch.arange(length, device=out.device).unsqueeze(1)
+    out.view(length, bs).copy_(kv_slots(req_to_page, req_pool_indices.long().unsqueeze(0), pos,
+                                        page_size))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`[M, K] @ [N, K]^T -> [M, N]` (no bias)."""
+    return F.linear(x, weight)
+
+
+def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
+                                   *, use_triton: bool = False) -> None:
+    """In place: `seq_lens += delta`, `positions += delta` (the seq-len alias refresh between steps)."""
+    if use_triton:
+        from graphdraft.kernels.cache_loc import advance_positions_and_seq_lens as advance_triton
+        advance_triton(seq_lens, positions, delta)
+        return
+    seq_lens.add_(delta)
+    positions.add_(delta)

@@ -1,0 +1,175 @@
+"""The drafter equals a slow per-request reference; bad input raises and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdraft.batch import ForwardContext
+from tests.drafter_harness import FakeServingLoop, make_setup
+from tests.reference_eagle import ReferenceEagle3
+
+
+def check_against_reference(ref, s, rows, ctx, hidden, out_tokens, accept, next_tokens, vcl):
+    n, steps = s.cfg.spec_num_tokens, s.cfg.speculative_num_steps
+    ne = ctx.num_extends
+    tok = 0
+    hidden = hidden.cpu()
+    for i, row in enumerate(rows):
+        length = len(row.input_ids)
+        hid = hidden[tok: tok + length]
+        positions = list(range(row.start, row.end))
+        got = [int(t) for t in next_tokens[i]]
+        if row.is_prefill:
+            ids = list(row.next_ids)
+            if ids[-1] < 0:
+                ids[-1] = int(out_tokens[i])
+            gather, kv_len, write_start = length - 1, row.end, row.end
+        else:
+            base = ne + (i - ne) * n
+            ids = [int(t) for t in out_tokens[base: base + n]]
+            a = int(accept[i])
+            gather = max(1, min(a, n)) - 1
+            kv_len = row.start + gather + 1
+            write_start = int(vcl[row.slot]) + a
+        run_steps = 1 if ctx.all_extends_mid_chunk else steps
+        ref.draft_row(row.slot, positions, ids, hid, gather, kv_len, write_start, run_steps, got,
+                      f"row {i} (slot {row.slot}, {'prefill' if row.is_prefill else 'decode'})")
+        tok += length
+
+
+def drive(s, seed, iters, prompts, accept_choices=None, join_at=None):
+    loop, ref = FakeServingLoop(s, seed), ReferenceEagle3(s.head)
+    for plen, chunk in prompts:
+        loop.add(plen, chunk)
+    for it in range(iters):
+        if join_at and it in join_at:
+            loop.add(*join_at[it])
+        result = loop.step(accept_choices)
+        rows, ctx, hidden, out_tokens, accept, next_tokens, vcl = result
+        assert next_tokens.shape == (ctx.bs, s.cfg.speculative_num_steps + 1)
+        assert next_tokens.dtype == torch.int32
+        check_against_reference(ref, s, rows, ctx, hidden, out_tokens, accept, next_tokens, vcl)
+    return loop
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hot", [False, True])
+def test_matches_reference_extend_mixed_decode(steps, page_size, hot):
+    s = make_setup(steps=steps, page_size=page_size, hot=hot, seed=steps * 7 + page_size)
+    # two requests prefill in one chunk, one in three chunks: extend, mixed and decode batches
+    drive(s, seed=steps + page_size, iters=6, prompts=[(5, 16), (9, 16), (20, 7)],
+          join_at={3: (6, 4)})
+
+
+def test_accept_length_zero_is_safe():
+    s = make_setup(steps=3, page_size=16, seed=3)
+    drive(s, seed=5, iters=4, prompts=[(4, 16), (6, 16)], accept_choices=[0, 1, 4])
+
+
+def test_all_mid_chunk_skips_multi_step():
+    s = make_setup(steps=3, page_size=16, seed=4)
+    loop = FakeServingLoop(s, 1)
+    loop.add(30, 8)
+    rows, ctx, *_, next_tokens, _ = loop.step()
+    assert ctx.all_extends_mid_chunk
+    assert s.drafter.stats.skipped_multi_step == 1
+    assert (next_tokens[:, 2:] == next_tokens[:, :1]).all()
+
+
+def test_rejected_tail_kv_never_read():
+    """Poison every KV slot past each request's committed prefix: drafts do not change."""
+    outs = []
+    for poison in (False, True):
+        s = make_setup(steps=3, page_size=4, seed=11)
+        loop = FakeServingLoop(s, 2)
+        loop.add(7, 16)
+        loop.add(5, 16)
+        for it in range(4):
+            if poison and it > 0:
+                k, v = s.drafter.kv_pool.layer(0)
+                for r in loop.reqs:
+                    for p, page in enumerate(s.pages.pages_of(r.slot)):
+                        for off in range(s.cfg.page_size):
+                            if p * s.cfg.page_size + off >= r.committed:
+                                slot = page * s.cfg.page_size + off
+                                k[slot] = float("nan")
+                                v[slot] = float("nan")
+            out = loop.step()[5]
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_output_is_a_copy():
+    s = make_setup(steps=2, seed=6)
+    loop = FakeServingLoop(s, 3)
+    loop.add(5, 16)
+    first = loop.step()[5].clone()
+    kept = loop.step()[5]
+    loop.step()
+    assert not first.data_ptr() == kept.data_ptr()
+    assert kept.data_ptr() != s.drafter.bufs.next_tokens.data_ptr()
+
+
+# --- bad input ---------------------------------------------------------------------------
+def _decode_call(s):
+    loop = FakeServingLoop(s, 9)
+    loop.add(5, 16)
+    loop.add(6, 16)
+    loop.step()  # prefill
+    return loop
+
+
+@pytest.mark.parametrize("case,arg", [
+    ("accept_too_long", "accept_lengths"),
+    ("accept_negative", "accept_lengths"),
+    ("token_out_of_vocab", "output_tokens"),
+    ("tokens_wrong_shape", "output_tokens"),
+    ("tokens_float", "output_tokens"),
+    ("hidden_wrong_width", "hidden_states"),
+    ("hidden_wrong_dtype", "hidden_states"),
+    ("bs_too_large", "ctx.bs"),
+])
+def test_bad_input_raises_and_changes_nothing(case, arg):
+    s = make_setup(steps=3, seed=8)
+    _decode_call(s)
+    n, bs = s.cfg.spec_num_tokens, 2
+    ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * n)
+    tokens = torch.randint(0, 97, (bs * n,))
+    hidden = torch.randn(bs * n, s.head.target_hidden_width)
+    accept = torch.tensor([1, 2], dtype=torch.int32)
+    if case == "accept_too_long":
+        accept = torch.tensor([1, n + 1], dtype=torch.int32)
+    elif case == "accept_negative":
+        accept = torch.tensor([-1, 1], dtype=torch.int32)
+    elif case == "token_out_of_vocab":
+        tokens[3] = 97
+    elif case == "tokens_wrong_shape":
+        tokens = tokens[:-1]
+    elif case == "tokens_float":
+        tokens = tokens.float()
+    elif case == "hidden_wrong_width":
+        hidden = hidden[:, :-1]
+    elif case == "hidden_wrong_dtype":
+        hidden = hidden.double()
+    elif case == "bs_too_large":
+        big = s.cfg.max_bs + 1
+        ctx = ForwardContext(bs=big, num_extends=0, input_num_tokens=big * n)
+    before = {k: v.clone() for k, v in vars(s.drafter.bufs).items()}
+    kv_before = [t.clone() for t in s.drafter.kv_pool.k]
+    with pytest.raises(ValueError, match=arg.replace(".", r"\.")):
+        s.drafter.run(ctx, hidden, tokens, accept)
+    for k, v in vars(s.drafter.bufs).items():
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, s.drafter.kv_pool.k, strict=True))
+
+
+def test_validation_can_be_turned_off():
+    s = make_setup(steps=2, seed=8, validate_inputs=False)
+    called = []
+    s.drafter.validate = lambda *a: called.append(a)
+    loop = FakeServingLoop(s, 1)
+    loop.add(4, 16)
+    loop.step()
+    assert not called
