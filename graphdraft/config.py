@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}  # float64: exactness tests on the torch path
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

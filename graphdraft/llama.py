@@ -1,0 +1,92 @@
+"""Llama-family target model over the paged KV pool.
+
+RMSNorm, RoPE (optional Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
+A forward returns logits for the sampled rows only and, for EAGLE-3, the
+residual stream entering the configured aux layers, concatenated:
+`aux_hidden [T, k*H]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphdraft import ops
+from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.config import ModelConfig
+from graphdraft.kv_cache import KVPool
+from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, cfg.hidden_size, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+
+@dataclass
+class TargetOutput:
+    """logits `[B, V]` of the sampled rows; aux_hidden `[T, k*H]` (None when not asked)."""
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.register_buffer("cos_sin", ops.rope_cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False)
+        self.aux_layer_ids = cfg.aux_layer_ids()
+        if not all(0 <= i < cfg.num_hidden_layers for i in self.aux_layer_ids):
+            raise ValueError(f"aux_hidden_state_layer_ids: expected ids in [0, "
+                             f"{cfg.num_hidden_layers}), got {self.aux_layer_ids}")
+
+    def set_use_triton(self, use_triton: bool) -> None:
+        set_use_triton(self, use_triton)
+
+    @property
+    def aux_hidden_width(self) -> int:
+        return len(self.aux_layer_ids) * self.config.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                out_cache_loc: torch.Tensor, kv_pool: KVPool, backend: PagedAttentionBackend,
+                metadata: AttentionMetadata, logits_rows: torch.Tensor | None = None,
+                capture_aux: bool = True) -> TargetOutput:
+        """input_ids/positions/out_cache_loc `[T]`; metadata per token (causal kv lens);
+        logits_rows `[B]` int64 (None: every token)."""
+        hidden = self.embed_tokens[input_ids]
+        residual = None
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if capture_aux and i in self.aux_layer_ids:
+                aux[i] = hidden if residual is None else hidden + residual
+            if residual is None:
+                residual = hidden
+                x = layer.input_layernorm(hidden)
+            else:
+                x, residual = layer.input_layernorm(hidden, residual)
+            hidden = layer.self_attn(x, positions, out_cache_loc, kv_pool.layer(i), self.cos_sin,
+                                     backend, metadata)
+            x, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden = layer.mlp(x)
+        normed, _ = self.norm(hidden, residual)
+        if logits_rows is not None:
+            normed = normed.index_select(0, logits_rows)
+        logits = ops.linear(normed, self.lm_head)
+        aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], -1) if capture_aux else None
+        return TargetOutput(logits, aux_hidden)
