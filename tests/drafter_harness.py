@@ -86,8 +86,8 @@ class FakeServingLoop:
         self.s.pages.free(r.slot)
         self.s.states.valid_cache_lengths[r.slot] = 0
 
-    def step(self, accept_choices=None):
-        """One target forward + drafter call. Returns (rows, ctx, hidden, out_tokens, accept, next)."""
+    def prepare(self, accept_choices=None):
+        """Schedule a batch and make the target's outputs: (rows, order, ctx, hidden, tokens, accept)."""
         s, n, steps = self.s, self.s.cfg.spec_num_tokens, self.s.cfg.speculative_num_steps
         vocab = s.head.config.vocab_size
         rows, order = [], sorted(self.reqs, key=lambda r: not r.prefilling)
@@ -112,18 +112,27 @@ class FakeServingLoop:
             accept[i] = self.rng.choice(choices)
         dev = s.cfg.device
         hidden = hidden.to(s.cfg.torch_dtype).to(dev)
-        snapshot = s.states.valid_cache_lengths.clone()
-        next_tokens = s.drafter.run(ctx, hidden, out_tokens.to(dev), accept.to(dev))
-        # commit (the engine's job after the draft)
+        return rows, order, ctx, hidden, out_tokens.to(dev), accept.to(dev)
+
+    def commit(self, rows, order, out_tokens, accept, next_tokens) -> None:
+        """The engine's job after the draft: commit accepted tokens, update valid lengths."""
+        s = self.s
         for i, (row, r) in enumerate(zip(rows, order, strict=True)):
             if row.is_prefill:
                 r.committed = row.end
                 if not r.prefilling:
                     r.last_verified = int(out_tokens[i])
             else:
-                a = int(accept[i])
-                r.committed = row.start + a
+                r.committed = row.start + int(accept[i])
                 r.last_verified = int(next_tokens[i, 0])
             r.drafts = [int(t) for t in next_tokens[i, 1:]]
             s.states.valid_cache_lengths[r.slot] = r.committed
-        return rows, ctx, hidden, out_tokens, accept, next_tokens, snapshot
+
+    def step(self, accept_choices=None):
+        """One target forward + drafter call. Returns (rows, ctx, hidden, out_tokens, accept,
+        next_tokens, valid_cache_lengths before the call)."""
+        rows, order, ctx, hidden, out_tokens, accept = self.prepare(accept_choices)
+        snapshot = self.s.states.valid_cache_lengths.clone()
+        next_tokens = self.s.drafter.run(ctx, hidden, out_tokens, accept)
+        self.commit(rows, order, out_tokens, accept, next_tokens)
+        return rows, ctx, hidden, out_tokens.cpu(), accept.cpu(), next_tokens.cpu(), snapshot.cpu()

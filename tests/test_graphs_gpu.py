@@ -1,0 +1,145 @@
+"""CUDA-graph replay equals eager, bit for bit; padding never leaks; long runs stay flat.
+
+Run on the GPU machine with `make test-gpu`. Eager runs use the same drafter
+with `GRAPHDRAFT_EAGER=1` (re-read at every call), on the same buffers and a
+restored KV pool, so the two paths see identical state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.drafter_harness import FakeServingLoop, make_setup
+from tests.engine_harness import make_models, runtime
+
+pytestmark = pytest.mark.gpu
+
+
+def _run_both(s, ctx, hidden, tokens, accept):
+    """Graph run and eager run from the same state: (next_g, next_e, kv_g, kv_e, kv_before)."""
+    k, v = s.drafter.kv_pool.layer(0)
+    k0, v0 = k.clone(), v.clone()
+    next_g = s.drafter.run(ctx, hidden, tokens, accept)
+    kv_g = (k.clone(), v.clone())
+    k.copy_(k0)
+    v.copy_(v0)
+    os.environ["GRAPHDRAFT_EAGER"] = "1"
+    try:
+        next_e = s.drafter.run(ctx, hidden, tokens, accept)
+    finally:
+        del os.environ["GRAPHDRAFT_EAGER"]
+    return next_g, next_e, kv_g, (k.clone(), v.clone()), (k0, v0)
+
+
+def _changed_slots(before, after):
+    diff = (before != after)
+    diff = diff | (before.isnan() ^ after.isnan())
+    return set(torch.nonzero(diff.flatten(1).any(1)).flatten().tolist())
+
+
+@pytest.mark.parametrize("page_size,hot,dtype", [(1, False, "bfloat16"), (16, True, "bfloat16"),
+                                                  (16, False, "float32")])
+def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
+    s = make_setup(steps=3, page_size=page_size, hot=hot, seed=page_size, dtype=dtype,
+                   device="cuda", max_running_requests=12, cuda_graph_max_bs=8)
+    s.drafter.capture_graphs()
+    assert s.drafter.first_step_graphs.captured_sizes == [1, 2, 4, 8]
+    loop = FakeServingLoop(s, seed=page_size)
+    bystander = loop.add(40, 64)  # a request outside the decode batches below
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+    loop.reqs.remove(bystander)
+    by_pages = set(s.pages.pages_of(bystander.slot))
+    rng = random.Random(0)
+    for bs in range(1, 10):  # every captured size, sizes between them, and one above (eager)
+        while len(loop.reqs) < bs:
+            loop.add(rng.randint(3, 30), 64)
+        while len(loop.reqs) > bs:
+            loop.finish(loop.reqs[-1])
+        for _ in range(3):
+            rows, order, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
+            if ctx.num_extends:  # prefill new requests (eager), then test decode batches
+                loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+                continue
+            ng, ne_, kv_g, kv_e, kv0 = _run_both(s, ctx, hidden, tokens, accept)
+            assert torch.equal(ng, ne_), f"bs={bs}: graph drafts != eager drafts"
+            for a, b in zip(kv_g, kv_e, strict=True):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"bs={bs}: KV writes differ"
+            ps = s.cfg.page_size
+            allowed = {0} | {p for r in loop.reqs for p in s.pages.pages_of(r.slot)}
+            for before, after in zip(kv0, kv_g, strict=True):
+                pages = {slot // ps for slot in _changed_slots(before, after)}
+                assert pages <= allowed, f"bs={bs}: wrote pages {pages - allowed}"
+                assert not pages & by_pages, "a request outside the batch was written"
+            loop.commit(rows, order, tokens, accept, ng)
+    st = s.drafter.first_step_graphs.stats
+    assert st.total_replays > 0 and st.eager["above_max"] > 0
+
+
+def test_ten_thousand_replays_no_growth_no_recapture():
+    s = make_setup(steps=3, page_size=16, seed=3, device="cuda", dtype="bfloat16",
+                   validate_inputs=False)
+    s.drafter.capture_graphs()
+    loop = FakeServingLoop(s, seed=3)
+    for _ in range(5):
+        loop.add(12, 64)
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    captured = dict(s.drafter.first_step_graphs.stats.capture_seconds)
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(10_000):
+        accept.copy_(torch.randint(0, 5, accept.shape, device="cuda", generator=gen))
+        tokens.copy_(torch.randint(0, 97, tokens.shape, device="cuda", generator=gen))
+        s.drafter.run(ctx, hidden, tokens, accept)
+        if i == 100:
+            torch.cuda.synchronize()
+            mem1 = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= max(mem0, mem1)
+    assert s.drafter.first_step_graphs.stats.capture_seconds == captured
+    assert s.drafter.first_step_graphs.stats.replays[8] == 10_000
+    assert s.drafter.multi_step_graphs.stats.total_eager == 0
+
+
+def test_engine_graphs_lossless_float64():
+    """Speculative greedy through graphs (target verify + both draft forwards) == target-only."""
+    from graphdraft.engine import Engine
+    from graphdraft.verify import SamplingParams
+
+    target, head = make_models(1, device="cuda")
+    cfg = runtime(device="cuda", kernel_backend="torch", speculative_num_steps=3)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(61) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    base = Engine(target, cfg)
+    base.capture_graphs()
+    spec = Engine(target, cfg, head)
+    spec.capture_graphs()
+    params = SamplingParams(max_new_tokens=20)
+    assert spec.generate(prompts, params) == base.generate(prompts, params)
+    summary = spec.graph_summary()
+    assert all(replays > 0 for replays, _ in summary.values()), summary
+
+
+def test_engine_graphs_equal_enforce_eager_bf16_triton():
+    from graphdraft.engine import Engine
+    from graphdraft.verify import SamplingParams
+
+    target, head = make_models(2, dtype=torch.bfloat16, device="cuda")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(61) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    outs = []
+    for eager in (False, True):
+        cfg = runtime(device="cuda", dtype="bfloat16", enforce_eager=eager)
+        eng = Engine(target, cfg, head)
+        eng.capture_graphs()
+        outs.append(eng.generate(prompts, SamplingParams(max_new_tokens=24)))
+        replays = sum(r for r, _ in eng.graph_summary().values())
+        assert (replays == 0) == eager
+    assert outs[0] == outs[1]
