@@ -1,0 +1,411 @@
+"""Out-cache locations and position refresh for paged KV, as Triton kernels.
+
+Layouts (all tensors on one device; index inputs may be int32 or int64):
+
+- ``req_to_page``: ``[max_reqs, max_pages]`` int32, any strides. Row ``r`` lists
+  the page ids of request slot ``r``. Page 0 is the reserved dummy page.
+- KV slot of position ``p`` of request slot ``r``::
+
+      req_to_page[r, p // page_size] * page_size + p % page_size
+
+  It is the dummy slot 0 instead when ``p < 0``, when ``p // page_size >=
+  max_pages`` (past the page table), when the page id is ``<= 0``, or when
+  ``r`` is outside ``[0, max_reqs)``.
+- ``req_pool_indices``, ``cache_start``/``start_positions``, ``lengths``,
+  ``out_offsets``: ``[bs]``, int32 or int64, any stride.
+- Out-cache locations (``out``) and ``positions_out``: int64, contiguous,
+  indexed as flat memory.
+- ``advance_positions_and_seq_lens``: ``seq_lens`` ``[bs]`` int32, ``positions``
+  ``[bs]`` int64, any stride, updated in place.
+
+The launch wrappers are CUDA-graph capturable: they never sync with the device,
+never allocate, and size the grid from host shapes only. ``max_pages``, the
+page-table strides and ``page_size`` are run-time kernel arguments, so one
+compiled kernel serves every page-table size. The ``*_ref`` functions are plain
+torch/python references with the same signatures, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "compute_out_cache_loc_uniform",
+    "compute_out_cache_loc_uniform_ref",
+    "compute_out_cache_loc_ragged",
+    "compute_out_cache_loc_ragged_ref",
+    "advance_positions_and_seq_lens",
+    "advance_positions_and_seq_lens_ref",
+]
+
+_MAX_TOKEN_BLOCK = 128  # tokens per loop iteration, uniform kernel (upper bound)
+_RAGGED_BLOCK = 64  # tokens per loop iteration, ragged kernel
+_MAX_ADVANCE_BLOCK = 1024  # requests per program, advance kernel
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _slot(
+    req_to_page_ptr,
+    r,
+    pos,
+    mask,
+    n_reqs,
+    max_pages,
+    stride_page_row,
+    stride_page_col,
+    page_size,
+):
+    """KV slot (int64) of positions ``pos`` (int64 vector) of request slot ``r``."""
+    # A request slot outside the table sees zero pages. (Folded into a scalar bound:
+    # the interpreter mis-broadcasts `vector_bool & scalar_bool`.)
+    n_pages = tl.where((r >= 0) & (r < n_reqs), max_pages, 0)
+    page_idx = pos // page_size
+    valid = mask & (pos >= 0) & (page_idx < n_pages)
+    page = tl.load(
+        req_to_page_ptr + r * stride_page_row + page_idx * stride_page_col,
+        mask=valid,
+        other=0,
+    ).to(tl.int64)
+    return tl.where(valid & (page > 0), page * page_size + pos % page_size, 0)
+
+
+@triton.jit(do_not_specialize=["n_reqs", "max_pages", "stride_page_row", "stride_page_col"])
+def _uniform_kernel(
+    out_ptr,
+    req_pool_ptr,
+    start_ptr,
+    req_to_page_ptr,
+    length,
+    stride_out_req,
+    stride_out_tok,
+    stride_req_pool,
+    stride_start,
+    n_reqs,
+    max_pages,
+    stride_page_row,
+    stride_page_col,
+    page_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
+    start = tl.load(start_ptr + row * stride_start).to(tl.int64)
+    for j0 in range(0, length, BLOCK):
+        j = (j0 + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = j < length
+        slot = _slot(
+            req_to_page_ptr, r, start + j, mask,
+            n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
+        )
+        tl.store(out_ptr + row * stride_out_req + j * stride_out_tok, slot, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_reqs", "max_pages", "stride_page_row", "stride_page_col"])
+def _ragged_kernel(
+    out_ptr,
+    pos_out_ptr,
+    req_pool_ptr,
+    start_ptr,
+    len_ptr,
+    off_ptr,
+    req_to_page_ptr,
+    stride_req_pool,
+    stride_start,
+    stride_len,
+    stride_off,
+    n_reqs,
+    max_pages,
+    stride_page_row,
+    stride_page_col,
+    page_size,
+    HAS_POS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
+    start = tl.load(start_ptr + row * stride_start).to(tl.int64)
+    n = tl.load(len_ptr + row * stride_len).to(tl.int64)
+    base = tl.load(off_ptr + row * stride_off).to(tl.int64)
+    for j0 in range(0, n, BLOCK):  # dynamic trip count, read from device memory
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        mask = j < n
+        pos = start + j
+        slot = _slot(
+            req_to_page_ptr, r, pos, mask,
+            n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
+        )
+        tl.store(out_ptr + base + j, slot, mask=mask)
+        if HAS_POS:
+            tl.store(pos_out_ptr + base + j, pos, mask=mask)
+
+
+@triton.jit
+def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = i < n
+    s = tl.load(seq_lens_ptr + i * stride_seq, mask=mask, other=0)
+    p = tl.load(positions_ptr + i * stride_pos, mask=mask, other=0)
+    tl.store(seq_lens_ptr + i * stride_seq, (s + delta).to(tl.int32), mask=mask)
+    tl.store(positions_ptr + i * stride_pos, (p + delta).to(tl.int64), mask=mask)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a python int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_req_to_page(req_to_page: object) -> torch.Tensor:
+    if not isinstance(req_to_page, torch.Tensor):
+        raise ValueError(f"req_to_page must be a torch.Tensor, got {type(req_to_page).__name__}")
+    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32:
+        raise ValueError(
+            "req_to_page must be a 2-D int32 tensor [max_reqs, max_pages], got "
+            f"shape {tuple(req_to_page.shape)} dtype {req_to_page.dtype}"
+        )
+    return req_to_page
+
+
+def _check_index(name: str, t: object, device: torch.device, bs: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"{name} must be a 1-D int32/int64 tensor [bs], got shape {tuple(t.shape)} dtype {t.dtype}"
+        )
+    if bs is not None and t.shape[0] != bs:
+        raise ValueError(f"{name} must have shape [{bs}] (bs), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (req_to_page's device), got {t.device}")
+    return t
+
+
+def _check_out(name: str, t: object, device: torch.device, min_numel: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous int64 tensor, got dtype {t.dtype}, strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (req_to_page's device), got {t.device}")
+    if t.numel() < min_numel:
+        raise ValueError(f"{name} must hold at least {min_numel} elements, got {t.numel()}")
+    return t
+
+
+def _uniform_strides(length: int, stride_req: int | None, stride_tok: int | None) -> tuple[int, int]:
+    stride_req = length if stride_req is None else _check_int("out_stride_req", stride_req, 0)
+    stride_tok = 1 if stride_tok is None else _check_int("out_stride_tok", stride_tok, 0)
+    return stride_req, stride_tok
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def compute_out_cache_loc_uniform(
+    out: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    cache_start: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    length: int,
+    *,
+    out_stride_req: int | None = None,
+    out_stride_tok: int | None = None,
+) -> None:
+    """Fill ``out`` with the KV slots of ``length`` consecutive positions per request.
+
+    ``out[r * out_stride_req + j * out_stride_tok] = slot(req_pool_indices[r],
+    cache_start[r] + j)`` for ``r < bs``, ``j < length`` (flat indices into ``out``).
+    Default strides give row-major ``[bs, length]``; ``out_stride_req=1,
+    out_stride_tok=bs`` gives ``[length, bs]`` (one contiguous slice per draft step).
+
+    Args:
+        out: int64, contiguous, at least ``(bs-1)*stride_req + (length-1)*stride_tok + 1``.
+        req_pool_indices: ``[bs]`` int32/int64 request slots (rows of ``req_to_page``).
+        cache_start: ``[bs]`` int32/int64 first position written per request.
+        req_to_page: ``[max_reqs, max_pages]`` int32 page table.
+        page_size: tokens per page (>= 1).
+        length: tokens per request (>= 0).
+    """
+    req_to_page = _check_req_to_page(req_to_page)
+    dev = req_to_page.device
+    bs = _check_index("req_pool_indices", req_pool_indices, dev).shape[0]
+    _check_index("cache_start", cache_start, dev, bs)
+    page_size = _check_int("page_size", page_size, 1)
+    length = _check_int("length", length, 0)
+    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
+    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
+    _check_out("out", out, dev, need)
+    if need == 0:
+        return
+    block = min(triton.next_power_of_2(length), _MAX_TOKEN_BLOCK)
+    _uniform_kernel[(bs,)](
+        out, req_pool_indices, cache_start, req_to_page,
+        length, s_req, s_tok,
+        req_pool_indices.stride(0), cache_start.stride(0),
+        req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
+        page_size,
+        BLOCK=block,
+    )
+
+
+def compute_out_cache_loc_ragged(
+    out: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    start_positions: torch.Tensor,
+    lengths: torch.Tensor,
+    out_offsets: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    *,
+    positions_out: torch.Tensor | None = None,
+) -> None:
+    """Fill ``out`` with the KV slots of a ragged batch of position runs.
+
+    ``out[out_offsets[r] + j] = slot(req_pool_indices[r], start_positions[r] + j)``
+    for ``r < bs``, ``j < lengths[r]``; with ``positions_out`` also
+    ``positions_out[out_offsets[r] + j] = start_positions[r] + j``.
+
+    Args:
+        out: flat int64, contiguous. Must hold ``out_offsets[r] + lengths[r]`` for
+            every row: lengths live on the device, so only the caller can ensure it.
+        req_pool_indices, start_positions, lengths, out_offsets: ``[bs]`` int32/int64.
+            ``out_offsets`` is the exclusive prefix sum of ``lengths`` (any
+            non-overlapping offsets work); rows with ``lengths[r] <= 0`` write nothing.
+        req_to_page: ``[max_reqs, max_pages]`` int32 page table.
+        page_size: tokens per page (>= 1).
+        positions_out: optional flat int64, contiguous, same requirement as ``out``.
+    """
+    req_to_page = _check_req_to_page(req_to_page)
+    dev = req_to_page.device
+    bs = _check_index("req_pool_indices", req_pool_indices, dev).shape[0]
+    _check_index("start_positions", start_positions, dev, bs)
+    _check_index("lengths", lengths, dev, bs)
+    _check_index("out_offsets", out_offsets, dev, bs)
+    page_size = _check_int("page_size", page_size, 1)
+    _check_out("out", out, dev, 0)
+    if positions_out is not None:
+        _check_out("positions_out", positions_out, dev, 0)
+    if bs == 0:
+        return
+    _ragged_kernel[(bs,)](
+        out, out if positions_out is None else positions_out,
+        req_pool_indices, start_positions, lengths, out_offsets, req_to_page,
+        req_pool_indices.stride(0), start_positions.stride(0), lengths.stride(0), out_offsets.stride(0),
+        req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
+        page_size,
+        HAS_POS=positions_out is not None,
+        BLOCK=_RAGGED_BLOCK,
+    )
+
+
+def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1) -> None:
+    """In place, one launch: ``seq_lens[:] += delta; positions[:] += delta``.
+
+    Args:
+        seq_lens: ``[bs]`` int32 (any stride).
+        positions: ``[bs]`` int64 (any stride), same device.
+        delta: python int, baked into a captured graph.
+    """
+    for name, t, dtype in (("seq_lens", seq_lens, torch.int32), ("positions", positions, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != dtype:
+            got = f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 1-D {dtype} tensor [bs], got {got}")
+    if positions.shape != seq_lens.shape:
+        raise ValueError(f"positions must have seq_lens' shape {tuple(seq_lens.shape)}, got {tuple(positions.shape)}")
+    if positions.device != seq_lens.device:
+        raise ValueError(f"positions must be on seq_lens' device {seq_lens.device}, got {positions.device}")
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise ValueError(f"delta must be a python int, got {delta!r}")
+    bs = seq_lens.shape[0]
+    if bs == 0:
+        return
+    block = min(max(triton.next_power_of_2(bs), 16), _MAX_ADVANCE_BLOCK)
+    _advance_kernel[(triton.cdiv(bs, block),)](
+        seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block
+    )
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _slot_ref(table: list[list[int]], page_size: int, r: int, p: int) -> int:
+    if not 0 <= r < len(table) or p < 0 or p // page_size >= len(table[r]):
+        return 0
+    page = table[r][p // page_size]
+    return page * page_size + p % page_size if page > 0 else 0
+
+
+def _scatter_ref(dst: torch.Tensor, idx: list[int], vals: list[int]) -> None:
+    if idx:
+        flat = dst.view(-1)
+        flat[torch.tensor(idx, device=dst.device)] = torch.tensor(vals, dtype=dst.dtype, device=dst.device)
+
+
+def compute_out_cache_loc_uniform_ref(
+    out: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    cache_start: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    length: int,
+    *,
+    out_stride_req: int | None = None,
+    out_stride_tok: int | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`compute_out_cache_loc_uniform`; fills and returns ``out``."""
+    s_req = length if out_stride_req is None else out_stride_req
+    s_tok = 1 if out_stride_tok is None else out_stride_tok
+    table = req_to_page.tolist()
+    idx, vals = [], []
+    for row, (r, start) in enumerate(zip(req_pool_indices.tolist(), cache_start.tolist(), strict=True)):
+        for j in range(length):
+            idx.append(row * s_req + j * s_tok)
+            vals.append(_slot_ref(table, page_size, r, start + j))
+    _scatter_ref(out, idx, vals)
+    return out
+
+
+def compute_out_cache_loc_ragged_ref(
+    out: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    start_positions: torch.Tensor,
+    lengths: torch.Tensor,
+    out_offsets: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    *,
+    positions_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`compute_out_cache_loc_ragged`; fills and returns ``out``."""
+    table = req_to_page.tolist()
+    idx, vals, pos = [], [], []
+    rows = zip(req_pool_indices.tolist(), start_positions.tolist(), lengths.tolist(), out_offsets.tolist(), strict=True)
+    for r, start, n, off in rows:
+        for j in range(n):
+            idx.append(off + j)
+            vals.append(_slot_ref(table, page_size, r, start + j))
+            pos.append(start + j)
+    _scatter_ref(out, idx, vals)
+    if positions_out is not None:
+        _scatter_ref(positions_out, idx, pos)
+    return out
+
+
+def advance_positions_and_seq_lens_ref(
+    seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`advance_positions_and_seq_lens`; in place, returns both."""
+    seq_lens += delta
+    positions += delta
+    return seq_lens, positions

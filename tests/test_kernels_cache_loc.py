@@ -1,0 +1,409 @@
+"""Tests for graphdraft.kernels.cache_loc: kernels against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphdraft.kernels.cache_loc import (
+    advance_positions_and_seq_lens,
+    advance_positions_and_seq_lens_ref,
+    compute_out_cache_loc_ragged,
+    compute_out_cache_loc_ragged_ref,
+    compute_out_cache_loc_uniform,
+    compute_out_cache_loc_uniform_ref,
+)
+
+I32, I64 = torch.int32, torch.int64
+
+
+def _table(gen: torch.Generator, max_reqs: int, max_pages: int, n_phys: int = 1000) -> torch.Tensor:
+    """Random page table ``[max_reqs, max_pages]`` int32; row 0 all zeros (padding slot)."""
+    t = torch.randint(1, n_phys, (max_reqs, max_pages), generator=gen, dtype=I32)
+    t[0] = 0
+    return t
+
+
+def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def _run_uniform(rtp, reqs, starts, page_size, length, layout):
+    bs = reqs.shape[0]
+    kw = {} if layout == "row" else {"out_stride_req": 1, "out_stride_tok": bs}
+    got = torch.full((bs * length,), -7, dtype=I64, device=reqs.device)
+    exp = torch.full((bs * length,), -7, dtype=I64, device=reqs.device)
+    compute_out_cache_loc_uniform(got, reqs, starts, rtp, page_size, length, **kw)
+    compute_out_cache_loc_uniform_ref(exp, reqs, starts, rtp, page_size, length, **kw)
+    return got, exp
+
+
+def _run_ragged(rtp, reqs, starts, lengths, page_size, with_pos=True):
+    offs = _exclusive_cumsum(lengths)
+    total = int(lengths.clamp(min=0).sum())
+    got, exp, gpos, epos = (torch.full((total + 3,), -7, dtype=I64, device=reqs.device) for _ in range(4))
+    compute_out_cache_loc_ragged(
+        got, reqs, starts, lengths, offs, rtp, page_size, positions_out=gpos if with_pos else None
+    )
+    compute_out_cache_loc_ragged_ref(
+        exp, reqs, starts, lengths, offs, rtp, page_size, positions_out=epos if with_pos else None
+    )
+    return got, exp, gpos, epos
+
+
+# --------------------------------------------------------------------------- random vs reference
+
+
+@pytest.mark.parametrize("layout", ["row", "step"])
+@pytest.mark.parametrize("idx_dtype", [I32, I64])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_uniform_matches_ref(page_size, idx_dtype, layout):
+    gen = torch.Generator().manual_seed(page_size * 10 + (idx_dtype == I64))
+    max_reqs, max_pages, bs, length = 8, 16, 5, 7
+    rtp = _table(gen, max_reqs, max_pages)
+    reqs = torch.randint(1, max_reqs, (bs,), generator=gen).to(idx_dtype)
+    # Starts just before a page boundary, so runs cross into the next page.
+    starts = (torch.randint(1, 4, (bs,), generator=gen) * page_size - 3).clamp(min=0)
+    got, exp = _run_uniform(rtp, reqs, starts.to(idx_dtype), page_size, length, layout)
+    assert torch.equal(got, exp)
+    assert (got > 0).all()
+
+
+def test_uniform_layouts_are_transposes():
+    gen = torch.Generator().manual_seed(3)
+    rtp = _table(gen, 6, 4)
+    reqs = torch.tensor([1, 4, 2], dtype=I32)
+    starts = torch.tensor([14, 0, 30], dtype=I64)
+    row, _ = _run_uniform(rtp, reqs, starts, 16, 5, "row")
+    step, _ = _run_uniform(rtp, reqs, starts, 16, 5, "step")
+    assert torch.equal(row.view(3, 5).t(), step.view(5, 3))
+
+
+def test_uniform_long_run_loops_over_blocks():
+    gen = torch.Generator().manual_seed(4)
+    rtp = _table(gen, 4, 40)
+    reqs = torch.tensor([3, 1], dtype=I64)
+    starts = torch.tensor([5, 0], dtype=I32)
+    got, exp = _run_uniform(rtp, reqs, starts, 1, 300, "step")  # 300 > 128-token block
+    assert torch.equal(got, exp)
+
+
+@pytest.mark.parametrize("idx_dtype", [I32, I64])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_ragged_matches_ref(page_size, idx_dtype):
+    gen = torch.Generator().manual_seed(100 + page_size)
+    max_reqs, max_pages = 8, 8
+    rtp = _table(gen, max_reqs, max_pages)
+    reqs = torch.tensor([3, 1, 7, 2, 5, 0], dtype=idx_dtype)
+    lengths = torch.tensor([5, 0, 70, 1, 130, 4], dtype=idx_dtype)  # 0-length row, multi-block rows
+    starts = torch.tensor([page_size - 2, 9, 2 * page_size - 1, 0, 3, 11], dtype=idx_dtype)
+    got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
+    assert torch.equal(got, exp)
+    assert torch.equal(gpos, epos)
+    assert (got[-3:] == -7).all() and (gpos[-3:] == -7).all()  # nothing past the last row
+
+
+def test_ragged_without_positions_out():
+    gen = torch.Generator().manual_seed(7)
+    rtp = _table(gen, 4, 4)
+    reqs = torch.tensor([1, 2, 3], dtype=I64)
+    lengths = torch.tensor([3, 4, 2], dtype=I32)
+    starts = torch.tensor([14, 0, 31], dtype=I32)
+    got, exp, gpos, _ = _run_ragged(rtp, reqs, starts, lengths, 16, with_pos=False)
+    assert torch.equal(got, exp)
+    assert (gpos == -7).all()
+
+
+def test_ragged_uniform_agree():
+    gen = torch.Generator().manual_seed(8)
+    rtp = _table(gen, 5, 5)
+    reqs = torch.tensor([4, 2, 3], dtype=I32)
+    starts = torch.tensor([7, 15, 60], dtype=I64)
+    uni, _ = _run_uniform(rtp, reqs, starts, 16, 6, "row")
+    rag, _, pos, _ = _run_ragged(rtp, reqs, starts, torch.full((3,), 6, dtype=I64), 16)
+    assert torch.equal(uni, rag[:18])
+    assert torch.equal(pos[:18], (starts[:, None] + torch.arange(6)).reshape(-1))
+
+
+@pytest.mark.parametrize("delta", [1, 3, -2])
+@pytest.mark.parametrize("bs", [1, 5, 37])
+def test_advance_matches_ref(bs, delta):
+    gen = torch.Generator().manual_seed(bs)
+    seq = torch.randint(0, 1000, (bs,), generator=gen, dtype=I32)
+    pos = torch.randint(0, 1 << 40, (bs,), generator=gen, dtype=I64)
+    eseq, epos = advance_positions_and_seq_lens_ref(seq.clone(), pos.clone(), delta)
+    advance_positions_and_seq_lens(seq, pos, delta)
+    assert torch.equal(seq, eseq) and torch.equal(pos, epos)
+
+
+def test_advance_strided_views():
+    buf32 = torch.arange(20, dtype=I32).view(10, 2)
+    buf64 = torch.arange(30, dtype=I64).view(10, 3)
+    seq, pos = buf32[:, 1], buf64[:, 2]  # non-contiguous [10] views
+    advance_positions_and_seq_lens(seq, pos)
+    assert torch.equal(buf32[:, 1], torch.arange(1, 20, 2, dtype=I32) + 1)
+    assert torch.equal(buf32[:, 0], torch.arange(0, 20, 2, dtype=I32))
+    assert torch.equal(buf64[:, 2], torch.arange(2, 30, 3) + 1)
+    assert torch.equal(buf64[:, :2], torch.arange(30).view(10, 3)[:, :2])
+
+
+def test_empty_inputs_do_nothing():
+    rtp = torch.ones(2, 2, dtype=I32)
+    empty = torch.empty(0, dtype=I64)
+    out = torch.full((4,), -7, dtype=I64)
+    compute_out_cache_loc_uniform(out, empty, empty, rtp, 16, 3)
+    compute_out_cache_loc_uniform(out, torch.ones(2, dtype=I32), torch.zeros(2, dtype=I32), rtp, 16, 0)
+    compute_out_cache_loc_ragged(out, empty, empty, empty, empty, rtp, 16)
+    advance_positions_and_seq_lens(torch.empty(0, dtype=I32), empty)
+    assert (out == -7).all()
+
+
+# --------------------------------------------------------------------------- dummy-slot rules
+
+
+def test_dummy_slot_rules():
+    ps = 4
+    rtp = torch.tensor(
+        [[0, 0], [5, 0], [-3, 7]],  # row 0: padding slot; row 1: page 0 at idx 1; row 2: negative page
+        dtype=I32,
+    )
+    reqs = torch.tensor([1, 2, 0, 2, -1, 3], dtype=I32)  # -1 and 3 are outside the table rows
+    starts = torch.tensor([0, 0, 0, -2, 0, 0], dtype=I64)
+    length = 12  # positions 8..11 are past the 2-page table
+    got, exp = _run_uniform(rtp, reqs, starts, ps, length, "row")
+    assert torch.equal(got, exp)
+    got = got.view(6, length)
+    z4 = [0] * 4
+    assert got[0].tolist() == [20, 21, 22, 23] + z4 + z4
+    assert got[1].tolist() == z4 + [28, 29, 30, 31] + z4
+    assert got[2].tolist() == [0] * 12  # padded row: all-zero page-table row
+    assert got[3].tolist() == [0, 0] + z4 + [28, 29, 30, 31] + [0, 0]  # negative positions
+    assert got[4].tolist() == [0] * 12 and got[5].tolist() == [0] * 12
+
+    rgot, rexp, pos, _ = _run_ragged(
+        rtp, reqs, starts, torch.tensor([12, 12, 12, 12, 12, 12], dtype=I32), ps
+    )
+    assert torch.equal(rgot, rexp)
+    assert torch.equal(rgot[:72], got.reshape(-1))
+    assert torch.equal(pos[36:48], torch.arange(-2, 10))
+
+
+def test_one_kernel_for_two_table_widths():
+    gen = torch.Generator().manual_seed(11)
+    wide = _table(gen, 6, 16)
+    reqs = torch.tensor([2, 5, 1], dtype=I32)
+    lengths = torch.tensor([9, 3, 20], dtype=I32)
+    for width in (3, 10):
+        rtp = wide[:, :width]  # row stride 16 != width: strides are honoured
+        starts = torch.tensor([0, 2 * 16 - 1, width * 16 - 10], dtype=I64)
+        got, exp = _run_uniform(rtp, reqs, starts, 16, 12, "step")
+        assert torch.equal(got, exp)
+        assert (got.view(12, 3)[-2:, 2] == 0).all()  # last positions run past the table
+        rgot, rexp, _, _ = _run_ragged(rtp, reqs, starts, lengths, 16)
+        assert torch.equal(rgot, rexp)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _uniform_args(**over):
+    args = dict(
+        out=torch.zeros(6, dtype=I64),
+        req_pool_indices=torch.ones(2, dtype=I32),
+        cache_start=torch.zeros(2, dtype=I64),
+        req_to_page=torch.ones(3, 4, dtype=I32),
+        page_size=16,
+        length=3,
+    )
+    args.update(over)
+    return args
+
+
+def _ragged_args(**over):
+    args = dict(
+        out=torch.zeros(6, dtype=I64),
+        req_pool_indices=torch.ones(2, dtype=I32),
+        start_positions=torch.zeros(2, dtype=I64),
+        lengths=torch.full((2,), 3, dtype=I32),
+        out_offsets=torch.tensor([0, 3]),
+        req_to_page=torch.ones(3, 4, dtype=I32),
+        page_size=16,
+    )
+    args.update(over)
+    return args
+
+
+META = torch.device("meta")
+
+
+@pytest.mark.parametrize(
+    "over, name",
+    [
+        ({"out": torch.zeros(6, dtype=I32)}, "out"),
+        ({"out": torch.zeros(5, dtype=I64)}, "out"),
+        ({"out": torch.zeros(12, dtype=I64)[::2]}, "out"),
+        ({"out": torch.zeros(6, dtype=I64, device=META)}, "out"),
+        ({"req_to_page": torch.ones(3, 4, dtype=I64)}, "req_to_page"),
+        ({"req_to_page": torch.ones(12, dtype=I32)}, "req_to_page"),
+        ({"req_pool_indices": torch.ones(2)}, "req_pool_indices"),
+        ({"req_pool_indices": torch.ones(2, dtype=I32, device=META)}, "req_pool_indices"),
+        ({"cache_start": torch.zeros(3, dtype=I64)}, "cache_start"),
+        ({"page_size": 0}, "page_size"),
+        ({"length": -1}, "length"),
+        ({"out_stride_req": -1}, "out_stride_req"),
+        ({"out_stride_req": 1, "out_stride_tok": 3}, "out"),  # needs 1 + 2*3 + 1 = 8 > 6
+    ],
+)
+def test_uniform_bad_input(over, name):
+    with pytest.raises(ValueError, match=name):
+        compute_out_cache_loc_uniform(**_uniform_args(**over))
+
+
+@pytest.mark.parametrize(
+    "over, name",
+    [
+        ({"out": torch.zeros(6, dtype=torch.float32)}, "out"),
+        ({"lengths": torch.full((2,), 3.0)}, "lengths"),
+        ({"out_offsets": torch.zeros(3, dtype=I64)}, "out_offsets"),
+        ({"start_positions": torch.zeros(2, 1, dtype=I64)}, "start_positions"),
+        ({"positions_out": torch.zeros(6, dtype=I32)}, "positions_out"),
+        ({"req_to_page": "table"}, "req_to_page"),
+        ({"page_size": 1.5}, "page_size"),
+    ],
+)
+def test_ragged_bad_input(over, name):
+    with pytest.raises(ValueError, match=name):
+        compute_out_cache_loc_ragged(**_ragged_args(**over))
+
+
+@pytest.mark.parametrize(
+    "seq, pos, delta, name",
+    [
+        (torch.zeros(3, dtype=I64), torch.zeros(3, dtype=I64), 1, "seq_lens"),
+        (torch.zeros(3, dtype=I32), torch.zeros(3, dtype=I32), 1, "positions"),
+        (torch.zeros(3, dtype=I32), torch.zeros(4, dtype=I64), 1, "positions"),
+        (torch.zeros(3, dtype=I32), torch.zeros(3, dtype=I64, device=META), 1, "positions"),
+        (torch.zeros(3, dtype=I32), torch.zeros(3, dtype=I64), 1.0, "delta"),
+    ],
+)
+def test_advance_bad_input(seq, pos, delta, name):
+    with pytest.raises(ValueError, match=name):
+        advance_positions_and_seq_lens(seq, pos, delta)
+
+
+# --------------------------------------------------------------------------- property test
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 3, 16]),
+    max_pages=st.integers(1, 5),
+    idx_dtype=st.sampled_from([I32, I64]),
+    rows=st.lists(
+        st.tuples(st.integers(-1, 4), st.integers(-3, 90), st.integers(0, 20)), min_size=1, max_size=4
+    ),
+    length=st.integers(0, 9),
+    layout=st.sampled_from(["row", "step"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_ref(page_size, max_pages, idx_dtype, rows, length, layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rtp = torch.randint(-2, 50, (4, max_pages), generator=gen, dtype=I32)  # includes 0 / negative ids
+    reqs = torch.tensor([r[0] for r in rows], dtype=idx_dtype)
+    starts = torch.tensor([r[1] for r in rows], dtype=idx_dtype)
+    lengths = torch.tensor([r[2] for r in rows], dtype=idx_dtype)
+    got, exp = _run_uniform(rtp, reqs, starts, page_size, length, layout)
+    assert torch.equal(got, exp)
+    got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
+    assert torch.equal(got, exp) and torch.equal(gpos, epos)
+
+
+# --------------------------------------------------------------------------- GPU: CUDA-graph capture
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(21)
+    rtp = _table(gen, 8, 8).to(dev)
+    bs, steps, ps = 4, 5, 16
+    reqs = torch.tensor([3, 1, 0, 6], dtype=I32, device=dev)
+    seq = torch.tensor([10, 15, 0, 40], dtype=I32, device=dev)
+    pos = seq.to(I64)
+    lengths = torch.tensor([2, 0, 3, 17], dtype=I32, device=dev)
+    offs = _exclusive_cumsum(lengths)
+    out_u = torch.zeros(bs * steps, dtype=I64, device=dev)
+    out_r = torch.zeros(40, dtype=I64, device=dev)
+    pos_r = torch.zeros(40, dtype=I64, device=dev)
+
+    def body():
+        compute_out_cache_loc_uniform(
+            out_u, reqs, seq, rtp, ps, steps, out_stride_req=1, out_stride_tok=bs
+        )
+        compute_out_cache_loc_ragged(out_r, reqs, pos, lengths, offs, rtp, ps, positions_out=pos_r)
+        advance_positions_and_seq_lens(seq, pos, 2)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up: compiles outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+
+    for new_seq in ([7, 30, 1, 100], [0, 63, 64, 5]):
+        seq.copy_(torch.tensor(new_seq, dtype=I32))
+        pos.copy_(seq.to(I64))
+        lengths.copy_(torch.tensor([1, 4, 0, 20], dtype=I32))
+        offs.copy_(_exclusive_cumsum(lengths))
+        eu = compute_out_cache_loc_uniform_ref(
+            out_u.clone(), reqs, seq, rtp, ps, steps, out_stride_req=1, out_stride_tok=bs
+        )
+        er, ep = out_r.clone(), pos_r.clone()
+        compute_out_cache_loc_ragged_ref(er, reqs, pos, lengths, offs, rtp, ps, positions_out=ep)
+        eseq, epos = seq + 2, pos + 2
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_u, eu)
+        assert torch.equal(out_r, er) and torch.equal(pos_r, ep)
+        assert torch.equal(seq, eseq) and torch.equal(pos, epos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_compiled_kernels_match_ref_on_gpu(page_size):
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(page_size)
+    wide = _table(gen, 8, 12)
+    for width, idx_dtype in ((3, I32), (10, I64)):
+        rtp = wide.to(dev)[:, :width]  # row stride 12 != width
+        reqs = torch.tensor([3, 0, 7, -1, 5], dtype=idx_dtype, device=dev)
+        starts = torch.tensor([page_size - 2, 0, -3, 4, width * page_size - 5], dtype=idx_dtype, device=dev)
+        lengths = torch.tensor([5, 0, 70, 3, 140], dtype=idx_dtype, device=dev)
+        for layout in ("row", "step"):
+            got, exp = _run_uniform(rtp, reqs, starts, page_size, 9, layout)
+            assert got.is_cuda and torch.equal(got, exp)
+        got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
+        assert got.is_cuda and torch.equal(got, exp) and torch.equal(gpos, epos)
+
+
+@pytest.mark.gpu
+def test_one_compiled_kernel_across_table_widths():
+    from graphdraft.kernels import cache_loc
+
+    kernel = cache_loc._uniform_kernel
+    if not hasattr(kernel, "device_caches"):
+        pytest.skip("this triton has no JITFunction.device_caches")
+    dev = torch.device("cuda")
+    reqs = torch.tensor([1, 2, 3], dtype=I64, device=dev)
+    starts = torch.tensor([0, 5, 17], dtype=I32, device=dev)
+    counts = []
+    for width in (1, 3, 7, 16, 33):
+        rtp = _table(torch.Generator().manual_seed(width), 4, width).to(dev)
+        got, exp = _run_uniform(rtp, reqs, starts, 16, 4, "step")
+        assert torch.equal(got, exp)
+        counts.append(sum(len(c[0]) for c in kernel.device_caches.values()))
+    assert len(set(counts)) == 1, counts
