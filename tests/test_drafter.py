@@ -173,3 +173,33 @@ def test_validation_can_be_turned_off():
     loop.add(4, 16)
     loop.step()
     assert not called
+
+
+def test_decode_batch_padded_to_schedule_with_neutral_rows():
+    """bs=3 runs at the padded size 4 (eager too), and row 3 holds neutral values, not stale data."""
+    s = make_setup(steps=3, page_size=16, seed=12, cuda_graph_bs=(1, 2, 4, 8))
+    loop = FakeServingLoop(s, 4)
+    for _ in range(3):
+        loop.add(6, 16)
+    loop.step()  # prefill
+    ib, b = s.inputs, s.drafter.bufs
+    # stale garbage in the padded row, as an earlier larger batch would leave
+    ib.req_pool_indices[3] = 5
+    ib.seq_lens[3] = 99
+    ib.out_cache_loc[12:16] = 77
+    b.accept_lengths[3] = 4
+    b.first_hidden[12:16] = float("nan")
+    seen = []
+    original = s.drafter._first_step
+
+    def spy(bs, num_tokens, num_extends, hidden):
+        seen.append((bs, num_tokens))
+        return original(bs, num_tokens, num_extends, hidden)
+
+    s.drafter._first_step = spy
+    loop.step()
+    assert seen == [(4, 16)]
+    assert int(ib.req_pool_indices[3]) == 0 and int(ib.seq_lens[3]) == 1
+    assert (ib.out_cache_loc[12:16] == 0).all() and int(b.accept_lengths[3]) == 1
+    assert not b.first_hidden[12:16].isnan().any()
+    assert s.drafter.first_step_graphs.stats.eager["disabled"] >= 1
