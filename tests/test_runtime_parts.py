@@ -125,4 +125,4 @@ def test_write_batch_layout_and_slots():
     with pytest.raises(ValueError, match="rows"):
         write_batch(ib, pt, rows[::-1])  # decode before prefill
     with pytest.raises(ValueError, match="rows"):
-        write_batch(ib, pt, [BatchRow(a, 8, [1, 2, 3], False)])  # past its pages
+        write_batch(ib, pt, [BatchRow(a, 10, [1, 2, 3], False)])  # past its 12 slots
