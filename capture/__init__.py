@@ -1,0 +1,29 @@
+"""capture: a generic CUDA-graph manager (mechanism only, no domain knowledge).
+
+Schedules of batch sizes, a shared graph memory pool, and :class:`CapturedForward`,
+which captures one forward function per padded batch size and replays it, or
+falls back to running it eagerly.
+"""
+
+from .graphs import (
+    EAGER_ENV,
+    EAGER_REASONS,
+    CapturedForward,
+    GraphPool,
+    GraphStats,
+    eager_forced,
+    graphs_available,
+)
+from .schedule import batch_size_schedule, padded_batch_size
+
+__all__ = [
+    "EAGER_ENV",
+    "EAGER_REASONS",
+    "CapturedForward",
+    "GraphPool",
+    "GraphStats",
+    "batch_size_schedule",
+    "eager_forced",
+    "graphs_available",
+    "padded_batch_size",
+]

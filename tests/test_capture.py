@@ -1,0 +1,593 @@
+"""Tests of capture/: batch-size schedules and CapturedForward.
+
+CPU tests run the real CPU path (graphs unavailable: everything eager) and, with
+the ``fake_cuda`` fixture, the capture/run bookkeeping over a stand-in for the
+two CUDA-touching steps (warm-up, record). ``gpu`` tests use real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from capture import (
+    EAGER_ENV,
+    CapturedForward,
+    GraphPool,
+    batch_size_schedule,
+    eager_forced,
+    graphs_available,
+    padded_batch_size,
+)
+from capture import graphs as graphs_mod
+
+LOGGER = "capture.graphs"
+SCHED16 = [1, 2, 4, 8, 16]
+
+
+@pytest.fixture(autouse=True)
+def _no_eager_env(monkeypatch):
+    monkeypatch.delenv(EAGER_ENV, raising=False)
+
+
+# ----------------------------------------------------------------- schedule
+@pytest.mark.parametrize(
+    ("max_bs", "expected"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (12, [1, 2, 4, 8, 12]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+        (100, [1, 2, 4, 8, *range(16, 97, 8), 100]),
+    ],
+)
+def test_default_schedule(max_bs, expected):
+    assert batch_size_schedule(max_bs) == expected
+
+
+@pytest.mark.parametrize("max_bs", [0, -1, 2.5, True, "8"])
+def test_schedule_rejects_bad_max_bs(max_bs):
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        batch_size_schedule(max_bs)
+
+
+def test_explicit_sizes_returned_as_list():
+    assert batch_size_schedule(8, (1, 3, 5)) == [1, 3, 5]  # max_bs need not be included
+    assert batch_size_schedule(8, [8]) == [8]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ([], "at least one"),
+        ([0, 1], "ints >= 1"),
+        ([1, 2.0], "ints >= 1"),
+        ([True, 2], "ints >= 1"),
+        ([2, 1], "strictly ascending"),
+        ([1, 1, 2], "strictly ascending"),
+        ([1, 16], "<= cuda_graph_max_bs=8"),
+    ],
+)
+def test_explicit_sizes_errors_name_the_argument(sizes, expected):
+    with pytest.raises(ValueError, match="cuda_graph_bs") as e:
+        batch_size_schedule(8, sizes)
+    assert expected in str(e.value)
+
+
+def test_padded_batch_size_boundaries():
+    s = [1, 2, 4, 8, 16, 24]
+    got = {bs: padded_batch_size(s, bs) for bs in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 1000)}
+    assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 24: 24,
+                   25: None, 1000: None}
+    assert padded_batch_size([], 1) is None
+    for bad in (0, -3):
+        with pytest.raises(ValueError):
+            padded_batch_size(s, bad)
+
+
+@given(st.integers(1, 300), st.integers(1, 400))
+def test_padded_batch_size_is_smallest_cover(max_bs, bs):
+    s = batch_size_schedule(max_bs)
+    p = padded_batch_size(s, bs)
+    if bs > max_bs:
+        assert p is None
+    else:
+        assert p in s and p >= bs and all(x < bs for x in s if x < p)
+
+
+# ------------------------------------------------------------ eager_forced
+@pytest.mark.parametrize(
+    ("value", "forced"),
+    [("1", True), ("true", True), ("YES", True), (" True ", True),
+     ("0", False), ("false", False), ("", False), ("no", False), ("2", False)],
+)
+def test_eager_forced_env_values(monkeypatch, value, forced):
+    monkeypatch.setenv(EAGER_ENV, value)
+    assert eager_forced() is forced
+    assert eager_forced(True) is True
+
+
+def test_eager_forced_read_at_call_time_and_custom_var(monkeypatch):
+    assert eager_forced() is False
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert eager_forced() is True
+    monkeypatch.delenv(EAGER_ENV)
+    assert eager_forced() is False
+    monkeypatch.setenv("MY_EAGER", "yes")
+    assert eager_forced(env_var="MY_EAGER") is True and eager_forced() is False
+
+
+def test_env_reader_follows_os_environ(monkeypatch):
+    read = graphs_mod._env_reader("GD_TEST_VAR")
+    monkeypatch.delenv("GD_TEST_VAR", raising=False)
+    assert read() == ""
+    monkeypatch.setenv("GD_TEST_VAR", "Yes")
+    assert read() == "Yes"
+    monkeypatch.delenv("GD_TEST_VAR")
+    assert read() == ""
+    monkeypatch.setattr(graphs_mod.os, "environ", {"GD_TEST_VAR": "1"})  # no `_data`: public path
+    assert graphs_mod._env_reader("GD_TEST_VAR")() == "1"
+
+
+def test_graphs_available_matches_torch():
+    assert graphs_available() is torch.cuda.is_available()
+
+
+# ------------------------------------------------------------ helpers
+def linear_forward(rows: int = 32, dim: int = 8, device: str = "cpu", log: list | None = None):
+    """A forward over static buffers: y[:bs] = x[:bs] @ w + 1; returns (forward, x, w, y)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, dim, generator=g).to(device)
+    w = torch.randn(dim, dim, generator=g).to(device)
+    y = torch.zeros(rows, dim, device=device)
+
+    def forward(bs: int) -> torch.Tensor:
+        if log is not None:
+            log.append(bs)
+        y[:bs] = x[:bs] @ w + 1
+        return y[:bs]
+
+    return forward, x, w, y
+
+
+class FakeGraph:
+    """Stands in for a CUDAGraph: replay re-runs the (in-place) forward at its size."""
+
+    def __init__(self, forward, bs):
+        self.forward, self.bs = forward, bs
+
+    def replay(self):
+        self.forward(self.bs)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Graphs 'available'; warm-up and record replaced by host stand-ins.
+
+    ``state.calls`` logs ("warmup"|"record", bs); forwards may look at
+    ``state.capturing`` (True while recording) to simulate capture-time errors.
+    """
+    state = SimpleNamespace(calls=[], capturing=False)
+
+    def warmup(self, bs, stream):
+        state.calls.append(("warmup", bs))
+        for _ in range(self.warmup_iters):
+            graphs_mod._check_outputs(self.name, bs, self._forward(bs))
+        return 2e-3 if self.warmup_iters else None
+
+    def record(self, bs, stream):
+        state.calls.append(("record", bs))
+        state.capturing = True
+        try:
+            out = self._forward(bs)
+        finally:
+            state.capturing = False
+        return FakeGraph(self._forward, bs), out, 1024 * bs, 1e-3
+
+    monkeypatch.setattr(graphs_mod, "graphs_available", lambda: True)
+    monkeypatch.setattr(CapturedForward, "_warmup", warmup)
+    monkeypatch.setattr(CapturedForward, "_record", record)
+    return state
+
+
+# ------------------------------------------------- CapturedForward, CPU path
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_cpu_capture_is_noop_and_run_is_eager(caplog):
+    calls = []
+    fwd, x, w, _ = linear_forward(rows=64, log=calls)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        assert cf.capture() == []
+    assert calls == [] and cf.captured_sizes == []
+    assert "capture skipped" in caplog.text
+    for bs in (3, 16, 40):
+        out = cf.run(bs)
+        assert out.shape[0] == bs and torch.equal(out, x[:bs] @ w + 1)
+        assert cf.padded_bs(bs) == bs
+    assert calls == [3, 16, 40]
+    assert cf.stats.eager == {"disabled": 3, "env": 0, "above_max": 0, "not_captured": 0}
+    assert cf.stats.total_replays == 0
+    s = repr(cf.stats)
+    assert s.startswith("draft: 0 graphs") and "eager 3 (disabled=3)" in s
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_constructor_validation():
+    f = lambda bs: None
+    for bad in ([], [0, 1], [1.5], [True]):
+        with pytest.raises(ValueError, match="batch_sizes"):
+            CapturedForward("g", f, bad)
+    with pytest.raises(ValueError, match="warmup_iters"):
+        CapturedForward("g", f, [1], warmup_iters=-1)
+    with pytest.raises(ValueError, match="on_oom"):
+        CapturedForward("g", f, [1], on_oom="ignore")
+    assert CapturedForward("g", f, [8, 2, 2, 1]).batch_sizes == [1, 2, 8]
+    # pool=None: the process-wide pool, shared by every graph set (handle made lazily)
+    assert CapturedForward("a", f, [1]).pool is CapturedForward("b", f, [1]).pool is GraphPool.default()
+
+
+def test_enabled_false_never_captures(fake_cuda):
+    cf = CapturedForward("g", linear_forward()[0], SCHED16, enabled=False)
+    assert cf.capture(progress=False) == [] and fake_cuda.calls == []
+    cf.run(99)
+    assert cf.stats.eager["disabled"] == 1 and cf.stats.eager["above_max"] == 0
+
+
+# ---------------------------------------- CapturedForward, fake CUDA bookkeeping
+def test_capture_largest_first_with_warmup_before_each(fake_cuda):
+    cf = CapturedForward("draft", linear_forward()[0], SCHED16)
+    assert cf.capture(progress=False) == SCHED16
+    expected = [(step, bs) for bs in reversed(SCHED16) for step in ("warmup", "record")]
+    assert fake_cuda.calls == expected
+    st_ = cf.stats
+    assert sorted(st_.capture_seconds) == SCHED16 and st_.dropped == []
+    assert st_.pool_bytes == {bs: 1024 * bs for bs in SCHED16}
+    assert st_.total_pool_bytes == 1024 * 31 and st_.speedup == pytest.approx(2.0)
+    assert repr(st_).startswith("draft: 5 graphs [1..16]") and "~2.0x" in repr(st_)
+    # a second capture() has nothing left to do
+    fake_cuda.calls.clear()
+    assert cf.capture(progress=False) == SCHED16 and fake_cuda.calls == []
+
+
+def test_run_replays_padded_graph_and_counts(fake_cuda):
+    calls = []
+    fwd, x, w, y = linear_forward(log=calls)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    cf.capture(progress=False)
+    pads = {bs: cf.padded_bs(bs) for bs in range(1, 17)}
+    assert pads == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, **dict.fromkeys(range(9, 17), 16)}
+    for bs in range(1, 17):
+        out = cf.run(bs)
+        assert out.shape[0] == pads[bs]  # padded graph's rows
+        assert torch.equal(out[:bs], x[:bs] @ w + 1)
+    assert cf.stats.replays == {1: 1, 2: 1, 4: 2, 8: 4, 16: 8}
+    assert cf.stats.total_eager == 0
+    assert cf.run(16) is cf.run(16)  # the same static outputs object every replay
+
+
+def test_above_max_warns_once_and_counts(fake_cuda, caplog):
+    fwd, x, w, _ = linear_forward()
+    cf = CapturedForward("draft", fwd, SCHED16)
+    cf.capture(progress=False)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        for bs in (17, 30, 17):
+            assert torch.equal(cf.run(bs), x[:bs] @ w + 1)
+            assert cf.padded_bs(bs) == bs
+    warns = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warns) == 1
+    msg = warns[0].getMessage()
+    assert "draft" in msg and "17" in msg and "about 2.0x slower" in msg
+    assert "raise cuda_graph_max_bs" in msg
+    assert cf.stats.eager["above_max"] == 3
+
+
+def test_env_var_rechecked_at_run(fake_cuda, monkeypatch):
+    calls = []
+    cf = CapturedForward("draft", linear_forward(log=calls)[0], SCHED16)
+    cf.capture(progress=False)
+    calls.clear()
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert cf.padded_bs(3) == 3
+    assert cf.run(3).shape[0] == 3 and calls == [3]
+    assert cf.stats.eager["env"] == 1 and cf.stats.total_replays == 0
+    monkeypatch.setenv(EAGER_ENV, "0")  # flipped back: replays resume
+    assert cf.run(3).shape[0] == 4 and cf.stats.replays[4] == 1
+
+
+def test_env_var_at_construction_skips_capture_for_life(fake_cuda, monkeypatch):
+    monkeypatch.setenv(EAGER_ENV, "true")
+    cf = CapturedForward("draft", linear_forward()[0], SCHED16)
+    monkeypatch.delenv(EAGER_ENV)
+    assert cf.capture(progress=False) == [] and fake_cuda.calls == []
+    cf.run(3)
+    assert cf.stats.eager["env"] == 1
+
+
+def test_env_var_at_capture_time_skips_capture(fake_cuda, monkeypatch):
+    cf = CapturedForward("draft", linear_forward()[0], SCHED16)
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert cf.capture(progress=False) == [] and fake_cuda.calls == []
+    monkeypatch.delenv(EAGER_ENV)
+    cf.run(3)
+    assert cf.stats.eager["not_captured"] == 1
+
+
+def test_not_captured_when_capture_never_called(fake_cuda):
+    cf = CapturedForward("draft", linear_forward()[0], SCHED16)
+    cf.run(3)
+    cf.run(40)
+    assert cf.stats.eager["not_captured"] == 1 and cf.stats.eager["above_max"] == 1
+
+
+def _oom_forward(fake_cuda, too_big, log=None):
+    fwd, x, w, y = linear_forward(log=log)
+
+    def forward(bs):
+        if fake_cuda.capturing and too_big(bs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return fwd(bs)
+
+    return forward, x, w
+
+
+def test_oom_drops_sizes_and_keeps_going(fake_cuda, caplog):
+    fwd, x, w = _oom_forward(fake_cuda, lambda bs: bs > 4)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert cf.capture(progress=False) == [1, 2, 4]
+    assert [bs for step, bs in fake_cuda.calls if step == "record"] == [16, 8, 4, 2, 1]
+    assert cf.stats.dropped == [8, 16]
+    (warn,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "draft" in warn and "[8, 16]" in warn and "captured [1, 2, 4]" in warn
+    for bs in range(1, 18):
+        assert torch.equal(cf.run(bs)[:bs], x[:bs] @ w + 1)
+    assert cf.stats.eager == {"disabled": 0, "env": 0, "above_max": 1, "not_captured": 12}
+    assert cf.stats.replays == {1: 1, 2: 1, 4: 2}
+
+
+def test_oom_in_middle_pads_to_next_larger(fake_cuda):
+    fwd, x, w = _oom_forward(fake_cuda, lambda bs: bs == 8)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    assert cf.capture(progress=False) == [1, 2, 4, 16]
+    assert [cf.padded_bs(bs) for bs in (5, 8, 9)] == [16, 16, 16]
+    assert torch.equal(cf.run(6)[:6], x[:6] @ w + 1)
+
+
+def test_oom_everywhere_runs_eagerly(fake_cuda, caplog):
+    fwd, x, w = _oom_forward(fake_cuda, lambda bs: True)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert cf.capture(progress=False) == []
+    assert "every batch runs eagerly" in caplog.text
+    assert torch.equal(cf.run(5), x[:5] @ w + 1) and cf.stats.eager["not_captured"] == 1
+
+
+def test_capture_again_retries_dropped_sizes(fake_cuda):
+    fail = {"on": True}
+    fwd, _, _ = _oom_forward(fake_cuda, lambda bs: fail["on"] and bs > 4)
+    cf = CapturedForward("draft", fwd, SCHED16)
+    cf.capture(progress=False)
+    fail["on"] = False
+    fake_cuda.calls.clear()
+    assert cf.capture(progress=False) == SCHED16
+    assert [bs for step, bs in fake_cuda.calls if step == "record"] == [16, 8]
+    assert cf.stats.dropped == []
+
+
+def test_on_oom_raise_and_other_errors_propagate(fake_cuda):
+    fwd, _, _ = _oom_forward(fake_cuda, lambda bs: bs > 4)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        CapturedForward("draft", fwd, SCHED16, on_oom="raise").capture(progress=False)
+
+    def broken(bs):
+        raise KeyError("bug in forward")
+
+    with pytest.raises(KeyError):
+        CapturedForward("draft", broken, SCHED16).capture(progress=False)
+
+
+def test_output_guard_names_graph_and_bs(fake_cuda):
+    y = torch.zeros(16, 4)
+    short = CapturedForward("draft.head", lambda bs: {"y": y[: bs - 1]}, [2, 4])
+    with pytest.raises(RuntimeError, match=r"'draft.head'.*forward\(4\).*bs=4"):
+        short.capture(progress=False)
+    assert short.captured_sizes == []
+    scalar = CapturedForward("g", lambda bs: (y[:bs], y.sum()), [2], warmup_iters=0)
+    with pytest.raises(RuntimeError, match="forward\\(2\\)"):
+        scalar.capture(progress=False)  # guard also checks the captured outputs
+    ok = CapturedForward("g", lambda bs: None, [2])  # forward writing caller buffers only
+    assert ok.capture(progress=False) == [2]
+
+
+def test_padded_bs_pins_run_choice(fake_cuda):
+    fwd, x, w, _ = linear_forward()
+    cf = CapturedForward("draft", fwd, SCHED16)
+    cf.capture(progress=False)
+    assert cf.run(3, padded_bs=4).shape[0] == 4 and cf.stats.replays[4] == 1
+    assert cf.run(3, padded_bs=8).shape[0] == 8 and cf.stats.replays[8] == 1
+    assert cf.run(3, padded_bs=3).shape[0] == 3 and cf.stats.eager["not_captured"] == 1
+    with pytest.raises(ValueError, match="padded_bs"):
+        cf.run(5, padded_bs=4)
+    with pytest.raises(ValueError):
+        cf.run(0)
+
+
+def test_restrict_to_multi_rank_hook(fake_cuda):
+    cf = CapturedForward("draft", linear_forward()[0], SCHED16)
+    cf.capture(progress=False)
+    assert cf.restrict_to([1, 2, 4, 16, 99]) == [1, 2, 4, 16]
+    assert cf.padded_bs(5) == 16 and 8 not in cf.stats.pool_bytes
+    fake_cuda.calls.clear()
+    assert cf.capture(progress=False) == [1, 2, 4, 16] and fake_cuda.calls == []  # no recapture
+    assert cf.restrict_to([]) == [] and cf.padded_bs(5) == 5
+    cf.run(5)
+    cf.run(17)
+    assert cf.stats.eager["not_captured"] == 1 and cf.stats.eager["above_max"] == 1
+
+
+def test_progress_bar_or_info_lines(fake_cuda, monkeypatch, caplog):
+    cf = CapturedForward("draft", linear_forward()[0], [1, 2])
+    assert cf.capture(progress=True) == [1, 2]  # tqdm bar
+    monkeypatch.setattr(graphs_mod, "tqdm", None)  # no tqdm: an INFO line per size
+    cf = CapturedForward("draft", linear_forward()[0], [1, 2])
+    with caplog.at_level(logging.INFO, LOGGER):
+        cf.capture(progress=True)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert [m.split(" in ")[0] for m in lines[:2]] == ["draft: captured bs=2", "draft: captured bs=1"]
+    assert lines[2].startswith("draft: 2 graphs [1..2]")  # the closing summary
+
+
+# --------------------------------------------------------------------- GPU
+def mlp_forward(rows: int = 16, dim: int = 64, log: list | None = None):
+    """Static-buffer forward with an intermediate output allocated inside the graph."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    x = torch.randn(rows, dim, device=dev)
+    w1 = torch.randn(dim, dim, device=dev) / dim**0.5
+    w2 = torch.randn(dim, dim, device=dev) / dim**0.5
+    y = torch.zeros(rows, dim, device=dev)
+
+    def forward(bs: int) -> dict[str, torch.Tensor]:
+        if log is not None:
+            log.append((bs, torch.cuda.is_current_stream_capturing(), torch.cuda.current_stream()))
+        h = torch.relu(x[:bs] @ w1 + 1)
+        y[:bs] = torch.softmax(h @ w2, dim=-1) * 2 - h.tanh()
+        return {"y": y[:bs], "h": h}
+
+    return forward, x
+
+
+def _clone(out):
+    return {k: v.clone() for k, v in out.items()}
+
+
+@pytest.mark.gpu
+def test_gpu_replay_matches_eager_bit_for_bit():
+    fwd, x = mlp_forward()
+    cf = CapturedForward("mlp", fwd, SCHED16, pool=GraphPool())
+    assert cf.capture(progress=False) == SCHED16
+    for bs in range(1, 17):
+        p = cf.padded_bs(bs)
+        assert p == padded_batch_size(SCHED16, bs)
+        x.normal_()
+        got = _clone(cf.run(bs))
+        assert got["y"].shape[0] == p and got["h"].shape[0] == p  # the padded graph's rows
+        ref = _clone(fwd(p))  # eager at the same (padded) size: identical kernels
+        for k in ("y", "h"):
+            assert torch.equal(got[k], ref[k]), (bs, k)
+            torch.testing.assert_close(got[k][:bs], _clone(fwd(bs))[k])
+    assert cf.stats.replays == {1: 1, 2: 1, 4: 2, 8: 4, 16: 8}
+    assert cf.stats.total_eager == 0
+    assert cf.stats.pool_bytes[16] > 0 and cf.stats.speedup is not None
+    assert "mlp: 5 graphs [1..16]" in repr(cf.stats)
+
+
+@pytest.mark.gpu
+def test_gpu_capture_order_largest_first_warmup_on_side_stream():
+    log = []
+    fwd, _ = mlp_forward(log=log)
+    pool = GraphPool()
+    cf = CapturedForward("mlp", fwd, SCHED16, pool=pool, warmup_iters=2)
+    cf.capture(progress=False)
+    captured = [bs for bs, capturing, _ in log if capturing]
+    assert captured == [16, 8, 4, 2, 1]
+    warm = [(bs, s) for bs, capturing, s in log if not capturing]
+    assert [bs for bs, _ in warm] == [b for b in (16, 8, 4, 2, 1) for _ in range(2)]
+    assert all(s == pool.stream for _, s in warm) and pool.stream != torch.cuda.default_stream()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_gpu_shared_pool_two_sets_do_not_clobber():
+    pool = GraphPool()
+    fa, xa = mlp_forward()
+    fb, xb = mlp_forward()
+    a = CapturedForward("a", fa, SCHED16, pool=pool)
+    b = CapturedForward("b", fb, [1, 2, 4, 8], pool=pool)
+    a.capture(progress=False)
+    b.capture(progress=False)
+    assert a.pool is b.pool is pool
+    xa.normal_()
+    xb.normal_()
+    out_a = a.run(8)
+    want_a = _clone(out_a)
+    out_b = b.run(8)  # b's replay reuses pool memory freed by a's capture, never a's outputs
+    torch.cuda.synchronize()
+    for k in ("y", "h"):
+        assert torch.equal(out_a[k], want_a[k])
+        assert torch.equal(out_b[k], _clone(fb(8))[k])
+
+
+@pytest.mark.gpu
+def test_gpu_many_replays_no_memory_growth():
+    fwd, x = mlp_forward()
+    cf = CapturedForward("mlp", fwd, SCHED16, pool=GraphPool())
+    cf.capture(progress=False)
+    cf.run(5)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(1000):
+        x.normal_()
+        cf.run(i % 16 + 1)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert cf.stats.total_replays == 1001
+    got = _clone(cf.run(16))
+    assert torch.equal(got["y"], _clone(fwd(16))["y"])
+
+
+@pytest.mark.gpu
+def test_gpu_env_var_forces_eager_at_run(monkeypatch):
+    fwd, x = mlp_forward()
+    cf = CapturedForward("mlp", fwd, SCHED16, pool=GraphPool())
+    cf.capture(progress=False)
+    static = cf.run(3)
+    monkeypatch.setenv(EAGER_ENV, "1")
+    out = cf.run(3)
+    assert out is not static and out["h"].shape[0] == 3
+    assert cf.stats.eager["env"] == 1
+    monkeypatch.delenv(EAGER_ENV)
+    assert cf.run(3) is static and cf.stats.replays[4] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+@pytest.mark.parametrize("how", ["raise", "allocate"])
+def test_gpu_oom_during_capture_drops_sizes(caplog, how):
+    fwd, x = mlp_forward()
+
+    def forward(bs):
+        if bs > 4 and torch.cuda.is_current_stream_capturing():
+            if how == "raise":
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+            torch.empty(1 << 42, dtype=torch.uint8, device="cuda")  # 4 TiB: a real OOM
+        return fwd(bs)
+
+    cf = CapturedForward("mlp", forward, SCHED16, pool=GraphPool())
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert cf.capture(progress=False) == [1, 2, 4]
+    assert "[8, 16]" in caplog.text and cf.stats.dropped == [8, 16]
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    for bs in range(1, 17):
+        x.normal_()
+        got = _clone(cf.run(bs))
+        ref = _clone(fwd(cf.padded_bs(bs)))
+        assert torch.equal(got["y"][:bs], ref["y"][:bs]), bs
+    assert cf.stats.eager["not_captured"] == 12 and cf.stats.total_replays == 4
+
+
+@pytest.mark.gpu
+def test_gpu_output_guard():
+    fwd, _ = mlp_forward()
+    cf = CapturedForward("mlp", lambda bs: fwd(bs)["y"][: bs // 2], SCHED16, pool=GraphPool())
+    with pytest.raises(RuntimeError, match=r"'mlp'.*forward\(16\)"):
+        cf.capture(progress=False)
+    assert cf.captured_sizes == []
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
