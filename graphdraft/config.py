@@ -10,6 +10,7 @@ draft head), named like Hugging Face's `LlamaConfig`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +137,9 @@ class RuntimeConfig:
         resolve_dtype(self.dtype)
         need(self.kernel_backend in ("auto", "triton", "torch"), "kernel_backend",
              "'auto', 'triton' or 'torch'")
-        need(self.kernel_backend != "triton" or str(self.device).startswith("cuda"),
-             "kernel_backend", "'torch' or 'auto' on a CPU device")
+        interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+        need(self.kernel_backend != "triton" or str(self.device).startswith("cuda") or interpreting,
+             "kernel_backend", "'torch' or 'auto' on a CPU device (unless TRITON_INTERPRET=1)")
         need(str(self.device).split(":")[0] in ("cpu", "cuda"), "device", "'cpu' or 'cuda[:N]'")
 
 

@@ -203,3 +203,11 @@ def test_decode_batch_padded_to_schedule_with_neutral_rows():
     assert (ib.out_cache_loc[12:16] == 0).all() and int(b.accept_lengths[3]) == 1
     assert not b.first_hidden[12:16].isnan().any()
     assert s.drafter.first_step_graphs.stats.eager["disabled"] >= 1
+
+
+@pytest.mark.parametrize("page_size,hot", [(1, True), (16, False)])
+def test_triton_path_matches_reference_under_interpreter(page_size, hot):
+    """The whole Triton path (attention, RoPE+KV, norms, argmax, cache locations) vs the reference."""
+    s = make_setup(steps=3, page_size=page_size, hot=hot, seed=21, kernel_backend="triton")
+    assert s.drafter.cfg.use_triton
+    drive(s, seed=21, iters=3, prompts=[(5, 16), (9, 4)])
