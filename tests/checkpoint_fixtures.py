@@ -1,0 +1,61 @@
+"""Helpers for checkpoint tests: an engine-free forward, weight-file surgery, comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.kv_cache import KVPool, PageTable
+
+
+@torch.no_grad()
+def full_logits(target, ids: list[int], page_size: int = 4) -> torch.Tensor:
+    """Logits `[len(ids), V]` of every position of one prompt: one prefill forward over a
+    fresh paged KV pool (no Engine, no scheduler), torch path."""
+    cfg, n = target.config, len(ids)
+    dev = target.embed_tokens.device
+    pages = -(-n // page_size)
+    table = PageTable(1, pages, pages + 1, page_size, dev)
+    slot = table.alloc_slot()
+    table.reserve(slot, n)
+    kv = KVPool(cfg.num_hidden_layers, pages + 1, page_size, cfg.num_key_value_heads,
+                cfg.head_dim, target.dtype, dev)
+    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size, False)
+    target.set_use_triton(False)
+    pos = torch.arange(n, device=dev)
+    loc = table.req_to_page[slot, pos // page_size].long() * page_size + pos % page_size
+    meta = AttentionMetadata(torch.full((n,), slot, dtype=torch.int64, device=dev),
+                             (pos + 1).to(torch.int32))
+    out = target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,
+                 capture_aux=False)
+    return out.logits
+
+
+def read_all(file: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(file), framework="pt") as f:
+        return {n: f.get_tensor(n) for n in f.keys()}
+
+
+def rewrite(file: Path, drop=(), put: dict[str, torch.Tensor] | None = None) -> None:
+    """Rewrite a safetensors file without `drop` and with `put` (added or replaced)."""
+    tensors = {n: t for n, t in read_all(file).items() if n not in drop}
+    tensors.update(put or {})
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(dict(module.named_buffers(remove_duplicate=False)))
+    return state
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = named_state(a), named_state(b)
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
