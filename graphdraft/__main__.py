@@ -81,22 +81,63 @@ def _serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, lab
     return outs, tokens / dt
 
 
+SAMPLE_PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "A recipe for bread: first,",
+    "In speculative decoding, a small draft model",
+    "The capital of France is",
+    "Once upon a time, in a village by the sea,",
+    "import numpy as np\n\n# compute the mean of each column\n",
+    "Photosynthesis converts light energy into",
+]
+
+
+def load_tokenizer(path: str):
+    """A `tokenizers` tokenizer from `path/tokenizer.json`, or None when unavailable."""
+    from pathlib import Path
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        print("tokenizer.json found but the `tokenizers` package is missing: random prompts")
+        return None
+    return Tokenizer.from_file(str(file))
+
+
 def demo(a: argparse.Namespace) -> int:
     cfg = runtime_from_args(a)
     if cfg.device == "cpu":
         print("no CUDA device: running eagerly on the CPU (graphs need a GPU)")
     torch.manual_seed(a.seed)
-    target, head = default_model_pair(cfg, a.seed)
-    print("model pair: random weights (acceptance is not meaningful for them)")
     rng = random.Random(a.seed)
+    tokenizer, eos, stops = None, None, ()
+    if a.target or a.draft:
+        if not (a.target and a.draft):
+            raise ValueError("--target and --draft: expected both checkpoint directories")
+        from graphdraft.checkpoint import load_model_pair
+        target, head, info = load_model_pair(a.target, a.draft, cfg.torch_dtype, cfg.device)
+        print(f"model pair: {a.target} + {a.draft}")
+        stops = tuple(info.eos_token_ids)
+        eos = stops[0] if stops else None
+        tokenizer = load_tokenizer(a.target)
+    else:
+        target, head = default_model_pair(cfg, a.seed)
+        print("model pair: random weights (acceptance is not meaningful for them)")
     vocab = target.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 64))]
-               for _ in range(a.num_prompts)]
+    if tokenizer is not None:
+        texts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(a.num_prompts)]
+        prompts = [tokenizer.encode(t).ids for t in texts]
+    else:
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 64))]
+                   for _ in range(a.num_prompts)]
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                            seed=a.seed, ignore_eos=True)
+                            seed=a.seed, stop_token_ids=stops, ignore_eos=eos is None)
 
-    base = Engine(target, cfg)
-    spec = Engine(target, cfg, head)
+    base = Engine(target, cfg, eos_token_id=eos)
+    spec = Engine(target, cfg, head, eos_token_id=eos)
     for eng, name in ((base, "target-only"), (spec, "speculative")):
         t0 = time.perf_counter()
         eng.capture_graphs()
@@ -104,6 +145,8 @@ def demo(a: argparse.Namespace) -> int:
             print(f"captured {name} graphs in {time.perf_counter() - t0:.1f} s")
     base_out, base_tps = _serve(base, prompts, params, "target-only decoding")
     spec_out, spec_tps = _serve(spec, prompts, params, "speculative decoding")
+    if tokenizer is not None:
+        print(f"sample: {tokenizer.decode(prompts[0])!r} -> {tokenizer.decode(spec_out[0])!r}")
     st = spec.stats
     print(f"mean accept length: {st.mean_accept_length:.2f} tokens per verify "
           f"(N = {cfg.spec_num_tokens})")
@@ -123,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="serve a batch of prompts with speculative decoding")
     add_runtime_flags(d)
+    d.add_argument("--target", default=None, help="Hugging Face Llama checkpoint directory")
+    d.add_argument("--draft", default=None, help="EAGLE-3 head checkpoint directory")
     d.add_argument("--num-prompts", type=int, default=8)
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=0.0)
