@@ -1,0 +1,190 @@
+"""Row argmax over logits, mapped through an optional draft->target id table.
+
+Semantics (the kernel and :func:`argmax_with_map_ref` agree exactly):
+
+* the result is the index of the row maximum; on ties the LOWEST index wins;
+* NaN is never a maximum (it is treated as ``-inf``); a row of only NaN/``-inf``
+  therefore yields index 0;
+* with ``hot_token_ids`` (int64 ``[V]``) the index is mapped ``id -> hot_token_ids[id]``.
+
+Large rows use a two-stage reduction: stage 1 splits each row into ``num_splits``
+chunks (grid ``(B, num_splits)``) and writes a (max, first index) pair per chunk;
+stage 2 (grid ``(B,)``) combines them, keeping the lowest index on ties. With one
+split, stage 1 writes the final id directly (one launch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["argmax_with_map", "argmax_with_map_ref", "num_sms"]
+
+_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BIG_INT = 2**31 - 1  # "no index yet": larger than any valid column
+_BIG = tl.constexpr(_BIG_INT)
+
+
+@functools.cache
+def _num_sms_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of ``device`` (132 for a CPU/interpreter run: an H200's)."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def _argmax_stage1_kernel(
+    logits_ptr, stride_b, V, chunk,
+    part_val_ptr, part_idx_ptr, num_splits,
+    hot_ptr, out_ptr,
+    BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    start = s * chunk
+    end = tl.minimum(start + chunk, V)
+    row = logits_ptr + b.to(tl.int64) * stride_b
+    lanes = tl.arange(0, BLOCK)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], _BIG, tl.int32)
+    for off in range(start, end, BLOCK):
+        cols = off + lanes
+        valid = cols < end
+        x = tl.load(row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)  # NaN is never the max
+        # Strictly greater, or equal with a lower index (first -inf of a row).
+        better = valid & ((x > best_val) | ((x == best_val) & (cols < best_idx)))
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    m = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == m, best_idx, _BIG), axis=0)
+    if FINAL:
+        res = idx.to(tl.int64)
+        if HAS_MAP:
+            res = tl.load(hot_ptr + res)
+        tl.store(out_ptr + b, res)
+    else:
+        p = b.to(tl.int64) * num_splits + s
+        tl.store(part_val_ptr + p, m)
+        tl.store(part_idx_ptr + p, idx)
+
+
+@triton.jit
+def _argmax_stage2_kernel(
+    part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
+    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.arange(0, SPLITS_PAD)
+    valid = offs < num_splits
+    base = b.to(tl.int64) * num_splits
+    val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG)
+    m = tl.max(val, axis=0)
+    res = tl.min(tl.where(val == m, idx, _BIG), axis=0).to(tl.int64)
+    if HAS_MAP:
+        res = tl.load(hot_ptr + res)
+    tl.store(out_ptr + b, res)
+
+
+def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
+        raise ValueError(f"logits: expected [B, V] float32/float16/bfloat16, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.shape[1] == 0 or (logits.shape[0] > 0 and logits.stride(1) != 1):
+        raise ValueError("logits: need V >= 1 and unit column stride")
+    if logits.shape[1] >= _BIG_INT:
+        raise ValueError("logits: V must fit in int32")
+    if hot_token_ids is not None and (
+        hot_token_ids.dtype != torch.int64
+        or hot_token_ids.shape != (logits.shape[1],)
+        or not hot_token_ids.is_contiguous()
+        or hot_token_ids.device != logits.device
+    ):
+        raise ValueError(f"hot_token_ids: expected contiguous int64 [{logits.shape[1]}] on {logits.device}")
+    if out is not None and (
+        out.dtype != torch.int64 or out.shape != (logits.shape[0],) or not out.is_contiguous() or out.device != logits.device
+    ):
+        raise ValueError(f"out: expected contiguous int64 [{logits.shape[0]}] on {logits.device}")
+
+
+def _pick_splits(B: int, V: int, block: int, device: torch.device) -> int:
+    """Enough programs for ~2 per SM when B is small; never more splits than blocks."""
+    return max(1, min(triton.cdiv(V, block), triton.cdiv(2 * num_sms(device), max(B, 1))))
+
+
+def argmax_with_map(
+    logits: torch.Tensor,
+    hot_token_ids: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Row argmax (lowest index on ties, NaN never wins), optionally mapped.
+
+    logits ``[B, V]`` (fp32/fp16/bf16, unit column stride, any row stride);
+    hot_token_ids int64 ``[V]`` or None; returns int64 ``[B]`` (``out`` if given).
+    ``num_splits`` forces the number of row chunks (default: heuristic).
+    CUDA-graph capturable: with ``num_splits > 1`` it allocates two small
+    ``[B, num_splits]`` work buffers.
+    """
+    _check(logits, hot_token_ids, out)
+    B, V = logits.shape
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(V))
+    splits = _pick_splits(B, V, block, logits.device) if num_splits is None else max(1, int(num_splits))
+    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
+    splits = triton.cdiv(V, chunk)  # no empty chunks
+    hot = hot_token_ids if hot_token_ids is not None else out  # dummy pointer when unused
+    has_map = hot_token_ids is not None
+    num_warps = 4 if block >= 512 else 1
+    if splits == 1:
+        _argmax_stage1_kernel[(B, 1)](
+            logits, logits.stride(0), V, chunk, out, out, 1, hot, out,
+            BLOCK=block, FINAL=True, HAS_MAP=has_map, num_warps=num_warps,
+        )
+        return out
+    part_val = torch.empty(B, splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
+    _argmax_stage1_kernel[(B, splits)](
+        logits, logits.stride(0), V, chunk, part_val, part_idx, splits, hot, out,
+        BLOCK=block, FINAL=False, HAS_MAP=has_map, num_warps=num_warps,
+    )
+    _argmax_stage2_kernel[(B,)](
+        part_val, part_idx, splits, hot, out,
+        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, num_warps=1,
+    )
+    return out
+
+
+def argmax_with_map_ref(
+    logits: torch.Tensor,
+    hot_token_ids: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Torch reference: NaN -> -inf, row max, first index equal to it, then map."""
+    del num_splits
+    _check(logits, hot_token_ids, out)
+    x = logits.float()
+    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    m = x.max(dim=1, keepdim=True).values if x.shape[0] else x[:, :1]
+    cols = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    idx = torch.where(x == m, cols, torch.full_like(cols, x.shape[1])).min(dim=1).values
+    if hot_token_ids is not None:
+        idx = hot_token_ids[idx]
+    if out is None:
+        return idx.to(torch.int64)
+    out.copy_(idx)
+    return out

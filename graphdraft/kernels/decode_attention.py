@@ -1,0 +1,289 @@
+"""Paged, GQA-grouped, split-KV decode attention (flash-decoding).
+
+Each query row t attends to positions ``[0, kv_lens[t])`` of request
+``req_pool_indices[t]``; the cache slot of position p of request r is
+``req_to_page[r, p // page_size] * page_size + p % page_size``. Nothing past
+``kv_lens[t]`` is read (neither page-table entries nor KV).
+
+Stage 1, grid ``(T, Hkv, num_splits)``: one program takes the G = Hq / Hkv query
+heads that share one kv head (padded to >= 16 rows for ``tl.dot``), so KV is read
+once per group, and runs an fp32 online softmax over its chunk of
+``chunk = roundup(ceil(max_kv_len / num_splits), BLOCK_N)`` positions, looping
+only up to ``kv_lens[t]`` (the last split also takes anything past
+``num_splits * chunk``, so ``max_kv_len`` affects speed, never correctness).
+Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp. With one
+split, stage 1 writes the output directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdraft.kernels.argmax import num_sms
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+# Launch parameters (module-level so a benchmark can override them).
+BLOCK_N = 64  # KV positions per loop step
+MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, sq_t, sq_h,
+    k_ptr, sk_s, sk_h,
+    v_ptr, sv_s, sv_h,
+    req_ptr, lens_ptr, page_ptr, s_page_r, s_page_p,
+    o_ptr, so_t, so_h,  # final output (ONE_SPLIT) or fp32 partials [T, Hq, S, D] (contiguous)
+    lse_ptr,  # fp32 [T, Hq, S] (log2 domain)
+    scale_log2, chunk, num_splits,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    start = split * chunk
+    if start >= kv_len:
+        return  # nothing of this row here; stage 2 ignores this split
+    end = tl.minimum(start + chunk, kv_len)
+    if split == num_splits - 1:
+        end = kv_len
+    req = tl.load(req_ptr + t).to(tl.int64)
+    page_row = page_ptr + req * s_page_r
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < G
+    dmask = d < D
+    heads = (kvh * G + g).to(tl.int64)
+    q = tl.load(
+        q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :],
+        mask=gmask[:, None] & dmask[None, :], other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * sk_h
+    v_base = v_ptr + kvh.to(tl.int64) * sv_h
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    n = tl.arange(0, BLOCK)
+    for off in range(start, end, BLOCK):
+        pos = off + n
+        pmask = pos < end
+        page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p, mask=pmask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
+        kvmask = pmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pmask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if ONE_SPLIT:
+        o = o_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + d[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=omask)
+    else:
+        row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [G_PAD]
+        tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
+    chunk, num_splits,
+    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # splits that wrote
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    row = (t.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)  # fp32 scalars (typed loop carries)
+    m = denom + float("-inf")
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, active, SB):  # online rescale over blocks of SB splits
+        sp = s0 + tl.arange(0, SB)
+        smask = sp < active
+        lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.where(smask, tl.exp2(lse - m_new), 0.0)
+        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(o_ptr + t.to(tl.int64) * so_t + h.to(tl.int64) * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+def _interpreting() -> bool:
+    # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """Split count for ``T * Hkv`` (row, kv head) pairs and a ``max_kv_len`` bound.
+
+    1 when ``T * Hkv`` alone reaches 2 programs per SM. Otherwise enough splits for
+    2 programs per SM, and more if needed to keep chunks <= ``MAX_CHUNK`` positions
+    (a program walks its chunk serially, one memory round trip per block, so
+    short chunks matter more than exact fill); at most ~16 programs per SM in
+    all, and never more splits than ``BLOCK_N`` blocks in ``max_kv_len``.
+    """
+    programs = max(1, num_rows * num_kv_heads)
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    max_kv_len = max(1, max_kv_len)
+    want = max(triton.cdiv(target, programs), triton.cdiv(max_kv_len, MAX_CHUNK))
+    return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, BLOCK_N)))
+
+
+def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out) -> None:
+    if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
+        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last dim, got {tuple(q.shape)} {q.dtype}")
+    T, Hq, D = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device or c.stride(2) != 1:
+            raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous last dim, got {c.dtype} {tuple(c.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if Hq % k_cache.shape[1]:
+        raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
+    if req_pool_indices.shape != (T,) or req_pool_indices.dtype not in (torch.int32, torch.int64) or req_pool_indices.device != q.device or not req_pool_indices.is_contiguous():
+        raise ValueError(f"req_pool_indices: expected contiguous int32/int64 [{T}], got {req_pool_indices.dtype} {tuple(req_pool_indices.shape)}")
+    if kv_lens.shape != (T,) or kv_lens.dtype not in (torch.int32, torch.int64) or kv_lens.device != q.device or not kv_lens.is_contiguous():
+        raise ValueError(f"kv_lens: expected contiguous int32 [{T}], got {kv_lens.dtype} {tuple(kv_lens.shape)}")
+    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32 or req_to_page.device != q.device:
+        raise ValueError(f"req_to_page: expected int32 [max_reqs, max_pages], got {req_to_page.dtype} {tuple(req_to_page.shape)}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1):
+        raise ValueError(f"out: expected {q.dtype} {tuple(q.shape)} with a contiguous last dim")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    max_kv_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of q ``[T, Hq, D]`` over a paged KV cache; returns ``[T, Hq, D]``.
+
+    k_cache/v_cache ``[num_slots, Hkv, D]`` (q's dtype), req_pool_indices ``[T]``
+    int32/int64, kv_lens ``[T]`` int32 (each >= 1), req_to_page
+    ``[max_reqs, max_pages]`` int32. ``max_kv_len`` (host int, an upper bound on
+    kv_lens such as the context limit) only sizes the splits; ``num_splits``
+    overrides :func:`default_num_splits`. All last dims must be contiguous; other
+    strides are free. CUDA-graph capturable (with splits it allocates fp32
+    work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``).
+    """
+    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out)
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out
+    splits = default_num_splits(T, Hkv, max_kv_len, q.device) if num_splits is None else max(1, int(num_splits))
+    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), BLOCK_N) * BLOCK_N
+    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    one = splits == 1
+    d_pad = max(16, triton.next_power_of_2(D))
+    if one:
+        part, lse = out, out  # lse unused
+    else:
+        part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(T, Hkv, splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, k_cache.stride(0), k_cache.stride(1),
+        v_cache, v_cache.stride(0), v_cache.stride(1),
+        req_pool_indices, kv_lens, req_to_page, req_to_page.stride(0), req_to_page.stride(1),
+        part, out.stride(0), out.stride(1),
+        lse,
+        float(sm_scale) * _LOG2E, chunk, splits,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
+        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if not one:
+        _decode_combine_kernel[(T, Hq)](
+            part, lse, kv_lens, out, out.stride(0), out.stride(1),
+            chunk, splits,
+            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    max_kv_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Torch reference: per row, gather the slots of ``[0, kv_len)``, fp32 softmax."""
+    del max_kv_len, num_splits
+    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out)
+    T, Hq, D = q.shape
+    G = Hq // k_cache.shape[1]
+    res = torch.empty_like(q)
+    for t in range(T):
+        n = int(kv_lens[t])
+        req = int(req_pool_indices[t])
+        pos = torch.arange(n, device=q.device)
+        slots = req_to_page[req, pos // page_size].long() * page_size + pos % page_size
+        k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[t].float(), k) * sm_scale
+        res[t] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out

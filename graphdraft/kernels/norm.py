@@ -1,0 +1,127 @@
+"""RMSNorm (HF LlamaRMSNorm numerics), optionally fused with the residual add.
+
+Math, exactly as HF Llama::
+
+    h  = x + residual                      # in the input dtype (if residual given)
+    hf = h.float()
+    y  = (hf * rsqrt(mean(hf**2, -1) + eps)).to(dtype)
+    out = weight * y                       # in the input dtype
+
+One program per row; the whole row (N <= 16384) is held in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rms_norm_ref"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_N = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, stride_x, res_ptr, stride_res, w_ptr, out_ptr, stride_out, res_out_ptr, stride_res_out,
+    N, eps,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a dtype add
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * (1.0 / tl.sqrt(var + eps))).to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(dtype)  # == a dtype multiply
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name}: expected {like.dtype} {tuple(like.shape)} on {like.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if t.shape[0] > 0 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: rows must be contiguous (unit column stride)")
+
+
+def _check(x, weight, residual, out, residual_out) -> None:
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x: expected [M, N] float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
+    if not 1 <= x.shape[1] <= _MAX_N:
+        raise ValueError(f"x: N must be in [1, {_MAX_N}], got {x.shape[1]}")
+    _check_2d("x", x, x)
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        raise ValueError(f"weight: expected contiguous {x.dtype} [{x.shape[1]}], got {weight.dtype} {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+        if t is not None:
+            _check_2d(name, t, x)
+    if residual is None and residual_out is not None:
+        raise ValueError("residual_out: only valid together with residual")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x ``[M, N]`` with weight ``[N]`` (same dtype as x).
+
+    Without ``residual`` returns ``out`` ``[M, N]``; with ``residual`` ``[M, N]``
+    returns ``(out, h)`` where ``h = x + residual`` (written to ``residual_out``,
+    which may alias ``residual`` or ``x`` for an in-place update). Rows may have
+    any stride; columns must be contiguous. M == 0 launches nothing.
+    """
+    _check(x, weight, residual, out, residual_out)
+    M, N = x.shape
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M > 0:
+        block = triton.next_power_of_2(N)
+        res = residual if residual is not None else x
+        res_out = residual_out if residual_out is not None else out
+        _rms_norm_kernel[(M,)](
+            x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
+            N, float(eps),
+            BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (HF LlamaRMSNorm); same signature and outputs as :func:`rms_norm`."""
+    _check(x, weight, residual, out, residual_out)
+    h = x if residual is None else x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * hf.to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    if residual is None:
+        return y
+    if residual_out is not None:
+        residual_out.copy_(h)
+        h = residual_out
+    return y, h

@@ -1,0 +1,166 @@
+"""Rotary embedding (NeoX / HF-Llama rotate_half) fused with the KV-cache store.
+
+For each token t, with ``c = cos_sin_cache[positions[t], :D/2]`` and
+``s = cos_sin_cache[positions[t], D/2:]``, every head vector x is rotated as
+``out[i] = x[i]*c[i] - x[i+D/2]*s[i]`` and ``out[i+D/2] = x[i+D/2]*c[i] + x[i]*s[i]``
+(fp32 math, stored in x's dtype). q is rotated in place; rotated k and raw v are
+written to ``k_cache[out_cache_loc[t]]`` / ``v_cache[out_cache_loc[t]]``; k itself
+is left unchanged. One program per token handles all heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rope_and_store_kv", "rope_and_store_kv_ref"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s):
+    """Rotate the two halves [H, D/2] (fp32) by cos/sin [1, D/2]."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, sq_t, sq_h,
+    k_ptr, sk_t, sk_h,
+    v_ptr, sv_t, sv_h,
+    pos_ptr, cs_ptr, s_cs,
+    kc_ptr, skc_s, skc_h,
+    vc_ptr, svc_s, svc_h,
+    loc_ptr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    loc = tl.load(loc_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    dmask = d < HALF
+    c = tl.load(cs_ptr + pos * s_cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+
+    # q: rotate in place.
+    hq = tl.arange(0, HQ_PAD)
+    m = (hq[:, None] < HQ) & dmask[None, :]
+    p1 = q_ptr + t * sq_t + hq[:, None].to(tl.int64) * sq_h + d[None, :]
+    q1 = tl.load(p1, mask=m, other=0.0)
+    q2 = tl.load(p1 + HALF, mask=m, other=0.0)
+    o1, o2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c, s)
+    tl.store(p1, o1.to(q1.dtype), mask=m)
+    tl.store(p1 + HALF, o2.to(q1.dtype), mask=m)
+
+    # k: rotate into the cache; v: copy into the cache.
+    hk = tl.arange(0, HKV_PAD)[:, None].to(tl.int64)
+    m = (hk < HKV) & dmask[None, :]
+    pk = k_ptr + t * sk_t + hk * sk_h + d[None, :]
+    k1 = tl.load(pk, mask=m, other=0.0)
+    k2 = tl.load(pk + HALF, mask=m, other=0.0)
+    o1, o2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), c, s)
+    pkc = kc_ptr + loc * skc_s + hk * skc_h + d[None, :]
+    tl.store(pkc, o1.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(pkc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=m)
+    pv = v_ptr + t * sv_t + hk * sv_h + d[None, :]
+    pvc = vc_ptr + loc * svc_s + hk * svc_h + d[None, :]
+    tl.store(pvc, tl.load(pv, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+    tl.store(pvc + HALF, tl.load(pv + HALF, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
+    if q.dim() != 3 or q.dtype not in _DTYPES:
+        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16, got {tuple(q.shape)} {q.dtype}")
+    T, _, D = q.shape
+    if D % 2 or q.stride(2) != 1:
+        raise ValueError("q: head_dim must be even and the last dim contiguous")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[0] != T or t.shape[2] != D or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} [{T}, Hkv, {D}], got {t.dtype} {tuple(t.shape)}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape[1:] != k.shape[1:] or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} [num_slots, {k.shape[1]}, {D}], got {t.dtype} {tuple(t.shape)}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    for name, t in (("positions", positions), ("out_cache_loc", out_cache_loc)):
+        if t.shape != (T,) or t.dtype not in _INDEX_DTYPES or not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"{name}: expected contiguous int64 (or int32) [{T}], got {t.dtype} {tuple(t.shape)}")
+    cs = cos_sin_cache
+    if cs.dim() != 2 or cs.shape[1] != D or cs.dtype != torch.float32 or cs.stride(1) != 1 or cs.device != q.device:
+        raise ValueError(f"cos_sin_cache: expected float32 [max_pos, {D}] with a contiguous last dim, got {cs.dtype} {tuple(cs.shape)}")
+
+
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """Rotate q ``[T, Hq, D]`` in place; store rotated k and raw v ``[T, Hkv, D]`` into
+    ``k_cache``/``v_cache`` ``[num_slots, Hkv, D]`` at slots ``out_cache_loc`` ``[T]``.
+
+    ``positions`` ``[T]`` (int64, int32 accepted) index ``cos_sin_cache`` ``[max_pos, D]``
+    fp32 (cos in the first D/2 columns, sin in the last). q/k/v may be strided views
+    of one fused qkv buffer (last dim contiguous). Rows sharing a slot race (last
+    write wins undefined): only padded rows aimed at a dummy slot may do that.
+    """
+    _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+    T, Hq, D = q.shape
+    if T == 0:
+        return
+    Hkv, half = k.shape[1], D // 2
+    _rope_store_kernel[(T,)](
+        q, q.stride(0), q.stride(1),
+        k, k.stride(0), k.stride(1),
+        v, v.stride(0), v.stride(1),
+        positions, cos_sin_cache, cos_sin_cache.stride(0),
+        k_cache, k_cache.stride(0), k_cache.stride(1),
+        v_cache, v_cache.stride(0), v_cache.stride(1),
+        out_cache_loc,
+        HQ=Hq, HKV=Hkv, HALF=half,
+        HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+
+
+def rope_and_store_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """Torch reference (HF ``apply_rotary_pos_emb`` in fp32, then cast); same effects."""
+    _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+    D = q.shape[2]
+    cs = cos_sin_cache[positions.long()]
+    cos = torch.cat([cs[:, : D // 2]] * 2, dim=-1)[:, None, :]
+    sin = torch.cat([cs[:, D // 2 :]] * 2, dim=-1)[:, None, :]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+    q.copy_(apply(q))
+    loc = out_cache_loc.long()
+    k_cache[loc] = apply(k)
+    v_cache[loc] = v

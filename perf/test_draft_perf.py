@@ -1,0 +1,79 @@
+"""Draft time of the 8B-shaped EAGLE-3 head: eager vs graph replay vs torch.compile, vs the HBM floor.
+
+Two records per case (page size, KV length, bs), in this order within a group:
+`graph` (eager and graph-replay times, capture stats; its benchmark stats time a
+synchronized graph-replay `drafter.run`) and then `compile` (the torch.compile
+baseline; its stats time a synchronized compiled `run`). Every record's
+`extra_info` holds the CUDA-event medians (`perf.bench`), the HBM floor and the
+device info; `perf.report` merges the two records of a case into one row.
+
+Knobs: `GRAPHDRAFT_PERF_BS="1,64"` restricts the batch sizes;
+`GRAPHDRAFT_PERF_COMPILE=0` skips the torch.compile baseline, `=dynamic` compiles
+it with automatic dynamic shapes (two compiles per forward and group instead of
+one per bs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from perf.bench import (
+    LLAMA31_8B_HEAD,
+    STEPS,
+    Case,
+    GroupCache,
+    cases_from_env,
+    compiler_from_env,
+    fill_decode_batch,
+    floor_info,
+    measure_case,
+    measure_compiled,
+    ordered_params,
+)
+
+CASES = cases_from_env()
+COMPILER, COMPILE_MODE = compiler_from_env()
+ROUNDS, WARMUP_ROUNDS = 20, 2
+
+
+def _us(res: dict[str, Any], key: str) -> str:
+    return f"{res[key]:.1f} us" if key in res else "—"
+
+
+@pytest.mark.parametrize(("case", "variant"), ordered_params(CASES, COMPILER is not None),
+                         ids=lambda p: str(p))
+def test_draft(case: Case, variant: str, benchmark: Any, groups: GroupCache,
+               device_info: dict[str, Any]) -> None:
+    group = groups.get(case.page_size, case.kv_len)
+    batch = fill_decode_batch(group, case.bs)
+    if variant == "graph":
+        res = measure_case(group, batch)
+        drafter = group.drafter
+        line = (f"eager {_us(res, 'eager_run_us')}, graph {_us(res, 'graph_run_us')} "
+                f"(capture {res['capture_s']:.2f} s)")
+    else:
+        assert COMPILER is not None
+        res = measure_compiled(group, batch, COMPILER)
+        drafter = group.baseline
+        line = (f"compile {_us(res, 'compile_run_us')} (compile {res.get('compile_s', 0):.1f} s)"
+                + (f" FAILED {res['compile_error'][:160]}" if "compile_error" in res else ""))
+    res.update(page_size=case.page_size, kv_len=case.kv_len, bs=case.bs, steps=STEPS,
+               variant=variant, compile_mode=COMPILE_MODE, **device_info,
+               group_build_s=groups.build_seconds.get(case.group, 0.0),
+               **floor_info(LLAMA31_8B_HEAD, case.bs, case.kv_len, device_info["copy_bw"]))
+    benchmark.extra_info.update(res)
+    print(f"\n[perf] {case} {variant}: {line}, floor {_us(res, 'floor_us')}")
+
+    if "compile_error" in res or drafter is None:  # keep the record: it carries the error
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+        return
+
+    def call() -> None:
+        with torch.inference_mode():
+            drafter.run(*batch.args)
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(call, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
