@@ -390,6 +390,13 @@ class CapturedForward(Generic[T]):
         """Capture ``forward(bs)``; return (graph, static outputs, pool bytes, replay seconds)."""
         side = stream if stream is not None else self.pool.stream
         torch.cuda.synchronize()
+        # A graph must not point at cuBLAS's cached workspace: torch.compile(mode=
+        # "reduce-overhead") frees that cache before it records its own graphs, and a
+        # graph captured over it would then replay into freed memory. Clearing it
+        # here makes cuBLAS allocate a workspace inside this graph's pool.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()  # torch.cuda.graph does it too; done here so `before` is exact
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()

@@ -36,6 +36,19 @@ from graphdraft.verify import SamplingParams, sample_tokens, verify_greedy, veri
 log = logging.getLogger(__name__)
 
 
+def _check_model(name: str, model: torch.nn.Module, cfg: RuntimeConfig,
+                 device: torch.device) -> None:
+    """The model's dtype and device must be the runtime's (KV pools and buffers follow them)."""
+    param = next(model.parameters())
+    if param.dtype != cfg.torch_dtype or model.dtype != cfg.torch_dtype:
+        raise ValueError(f"{name}: expected dtype {cfg.torch_dtype} (RuntimeConfig.dtype), "
+                         f"got {param.dtype}")
+    param_device = param.device
+    if param_device.type != device.type:
+        raise ValueError(f"{name}: expected parameters on {device} (RuntimeConfig.device), "
+                         f"got {param_device}")
+
+
 @dataclass
 class Request:
     rid: int
@@ -83,6 +96,11 @@ class Engine:
             raise ValueError(f"max_context_len: expected <= the target's max_position_embeddings "
                              f"({tc.max_position_embeddings}), got {cfg.max_context_len}")
         self.device = torch.device(cfg.device)
+        _check_model("target", target, cfg, self.device)
+        if head is not None:
+            _check_model("head", head, cfg, self.device)
+        if head is not None and drafter is not None:
+            raise ValueError("drafter: expected either head or drafter, not both")
         self.n_row = cfg.spec_num_tokens if (head is not None or drafter is not None) else 1
         self.pages = PageTable(cfg.max_running_requests, cfg.max_pages_per_req, cfg.total_kv_pages,
                                cfg.page_size, self.device)

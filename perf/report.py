@@ -48,7 +48,7 @@ def row(r: dict[str, Any]) -> list[str]:
     if "compile_error" in r:
         comp_cell = "failed: " + r["compile_error"].split(":", 1)[0]
     else:
-        comp_cell = _num(comp, ".0f")
+        comp_cell = _num(comp, ".0f") + ("*" if r.get("compile_cudagraph_skips") else "")
     return [f"page{r.get('page_size', '?')}", str(r.get("bs", "?")), str(r.get("kv_len", "?")),
             _num(eager, ".0f"), _num(graph, ".0f"), comp_cell, _num(floor, ".0f"),
             _num(_ratio(graph, floor), ".2f") + ("x" if graph and floor else ""),
@@ -59,13 +59,15 @@ def row(r: dict[str, Any]) -> list[str]:
 
 def notes(records: Sequence[dict[str, Any]]) -> list[str]:
     out = []
+    skipped = [r for r in records if r.get("compile_cudagraph_skips")]
+    if skipped:
+        out.append(f"- *: torch.compile skipped cudagraphs for part of the baseline in "
+                   f"{len(skipped)} of {len(records)} cases (see the run's "
+                   "'skipping cudagraphs due to ...' warnings); those parts ran without graphs")
     for r in records:
         name = f"page{r.get('page_size')} kv{r.get('kv_len')} bs{r.get('bs')}"
         if "compile_error" in r:
             out.append(f"- {name}: torch.compile baseline failed: {r['compile_error']}")
-        if r.get("compile_cudagraph_skips"):
-            out.append(f"- {name}: torch.compile skipped cudagraphs "
-                       f"{r['compile_cudagraph_skips']} time(s)")
         if r.get("eager_equals_graph") is False:
             out.append(f"- {name}: graph replay output differs from eager output")
         if r.get("graph_replayed") is False:

@@ -591,3 +591,29 @@ def test_gpu_output_guard():
         cf.capture(progress=False)
     assert cf.captured_sizes == []
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_graph_survives_torch_compile_reduce_overhead():
+    """torch.compile(mode="reduce-overhead") frees cuBLAS's cached workspace before recording;
+    graphs captured earlier must not point at it (seen on the H200: illegal memory access)."""
+    from capture import CapturedForward, GraphPool
+
+    x = torch.randn(64, 256, device="cuda")
+    w = torch.randn(256, 256, device="cuda")
+    y = torch.empty(64, 256, device="cuda")
+
+    def fwd(bs):
+        torch.matmul(x[:bs], w, out=y[:bs])
+        return y[:bs]
+
+    f = CapturedForward("mm", fwd, [8, 64], pool=GraphPool(), enabled=True)
+    f.capture(progress=False)
+    ref = (x @ w).clone()
+    compiled = torch.compile(lambda a, b: a @ b, mode="reduce-overhead")
+    for _ in range(3):
+        compiled(x, w)
+    torch.cuda.empty_cache()
+    out = f.run(64)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)

@@ -116,7 +116,7 @@ def _info(bs, variant, **extra):
 
 def test_report_renders_one_table(tmp_path, capsys):
     data = {"benchmarks": [_info(1, "graph"), _info(8, "graph", eager_equals_graph=False),
-                           _info(1, "compile"),
+                           _info(1, "compile", compile_cudagraph_skips=2),
                            _info(8, "compile", compile_error="BackendCompilerFailed: boom"),
                            {"name": "other", "extra_info": {}}]}
     path = tmp_path / "benchmark.json"
@@ -126,8 +126,9 @@ def test_report_renders_one_table(tmp_path, capsys):
     table = [ln for ln in out.splitlines() if ln.startswith("|")]
     assert len(table) == 4  # header, rule, two cases
     assert table[0].count("|") == len(report.COLUMNS) + 1
-    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.25x | 5.0x "
+    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000* | 600 | 1.33x | 1.25x | 5.0x "
                         "| 1.50 | 64.0 |")
+    assert "skipped cudagraphs for part of the baseline in 1 of 2 cases" in out
     assert "failed: BackendCompilerFailed" in table[3]
     assert "4.27 TB/s" in out and "NVIDIA H200" in out
     assert "differs from eager" in out and "boom" in out
