@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf demo demo-gpu lint clean
+.PHONY: install test test-gpu perf soak demo demo-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -38,9 +38,12 @@ test-gpu:
 
 perf:
 	mkdir -p $(OUT)
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -s -p no:cacheprovider perf \
-		--benchmark-json=$(OUT)/benchmark.json
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -s -p no:cacheprovider perf \
+		--benchmark-json=$(OUT)/benchmark.json; s=$$?; \
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json; exit $$s
+
+soak:
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.soak --steps 100000
 
 demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo

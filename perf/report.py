@@ -34,6 +34,23 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return merge([b.get("extra_info", {}) for b in data.get("benchmarks", [])])
 
 
+def load_schedule(path: str | Path) -> dict[str, Any] | None:
+    """The whole-schedule capture record (perf/test_capture_schedule.py), if the run has one."""
+    data = json.loads(Path(path).read_text())
+    found = [b["extra_info"] for b in data.get("benchmarks", [])
+             if "schedule" in b.get("extra_info", {})]
+    return found[0] if found else None
+
+
+def schedule_line(s: dict[str, Any]) -> str:
+    per = s.get("schedule_per_size", {})
+    sizes = ", ".join(f"{bs}: {(v.get('first_s') or 0) + (v.get('multi_s') or 0):.2f}s"
+                      for bs, v in per.items())
+    return (f"Whole schedule {s['schedule']}: first-step + multi-step graphs captured in "
+            f"{s['schedule_capture_s']:.2f} s, pool {s['schedule_pool_bytes'] / 2**20:.1f} MiB "
+            f"(per size: {sizes}).")
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
@@ -105,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{path}: no such file (pytest-benchmark writes none when every test was skipped)")
         return 1
     print(render(load(path)))
+    sched = load_schedule(path)
+    if sched is not None:
+        print("\n" + schedule_line(sched))
     return 0
 
 

@@ -134,3 +134,30 @@ def test_report_renders_one_table(tmp_path, capsys):
     assert "differs from eager" in out and "boom" in out
     assert report.main([str(tmp_path / "missing.json")]) == 1
     assert "skipped" in report.render([])
+
+
+def test_soak_code_path_on_cpu():
+    """The soak loop (requests coming and going, graph-vs-eager checks) runs a few steps on CPU."""
+    from perf.soak import build, soak
+
+    engine = build("cpu", "float32", max_running_requests=4, cuda_graph_max_bs=4,
+                   max_context_len=512)
+    report = soak(engine, steps=30, check_every=10)
+    assert report.draft_steps >= 30 and report.checks >= 2
+    assert not report.failures, report.failures
+
+
+def test_report_schedule_line(tmp_path):
+    import json
+
+    from perf.report import load_schedule, schedule_line
+
+    info = {"schedule": [1, 2], "schedule_per_size": {"1": {"first_s": 0.5, "multi_s": 0.25,
+                                                             "pool_bytes": 0},
+                                                       "2": {"first_s": 0.1, "multi_s": 0.1,
+                                                             "pool_bytes": 2**20}},
+            "schedule_capture_s": 0.95, "schedule_pool_bytes": 2**20}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"benchmarks": [{"extra_info": info}]}))
+    line = schedule_line(load_schedule(path))
+    assert "0.95 s" in line and "1.0 MiB" in line and "1: 0.75s" in line
