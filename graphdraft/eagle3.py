@@ -16,11 +16,24 @@ One step over T tokens (positions `[T]`, KV slots `[T]`):
   -> pre-norm hidden `[B, H]` (the next step's hidden input) and logits of norm(pre-norm) `[B, Vd]`.
 Because the head has a single layer, the non-gathered rows only feed the KV cache,
 so only the gathered rows run attention, MLP and LM head.
+
+Tensor parallelism, two ways (see `graphdraft.parallel`):
+  replicated  (the default) every rank runs the full head on its full weights: its inputs,
+              the target's aux hidden states and output tokens, are replicated on every
+              rank (the target's row-parallel all-reduces and logits all-gather make them
+              so), so every rank drafts the same tokens with no communication at all.
+              A head sharing the target's embedding keeps the full table.
+  sharded     `parallel.shard_(head, tp)`: attention heads / KV heads, MLP and the
+              draft-vocab LM head split like the target's (fc, norms and hot_token_ids
+              replicated); `config` becomes rank-local, so the drafter's KV pool holds
+              this rank's KV heads. Costs 2 all-reduces + 1 embedding all-reduce + 1
+              logits all-gather per draft step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,7 +43,10 @@ from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
-from graphdraft.ops import rope_cos_sin_cache
+from graphdraft.ops import argmax_with_map, linear, rope_cos_sin_cache
+
+if TYPE_CHECKING:
+    from graphdraft.parallel import TensorParallel
 
 
 class Eagle3MidLayer(nn.Module):
@@ -59,7 +75,13 @@ class Eagle3DraftHead(nn.Module):
                  hot_token_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config, self.dtype = cfg, dtype
+        self.global_config = cfg
+        self.tp: TensorParallel | None = None
         h, k = cfg.hidden_size, cfg.num_aux_hidden_states
+        if embed_tokens is not None and tuple(embed_tokens.shape) != (cfg.vocab_size, h):
+            raise ValueError(f"embed_tokens: expected shape ({cfg.vocab_size}, {h}) (a full "
+                             f"table: share the target's before sharding it), got "
+                             f"{tuple(embed_tokens.shape)}")
         self.embed_tokens = (nn.Parameter(embed_tokens, requires_grad=False)
                              if embed_tokens is not None else _param(cfg.vocab_size, h, dtype=dtype))
         self.fc = _param(h, k * h, dtype=dtype)
@@ -96,6 +118,19 @@ class Eagle3DraftHead(nn.Module):
     def target_hidden_width(self) -> int:
         return self.config.num_aux_hidden_states * self.config.hidden_size
 
+    @torch.no_grad()
+    def shard_(self, tp: TensorParallel, memo: dict) -> None:
+        """Keep this rank's slices (use `parallel.shard_`, which also handles tp None / 1)."""
+        from graphdraft import parallel
+
+        local = parallel.local_config(self.config, tp)  # raises before anything changes
+        parallel.shard_attention_(self.midlayer.self_attn, tp)
+        parallel.shard_mlp_(self.midlayer.mlp, tp)
+        shard = lambda w: parallel.vocab_rows(w, tp)
+        self.embed_tokens = parallel.shared_shard(memo, self.embed_tokens, shard)
+        self.lm_head = parallel.shared_shard(memo, self.lm_head, shard)
+        self.config, self.tp = local, tp
+
     def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids."""
         return self.hot_token_ids[draft_ids] if self.hot_token_ids is not None else draft_ids
@@ -107,7 +142,9 @@ class Eagle3DraftHead(nn.Module):
         """input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
         out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T)."""
         layer = self.midlayer
-        embeds = self.embed_tokens[input_ids]
+        tp = self.tp
+        embeds = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
+                                                                          self.embed_tokens)
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = torch.nn.functional.linear(hidden, self.fc)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
@@ -116,6 +153,11 @@ class Eagle3DraftHead(nn.Module):
         residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
         normed, residual = layer.post_attention_layernorm(attn_out, residual)
         normed, prenorm = self.norm(layer.mlp(normed), residual)
+        if tp is not None:  # vocab-parallel LM head: gather the full draft-vocab logits
+            logits = tp.gather_vocab(linear(normed, self.lm_head), self.config.output_vocab_size)
+            ids = argmax_with_map(logits, self.hot_token_ids,
+                                  use_triton=self.logits_processor.use_triton)
+            return DraftStepOutput(ids, prenorm, logits)
         out: LogitsOutput = self.logits_processor(
             normed, self.lm_head, hidden_states=prenorm,
             capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True)

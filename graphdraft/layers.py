@@ -4,9 +4,17 @@ Weights are plain `nn.Parameter`s in HF layout (`[out_features, in_features]`),
 with q/k/v and gate/up fused: `qkv_proj [(Hq + 2 Hkv) * D, in]`,
 `gate_up_proj [2 F, H]`. Each layer calls `graphdraft.ops`, which runs the
 torch path or the Triton path (`use_triton`).
+
+Tensor parallelism (`graphdraft.parallel`): `Attention` and `MLP` hold `tp = None`
+(single device: no collective, today's code path) or, after `parallel.shard_`, their
+rank's column slices of qkv / gate_up and row slices of o / down, with the head counts and
+intermediate size set to the rank-local ones; their output is then all-reduced over the
+tensor-parallel group (`dist.all_reduce` on the current stream, capturable with NCCL).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +22,9 @@ from torch import nn
 from graphdraft import ops
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.config import ModelConfig
+
+if TYPE_CHECKING:
+    from graphdraft.parallel import TensorParallel
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -37,6 +48,8 @@ class Attention(nn.Module):
 
     forward: x `[T, input_size]` -> `[B, H]` (B = len(gather_ids), else T).
     KV of all T tokens is written first; only the gathered query rows attend.
+    Tensor-parallel (`tp` set by `parallel.shard_attention_`): num_heads / num_kv_heads are
+    this rank's (the KV cache holds only them); the o_proj partial sums are all-reduced.
     """
 
     def __init__(self, cfg: ModelConfig, input_size: int, dtype: torch.dtype) -> None:
@@ -49,6 +62,7 @@ class Attention(nn.Module):
         self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.sm_scale = self.head_dim ** -0.5
         self.use_triton = False
+        self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
@@ -65,22 +79,28 @@ class Attention(nn.Module):
         if gather_ids is not None:
             q = q.index_select(0, gather_ids)
         out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata)
-        return ops.linear(out.reshape(out.shape[0], self.q_size), self.o_proj)
+        out = ops.linear(out.reshape(out.shape[0], self.q_size), self.o_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`, `[M, H] -> [M, H]`."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, `[M, H] -> [M, H]`.
+
+    Tensor-parallel (`tp` set by `parallel.shard_mlp_`): intermediate_size is this rank's
+    slice; the down_proj partial sums are all-reduced."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
+        self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
-        return ops.linear(torch.nn.functional.silu(gate) * up, self.down_proj)
+        out = ops.linear(torch.nn.functional.silu(gate) * up, self.down_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def set_use_triton(module: nn.Module, use_triton: bool) -> None:

@@ -4,11 +4,18 @@ RMSNorm, RoPE (optional Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings
 A forward returns logits for the sampled rows only and, for EAGLE-3, the
 residual stream entering the configured aux layers, concatenated:
 `aux_hidden [T, k*H]`.
+
+Tensor parallelism: `parallel.shard_(model, tp)` slices the loaded weights (see
+`graphdraft.parallel`); afterwards `config` is the rank-local shape (the engine sizes its
+KV pool from it), `global_config` the checkpoint's, and the forward adds a vocab-parallel
+embedding lookup, the all-reduces of the row-parallel layers and the all-gather of the
+LM-head logits. The outputs (logits over the full vocab, aux hidden) are replicated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +25,9 @@ from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.config import ModelConfig
 from graphdraft.kv_cache import KVPool
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+
+if TYPE_CHECKING:
+    from graphdraft.parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -41,6 +51,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.config, self.dtype = cfg, dtype
+        self.global_config = cfg
+        self.tp: TensorParallel | None = None
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -63,13 +75,31 @@ class LlamaForCausalLM(nn.Module):
     def aux_hidden_width(self) -> int:
         return len(self.aux_layer_ids) * self.config.hidden_size
 
+    @torch.no_grad()
+    def shard_(self, tp: TensorParallel, memo: dict) -> None:
+        """Keep this rank's slices (use `parallel.shard_`, which also handles tp None / 1)."""
+        from graphdraft import parallel
+
+        local = parallel.local_config(self.config, tp)  # raises before anything changes
+        for layer in self.layers:
+            parallel.shard_attention_(layer.self_attn, tp)
+            parallel.shard_mlp_(layer.mlp, tp)
+        tied = self.lm_head is self.embed_tokens
+        shard = lambda w: parallel.vocab_rows(w, tp)
+        self.embed_tokens = parallel.shared_shard(memo, self.embed_tokens, shard)
+        self.lm_head = (self.embed_tokens if tied
+                        else parallel.shared_shard(memo, self.lm_head, shard))
+        self.config, self.tp = local, tp
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv_pool: KVPool, backend: PagedAttentionBackend,
                 metadata: AttentionMetadata, logits_rows: torch.Tensor | None = None,
                 capture_aux: bool = True) -> TargetOutput:
         """input_ids/positions/out_cache_loc `[T]`; metadata per token (causal kv lens);
         logits_rows `[B]` int64 (None: every token)."""
-        hidden = self.embed_tokens[input_ids]
+        tp = self.tp
+        hidden = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
+                                                                          self.embed_tokens)
         residual = None
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -88,5 +118,7 @@ class LlamaForCausalLM(nn.Module):
         if logits_rows is not None:
             normed = normed.index_select(0, logits_rows)
         logits = ops.linear(normed, self.lm_head)
+        if tp is not None:
+            logits = tp.gather_vocab(logits, self.config.vocab_size)
         aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], -1) if capture_aux else None
         return TargetOutput(logits, aux_hidden)
