@@ -594,6 +594,9 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
     and vocab sizes must match, and the head's RoPE table covers the target's
     max_position_embeddings. Without one: device defaults to "cpu".
     """
+    if target is not None and getattr(target, "tp", None) is not None:
+        raise ValueError("target: already sharded for tensor parallelism; load the head with the "
+                         "full target, then shard both (graphdraft.parallel.shard_)")
     d = _checkpoint_dir(path)
     cfg, extras = read_config(d, aux_ids_convention=aux_ids_convention)
     where = d / CONFIG_NAME
@@ -771,6 +774,11 @@ def _aux_ids_for_config(ids: tuple[int, ...]) -> dict[str, Any]:
     return {AUX_IDS_KEY: list(ids), CONVENTION_KEY: "input"}
 
 
+def _refuse_sharded(name: str, model: torch.nn.Module) -> None:
+    if any(getattr(m, "tp", None) is not None for m in model.modules()):
+        raise ValueError(f"{name}: sharded for tensor parallelism; save the full (unsharded) model")
+
+
 def save_target(model: LlamaForCausalLM, path: str | os.PathLike, *,
                 max_shard_bytes: int | None = None,
                 eos_token_id: int | list[int] | None = None,
@@ -780,6 +788,7 @@ def save_target(model: LlamaForCausalLM, path: str | os.PathLike, *,
     Explicit aux layer ids are written as `eagle_aux_hidden_state_layer_ids` in the "input"
     convention (with `graphdraft_aux_layer_ids_convention: "input"`).
     """
+    _refuse_sharded("model", model)
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -801,6 +810,7 @@ def save_eagle3_head(head: Eagle3DraftHead, path: str | os.PathLike,
     `d2t`/`t2d` are written from `hot_token_ids` (none when the head has no draft vocab);
     `embed_tokens.weight` only with `include_embeddings` (else the loader shares the target's).
     """
+    _refuse_sharded("head", head)
     cfg = head.config
     ids = cfg.aux_hidden_state_layer_ids
     if ids is None and cfg.num_aux_hidden_states != 3:

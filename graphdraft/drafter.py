@@ -61,7 +61,11 @@ class EagleDrafter:
 
     def __init__(self, head: Eagle3DraftHead, cfg: RuntimeConfig, *, req_to_page: torch.Tensor,
                  input_buffers: InputBuffers, runtime_states: RuntimeStates,
-                 kv_pool: KVPool | None = None, graph_pool: GraphPool | None = None) -> None:
+                 kv_pool: KVPool | None = None, graph_pool: GraphPool | None = None,
+                 on_oom: str = "drop") -> None:
+        """`on_oom`: a batch size whose capture runs out of memory is dropped ("drop": it pads
+        to a larger graph or runs eagerly) or the error propagates ("raise"; use it when
+        ranks must capture identical sets)."""
         self.head, self.cfg = head, cfg
         self.N, self.S = cfg.spec_num_tokens, cfg.speculative_num_steps
         self.device = torch.device(cfg.device)
@@ -86,10 +90,10 @@ class EagleDrafter:
         self.graph_pool = graph_pool or GraphPool()
         self.first_step_graphs = CapturedForward(
             "draft_first_step", self._first_step_decode, self.schedule, pool=self.graph_pool,
-            enabled=enabled)
+            enabled=enabled, on_oom=on_oom)
         self.multi_step_graphs = CapturedForward(
             "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
-            enabled=enabled and self.S > 1)
+            enabled=enabled and self.S > 1, on_oom=on_oom)
         self.stats = DrafterStats()
 
     # ------------------------------------------------------------------

@@ -87,9 +87,11 @@ class EngineStats:
 class Engine:
     def __init__(self, target: LlamaForCausalLM, cfg: RuntimeConfig,
                  head: Eagle3DraftHead | None = None, *, drafter=None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, seed: int | None = None) -> None:
         """`head`: an EAGLE-3 head (an `EagleDrafter` is built for it); or `drafter`: any
-        object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)`."""
+        object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)`.
+        `seed` seeds sampled requests that carry none (pass the same on every
+        tensor-parallel rank so that ranks sample alike)."""
         self.target, self.cfg, self.eos_token_id = target, cfg, eos_token_id
         tc = target.config
         if tc.max_position_embeddings < cfg.max_context_len:
@@ -118,8 +120,11 @@ class Engine:
         self.graph_pool = GraphPool()
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
+        # Under tensor parallelism a size dropped on one rank alone would desynchronise the
+        # ranks' collectives: raise instead of dropping.
+        on_oom = "raise" if getattr(target, "tp", None) is not None else "drop"
         self.verify_graphs = CapturedForward("target_verify", self._target_decode, self.schedule,
-                                             pool=self.graph_pool, enabled=enabled)
+                                             pool=self.graph_pool, enabled=enabled, on_oom=on_oom)
         self.drafter = drafter
         if head is not None:
             if head.config.num_aux_hidden_states * head.config.hidden_size != target.aux_hidden_width:
@@ -127,10 +132,15 @@ class Engine:
                                  f"aux hidden width ({target.aux_hidden_width})")
             self.drafter = EagleDrafter(head, cfg, req_to_page=self.pages.req_to_page,
                                         input_buffers=self.inputs, runtime_states=self.states,
-                                        graph_pool=self.graph_pool)
+                                        graph_pool=self.graph_pool, on_oom=on_oom)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rids = itertools.count()
+        self._seeds = torch.Generator()
+        if seed is not None:
+            self._seeds.manual_seed(seed)
+        else:
+            self._seeds.seed()
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------
@@ -176,7 +186,8 @@ class Engine:
                              f"pool has {self.pages.num_pages - 1}")
         req = Request(next(self._rids), list(prompt), params)
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+            seed = (params.seed if params.seed is not None
+                    else int(torch.randint(2**62, (), generator=self._seeds)))
             req.generator = torch.Generator().manual_seed(seed)
         self.waiting.append(req)
         return req

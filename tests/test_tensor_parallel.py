@@ -282,3 +282,18 @@ def test_init_without_torchrun_is_single_rank(monkeypatch):
     tp, device = init_tensor_parallel(device="cpu")
     assert tp == TensorParallel(0, 1) and not tp.is_parallel and device == "cpu"
     assert not dist.is_initialized()
+
+
+def test_sharded_models_cannot_be_saved_or_host_a_head(tmp_path):
+    from graphdraft.checkpoint import load_eagle3_head, save_eagle3_head, save_target
+    from graphdraft.parallel import TensorParallel, shard_
+    from tests.engine_harness import make_models
+
+    target, head = make_models(0)
+    save_eagle3_head(head, tmp_path / "head")
+    shard_(target, TensorParallel(rank=0, world_size=2, group=None))  # slicing needs no group
+    assert target.tp is not None
+    with pytest.raises(ValueError, match="model"):
+        save_target(target, tmp_path / "t")
+    with pytest.raises(ValueError, match="target"):
+        load_eagle3_head(tmp_path / "head", target)
