@@ -42,6 +42,22 @@ def load_schedule(path: str | Path) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def gemv_lines(path: str | Path) -> list[str]:
+    """The cuBLAS vs Triton GEMV table (perf/test_gemv.py), if the run has one."""
+    data = json.loads(Path(path).read_text())
+    rows = [b["extra_info"] for b in data.get("benchmarks", [])
+            if "gemv_shape" in b.get("extra_info", {})]
+    if not rows:
+        return []
+    out = ["| matmul | m | cuBLAS us | triton GEMV us | floor us | cuBLAS bw | GEMV bw |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['gemv_shape']} | {r['m']} | {r['cublas_us']:.1f} | "
+                   f"{r['triton_gemv_us']:.1f} | {r['weights_floor_us']:.1f} | "
+                   f"{r['cublas_bw_share']:.0%} | {r['triton_bw_share']:.0%} |")
+    return out
+
+
 def schedule_line(s: dict[str, Any]) -> str:
     per = s.get("schedule_per_size", {})
     sizes = ", ".join(f"{bs}: {(v.get('first_s') or 0) + (v.get('multi_s') or 0):.2f}s"
@@ -125,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sched = load_schedule(path)
     if sched is not None:
         print("\n" + schedule_line(sched))
+    gemv = gemv_lines(path)
+    if gemv:
+        print("\n" + "\n".join(gemv))
     return 0
 
 

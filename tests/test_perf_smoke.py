@@ -161,3 +161,16 @@ def test_report_schedule_line(tmp_path):
     path.write_text(json.dumps({"benchmarks": [{"extra_info": info}]}))
     line = schedule_line(load_schedule(path))
     assert "0.95 s" in line and "1.0 MiB" in line and "1: 0.75s" in line
+
+
+def test_report_gemv_lines(tmp_path):
+    import json
+
+    from perf.report import gemv_lines
+
+    rec = {"gemv_shape": "o", "m": 1, "cublas_us": 23.4, "triton_gemv_us": 10.0,
+           "weights_floor_us": 7.9, "cublas_bw_share": 0.34, "triton_bw_share": 0.79}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"benchmarks": [{"extra_info": rec}]}))
+    lines = gemv_lines(path)
+    assert lines[-1] == "| o | 1 | 23.4 | 10.0 | 7.9 | 34% | 79% |"
