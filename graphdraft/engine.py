@@ -382,11 +382,12 @@ class Engine:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(reqs), desc="requests", unit="req")
+            bar = tqdm(total=sum(r.params.max_new_tokens for r in reqs), desc="tokens", unit="tok")
         while self.has_work:
-            done = self.step()
+            before = self.stats.emitted_tokens
+            self.step()
             if bar is not None:
-                bar.update(len(done))
+                bar.update(self.stats.emitted_tokens - before)
         if bar is not None:
             bar.close()
         return [r.output for r in reqs]
