@@ -1,10 +1,15 @@
 """Command line: `python -m graphdraft demo [flags]`.
 
 Flags follow the serving ecosystem's names (`--speculative-num-steps`,
-`--cuda-graph-max-bs`, `--enforce-eager`, ...). The demo builds the default
-model pair, serves a batch of prompts with speculative decoding and with the
-target alone, and prints tokens/s, the mean accept length and how many
-forwards replayed a CUDA graph.
+`--cuda-graph-max-bs`, `--enforce-eager`, ...). The demo loads a model pair, serves a
+batch of prompts with speculative decoding and with the target alone, and prints
+tokens/s, the speed-up, the mean accept length and how many forwards replayed a CUDA graph.
+
+Model pairs: by default the trained byte-level pair shipped in `graphdraft/assets/`
+(a small Llama target and its EAGLE-3 head, trained on the Python standard library's
+sources; prompts are held-out stdlib files, see `graphdraft/assets/MODEL_CARD.md`);
+`--target DIR --draft DIR` for other checkpoints; `--random-models` for a random-weight
+pair (drafts are then almost never accepted).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,7 +38,8 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=d["speculative_num_steps"].default)
     p.add_argument("--page-size", type=int, default=d["page_size"].default)
     p.add_argument("--max-running-requests", type=int, default=16)
-    p.add_argument("--max-context-len", type=int, default=1024)
+    p.add_argument("--max-context-len", type=int, default=None,
+                   help="default: 1024, capped at the target's max_position_embeddings")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cuda-graph-max-bs", type=int, default=16)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
@@ -43,11 +50,23 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"])
 
 
+DEFAULT_MAX_CONTEXT_LEN = 1024
+ASSETS = Path(__file__).resolve().parent / "assets"
+SHIPPED_TARGET, SHIPPED_DRAFT = ASSETS / "target", ASSETS / "eagle3"
+
+
+def shipped_pair_available() -> bool:
+    return all((d / "config.json").is_file() and (d / "model.safetensors").is_file()
+               for d in (SHIPPED_TARGET, SHIPPED_DRAFT))
+
+
 def runtime_from_args(a: argparse.Namespace) -> RuntimeConfig:
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    max_context_len = a.max_context_len if a.max_context_len is not None else (
+        DEFAULT_MAX_CONTEXT_LEN)
     return RuntimeConfig(
         speculative_num_steps=a.speculative_num_steps, page_size=a.page_size,
-        max_running_requests=a.max_running_requests, max_context_len=a.max_context_len,
+        max_running_requests=a.max_running_requests, max_context_len=max_context_len,
         max_num_batched_tokens=a.max_num_batched_tokens,
         cuda_graph_max_bs=min(a.cuda_graph_max_bs, a.max_running_requests),
         cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
@@ -61,8 +80,7 @@ def default_model_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM,
                      max_position_embeddings=max(2048, cfg.max_context_len), rope_theta=10000.0)
     target = LlamaForCausalLM(tc, cfg.torch_dtype)
     init_random_(target, seed, std=0.1)
-    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), cfg.torch_dtype,
-                           embed_tokens=target.embed_tokens.data)
+    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), cfg.torch_dtype)
     init_random_(head, seed + 1, std=0.1)
     head.embed_tokens = target.embed_tokens
     return target.to(cfg.device), head.to(cfg.device)
@@ -93,9 +111,26 @@ SAMPLE_PROMPTS = [
 ]
 
 
-def load_tokenizer(path: str):
-    """A `tokenizers` tokenizer from `path/tokenizer.json`, or None when unavailable."""
-    from pathlib import Path
+class _Bytes:
+    """The byte tokenizer behind the `tokenizers` calls the demo makes (`encode(t).ids`, `decode`)."""
+
+    def __init__(self) -> None:
+        from graphdraft.bytes_tokenizer import ByteTokenizer
+        self.tok = ByteTokenizer()
+
+    def encode(self, text: str):
+        return argparse.Namespace(ids=self.tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, errors="replace")
+
+
+def load_tokenizer(path: str, config: dict | None = None):
+    """The byte tokenizer when `config` says `graphdraft_tokenizer: "bytes"`; else a
+    `tokenizers` tokenizer from `path/tokenizer.json`; else None."""
+    from graphdraft.bytes_tokenizer import CONFIG_KEY
+    if config is not None and config.get(CONFIG_KEY) == "bytes":
+        return _Bytes()
     file = Path(path) / "tokenizer.json"
     if not file.exists():
         return None
@@ -114,20 +149,41 @@ def demo(a: argparse.Namespace) -> int:
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     tokenizer, eos, stops = None, None, ()
+    if (a.target or a.draft) and a.random_models:
+        raise ValueError("--random-models: expected no --target/--draft with it")
     if a.target or a.draft:
         if not (a.target and a.draft):
             raise ValueError("--target and --draft: expected both checkpoint directories")
+        target_dir, draft_dir = a.target, a.draft
+    elif not a.random_models and shipped_pair_available():
+        target_dir, draft_dir = str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
+    else:
+        target_dir = draft_dir = None
+        if not a.random_models:
+            print(f"no shipped model pair in {ASSETS}: using random weights")
+    if target_dir is not None:
         from graphdraft.checkpoint import load_model_pair
-        target, head, info = load_model_pair(a.target, a.draft, cfg.torch_dtype, cfg.device)
-        print(f"model pair: {a.target} + {a.draft}")
+        target, head, info = load_model_pair(target_dir, draft_dir, cfg.torch_dtype, cfg.device)
+        print(f"model pair: {target_dir} + {draft_dir}")
         stops = tuple(info.eos_token_ids)
         eos = stops[0] if stops else None
-        tokenizer = load_tokenizer(a.target)
+        tokenizer = load_tokenizer(target_dir, info.extras.raw)
+        if a.max_context_len is None:  # the default, capped at what the target was built for
+            cap = min(DEFAULT_MAX_CONTEXT_LEN, target.config.max_position_embeddings)
+            cfg = cfg.replace(max_context_len=cap)
     else:
         target, head = default_model_pair(cfg, a.seed)
         print("model pair: random weights (acceptance is not meaningful for them)")
     vocab = target.config.vocab_size
-    if tokenizer is not None:
+    if isinstance(tokenizer, _Bytes):
+        from graphdraft.train.data import heldout_prompts
+        texts = heldout_prompts(a.num_prompts, a.prompt_bytes)
+        if not texts:
+            raise ValueError("no held-out standard-library text found for prompts")
+        texts = [texts[i % len(texts)] for i in range(a.num_prompts)]
+        prompts = [tokenizer.tok.encode(t) for t in texts]
+        print(f"prompts: {len(prompts)} x {a.prompt_bytes} bytes of held-out stdlib sources")
+    elif tokenizer is not None:
         texts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(a.num_prompts)]
         prompts = [tokenizer.encode(t).ids for t in texts]
     else:
@@ -168,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     add_runtime_flags(d)
     d.add_argument("--target", default=None, help="Hugging Face Llama checkpoint directory")
     d.add_argument("--draft", default=None, help="EAGLE-3 head checkpoint directory")
+    d.add_argument("--random-models", action="store_true",
+                   help="a random-weight pair instead of the shipped trained one")
+    d.add_argument("--prompt-bytes", type=int, default=128,
+                   help="prompt length for the byte-level pair (held-out stdlib text)")
     d.add_argument("--num-prompts", type=int, default=8)
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=0.0)

@@ -65,8 +65,7 @@ def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
                            "validate_inputs": False, **runtime})
     target = LlamaForCausalLM(SOAK_TARGET, cfg.torch_dtype)
     init_random_(target, seed, std=0.3)
-    head = Eagle3DraftHead(SOAK_TARGET.replace(num_hidden_layers=1), cfg.torch_dtype,
-                           embed_tokens=target.embed_tokens.data)
+    head = Eagle3DraftHead(SOAK_TARGET.replace(num_hidden_layers=1), cfg.torch_dtype)
     init_random_(head, seed + 1, std=0.3)
     head.embed_tokens = target.embed_tokens
     engine = Engine(target.to(device), cfg, head.to(device))

@@ -26,8 +26,7 @@ def make_models(seed: int = 0, dtype: torch.dtype = torch.float64, device: str =
         head_cfg = HEAD.replace(draft_vocab_size=draft_vocab)
         hot = torch.randperm(TARGET.vocab_size, generator=torch.Generator().manual_seed(seed))[
             :draft_vocab]
-    head = Eagle3DraftHead(head_cfg, dtype, embed_tokens=target.embed_tokens.data,
-                           hot_token_ids=hot)
+    head = Eagle3DraftHead(head_cfg, dtype, hot_token_ids=hot)
     init_random_(head, seed + 1, std=0.5)
     head.embed_tokens = target.embed_tokens  # shared, not copied
     return target.to(device), head.to(device)

@@ -8,8 +8,8 @@ from tests.engine_harness import make_models
 
 
 def test_demo_random_pair(capsys):
-    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
-                 "--max-running-requests", "4"]) == 0
+    assert main(["demo", "--random-models", "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--device", "cpu", "--max-running-requests", "4"]) == 0
     out = capsys.readouterr().out
     assert "running eagerly on the CPU" in out
     assert "mean accept length" in out and "greedy outputs identical to target-only: True" in out

@@ -1,0 +1,7 @@
+"""Training of graphdraft's shipped byte-level model pair (`graphdraft/assets/`).
+
+`python -m graphdraft.train --help`; see `graphdraft/assets/MODEL_CARD.md` for the run that
+produced the shipped checkpoints. Modules: `data` (the stdlib corpus and its held-out split),
+`forward` (dense training forwards over the runtime modules' parameters, EAGLE-3
+training-time test), `train` (the two training loops).
+"""
