@@ -26,8 +26,8 @@ import torch
 from graphdraft.config import ModelConfig, RuntimeConfig, default_device
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.engine import Engine
-from graphdraft.layers import init_random_
 from graphdraft.llama import LlamaForCausalLM
+from graphdraft.random_models import random_model_pair
 from graphdraft.verify import SamplingParams
 
 log = logging.getLogger("graphdraft")
@@ -78,11 +78,8 @@ def default_model_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM,
     tc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
                      intermediate_size=688, num_hidden_layers=6, vocab_size=1024,
                      max_position_embeddings=max(2048, cfg.max_context_len), rope_theta=10000.0)
-    target = LlamaForCausalLM(tc, cfg.torch_dtype)
-    init_random_(target, seed, std=0.1)
-    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), cfg.torch_dtype)
-    init_random_(head, seed + 1, std=0.1)
-    head.embed_tokens = target.embed_tokens
+    target, head = random_model_pair(tc, tc.replace(num_hidden_layers=1), cfg.torch_dtype, seed,
+                                     std=0.1)
     return target.to(cfg.device), head.to(cfg.device)
 
 

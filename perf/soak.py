@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.engine import Engine
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.random_models import random_model_pair
 from graphdraft.verify import SamplingParams
 
 SOAK_TARGET = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
@@ -63,11 +61,8 @@ def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
                            "max_context_len": 512, "max_num_batched_tokens": 512,
                            "cuda_graph_max_bs": 32, "dtype": dtype, "device": device,
                            "validate_inputs": False, **runtime})
-    target = LlamaForCausalLM(SOAK_TARGET, cfg.torch_dtype)
-    init_random_(target, seed, std=0.3)
-    head = Eagle3DraftHead(SOAK_TARGET.replace(num_hidden_layers=1), cfg.torch_dtype)
-    init_random_(head, seed + 1, std=0.3)
-    head.embed_tokens = target.embed_tokens
+    target, head = random_model_pair(SOAK_TARGET, SOAK_TARGET.replace(num_hidden_layers=1),
+                                     cfg.torch_dtype, seed, std=0.3)
     engine = Engine(target.to(device), cfg, head.to(device))
     engine.capture_graphs()
     return engine

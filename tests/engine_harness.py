@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.engine import Engine
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.random_models import random_model_pair
 
 TARGET = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=64, num_hidden_layers=4, vocab_size=61,
@@ -18,17 +16,14 @@ HEAD = TARGET.replace(num_hidden_layers=1, intermediate_size=48, num_aux_hidden_
 
 def make_models(seed: int = 0, dtype: torch.dtype = torch.float64, device: str = "cpu",
                 draft_vocab: int | None = None):
-    target = LlamaForCausalLM(TARGET, dtype)
-    init_random_(target, seed, std=0.5)  # peaked logits: greedy text is not one token repeated
     hot = None
     head_cfg = HEAD
     if draft_vocab is not None:
         head_cfg = HEAD.replace(draft_vocab_size=draft_vocab)
         hot = torch.randperm(TARGET.vocab_size, generator=torch.Generator().manual_seed(seed))[
             :draft_vocab]
-    head = Eagle3DraftHead(head_cfg, dtype, hot_token_ids=hot)
-    init_random_(head, seed + 1, std=0.5)
-    head.embed_tokens = target.embed_tokens  # shared, not copied
+    # std 0.5: peaked logits, so greedy text is not one token repeated
+    target, head = random_model_pair(TARGET, head_cfg, dtype, seed, std=0.5, hot_token_ids=hot)
     return target.to(device), head.to(device)
 
 
