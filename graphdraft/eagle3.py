@@ -43,7 +43,7 @@ from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
-from graphdraft.ops import argmax_with_map, linear, rope_cos_sin_cache
+from graphdraft.ops import argmax_with_map, linear, linear_residual_rms_norm, rope_cos_sin_cache
 
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel
@@ -146,15 +146,26 @@ class Eagle3DraftHead(nn.Module):
         embeds = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
                                                                           self.embed_tokens)
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = torch.nn.functional.linear(hidden, self.fc)
+            hidden = linear(hidden, self.fc, use_triton=self.use_triton)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        attn_out = layer.self_attn(x, positions, out_cache_loc, kv, self.cos_sin, backend, metadata,
-                                   gather_ids)
+        attn = layer.self_attn.attend(x, positions, out_cache_loc, kv, self.cos_sin, backend,
+                                      metadata, gather_ids)
         residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
-        normed, residual = layer.post_attention_layernorm(attn_out, residual)
-        normed, prenorm = self.norm(layer.mlp(normed), residual)
+        if tp is None:  # o_proj and down_proj fused with the residual add + RMSNorm after them
+            post, final, mlp = layer.post_attention_layernorm, self.norm, layer.mlp
+            normed, residual = linear_residual_rms_norm(
+                attn, layer.self_attn.o_proj, residual, post.weight, post.eps,
+                use_triton=self.use_triton)
+            normed, prenorm = linear_residual_rms_norm(
+                mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
+                act="silu_mul", use_triton=self.use_triton)
+        else:  # the row-parallel outputs are all-reduced before the residual add
+            attn_out = tp.all_reduce(linear(attn, layer.self_attn.o_proj, use_triton=self.use_triton))
+            normed, residual = layer.post_attention_layernorm(attn_out, residual)
+            normed, prenorm = self.norm(layer.mlp(normed), residual)
         if tp is not None:  # vocab-parallel LM head: gather the full draft-vocab logits
-            logits = tp.gather_vocab(linear(normed, self.lm_head), self.config.output_vocab_size)
+            logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),
+                                     self.config.output_vocab_size)
             ids = argmax_with_map(logits, self.hot_token_ids,
                                   use_triton=self.logits_processor.use_triton)
             return DraftStepOutput(ids, prenorm, logits)

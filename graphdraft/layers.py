@@ -68,8 +68,17 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
                 gather_ids: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.attend(x, positions, out_cache_loc, kv, cos_sin, backend, metadata, gather_ids)
+        out = ops.linear(out, self.o_proj, use_triton=self.use_triton)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+               kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+               backend: PagedAttentionBackend, metadata: AttentionMetadata,
+               gather_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Everything before o_proj: `[B, Hq * D]` attention output of the gathered rows."""
         t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj)
+        qkv = ops.linear(x, self.qkv_proj, use_triton=self.use_triton)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -79,8 +88,7 @@ class Attention(nn.Module):
         if gather_ids is not None:
             q = q.index_select(0, gather_ids)
         out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata)
-        out = ops.linear(out.reshape(out.shape[0], self.q_size), self.o_proj)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out.reshape(out.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -94,13 +102,16 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
+        self.use_triton = False
         self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
-        out = ops.linear(torch.nn.functional.silu(gate) * up, self.down_proj)
+        out = ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", use_triton=self.use_triton)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """`[M, H] -> [M, 2F]` `[gate ; up]` (the down projection's `act="silu_mul"` input)."""
+        return ops.linear(x, self.gate_up_proj, use_triton=self.use_triton)
 
 
 def set_use_triton(module: nn.Module, use_triton: bool) -> None:

@@ -33,9 +33,11 @@ class LogitsProcessor:
                  capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NONE,
                  fuse_argmax: bool = False) -> LogitsOutput:
         rows = normed if gather_ids is None else normed.index_select(0, gather_ids)
-        logits = ops.linear(rows, lm_head)
-        ids = (ops.argmax_with_map(logits, self.hot_token_ids, use_triton=self.use_triton)
-               if fuse_argmax else None)
+        if fuse_argmax:
+            logits, ids = ops.linear_argmax(rows, lm_head, self.hot_token_ids,
+                                            use_triton=self.use_triton)
+        else:
+            logits, ids = ops.linear(rows, lm_head, use_triton=self.use_triton), None
         if capture_hidden_mode is CaptureHiddenMode.NONE or hidden_states is None:
             kept = None
         elif capture_hidden_mode is CaptureHiddenMode.LAST and gather_ids is not None:

@@ -161,9 +161,56 @@ def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
                                         page_size))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`[M, K] @ [N, K]^T -> [M, N]` (no bias)."""
-    return F.linear(x, weight)
+# ---------------------------------------------------------------------------
+# Matmuls: cuBLAS, or for small M on the Triton path the GEMV kernels with fused epilogues
+# ---------------------------------------------------------------------------
+SMALL_M_MAX = 16
+"""Rows at or below which the Triton path runs `kernels.gemv` instead of cuBLAS (0: never)."""
+
+
+def _small_m(x: torch.Tensor, weight: torch.Tensor, use_triton: bool) -> bool:
+    return (use_triton and 1 <= x.shape[0] <= SMALL_M_MAX and x.dim() == 2 and x.stride(-1) == 1
+            and weight.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _act(x: torch.Tensor, act: str | None) -> torch.Tensor:
+    if act is None:
+        return x
+    if act != "silu_mul":
+        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    k = x.shape[-1] // 2
+    return F.silu(x[..., :k]) * x[..., k:]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
+           use_triton: bool = False) -> torch.Tensor:
+    """`act(x) [M, K] @ weight [N, K]^T -> [M, N]` (no bias). act "silu_mul": x is
+    `[gate ; up]` `[M, 2K]` and the product reads `silu(gate) * up`."""
+    if _small_m(x, weight, use_triton):
+        from graphdraft.kernels.gemv import linear_small_m
+        return linear_small_m(x, weight, act=act)
+    return F.linear(_act(x, act), weight)
+
+
+def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
+                             use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`."""
+    if _small_m(x, weight, use_triton):
+        from graphdraft.kernels.gemv import linear_small_m_residual_norm
+        return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act)
+    return rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps, residual,
+                    use_triton=use_triton)
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
+                  *, use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head and greedy pick: `(logits [M, N], ids int64 [M])`, ids mapped by `hot_token_ids`."""
+    if _small_m(x, weight, use_triton):
+        from graphdraft.kernels.gemv import linear_small_m_argmax
+        return linear_small_m_argmax(x, weight, hot_token_ids)
+    logits = linear(x, weight, use_triton=use_triton)
+    return logits, argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
 
 
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,

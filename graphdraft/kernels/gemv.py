@@ -1,27 +1,42 @@
-"""Split-K GEMV for small batches: `y [M, N] = x [M, K] @ w [N, K]^T` with M <= 16.
+"""Small-M matmuls of a draft step: `y [M, N] = x [M, K] @ w [N, K]^T` with M <= 16.
 
-A draft step at small batch is a handful of matrix-vector products whose
-weights are read once from HBM; cuBLAS leaves bandwidth on the table for the
-narrow ones (DESIGN.md: o_proj at 34% of copy bandwidth at M=1). Here each
-program streams one `[BLOCK_N, K / SPLIT]` slab of `w` once and multiplies it by
-all M rows; when N alone gives too few programs, K is split and a second
-kernel sums the fp32 partials in a fixed order (deterministic: no atomics, so
-graph replay and eager runs stay bit-identical).
+A draft step at small batch is a handful of matrix-vector products whose weights
+are read once from HBM; cuBLAS leaves bandwidth on the table for the narrow ones
+(DESIGN.md: o_proj at 34% of copy bandwidth at M=1). Each program streams one
+`[BLOCK_N, K / split]` slab of `w` once and multiplies it by all M rows (M == 1:
+CUDA-core dot products; M > 1: `tl.dot` on a 16-row tile). When N alone gives too
+few programs, K is split and the fp32 partials `[split, M, N]` are summed in a
+fixed order by the consumer (deterministic: no atomics, so graph replay and eager
+runs stay bit-identical).
+
+Fused forms, each one launch fewer than the unfused ops:
+  act="silu_mul"        x is `gate_up [M, 2K]`; the product reads `silu(gate) * up`
+                        (rounded like the torch ops) while loading x.
+  linear_small_m_argmax each program also writes the (max, first index) of its logits
+                        block; one tiny kernel picks the row argmax and maps it through
+                        `hot_token_ids` (replaces the two-stage argmax's first pass).
+  linear_small_m_residual_norm
+                        the split partials are summed by the RMSNorm(+residual) kernel:
+                        `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`.
 
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
-rows, out `[M, N]`. Accumulation in fp32, output in x.dtype.
+rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
+from graphdraft.kernels.norm import rms_norm_row
+
 MAX_M = 16
-BLOCK_K = 128
+ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 
 
@@ -29,10 +44,41 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile sizes of one launch: `split` K-slices, each `k_per_split` long (a BLOCK_K multiple)."""
+
+    block_n: int
+    block_k: int
+    split: int
+    k_per_split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 128,
+                target_programs: int = _TARGET_PROGRAMS, max_split: int = 16,
+                split: int | None = None, num_warps: int = 4, num_stages: int = 3) -> GemvConfig:
+    """Default tiles for a `[m, k] x [n, k]^T` product: split K until about `target_programs`
+    programs run (never a slice shorter than 4 * BLOCK_K, never more than `max_split`);
+    `split` forces the number of K slices. The overrides are for tuning and tests."""
+    if block_n is None:
+        block_n = 64 if n <= 8192 else 128
+    n_blocks = triton.cdiv(n, block_n)
+    if split is None:
+        split = min(triton.cdiv(target_programs, n_blocks), triton.cdiv(k, 4 * block_k), max_split)
+    split = max(1, min(split, triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slices
+    return GemvConfig(block_n, block_k, split, k_per_split, num_warps, num_stages)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -47,19 +93,36 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, s
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        xm = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        if SILU_MUL:  # x row = [gate (K) ; up (K)]: silu(gate) * up, each rounded like torch
+            up = tl.load(x_rows + K + offs_k[None, :], mask=xm, other=0.0)
+            g = x.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP32_DOT:
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif FP32_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
     mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT == 1:
-        ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if TO_WS:
         ws = ws_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask)
+    else:
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+        if ARGMAX:  # over the rounded logits, as an argmax of `out` would see them
+            v = y.to(tl.float32)
+            v = tl.where((v != v) | ~n_ok[None, :], float("-inf"), v)  # NaN never the max
+            best = tl.max(v, axis=1)
+            cols = tl.broadcast_to(offs_n[None, :], (BLOCK_M, BLOCK_N))
+            idx = tl.min(tl.where((v == best[:, None]) & n_ok[None, :], cols, _BIG), axis=1)
+            p = offs_m.to(tl.int64) * n_blocks + pid_n
+            tl.store(amax_val_ptr + p, best, mask=m_ok)
+            tl.store(amax_idx_ptr + p, idx, mask=m_ok)
 
 
 @triton.jit
@@ -76,24 +139,45 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def gemv_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, split, k_per_split) for a `[m, k] x [n, k]^T` product."""
-    block_n = 64 if n <= 8192 else 128
-    n_blocks = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(_TARGET_PROGRAMS, n_blocks), triton.cdiv(k, 4 * BLOCK_K), 16))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K
-    split = triton.cdiv(k, k_per_split)
-    return block_n, split, k_per_split
+@triton.jit
+def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, stride_out,
+                              res_out_ptr, stride_res_out, M, N, eps,
+                              SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row m: `h = round(sum_s ws[s, m]) + residual[m]` (a dtype add), `out = RMSNorm(h)`."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):  # fixed order: deterministic
+        acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+    y = acc.to(r.dtype)
+    h = (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=ok)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+# ---------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------
+def _k_of(x: torch.Tensor, act: str | None) -> int:
+    return x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str | None) -> None:
+    if act not in ACTS:
+        raise ValueError(f"act: expected one of {ACTS}, got {act!r}")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x: expected a 2-D tensor with unit column stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     if not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"x: expected 1..{MAX_M} rows, got {x.shape[0]}")
-    if w.dim() != 2 or not w.is_contiguous() or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w: expected a contiguous [N, {x.shape[1]}] tensor, got {tuple(w.shape)}")
+    k = _k_of(x, act)
+    if act == "silu_mul" and x.shape[1] % 2:
+        raise ValueError(f"x: expected an even width [gate ; up] for act='silu_mul', got {x.shape[1]}")
+    if w.dim() != 2 or not w.is_contiguous() or w.shape[1] != k:
+        raise ValueError(f"w: expected a contiguous [N, {k}] tensor, got {tuple(w.shape)}")
     if w.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"w: expected dtype {x.dtype} (bf16/fp16/fp32), got {w.dtype}")
     if w.device != x.device:
@@ -104,31 +188,108 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
                          f"stride, got {tuple(out.shape)} {out.dtype}")
 
 
-def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x [M, K] @ w [N, K]^T -> [M, N]` for 1 <= M <= 16 (graph-capturable; fp32 workspace
-    `[split, M, N]` allocated when K is split)."""
-    _check(x, w, out)
-    m, k = x.shape
-    n = w.shape[0]
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
+            cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+            n_blocks: int = 1) -> None:
+    m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
+    block_m = 1 if m == 1 else MAX_M
+    fp32_dot = x.dtype == torch.float32 or _interpreting()
+    amax_val, amax_idx = amax if amax is not None else (ws, ws)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
+        x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        cfg.k_per_split, n_blocks,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TO_WS=to_ws,
+        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                   act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """`act(x) [M, K] @ w [N, K]^T -> [M, N]` for 1 <= M <= 16 (graph-capturable; an fp32
+    workspace `[split, M, N]` is allocated when K is split)."""
+    _check(x, w, out, act)
+    m, n = x.shape[0], w.shape[0]
+    cfg = config or gemv_config(m, n, _k_of(x, act))
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, split, k_per_split = gemv_plan(m, n, k)
-    ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out)
-    fp32_dot = x.dtype == torch.float32 or _interpreting()
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, w, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT=split, FP32_DOT=fp32_dot,
-        num_warps=4, num_stages=3)
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                          SPLIT=split, BLOCK=block)
+    if cfg.split == 1:
+        _launch(x, w, out, out, act, cfg, to_ws=False)
+        return out
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, w, out, ws, act, cfg, to_ws=True)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
+                                                      SPLIT=cfg.split, BLOCK=block)
     return out
 
 
-def linear_small_m_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 reference of `linear_small_m`."""
-    y = (x.float() @ w.float().T).to(x.dtype)
+def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
+                          *, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head and greedy pick: `logits = x @ w^T [M, N]` and int64 `ids [M]`, the row argmax
+    (lowest index on ties, NaN never wins, as `argmax_with_map`) mapped by `hot_token_ids`."""
+    _check(x, w, None, None)
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = config or gemv_config(m, n, k, max_split=1)
+    if cfg.split != 1:
+        raise ValueError(f"config: the argmax epilogue needs split == 1, got {cfg.split}")
+    if hot_token_ids is not None and (hot_token_ids.dtype != torch.int64
+                                      or hot_token_ids.shape != (n,)):
+        raise ValueError(f"hot_token_ids: expected int64 [{n}], got {hot_token_ids.dtype} "
+                         f"{tuple(hot_token_ids.shape)}")
+    logits = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ids = torch.empty(m, dtype=torch.int64, device=x.device)
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
+    idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
+    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
+    has_map = hot_token_ids is not None
+    _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
+                                SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
+                                num_warps=4 if n_blocks >= 256 else 1)
+    return logits, ids
+
+
+def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
+                                 norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
+                                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = act(x) @ w^T + residual` (rounded like the unfused ops), returns `(RMSNorm(h), h)`,
+    both `[M, N]`; the matmul's split partials are summed inside the norm kernel."""
+    _check(x, w, None, act)
+    m, n = x.shape[0], w.shape[0]
+    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"residual: expected [{m}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    cfg = config or gemv_config(m, n, _k_of(x, act))
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
+                                    h, h.stride(0), m, n, float(eps), SPLIT=cfg.split, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 512)))
+    return out, h
+
+
+# ---------------------------------------------------------------------------
+# fp32 references (the tests' oracles)
+# ---------------------------------------------------------------------------
+def _act_ref(x: torch.Tensor, act: str | None) -> torch.Tensor:
+    if act == "silu_mul":
+        k = x.shape[1] // 2
+        return torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    return x
+
+
+def linear_small_m_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                       act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """fp32-accumulated reference of `linear_small_m`."""
+    del config
+    y = (_act_ref(x, act).float() @ w.float().T).to(x.dtype)
     if out is not None:
         out.copy_(y)
         return out

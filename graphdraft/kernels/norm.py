@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_ref"]
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_row"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_N = 16384
@@ -37,12 +37,18 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a dtype add
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, rms_norm_row(x, w, N, eps), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x, w, N, eps):
+    """One row `x [BLOCK]` (zeros past N) in its dtype, weight `w [BLOCK]` -> normed row, same dtype."""
+    dtype = x.dtype
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     y = (xf * (1.0 / tl.sqrt(var + eps))).to(dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * y.to(tl.float32)).to(dtype)  # == a dtype multiply
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)  # == a dtype multiply
 
 
 def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:

@@ -1,0 +1,150 @@
+"""Tile sweep of the small-M GEMV kernels at the 8B head's draft-step shapes (GPU only).
+
+`python3 -m perf.gemv_sweep --out DIR [--max-seconds 150]`
+
+For each matmul of a draft step (qkv, o, gate_up, down with the silu_mul input,
+lm_head with the argmax epilogue, fc) and M in {1, 4, 16}: the time of cuBLAS
+(`F.linear`, plus the separate silu*mul / argmax ops where the fused kernel saves
+them) and of the Triton kernels for every tile config, each timed as a CUDA graph
+of `copies` back-to-back calls whose weights rotate among copies larger than L2
+(so every call reads its weights from HBM and host launch time is out of the
+picture). Writes `gemv_sweep.json` (every config) and prints the best per shape
+next to the default config (`gemv_config`) and the copy-bandwidth floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from graphdraft.kernels.argmax import argmax_with_map
+from graphdraft.kernels.gemv import (
+    GemvConfig,
+    gemv_config,
+    linear_small_m,
+    linear_small_m_argmax,
+    linear_small_m_ref,
+)
+from perf.bench import copy_bandwidth
+
+# name: (N, K, act, epilogue)
+SHAPES = {"o": (4096, 4096, None, None), "down": (4096, 14336, "silu_mul", None),
+          "qkv": (6144, 8192, None, None), "gate_up": (28672, 4096, None, None),
+          "lm_head": (32000, 4096, None, "argmax"), "fc": (4096, 12288, None, None)}
+MS = (1, 4, 16)
+
+
+def graph_time_us(fn: Callable[[int], object], calls: int, reps: int = 7) -> float:
+    """Median per-call time of a CUDA graph holding `fn(0..calls-1)`."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def configs(m: int, n: int, k: int, epilogue: str | None) -> list[GemvConfig]:
+    out = []
+    for (bn, bk), warps, stages, progs in itertools.product(
+            ((32, 256), (64, 128), (64, 256), (128, 128)), (4, 8), (3, 4), (132, 264, 528)):
+        max_split = 1 if epilogue == "argmax" else 16
+        c = gemv_config(m, n, k, block_n=bn, block_k=bk, target_programs=progs,
+                        max_split=max_split, num_warps=warps, num_stages=stages)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="perf/out")
+    p.add_argument("--max-seconds", type=float, default=150.0)
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    bw = copy_bandwidth("cuda")
+    print(f"[sweep] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results: dict = {"copy_bw": bw, "gpu": torch.cuda.get_device_name(), "shapes": {}}
+    dt = torch.bfloat16
+    for name, (n, k, act, epi) in SHAPES.items():
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+        floor = n * k * 2 / bw * 1e6
+        for m in MS:
+            kx = 2 * k if act else k
+            x = torch.randn(m, kx, device="cuda", dtype=dt)
+            ref = linear_small_m_ref(x, ws[0], act=act)
+            if act == "silu_mul":
+                def cublas(i, x=x, k=k, ws=ws, copies=copies):
+                    return F.linear(F.silu(x[:, :k]) * x[:, k:], ws[i % copies])
+            elif epi == "argmax":
+                def cublas(i, x=x, ws=ws, copies=copies):
+                    return argmax_with_map(F.linear(x, ws[i % copies]))
+            else:
+                def cublas(i, x=x, ws=ws, copies=copies):
+                    return F.linear(x, ws[i % copies])
+            rec = {"n": n, "k": k, "m": m, "act": act, "epilogue": epi, "floor_us": floor,
+                   "cublas_us": graph_time_us(cublas, copies), "configs": []}
+            default = gemv_config(m, n, k, max_split=1 if epi == "argmax" else 16)
+            for cfg in [default] + configs(m, n, k, epi):
+                if time.perf_counter() - t_start > a.max_seconds:
+                    rec["truncated"] = True
+                    break
+                if epi == "argmax":
+                    def ours(i, x=x, cfg=cfg, ws=ws, copies=copies):
+                        return linear_small_m_argmax(x, ws[i % copies], config=cfg)
+                    got = ours(0)[0]
+                else:
+                    def ours(i, x=x, cfg=cfg, ws=ws, copies=copies, act=act):
+                        return linear_small_m(x, ws[i % copies], act=act, config=cfg)
+                    got = ours(0)
+                err = float((got.float() - ref.float()).norm() / ref.float().norm())
+                try:
+                    us = graph_time_us(ours, copies)
+                except Exception as e:  # noqa: BLE001 - a config that fails is a result
+                    rec["configs"].append({"config": cfg.__dict__, "error": str(e)[:200]})
+                    continue
+                rec["configs"].append({"config": cfg.__dict__, "us": us, "rel_err": err,
+                                       "default": cfg == default})
+            timed = [c for c in rec["configs"] if "us" in c]
+            best = min(timed, key=lambda c: c["us"]) if timed else None
+            dflt = next((c for c in timed if c.get("default")), None)
+            rec["best"], rec["default"] = best, dflt
+            results["shapes"][f"{name}-m{m}"] = rec
+            print(f"[sweep] {name:8s} m={m:2d} floor {floor:6.1f} us | cuBLAS {rec['cublas_us']:6.1f} "
+                  f"({floor / rec['cublas_us']:4.0%}) | default "
+                  f"{dflt['us'] if dflt else float('nan'):6.1f} | best "
+                  f"{best['us'] if best else float('nan'):6.1f} "
+                  f"({floor / best['us'] if best else 0:4.0%}) {best['config'] if best else ''}",
+                  flush=True)
+        ws = []
+        torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemv_sweep.json").write_text(json.dumps(results, indent=1))
+    print(f"[sweep] done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Where a draft call's time goes: per-kernel GPU time of one decode `run` (GPU only).
+
+`python3 -m perf.profile_draft --out DIR [--bs 1,8] [--kv 512]`
+
+For each bs: the 8B-shaped head (page size 16), one drafter per matmul choice
+(`ops.SMALL_M_MAX = 0`: cuBLAS for every matmul; `= 16`: the Triton GEMV kernels
+with their fused epilogues), each with its graphs captured. Prints and writes
+(`profile_draft.json`):
+  - the graph-replay time of a whole `run` (CUDA events, median) against the floor;
+  - a torch.profiler kernel table of the eager path (same kernels as the graphs:
+    name, launches and GPU us per call), with the sum of kernel time, and the same
+    table of the graph replay when the profiler reports the kernels inside graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from graphdraft import ops
+from perf.bench import (
+    LLAMA31_8B_HEAD,
+    build_group,
+    build_head,
+    copy_bandwidth,
+    fill_decode_batch,
+    floor_info,
+    forced_eager,
+    median_us,
+)
+
+CALLS = 5
+
+
+def kernel_table(fn, calls: int = CALLS) -> list[dict]:
+    """GPU kernels (and memcpy/memset) run by `calls` calls of `fn`: per call launches and us."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            a = agg[e.name]
+            a[0] += 1
+            a[1] += e.time_range.elapsed_us()
+    rows = [{"kernel": k, "launches": v[0] / calls, "us": v[1] / calls} for k, v in agg.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def print_table(title: str, rows: list[dict], top: int = 40) -> None:
+    total = sum(r["us"] for r in rows)
+    launches = sum(r["launches"] for r in rows)
+    print(f"\n[profile] {title}: {launches:.0f} GPU ops per call, {total:.1f} us of kernel time")
+    for r in rows[:top]:
+        print(f"  {r['us']:8.1f} us  x{r['launches']:4.1f}  {r['kernel'][:110]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="perf/out")
+    p.add_argument("--bs", default="1,8")
+    p.add_argument("--kv", type=int, default=512)
+    a = p.parse_args(argv)
+    sizes = tuple(int(b) for b in a.bs.split(","))
+    bw = copy_bandwidth("cuda")
+    head = build_head(LLAMA31_8B_HEAD, "cuda")
+    report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
+    for small_m in (0, ops.SMALL_M_MAX):
+        saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
+        label = "cublas" if small_m == 0 else "gemv"
+        try:
+            group = build_group(head, 16, a.kv, sizes)
+            d = group.drafter
+            for bs in sizes:
+                batch = fill_decode_batch(group, bs)
+                fl = floor_info(LLAMA31_8B_HEAD, bs, a.kv, bw)
+                with torch.inference_mode():
+                    def run(d=d, batch=batch):
+                        return d.run(*batch.args)
+                    graph_us = median_us(run, warmup=5, reps=30)
+                    first_us = median_us(lambda d=d, bs=bs: d.first_step_graphs.run(bs), warmup=3,
+                                         reps=30)
+                    multi_us = median_us(lambda d=d, bs=bs: d.multi_step_graphs.run(bs), warmup=3,
+                                         reps=30)
+                    graph_rows = kernel_table(run)
+                    with forced_eager():
+                        eager_rows = kernel_table(run)
+                key = f"{label}-bs{bs}"
+                report["runs"][key] = {"graph_run_us": graph_us, "graph_first_us": first_us,
+                                       "graph_multi_us": multi_us, **fl,
+                                       "eager_kernels": eager_rows, "graph_kernels": graph_rows}
+                print(f"\n[profile] {key}: graph run {graph_us:.1f} us (first {first_us:.1f}, "
+                      f"multi {multi_us:.1f}), floor {fl['floor_us']:.1f} us "
+                      f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
+                print_table(f"{key} eager kernels", eager_rows)
+                print_table(f"{key} graph-replay kernels", graph_rows, top=12)
+            group = d = None
+            torch.cuda.empty_cache()
+        finally:
+            ops.SMALL_M_MAX = saved
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_draft.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
