@@ -42,8 +42,11 @@ perf:
 		--benchmark-json=$(OUT)/benchmark.json; s=$$?; \
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json; exit $$s
 
+# 100,000 draft steps, stopped early (exit code 2, "TARGET NOT REACHED") after SOAK_MINUTES.
+SOAK_MINUTES ?= 8
 soak:
-	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.soak --steps 100000
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.soak --steps 100000 \
+		--max-minutes $(SOAK_MINUTES)
 
 demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo

@@ -9,12 +9,27 @@ captured once for every bs the group's cases need, its own shuffled page table,
 KV pool (filled with random values) and input buffers, and, built on first use,
 the torch.compile baseline drafter over the same buffers.
 
+The baseline (`Baseline`, chosen by `GRAPHDRAFT_PERF_COMPILE`) is a torch-path
+drafter (`kernel_backend="torch"`) whose two forwards are compiled:
+
+- "compile+graph" (default): `torch.compile(fn, dynamic=False, fullgraph=False)`
+  (inductor, default mode, no cudagraphs), the compiled forwards captured in
+  graphdraft's own CUDA graphs (`CapturedForward`, its own pool; the compile runs
+  on each bs's first warm-up call), as SGLang runs torch.compile inside its own
+  graph runner;
+- "reduce-overhead": `torch.compile(mode="reduce-overhead", dynamic=False)`,
+  torch's cudagraph trees (which skip graphs that mutate inputs: the multi-step's
+  in-place buffer writes); "reduce-overhead-dynamic" the same with automatic
+  dynamic shapes.
+
 Order inside a group: every graph measurement first, then the compiled baseline.
-Cudagraph trees (torch.compile's reduce-overhead mode) clear PyTorch's cached
-cuBLAS workspaces before they warm up or record; the drafter's captured graphs
-baked in the workspace cuBLAS held at capture, so replaying them after a
-compiled run reads and writes freed memory (seen on an H200: an illegal memory
-access on the next replay). `DraftGroup.graphs_stale` enforces the order.
+For reduce-overhead this order is required: cudagraph trees clear PyTorch's
+cached cuBLAS workspaces before they warm up or record; graphs that baked in the
+workspace cuBLAS held at capture then replay into freed memory (seen on an
+H200: an illegal memory access on the next replay), so `DraftGroup.graphs_stale`
+is set once a reduce-overhead baseline exists. With compile+graph every graph is
+captured by `CapturedForward`, which gives each capture a workspace of its own
+pool, and nothing frees it: the drafter's graphs stay valid.
 """
 
 from __future__ import annotations
@@ -22,11 +37,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import os
 import statistics
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -316,8 +335,14 @@ class DraftGroup:
     kv_pool: KVPool
     baseline: EagleDrafter | None = None
     """The torch.compile baseline (built by `measure_compiled` on first use)."""
+    baseline_info: dict[str, Any] = field(default_factory=dict)
+    """Building the baseline: `compile_group_s` (build, compile and capture of every bs),
+    `compile_fx_graphs` / `compile_graph_breaks` (dynamo counters across it)."""
+    baseline_error: str | None = None
+    """Why building the baseline failed (every later case of the group reports it as is)."""
     graphs_stale: bool = False
-    """Set once the baseline exists: the drafter's graphs must not replay again (module doc)."""
+    """Set once a reduce-overhead baseline exists: the drafter's graphs must not replay
+    again (module doc). Never set by the compile+graph baseline."""
     reference: dict[int, torch.Tensor] = field(default_factory=dict)
     """Graph-replay `run` output per bs, to check the baseline's drafts against."""
 
@@ -387,6 +412,45 @@ def activate(drafter: EagleDrafter) -> None:
 # ---------------------------------------------------------------------------
 # The torch.compile baseline
 # ---------------------------------------------------------------------------
+COMPILE_GRAPH = "compile+graph"
+REDUCE_OVERHEAD = "reduce-overhead"
+REDUCE_OVERHEAD_DYNAMIC = "reduce-overhead-dynamic"
+COMPILE_ENV = "GRAPHDRAFT_PERF_COMPILE"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """How the torch.compile baseline drafter is built (module docstring)."""
+
+    mode: str
+    """The label in the records and the report's column headers."""
+    compiler: Compiler
+    """Wraps each of the two forwards, `forward(bs) -> compiled forward(bs)`."""
+    own_graphs: bool
+    """True: capture the compiled forwards in `CapturedForward` graphs (compile+graph).
+    False: call them through disabled `CapturedForward`s (reduce-overhead's cudagraph
+    trees do the graphing)."""
+
+    @property
+    def stales_graphs(self) -> bool:
+        """Whether building it invalidates the drafter's captured graphs (reduce-overhead)."""
+        return not self.own_graphs
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Static shapes compile once per bs (and per graph-break resume function)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+def inductor(fn: Forward) -> Forward:
+    """`torch.compile(fn, dynamic=False, fullgraph=False)`: inductor kernels, default mode
+    (no cudagraphs); `bs` is specialized, so each bs compiles on its first call."""
+    _raise_recompile_limit()
+    return torch.compile(fn, dynamic=False, fullgraph=False)
+
+
 def reduce_overhead(fn: Forward, dynamic: bool | None = None) -> Forward:
     """`torch.compile(mode="reduce-overhead")`; each call starts a new cudagraph-trees step.
 
@@ -396,7 +460,7 @@ def reduce_overhead(fn: Forward, dynamic: bool | None = None) -> Forward:
     `dynamic=False`: one static compile per bs, the best case at several times the
     compile time.
     """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    _raise_recompile_limit()
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=dynamic)
 
     def step(bs: int) -> Any:
@@ -406,15 +470,28 @@ def reduce_overhead(fn: Forward, dynamic: bool | None = None) -> Forward:
     return step
 
 
-def compiler_from_env(env: dict[str, str] | None = None) -> tuple[Compiler | None, str]:
-    """The baseline compiler and its label, from `GRAPHDRAFT_PERF_COMPILE`: "0" none,
-    "dynamic" automatic dynamic (fewer compiles), anything else (default) static shapes."""
-    mode = (os.environ if env is None else env).get("GRAPHDRAFT_PERF_COMPILE", "static").strip()
-    if mode == "0":
-        return None, "off"
-    if mode == "dynamic":
-        return reduce_overhead, "dynamic"
-    return functools.partial(reduce_overhead, dynamic=False), "static"
+BASELINES: dict[str, Baseline] = {
+    COMPILE_GRAPH: Baseline(COMPILE_GRAPH, inductor, own_graphs=True),
+    REDUCE_OVERHEAD: Baseline(REDUCE_OVERHEAD, functools.partial(reduce_overhead, dynamic=False),
+                              own_graphs=False),
+    REDUCE_OVERHEAD_DYNAMIC: Baseline(REDUCE_OVERHEAD_DYNAMIC, reduce_overhead, own_graphs=False),
+}
+_BASELINE_ALIASES = {"": COMPILE_GRAPH, "1": COMPILE_GRAPH, "graph": COMPILE_GRAPH,
+                     "static": REDUCE_OVERHEAD, "dynamic": REDUCE_OVERHEAD_DYNAMIC}
+
+
+def baseline_from_env(env: dict[str, str] | None = None) -> Baseline | None:
+    """The baseline `GRAPHDRAFT_PERF_COMPILE` names: unset/"compile+graph" (default),
+    "reduce-overhead", "reduce-overhead-dynamic", or "0" for none. ("static" and
+    "dynamic", the reduce-overhead variants' old names, still work.) Anything else
+    raises ValueError: a typo must not silently measure another baseline."""
+    raw = (os.environ if env is None else env).get(COMPILE_ENV, "").strip().lower()
+    if raw in ("0", "off", "none", "false", "no"):
+        return None
+    mode = _BASELINE_ALIASES.get(raw, raw)
+    if mode not in BASELINES:
+        raise ValueError(f"{COMPILE_ENV}={raw!r}: expected one of {sorted(BASELINES)} or '0'")
+    return BASELINES[mode]
 
 
 def mark_static(drafter: EagleDrafter) -> None:
@@ -428,19 +505,60 @@ def mark_static(drafter: EagleDrafter) -> None:
         torch._dynamo.mark_static_address(t)
 
 
-def build_baseline(group: DraftGroup, compiler: Compiler) -> EagleDrafter:
-    """A torch-path, eager-only drafter over the group's buffers whose two forwards are
-    `compiler(...)` of its own `_first_step_decode` / `_multi_step`."""
+@contextlib.contextmanager
+def preserved_inputs(inputs: InputBuffers) -> Iterator[None]:
+    """Restore every `InputBuffers` tensor on exit (a capture resets them to neutral rows,
+    and the group's buffers hold the batch being measured)."""
+    saved = {f.name: getattr(inputs, f.name).clone() for f in fields(inputs)}
+    try:
+        yield
+    finally:
+        for name, t in saved.items():
+            getattr(inputs, name).copy_(t)
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(FX graphs compiled, graph breaks) so far, from dynamo's counters."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+def build_baseline(group: DraftGroup, baseline: Baseline) -> EagleDrafter:
+    """A torch-path drafter over the group's buffers whose two forwards are
+    `baseline.compiler(...)` of its own `_first_step_decode` / `_multi_step`.
+
+    compile+graph: both wrapped in enabled `CapturedForward`s over the drafter's schedule
+    and a graph pool of its own, and captured here for every bs of the group (three
+    warm-up calls per bs first: the compile, then steady calls), the group's input
+    buffers restored afterwards. reduce-overhead: wrapped in disabled ones, every
+    persistent buffer marked static. Fills `group.baseline_info`. Leaves the shared head
+    on the group drafter's kernel backend.
+    """
     d = group.drafter
-    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=True)
+    t0, (graphs0, breaks0) = time.perf_counter(), _dynamo_counts()
+    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=not baseline.own_graphs)
     base = EagleDrafter(d.head, cfg, req_to_page=group.pages.req_to_page, input_buffers=group.inputs,
                         runtime_states=group.states, kv_pool=group.kv_pool)
-    activate(d)
-    mark_static(base)
-    base.first_step_graphs = CapturedForward("compiled_first_step", compiler(base._first_step_decode),
-                                             base.schedule, enabled=False)
-    base.multi_step_graphs = CapturedForward("compiled_multi_step", compiler(base._multi_step),
-                                             base.schedule, enabled=False)
+    try:
+        activate(base)  # compile (and capture) the torch path, not the group drafter's
+        if not baseline.own_graphs:
+            mark_static(base)
+        forwards = {"first_step_graphs": ("compiled_first_step", base._first_step_decode, True),
+                    "multi_step_graphs": ("compiled_multi_step", base._multi_step, base.S > 1)}
+        for attr, (name, fn, enabled) in forwards.items():
+            setattr(base, attr, CapturedForward(
+                name, baseline.compiler(fn), base.schedule, pool=base.graph_pool,
+                enabled=baseline.own_graphs and enabled, warmup_iters=3))
+        if baseline.own_graphs:
+            with preserved_inputs(group.inputs):
+                base.capture_graphs()  # resets the inputs to neutral rows, warms up, captures
+            sync(cfg.device)
+    finally:
+        activate(d)
+    graphs1, breaks1 = _dynamo_counts()
+    group.baseline_info = {"compile_group_s": time.perf_counter() - t0,
+                           "compile_fx_graphs": graphs1 - graphs0,
+                           "compile_graph_breaks": breaks1 - breaks0}
     return base
 
 
@@ -449,28 +567,67 @@ def _counter(group: str, key: str) -> int:
     return int(counters[group][key])
 
 
+def _forward_counts(d: EagleDrafter) -> tuple[int, int]:
+    """(graph replays, eager calls) of both forwards so far."""
+    fs, ms = d.first_step_graphs.stats, d.multi_step_graphs.stats
+    return fs.total_replays + ms.total_replays, fs.total_eager + ms.total_eager
+
+
 @torch.inference_mode()
-def measure_compiled(group: DraftGroup, batch: DecodeBatch, compiler: Compiler, *,
+def measure_compiled(group: DraftGroup, batch: DecodeBatch, baseline: Baseline, *,
                      warmup: int = 3, reps: int = 20) -> dict[str, Any]:
-    """The baseline's `compile_{run,first,multi}_us` medians, `compile_s` (first three calls
-    at this bs: compile, warm-up, record), cudagraph skips and agreement with the graph
-    drafts; `{"compile_error": ...}` instead when building, compiling or running it raises.
-    After this the group's graphs are stale (module docstring)."""
+    """The baseline's times and set-up cost at this bs; `{"compile_error": ...}` instead when
+    building, compiling, capturing or running it raises (a failed build is kept in
+    `group.baseline_error` and returned for every later case of the group).
+
+    Keys: `compile_{run,first,multi}_us` medians; `compile_s`, the seconds to make this
+    bs ready (compile+graph: this bs's warm-up calls, where it compiles, and capture of
+    both forwards; reduce-overhead, or a bs left uncaptured: the first three `run`
+    calls: compile, cudagraph-trees warm-up, record); `compile_case_fx_graphs`, FX
+    graphs dynamo compiled during this case's calls; `compile_agreement`, the share of
+    drafts equal to the graph drafter's. compile+graph also: `compile_graph_replayed`
+    (every forward call of this case replayed a graph, per the `CapturedForward`
+    stats), `compile_replays`, `compile_eager_forwards`, `compile_pool_bytes`,
+    `compile_dropped` (sizes whose capture ran out of memory) and `group.baseline_info`.
+    reduce-overhead also: `compile_cudagraph_skips`; it leaves the group's graphs stale
+    (module docstring).
+    """
     dev = group.cfg.device
+    if group.baseline_error is not None:
+        return {"compile_error": group.baseline_error}
     try:
         if group.baseline is None:
-            group.graphs_stale = True
-            group.baseline = build_baseline(group, compiler)
+            group.graphs_stale = group.graphs_stale or baseline.stales_graphs
+            try:
+                group.baseline = build_baseline(group, baseline)
+            except Exception as e:
+                group.baseline_error = f"{type(e).__name__}: {e}"[:500]
+                raise
         base = group.baseline
         activate(base)
         skips = _counter("inductor", "cudagraph_skips")
+        counts, fx_graphs = _forward_counts(base), _dynamo_counts()[0]
         t0 = time.perf_counter()
-        for _ in range(3):  # compile at this bs, cudagraph-trees warm-up, record
+        for _ in range(3):  # reduce-overhead: compile at this bs, cudagraph-trees warm-up, record
             out = base.run(*batch.args)
         sync(dev)
-        res: dict[str, Any] = {"compile_s": time.perf_counter() - t0}
+        first_calls_s = time.perf_counter() - t0
+        res: dict[str, Any] = {"compile_s": first_calls_s}
         res.update(_time_forwards("compile", base, batch, warmup=warmup, reps=reps))
-        res["compile_cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips
+        res["compile_case_fx_graphs"] = _dynamo_counts()[0] - fx_graphs
+        if baseline.own_graphs:
+            bs = batch.ctx.bs
+            fs, ms = base.first_step_graphs.stats, base.multi_step_graphs.stats
+            replays, eager = (b - a for a, b in zip(counts, _forward_counts(base), strict=True))
+            if bs in fs.capture_seconds:
+                res["compile_s"] = fs.capture_seconds[bs] + ms.capture_seconds.get(bs, 0.0)
+            res.update(compile_graph_replayed=eager == 0 and replays > 0,
+                       compile_replays=replays, compile_eager_forwards=eager,
+                       compile_pool_bytes=fs.total_pool_bytes + ms.total_pool_bytes,
+                       compile_dropped=sorted(set(fs.dropped) | set(ms.dropped)),
+                       **group.baseline_info)
+        else:
+            res["compile_cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips
         reference = group.reference.get(batch.ctx.bs)
         if reference is not None:
             res["compile_agreement"] = float((out[:, 1:] == reference[:, 1:]).float().mean())
@@ -479,6 +636,122 @@ def measure_compiled(group: DraftGroup, batch: DecodeBatch, compiler: Compiler, 
         return {"compile_error": f"{type(e).__name__}: {e}"[:500]}
     finally:
         activate(group.drafter)
+
+
+# ---------------------------------------------------------------------------
+# Work outside the graph replays (torch.profiler)
+# ---------------------------------------------------------------------------
+LAUNCHES_ENV = "GRAPHDRAFT_PERF_LAUNCHES"
+CALL_MARK = "graphdraft_perf_call"
+"""The `record_function` name around each profiled call."""
+LAUNCH_APIS = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cuMemcpy", "cudaMemset", "cuMemset")
+"""Host API calls that put one kernel, copy or memset on a stream (runtime and driver API:
+Triton launches through `cuLaunchKernel[Ex]`)."""
+GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
+_GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+def _api_event(e: dict[str, Any]) -> bool:
+    cat = str(e.get("cat", "")).lower()
+    return e.get("ph") == "X" and cat in ("cuda_runtime", "cuda_driver")
+
+
+def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> list[dict[str, Any]]:
+    """Per `record_function(mark)` span of a chrome trace (`traceEvents`), in time order, the
+    CUDA work the host issued inside it:
+
+    `launches`: host API calls in `LAUNCH_APIS` (kernel launches, memcpys, memsets) made
+    outside graph launches; `graph_launches`: `cudaGraphLaunch` calls; `gpu_outside` /
+    `gpu_inside`: GPU kernels, copies and memsets correlated with a non-graph / a graph
+    launch (the profiler may miss GPU records, never host API records, so `launches` is
+    the count to trust); `ops`: name -> count of the `gpu_outside` work.
+    Raises ValueError when the trace has no span named `mark`.
+    """
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                   if e.get("ph") == "X" and e.get("name") == mark
+                   and not str(e.get("cat", "")).lower().startswith("gpu"))
+    if not spans:
+        raise ValueError(f"no {mark!r} spans in the profiler trace")
+    calls: list[dict[str, Any]] = [{"launches": 0, "graph_launches": 0, "gpu_outside": 0,
+                                    "gpu_inside": 0, "ops": Counter()} for _ in spans]
+
+    def span_of(ts: float) -> int | None:
+        for i, (lo, hi) in enumerate(spans):
+            if lo <= ts <= hi:
+                return i
+        return None
+
+    by_corr: dict[Any, tuple[int, bool]] = {}  # correlation id -> (span, is a graph launch)
+    for e in events:
+        if not _api_event(e):
+            continue
+        i = span_of(float(e.get("ts", -1.0)))
+        name = str(e.get("name", ""))
+        if i is None:
+            continue
+        graph = name.startswith(GRAPH_LAUNCH_APIS)
+        if graph:
+            calls[i]["graph_launches"] += 1
+        elif name.startswith(LAUNCH_APIS):
+            calls[i]["launches"] += 1
+        else:
+            continue
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            by_corr[corr] = (i, graph)
+    for e in events:
+        if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in _GPU_CATS:
+            continue
+        hit = by_corr.get((e.get("args") or {}).get("correlation"))
+        if hit is None:
+            continue
+        i, graph = hit
+        if graph:
+            calls[i]["gpu_inside"] += 1
+        else:
+            calls[i]["gpu_outside"] += 1
+            calls[i]["ops"][str(e.get("name", "?"))[:100]] += 1
+    for c in calls:
+        c["ops"] = dict(sorted(c["ops"].items()))
+    return calls
+
+
+def launches_enabled(env: dict[str, str] | None = None) -> bool:
+    """`GRAPHDRAFT_PERF_LAUNCHES=0` skips the profiler pass of every case."""
+    return (os.environ if env is None else env).get(LAUNCHES_ENV, "1").strip() != "0"
+
+
+def profile_launches(fn: Callable[[], Any], *, calls: int = 3,
+                     device: str | torch.device = "cuda") -> dict[str, Any]:
+    """Run `fn` (one draft call) `calls` times under torch.profiler and count the work it
+    issues outside graph launches (`count_launches`); report the last call's counts.
+
+    Keys: `refresh_launches`, `graph_launches`, `refresh_gpu_ops`, `graph_gpu_ops`,
+    `refresh_ops` (name -> count), `launch_counts_stable` (every profiled call issued the
+    same host launches). On a CPU device only host ops are traced and the counts are 0.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                with record_function(CALL_MARK):
+                    fn()
+            sync(device)
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    per_call = count_launches(events)
+    last = per_call[-1]
+    return {"refresh_launches": last["launches"], "graph_launches": last["graph_launches"],
+            "refresh_gpu_ops": last["gpu_outside"], "graph_gpu_ops": last["gpu_inside"],
+            "refresh_ops": last["ops"],
+            "launch_counts_stable": len({(c["launches"], c["graph_launches"]) for c in per_call})
+            == 1}
 
 
 # ---------------------------------------------------------------------------
@@ -503,11 +776,16 @@ def capture_info(d: EagleDrafter, bs: int) -> dict[str, float]:
 
 @torch.inference_mode()
 def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps: int = 20,
-                 eager_reps: int = 8) -> dict[str, Any]:
-    """Eager and graph-replay times of one decode batch (before any `measure_compiled`).
+                 eager_reps: int = 8, profile: bool = True) -> dict[str, Any]:
+    """Eager and graph-replay times of one decode batch (before any reduce-overhead
+    `measure_compiled`).
 
     Keys: `{eager,graph}_{run,first,multi}_us` medians, `eager_equals_graph`
-    (bit-identical `run` outputs), `graph_replayed`, capture stats. Keeps the graph
+    (bit-identical `run` outputs), `graph_replayed`, capture stats, `refresh_us`
+    (`graph_run_us - graph_first_us - graph_multi_us`: the host-side prepare and input
+    copies around the two replays) and, on CUDA with `profile`, `profile_launches`'s
+    counts of the work one `run` issues outside the two graph launches (measured last,
+    after every timing; `launches_error` when the profiler fails). Keeps the graph
     output in `group.reference[bs]`.
     """
     d, bs = group.drafter, batch.ctx.bs
@@ -526,8 +804,14 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     res["graph_replayed"] = (d.first_step_graphs.stats.total_replays
                              + d.multi_step_graphs.stats.total_replays) > replays
     res["eager_equals_graph"] = bool(torch.equal(eager_out, graph_out))
+    res["refresh_us"] = res["graph_run_us"] - res["graph_first_us"] - res["graph_multi_us"]
     res.update(capture_info(d, bs))
     group.reference[bs] = graph_out
+    if profile and torch.device(d.cfg.device).type == "cuda":
+        try:
+            res.update(profile_launches(lambda: d.run(*batch.args), device=d.cfg.device))
+        except Exception as e:  # noqa: BLE001 - a failed count is a result, not a crash
+            res["launches_error"] = f"{type(e).__name__}: {e}"[:300]
     return res
 
 

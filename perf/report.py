@@ -2,9 +2,12 @@
 
 Reads the `extra_info` that `perf/test_draft_perf.py` stores in each
 pytest-benchmark record (a case's graph and compile records are merged) and
-prints one row per case, then one line with the
-measured copy bandwidth and the GPU, then notes for anything that went wrong
-(compile failures, eager/graph mismatches, graphs that never replayed).
+prints one row per case, the baseline's columns labelled by its mode
+(`compile+graph`, `reduce-overhead`, ...), then one line with the measured copy
+bandwidth and the GPU, then notes for anything that went wrong (compile
+failures, baseline forwards that did not replay a graph, eager/graph
+mismatches, graphs that never replayed) and the work a draft call issues
+outside its two graph replays.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("case", "bs", "kv", "eager us", "graph us", "compile us", "floor us", "graph/floor",
-           "graph vs compile", "eager/graph", "capture s", "pool MB")
+DEFAULT_MODE = "compile+graph"
+
+
+def columns(mode: str = DEFAULT_MODE) -> tuple[str, ...]:
+    """The table's header; the baseline's columns carry its mode."""
+    return ("case", "bs", "kv", "eager us", "graph us", f"{mode} us", "floor us", "graph/floor",
+            f"{mode}/graph", "eager/graph", "refresh us", "launches", "capture s", "pool MB",
+            f"{mode} s")
+
+
+COLUMNS = columns()
 
 
 def merge(infos: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -75,19 +87,43 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _compile_cell(r: dict[str, Any]) -> str:
+    if "compile_error" in r:
+        return "failed: " + r["compile_error"].split(":", 1)[0]
+    ungraphed = r.get("compile_cudagraph_skips") or r.get("compile_graph_replayed") is False
+    return _num(r.get("compile_run_us"), ".0f") + ("*" if ungraphed else "")
+
+
+def _launch_cell(r: dict[str, Any]) -> str:
+    if "refresh_launches" not in r:
+        return "failed" if "launches_error" in r else "—"
+    n, gpu = r["refresh_launches"], r.get("refresh_gpu_ops")
+    return str(n) if gpu is None or gpu == n else f"{n} ({gpu} on GPU)"
+
+
+def refresh_us(r: dict[str, Any]) -> float | None:
+    """`refresh_us`, or (runs before it was recorded) the same difference of the medians."""
+    if "refresh_us" in r:
+        return r["refresh_us"]
+    parts = [r.get(k) for k in ("graph_run_us", "graph_first_us", "graph_multi_us")]
+    return None if None in parts else parts[0] - parts[1] - parts[2]
+
+
 def row(r: dict[str, Any]) -> list[str]:
     eager, graph = r.get("eager_run_us"), r.get("graph_run_us")
     comp, floor = r.get("compile_run_us"), r.get("floor_us")
-    if "compile_error" in r:
-        comp_cell = "failed: " + r["compile_error"].split(":", 1)[0]
-    else:
-        comp_cell = _num(comp, ".0f") + ("*" if r.get("compile_cudagraph_skips") else "")
     return [f"page{r.get('page_size', '?')}", str(r.get("bs", "?")), str(r.get("kv_len", "?")),
-            _num(eager, ".0f"), _num(graph, ".0f"), comp_cell, _num(floor, ".0f"),
+            _num(eager, ".0f"), _num(graph, ".0f"), _compile_cell(r), _num(floor, ".0f"),
             _num(_ratio(graph, floor), ".2f") + ("x" if graph and floor else ""),
             _num(_ratio(comp, graph), ".2f") + ("x" if comp and graph else ""),
             _num(_ratio(eager, graph), ".1f") + ("x" if eager and graph else ""),
-            _num(r.get("capture_s"), ".2f"), _num(r.get("pool_bytes", 0) / 2**20, ".1f")]
+            _num(refresh_us(r), ".1f"), _launch_cell(r),
+            _num(r.get("capture_s"), ".2f"), _num(r.get("pool_bytes", 0) / 2**20, ".1f"),
+            _num(r.get("compile_s"), ".1f")]
+
+
+def _name(r: dict[str, Any]) -> str:
+    return f"page{r.get('page_size')} kv{r.get('kv_len')} bs{r.get('bs')}"
 
 
 def notes(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -97,14 +133,45 @@ def notes(records: Sequence[dict[str, Any]]) -> list[str]:
         out.append(f"- *: torch.compile skipped cudagraphs for part of the baseline in "
                    f"{len(skipped)} of {len(records)} cases (see the run's "
                    "'skipping cudagraphs due to ...' warnings); those parts ran without graphs")
+    eager = [r for r in records if r.get("compile_graph_replayed") is False]
+    if eager:
+        out.append(f"- *: the compiled forwards did not all replay a CUDA graph in {len(eager)} "
+                   f"of {len(records)} cases ({', '.join(_name(r) for r in eager)}: "
+                   "eager forward calls, or a capture dropped for memory); those ran "
+                   "compiled but ungraphed")
+    agree = [r["compile_agreement"] for r in records if "compile_agreement" in r]
+    if agree:
+        out.append(f"- baseline drafts equal to the graph drafter's: {min(agree):.1%} to "
+                   f"{max(agree):.1%} of draft tokens (torch path vs Triton kernels, same weights)")
+    group_s = {(r.get("page_size"), r.get("kv_len")): r["compile_group_s"] for r in records
+               if "compile_group_s" in r}
+    if group_s:
+        out.append("- baseline build (compile and capture of every bs of the group): "
+                   + ", ".join(f"page{p} kv{k} {s:.1f} s" for (p, k), s in group_s.items()))
     for r in records:
-        name = f"page{r.get('page_size')} kv{r.get('kv_len')} bs{r.get('bs')}"
+        name = _name(r)
         if "compile_error" in r:
             out.append(f"- {name}: torch.compile baseline failed: {r['compile_error']}")
         if r.get("eager_equals_graph") is False:
             out.append(f"- {name}: graph replay output differs from eager output")
         if r.get("graph_replayed") is False:
             out.append(f"- {name}: no CUDA graph replayed (the 'graph' column ran eagerly)")
+        if "launches_error" in r:
+            out.append(f"- {name}: launch count failed: {r['launches_error']}")
+        if r.get("graph_launches") not in (None, 2):
+            out.append(f"- {name}: {r['graph_launches']} graph launches in one draft call "
+                       "(expected 2: first step, multi-step)")
+        if r.get("launch_counts_stable") is False:
+            out.append(f"- {name}: profiled draft calls issued different launch counts")
+    ops = [r for r in records if r.get("refresh_ops")]
+    if ops:
+        seen: dict[str, list[str]] = {}
+        for r in ops:
+            key = ", ".join(f"{n} x{c}" for n, c in r["refresh_ops"].items())
+            seen.setdefault(key, []).append(_name(r))
+        for key, names in seen.items():
+            out.append(f"- GPU work outside the graph replays per draft call ({', '.join(names)}): "
+                       f"{key}")
     return out
 
 
@@ -112,20 +179,41 @@ def render(records: Sequence[dict[str, Any]]) -> str:
     """The markdown table, the bandwidth/GPU line and any notes."""
     if not records:
         return "No draft benchmark records (perf suite skipped: no CUDA GPU?)."
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row(r)) + " |" for r in records]
     first = records[0]
+    mode = first.get("compile_mode") or DEFAULT_MODE
+    mode = LEGACY_MODES.get(mode, mode)
+    cols = columns("compile" if mode == "off" else mode)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(row(r)) + " |" for r in records]
     bw = first.get("copy_bw")
     lines += ["", f"Copy bandwidth (read + written): {_num(bw and bw / 1e12, '.2f')} TB/s on "
               f"{first.get('gpu', 'unknown GPU')} (torch {first.get('torch', '?')}, "
               f"triton {first.get('triton', '?')}); floor = HBM bytes per draft call "
               f"({first.get('steps', 3)} steps: weights + KV + first-step fc and hidden) / that "
               "bandwidth; times are CUDA-event medians of `drafter.run` on a decode batch; "
-              f"torch.compile shapes: {first.get('compile_mode', '?')}."]
+              f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = graph us minus the two "
+              "replays timed alone (host prepare and input copies between them); launches = "
+              "kernel launches, memcpys and memsets one draft call issues outside its two "
+              "graph launches (torch.profiler host API count)."]
     extra = notes(records)
     if extra:
         lines += ["", *extra]
     return "\n".join(lines)
+
+
+LEGACY_MODES = {"static": "reduce-overhead", "dynamic": "reduce-overhead-dynamic"}
+"""`compile_mode` as runs before the compile+graph baseline recorded it."""
+
+MODE_TEXT = {
+    "compile+graph": "compile+graph = torch-path drafter, torch.compile(dynamic=False) inductor "
+                     "forwards captured in graphdraft's own CUDA graphs; '{mode} s' = that bs's "
+                     "compile (first warm-up call) and capture",
+    "reduce-overhead": "reduce-overhead = torch-path drafter, torch.compile(mode="
+                       "'reduce-overhead', dynamic=False); '{mode} s' = its first three calls",
+    "reduce-overhead-dynamic": "reduce-overhead-dynamic = as reduce-overhead with automatic "
+                               "dynamic shapes",
+    "off": "none (GRAPHDRAFT_PERF_COMPILE=0)",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

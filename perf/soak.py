@@ -9,7 +9,10 @@ has run `--steps` times. It checks, and prints:
     eagerly (GRAPHDRAFT_EAGER=1) from the same state: the drafts and draft KV
     writes must be bit-identical;
   - every request's pages return to the pool.
-Exit code 1 on any failed check.
+A progress line every `--progress-every` draft steps (10,000). `--max-minutes` caps
+the wall time: the soak stops early, says how many draft steps it did and that the
+target was not reached. Exit code 1 on any failed check, else 2 when stopped early
+by `--max-minutes`, else 0.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import torch
 
@@ -42,18 +46,43 @@ class SoakReport:
     seconds: float = 0.0
     mem_start: int = 0
     mem_end: int = 0
+    mem_measured: bool = False
+    """Whether `mem_start` was taken (the soak ran past its warm-up on CUDA)."""
     checks: int = 0
     failures: list[str] = field(default_factory=list)
+    target_steps: int = 0
+    max_seconds: float | None = None
+    stopped_early: bool = False
+    """The `max_seconds` cap ended the soak before `target_steps` draft steps."""
+
+    @property
+    def mean_engine_step_ms(self) -> float:
+        """Wall time per engine step (checks and request churn included)."""
+        return 1e3 * self.seconds / self.engine_steps if self.engine_steps else 0.0
 
     def lines(self) -> list[str]:
-        return [
+        mem = (f"allocated memory after warm-up {self.mem_start / 2**20:.1f} MiB, "
+               f"at end {self.mem_end / 2**20:.1f} MiB" if self.mem_measured else
+               f"allocated memory at end {self.mem_end / 2**20:.1f} MiB (no warm-up baseline: "
+               "not checked)")
+        out = [
             f"draft steps {self.draft_steps}, engine steps {self.engine_steps}, "
             f"requests {self.requests_done}, tokens {self.tokens} in {self.seconds:.1f} s",
-            f"allocated memory after warm-up {self.mem_start / 2**20:.1f} MiB, "
-            f"at end {self.mem_end / 2**20:.1f} MiB",
+            f"mean engine step {self.mean_engine_step_ms:.2f} ms",
+            mem,
             f"graph-vs-eager checks {self.checks}, failures {len(self.failures)}",
             *self.failures[:10],
         ]
+        if self.stopped_early:
+            out.append(f"TARGET NOT REACHED: stopped after {self.draft_steps} of "
+                       f"{self.target_steps} draft steps at the {self.max_seconds / 60:g}-minute "
+                       "cap (--max-minutes)")
+        return out
+
+    @property
+    def exit_code(self) -> int:
+        """1: a check failed; 2: all checks passed but the step target was not reached; 0."""
+        return 1 if self.failures else 2 if self.stopped_early else 0
 
 
 def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
@@ -70,9 +99,11 @@ def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
 
 def _checked_run(engine: Engine, report: SoakReport):
     """Wrap drafter.run until the next decode batch: graph and eager runs from the same
-    KV state must give the same drafts and KV writes."""
+    KV state must give the same drafts and KV writes. Returns the undo (for a soak that
+    stops before the next decode batch)."""
     drafter = engine.drafter
     original = drafter.run
+    patched = "run" in vars(drafter)
 
     def run(ctx, hidden, tokens, accept):
         if ctx.num_extends:  # checks are for decode batches (the graphed ones)
@@ -98,12 +129,33 @@ def _checked_run(engine: Engine, report: SoakReport):
 
     drafter.run = run
 
+    def undo() -> None:
+        if vars(drafter).get("run") is run:
+            if patched:
+                drafter.run = original
+            else:
+                del drafter.run
 
-def soak(engine: Engine, steps: int, check_every: int, seed: int = 0) -> SoakReport:
+    return undo
+
+
+def _progress_line(report: SoakReport, steps: int, elapsed: float, cuda: bool) -> str:
+    mem = f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB" if cuda else "n/a (CPU)"
+    return (f"[soak] draft steps {steps}, engine steps {report.engine_steps}, "
+            f"elapsed {elapsed:.1f} s, allocated {mem}")
+
+
+def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
+         max_seconds: float | None = None, progress_every: int = 10_000,
+         out: TextIO | None = None) -> SoakReport:
+    """Run until the drafter has run `steps` times, or `max_seconds` of wall time have
+    passed (`report.stopped_early`). A progress line every `progress_every` draft steps
+    goes to `out` (stdout when None; 0 turns them off), flushed."""
     rng = random.Random(seed)
     vocab = engine.target.config.vocab_size
-    report = SoakReport()
+    report = SoakReport(target_steps=steps, max_seconds=max_seconds)
     cuda = engine.device.type == "cuda"
+    stream = sys.stdout if out is None else out
     forwards = [engine.verify_graphs, engine.drafter.first_step_graphs,
                 engine.drafter.multi_step_graphs]
     captured = [dict(f.stats.capture_seconds) for f in forwards]
@@ -117,10 +169,15 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0) -> SoakRep
 
     t0 = time.perf_counter()
     next_check = check_every
+    next_progress = progress_every if progress_every > 0 else None
+    undo_check = None
     while engine.drafter.stats.calls < steps:
+        if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+            report.stopped_early = True
+            break
         refill()
         if engine.drafter.stats.calls >= next_check:
-            _checked_run(engine, report)
+            undo_check = _checked_run(engine, report)
             next_check += check_every
         done = engine.step()
         report.engine_steps += 1
@@ -130,6 +187,15 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0) -> SoakRep
             if cuda:
                 torch.cuda.synchronize()
                 report.mem_start = torch.cuda.memory_allocated()
+                report.mem_measured = True
+        calls = engine.drafter.stats.calls
+        if next_progress is not None and calls >= next_progress:
+            print(_progress_line(report, calls, time.perf_counter() - t0, cuda), file=stream,
+                  flush=True)
+            while next_progress <= calls:
+                next_progress += progress_every
+    if undo_check is not None:
+        undo_check()
     for r in list(engine.running) + list(engine.waiting):
         engine.abort(r)
     if cuda:
@@ -137,7 +203,7 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0) -> SoakRep
         report.mem_end = torch.cuda.memory_allocated()
     report.seconds = time.perf_counter() - t0
     report.draft_steps = engine.drafter.stats.calls
-    if report.mem_end > report.mem_start:
+    if report.mem_measured and report.mem_end > report.mem_start:
         report.failures.append(f"allocated memory grew: {report.mem_start} -> {report.mem_end}")
     for f, before in zip(forwards, captured, strict=True):
         if f.stats.capture_seconds != before:
@@ -156,15 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-every", type=int, default=10_000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-time cap: stop early (exit code 2 if every check passed)")
+    p.add_argument("--progress-every", type=int, default=10_000,
+                   help="draft steps between progress lines (0: none)")
     a = p.parse_args(argv)
+    if a.max_minutes is not None and a.max_minutes <= 0:
+        p.error("--max-minutes must be > 0")
     engine = build(a.device, a.dtype)
-    report = soak(engine, a.steps, a.check_every)
+    max_seconds = None if a.max_minutes is None else 60.0 * a.max_minutes
+    report = soak(engine, a.steps, a.check_every, max_seconds=max_seconds,
+                  progress_every=a.progress_every)
     for line in report.lines():
         print(line)
     for f in [engine.verify_graphs, engine.drafter.first_step_graphs,
               engine.drafter.multi_step_graphs]:
         print(f.stats.summary())
-    return 1 if report.failures else 0
+    return report.exit_code
 
 
 if __name__ == "__main__":

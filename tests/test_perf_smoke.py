@@ -1,31 +1,45 @@
-"""The perf harness without a GPU: floor arithmetic, one tiny case end to end, the report."""
+"""The perf harness without a GPU: floor arithmetic, one tiny case end to end (graph and both
+baseline structures, with graphs off and an identity "compiler"), the launch count, the report,
+the soak loop."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from capture import CapturedForward
 from graphdraft.config import ModelConfig
 from perf import report
 from perf.bench import (
+    CALL_MARK,
+    COMPILE_GRAPH,
     LLAMA31_8B_HEAD,
+    REDUCE_OVERHEAD,
+    REDUCE_OVERHEAD_DYNAMIC,
+    Baseline,
     Case,
     GroupCache,
+    baseline_from_env,
     build_head,
     cases_from_env,
-    compiler_from_env,
     context_positions,
     copy_bandwidth,
+    count_launches,
     default_cases,
     fill_decode_batch,
     floor_bytes,
     floor_info,
     group_batch_sizes,
+    inductor,
+    launches_enabled,
     measure_case,
     measure_compiled,
     ordered_params,
+    profile_launches,
+    reduce_overhead,
     runtime_config,
     weight_bytes_per_step,
 )
@@ -57,9 +71,21 @@ def test_cases_and_sizes():
     assert group_batch_sizes(cases, (16, 512)) == (1, 8, 32, 64, 128)
     assert group_batch_sizes(cases, (1, 4096)) == (64,)
     assert [c.bs for c in cases_from_env({"GRAPHDRAFT_PERF_BS": "1,8"})] == [1, 8, 1, 8, 8]
-    assert compiler_from_env({"GRAPHDRAFT_PERF_COMPILE": "0"}) == (None, "off")
-    assert compiler_from_env({})[1] == "static"
-    assert compiler_from_env({"GRAPHDRAFT_PERF_COMPILE": "dynamic"})[1] == "dynamic"
+    assert baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": "0"}) is None
+    default = baseline_from_env({})
+    assert default.mode == COMPILE_GRAPH and default.own_graphs and not default.stales_graphs
+    assert default.compiler is inductor
+    assert baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": "compile+graph"}) == default
+    ro = baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": "reduce-overhead"})
+    assert ro.mode == REDUCE_OVERHEAD and ro.stales_graphs and ro.compiler.keywords == {
+        "dynamic": False} and ro.compiler.func is reduce_overhead
+    assert baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": "static"}) == ro  # the old name
+    for raw in ("dynamic", "reduce-overhead-dynamic"):
+        dyn = baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": raw})
+        assert dyn.mode == REDUCE_OVERHEAD_DYNAMIC and dyn.compiler is reduce_overhead
+    with pytest.raises(ValueError, match="GRAPHDRAFT_PERF_COMPILE='reduce_overhead'"):
+        baseline_from_env({"GRAPHDRAFT_PERF_COMPILE": "reduce_overhead"})
+    assert launches_enabled({}) and not launches_enabled({"GRAPHDRAFT_PERF_LAUNCHES": "0"})
     cfg = runtime_config(16, 4096, (1, 8, 32, 64, 128), device="cpu")
     assert cfg.max_context_len == 4112 >= context_positions(4096)
     assert cfg.total_kv_pages == 128 * 4112 // 16 + 1
@@ -68,6 +94,13 @@ def test_cases_and_sizes():
 
 def _fail(fn):
     raise RuntimeError("no compiler here")
+
+
+def _identity(calls):
+    def compiler(fn):
+        calls.append(fn.__name__)
+        return fn
+    return compiler
 
 
 def test_tiny_case_end_to_end_on_cpu():
@@ -84,56 +117,189 @@ def test_tiny_case_end_to_end_on_cpu():
     res = measure_case(group, batch, warmup=1, reps=2, eager_reps=2)
     assert res["eager_equals_graph"] is True
     assert res["graph_replayed"] is False  # no graphs on CPU
+    assert res["refresh_us"] == pytest.approx(
+        res["graph_run_us"] - res["graph_first_us"] - res["graph_multi_us"])
+    assert "refresh_launches" not in res  # the profiler pass is CUDA only
     assert group.reference[3].shape == (3, 4)
-    # "compile" with the identity: the baseline's code path, on the torch backend, no inductor.
-    res.update(measure_compiled(group, batch, lambda fn: fn, warmup=1, reps=2))
+
+    # compile+graph with the identity as "compiler": the baseline's structure (a torch-path
+    # drafter, compiled forwards in enabled CapturedForwards over its own pool, captured at
+    # build) without inductor; on CPU the capture is a no-op and every forward runs eagerly.
+    calls = []
+    inputs_before = group.inputs.positions.clone(), group.inputs.req_pool_indices.clone()
+    res.update(measure_compiled(group, batch, Baseline(COMPILE_GRAPH, _identity(calls), True),
+                                warmup=1, reps=2))
+    base = group.baseline
+    assert calls == ["_first_step_decode", "_multi_step"]
+    assert isinstance(base.first_step_graphs, CapturedForward)
+    assert base.first_step_graphs.name == "compiled_first_step"
+    assert base.multi_step_graphs.name == "compiled_multi_step"
+    assert base.first_step_graphs.pool is base.graph_pool is base.multi_step_graphs.pool
+    assert base.graph_pool is not group.drafter.graph_pool
+    assert base.first_step_graphs.warmup_iters == 3
+    assert not base.cfg.use_triton and base.schedule == group.drafter.schedule
+    # the capture reset the shared inputs to neutral rows; build_baseline restored them
+    assert torch.equal(group.inputs.positions, inputs_before[0])
+    assert torch.equal(group.inputs.req_pool_indices, inputs_before[1])
     for key in ("eager", "graph", "compile"):
         for part in ("run", "first", "multi"):
             assert res[f"{key}_{part}_us"] > 0
     assert res["compile_agreement"] == 1.0  # torch path both ways on CPU
+    assert res["compile_graph_replayed"] is False  # CPU: disabled, eager
+    assert res["compile_replays"] == 0 and res["compile_eager_forwards"] > 0
+    assert res["compile_dropped"] == [] and res["compile_pool_bytes"] == 0
+    assert res["compile_s"] > 0 and res["compile_group_s"] > 0
+    assert res["compile_case_fx_graphs"] == 0 and "compile_cudagraph_skips" not in res
+    assert not group.graphs_stale
     assert group.drafter.head.midlayer.self_attn.use_triton is False
+    res1 = measure_case(group, fill_decode_batch(group, 1), warmup=1, reps=2, eager_reps=2)
+    assert res1["eager_equals_graph"] is True  # graphs stay valid after compile+graph
+
+    # reduce-overhead: disabled CapturedForwards, and the group's graphs go stale.
+    group.baseline, calls = None, []
+    ro = measure_compiled(group, batch, Baseline(REDUCE_OVERHEAD, _identity(calls), False),
+                          warmup=0, reps=1)
+    assert calls == ["_first_step_decode", "_multi_step"] and "compile_error" not in ro
+    assert ro["compile_agreement"] == 1.0 and "compile_cudagraph_skips" in ro
+    assert "compile_graph_replayed" not in ro
+    assert group.baseline.cfg.enforce_eager
     with pytest.raises(RuntimeError, match="cuBLAS workspace"):
-        measure_case(group, batch)  # graphs are stale once the baseline exists
+        measure_case(group, batch)  # graphs are stale once that baseline exists
+
     group.baseline = None  # build the baseline again, with a compiler that raises
-    failed = measure_compiled(group, fill_decode_batch(group, 1), _fail, warmup=0, reps=1)
+    failing = Baseline(COMPILE_GRAPH, _fail, True)
+    failed = measure_compiled(group, fill_decode_batch(group, 1), failing, warmup=0, reps=1)
     assert failed == {"compile_error": "RuntimeError: no compiler here"}
+    assert group.baseline is None and group.baseline_error == failed["compile_error"]
+    calls = []  # a failed build is not retried for the group's later cases
+    assert measure_compiled(group, batch, Baseline(COMPILE_GRAPH, _identity(calls), True)) == failed
+    assert calls == []
     cache.close()
     assert cache.group is None
     assert copy_bandwidth("cpu", nbytes=1 << 20, reps=2) > 0
 
 
-def _info(bs, variant, **extra):
+def _trace(*calls, mark=CALL_MARK):
+    """A chrome trace: one `mark` span per call of (api name, gpu name or None) pairs."""
+    events, ts, corr = [{"ph": "M", "name": "process_name"}], 0.0, 0
+    for call in calls:
+        events.append({"ph": "X", "cat": "user_annotation", "name": mark, "ts": ts, "dur": 90.0})
+        events.append({"ph": "X", "cat": "gpu_user_annotation", "name": mark, "ts": ts + 500,
+                       "dur": 5.0})
+        for i, (api, gpu) in enumerate(call):
+            corr += 1
+            cat = "cuda_driver" if api.startswith("cu") and not api.startswith("cuda") \
+                else "cuda_runtime"
+            events.append({"ph": "X", "cat": cat, "name": api, "ts": ts + 1 + i, "dur": 0.5,
+                           "args": {"correlation": corr}})
+            for g in ([] if gpu is None else gpu if isinstance(gpu, list) else [gpu]):
+                gcat = ("gpu_memcpy" if g.startswith("Memcpy") else
+                        "gpu_memset" if g.startswith("Memset") else "kernel")
+                events.append({"ph": "X", "cat": gcat, "name": g, "ts": ts + 200 + i,
+                               "dur": 1.0, "args": {"correlation": corr}})
+        ts += 100.0
+    # outside every span: not counted
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts + 50,
+                   "dur": 1.0, "args": {"correlation": 10_000}})
+    return events
+
+
+def test_count_launches_separates_graph_replays():
+    call = [("cudaMemcpyAsync", "Memcpy DtoD (Device -> Device)"),
+            ("cudaLaunchKernel", "elementwise_kernel"),
+            ("cudaStreamIsCapturing", None),          # not a launch
+            ("cudaGraphLaunch", ["gemv", "attention", "argmax"]),
+            ("cuLaunchKernelEx", "triton_fill"),      # driver API (Triton)
+            ("cudaMemsetAsync", "Memset (Device)"),
+            ("cudaGraphLaunch", ["gemv"]),
+            ("cudaMemcpyAsync", None)]                # a GPU record the profiler dropped
+    first = call[:1] + [("cudaLaunchKernel", "warmup_kernel")] + call[1:]
+    out = count_launches(_trace(first, call))
+    assert len(out) == 2
+    last = out[-1]
+    assert last["launches"] == 5 and last["graph_launches"] == 2
+    assert last["gpu_outside"] == 4 and last["gpu_inside"] == 4
+    assert last["ops"] == {"Memcpy DtoD (Device -> Device)": 1, "Memset (Device)": 1,
+                           "elementwise_kernel": 1, "triton_fill": 1}
+    assert out[0]["launches"] == 6
+    with pytest.raises(ValueError, match="no 'graphdraft_perf_call' spans"):
+        count_launches(_trace(call, mark="other"))
+
+
+def test_profile_launches_on_cpu():
+    """The profiler pass end to end (CPU: host ops only, so nothing to count)."""
+    x = torch.randn(64)
+    res = profile_launches(lambda: (x * 2).sum(), calls=2, device="cpu")
+    assert res == {"refresh_launches": 0, "graph_launches": 0, "refresh_gpu_ops": 0,
+                   "graph_gpu_ops": 0, "refresh_ops": {}, "launch_counts_stable": True}
+
+
+def _info(bs, variant, mode="compile+graph", **extra):
     info = dict(page_size=16, kv_len=512, bs=bs, floor_us=600.0, copy_bw=4.27e12,
                 gpu="NVIDIA H200", torch="2.11", triton="3.6", steps=3, variant=variant,
-                compile_mode="static")
+                compile_mode=mode)
     if variant == "graph":
-        info.update(eager_run_us=4000.0, graph_run_us=800.0, capture_s=1.5, pool_bytes=64 << 20)
+        info.update(eager_run_us=4000.0, graph_run_us=800.0, graph_first_us=300.0,
+                    graph_multi_us=488.0, capture_s=1.5, pool_bytes=64 << 20)
     else:
-        info.update(compile_run_us=1000.0)
+        info.update(compile_run_us=1000.0, compile_s=12.34)
     info.update(extra)
     return {"name": f"test_draft[{bs}-{variant}]", "extra_info": info, "stats": {}}
 
 
-def test_report_renders_one_table(tmp_path, capsys):
-    data = {"benchmarks": [_info(1, "graph"), _info(8, "graph", eager_equals_graph=False),
-                           _info(1, "compile", compile_cudagraph_skips=2),
-                           _info(8, "compile", compile_error="BackendCompilerFailed: boom"),
-                           {"name": "other", "extra_info": {}}]}
+def _table(tmp_path, capsys, benchmarks):
     path = tmp_path / "benchmark.json"
-    path.write_text(json.dumps(data))
+    path.write_text(json.dumps({"benchmarks": benchmarks}))
     assert report.main([str(path)]) == 0
     out = capsys.readouterr().out
-    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    return [ln for ln in out.splitlines() if ln.startswith("|")], out
+
+
+def test_report_renders_one_table(tmp_path, capsys):
+    ops = {"Memcpy DtoD (Device -> Device)": 3, "elementwise_kernel": 1}
+    table, out = _table(tmp_path, capsys, [
+        _info(1, "graph", refresh_us=12.25, refresh_launches=4, refresh_gpu_ops=4,
+              graph_launches=2, refresh_ops=ops, launch_counts_stable=True),
+        _info(8, "graph", eager_equals_graph=False, refresh_launches=5, refresh_gpu_ops=3,
+              graph_launches=3, refresh_ops=ops),
+        _info(1, "compile", compile_graph_replayed=True, compile_agreement=0.96875,
+              compile_group_s=20.5),
+        _info(8, "compile", compile_error="BackendCompilerFailed: boom"),
+        {"name": "other", "extra_info": {}}])
     assert len(table) == 4  # header, rule, two cases
-    assert table[0].count("|") == len(report.COLUMNS) + 1
-    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000* | 600 | 1.33x | 1.25x | 5.0x "
-                        "| 1.50 | 64.0 |")
-    assert "skipped cudagraphs for part of the baseline in 1 of 2 cases" in out
+    assert table[0] == ("| case | bs | kv | eager us | graph us | compile+graph us | floor us "
+                        "| graph/floor | compile+graph/graph | eager/graph | refresh us | launches "
+                        "| capture s | pool MB | compile+graph s |")
+    assert table[0].count("|") == len(report.COLUMNS) + 1 == len(report.columns("x")) + 1
+    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.25x | 5.0x "
+                        "| 12.2 | 4 | 1.50 | 64.0 | 12.3 |")
     assert "failed: BackendCompilerFailed" in table[3]
-    assert "4.27 TB/s" in out and "NVIDIA H200" in out
+    assert "| 12.0 | 5 (3 on GPU) |" in table[3]  # refresh from the medians when not recorded
+    assert "4.27 TB/s" in out and "NVIDIA H200" in out and "compile+graph = torch-path" in out
     assert "differs from eager" in out and "boom" in out
+    assert "96.9% to 96.9% of draft tokens" in out and "page16 kv512 20.5 s" in out
+    assert "page16 kv512 bs8: 3 graph launches" in out
+    assert ("GPU work outside the graph replays per draft call (page16 kv512 bs1, page16 kv512 "
+            "bs8): Memcpy DtoD (Device -> Device) x3, elementwise_kernel x1") in out
     assert report.main([str(tmp_path / "missing.json")]) == 1
     assert "skipped" in report.render([])
+
+
+def test_report_marks_ungraphed_baselines(tmp_path, capsys):
+    table, out = _table(tmp_path, capsys, [
+        _info(1, "graph", mode="static"), _info(1, "compile", mode="static",
+                                                compile_cudagraph_skips=2)])
+    assert "| reduce-overhead us |" in table[0] and "| reduce-overhead s |" in table[0]
+    assert "| 1000* |" in table[2] and "| — | 1.50 |" in table[2]  # no launch count recorded
+    assert "skipped cudagraphs for part of the baseline in 1 of 1 cases" in out
+    table, out = _table(tmp_path, capsys, [
+        _info(1, "graph", launches_error="RuntimeError: cupti"),
+        _info(1, "compile", compile_graph_replayed=False)])
+    assert "| 1000* |" in table[2] and "| failed |" in table[2]
+    assert "did not all replay a CUDA graph in 1 of 1 cases (page16 kv512 bs1" in out
+    assert "launch count failed: RuntimeError: cupti" in out
+    table, _ = _table(tmp_path, capsys, [_info(1, "graph", mode="off")])
+    assert "| compile us |" in table[0] and "| — |" in table[2]
 
 
 def test_soak_code_path_on_cpu():
@@ -145,6 +311,42 @@ def test_soak_code_path_on_cpu():
     report = soak(engine, steps=30, check_every=10)
     assert report.draft_steps >= 30 and report.checks >= 2
     assert not report.failures, report.failures
+    assert not report.stopped_early and report.exit_code == 0
+    text = "\n".join(report.lines())
+    assert "mean engine step" in text and "TARGET NOT REACHED" not in text
+    assert report.mean_engine_step_ms == pytest.approx(1e3 * report.seconds / report.engine_steps)
+
+
+def test_soak_time_cap_and_progress_lines(capsys):
+    """`max_seconds` stops the soak early (exit code 2 when the checks pass); progress lines
+    every `progress_every` draft steps; the check wrapper does not outlive the soak."""
+    import io
+
+    from perf.soak import build, main, soak
+
+    engine = build("cpu", "float32", max_running_requests=4, cuda_graph_max_bs=4,
+                   max_context_len=512)
+    out = io.StringIO()
+    report = soak(engine, steps=10**9, check_every=10**6, max_seconds=3.0, progress_every=1,
+                  out=out)
+    assert report.stopped_early and report.exit_code == 2 and not report.failures
+    assert 0 < report.draft_steps < 10**9 and report.target_steps == 10**9
+    lines = out.getvalue().splitlines()
+    assert 1 <= len(lines) <= report.draft_steps
+    for line in lines:
+        assert re.fullmatch(r"\[soak\] draft steps \d+, engine steps \d+, elapsed [\d.]+ s, "
+                            r"allocated n/a \(CPU\)", line), line
+    text = "\n".join(report.lines())
+    assert (f"TARGET NOT REACHED: stopped after {report.draft_steps} of 1000000000 draft steps "
+            "at the 0.05-minute cap") in text
+    assert "run" not in vars(engine.drafter)  # no check wrapper left behind
+    report.failures.append("x")
+    assert report.exit_code == 1  # a failed check wins over the early stop
+
+    assert main(["--device", "cpu", "--dtype", "float32", "--steps", "1000000000",
+                 "--max-minutes", "0.01"]) == 2
+    printed = capsys.readouterr().out
+    assert "TARGET NOT REACHED" in printed and "mean engine step" in printed
 
 
 def test_report_schedule_line(tmp_path):
