@@ -43,7 +43,13 @@ from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
-from graphdraft.ops import argmax_with_map, linear, linear_residual_rms_norm, rope_cos_sin_cache
+from graphdraft.ops import (
+    argmax_with_map,
+    linear,
+    linear_residual_rms_norm,
+    rms_norm_cat,
+    rope_cos_sin_cache,
+)
 
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel
@@ -143,11 +149,13 @@ class Eagle3DraftHead(nn.Module):
         out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T)."""
         layer = self.midlayer
         tp = self.tp
-        embeds = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
-                                                                          self.embed_tokens)
+        embeds = (self.embed_tokens.index_select(0, input_ids) if tp is None
+                  else tp.embed(input_ids, self.embed_tokens))
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = linear(hidden, self.fc, use_triton=self.use_triton)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
+        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, hidden, norm_h.weight, norm_h.eps,
+                         use_triton=self.use_triton)
         attn = layer.self_attn.attend(x, positions, out_cache_loc, kv, self.cos_sin, backend,
                                       metadata, gather_ids)
         residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)

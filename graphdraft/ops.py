@@ -31,6 +31,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return (normed, x) if residual is not None else normed
 
 
+def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
+                 weight_b: torch.Tensor, eps_b: float, *, use_triton: bool = False) -> torch.Tensor:
+    """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`."""
+    if use_triton:
+        from graphdraft.kernels.norm import rms_norm_cat as rms_norm_cat_triton
+        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b)
+    return torch.cat([rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b)], dim=-1)
+
+
 # ---------------------------------------------------------------------------
 # RoPE (NeoX / HF rotate_half) fused with the KV write
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from graphdraft.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from graphdraft.kernels.norm import rms_norm, rms_norm_ref
+from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -146,6 +146,19 @@ def test_rms_norm_matches_reference(dtype):
     _close(h, h_ref, dtype)
     if dtype == torch.float32:
         assert torch.equal(h, h_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_cat_matches_two_norms(dtype):
+    a_buf, b = torch.randn(3, 90).to(dtype), torch.randn(3, 80).to(dtype)
+    a = a_buf[:, 5:85]  # strided rows
+    wa, wb = torch.randn(80).to(dtype), torch.randn(80).to(dtype)
+    out = rms_norm_cat(a, wa, 1e-6, b, wb, 1e-5)
+    ref = torch.cat([rms_norm_ref(a, wa, 1e-6), rms_norm_ref(b, wb, 1e-5)], dim=-1)
+    assert out.shape == (3, 160)
+    _close(out, ref, dtype)
+    with pytest.raises(ValueError, match="b"):
+        rms_norm_cat(a, wa, 1e-6, b[:2], wb, 1e-5)
 
 
 def test_rms_norm_in_place_residual_and_out():
@@ -306,6 +319,8 @@ def test_gpu_rms_norm_and_rope(dtype):
         out_ref, h_ref = rms_norm_ref(x, w, 1e-5, residual=r)
         _close(out, out_ref, dtype)
         assert torch.equal(h, h_ref)
+        _close(rms_norm_cat(x, w, 1e-5, r, w, 1e-6),
+               torch.cat([rms_norm_ref(x, w, 1e-5), rms_norm_ref(r, w, 1e-6)], -1), dtype)
     for T in (1, 64):
         _check_rope(T, 32, 8, 128, dtype, "cuda")
 

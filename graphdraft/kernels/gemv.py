@@ -11,7 +11,8 @@ runs stay bit-identical).
 
 Fused forms, each one launch fewer than the unfused ops:
   act="silu_mul"        x is `gate_up [M, 2K]`; the product reads `silu(gate) * up`
-                        (rounded like the torch ops) while loading x.
+                        (rounded like the torch ops) while loading x (M == 1; M > 1 computes
+                        it in one small kernel first).
   linear_small_m_argmax each program also writes the (max, first index) of its logits
                         block; one tiny kernel picks the row argmax and maps it through
                         `hot_token_ids` (replaces the two-stage argmax's first pass).
@@ -56,17 +57,22 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 128,
-                target_programs: int = _TARGET_PROGRAMS, max_split: int = 16,
-                split: int | None = None, num_warps: int = 4, num_stages: int = 3) -> GemvConfig:
-    """Default tiles for a `[m, k] x [n, k]^T` product: split K until about `target_programs`
-    programs run (never a slice shorter than 4 * BLOCK_K, never more than `max_split`);
-    `split` forces the number of K slices. The overrides are for tuning and tests."""
+def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
+                target_programs: int | None = None, max_split: int = 16, split: int | None = None,
+                num_warps: int = 4, num_stages: int | None = None) -> GemvConfig:
+    """Tiles for a `[m, k] x [n, k]^T` product, from the H200 sweep (`perf/gemv_sweep.py`,
+    perf/RESULTS.md): M == 1 streams `[32|64, 256]` slabs with about 528 programs in flight,
+    M > 1 `[64|128, 128]` slabs with about 264; K is split to reach that count (the nearest
+    whole number of slices, at least 4 * BLOCK_K long, at most `max_split`); `split` forces
+    the number of K slices. The keyword overrides are for tuning and tests."""
     if block_n is None:
-        block_n = 64 if n <= 8192 else 128
+        block_n = (32 if n <= 8192 else 64) if m == 1 else (64 if n <= 8192 else 128)
+    block_k = block_k or (256 if m == 1 else 128)
+    target_programs = target_programs or (2 * _TARGET_PROGRAMS if m == 1 else _TARGET_PROGRAMS)
+    num_stages = num_stages or (4 if m == 1 else 3)
     n_blocks = triton.cdiv(n, block_n)
     if split is None:
-        split = min(triton.cdiv(target_programs, n_blocks), triton.cdiv(k, 4 * block_k), max_split)
+        split = min(round(target_programs / n_blocks), k // (4 * block_k), max_split)
     split = max(1, min(split, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
@@ -123,6 +129,20 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             p = offs_m.to(tl.int64) * n_blocks + pid_n
             tl.store(amax_val_ptr + p, best, mask=m_ok)
             tl.store(amax_idx_ptr + p, idx, mask=m_ok)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr):
+    """Row m of `[gate ; up]`: `out = silu(gate) * up`, each rounded like the torch ops."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < K
+    g = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_xm + K + offs, mask=ok, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * stride_om + offs, (s.to(tl.float32) * up.to(tl.float32)).to(g.dtype),
+             mask=ok)
 
 
 @triton.jit
@@ -188,6 +208,18 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str 
                          f"stride, got {tuple(out.shape)} {out.dtype}")
 
 
+def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | None]:
+    """M == 1 computes silu_mul while loading x; M > 1 (the `tl.dot` path, where that measured
+    slower than cuBLAS) materialises `silu(gate) * up` `[M, K]` first, one small launch."""
+    if act != "silu_mul" or x.shape[0] == 1:
+        return x, act
+    m, k = x.shape[0], x.shape[1] // 2
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block)
+    return out, None
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
             cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
             n_blocks: int = 1) -> None:
@@ -210,6 +242,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     _check(x, w, out, act)
     m, n = x.shape[0], w.shape[0]
     cfg = config or gemv_config(m, n, _k_of(x, act))
+    x, act = _act_input(x, act)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.split == 1:
@@ -264,6 +297,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
     cfg = config or gemv_config(m, n, _k_of(x, act))
+    x, act = _act_input(x, act)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
     _launch(x, w, ws, ws, act, cfg, to_ws=True)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

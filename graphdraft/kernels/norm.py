@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_row"]
+__all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_N = 16384
@@ -49,6 +49,43 @@ def rms_norm_row(x, w, N, eps):
     var = tl.sum(xf * xf, axis=0) / N
     y = (xf * (1.0 / tl.sqrt(var + eps))).to(dtype)
     return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)  # == a dtype multiply
+
+
+@triton.jit
+def _rms_norm_cat_kernel(a_ptr, stride_a, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr, eps_b,
+                         out_ptr, stride_out, N, BLOCK: tl.constexpr):
+    """Program (row, half): half 0 writes RMSNorm(a[row]) to out[row, :N], half 1 RMSNorm(b[row])
+    to out[row, N:]."""
+    row = tl.program_id(0).to(tl.int64)
+    half = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    if half == 0:
+        x = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+        w = tl.load(wa_ptr + cols, mask=mask, other=0.0)
+        eps = eps_a
+    else:
+        x = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+        w = tl.load(wb_ptr + cols, mask=mask, other=0.0)
+        eps = eps_b
+    tl.store(out_ptr + row * stride_out + half * N + cols, rms_norm_row(x, w, N, eps), mask=mask)
+
+
+def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
+                 weight_b: torch.Tensor, eps_b: float) -> torch.Tensor:
+    """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch."""
+    _check(a, weight_a, None, None, None)
+    _check(b, weight_b, None, None, None)
+    if b.shape != a.shape or b.dtype != a.dtype:
+        raise ValueError(f"b: expected {a.dtype} {tuple(a.shape)} like a, got {b.dtype} {tuple(b.shape)}")
+    M, N = a.shape
+    out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
+    if M > 0:
+        block = triton.next_power_of_2(N)
+        _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), weight_a, float(eps_a), b, b.stride(0), weight_b,
+                                     float(eps_b), out, out.stride(0), N, BLOCK=block,
+                                     num_warps=min(16, max(1, block // 512)))
+    return out
 
 
 def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
