@@ -83,8 +83,6 @@ class EagleDrafter:
                                              cfg.use_triton)
         head.set_use_triton(cfg.use_triton)
         self.bufs = DraftBuffers.allocate(cfg, mc.hidden_size, head.target_hidden_width, head.dtype)
-        # `row * N - 1` per decode row: gather id = offset + clamp(accept, 1, N).
-        self._row_offsets = torch.arange(cfg.max_bs, device=self.device) * self.N - 1
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
         self.graph_pool = graph_pool or GraphPool()
@@ -139,11 +137,10 @@ class EagleDrafter:
         req = ib.req_pool_indices[:bs]
         acc = b.accept_lengths[:bs]
         seq = ib.seq_lens[:bs]
-        safe_acc = acc.clamp(1, n)
         if ne < bs:  # decode rows
-            torch.add(self._row_offsets[: bs - ne] + npt, safe_acc[ne:], out=b.gather_ids[ne:bs])
-            torch.clamp(seq[ne:] - n + safe_acc[ne:], min=1, out=b.seq_lens[ne:bs])
-            torch.add(self.states.valid_cache_lengths[req[ne:]], acc[ne:], out=b.write_start[ne:bs])
+            ops.decode_draft_indices(acc[ne:], seq[ne:], req[ne:], self.states.valid_cache_lengths,
+                                     n, npt, b.gather_ids[ne:bs], b.seq_lens[ne:bs],
+                                     b.write_start[ne:bs], use_triton=self.cfg.use_triton)
         if ne > 0:  # prefill rows
             torch.sub(torch.cumsum(ib.extend_lens[:ne], 0), 1, out=b.gather_ids[:ne])
             b.seq_lens[:ne].copy_(seq[:ne])

@@ -222,6 +222,19 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Te
     return logits, argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
 
 
+def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,
+                         valid_cache_lengths: torch.Tensor, n: int, token_offset: int,
+                         gather_ids: torch.Tensor, seq_lens: torch.Tensor, write_start: torch.Tensor,
+                         *, use_triton: bool = False) -> None:
+    """First draft step, decode rows: write `gather_ids`, `seq_lens`, `write_start` `[bs]`
+    (formulas in `graphdraft.kernels.draft_indices`)."""
+    from graphdraft.kernels import draft_indices
+
+    fn = draft_indices.decode_draft_indices if use_triton else draft_indices.decode_draft_indices_ref
+    fn(accept, target_seq_lens, req, valid_cache_lengths, n, token_offset, gather_ids, seq_lens,
+       write_start)
+
+
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
                                    *, use_triton: bool = False) -> None:
     """In place: `seq_lens += delta`, `positions += delta` (the seq-len alias refresh between steps)."""
