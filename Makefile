@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf soak demo demo-gpu lint clean
+.PHONY: install test test-gpu perf soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -50,6 +50,14 @@ soak:
 
 demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo
+
+# Retrain the byte-level pair on one CUDA GPU (--recipe gpu: about 4 minutes on an H200) into
+# $(OUT)/target and $(OUT)/eagle3 (default perf/out: scratch, never graphdraft/assets), then
+# evaluate it beside the shipped pair (CPU float32, the test's way): $(OUT)/evaluation.json.
+train-gpu:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft.train all --recipe gpu \
+		--out $(OUT) --evaluate --baseline graphdraft/assets
 
 clean:
 	rm -rf $(VENV) perf/out .pytest_cache

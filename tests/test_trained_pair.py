@@ -5,7 +5,9 @@
   give the same logits: the target's at every decoded position, the head's at every draft
   step (first step and chain steps), max |diff| <= LOGITS_ATOL in float32 on the CPU;
 - the shipped head's mean accept length (greedy, 3 draft steps, held-out stdlib prompts,
-  through `Engine`) is above TRAINED_MIN_ACCEPT, and a random head's is below RANDOM_MAX_ACCEPT;
+  through `Engine`) is above TRAINED_MIN_ACCEPT, and a random head's is below RANDOM_MAX_ACCEPT
+  (measured by `graphdraft.train.evaluate.mean_accept_length`, which gives the model card's
+  figures too);
 - `python -m graphdraft demo` uses the pair by default, `--random-models` the random pair.
 """
 
@@ -18,13 +20,13 @@ import torch
 
 import graphdraft
 from graphdraft.__main__ import main
-from graphdraft.bytes_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer
+from graphdraft.bytes_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from graphdraft.checkpoint import load_model_pair, read_config
-from graphdraft.config import RuntimeConfig
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.engine import Engine
 from graphdraft.layers import init_random_
 from graphdraft.train.data import documents, heldout_prompts, is_held_out
+from graphdraft.train.evaluate import mean_accept_length, prompt_ids, runtime_config
 from graphdraft.train.forward import head_ttt_forward, target_forward
 from graphdraft.verify import SamplingParams
 
@@ -46,17 +48,11 @@ def pair():
 
 @pytest.fixture(scope="module")
 def prompts():
-    tok = ByteTokenizer()
-    texts = heldout_prompts(NUM_PROMPTS, PROMPT_BYTES)
-    assert len(texts) == NUM_PROMPTS
-    return [tok.encode(t) for t in texts]
+    return prompt_ids(NUM_PROMPTS, PROMPT_BYTES)
 
 
-def runtime(max_running_requests: int) -> RuntimeConfig:
-    return RuntimeConfig(speculative_num_steps=STEPS, page_size=16,
-                         max_running_requests=max_running_requests, max_context_len=256,
-                         max_num_batched_tokens=512, cuda_graph_max_bs=max_running_requests,
-                         dtype="float32", device="cpu", kernel_backend="torch")
+def runtime(max_running_requests: int):
+    return runtime_config(max_running_requests, steps=STEPS, device="cpu")
 
 
 def test_shipped_pair_loads(pair):
@@ -103,10 +99,10 @@ def test_training_script_smoke(tmp_path):
     ids = _concat(docs)
     corpus = Corpus(ids, ids, len(docs), len(docs), [])
     t = train_target(TargetRun(steps=1, batch=2, context=64, eval_windows=2, compile=False,
-                               out=str(tmp_path / "target")), corpus)
+                               device="cpu", out=str(tmp_path / "target")), corpus)
     h = train_head(HeadRun(steps=1, batch=2, context=64, eval_windows=2, compile=False,
-                           generated=2, generated_fraction=0.5, target=str(tmp_path / "target"),
-                           out=str(tmp_path / "eagle3")), corpus)
+                           device="cpu", generated=2, generated_fraction=0.5,
+                           target=str(tmp_path / "target"), out=str(tmp_path / "eagle3")), corpus)
     assert t["steps"] == 1 and h["steps"] == 1
     target, head, info = load_model_pair(tmp_path / "target", tmp_path / "eagle3")
     assert head.embed_tokens is target.embed_tokens and info.extras.raw["graphdraft_tokenizer"]
@@ -173,19 +169,13 @@ def test_training_forward_matches_runtime_head(pair, prompts):
     assert checked >= 2 * STEPS
 
 
-def _mean_accept(target, head, prompts) -> float:
-    eng = Engine(target, runtime(len(prompts)), head)
-    eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    return eng.stats.mean_accept_length
-
-
 def test_trained_head_accepts_far_more_than_random(pair, prompts):
     target, head, _ = pair
-    trained = _mean_accept(target, head, prompts)
+    trained = mean_accept_length(target, head, prompts, steps=STEPS, new_tokens=NEW_TOKENS)
     rand = Eagle3DraftHead(head.config, torch.float32)  # own embedding: init_random_ must
     init_random_(rand, 0, std=0.02)                      # not overwrite the target's
     rand.embed_tokens = target.embed_tokens
-    random_accept = _mean_accept(target, rand, prompts)
+    random_accept = mean_accept_length(target, rand, prompts, steps=STEPS, new_tokens=NEW_TOKENS)
     print(f"mean accept length (N = {STEPS + 1}): trained {trained:.2f}, random {random_accept:.2f}")
     assert trained >= TRAINED_MIN_ACCEPT
     assert random_accept <= RANDOM_MAX_ACCEPT

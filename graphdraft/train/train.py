@@ -10,10 +10,23 @@ not train) the target's embedding; its LM head and final norm start from the tar
 
 Both write graphdraft checkpoints (`graphdraft.checkpoint.save_target` / `save_eagle3_head`)
 and a `training.json` summary next to the weights.
+
+Devices: `device` "auto" (CUDA when available), "cpu" or "cuda". The master weights and the
+optimizer state are fp32 everywhere; `precision` "auto" is bf16 autocast on CUDA (the
+forward and backward's matmuls and attention in bf16) and plain fp32 on the CPU; "tf32" (CUDA)
+keeps fp32 tensors with TF32 matmuls; "bf16" works on the CPU too. Batches are sampled on the
+host (the same seeded generator on every device) and copied with non_blocking from pinned
+memory; the loop does not synchronise with the device except at its log steps.
+
+Time caps (`max_minutes`) bound a stage's wall time, the first step's torch.compile warm-up
+included; with a cap the learning-rate schedule follows the larger of the step fraction and
+the time fraction, counted from the end of that first step (a slow compile then shortens the
+run instead of spending the schedule's high-learning-rate part).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -51,6 +64,74 @@ def head_config(target: ModelConfig, ffn: int = 768) -> ModelConfig:
     return target.replace(num_hidden_layers=1, intermediate_size=ffn, draft_vocab_size=None)
 
 
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "tf32", "fp32")
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """"auto" (or None): cuda when available, else cpu; "cuda" without a GPU raises."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected one of {DEVICES}, got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device (torch.cuda.is_available() is False)")
+    return dev
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """"auto": bf16 autocast on CUDA, fp32 on the CPU. "tf32" needs CUDA."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {name!r}")
+    if name == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if name == "tf32" and device.type != "cuda":
+        raise ValueError("precision 'tf32': a CUDA device only (use fp32 or bf16 on the CPU)")
+    return name
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast around a training forward (fp32 master weights), else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """TF32 matmuls inside the block for "tf32" (restored on exit); nothing otherwise."""
+    if precision != "tf32":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+_pinning = {"ok": True}
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built batch on `device`: pinned and copied non_blocking on CUDA (a plain copy
+    if pinning host memory fails)."""
+    if device.type != "cuda":
+        return batch.to(device)
+    if _pinning["ok"]:
+        try:
+            return batch.pin_memory().to(device, non_blocking=True)
+        except RuntimeError as e:
+            _pinning["ok"] = False
+            print(f"pinned host memory unavailable ({_first_line(e)}): plain copies", flush=True)
+    return batch.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def seed_everything(seed: int) -> torch.Generator:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -70,30 +151,144 @@ def init_for_training_(module: torch.nn.Module, seed: int, num_layers: int,
         p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
-def _optimizer(params: dict[str, torch.nn.Parameter], lr: float, wd: float) -> torch.optim.AdamW:
+def _optimizer(params: dict[str, torch.nn.Parameter], lr: float, wd: float,
+               device: torch.device | None = None) -> torch.optim.AdamW:
     decay = [p for n, p in params.items() if p.ndim == 2 and "embed" not in n]
     rest = [p for n, p in params.items() if not (p.ndim == 2 and "embed" not in n)]
+    fused = {"fused": True} if device is not None and device.type == "cuda" else {}
     return torch.optim.AdamW([{"params": decay, "weight_decay": wd},
                               {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, **fused)
 
 
-def _lr_at(step: int, steps: int, lr: float, warmup: int, elapsed: float = 0.0,
-           max_seconds: float | None = None) -> float:
+def _lr_at(step: int, steps: int, lr: float, warmup: int,
+           time_fraction: float | None = None) -> float:
     """Linear warm-up, then cosine decay to lr/10 over the run's progress: the step's fraction
-    of `steps`, or (with a time cap) the larger of that and the elapsed fraction of the cap."""
+    of `steps`, or (with a time cap) the larger of that and `time_fraction` (`_Clock`)."""
     if step < warmup:
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
-    if max_seconds is not None:
-        t = max(t, elapsed / max_seconds)
+    if time_fraction is not None:
+        t = max(t, time_fraction)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def _hardware() -> str:
+class _Clock:
+    """A stage's wall clock: its time cap and the schedule's time fraction.
+
+    The cap counts from the stage's first step, the torch.compile warm-up included, so it
+    bounds the stage's wall time (the first step always runs, however long it takes). The fraction counts from the end of that first step to the
+    cap, so the learning-rate schedule spans the steps that actually train.
+    """
+
+    def __init__(self, max_minutes: float | None) -> None:
+        self.t0 = time.perf_counter()
+        self.cap = None if max_minutes is None else 60.0 * max_minutes
+        self.t_first: float | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def first_step_done(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def expired(self) -> bool:
+        return self.cap is not None and self.elapsed() > self.cap
+
+    def fraction(self) -> float | None:
+        if self.cap is None or self.t_first is None:
+            return None
+        left = self.t0 + self.cap - self.t_first
+        return 1.0 if left <= 0 else (time.perf_counter() - self.t_first) / left
+
+
+def _hardware(device: torch.device | None = None) -> str:
     import os
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+    host = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if device is not None and device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}); host: {host}"
+    return host
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _train_loop(tag: str, run, device: torch.device, params: dict[str, torch.nn.Parameter],
+                opt: torch.optim.Optimizer, loss_fn, eager_loss_fn, next_batch,
+                tokens_per_step: int) -> dict:
+    """The shared optimisation loop of both stages.
+
+    `loss_fn(batch)` -> (loss, per-step agreement or None); `eager_loss_fn` is the same
+    function uncompiled: if the compiled one fails on the first step (forward or backward),
+    the loop says so and trains eagerly. Syncs with the device only at log steps (and after
+    the first step, to time the warm-up). -> steps, final EMA loss, seconds, first-step
+    seconds, why it stopped.
+    """
+    clock = _Clock(run.max_minutes)
+    fn = loss_fn
+    ema, done, stop = None, 0, "steps"
+    first_s = None
+    last_t, last_step = 0.0, -1
+    for step in range(run.steps):
+        if done and clock.expired():  # the first step always runs
+            print(f"{tag}: stopping at step {step}: the time cap ({run.max_minutes} min) is reached",
+                  flush=True)
+            stop = "time cap"
+            break
+        lr = _lr_at(step, run.steps, run.lr, run.warmup, clock.fraction())
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = next_batch()
+        try:
+            loss, extra = fn(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 -- only a first compiled step falls back
+            if fn is eager_loss_fn or done:
+                raise
+            print(f"{tag}: torch.compile failed on the first step ({_first_line(e)}); "
+                  f"training eagerly", flush=True)
+            fn = eager_loss_fn
+            opt.zero_grad(set_to_none=True)
+            loss, extra = fn(batch)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        opt.step()
+        done += 1
+        ld = loss.detach().float()
+        ema = ld.clone() if ema is None else ema.mul_(0.95).add_(ld, alpha=0.05)
+        if step == 0:
+            _sync(device)
+            clock.first_step_done()
+            first_s = clock.elapsed()
+            print(f"{tag}: first step {first_s:.1f} s"
+                  f"{' (torch.compile warm-up)' if fn is not eager_loss_fn else ''}", flush=True)
+        if step % run.log_every == 0 or step == run.steps - 1:
+            lv, ev = loss.item(), ema.item()  # the loop's only sync
+            el = clock.elapsed()
+            rate = ((step - last_step) * tokens_per_step / (el - last_t)
+                    if step > 0 and el > last_t else None)
+            last_t, last_step = el, step
+            entry = {"step": step, "loss": round(lv, 4), "ema_loss": round(ev, 4),
+                     "lr": float(f"{lr:.3e}"), "seconds": round(el, 1)}
+            line = f"{tag} step {step:5d}  loss {lv:.4f}  ema {ev:.4f}  lr {lr:.2e}"
+            if extra is not None:
+                accs = extra.tolist()
+                entry["step_top1"] = [round(a, 3) for a in accs]
+                line += f"  top1/step {' '.join(f'{a:.3f}' for a in accs)}"
+            if rate is not None:
+                entry["tokens_per_s"] = round(rate)
+                line += f"  {rate:,.0f} tok/s"
+            run.history.append(entry)
+            print(f"{line}  {el:7.1f} s", flush=True)
+    _sync(device)
+    final = None if ema is None else ema.item()
+    return {"steps": done, "ema": final, "seconds": clock.elapsed(), "first_step_seconds": first_s,
+            "stopped_by": stop, "compiled": fn is not eager_loss_fn}
 
 
 @dataclass
@@ -111,6 +306,10 @@ class TargetRun:
     log_every: int = 10
     out: str = "graphdraft/assets/target"
     save_dtype: str = "bfloat16"
+    device: str = "auto"
+    """"auto" (CUDA when available), "cpu" or "cuda"."""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on CUDA, fp32 on the CPU), "bf16", "tf32" (CUDA) or "fp32"."""
     history: list = field(default_factory=list)
 
 
@@ -141,6 +340,12 @@ class HeadRun:
     init_from: str | None = None
     """Start from this head checkpoint instead of a fresh initialisation."""
     save_dtype: str = "bfloat16"
+    device: str = "auto"
+    precision: str = "auto"
+    pool_chunk: int | None = None
+    """Requests the pool's Engine runs at once (None: 64 on the CPU, 512 on CUDA)."""
+    pool_max_minutes: float | None = None
+    """Stop generating the pool after the chunk that passes this (the pool is then smaller)."""
     history: list = field(default_factory=list)
 
 
@@ -164,65 +369,56 @@ def eval_target(model: LlamaForCausalLM, windows: torch.Tensor, batch: int = 16)
 
 
 def train_target(run: TargetRun, corpus: Corpus | None = None) -> dict:
+    device = resolve_device(run.device)
+    precision = resolve_precision(run.precision, device)
     gen = seed_everything(run.seed)
     corpus = corpus or load_corpus()
     print(f"corpus: {corpus.describe()}", flush=True)
     cfg = target_config(context=run.context)
     model = LlamaForCausalLM(cfg, torch.float32)
-    init_for_training_(model, run.seed, cfg.num_hidden_layers)
+    init_for_training_(model, run.seed, cfg.num_hidden_layers)  # on the host: same on any device
+    model = model.to(device)
     params = dict(model.named_parameters())
     for p in params.values():
         p.requires_grad_(True)
     n_params = sum(p.numel() for p in params.values())
     print(f"target: {n_params:,} parameters, {cfg}", flush=True)
-    opt = _optimizer(params, run.lr, run.weight_decay)
+    print(f"target: device {device}, precision {precision}, batch {run.batch} x {run.context}, "
+          f"{run.steps} steps, cap {run.max_minutes} min, compile {run.compile}", flush=True)
+    opt = _optimizer(params, run.lr, run.weight_decay, device)
     held = eval_windows(corpus.heldout, run.eval_windows, run.context + 1)
 
-    def loss_fn(w: torch.Tensor) -> torch.Tensor:
-        logits, _ = target_forward(model, w[:, :-1], capture_aux=False)
-        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), w[:, 1:].reshape(-1))
+    def loss_fn(w: torch.Tensor):
+        with autocast(precision, device):
+            logits, _ = target_forward(model, w[:, :-1], capture_aux=False)
+        return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), w[:, 1:].reshape(-1)), None
 
-    if run.compile:
-        loss_fn = torch.compile(loss_fn)
-    t0 = time.perf_counter()
-    ema, done = None, 0
-    for step in range(run.steps):
-        if run.max_minutes is not None and time.perf_counter() - t0 > 60 * run.max_minutes:
-            print(f"stopping at step {step}: --max-minutes {run.max_minutes} reached", flush=True)
-            break
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, run.steps, run.lr, run.warmup, time.perf_counter() - t0,
-                             None if run.max_minutes is None else 60 * run.max_minutes)
-        w = sample_windows(corpus.train, run.batch, run.context + 1, gen)
-        loss = loss_fn(w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-        opt.step()
-        done += 1
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % run.log_every == 0 or step == run.steps - 1:
-            el = time.perf_counter() - t0
-            run.history.append({"step": step, "loss": round(loss.item(), 4),
-                                "ema_loss": round(ema, 4), "seconds": round(el, 1)})
-            print(f"target step {step:5d}  loss {loss.item():.4f}  ema {ema:.4f}  "
-                  f"lr {opt.param_groups[0]['lr']:.2e}  {el:7.1f} s", flush=True)
-    steps_done = done
-    wall = time.perf_counter() - t0
+    def next_batch() -> torch.Tensor:
+        return to_device(sample_windows(corpus.train, run.batch, run.context + 1, gen), device)
+
+    step_fn = torch.compile(loss_fn) if run.compile else loss_fn
+    with matmul_precision(precision):
+        res = _train_loop("target", run, device, params, opt, step_fn, loss_fn, next_batch,
+                          run.batch * run.context)
     for p in params.values():
         p.requires_grad_(False)
-    # ship in save_dtype, and report what ships: evaluate the rounded weights
+    # ship in save_dtype, and report what ships: evaluate the rounded weights (fp32 compute)
     shipped = _round_trip(model, run.save_dtype)
-    ev = eval_target(shipped, held)
+    ev = eval_target(shipped.to(device), held.to(device))
     print(f"target held-out ({run.save_dtype} weights): {ev}", flush=True)
     out = Path(run.out)
     save_target(_cast_target(shipped, _dtype(run.save_dtype)), out, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
     mark_byte_tokenizer(out)
     summary = {"model": "target", "parameters": n_params, "config": _cfg_dict(cfg),
-               "steps": steps_done, "tokens_seen": steps_done * run.batch * run.context,
-               "final_train_loss_ema": ema, "heldout": ev, "wall_seconds": round(wall, 1),
-               "hardware": _hardware(), "corpus": corpus.describe(), "run": asdict(run)}
+               "steps": res["steps"], "tokens_seen": res["steps"] * run.batch * run.context,
+               "final_train_loss_ema": res["ema"], "heldout": ev,
+               "wall_seconds": round(res["seconds"], 1),
+               "first_step_seconds": _round(res["first_step_seconds"]),
+               "stopped_by": res["stopped_by"], "compiled": res["compiled"],
+               "device": str(device), "precision": precision, "hardware": _hardware(device),
+               "python": platform.python_version(), "corpus": corpus.describe(), "run": asdict(run)}
     _write_summary(out, summary)
+    print(f"target: wrote {out} ({res['steps']} steps, {res['seconds']:.1f} s)", flush=True)
     return summary
 
 
@@ -241,10 +437,10 @@ def _ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, deca
         pred = lg[:, : length - k]
         tl = target_logits[:, k:]
         if hard:
-            loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tl.argmax(-1).reshape(-1))
+            loss = F.cross_entropy(pred.float().reshape(-1, pred.shape[-1]), tl.argmax(-1).reshape(-1))
         else:
             p = torch.softmax(tl.float(), -1)
-            loss = -(p * torch.log_softmax(pred, -1)).sum(-1).mean()
+            loss = -(p * torch.log_softmax(pred.float(), -1)).sum(-1).mean()
         total = total + decay ** (k - 1) * loss
         accs.append((pred.argmax(-1) == tl.argmax(-1)).float().mean())
     return total, torch.stack(accs).detach()
@@ -281,7 +477,8 @@ def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> Eagle3Dra
     place (the two parameters would share storage).
     """
     head = Eagle3DraftHead(cfg, torch.float32)
-    init_for_training_(head, seed, 1)
+    init_for_training_(head, seed, 1)  # on the host: the same on any device
+    head = head.to(target.embed_tokens.device)
     with torch.no_grad():
         head.lm_head.copy_(target.lm_head)
         head.norm.weight.copy_(target.norm.weight)
@@ -290,11 +487,13 @@ def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> Eagle3Dra
 
 
 def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
+    device = resolve_device(run.device)
+    precision = resolve_precision(run.precision, device)
     gen = seed_everything(run.seed)
     corpus = corpus or load_corpus()
     print(f"corpus: {corpus.describe()}", flush=True)
-    # the target as shipped (its rounded weights), computed in fp32
-    target, _ = load_target(run.target, torch.float32)
+    # the target as shipped (its rounded weights), fp32 parameters
+    target, _ = load_target(run.target, torch.float32, device)
     tc = target.config
     cfg = head_config(tc, ffn=run.ffn)
     if run.init_from is not None:
@@ -305,12 +504,14 @@ def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
         print(f"head: starting from {run.init_from}", flush=True)
     else:
         head = new_head(target, cfg, run.seed + 1)
-    pool = None
+    pool, pool_seconds = None, 0.0
     if run.generated:
         t_gen = time.perf_counter()
-        pool = generate_pool(target, corpus.train, run.generated, run.context, gen)
+        pool = generate_pool(target, corpus.train, run.generated, run.context, gen,
+                             chunk=run.pool_chunk, max_minutes=run.pool_max_minutes)
+        pool_seconds = time.perf_counter() - t_gen
         print(f"self-distillation pool: {pool.shape[0]} sequences of {pool.shape[1]} tokens in "
-              f"{time.perf_counter() - t_gen:.1f} s", flush=True)
+              f"{pool_seconds:.1f} s", flush=True)
     n_gen = round(run.batch * run.generated_fraction) if pool is not None else 0
     params = {n: p for n, p in head.named_parameters() if n != "embed_tokens"}
     for p in params.values():
@@ -318,92 +519,103 @@ def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
     n_params = sum(p.numel() for p in params.values())
     print(f"head: {n_params:,} trained parameters (embedding shared with the target), {cfg}",
           flush=True)
-    opt = _optimizer(params, run.lr, run.weight_decay)
+    print(f"head: device {device}, precision {precision}, batch {run.batch} x {run.context} "
+          f"({n_gen} from the pool), {run.steps} steps, cap {run.max_minutes} min, "
+          f"compile {run.compile}", flush=True)
+    opt = _optimizer(params, run.lr, run.weight_decay, device)
     held = eval_windows(corpus.heldout, run.eval_windows, run.context)
 
     def teacher(w: torch.Tensor):
-        return target_forward(target, w)
+        with autocast(precision, device):
+            return target_forward(target, w)
 
     def loss_fn(w: torch.Tensor, tl: torch.Tensor, aux: torch.Tensor):
-        outs = head_ttt_forward(head, w, aux, run.ttt_steps)
+        with autocast(precision, device):
+            outs = head_ttt_forward(head, w, aux, run.ttt_steps)
         return _ttt_loss(outs, tl, run.decay, run.hard_labels)
 
-    if run.compile:
-        teacher, loss_fn = torch.compile(teacher), torch.compile(loss_fn)
-    t0 = time.perf_counter()
-    ema, done = None, 0
-    for step in range(run.steps):
-        if run.max_minutes is not None and time.perf_counter() - t0 > 60 * run.max_minutes:
-            print(f"stopping at step {step}: --max-minutes {run.max_minutes} reached", flush=True)
-            break
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, run.steps, run.lr, run.warmup, time.perf_counter() - t0,
-                             None if run.max_minutes is None else 60 * run.max_minutes)
+    def make_step(teach, lossf):
+        def step(w: torch.Tensor):
+            with torch.no_grad():
+                tl, aux = teach(w)
+            return lossf(w, tl, aux)
+        return step
+
+    def next_batch() -> torch.Tensor:
         w = sample_windows(corpus.train, run.batch - n_gen, run.context, gen)
         if n_gen:
             w = torch.cat([w, pool[torch.randint(0, pool.shape[0], (n_gen,), generator=gen)]])
-        with torch.no_grad():
-            tl, aux = teacher(w)
-        loss, accs = loss_fn(w, tl, aux)
-        accs = accs.tolist()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-        opt.step()
-        done += 1
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % run.log_every == 0 or step == run.steps - 1:
-            el = time.perf_counter() - t0
-            run.history.append({"step": step, "loss": round(loss.item(), 4),
-                                "ema_loss": round(ema, 4),
-                                "step_top1": [round(a, 3) for a in accs],
-                                "seconds": round(el, 1)})
-            print(f"head step {step:5d}  loss {loss.item():.4f}  ema {ema:.4f}  top1/step "
-                  f"{' '.join(f'{a:.3f}' for a in accs)}  {el:7.1f} s", flush=True)
-    steps_done = done
-    wall = time.perf_counter() - t0
+        return to_device(w, device)
+
+    eager = make_step(teacher, loss_fn)
+    step_fn = make_step(torch.compile(teacher), torch.compile(loss_fn)) if run.compile else eager
+    with matmul_precision(precision):
+        res = _train_loop("head", run, device, params, opt, step_fn, eager, next_batch,
+                          run.batch * run.context)
     for p in params.values():
         p.requires_grad_(False)
     shipped = _round_trip_head(head, target, run.save_dtype)
-    ev = eval_head(target, shipped, held, run.ttt_steps)
+    ev = eval_head(target, shipped, held.to(device), run.ttt_steps)
     print(f"head held-out ({run.save_dtype} weights): {ev}", flush=True)
     out = Path(run.out)
     save_eagle3_head(_cast_head(shipped, target, run.save_dtype), out)
     summary = {"model": "eagle3_head", "parameters_trained": n_params, "config": _cfg_dict(cfg),
-               "steps": steps_done, "ttt_steps": run.ttt_steps, "final_train_loss_ema": ema,
-               "heldout": ev, "wall_seconds": round(wall, 1), "hardware": _hardware(),
-               "corpus": corpus.describe(), "run": asdict(run)}
+               "steps": res["steps"], "ttt_steps": run.ttt_steps,
+               "final_train_loss_ema": res["ema"], "heldout": ev,
+               "wall_seconds": round(res["seconds"], 1),
+               "first_step_seconds": _round(res["first_step_seconds"]),
+               "stopped_by": res["stopped_by"], "compiled": res["compiled"],
+               "pool_sequences": 0 if pool is None else pool.shape[0],
+               "pool_seconds": round(pool_seconds, 1),
+               "device": str(device), "precision": precision, "hardware": _hardware(device),
+               "python": platform.python_version(), "corpus": corpus.describe(), "run": asdict(run)}
     _write_summary(out, summary)
+    print(f"head: wrote {out} ({res['steps']} steps, {res['seconds']:.1f} s)", flush=True)
     return summary
 
 
 @torch.no_grad()
 def generate_pool(target: LlamaForCausalLM, ids: torch.Tensor, count: int, context: int,
                   gen: torch.Generator, min_prompt: int = 16, max_prompt: int = 192,
-                  chunk: int = 64) -> torch.Tensor:
-    """`[count, context]` sequences: a random corpus window's first 16..192 ids, then the
-    target's greedy continuation (through graphdraft's own `Engine`, CPU, float32)."""
+                  chunk: int | None = None, max_minutes: float | None = None) -> torch.Tensor:
+    """`[n, context]` sequences (n = count, fewer when `max_minutes` stops it early): a random
+    corpus window's first 16..192 ids, then the target's greedy continuation, through
+    graphdraft's own `Engine` on the target's device (float32 target: CPU or CUDA, the torch
+    kernel path, eager). `chunk` requests run at once (None: 64 on the CPU, 512 on CUDA)."""
     from graphdraft.config import RuntimeConfig
     from graphdraft.engine import Engine
     from graphdraft.verify import SamplingParams
 
+    device = target.embed_tokens.device
+    cuda = device.type == "cuda"
+    chunk = min(count, chunk or (512 if cuda else 64))
     max_prompt = min(max_prompt, context - min_prompt)
     lens = torch.randint(min_prompt, max_prompt + 1, (count,), generator=gen).tolist()
     windows = sample_windows(ids, count, max_prompt, gen)
     prompts = [windows[i, :n].tolist() for i, n in enumerate(lens)]
     rc = RuntimeConfig(speculative_num_steps=1, page_size=16, max_running_requests=chunk,
-                       max_context_len=context + 8, max_num_batched_tokens=4096,
-                       cuda_graph_max_bs=chunk, dtype="float32", device="cpu",
-                       kernel_backend="torch", validate_inputs=False)
+                       max_context_len=context + 8,
+                       max_num_batched_tokens=8192 if cuda else 4096,
+                       cuda_graph_max_bs=chunk, dtype="float32", device=str(device),
+                       kernel_backend="torch", enforce_eager=True, validate_inputs=False)
+    if target.dtype != torch.float32:
+        raise ValueError(f"generate_pool: expected a float32 target, got {target.dtype}")
     if target.config.max_position_embeddings < rc.max_context_len:  # RoPE table only
         target = _with_longer_rope(target, rc.max_context_len)
     eng = Engine(target, rc)
     out = []
+    t0 = time.perf_counter()
     for i in range(0, count, chunk):
+        if max_minutes is not None and out and time.perf_counter() - t0 > 60 * max_minutes:
+            print(f"self-distillation pool: stopping at {len(out)} of {count} sequences: "
+                  f"the time cap ({max_minutes} min) is reached", flush=True)
+            break
         ps = prompts[i: i + chunk]
         params = [SamplingParams(max_new_tokens=context - len(p), ignore_eos=True) for p in ps]
         outs = eng.generate(ps, params)
         out += [torch.tensor(p + o[: context - len(p)]) for p, o in zip(ps, outs, strict=True)]
+        print(f"self-distillation pool: {len(out)} of {count} sequences, "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
     return torch.stack(out)
 
 
@@ -413,7 +625,7 @@ def _with_longer_rope(model: LlamaForCausalLM, positions: int) -> LlamaForCausal
     cfg = model.config.replace(max_position_embeddings=positions)
     out = LlamaForCausalLM(cfg, model.dtype)
     out.load_state_dict(model.state_dict())
-    return out
+    return out.to(model.embed_tokens.device)
 
 
 # ---------------------------------------------------------------------------
@@ -424,6 +636,10 @@ def _dtype(name: str) -> torch.dtype:
     return resolve_dtype(name)
 
 
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _cfg_dict(cfg: ModelConfig) -> dict:
     d = asdict(cfg)
     d["aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids())
@@ -432,6 +648,7 @@ def _cfg_dict(cfg: ModelConfig) -> dict:
 
 @torch.no_grad()
 def _cast_target(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A host copy of `model` in `dtype`."""
     out = LlamaForCausalLM(model.config, dtype)
     for (_, dst), (_, src) in zip(out.named_parameters(), model.named_parameters(), strict=True):
         dst.copy_(src.detach().to(dtype))
@@ -445,17 +662,21 @@ def _round_trip(model: LlamaForCausalLM, dtype: str) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def _round_trip_head(head: Eagle3DraftHead, target: LlamaForCausalLM, dtype: str) -> Eagle3DraftHead:
-    out = Eagle3DraftHead(head.config, torch.float32, embed_tokens=target.embed_tokens.data)
+    """An fp32 copy of `head` whose weights went through `dtype`, on the target's device,
+    sharing the target's embedding."""
+    out = Eagle3DraftHead(head.config, torch.float32)
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
         if n != "embed_tokens":
             dst.copy_(src.detach().to(_dtype(dtype)).float())
+    out = out.to(target.embed_tokens.device)
+    out.embed_tokens = target.embed_tokens
     return out
 
 
 @torch.no_grad()
 def _cast_head(head: Eagle3DraftHead, target: LlamaForCausalLM, dtype: str) -> Eagle3DraftHead:
-    dt = _dtype(dtype)
-    out = Eagle3DraftHead(head.config, dt, embed_tokens=target.embed_tokens.data.to(dt))
+    dt = _dtype(dtype)  # a host copy (the saver writes no embedding)
+    out = Eagle3DraftHead(head.config, dt, embed_tokens=target.embed_tokens.data.to("cpu", dt))
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
         if n != "embed_tokens":
             dst.copy_(src.to(dt))
