@@ -2,9 +2,10 @@
 
 `python3 -m perf.profile_draft --out DIR [--bs 1,8] [--kv 512]`
 
-For each bs: the 8B-shaped head (page size 16), one drafter per matmul choice
-(`ops.SMALL_M_MAX = 0`: cuBLAS for every matmul; `= 16`: the Triton GEMV kernels
-with their fused epilogues), each with its graphs captured. Prints and writes
+For each bs: the 8B-shaped head (page size 16), one drafter per variant, each with
+its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for every matmul),
+"gemv" (the Triton GEMV kernels with their fused epilogues, `GRAPHDRAFT_PDL=0`) and
+"gemv+pdl" (the same with programmatic dependent launch). Prints and writes
 (`profile_draft.json`):
   - the graph-replay time of a whole `run` (CUDA events, median) against the floor;
   - a torch.profiler kernel table of the eager path (same kernels as the graphs:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from graphdraft import ops
+from graphdraft.kernels.pdl import ENV as PDL_ENV
 from perf.bench import (
     LLAMA31_8B_HEAD,
     build_group,
@@ -74,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth("cuda")
     head = build_head(LLAMA31_8B_HEAD, "cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
-    for small_m in (0, ops.SMALL_M_MAX):
+    variants = [("cublas", 0, "0"), ("gemv", ops.SMALL_M_MAX, "0"), ("gemv+pdl", ops.SMALL_M_MAX, "1")]
+    for label, small_m, pdl in variants:
         saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
-        label = "cublas" if small_m == 0 else "gemv"
+        saved_pdl = os.environ.get(PDL_ENV)
+        os.environ[PDL_ENV] = pdl  # read at every launch: the graphs capture it
         try:
             group = build_group(head, 16, a.kv, sizes)
             d = group.drafter
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         finally:
             ops.SMALL_M_MAX = saved
+            if saved_pdl is None:
+                os.environ.pop(PDL_ENV, None)
+            else:
+                os.environ[PDL_ENV] = saved_pdl
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_draft.json").write_text(json.dumps(report, indent=1))
