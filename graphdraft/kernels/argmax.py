@@ -80,11 +80,8 @@ def _argmax_stage1_kernel(
 @triton.jit
 def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
-    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    if USE_PDL:  # launched after a PDL kernel (graphdraft.kernels.pdl)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < num_splits

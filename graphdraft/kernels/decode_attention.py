@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
-from graphdraft.kernels.pdl import use_pdl
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -48,11 +47,7 @@ def _decode_split_kernel(
     scale_log2, chunk, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,11 +118,8 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
     chunk, num_splits,
-    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
 ):
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
@@ -240,7 +232,6 @@ def paged_decode_attention(
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q.device)
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1),
@@ -251,14 +242,14 @@ def paged_decode_attention(
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not one:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)),
-            USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+            num_warps=4,
         )
     return out
 

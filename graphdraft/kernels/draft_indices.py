@@ -17,18 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.pdl import use_pdl
-
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
 
 
 @triton.jit
 def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather_ptr,
                                  seq_out_ptr, write_start_ptr, bs, N, token_offset,
-                                 BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                                 BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < bs
     acc = tl.load(accept_ptr + r, mask=ok, other=1)
@@ -64,11 +59,9 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
     if bs == 0:
         return
     block = min(1024, triton.next_power_of_2(bs))
-    pdl = use_pdl(accept.device)
     _decode_draft_indices_kernel[(triton.cdiv(bs, block),)](
         accept, target_seq_lens, req, valid_cache_lengths, gather_ids, seq_lens, write_start,
-        bs, n, token_offset, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=1 if block <= 128 else 4)
+        bs, n, token_offset, BLOCK=block, num_warps=1 if block <= 128 else 4)
 
 
 def decode_draft_indices_ref(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,

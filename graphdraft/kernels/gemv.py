@@ -35,7 +35,6 @@ import triton.language as tl
 
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
 from graphdraft.kernels.norm import rms_norm_row
-from graphdraft.kernels.pdl import use_pdl
 
 MAX_M = 16
 ACTS = (None, "silu_mul")
@@ -81,31 +80,11 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
 
 
 @triton.jit
-def _gemv_tile(acc, x_rows, w, offs_k, k_ok, m_ok, K, BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr,
-               FP32_DOT: tl.constexpr):
-    """acc `[BLOCK_M, BLOCK_N]` += x tile `[BLOCK_M, BLOCK_K]` @ w tile `[BLOCK_N, BLOCK_K]`^T."""
-    xm = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-    if SILU_MUL:  # x row = [gate (K) ; up (K)]: silu(gate) * up, each rounded like torch
-        up = tl.load(x_rows + K + offs_k[None, :], mask=xm, other=0.0)
-        g = x.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-        x = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    if BLOCK_M == 1:
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    elif FP32_DOT:
-        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    else:
-        acc += tl.dot(x, tl.trans(w))
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
-                 FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                 FP32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -117,19 +96,23 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    # First K tile peeled: its weights (never written by anyone) load before the PDL wait.
-    offs_k = k_begin + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < k_end
-    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    acc = _gemv_tile(acc, x_rows, w, offs_k, k_ok, m_ok, K, BLOCK_M, SILU_MUL, FP32_DOT)
-    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
+        xm = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        if SILU_MUL:  # x row = [gate (K) ; up (K)]: silu(gate) * up, each rounded like torch
+            up = tl.load(x_rows + K + offs_k[None, :], mask=xm, other=0.0)
+            g = x.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _gemv_tile(acc, x_rows, w, offs_k, k_ok, m_ok, K, BLOCK_M, SILU_MUL, FP32_DOT)
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif FP32_DOT:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     mask = m_ok[:, None] & n_ok[None, :]
     if TO_WS:
         ws = ws_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
@@ -149,12 +132,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr):
     """Row m of `[gate ; up]`: `out = silu(gate) * up`, each rounded like the torch ops."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -168,10 +147,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                       BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
@@ -186,15 +162,11 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 @triton.jit
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, stride_out,
                               res_out_ptr, stride_res_out, M, N, eps,
-                              SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                              SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """Row m: `h = round(sum_s ws[s, m]) + residual[m]` (a dtype add), `out = RMSNorm(h)`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)  # weights: before the PDL wait
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(SPLIT):  # fixed order: deterministic
         acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
@@ -202,6 +174,7 @@ def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, strid
     y = acc.to(r.dtype)
     h = (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=ok)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
 
 
@@ -243,9 +216,7 @@ def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | No
     m, k = x.shape[0], x.shape[1] // 2
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     block = 1024
-    pdl = use_pdl(x.device)
-    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block,
-                                                  USE_PDL=pdl, launch_pdl=pdl)
+    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block)
     return out, None
 
 
@@ -256,13 +227,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     block_m = 1 if m == 1 else MAX_M
     fp32_dot = x.dtype == torch.float32 or _interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
-    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
         x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         cfg.k_per_split, n_blocks,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TO_WS=to_ws,
         SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -281,10 +251,8 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
     _launch(x, w, out, ws, act, cfg, to_ws=True)
     block = 1024
-    pdl = use_pdl(x.device)
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                      SPLIT=cfg.split, BLOCK=block, USE_PDL=pdl,
-                                                      launch_pdl=pdl)
+                                                      SPLIT=cfg.split, BLOCK=block)
     return out
 
 
@@ -309,10 +277,9 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
     _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
     has_map = hot_token_ids is not None
-    pdl = use_pdl(x.device)
     _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
                                 SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                USE_PDL=pdl, launch_pdl=pdl, num_warps=4 if n_blocks >= 256 else 1)
+                                num_warps=4 if n_blocks >= 256 else 1)
     return logits, ids
 
 
@@ -336,10 +303,8 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     h = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    pdl = use_pdl(x.device)
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
                                     h, h.stride(0), m, n, float(eps), SPLIT=cfg.split, BLOCK=block,
-                                    USE_PDL=pdl, launch_pdl=pdl,
                                     num_warps=min(16, max(1, block // 512)))
     return out, h
 

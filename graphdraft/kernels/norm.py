@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.pdl import use_pdl
-
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,21 +26,18 @@ _MAX_N = 16384
 def _rms_norm_kernel(
     x_ptr, stride_x, res_ptr, stride_res, w_ptr, out_ptr, stride_out, res_out_ptr, stride_res_out,
     N, eps,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # weights: before the PDL wait
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a dtype add
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, rms_norm_row(x, w, N, eps), mask=mask)
 
 
@@ -58,12 +53,9 @@ def rms_norm_row(x, w, N, eps):
 
 @triton.jit
 def _rms_norm_cat_kernel(a_ptr, stride_a, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr, eps_b,
-                         out_ptr, stride_out, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                         out_ptr, stride_out, N, BLOCK: tl.constexpr):
     """Program (row, half): half 0 writes RMSNorm(a[row]) to out[row, :N], half 1 RMSNorm(b[row])
     to out[row, N:]."""
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -90,10 +82,8 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
     out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
     if M > 0:
         block = triton.next_power_of_2(N)
-        pdl = use_pdl(a.device)
         _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), weight_a, float(eps_a), b, b.stride(0), weight_b,
                                      float(eps_b), out, out.stride(0), N, BLOCK=block,
-                                     USE_PDL=pdl, launch_pdl=pdl,
                                      num_warps=min(16, max(1, block // 512)))
     return out
 
@@ -146,12 +136,10 @@ def rms_norm(
         block = triton.next_power_of_2(N)
         res = residual if residual is not None else x
         res_out = residual_out if residual_out is not None else out
-        pdl = use_pdl(x.device)
         _rms_norm_kernel[(M,)](
             x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
             N, float(eps),
-            BLOCK=block, HAS_RES=residual is not None, USE_PDL=pdl, launch_pdl=pdl,
-            num_warps=min(16, max(1, block // 512)),
+            BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
         )
     return out if residual is None else (out, residual_out)
 

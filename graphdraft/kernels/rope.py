@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.pdl import use_pdl
-
 __all__ = ["rope_and_store_kv", "rope_and_store_kv_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,11 +36,8 @@ def _rope_store_kernel(
     vc_ptr, svc_s, svc_h,
     loc_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
-    if USE_PDL:  # graphdraft.kernels.pdl
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -126,7 +121,6 @@ def rope_and_store_kv(
     if T == 0:
         return
     Hkv, half = k.shape[1], D // 2
-    pdl = use_pdl(q.device)
     _rope_store_kernel[(T,)](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1),
@@ -137,7 +131,7 @@ def rope_and_store_kv(
         out_cache_loc,
         HQ=Hq, HKV=Hkv, HALF=half,
         HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
-        HALF_PAD=triton.next_power_of_2(half), USE_PDL=pdl, launch_pdl=pdl,
+        HALF_PAD=triton.next_power_of_2(half),
         num_warps=4,
     )
 
