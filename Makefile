@@ -34,7 +34,7 @@ demo: install
 
 # --- GPU machine: its python3 already has torch, triton, pytest, pytest-benchmark, hypothesis.
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider tests
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rA -m gpu -p no:cacheprovider tests
 
 perf:
 	mkdir -p $(OUT)
