@@ -203,15 +203,15 @@ class EagleDrafter:
         pbs = padded_batch_size(self.schedule, bs) or bs  # eager pads too: same numerics
 
         with nvtx_range("draft_prepare"):
-            b.accept_lengths[:bs].copy_(accept_lengths)
-            if decode:
-                t = bs * n
-                ib.pad_rows(bs, pbs)
-                ib.pad_tokens(t, pbs * n)
-                b.first_input_ids[:t].copy_(output_tokens)
-                b.first_hidden[:t].copy_(hidden_states)
-                self._pad_draft_rows(bs, pbs)
+            if decode:  # one launch on the Triton path (the first step writes the rest up to pbs)
+                ops.stage_decode_inputs(
+                    bs, pbs, n, accept_lengths, output_tokens, hidden_states,
+                    accept=b.accept_lengths, first_ids=b.first_input_ids, first_hidden=b.first_hidden,
+                    seq_lens=ib.seq_lens, req=ib.req_pool_indices, extend_lens=ib.extend_lens,
+                    input_ids=ib.input_ids, positions=ib.positions, out_cache_loc=ib.out_cache_loc,
+                    use_triton=self.cfg.use_triton)
             else:
+                b.accept_lengths[:bs].copy_(accept_lengths)
                 self._prepare_mixed_ids(ctx, output_tokens)
 
         with nvtx_range("draft_first_step"):

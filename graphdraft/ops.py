@@ -235,6 +235,16 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
        write_start)
 
 
+def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tokens_src: torch.Tensor,
+                        hidden_src: torch.Tensor, *, use_triton: bool = False, **buffers) -> None:
+    """Copy a decode batch's draft inputs into the persistent buffers and pad rows/tokens up to
+    `pbs` (writes and buffer names in `graphdraft.kernels.stage_inputs`)."""
+    from graphdraft.kernels import stage_inputs
+
+    fn = stage_inputs.stage_decode_inputs if use_triton else stage_inputs.stage_decode_inputs_ref
+    fn(bs, pbs, n, accept_src, tokens_src, hidden_src, **buffers)
+
+
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
                                    *, use_triton: bool = False) -> None:
     """In place: `seq_lens += delta`, `positions += delta` (the seq-len alias refresh between steps)."""

@@ -5,7 +5,8 @@
 For each bs: the 8B-shaped head (page size 16), one drafter per variant, each with its
 graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for every matmul), "gemv" (the
 Triton GEMV kernels with their fused epilogues, `gemv_config`'s swept tiles) and
-"gemv-128k-tiles" (the same kernels with the pre-sweep tiles). Prints and writes
+"gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
+`GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes
 (`profile_draft.json`):
   - the graph-replay time of a whole `run` (CUDA events, median) against the floor;
   - a torch.profiler kernel table of the eager path (same kernels as the graphs:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,7 +40,6 @@ from perf.bench import (
 )
 
 CALLS = 5
-_SWEPT_TILES = gemv.gemv_config
 
 
 def kernel_table(fn, calls: int = CALLS) -> list[dict]:
@@ -67,15 +68,6 @@ def print_table(title: str, rows: list[dict], top: int = 40) -> None:
         print(f"  {r['us']:8.1f} us  x{r['launches']:4.1f}  {r['kernel'][:110]}")
 
 
-def legacy_tiles(m: int, n: int, k: int, **kw):
-    """The tiles before the sweep, for every M: 128-wide K tiles, 64/128-row slabs, ~264 programs."""
-    kw.setdefault("block_n", 64 if n <= 8192 else 128)
-    kw.setdefault("block_k", 128)
-    kw.setdefault("target_programs", 264)
-    kw.setdefault("num_stages", 3)
-    return _SWEPT_TILES(2, n, k, **kw)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="perf/out")
@@ -86,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth("cuda")
     head = build_head(LLAMA31_8B_HEAD, "cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
-    tuned = gemv.gemv_config
-    variants = [("cublas", 0, tuned), ("gemv", ops.SMALL_M_MAX, tuned),
-                ("gemv-128k-tiles", ops.SMALL_M_MAX, legacy_tiles)]
+    variants = [("cublas", 0, ""), ("gemv", ops.SMALL_M_MAX, ""),
+                ("gemv-uniform-tiles", ops.SMALL_M_MAX, "uniform")]
+    saved_tiles = os.environ.get(gemv.TILES_ENV)
     for label, small_m, tiles in variants:
         saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
-        gemv.gemv_config = tiles  # looked up at every call: the graphs capture it
+        os.environ[gemv.TILES_ENV] = tiles  # read at every call: the graphs capture it
         try:
             group = build_group(head, 16, a.kv, sizes)
             d = group.drafter
@@ -122,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         finally:
             ops.SMALL_M_MAX = saved
-            gemv.gemv_config = tuned
+            if saved_tiles is None:
+                os.environ.pop(gemv.TILES_ENV, None)
+            else:
+                os.environ[gemv.TILES_ENV] = saved_tiles
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_draft.json").write_text(json.dumps(report, indent=1))

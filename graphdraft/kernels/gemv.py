@@ -37,6 +37,7 @@ from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
 from graphdraft.kernels.norm import rms_norm_row
 
 MAX_M = 16
+TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 
@@ -64,12 +65,15 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
     perf/RESULTS.md): M == 1 streams `[32|64, 256]` slabs with about 528 programs in flight,
     M > 1 `[64|128, 128]` slabs with about 264; K is split to reach that count (the nearest
     whole number of slices, at least 4 * BLOCK_K long, at most `max_split`); `split` forces
-    the number of K slices. The keyword overrides are for tuning and tests."""
+    the number of K slices. The keyword overrides are for tuning and tests.
+    `GRAPHDRAFT_GEMV_TILES=uniform` gives M == 1 the M > 1 tiles (read at every call:
+    graphs keep the tiles they were captured with)."""
+    wide = m == 1 and os.environ.get(TILES_ENV, "").strip() != "uniform"
     if block_n is None:
-        block_n = (32 if n <= 8192 else 64) if m == 1 else (64 if n <= 8192 else 128)
-    block_k = block_k or (256 if m == 1 else 128)
-    target_programs = target_programs or (2 * _TARGET_PROGRAMS if m == 1 else _TARGET_PROGRAMS)
-    num_stages = num_stages or (4 if m == 1 else 3)
+        block_n = (32 if n <= 8192 else 64) if wide else (64 if n <= 8192 else 128)
+    block_k = block_k or (256 if wide else 128)
+    target_programs = target_programs or (2 * _TARGET_PROGRAMS if wide else _TARGET_PROGRAMS)
+    num_stages = num_stages or (4 if wide else 3)
     n_blocks = triton.cdiv(n, block_n)
     if split is None:
         split = min(round(target_programs / n_blocks), k // (4 * block_k), max_split)

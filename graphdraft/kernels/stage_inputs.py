@@ -1,0 +1,116 @@
+"""Stage a decode batch's draft inputs into the persistent buffers, padding included, in one launch.
+
+Before the first-step graph replays at the padded size `pbs >= bs` (N tokens per row):
+  accept[:bs] = accept_src                first_ids[:bs*N] = tokens_src
+  first_hidden[:bs*N] = hidden_src        (the target's hidden states of every input token)
+and the padded rows / tokens get the neutral values of `graphdraft.buffers`:
+  rows [bs, pbs):        accept 1, seq_lens 1, req_pool_indices 0 (dummy slot), extend_lens 1
+  tokens [bs*N, pbs*N):  first_ids 0, first_hidden 0, input_ids 0, positions 0, out_cache_loc 0
+(The first step itself writes every row's write_start, ids and hidden up to pbs.)
+
+Shapes: accept_src `[bs]` int32/int64, tokens_src `[bs*N]` int32/int64, hidden_src
+`[bs*N, kH]` (unit column stride); the destinations are the buffers' full tensors.
+Graph-capturable (no sync, no allocation); the torch reference does the same writes
+with slices, fills and copies (about 3 launches, 9 more when bs < pbs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["stage_decode_inputs", "stage_decode_inputs_ref"]
+
+
+@triton.jit
+def _stage_kernel(accept_src, tokens_src, hidden_src, stride_hs, accept, first_ids, first_hidden,
+                  stride_fh, seq_lens, req, extend_lens, input_ids, positions, out_cache_loc,
+                  bs, pbs, N, KH, BLOCK: tl.constexpr):
+    t = tl.program_id(0)  # token row in [0, pbs * N); also row t when t < pbs
+    t64 = t.to(tl.int64)
+    real = (tl.zeros([BLOCK], dtype=tl.int32) + t) < bs * N
+    for c0 in range(0, KH, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < KH
+        h = tl.load(hidden_src + t64 * stride_hs + cols, mask=ok & real, other=0.0)
+        tl.store(first_hidden + t64 * stride_fh + cols, h.to(first_hidden.dtype.element_ty), mask=ok)
+    # Per-token and per-row scalars as 1-wide vectors (masked scalars trip the interpreter).
+    i = t64 + tl.arange(0, 1)
+    tok_real = i < bs * N
+    tok = tl.load(tokens_src + i, mask=tok_real, other=0)
+    tl.store(first_ids + i, tok.to(tl.int64))
+    zero = tl.zeros([1], dtype=tl.int64)
+    tl.store(input_ids + i, zero.to(input_ids.dtype.element_ty), mask=~tok_real)
+    tl.store(positions + i, zero.to(positions.dtype.element_ty), mask=~tok_real)
+    tl.store(out_cache_loc + i, zero.to(out_cache_loc.dtype.element_ty), mask=~tok_real)
+    row = i < pbs
+    row_real = i < bs
+    a = tl.load(accept_src + i, mask=row_real, other=1)
+    tl.store(accept + i, a.to(accept.dtype.element_ty), mask=row)
+    pad = row & ~row_real
+    one = zero + 1
+    tl.store(seq_lens + i, one.to(seq_lens.dtype.element_ty), mask=pad)
+    tl.store(req + i, zero.to(req.dtype.element_ty), mask=pad)
+    tl.store(extend_lens + i, one.to(extend_lens.dtype.element_ty), mask=pad)
+
+
+def _check(bs: int, pbs: int, n: int, accept_src, tokens_src, hidden_src, accept, first_ids,
+           first_hidden, seq_lens, req, extend_lens, input_ids, positions, out_cache_loc) -> None:
+    if not 0 <= bs <= pbs:
+        raise ValueError(f"pbs: expected >= bs ({bs}), got {pbs}")
+    for name, t, rows in (("accept", accept, pbs), ("seq_lens", seq_lens, pbs), ("req", req, pbs),
+                          ("extend_lens", extend_lens, pbs), ("first_ids", first_ids, pbs * n),
+                          ("input_ids", input_ids, pbs * n), ("positions", positions, pbs * n),
+                          ("out_cache_loc", out_cache_loc, pbs * n),
+                          ("first_hidden", first_hidden, pbs * n)):
+        if t.shape[0] < rows or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous buffer of >= {rows} rows, got "
+                             f"{tuple(t.shape)}")
+    if accept_src.shape != (bs,):
+        raise ValueError(f"accept_lengths: expected shape ({bs},), got {tuple(accept_src.shape)}")
+    if tokens_src.shape != (bs * n,):
+        raise ValueError(f"output_tokens: expected shape ({bs * n},), got {tuple(tokens_src.shape)}")
+    if (hidden_src.dim() != 2 or hidden_src.shape != (bs * n, first_hidden.shape[1])
+            or (bs and hidden_src.stride(1) != 1)):
+        raise ValueError(f"hidden_states: expected [{bs * n}, {first_hidden.shape[1]}] with unit "
+                         f"column stride, got {tuple(hidden_src.shape)}")
+
+
+def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tokens_src: torch.Tensor,
+                        hidden_src: torch.Tensor, *, accept: torch.Tensor, first_ids: torch.Tensor,
+                        first_hidden: torch.Tensor, seq_lens: torch.Tensor, req: torch.Tensor,
+                        extend_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                        out_cache_loc: torch.Tensor) -> None:
+    """One launch: the writes of the module docstring."""
+    args = (accept_src, tokens_src, hidden_src, accept, first_ids, first_hidden, seq_lens, req,
+            extend_lens, input_ids, positions, out_cache_loc)
+    _check(bs, pbs, n, *args)
+    if pbs == 0:
+        return
+    kh = first_hidden.shape[1]
+    _stage_kernel[(pbs * n,)](
+        accept_src, tokens_src, hidden_src, hidden_src.stride(0) if bs else kh, accept, first_ids,
+        first_hidden, first_hidden.stride(0), seq_lens, req, extend_lens, input_ids, positions,
+        out_cache_loc, bs, pbs, n, kh, BLOCK=min(4096, triton.next_power_of_2(kh)), num_warps=4)
+
+
+def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
+                            tokens_src: torch.Tensor, hidden_src: torch.Tensor, *, accept: torch.Tensor,
+                            first_ids: torch.Tensor, first_hidden: torch.Tensor, seq_lens: torch.Tensor,
+                            req: torch.Tensor, extend_lens: torch.Tensor, input_ids: torch.Tensor,
+                            positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+    """Torch reference: the same writes with copies and fills."""
+    _check(bs, pbs, n, accept_src, tokens_src, hidden_src, accept, first_ids, first_hidden,
+           seq_lens, req, extend_lens, input_ids, positions, out_cache_loc)
+    t, pt = bs * n, pbs * n
+    accept[:bs].copy_(accept_src)
+    first_ids[:t].copy_(tokens_src)
+    first_hidden[:t].copy_(hidden_src)
+    if pbs > bs:
+        accept[bs:pbs] = 1
+        seq_lens[bs:pbs] = 1
+        req[bs:pbs] = 0
+        extend_lens[bs:pbs] = 1
+        for buf in (first_ids, first_hidden, input_ids, positions, out_cache_loc):
+            buf[t:pt] = 0

@@ -1,0 +1,62 @@
+"""Staging a decode batch's draft inputs (copies + padding in one launch) vs the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdraft.kernels.gemv import TILES_ENV, gemv_config
+from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _buffers(max_bs, n, kh, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = max_bs * n
+
+    def r(*shape, dtype=torch.int64):
+        return torch.randint(-5, 50, shape, generator=g, dtype=dtype).to(DEV)
+    return dict(accept=r(max_bs, dtype=torch.int32), first_ids=r(t),
+                first_hidden=torch.randn(t, kh, generator=g).to(DEV),
+                seq_lens=r(max_bs, dtype=torch.int32), req=r(max_bs),
+                extend_lens=r(max_bs, dtype=torch.int32), input_ids=r(t), positions=r(t),
+                out_cache_loc=r(t))
+
+
+@pytest.mark.parametrize("bs,pbs", [(1, 1), (3, 4), (5, 8), (0, 2)])
+def test_matches_torch_path(bs, pbs):
+    n, kh, max_bs = 4, 40, 10
+    got, ref = _buffers(max_bs, n, kh, 1), _buffers(max_bs, n, kh, 1)
+    g = torch.Generator().manual_seed(2)
+    accept = torch.randint(0, n + 1, (bs,), generator=g, dtype=torch.int32).to(DEV)
+    tokens = torch.randint(0, 99, (bs * n,), generator=g).to(DEV)
+    hidden_big = torch.randn(bs * n, kh + 8, generator=g).to(DEV)
+    hidden = hidden_big[:, 3:3 + kh]  # strided rows
+    stage_decode_inputs(bs, pbs, n, accept, tokens, hidden, **got)
+    stage_decode_inputs_ref(bs, pbs, n, accept, tokens, hidden, **ref)
+    for name in got:
+        assert torch.equal(got[name], ref[name]), name
+    assert (got["accept"][bs:pbs] == 1).all() and (got["req"][bs:pbs] == 0).all()
+    assert (got["first_hidden"][bs * n:pbs * n] == 0).all()
+    assert torch.equal(got["first_ids"][pbs * n:], ref["first_ids"][pbs * n:])  # untouched
+
+
+def test_bad_shapes_write_nothing():
+    n, kh = 4, 8
+    bufs = _buffers(4, n, kh, 3)
+    before = {k: v.clone() for k, v in bufs.items()}
+    with pytest.raises(ValueError, match="hidden_states"):
+        stage_decode_inputs(2, 2, n, torch.ones(2, dtype=torch.int32), torch.zeros(8, dtype=torch.int64),
+                            torch.zeros(8, kh + 1), **bufs)
+    with pytest.raises(ValueError, match="pbs"):
+        stage_decode_inputs(3, 2, n, torch.ones(3, dtype=torch.int32), torch.zeros(12, dtype=torch.int64),
+                            torch.zeros(12, kh), **bufs)
+    for k, v in bufs.items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_gemv_tiles_env(monkeypatch):
+    wide = gemv_config(1, 4096, 4096)
+    monkeypatch.setenv(TILES_ENV, "uniform")
+    assert gemv_config(1, 4096, 4096) == gemv_config(4, 4096, 4096) != wide
