@@ -81,7 +81,7 @@ class EagleDrafter:
                                          mc.head_dim, head.dtype, self.device)
         self.backend = PagedAttentionBackend(req_to_page, cfg.page_size, cfg.max_context_len,
                                              cfg.use_triton)
-        head.set_use_triton(cfg.use_triton)
+        self._use_head_kernels()
         self.bufs = DraftBuffers.allocate(cfg, mc.hidden_size, head.target_hidden_width, head.dtype)
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
@@ -94,6 +94,12 @@ class EagleDrafter:
             enabled=enabled and self.S > 1, on_oom=on_oom)
         self.stats = DrafterStats()
 
+    def _use_head_kernels(self) -> None:
+        """Point the head's layers at this drafter's kernel path (a head shared by two drafters
+        with different `kernel_backend` is switched back before each eager forward)."""
+        if self.head.use_triton != self.cfg.use_triton:
+            self.head.set_use_triton(self.cfg.use_triton)
+
     # ------------------------------------------------------------------
     # Graphs
     # ------------------------------------------------------------------
@@ -104,6 +110,7 @@ class EagleDrafter:
         Buffers are reset to neutral values first, so warm-up runs see length-1
         sequences of the dummy request.
         """
+        self._use_head_kernels()
         self._reset_neutral()
         self.first_step_graphs.capture()
         self.multi_step_graphs.capture()
@@ -199,6 +206,7 @@ class EagleDrafter:
         if bs == 0:
             return torch.empty((0, self.S + 1), dtype=torch.int32, device=self.device)
         b, ib = self.bufs, self.inputs
+        self._use_head_kernels()
         decode = ctx.forward_mode is ForwardMode.DECODE
         pbs = padded_batch_size(self.schedule, bs) or bs  # eager pads too: same numerics
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from graphdraft.batch import ForwardContext
+from graphdraft.buffers import InputBuffers, RuntimeStates
+from graphdraft.drafter import EagleDrafter
 from tests.drafter_harness import FakeServingLoop, make_setup
 from tests.reference_eagle import ReferenceEagle3
 
@@ -211,3 +213,14 @@ def test_triton_path_matches_reference_under_interpreter(page_size, hot):
     s = make_setup(steps=3, page_size=page_size, hot=hot, seed=21, kernel_backend="triton")
     assert s.drafter.cfg.use_triton
     drive(s, seed=21, iters=3, prompts=[(5, 16), (9, 4)])
+
+
+def test_head_shared_by_drafters_of_two_kernel_paths():
+    """A second drafter over the same head (another kernel path) must not change the first's runs."""
+    s = make_setup(steps=3, page_size=4, seed=31, kernel_backend="torch")
+    cfg = s.cfg.replace(kernel_backend="triton")
+    EagleDrafter(s.head, cfg, req_to_page=s.pages.req_to_page, input_buffers=InputBuffers.allocate(cfg),
+                 runtime_states=RuntimeStates.allocate(cfg))
+    assert s.head.use_triton  # the newest drafter set the head's layers to its path
+    drive(s, seed=31, iters=2, prompts=[(6, 8), (3, 4)])  # checked against the reference
+    assert not s.head.use_triton  # the first drafter's runs switched it back
