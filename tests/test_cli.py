@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from graphdraft.__main__ import main
+import torch
+
+from graphdraft.__main__ import main, report_greedy_match
 from graphdraft.checkpoint import save_eagle3_head, save_target
 from tests.engine_harness import make_models
 
@@ -28,3 +30,15 @@ def test_demo_checkpoint_pair(tmp_path, capsys):
 def test_demo_bad_flag_is_a_clear_error(capsys, tmp_path):
     assert main(["demo", "--target", str(tmp_path)]) == 2
     assert "--draft" in capsys.readouterr().err
+
+
+def test_greedy_mismatch_fails_in_float32_and_is_explained_in_bf16(capsys):
+
+
+    base, spec = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]]
+    assert report_greedy_match(base, base, torch.float32) == 0
+    assert report_greedy_match(base, spec, torch.float32) == 1
+    out = capsys.readouterr().out
+    assert "1/2 requests identical; request 1 differs from token 1" in out
+    assert report_greedy_match(base, spec, torch.bfloat16) == 0
+    assert "expected in bfloat16" in capsys.readouterr().out
