@@ -15,6 +15,7 @@ pair (drafts are then almost never accepted).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import sys
@@ -25,7 +26,7 @@ import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig, default_device
 from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.engine import Engine
+from graphdraft.engine import Engine, EngineStats
 from graphdraft.llama import LlamaForCausalLM
 from graphdraft.random_models import random_model_pair
 from graphdraft.verify import SamplingParams
@@ -88,6 +89,10 @@ def default_model_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM,
 
 
 def _serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, label: str):
+    """Timed `generate` after an untimed warm-up on the same prompts (Triton compiles its
+    kernels for every new shape on first use: prefill chunks, verify and decode batches)."""
+    engine.generate(prompts, dataclasses.replace(params, max_new_tokens=min(8, params.max_new_tokens)))
+    engine.stats = EngineStats()  # accept lengths of the timed run only
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
