@@ -8,6 +8,9 @@ and up to the padded batch size hold neutral values written before each
 replay: request slot 0 (the reserved dummy request, whose page-table row is
 all zeros, so every position maps to the dummy page 0), seq len 1, accept
 length 1, out-cache location 0 (the dummy slot), token id 0, hidden 0.
+For a decode batch one kernel writes the drafter's inputs and all of these
+(`graphdraft.kernels.stage_inputs`); `pad_rows` / `pad_tokens` below do it
+for the other paths.
 
 Sizes: `max_bs = RuntimeConfig.max_bs`, `max_tokens = RuntimeConfig.max_num_tokens`,
 `N = spec_num_tokens`, `S = speculative_num_steps`, `H` the draft hidden size,

@@ -403,8 +403,8 @@ def fill_decode_batch(group: DraftGroup, bs: int, *, seed: int = 0) -> DecodeBat
 def activate(drafter: EagleDrafter) -> None:
     """Point the (shared) head's layers at this drafter's kernel backend.
 
-    `EagleDrafter.__init__` sets the head's backend flag, so a second drafter over
-    the same head (the torch-path baseline) flips it for the first one's eager runs.
+    `EagleDrafter.run` does this itself; the harness also calls the drafters' forwards
+    directly (`first_step_graphs.run`, the compiled baseline's warm-up), which do not.
     """
     drafter.head.set_use_triton(drafter.cfg.use_triton)
 
