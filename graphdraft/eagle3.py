@@ -167,11 +167,9 @@ class Eagle3DraftHead(nn.Module):
             normed, prenorm = linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
                 act="silu_mul", use_triton=self.use_triton)
-        else:  # the row-parallel outputs are all-reduced before the residual add
-            attn_out = tp.all_reduce(linear(attn, layer.self_attn.o_proj, use_triton=self.use_triton))
-            normed, residual = layer.post_attention_layernorm(attn_out, residual)
+        else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
+            normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
-        if tp is not None:  # vocab-parallel LM head: gather the full draft-vocab logits
             logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),
                                      self.config.output_vocab_size)
             ids = argmax_with_map(logits, self.hot_token_ids,

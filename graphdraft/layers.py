@@ -68,8 +68,12 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
                 gather_ids: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.attend(x, positions, out_cache_loc, kv, cos_sin, backend, metadata, gather_ids)
-        out = ops.linear(out, self.o_proj, use_triton=self.use_triton)
+        return self.project(self.attend(x, positions, out_cache_loc, kv, cos_sin, backend, metadata,
+                                        gather_ids))
+
+    def project(self, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj of `attend`'s output `[B, Hq * D] -> [B, H]`, all-reduced when tensor-parallel."""
+        out = ops.linear(attn, self.o_proj, use_triton=self.use_triton)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
