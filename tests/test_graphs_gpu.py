@@ -37,6 +37,16 @@ def _run_both(s, ctx, hidden, tokens, accept):
     return next_g, next_e, kv_g, (k.clone(), v.clone()), (k0, v0)
 
 
+def _assert_graph_equals_eager(s, ctx, hidden, tokens, accept):
+    """Run the decode batch replayed and eagerly; assert equal drafts and KV writes.
+    Returns (graph drafts, graph-run KV, KV before)."""
+    ng, ne_, kv_g, kv_e, kv0 = _run_both(s, ctx, hidden, tokens, accept)
+    assert torch.equal(ng, ne_), f"bs={ctx.bs}: graph drafts != eager drafts"
+    for a, b in zip(kv_g, kv_e, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"bs={ctx.bs}: KV writes differ"
+    return ng, kv_g, kv0
+
+
 def _changed_slots(before, after):
     diff = (before != after)
     diff = diff | (before.isnan() ^ after.isnan())
@@ -67,10 +77,7 @@ def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
             if ctx.num_extends:  # prefill new requests (eager), then test decode batches
                 loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
                 continue
-            ng, ne_, kv_g, kv_e, kv0 = _run_both(s, ctx, hidden, tokens, accept)
-            assert torch.equal(ng, ne_), f"bs={bs}: graph drafts != eager drafts"
-            for a, b in zip(kv_g, kv_e, strict=True):
-                assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"bs={bs}: KV writes differ"
+            ng, kv_g, kv0 = _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
             ps = s.cfg.page_size
             allowed = {0} | {p for r in loop.reqs for p in s.pages.pages_of(r.slot)}
             for before, after in zip(kv0, kv_g, strict=True):
@@ -178,8 +185,5 @@ def test_property_graph_replay_equals_eager(steps, page_size, hot, seed, ops):
         if ctx.num_extends:
             loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
             continue
-        ng, ne_, kv_g, kv_e, _ = _run_both(s, ctx, hidden, tokens, accept)
-        assert torch.equal(ng, ne_), f"bs={ctx.bs}: graph drafts != eager drafts"
-        for a, b in zip(kv_g, kv_e, strict=True):
-            assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"bs={ctx.bs}: KV writes differ"
+        ng, _, _ = _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
         loop.commit(rows, order, tokens, accept, ng)
