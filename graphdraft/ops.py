@@ -182,7 +182,8 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, use_triton: bool) -> bool:
             and weight.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def _act(x: torch.Tensor, act: str | None) -> torch.Tensor:
+def apply_act(x: torch.Tensor, act: str | None) -> torch.Tensor:
+    """A matmul input's activation: None -> x; "silu_mul" -> `silu(gate) * up` of `[gate ; up]`."""
     if act is None:
         return x
     if act != "silu_mul":
@@ -198,7 +199,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m
         return linear_small_m(x, weight, act=act)
-    return F.linear(_act(x, act), weight)
+    return F.linear(apply_act(x, act), weight)
 
 
 def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,

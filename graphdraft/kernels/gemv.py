@@ -316,18 +316,13 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
 # ---------------------------------------------------------------------------
 # fp32 references (the tests' oracles)
 # ---------------------------------------------------------------------------
-def _act_ref(x: torch.Tensor, act: str | None) -> torch.Tensor:
-    if act == "silu_mul":
-        k = x.shape[1] // 2
-        return torch.nn.functional.silu(x[:, :k]) * x[:, k:]
-    return x
-
-
 def linear_small_m_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                        act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """fp32-accumulated reference of `linear_small_m`."""
+    from graphdraft.ops import apply_act  # the torch path's activation
+
     del config
-    y = (_act_ref(x, act).float() @ w.float().T).to(x.dtype)
+    y = (apply_act(x, act).float() @ w.float().T).to(x.dtype)
     if out is not None:
         out.copy_(y)
         return out
