@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from graphdraft.kernels.gemv import linear_small_m
+from perf.gemv_sweep import SHAPES as SWEEP_SHAPES
 from perf.gemv_sweep import graph_time_us
 
-SHAPES = {"qkv": (6144, 8192), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (32000, 4096)}
+SHAPES = {name: (n, k) for name, (n, k, _, _) in SWEEP_SHAPES.items() if name != "fc"}
+"""The draft step's five matmuls (N, K), as the sweep names them (fc runs once per call)."""
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
