@@ -68,21 +68,25 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
                 gather_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.project(self.attend(x, positions, out_cache_loc, kv, cos_sin, backend, metadata,
-                                        gather_ids))
+        return self.project(self.attend(self.qkv(x), positions, out_cache_loc, kv, cos_sin, backend,
+                                        metadata, gather_ids))
 
     def project(self, attn: torch.Tensor) -> torch.Tensor:
         """o_proj of `attend`'s output `[B, Hq * D] -> [B, H]`, all-reduced when tensor-parallel."""
         out = ops.linear(attn, self.o_proj, use_triton=self.use_triton)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def attend(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, input_size] -> [T, (Hq + 2 Hkv) * D]` (`attend`'s input)."""
+        return ops.linear(x, self.qkv_proj, use_triton=self.use_triton)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                backend: PagedAttentionBackend, metadata: AttentionMetadata,
                gather_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Everything before o_proj: `[B, Hq * D]` attention output of the gathered rows."""
-        t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj, use_triton=self.use_triton)
+        """Between qkv and o_proj: RoPE, KV write of all T tokens, attention of the gathered
+        rows -> `[B, Hq * D]`."""
+        t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)

@@ -348,12 +348,14 @@ class DraftGroup:
 
 
 def build_group(head: Eagle3DraftHead, page_size: int, kv_len: int, batch_sizes: Sequence[int], *,
-                steps: int = STEPS, seed: int = 0, capture: bool = True) -> DraftGroup:
-    """Drafter over a random-filled KV pool and shuffled pages; graphs captured for `batch_sizes`."""
+                steps: int = STEPS, seed: int = 0, capture: bool = True,
+                **config_changes: Any) -> DraftGroup:
+    """Drafter over a random-filled KV pool and shuffled pages; graphs captured for `batch_sizes`
+    (`config_changes`: RuntimeConfig fields to override, e.g. `l2_prefetch_mb=0`)."""
     mc, device = head.config, next(head.parameters()).device
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     cfg = runtime_config(page_size, kv_len, batch_sizes, device=device, dtype=dtype[head.dtype],
-                         steps=steps)
+                         steps=steps).replace(**config_changes)
     pages = StaticPages(cfg.max_running_requests, cfg.max_pages_per_req, page_size, device,
                         seed=seed)
     inputs, states = InputBuffers.allocate(cfg), RuntimeStates.allocate(cfg)
@@ -536,7 +538,8 @@ def build_baseline(group: DraftGroup, baseline: Baseline) -> EagleDrafter:
     """
     d = group.drafter
     t0, (graphs0, breaks0) = time.perf_counter(), _dynamo_counts()
-    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=not baseline.own_graphs)
+    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=not baseline.own_graphs,
+                            l2_prefetch_mb=0)  # side-stream Triton prefetches: graphdraft's own
     base = EagleDrafter(d.head, cfg, req_to_page=group.pages.req_to_page, input_buffers=group.inputs,
                         runtime_states=group.states, kv_pool=group.kv_pool)
     try:
