@@ -64,9 +64,6 @@ class RuntimeConfig:
     """Check every call's shapes, dtypes and value ranges (a host sync); off on a tuned hot path."""
     kernel_backend: str = "auto"
     """"triton" (Triton kernels), "torch" (plain torch path), or "auto" (triton on CUDA)."""
-    l2_prefetch_mb: int = 32
-    """MiB of the next GEMV's weight prefetched into L2 after each draft GEMV, on a side stream,
-    while the small kernels between them run (0: off; CUDA only; no effect on values)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,8 +135,6 @@ class RuntimeConfig:
                  f"ints >= 1, strictly ascending, each <= cuda_graph_max_bs ({self.cuda_graph_max_bs})")
             self.cuda_graph_bs = sizes
         resolve_dtype(self.dtype)
-        need(isinstance(self.l2_prefetch_mb, int) and 0 <= self.l2_prefetch_mb <= 1024,
-             "l2_prefetch_mb", "an int in [0, 1024]")
         need(self.kernel_backend in ("auto", "triton", "torch"), "kernel_backend",
              "'auto', 'triton' or 'torch'")
         interpreting = os.environ.get("TRITON_INTERPRET") == "1"

@@ -99,7 +99,6 @@ class EagleDrafter:
         with different `kernel_backend` is switched back before each eager forward)."""
         if self.head.use_triton != self.cfg.use_triton:
             self.head.set_use_triton(self.cfg.use_triton)
-        self.head.prefetcher.budget = self.cfg.l2_prefetch_mb << 20
 
     # ------------------------------------------------------------------
     # Graphs
@@ -157,13 +156,11 @@ class EagleDrafter:
         ids = b.first_input_ids[:num_tokens]
         metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
         out = self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
-                        self.kv_pool.layer(0), self.backend, metadata, gather,
-                        prefetch_next=self.S > 1)
+                        self.kv_pool.layer(0), self.backend, metadata, gather)
         b.ids[:bs].copy_(out.ids)
         b.hidden[:bs].copy_(out.hidden)
         b.next_tokens[:bs, 0].copy_(ids.index_select(0, gather))
         b.next_tokens[:bs, 1].copy_(out.ids)
-        self.head.prefetcher.join()
         return b.next_tokens[:bs]
 
     def _first_step_decode(self, bs: int):
@@ -186,13 +183,12 @@ class EagleDrafter:
         for i in range(1, steps):
             self.backend.advance_draft_forward_metadata(seq_lens)
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
-                            self.backend, metadata, prefetch_next=i + 1 < steps)
+                            self.backend, metadata)
             b.next_tokens[:bs, i + 1].copy_(out.ids)
             ids, hidden = out.ids, out.hidden
             if i + 1 < steps:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,
                                                    use_triton=self.cfg.use_triton)
-        self.head.prefetcher.join()
         return b.next_tokens[:bs]
 
     # ------------------------------------------------------------------

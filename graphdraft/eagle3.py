@@ -41,7 +41,6 @@ from torch import nn
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
-from graphdraft.kernels.prefetch import WeightPrefetcher
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
@@ -107,7 +106,6 @@ class Eagle3DraftHead(nn.Module):
             persistent=False)
         self.logits_processor = LogitsProcessor(self.hot_token_ids)
         self.use_triton = False
-        self.prefetcher = WeightPrefetcher()  # budget 0 (off) until a drafter sets it
 
     def set_use_triton(self, use_triton: bool) -> None:
         set_use_triton(self, use_triton)
@@ -146,28 +144,20 @@ class Eagle3DraftHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
-                gather_ids: torch.Tensor | None = None, *,
-                prefetch_next: bool = False) -> DraftStepOutput:
+                gather_ids: torch.Tensor | None = None) -> DraftStepOutput:
         """input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
-        out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T).
-
-        With `self.prefetcher` on, each GEMV is followed by an L2 prefetch of the next one's
-        weight on a side stream (`kernels.prefetch`), joined before returning; with
-        `prefetch_next` the last one (the next step's qkv) is left running and the caller
-        joins it (`self.prefetcher.join()`)."""
+        out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T)."""
         layer = self.midlayer
-        tp, pf = self.tp, self.prefetcher
+        tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp
         embeds = (self.embed_tokens.index_select(0, input_ids) if tp is None
                   else tp.embed(input_ids, self.embed_tokens))
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = linear(hidden, self.fc, use_triton=self.use_triton)
-            pf.prefetch(attn_layer.qkv_proj)
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
         x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, hidden, norm_h.weight, norm_h.eps,
                          use_triton=self.use_triton)
         qkv = attn_layer.qkv(x)
-        pf.prefetch(attn_layer.o_proj)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
         residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
@@ -176,11 +166,9 @@ class Eagle3DraftHead(nn.Module):
             normed, residual = linear_residual_rms_norm(
                 attn, attn_layer.o_proj, residual, post.weight, post.eps,
                 use_triton=self.use_triton)
-            pf.prefetch(mlp.gate_up_proj)
             normed, prenorm = linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
                 act="silu_mul", use_triton=self.use_triton)
-            pf.prefetch(self.lm_head)
         else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
@@ -188,13 +176,8 @@ class Eagle3DraftHead(nn.Module):
                                      self.config.output_vocab_size)
             ids = argmax_with_map(logits, self.hot_token_ids,
                                   use_triton=self.logits_processor.use_triton)
-            pf.join()
             return DraftStepOutput(ids, prenorm, logits)
         out: LogitsOutput = self.logits_processor(
             normed, self.lm_head, hidden_states=prenorm,
             capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True)
-        if prefetch_next:
-            pf.prefetch(attn_layer.qkv_proj)
-        else:
-            pf.join()
         return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)

@@ -351,7 +351,7 @@ def build_group(head: Eagle3DraftHead, page_size: int, kv_len: int, batch_sizes:
                 steps: int = STEPS, seed: int = 0, capture: bool = True,
                 **config_changes: Any) -> DraftGroup:
     """Drafter over a random-filled KV pool and shuffled pages; graphs captured for `batch_sizes`
-    (`config_changes`: RuntimeConfig fields to override, e.g. `l2_prefetch_mb=0`)."""
+    (`config_changes`: RuntimeConfig fields to override)."""
     mc, device = head.config, next(head.parameters()).device
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     cfg = runtime_config(page_size, kv_len, batch_sizes, device=device, dtype=dtype[head.dtype],
@@ -538,8 +538,7 @@ def build_baseline(group: DraftGroup, baseline: Baseline) -> EagleDrafter:
     """
     d = group.drafter
     t0, (graphs0, breaks0) = time.perf_counter(), _dynamo_counts()
-    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=not baseline.own_graphs,
-                            l2_prefetch_mb=0)  # side-stream Triton prefetches: graphdraft's own
+    cfg = group.cfg.replace(kernel_backend="torch", enforce_eager=not baseline.own_graphs)
     base = EagleDrafter(d.head, cfg, req_to_page=group.pages.req_to_page, input_buffers=group.inputs,
                         runtime_states=group.states, kv_pool=group.kv_pool)
     try:

@@ -4,10 +4,9 @@
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
 default all), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
-every matmul, no L2 prefetch), "gemv" (the Triton GEMV kernels with their fused epilogues,
-`gemv_config`'s swept tiles, no L2 prefetch), "gemv-uniform-tiles" (the same, M = 1 given the
-M > 1 tiles: `GRAPHDRAFT_GEMV_TILES=uniform`) and "gemv-l2-<MiB>" (the GEMV kernels with
-`l2_prefetch_mb=<MiB>`, `kernels.prefetch`). Prints and writes (`profile_draft.json`):
+every matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s
+swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
+`GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
   - the graph-replay time of a whole `run` (CUDA events, median) against the floor;
   - a torch.profiler kernel table of the eager path (same kernels as the graphs:
     name, launches and GPU us per call), with the sum of kernel time, and the same
@@ -73,22 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="perf/out")
     p.add_argument("--bs", default="1,8")
     p.add_argument("--kv", type=int, default=512)
-    p.add_argument("--variants", default="cublas,gemv,gemv-uniform-tiles,gemv-l2-16,gemv-l2-32,"
-                                         "gemv-l2-48")
+    p.add_argument("--variants", default="cublas,gemv,gemv-uniform-tiles")
     a = p.parse_args(argv)
     sizes = tuple(int(b) for b in a.bs.split(","))
     bw = copy_bandwidth("cuda")
     head = build_head(LLAMA31_8B_HEAD, "cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
+    labels = a.variants.split(",")
+    bad = sorted(set(labels) - {"cublas", "gemv", "gemv-uniform-tiles"})
+    if bad:
+        p.error(f"--variants: expected names from cublas, gemv, gemv-uniform-tiles; got {bad}")
     saved_tiles = os.environ.get(gemv.TILES_ENV)
-    for label in a.variants.split(","):
+    for label in labels:
         small_m = 0 if label == "cublas" else ops.SMALL_M_MAX
         tiles = "uniform" if label == "gemv-uniform-tiles" else ""
-        prefetch_mb = int(label.removeprefix("gemv-l2-")) if label.startswith("gemv-l2-") else 0
         saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
         os.environ[gemv.TILES_ENV] = tiles  # read at every call: the graphs capture it
         try:
-            group = build_group(head, 16, a.kv, sizes, l2_prefetch_mb=prefetch_mb)
+            group = build_group(head, 16, a.kv, sizes)
             d = group.drafter
             for bs in sizes:
                 batch = fill_decode_batch(group, bs)
