@@ -144,23 +144,21 @@ class EagleDrafter:
         req = ib.req_pool_indices[:bs]
         acc = b.accept_lengths[:bs]
         seq = ib.seq_lens[:bs]
-        if ne < bs:  # decode rows
+        ids = b.first_input_ids[:num_tokens]
+        if ne < bs:  # decode rows (next_tokens[:, 0]: the last verified token, ids[gather])
             ops.decode_draft_indices(acc[ne:], seq[ne:], req[ne:], self.states.valid_cache_lengths,
                                      n, npt, b.gather_ids[ne:bs], b.seq_lens[ne:bs],
-                                     b.write_start[ne:bs], use_triton=self.cfg.use_triton)
+                                     b.write_start[ne:bs], ids, b.next_tokens[ne:bs, 0],
+                                     use_triton=self.cfg.use_triton)
         if ne > 0:  # prefill rows
             torch.sub(torch.cumsum(ib.extend_lens[:ne], 0), 1, out=b.gather_ids[:ne])
             b.seq_lens[:ne].copy_(seq[:ne])
             b.write_start[:ne].copy_(seq[:ne])
-        gather = b.gather_ids[:bs]
-        ids = b.first_input_ids[:num_tokens]
+            b.next_tokens[:ne, 0].copy_(ids.index_select(0, b.gather_ids[:ne]))
         metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
-        out = self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
-                        self.kv_pool.layer(0), self.backend, metadata, gather)
-        b.ids[:bs].copy_(out.ids)
-        b.hidden[:bs].copy_(out.hidden)
-        b.next_tokens[:bs, 0].copy_(ids.index_select(0, gather))
-        b.next_tokens[:bs, 1].copy_(out.ids)
+        self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
+                  self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
+                  ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1], hidden_out=b.hidden[:bs])
         return b.next_tokens[:bs]
 
     def _first_step_decode(self, bs: int):
@@ -172,19 +170,17 @@ class EagleDrafter:
         req = self.inputs.req_pool_indices[:bs]
         write_start = b.write_start[:bs]
         locs = b.out_cache_loc[: (steps - 1) * bs]
-        ops.out_cache_loc_uniform(locs, req, write_start, self.req_to_page, self.cfg.page_size,
-                                  steps - 1, use_triton=self.cfg.use_triton)
-        locs = locs.view(steps - 1, bs)
         seq_lens, positions = b.seq_lens[:bs], b.positions[:bs]
-        seq_lens.copy_(write_start + 1)
-        positions.copy_(write_start)
+        ops.out_cache_loc_uniform(locs, req, write_start, self.req_to_page, self.cfg.page_size,
+                                  steps - 1, positions_out=positions, seq_lens_out=seq_lens,
+                                  use_triton=self.cfg.use_triton)
+        locs = locs.view(steps - 1, bs)
         metadata = self.backend.bind_metadata(req, seq_lens)
         ids, hidden = b.ids[:bs], b.hidden[:bs]
         for i in range(1, steps):
             self.backend.advance_draft_forward_metadata(seq_lens)
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
-                            self.backend, metadata)
-            b.next_tokens[:bs, i + 1].copy_(out.ids)
+                            self.backend, metadata, tokens_out=b.next_tokens[:bs, i + 1])
             ids, hidden = out.ids, out.hidden
             if i + 1 < steps:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,

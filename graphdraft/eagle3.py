@@ -41,6 +41,7 @@ from torch import nn
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
+from graphdraft.kernels.gemv import check_ids_out
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
@@ -144,9 +145,22 @@ class Eagle3DraftHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
-                gather_ids: torch.Tensor | None = None) -> DraftStepOutput:
+                gather_ids: torch.Tensor | None = None, *, ids_out: torch.Tensor | None = None,
+                tokens_out: torch.Tensor | None = None,
+                hidden_out: torch.Tensor | None = None) -> DraftStepOutput:
         """input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
-        out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T)."""
+        out_cache_loc `[T]`; metadata has one row per gathered token (B = len(gather_ids) or T).
+
+        Optional destinations (written by the kernels that compute them, no extra copy on the
+        fused path): `ids_out` int64 `[B]`, `tokens_out` int32/int64 `[B]` (any stride: a
+        column of the drafter's `next_tokens`), `hidden_out` `[B, H]` (the pre-norm hidden)."""
+        rows = input_ids.shape[0] if gather_ids is None else gather_ids.shape[0]
+        check_ids_out(ids_out, tokens_out, rows, input_ids.device)  # before anything is written
+        width = self.config.hidden_size
+        if hidden_out is not None and (tuple(hidden_out.shape) != (rows, width)
+                                       or hidden_out.dtype != self.dtype or hidden_out.stride(-1) != 1):
+            raise ValueError(f"hidden_out: expected [{rows}, {width}] {self.dtype} with unit column "
+                             f"stride, got {tuple(hidden_out.shape)} {hidden_out.dtype}")
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp
@@ -168,7 +182,7 @@ class Eagle3DraftHead(nn.Module):
                 use_triton=self.use_triton)
             normed, prenorm = linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
-                act="silu_mul", use_triton=self.use_triton)
+                act="silu_mul", h_out=hidden_out, use_triton=self.use_triton)
         else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
@@ -176,8 +190,13 @@ class Eagle3DraftHead(nn.Module):
                                      self.config.output_vocab_size)
             ids = argmax_with_map(logits, self.hot_token_ids,
                                   use_triton=self.logits_processor.use_triton)
-            return DraftStepOutput(ids, prenorm, logits)
+            for dst, src in ((ids_out, ids), (tokens_out, ids), (hidden_out, prenorm)):
+                if dst is not None:
+                    dst.copy_(src)
+            return DraftStepOutput(ids if ids_out is None else ids_out,
+                                   prenorm if hidden_out is None else hidden_out, logits)
         out: LogitsOutput = self.logits_processor(
             normed, self.lm_head, hidden_states=prenorm,
-            capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True)
+            capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True, ids_out=ids_out,
+            tokens_out=tokens_out)
         return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)

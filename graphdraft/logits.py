@@ -31,11 +31,14 @@ class LogitsProcessor:
                  gather_ids: torch.Tensor | None = None,
                  hidden_states: torch.Tensor | None = None,
                  capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NONE,
-                 fuse_argmax: bool = False) -> LogitsOutput:
+                 fuse_argmax: bool = False, ids_out: torch.Tensor | None = None,
+                 tokens_out: torch.Tensor | None = None) -> LogitsOutput:
+        """With `fuse_argmax`, the greedy ids go into `ids_out` / `tokens_out` when given
+        (`ops.linear_argmax`)."""
         rows = normed if gather_ids is None else normed.index_select(0, gather_ids)
         if fuse_argmax:
-            logits, ids = ops.linear_argmax(rows, lm_head, self.hot_token_ids,
-                                            use_triton=self.use_triton)
+            logits, ids = ops.linear_argmax(rows, lm_head, self.hot_token_ids, ids_out=ids_out,
+                                            tokens_out=tokens_out, use_triton=self.use_triton)
         else:
             logits, ids = ops.linear(rows, lm_head, use_triton=self.use_triton), None
         if capture_hidden_mode is CaptureHiddenMode.NONE or hidden_states is None:

@@ -155,19 +155,31 @@ def argmax_with_map(logits: torch.Tensor, hot_token_ids: torch.Tensor | None = N
 # ---------------------------------------------------------------------------
 def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
                           cache_start: torch.Tensor, req_to_page: torch.Tensor, page_size: int,
-                          length: int, *, use_triton: bool = False) -> None:
-    """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`."""
+                          length: int, *, positions_out: torch.Tensor | None = None,
+                          seq_lens_out: torch.Tensor | None = None,
+                          use_triton: bool = False) -> None:
+    """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`; given
+    `positions_out` int64 / `seq_lens_out` int32 `[bs]`, also `cache_start` and `cache_start + 1`
+    there (the first decode step's position and KV length)."""
     bs = req_pool_indices.shape[0]
-    if bs == 0 or length == 0:
+    if bs == 0:
         return
     if use_triton:
         from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform
         compute_out_cache_loc_uniform(out, req_pool_indices, cache_start, req_to_page, page_size,
-                                      length, out_stride_req=1, out_stride_tok=bs)
+                                      length, out_stride_req=1, out_stride_tok=bs,
+                                      positions_out=positions_out, seq_lens_out=seq_lens_out)
         return
-    pos = cache_start.long().unsqueeze(0) + torch.arange(length, device=out.device).unsqueeze(1)
-    out.view(length, bs).copy_(kv_slots(req_to_page, req_pool_indices.long().unsqueeze(0), pos,
-                                        page_size))
+    from graphdraft.kernels.cache_loc import check_first_step_outputs
+
+    first = check_first_step_outputs(positions_out, seq_lens_out, out.device, bs)
+    if length:
+        pos = cache_start.long().unsqueeze(0) + torch.arange(length, device=out.device).unsqueeze(1)
+        out[: length * bs].view(length, bs).copy_(
+            kv_slots(req_to_page, req_pool_indices.long().unsqueeze(0), pos, page_size))
+    if first:
+        positions_out.copy_(cache_start)
+        seq_lens_out.copy_(cache_start + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -204,36 +216,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
 
 def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                              norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
+                             h_out: torch.Tensor | None = None,
                              use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`."""
+    """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`, `h` written
+    into `h_out` when given."""
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m_residual_norm
-        return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act)
-    return rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps, residual,
-                    use_triton=use_triton)
+        return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act,
+                                            h_out=h_out)
+    normed, h = rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps,
+                         residual, use_triton=use_triton)
+    return normed, (h if h_out is None else h_out.copy_(h))
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
-                  *, use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """LM head and greedy pick: `(logits [M, N], ids int64 [M])`, ids mapped by `hot_token_ids`."""
+                  *, ids_out: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
+                  use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head and greedy pick: `(logits [M, N], ids int64 [M])`, ids mapped by `hot_token_ids`;
+    ids written into `ids_out` (int64 `[M]`) and copied into `tokens_out` (int32/int64 `[M]`,
+    any stride) when given."""
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m_argmax
-        return linear_small_m_argmax(x, weight, hot_token_ids)
+        return linear_small_m_argmax(x, weight, hot_token_ids, ids_out=ids_out,
+                                     tokens_out=tokens_out)
+    from graphdraft.kernels.gemv import check_ids_out
+
+    check_ids_out(ids_out, tokens_out, x.shape[0], x.device)
     logits = linear(x, weight, use_triton=use_triton)
-    return logits, argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
+    ids = argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
+    if ids_out is not None:
+        ids = ids_out.copy_(ids)
+    if tokens_out is not None:
+        tokens_out.copy_(ids)
+    return logits, ids
 
 
 def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,
                          valid_cache_lengths: torch.Tensor, n: int, token_offset: int,
                          gather_ids: torch.Tensor, seq_lens: torch.Tensor, write_start: torch.Tensor,
+                         tokens: torch.Tensor | None = None, last_token: torch.Tensor | None = None,
                          *, use_triton: bool = False) -> None:
-    """First draft step, decode rows: write `gather_ids`, `seq_lens`, `write_start` `[bs]`
-    (formulas in `graphdraft.kernels.draft_indices`)."""
+    """First draft step, decode rows: write `gather_ids`, `seq_lens`, `write_start` `[bs]` and,
+    given the step's input ids `tokens`, `last_token = tokens[gather_ids]` (formulas in
+    `graphdraft.kernels.draft_indices`)."""
     from graphdraft.kernels import draft_indices
 
     fn = draft_indices.decode_draft_indices if use_triton else draft_indices.decode_draft_indices_ref
     fn(accept, target_seq_lens, req, valid_cache_lengths, n, token_offset, gather_ids, seq_lens,
-       write_start)
+       write_start, tokens, last_token)
 
 
 def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tokens_src: torch.Tensor,

@@ -79,9 +79,11 @@ def _argmax_stage1_kernel(
 
 @triton.jit
 def _argmax_stage2_kernel(
-    part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
-    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+    part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
+    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
 ):
+    """Row b: the (max, first index) over its splits, mapped -> `out[b]` (int64) and, with
+    HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32)."""
     b = tl.program_id(0)
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < num_splits
@@ -93,6 +95,8 @@ def _argmax_stage2_kernel(
     if HAS_MAP:
         res = tl.load(hot_ptr + res)
     tl.store(out_ptr + b, res)
+    if HAS_TOKENS:
+        tl.store(tokens_ptr + b.to(tl.int64) * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
 
 
 def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -161,8 +165,8 @@ def argmax_with_map(
         BLOCK=block, FINAL=False, HAS_MAP=has_map, num_warps=num_warps,
     )
     _argmax_stage2_kernel[(B,)](
-        part_val, part_idx, splits, hot, out,
-        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, num_warps=1,
+        part_val, part_idx, splits, hot, out, out, 0,
+        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=False, num_warps=1,
     )
     return out
 

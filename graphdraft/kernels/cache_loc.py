@@ -92,11 +92,17 @@ def _uniform_kernel(
     stride_page_row,
     stride_page_col,
     page_size,
+    pos_out_ptr,
+    seq_out_ptr,
     BLOCK: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
     start = tl.load(start_ptr + row * stride_start).to(tl.int64)
+    if FIRST:  # the first written position and the KV length once it is written
+        tl.store(pos_out_ptr + row, start)
+        tl.store(seq_out_ptr + row, (start + 1).to(tl.int32))
     for j0 in range(0, length, BLOCK):
         j = (j0 + tl.arange(0, BLOCK)).to(tl.int64)
         mask = j < length
@@ -221,6 +227,8 @@ def compute_out_cache_loc_uniform(
     *,
     out_stride_req: int | None = None,
     out_stride_tok: int | None = None,
+    positions_out: torch.Tensor | None = None,
+    seq_lens_out: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out`` with the KV slots of ``length`` consecutive positions per request.
 
@@ -236,6 +244,9 @@ def compute_out_cache_loc_uniform(
         req_to_page: ``[max_reqs, max_pages]`` int32 page table.
         page_size: tokens per page (>= 1).
         length: tokens per request (>= 0).
+        positions_out, seq_lens_out: both or neither: contiguous ``[bs]`` int64 / int32 that
+            receive ``cache_start[r]`` and ``cache_start[r] + 1`` (the first draft decode
+            step's position and KV length), in the same launch.
     """
     req_to_page = _check_req_to_page(req_to_page)
     dev = req_to_page.device
@@ -246,17 +257,34 @@ def compute_out_cache_loc_uniform(
     s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
     need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
     _check_out("out", out, dev, need)
-    if need == 0:
+    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    if bs == 0 or (need == 0 and not first):
         return
-    block = min(triton.next_power_of_2(length), _MAX_TOKEN_BLOCK)
+    block = min(triton.next_power_of_2(max(length, 1)), _MAX_TOKEN_BLOCK)
     _uniform_kernel[(bs,)](
         out, req_pool_indices, cache_start, req_to_page,
         length, s_req, s_tok,
         req_pool_indices.stride(0), cache_start.stride(0),
         req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
         page_size,
-        BLOCK=block,
+        positions_out if first else out, seq_lens_out if first else out,
+        BLOCK=block, FIRST=first,
     )
+
+
+def check_first_step_outputs(positions_out: torch.Tensor | None, seq_lens_out: torch.Tensor | None,
+                         device: torch.device, bs: int) -> bool:
+    if (positions_out is None) != (seq_lens_out is None):
+        raise ValueError("positions_out, seq_lens_out: expected both or neither")
+    if positions_out is None:
+        return False
+    for name, t, dtype in (("positions_out", positions_out, torch.int64),
+                           ("seq_lens_out", seq_lens_out, torch.int32)):
+        if (not isinstance(t, torch.Tensor) or t.shape != (bs,) or t.dtype != dtype
+                or not t.is_contiguous() or t.device != device):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor [{bs}] on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    return True
 
 
 def compute_out_cache_loc_ragged(
@@ -362,8 +390,14 @@ def compute_out_cache_loc_uniform_ref(
     *,
     out_stride_req: int | None = None,
     out_stride_tok: int | None = None,
+    positions_out: torch.Tensor | None = None,
+    seq_lens_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`compute_out_cache_loc_uniform`; fills and returns ``out``."""
+    if check_first_step_outputs(positions_out, seq_lens_out, req_to_page.device,
+                            req_pool_indices.shape[0]):
+        positions_out.copy_(cache_start)
+        seq_lens_out.copy_(cache_start + 1)
     s_req = length if out_stride_req is None else out_stride_req
     s_tok = 1 if out_stride_tok is None else out_stride_tok
     table = req_to_page.tolist()

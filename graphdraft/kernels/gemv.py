@@ -212,6 +212,20 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str 
                          f"stride, got {tuple(out.shape)} {out.dtype}")
 
 
+def check_ids_out(ids_out: torch.Tensor | None, tokens_out: torch.Tensor | None, m: int,
+                  device: torch.device) -> None:
+    """Destinations of `m` greedy ids: `ids_out` int64 `[m]` contiguous, `tokens_out`
+    int32/int64 `[m]` any stride; both optional, on `device`."""
+    if ids_out is not None and (ids_out.shape != (m,) or ids_out.dtype != torch.int64
+                                or not ids_out.is_contiguous() or ids_out.device != device):
+        raise ValueError(f"ids_out: expected contiguous int64 [{m}] on {device}, got "
+                         f"{ids_out.dtype} {tuple(ids_out.shape)} on {ids_out.device}")
+    if tokens_out is not None and (tokens_out.shape != (m,) or tokens_out.device != device
+                                   or tokens_out.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"tokens_out: expected int32/int64 [{m}] on {device}, got "
+                         f"{tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
+
+
 def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | None]:
     """M == 1 computes silu_mul while loading x; M > 1 (the `tl.dot` path, where that measured
     slower than cuBLAS) materialises `silu(gate) * up` `[M, K]` first, one small launch."""
@@ -261,12 +275,16 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
 
 
 def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
-                          *, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          *, ids_out: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
+                          config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head and greedy pick: `logits = x @ w^T [M, N]` and int64 `ids [M]`, the row argmax
-    (lowest index on ties, NaN never wins, as `argmax_with_map`) mapped by `hot_token_ids`."""
+    (lowest index on ties, NaN never wins, as `argmax_with_map`) mapped by `hot_token_ids`.
+    `ids_out` (int64 `[M]`, contiguous) receives the ids instead of a new tensor; `tokens_out`
+    (int32/int64 `[M]`, any stride, e.g. a column of the drafter's `next_tokens`) a copy."""
     _check(x, w, None, None)
     m, k = x.shape
     n = w.shape[0]
+    check_ids_out(ids_out, tokens_out, m, x.device)
     cfg = config or gemv_config(m, n, k, max_split=1)
     if cfg.split != 1:
         raise ValueError(f"config: the argmax epilogue needs split == 1, got {cfg.split}")
@@ -275,23 +293,28 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
         raise ValueError(f"hot_token_ids: expected int64 [{n}], got {hot_token_ids.dtype} "
                          f"{tuple(hot_token_ids.shape)}")
     logits = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ids = torch.empty(m, dtype=torch.int64, device=x.device)
+    ids = ids_out if ids_out is not None else torch.empty(m, dtype=torch.int64, device=x.device)
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
     _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
     has_map = hot_token_ids is not None
+    has_tokens = tokens_out is not None
     _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
+                                tokens_out if has_tokens else ids,
+                                tokens_out.stride(0) if has_tokens else 0,
                                 SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                num_warps=4 if n_blocks >= 256 else 1)
+                                HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1)
     return logits, ids
 
 
 def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
+                                 h_out: torch.Tensor | None = None,
                                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = act(x) @ w^T + residual` (rounded like the unfused ops), returns `(RMSNorm(h), h)`,
-    both `[M, N]`; the matmul's split partials are summed inside the norm kernel."""
+    both `[M, N]`; the matmul's split partials are summed inside the norm kernel. `h` is
+    written into `h_out` (`[M, N]`, unit column stride) when given."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
     if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
@@ -300,12 +323,16 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if h_out is not None and (tuple(h_out.shape) != (m, n) or h_out.dtype != x.dtype
+                              or h_out.stride(-1) != 1 or h_out.device != x.device):
+        raise ValueError(f"h_out: expected [{m}, {n}] {x.dtype} on {x.device} with unit column "
+                         f"stride, got {tuple(h_out.shape)} {h_out.dtype} on {h_out.device}")
     cfg = config or gemv_config(m, n, _k_of(x, act))
     x, act = _act_input(x, act)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
     _launch(x, w, ws, ws, act, cfg, to_ws=True)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    h = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = h_out if h_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
                                     h, h.stride(0), m, n, float(eps), SPLIT=cfg.split, BLOCK=block,
