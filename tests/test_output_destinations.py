@@ -139,3 +139,38 @@ def test_head_forward_rejects_bad_destinations_before_writing_kv(bad):
     with pytest.raises(ValueError, match=bad):
         head(ids, positions, hidden, locs, kv, d.backend, meta, **{bad: wrong[bad]})
     assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+
+
+def _norm_inputs(m: int, rows: int | None = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k, n = 512, 96
+    x = torch.randn(m, k, generator=g).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV)
+    res = torch.randn(rows or m, n, generator=g).to(DEV)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV)
+    return x, w, res, nw, gemv_config(m, n, k, block_k=128, split=4)
+
+
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_norm_in_the_gemv_launch_equals_its_own_launch(m, monkeypatch):
+    from graphdraft.kernels import gemv
+
+    x, w, res, nw, cfg = _norm_inputs(m, seed=m)
+    monkeypatch.setattr(gemv, "FINISH_NORM_MAX_M", 16)  # last program of the GEMV
+    fused = [linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg) for _ in range(2)]
+    assert int(gemv._counter(w)) == 0  # reset by the last program, ready for the next launch
+    monkeypatch.setattr(gemv, "FINISH_NORM_MAX_M", 0)  # a second launch
+    separate = linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg)
+    for got in fused:
+        assert all(torch.equal(a, b) for a, b in zip(got, separate, strict=True))
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_residual_index_reads_the_gathered_rows(m):
+    x, w, res, nw, cfg = _norm_inputs(m, rows=9, seed=10 + m)
+    index = torch.tensor([8, 0, 3, 3, 5, 1][:m], device=DEV)
+    got = linear_small_m_residual_norm(x, w, res, nw, 1e-5, residual_index=index, config=cfg)
+    ref = linear_small_m_residual_norm(x, w, res.index_select(0, index), nw, 1e-5, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    with pytest.raises(ValueError, match="residual_index"):
+        linear_small_m_residual_norm(x, w, res, nw, 1e-5, residual_index=index.float(), config=cfg)

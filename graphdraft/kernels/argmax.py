@@ -82,21 +82,31 @@ def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
     SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
 ):
-    """Row b: the (max, first index) over its splits, mapped -> `out[b]` (int64) and, with
-    HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32)."""
-    b = tl.program_id(0)
+    """Program b: `argmax_final_row` of row b."""
+    argmax_final_row(tl.program_id(0), part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
+                     tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
+
+
+@triton.jit
+def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr,
+                     stride_tokens, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+                     HAS_TOKENS: tl.constexpr):
+    """Row b: the (max, first index) over its `[num_splits]` partials, mapped -> `out[b]` (int64)
+    and, with HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32).
+    Partials are read from L2 (`.cg`): another program of the same launch may have written them."""
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < num_splits
-    base = b.to(tl.int64) * num_splits
-    val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG)
+    b = tl.cast(b, tl.int64)  # a loop index (a python int when interpreting) or program id
+    base = b * num_splits
+    val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG, cache_modifier=".cg")
     m = tl.max(val, axis=0)
     res = tl.min(tl.where(val == m, idx, _BIG), axis=0).to(tl.int64)
     if HAS_MAP:
         res = tl.load(hot_ptr + res)
     tl.store(out_ptr + b, res)
     if HAS_TOKENS:
-        tl.store(tokens_ptr + b.to(tl.int64) * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
+        tl.store(tokens_ptr + b * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
 
 
 def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.Tensor | None) -> None:

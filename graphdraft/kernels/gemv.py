@@ -14,11 +14,17 @@ Fused forms, each one launch fewer than the unfused ops:
                         (rounded like the torch ops) while loading x (M == 1; M > 1 computes
                         it in one small kernel first).
   linear_small_m_argmax each program also writes the (max, first index) of its logits
-                        block; one tiny kernel picks the row argmax and maps it through
-                        `hot_token_ids` (replaces the two-stage argmax's first pass).
+                        block; the launch's last program picks the row argmax and maps it
+                        through `hot_token_ids` (the two-stage argmax in the GEMV's launch).
   linear_small_m_residual_norm
-                        the split partials are summed by the RMSNorm(+residual) kernel:
-                        `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`.
+                        the split partials are summed by the RMSNorm(+residual) pass:
+                        `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`; for M <= 4 the
+                        launch's last program runs it, else a second launch.
+
+"The last program": every program bumps an int32 counter (one per weight, `_counter`) with an
+acq_rel atomic after its stores; the one that sees `programs - 1` knows every partial is in
+memory, runs the finisher for all M rows and resets the counter. The sums keep their fixed
+order, so results do not depend on which program is last.
 
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
 rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
@@ -33,13 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
-from graphdraft.kernels.norm import rms_norm_row
+from graphdraft.kernels.argmax import _BIG, argmax_final_row
 
 MAX_M = 16
 TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
+FINISH_NORM_MAX_M = 4
+"""Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
+NORM_CHUNK = 1024  # columns per pass of the residual + RMSNorm finisher
+_FINISH_NONE, _FINISH_NORM, _FINISH_ARGMAX = 0, 1, 2
 
 
 def _interpreting() -> bool:
@@ -86,9 +95,19 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
+                 counter_ptr,
+                 res_ptr, stride_res, res_idx_ptr, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
+                 eps, hot_ptr, ids_ptr, tokens_ptr, stride_tokens,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
-                 FP32_DOT: tl.constexpr):
+                 FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_RES_INDEX: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
+    With FINISH, the launch's last program to finish (an atomic count on `counter`, reset by
+    it) runs the consumer of every program's output for all M rows: `_residual_norm_row`
+    over the split partials (FINISH_NORM) or `argmax_final_row` over the per-block maxima
+    (FINISH_ARGMAX); one launch instead of two."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -133,6 +152,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             p = offs_m.to(tl.int64) * n_blocks + pid_n
             tl.store(amax_val_ptr + p, best, mask=m_ok)
             tl.store(amax_idx_ptr + p, idx, mask=m_ok)
+    if FINISH != 0:
+        tl.debug_barrier()  # every thread's stores issued before the release below
+        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program
+            for m in range(M):
+                if FINISH == 1:
+                    _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
+                                       nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
+                                       HAS_RES_INDEX, CHUNK)
+                else:
+                    argmax_final_row(m, amax_val_ptr, amax_idx_ptr, n_blocks, hot_ptr, ids_ptr,
+                                     tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
+            tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -164,22 +196,46 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 
 
 @triton.jit
-def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, stride_out,
-                              res_out_ptr, stride_res_out, M, N, eps,
-                              SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Row m: `h = round(sum_s ws[s, m]) + residual[m]` (a dtype add), `out = RMSNorm(h)`."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: deterministic
-        acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
-    r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-    y = acc.to(r.dtype)
-    h = (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-    tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=ok)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
+def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
+                              h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
+                              HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr):
+    """Program m: `_residual_norm_row` of row m."""
+    _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
+                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, CHUNK)
+
+
+@triton.jit
+def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr,
+                       stride_out, h_ptr, stride_h, eps, SPLIT: tl.constexpr,
+                       HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr):
+    """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] or m)
+    -> `h[m]`, then `out[m] = RMSNorm(h[m])` (HF rounding, as `norm.rms_norm_row`), in two
+    passes over CHUNK columns. Partials are read from L2 (`.cg`): other programs wrote them."""
+    row = tl.cast(row, tl.int64)  # a loop index (a python int when interpreting) or program id
+    r_row = tl.load(res_idx_ptr + row).to(tl.int64) if HAS_RES_INDEX else row
+    sq = tl.zeros((CHUNK,), dtype=tl.float32)
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        ok = cols < N
+        acc = tl.zeros((CHUNK,), dtype=tl.float32)
+        for s in range(SPLIT):  # fixed order: deterministic
+            acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0,
+                           cache_modifier=".cg")
+        r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
+        h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+        hf = h.to(tl.float32)
+        sq += hf * hf
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
+    tl.debug_barrier()
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        ok = cols < N
+        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        y = (h.to(tl.float32) * rstd).to(h.dtype)
+        tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y.to(tl.float32)).to(h.dtype),
+                 mask=ok)
 
 
 # ---------------------------------------------------------------------------
@@ -238,19 +294,72 @@ def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | No
     return out, None
 
 
+@dataclass
+class _NormFinish:
+    """FINISH_NORM operands: `out = RMSNorm(h)`, `h = sum of partials + residual[rows]`."""
+
+    residual: torch.Tensor
+    residual_index: torch.Tensor | None
+    norm_weight: torch.Tensor
+    out: torch.Tensor
+    h: torch.Tensor
+    eps: float
+
+
+@dataclass
+class _ArgmaxFinish:
+    """FINISH_ARGMAX operands: ids int64 `[M]`, optional map and int32/int64 token copy."""
+
+    hot_token_ids: torch.Tensor | None
+    ids: torch.Tensor
+    tokens: torch.Tensor | None
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counter(w: torch.Tensor) -> torch.Tensor:
+    """The int32 arrival counter of GEMVs over `w` (zero between launches: the last program
+    resets it). One per weight, so launches over different weights may run concurrently."""
+    key = (w.device, w.data_ptr())
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=w.device)
+    return c
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
             cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
-            n_blocks: int = 1) -> None:
+            n_blocks: int = 1, finish: _NormFinish | _ArgmaxFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
     block_m = 1 if m == 1 else MAX_M
     fp32_dot = x.dtype == torch.float32 or _interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
+    norm = finish if isinstance(finish, _NormFinish) else None
+    pick = finish if isinstance(finish, _ArgmaxFinish) else None
+    counter = _counter(w) if finish is not None else ws
+    res = norm.residual if norm else ws
+    res_idx = norm.residual_index if norm and norm.residual_index is not None else counter
+    hot = pick.hot_token_ids if pick and pick.hot_token_ids is not None else counter
+    ids = pick.ids if pick else counter
+    tokens = pick.tokens if pick and pick.tokens is not None else ids
+    kind = _FINISH_NORM if norm else _FINISH_ARGMAX if pick else _FINISH_NONE
+    # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
+    # one program) would raise the whole kernel's count and halve that: cap it there
+    extra = {"maxnreg": 128} if finish is not None and block_m == 1 and not _interpreting() else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
         x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        cfg.k_per_split, n_blocks,
+        cfg.k_per_split, n_blocks, counter,
+        res, res.stride(0), res_idx, norm.norm_weight if norm else ws, norm.out if norm else ws,
+        norm.out.stride(0) if norm else 0, norm.h if norm else ws, norm.h.stride(0) if norm else 0,
+        float(norm.eps) if norm else 0.0, hot, ids, tokens,
+        pick.tokens.stride(0) if pick and pick.tokens is not None else 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TO_WS=to_ws,
-        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot, FINISH=kind,
+        SPLIT=cfg.split, HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
+        SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=bool(pick and pick.hot_token_ids is not None),
+        HAS_TOKENS=bool(pick and pick.tokens is not None), CHUNK=NORM_CHUNK,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -297,29 +406,34 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
-    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
-    has_map = hot_token_ids is not None
-    has_tokens = tokens_out is not None
-    _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
-                                tokens_out if has_tokens else ids,
-                                tokens_out.stride(0) if has_tokens else 0,
-                                SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1)
+    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks,
+            finish=_ArgmaxFinish(hot_token_ids, ids, tokens_out))
     return logits, ids
 
 
 def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
                                  h_out: torch.Tensor | None = None,
+                                 residual_index: torch.Tensor | None = None,
                                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = act(x) @ w^T + residual` (rounded like the unfused ops), returns `(RMSNorm(h), h)`,
-    both `[M, N]`; the matmul's split partials are summed inside the norm kernel. `h` is
-    written into `h_out` (`[M, N]`, unit column stride) when given."""
+    both `[M, N]`. `residual` is `[M, N]`, or `[R, N]` read at rows `residual_index` (int32/int64
+    `[M]`, values in [0, R): not checked, a device sync). `h` is written into `h_out` (`[M, N]`,
+    unit column stride) when given. The matmul's split partials are summed by the RMSNorm pass:
+    for M <= FINISH_NORM_MAX_M inside the GEMV launch (its last program), else in a second one."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
-    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"residual: expected [{m}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    rows = m if residual_index is None else residual.shape[0]
+    if (residual.dim() != 2 or tuple(residual.shape) != (rows, n) or residual.dtype != x.dtype
+            or residual.stride(-1) != 1):
+        raise ValueError(f"residual: expected [{'R' if residual_index is not None else m}, {n}] "
+                         f"{x.dtype} with unit column stride, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if residual_index is not None and (residual_index.shape != (m,) or residual_index.device != x.device
+                                       or residual_index.dtype not in (torch.int32, torch.int64)
+                                       or not residual_index.is_contiguous()):
+        raise ValueError(f"residual_index: expected contiguous int32/int64 [{m}] on {x.device}, got "
+                         f"{residual_index.dtype} {tuple(residual_index.shape)}")
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
@@ -330,13 +444,18 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     cfg = config or gemv_config(m, n, _k_of(x, act))
     x, act = _act_input(x, act)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, w, ws, ws, act, cfg, to_ws=True)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     h = h_out if h_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(n)
-    _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
-                                    h, h.stride(0), m, n, float(eps), SPLIT=cfg.split, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 512)))
+    norm = _NormFinish(residual, residual_index, norm_weight, out, h, eps)
+    if m <= FINISH_NORM_MAX_M:
+        _launch(x, w, ws, ws, act, cfg, to_ws=True, finish=norm)
+        return out, h
+    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),
+                                    residual_index if residual_index is not None else ws,
+                                    norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
+                                    SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
+                                    CHUNK=NORM_CHUNK, num_warps=4)
     return out, h
 
 
