@@ -3,7 +3,8 @@
 `python3 -m perf.profile_draft --out DIR [--bs 1,8] [--kv 512]`
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
-default all), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
+default all; `name:KNOB=V+KNOB=V` also sets `kernels.gemv` module knobs for that variant,
+e.g. `gemv:FINISH_ARGMAX=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
 every matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s
 swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
 `GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
@@ -59,6 +60,20 @@ def kernel_table(fn, calls: int = CALLS) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def gemv_knobs(spec: str) -> dict:
+    """`"FINISH_ARGMAX=0+NORM_CHUNK=4096"` -> `{name: value}` for `kernels.gemv`'s module knobs
+    (ints; 0 / "none" for a False / None knob)."""
+    out = {}
+    for item in filter(None, spec.split("+")):
+        k, _, v = item.partition("=")
+        if not k.isupper() or not hasattr(gemv, k):
+            raise SystemExit(f"--variants: {k!r} is not a knob of graphdraft.kernels.gemv")
+        cur = getattr(gemv, k)
+        out[k] = (None if v.lower() == "none" else bool(int(v)) if isinstance(cur, bool)
+                  else int(v))
+    return out
+
+
 def print_table(title: str, rows: list[dict], top: int = 40) -> None:
     total = sum(r["us"] for r in rows)
     launches = sum(r["launches"] for r in rows)
@@ -79,14 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     head = build_head(LLAMA31_8B_HEAD, "cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
     labels = a.variants.split(",")
-    bad = sorted(set(labels) - {"cublas", "gemv", "gemv-uniform-tiles"})
+    knobs = {label: gemv_knobs(label.partition(":")[2]) for label in labels}
+    bad = sorted({lb.partition(":")[0] for lb in labels} - {"cublas", "gemv", "gemv-uniform-tiles"})
     if bad:
         p.error(f"--variants: expected names from cublas, gemv, gemv-uniform-tiles; got {bad}")
     saved_tiles = os.environ.get(gemv.TILES_ENV)
     for label in labels:
-        small_m = 0 if label == "cublas" else ops.SMALL_M_MAX
-        tiles = "uniform" if label == "gemv-uniform-tiles" else ""
+        name = label.partition(":")[0]
+        small_m = 0 if name == "cublas" else ops.SMALL_M_MAX
+        tiles = "uniform" if name == "gemv-uniform-tiles" else ""
         saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
+        saved_knobs = {k: getattr(gemv, k) for k in knobs[label]}
+        for k, v in knobs[label].items():
+            setattr(gemv, k, v)
         os.environ[gemv.TILES_ENV] = tiles  # read at every call: the graphs capture it
         try:
             group = build_group(head, 16, a.kv, sizes)
@@ -118,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         finally:
             ops.SMALL_M_MAX = saved
+            for k, v in saved_knobs.items():
+                setattr(gemv, k, v)
             if saved_tiles is None:
                 os.environ.pop(gemv.TILES_ENV, None)
             else:

@@ -27,8 +27,11 @@ def _lm_inputs(m: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_linear_argmax_writes_ids_and_a_strided_token_column(m, use_triton):
+@pytest.mark.parametrize("use_triton,in_gemv", [(True, True), (True, False), (False, False)])
+def test_linear_argmax_writes_ids_and_a_strided_token_column(m, use_triton, in_gemv, monkeypatch):
+    from graphdraft.kernels import gemv
+
+    monkeypatch.setattr(gemv, "FINISH_ARGMAX", in_gemv)
     x, w, hot = _lm_inputs(m, seed=m)
     logits_ref, ids_ref = ops.linear_argmax(x, w, hot, use_triton=use_triton)
     table = torch.full((m, 4), -1, dtype=torch.int32, device=DEV)  # like next_tokens [bs, S + 1]
@@ -152,9 +155,11 @@ def _norm_inputs(m: int, rows: int | None = None, seed: int = 0):
 
 
 @pytest.mark.parametrize("m", [1, 3, 6])
-def test_norm_in_the_gemv_launch_equals_its_own_launch(m, monkeypatch):
+@pytest.mark.parametrize("chunk", [32, 1024])  # three passes of 32 columns, or one of N = 96
+def test_norm_in_the_gemv_launch_equals_its_own_launch(m, chunk, monkeypatch):
     from graphdraft.kernels import gemv
 
+    monkeypatch.setattr(gemv, "NORM_CHUNK", chunk)
     x, w, res, nw, cfg = _norm_inputs(m, seed=m)
     monkeypatch.setattr(gemv, "FINISH_NORM_MAX_M", 16)  # last program of the GEMV
     fused = [linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg) for _ in range(2)]

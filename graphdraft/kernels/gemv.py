@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.argmax import _BIG, argmax_final_row
+from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
+from graphdraft.kernels.norm import rms_norm_row
 
 MAX_M = 16
 TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
@@ -47,7 +48,12 @@ ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 FINISH_NORM_MAX_M = 4
 """Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
-NORM_CHUNK = 1024  # columns per pass of the residual + RMSNorm finisher
+NORM_CHUNK = 1024
+"""Columns per pass of the residual + RMSNorm pass (>= N: one pass, the row held in registers)."""
+FINISH_ARGMAX = True
+"""Run the argmax's second stage in the LM-head GEMV's last program (False: its own launch)."""
+FINISH_MAXNREG: int | None = 128
+"""Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
 _FINISH_NONE, _FINISH_NORM, _FINISH_ARGMAX = 0, 1, 2
 
 
@@ -102,7 +108,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
                  FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_RES_INDEX: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr):
+                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
     With FINISH, the launch's last program to finish (an atomic count on `counter`, reset by
     it) runs the consumer of every program's output for all M rows: `_residual_norm_row`
@@ -160,7 +166,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                 if FINISH == 1:
                     _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
                                        nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
-                                       HAS_RES_INDEX, CHUNK)
+                                       HAS_RES_INDEX, CHUNK, ONE_PASS)
                 else:
                     argmax_final_row(m, amax_val_ptr, amax_idx_ptr, n_blocks, hot_ptr, ids_ptr,
                                      tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
@@ -198,21 +204,36 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 @triton.jit
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
                               h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
-                              HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr):
+                              HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr,
+                              ONE_PASS: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
     _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
-                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, CHUNK)
+                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, CHUNK,
+                       ONE_PASS)
 
 
 @triton.jit
 def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr,
                        stride_out, h_ptr, stride_h, eps, SPLIT: tl.constexpr,
-                       HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr):
+                       HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
     """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] or m)
     -> `h[m]`, then `out[m] = RMSNorm(h[m])` (HF rounding, as `norm.rms_norm_row`), in two
     passes over CHUNK columns. Partials are read from L2 (`.cg`): other programs wrote them."""
     row = tl.cast(row, tl.int64)  # a loop index (a python int when interpreting) or program id
     r_row = tl.load(res_idx_ptr + row).to(tl.int64) if HAS_RES_INDEX else row
+    if ONE_PASS:  # CHUNK >= N: the whole row in registers
+        cols = tl.arange(0, CHUNK)
+        ok = cols < N
+        acc = tl.zeros((CHUNK,), dtype=tl.float32)
+        for s in range(SPLIT):  # fixed order: deterministic
+            acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0,
+                           cache_modifier=".cg")
+        r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
+        h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
+        return
     sq = tl.zeros((CHUNK,), dtype=tl.float32)
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
@@ -315,6 +336,11 @@ class _ArgmaxFinish:
     tokens: torch.Tensor | None
 
 
+def norm_chunk(n: int) -> int:
+    """Columns per pass of the residual + RMSNorm pass over rows of n (a power of two)."""
+    return NORM_CHUNK if NORM_CHUNK < n else triton.next_power_of_2(n)
+
+
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -346,7 +372,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     kind = _FINISH_NORM if norm else _FINISH_ARGMAX if pick else _FINISH_NONE
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
-    extra = {"maxnreg": 128} if finish is not None and block_m == 1 and not _interpreting() else {}
+    capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
+    extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
+    chunk = norm_chunk(n)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
         x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         cfg.k_per_split, n_blocks, counter,
@@ -358,7 +386,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot, FINISH=kind,
         SPLIT=cfg.split, HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
         SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=bool(pick and pick.hot_token_ids is not None),
-        HAS_TOKENS=bool(pick and pick.tokens is not None), CHUNK=NORM_CHUNK,
+        HAS_TOKENS=bool(pick and pick.tokens is not None), CHUNK=chunk, ONE_PASS=chunk >= n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
@@ -406,8 +434,16 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
+    pick = _ArgmaxFinish(hot_token_ids, ids, tokens_out)
     _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks,
-            finish=_ArgmaxFinish(hot_token_ids, ids, tokens_out))
+            finish=pick if FINISH_ARGMAX else None)
+    if not FINISH_ARGMAX:
+        has_map, has_tokens = hot_token_ids is not None, tokens_out is not None
+        _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
+                                    tokens_out if has_tokens else ids,
+                                    tokens_out.stride(0) if has_tokens else 0,
+                                    SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
+                                    HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1)
     return logits, ids
 
 
@@ -455,7 +491,8 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                     residual_index if residual_index is not None else ws,
                                     norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
                                     SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
-                                    CHUNK=NORM_CHUNK, num_warps=4)
+                                    CHUNK=norm_chunk(n), ONE_PASS=norm_chunk(n) >= n,
+                                    num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)))
     return out, h
 
 
