@@ -48,10 +48,23 @@ ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 FINISH_NORM_MAX_M = 4
 """Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
-NORM_CHUNK = 1024
-"""Columns per pass of the residual + RMSNorm pass (>= N: one pass, the row held in registers)."""
-FINISH_ARGMAX = True
-"""Run the argmax's second stage in the LM-head GEMV's last program (False: its own launch)."""
+NORM_CHUNK = 8192
+"""Columns per pass of the residual + RMSNorm pass (>= N: one pass, the row held in registers;
+measured 9 us per call faster at bs 1 than 1024-column passes, perf/RESULTS.md)."""
+FINISH_ARGMAX = False
+"""Run the argmax's second stage in the LM-head GEMV's last program instead of its own launch
+(measured no faster at bs 1 and 15 us per call slower at bs 8: off)."""
+GEMV_PDL = True
+"""Launch the GEMV with programmatic dependent launch (CUDA): its programs start while the
+previous kernel finishes and wait (`gdc_wait`) for its writes before reading x; each program
+lets the next launch start once its K loop is done. Measured 1.5-4 us per call faster at bs 1,
+neutral at bs 8; prefetching the first weight tiles into L2 before the wait measured 35-300 us
+slower (perf/RESULTS.md, third session): not done."""
+STREAM_EVICT_FIRST = True
+"""Load weights `evict_first`: each is read once per draft step, so keeping it in L2 only
+pushes out what the small kernels between the GEMVs reuse (measured 8.6 us per call faster at
+bs 1, neutral at bs 8; marking the 32 MiB o_proj `evict_last` to keep it in L2 across steps
+measured no faster)."""
 FINISH_MAXNREG: int | None = 128
 """Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
 _FINISH_NONE, _FINISH_NORM, _FINISH_ARGMAX = 0, 1, 2
@@ -108,7 +121,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
                  FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_RES_INDEX: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
+                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
+                 PDL: tl.constexpr, W_EVICT: tl.constexpr):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
     With FINISH, the launch's last program to finish (an atomic count on `counter`, reset by
     it) runs the consumer of every program's output for all M rows: `_residual_norm_row`
@@ -125,6 +139,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if PDL:  # launched while the previous kernel finishes: its writes (x) are visible from here
+        tl.extra.cuda.gdc_wait()
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
@@ -135,13 +151,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             g = x.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(x.dtype)
             x = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy=W_EVICT)
         if BLOCK_M == 1:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
         elif FP32_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next launch may start its own prologue
     mask = m_ok[:, None] & n_ok[None, :]
     if TO_WS:
         ws = ws_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
@@ -375,6 +394,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
     extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
     chunk = norm_chunk(n)
+    pdl = bool(GEMV_PDL) and x.is_cuda and not _interpreting()
+    if pdl:
+        extra["launch_pdl"] = True
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
         x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         cfg.k_per_split, n_blocks, counter,
@@ -387,6 +409,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         SPLIT=cfg.split, HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
         SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=bool(pick and pick.hot_token_ids is not None),
         HAS_TOKENS=bool(pick and pick.tokens is not None), CHUNK=chunk, ONE_PASS=chunk >= n,
+        PDL=pdl, W_EVICT="evict_first" if STREAM_EVICT_FIRST else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
