@@ -150,13 +150,15 @@ class Eagle3DraftHead(nn.Module):
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp
-        embeds = (self.embed_tokens.index_select(0, input_ids) if tp is None
-                  else tp.embed(input_ids, self.embed_tokens))
+        if tp is None:  # the embedding lookup happens inside the norm kernel
+            embeds, embed_index = self.embed_tokens, input_ids
+        else:
+            embeds, embed_index = tp.embed(input_ids, self.embed_tokens), None
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = linear(hidden, self.fc, use_triton=self.use_triton)
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
         x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, hidden, norm_h.weight, norm_h.eps,
-                         use_triton=self.use_triton)
+                         a_index=embed_index, use_triton=self.use_triton)
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)

@@ -32,11 +32,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
-                 weight_b: torch.Tensor, eps_b: float, *, use_triton: bool = False) -> torch.Tensor:
-    """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`."""
+                 weight_b: torch.Tensor, eps_b: float, *, a_index: torch.Tensor | None = None,
+                 use_triton: bool = False) -> torch.Tensor:
+    """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`. With `a_index` `[M]`
+    (int32/int64) the first input is `a.index_select(0, a_index)` (a any `[R, N]` table, such as
+    an embedding; the Triton path gathers inside the norm kernel)."""
     if use_triton:
         from graphdraft.kernels.norm import rms_norm_cat as rms_norm_cat_triton
-        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b)
+        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b, a_index=a_index)
+    if a_index is not None:
+        a = a.index_select(0, a_index)
     return torch.cat([rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b)], dim=-1)
 
 

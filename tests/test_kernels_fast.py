@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from graphdraft import ops
 from graphdraft.kernels import decode_attention
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.decode_attention import (
@@ -159,6 +160,38 @@ def test_rms_norm_cat_matches_two_norms(dtype):
     _close(out, ref, dtype)
     with pytest.raises(ValueError, match="b"):
         rms_norm_cat(a, wa, 1e-6, b[:2], wb, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_rms_norm_cat_gathers_a_rows(dtype, M, index_dtype):
+    """a_index: the first input's rows gathered from a table inside the kernel, the same bytes
+    as an index_select before it."""
+    g = torch.Generator().manual_seed(M)
+    table_buf = torch.randn(50, 90, generator=g).to(dtype)
+    table = table_buf[:, 5:85]  # strided rows
+    b = torch.randn(M, 80, generator=g).to(dtype)
+    wa, wb = torch.randn(80, generator=g).to(dtype), torch.randn(80, generator=g).to(dtype)
+    idx = torch.randint(0, 50, (M,), generator=g)
+    idx[-1] = idx[0]  # a repeated row
+    out = rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx.to(index_dtype))
+    assert torch.equal(out, rms_norm_cat(table.index_select(0, idx), wa, 1e-6, b, wb, 1e-5))
+    ref = torch.cat([rms_norm_ref(table[idx], wa, 1e-6), rms_norm_ref(b, wb, 1e-5)], dim=-1)
+    _close(out, ref, dtype)
+    assert torch.equal(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx),
+                       ops.rms_norm_cat(table[idx], wa, 1e-6, b, wb, 1e-5))
+    _close(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx, use_triton=True), ref, dtype)
+
+
+def test_rms_norm_cat_bad_a_index():
+    table, b, w = torch.randn(50, 16), torch.randn(3, 16), torch.randn(16)
+    idx = torch.tensor([1, 2, 3])
+    for bad in (idx.float(), idx[:2], idx[None], idx.to("meta"), torch.arange(6)[::2]):
+        with pytest.raises(ValueError, match="a_index"):
+            rms_norm_cat(table, w, 1e-6, b, w, 1e-6, a_index=bad)
+    with pytest.raises(ValueError, match="b"):
+        rms_norm_cat(table, w, 1e-6, torch.randn(3, 8), w[:8], 1e-6, a_index=idx)
 
 
 def test_rms_norm_in_place_residual_and_out():

@@ -160,3 +160,134 @@ def test_gpu_fused_epilogues_at_head_shapes(m):
     logits, ids = linear_small_m_argmax(out, lm, hot)
     assert torch.equal(ids, argmax_with_map_ref(logits, hot))
     assert _rel(logits, linear_small_m_ref(out, lm)) < 1e-2
+
+
+# --------------------------------------------------------------------------- the draft head
+
+
+def _head_setup(dtype, seed):
+    """A tiny head on the Triton path, a paged KV cache with history, a backend."""
+    from graphdraft.attention import PagedAttentionBackend
+    from graphdraft.config import ModelConfig
+    from graphdraft.eagle3 import Eagle3DraftHead
+    from graphdraft.layers import init_random_
+
+    cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=48, vocab_size=97, draft_vocab_size=53,
+                      max_position_embeddings=64, rope_theta=10000.0, num_aux_hidden_states=3)
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3DraftHead(cfg, dtype, hot_token_ids=torch.randperm(97, generator=g)[:53])
+    init_random_(head, seed, std=0.3)
+    page_size, max_reqs, pages_per_req = 4, 3, 8
+    req_to_page = (torch.randperm(max_reqs * pages_per_req, generator=g) + 1).to(torch.int32)
+    req_to_page = req_to_page.view(max_reqs, pages_per_req)
+    slots = (max_reqs * pages_per_req + 1) * page_size
+    kv = tuple(torch.randn(slots, 2, 8, generator=g).to(dtype) for _ in range(2))
+    backend = PagedAttentionBackend(req_to_page, page_size, page_size * pages_per_req, True)
+    return head, kv, backend, g
+
+
+def _slots(backend, reqs, positions):
+    r2p, ps = backend.req_to_page, backend.page_size
+    return r2p[reqs, positions // ps].long() * ps + positions % ps
+
+
+def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend, meta, gather):
+    """The head's Triton GEMV-path forward before the launch fusions, op by op: the oracle the
+    fused forward must equal bit for bit."""
+    from graphdraft.kernels.decode_attention import paged_decode_attention
+    from graphdraft.kernels.norm import rms_norm_cat
+    from graphdraft.kernels.rope import rope_and_store_kv
+
+    layer, cfg = head.midlayer, head.config
+    attn, mlp = layer.self_attn, layer.mlp
+    embeds = head.embed_tokens.index_select(0, input_ids)
+    if hidden.shape[-1] != cfg.hidden_size:
+        hidden = linear_small_m(hidden, head.fc)
+    x = rms_norm_cat(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, hidden,
+                     layer.hidden_norm.weight, layer.hidden_norm.eps)
+    qkv = linear_small_m(x, attn.qkv_proj)
+    t, hq, hkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    rope_and_store_kv(q, k, v, positions, head.cos_sin, kv[0], kv[1], loc)
+    residual = hidden
+    if gather is not None:
+        q, residual = q.index_select(0, gather), hidden.index_select(0, gather)
+    b = q.shape[0]
+    o = paged_decode_attention(q, kv[0], kv[1], meta.req_pool_indices[:b], meta.kv_lens[:b],
+                               backend.req_to_page, backend.page_size, attn.sm_scale,
+                               max_kv_len=backend.max_context_len)
+    post, final = layer.post_attention_layernorm, head.norm
+    normed, residual = linear_small_m_residual_norm(o.reshape(b, -1), attn.o_proj, residual,
+                                                    post.weight, post.eps)
+    normed, prenorm = linear_small_m_residual_norm(linear_small_m(normed, mlp.gate_up_proj),
+                                                   mlp.down_proj, residual, final.weight,
+                                                   final.eps, act="silu_mul")
+    logits, ids = linear_small_m_argmax(normed, head.lm_head, head.hot_token_ids)
+    return ids, prenorm, logits
+
+
+def _forced_splits(monkeypatch, split):
+    """Every GEMV but the argmax one (split 1 by design) split `split` ways over BLOCK_K = 16."""
+    from graphdraft.kernels import gemv
+
+    original = gemv.gemv_config
+
+    def config(m, n, k, **kw):
+        if kw.get("max_split") == 1:
+            return original(m, n, k, **kw)
+        return original(m, n, k, block_k=16, split=split)
+
+    monkeypatch.setattr(gemv, "gemv_config", config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("bs", [1, 2])
+def test_head_triton_forward_equals_unfused_ops(dtype, split, bs, monkeypatch):
+    """First step (fc, 3 tokens per row, gathered rows) then a later step (M = bs): the fused
+    Triton forward writes the same KV and returns the same ids, hidden and logits, byte for byte,
+    as the unfused ops; and stays close to the torch path."""
+    from graphdraft.attention import AttentionMetadata
+
+    _forced_splits(monkeypatch, split)
+    head, kv, backend, g = _head_setup(dtype, seed=bs * 10 + split)
+    reqs = torch.tensor([1, 2][:bs])
+    starts = torch.tensor([5, 2][:bs])  # history below these positions is random KV
+    n = 3
+    positions = (starts[:, None] + torch.arange(n)).reshape(-1)
+    req_of_token = reqs.repeat_interleave(n)
+    loc = _slots(backend, req_of_token, positions)
+    ids = torch.randint(0, 97, (bs * n,), generator=g)
+    hidden = torch.randn(bs * n, 96, generator=g).to(dtype)
+    gather = torch.arange(bs) * n + (n - 1)
+    meta = AttentionMetadata(reqs, (starts + n).to(torch.int32))
+    nxt_pos = starts + n
+    nxt_meta = AttentionMetadata(reqs, (starts + n + 1).to(torch.int32))
+    nxt_loc = _slots(backend, reqs, nxt_pos)
+
+    outs = {}
+    for name in ("fused", "unfused", "torch"):  # the later step teacher-forced with fused's ids
+        cache = tuple(c.clone() for c in kv)
+        if name == "unfused":
+            def step(*args):
+                return _unfused_triton_forward(head, *args)
+        else:
+            head.set_use_triton(name == "fused")
+            backend.use_triton = name == "fused"
+
+            def step(*args):
+                out = head(*args)
+                return out.ids, out.hidden, out.logits
+        first = step(ids, positions, hidden, loc, cache, backend, meta, gather)
+        later_ids = outs["fused"][0] if outs else first[0]
+        later = step(later_ids, nxt_pos, first[1], nxt_loc, cache, backend, nxt_meta, None)
+        outs[name] = (*first, *later, *cache)
+    for got, want in zip(outs["fused"], outs["unfused"], strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for got, want in zip(outs["fused"], outs["torch"], strict=True):
+        if got.is_floating_point():
+            assert _rel(got, want) < tol

@@ -1,5 +1,8 @@
 """RMSNorm (HF LlamaRMSNorm numerics), optionally fused with the residual add.
 
+`rms_norm_cat` normalises two inputs side by side (the EAGLE-3 head's `[embedding ; hidden]`);
+fused into it: a row gather of the first input (`a_index`: the embedding lookup).
+
 Math, exactly as HF Llama::
 
     h  = x + residual                      # in the input dtype (if residual given)
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from graphdraft.kernels.fused_inputs import check_row_index
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
@@ -52,16 +57,19 @@ def rms_norm_row(x, w, N, eps):
 
 
 @triton.jit
-def _rms_norm_cat_kernel(a_ptr, stride_a, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr, eps_b,
-                         out_ptr, stride_out, N, BLOCK: tl.constexpr):
-    """Program (row, half): half 0 writes RMSNorm(a[row]) to out[row, :N], half 1 RMSNorm(b[row])
-    to out[row, N:]."""
+def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr, eps_b,
+                         out_ptr, stride_out, N, BLOCK: tl.constexpr, A_INDEX: tl.constexpr):
+    """Program (row, half): half 0 writes RMSNorm(a[row]) (A_INDEX: a[a_index[row]]) to
+    out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]."""
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     if half == 0:
-        x = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+        a_row = row
+        if A_INDEX:
+            a_row = tl.load(a_index_ptr + row).to(tl.int64)
+        x = tl.load(a_ptr + a_row * stride_a + cols, mask=mask, other=0.0)
         w = tl.load(wa_ptr + cols, mask=mask, other=0.0)
         eps = eps_a
     else:
@@ -72,18 +80,31 @@ def _rms_norm_cat_kernel(a_ptr, stride_a, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr
 
 
 def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
-                 weight_b: torch.Tensor, eps_b: float) -> torch.Tensor:
-    """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch."""
+                 weight_b: torch.Tensor, eps_b: float, *,
+                 a_index: torch.Tensor | None = None) -> torch.Tensor:
+    """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch.
+
+    With `a_index` `[M]` (int32/int64, contiguous) row m of the first input is `a[a_index[m]]`
+    (a is then any `[R, N]` table, such as an embedding: the lookup is fused; the index values
+    must lie in `[0, R)`).
+    """
     _check(a, weight_a, None, None, None)
     _check(b, weight_b, None, None, None)
-    if b.shape != a.shape or b.dtype != a.dtype:
-        raise ValueError(f"b: expected {a.dtype} {tuple(a.shape)} like a, got {b.dtype} {tuple(b.shape)}")
-    M, N = a.shape
+    if a_index is None:
+        if b.shape != a.shape or b.dtype != a.dtype:
+            raise ValueError(f"b: expected {a.dtype} {tuple(a.shape)} like a, got {b.dtype} {tuple(b.shape)}")
+    else:
+        if b.shape[1] != a.shape[1] or b.dtype != a.dtype or b.device != a.device:
+            raise ValueError(f"b: expected {a.dtype} [M, {a.shape[1]}] on {a.device} like a's rows, "
+                             f"got {b.dtype} {tuple(b.shape)} on {b.device}")
+        check_row_index("a_index", a_index, b.shape[0], a.device)
+    M, N = b.shape
     out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
     if M > 0:
         block = triton.next_power_of_2(N)
-        _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), weight_a, float(eps_a), b, b.stride(0), weight_b,
-                                     float(eps_b), out, out.stride(0), N, BLOCK=block,
+        _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), a if a_index is None else a_index, weight_a,
+                                     float(eps_a), b, b.stride(0), weight_b, float(eps_b), out,
+                                     out.stride(0), N, BLOCK=block, A_INDEX=a_index is not None,
                                      num_warps=min(16, max(1, block // 512)))
     return out
 
