@@ -46,6 +46,7 @@ from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
     argmax_with_map,
     linear,
+    linear_partials,
     linear_residual_rms_norm,
     rms_norm_cat,
     rope_cos_sin_cache,
@@ -154,11 +155,16 @@ class Eagle3DraftHead(nn.Module):
             embeds, embed_index = self.embed_tokens, input_ids
         else:
             embeds, embed_index = tp.embed(input_ids, self.embed_tokens), None
+        b, fc_sum = hidden, None
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = linear(hidden, self.fc, use_triton=self.use_triton)
+            # fc; on the GEMV path its split-K partials, which the norm kernel sums into fc_sum
+            b = linear_partials(hidden, self.fc, use_triton=self.use_triton)
+            if b.dim() == 3:
+                fc_sum = torch.empty(b.shape[1:], dtype=hidden.dtype, device=hidden.device)
+            hidden = b if fc_sum is None else fc_sum
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
-        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, hidden, norm_h.weight, norm_h.eps,
-                         a_index=embed_index, use_triton=self.use_triton)
+        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight, norm_h.eps,
+                         a_index=embed_index, b_out=fc_sum, use_triton=self.use_triton)
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)

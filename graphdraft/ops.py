@@ -7,6 +7,11 @@ The torch paths are vectorised and run on any device; `graphdraft.kernels`
 holds the Triton kernels.
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
+
+Launches saved by handing a producer's last step to its consumer: `linear_partials` leaves the
+Triton GEMV's split-K sum to an op that accepts the fp32 partials `[split, M, N]` (summed as
+`sum_partials` does, so the same bits as `linear`); row-index arguments (`a_index`, ...) gather
+rows inside the consuming kernel instead of an `index_select` before it.
 """
 
 from __future__ import annotations
@@ -33,15 +38,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
                  weight_b: torch.Tensor, eps_b: float, *, a_index: torch.Tensor | None = None,
-                 use_triton: bool = False) -> torch.Tensor:
+                 b_out: torch.Tensor | None = None, use_triton: bool = False) -> torch.Tensor:
     """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`. With `a_index` `[M]`
     (int32/int64) the first input is `a.index_select(0, a_index)` (a any `[R, N]` table, such as
-    an embedding; the Triton path gathers inside the norm kernel)."""
+    an embedding; the Triton path gathers inside the norm kernel). b may be split partials
+    `[split, M, N]` (`linear_partials`): b is then `sum_partials(b, a.dtype)`, also written to
+    `b_out` `[M, N]` (required then)."""
     if use_triton:
         from graphdraft.kernels.norm import rms_norm_cat as rms_norm_cat_triton
-        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b, a_index=a_index)
+        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b, a_index=a_index,
+                                   b_out=b_out)
     if a_index is not None:
         a = a.index_select(0, a_index)
+    if b.dim() == 3:
+        if b_out is None:
+            raise ValueError("b_out: expected an [M, N] tensor for the sum of b's split partials")
+        b = b_out.copy_(sum_partials(b, a.dtype))
     return torch.cat([rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b)], dim=-1)
 
 
@@ -205,6 +217,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
         from graphdraft.kernels.gemv import linear_small_m
         return linear_small_m(x, weight, act=act)
     return F.linear(apply_act(x, act), weight)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, *, use_triton: bool = False) -> torch.Tensor:
+    """`linear(x, weight)` `[M, N]`, except where the Triton path runs the GEMV: there its unsummed
+    fp32 split-K partials `[split, M, N]` (split >= 1; one launch fewer), for an op that accepts
+    them (`rms_norm_cat`'s b) and sums them as the GEMV would
+    (`sum_partials` in torch): the same bits as `linear`'s output."""
+    if _small_m(x, weight, use_triton):
+        from graphdraft.kernels.gemv import linear_small_m_partials
+        return linear_small_m_partials(x, weight)
+    return linear(x, weight, use_triton=use_triton)
+
+
+def sum_partials(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 split-K partials `[split, M, N]` -> `[M, N]` in `dtype`, summed in the kernels' order
+    (`kernels.fused_inputs`: split 1 as is, else s = 0, 1, ... onto 0.0) and rounded once."""
+    if ws.shape[0] == 1:
+        return ws[0].to(dtype)
+    acc = torch.zeros_like(ws[0])
+    for part in ws:
+        acc = acc + part
+    return acc.to(dtype)
 
 
 def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,

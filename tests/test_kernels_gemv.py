@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphdraft import ops
 from graphdraft.kernels.argmax import argmax_with_map_ref
 from graphdraft.kernels.gemv import (
     gemv_config,
     linear_small_m,
     linear_small_m_argmax,
+    linear_small_m_partials,
     linear_small_m_ref,
     linear_small_m_residual_norm,
 )
-from graphdraft.kernels.norm import rms_norm_ref
+from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,6 +132,73 @@ def test_residual_norm_bad_input():
         linear_small_m_residual_norm(x, w, torch.randn(2, 3).to(DEV), torch.ones(4).to(DEV), 1e-5)
     with pytest.raises(ValueError, match="act"):
         linear_small_m(x, w, act="gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_partials_sum_to_linear_small_m(dtype, m, split):
+    g = torch.Generator().manual_seed(m + 10 * split)
+    x = torch.randn(m, 384, generator=g).to(dtype).to(DEV)
+    w = torch.randn(80, 384, generator=g).to(dtype).to(DEV)
+    cfg = gemv_config(m, 80, 384, block_k=128, split=split)
+    assert cfg.split == split
+    ws = linear_small_m_partials(x, w, config=cfg)
+    assert ws.shape == (split, m, 80) and ws.dtype == torch.float32 and ws.is_contiguous()
+    y = linear_small_m(x, w, config=cfg)
+    if dtype == torch.float32 or DEV == "cuda":  # the interpreter truncates fp32 -> bf16
+        assert torch.equal(ops.sum_partials(ws, dtype), y)
+    assert _rel(ops.sum_partials(ws, dtype), y) < 1e-2
+    assert _rel(ws.sum(0), linear_small_m_ref(x.float(), w.float())) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("gather", [False, True])
+def test_rms_norm_cat_sums_partials(dtype, m, split, gather):
+    """b as a GEMV's split partials: the same out and b (written to b_out), byte for byte, as
+    linear_small_m followed by rms_norm_cat; close to the torch path."""
+    g = torch.Generator().manual_seed(m + 10 * split + gather)
+    n = 80
+    x = torch.randn(m, 384, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, 384, generator=g) * 0.1).to(dtype).to(DEV)
+    a = torch.randn(20 if gather else m, n, generator=g).to(dtype).to(DEV)
+    wa, wb = (1 + 0.1 * torch.randn(2, n, generator=g)).to(dtype).to(DEV)
+    idx = torch.randint(0, 20, (m,), generator=g).to(DEV) if gather else None
+    cfg = gemv_config(m, n, 384, block_k=128, split=split)
+    ws = linear_small_m_partials(x, w, config=cfg)
+    b_out = torch.full((m, n + 4), float("nan"), dtype=dtype, device=DEV)[:, 2: 2 + n]
+    out = rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_out)
+    b = linear_small_m(x, w, config=cfg)
+    assert torch.equal(b_out, b)
+    assert torch.equal(out, rms_norm_cat(a, wa, 1e-6, b, wb, 1e-5, a_index=idx))
+    b_ref = torch.empty(m, n, dtype=dtype, device=DEV)
+    ref = ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_ref)
+    assert _rel(b_out, b_ref) < 1e-2 and _rel(out, ref) < 1e-2
+    assert torch.equal(ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_ref,
+                                        use_triton=True), out)
+
+
+def test_rms_norm_cat_bad_partials():
+    ws, a, w = torch.randn(2, 3, 16), torch.randn(3, 16), torch.randn(16)
+    b_out = torch.full((3, 16), float("nan"))
+    for bad in (ws.bfloat16(), ws.transpose(1, 2).contiguous().transpose(1, 2), ws.to("meta"),
+                ws[:, :, :8]):
+        with pytest.raises(ValueError, match="^b: "):
+            rms_norm_cat(a, w, 1e-6, bad, w, 1e-6, b_out=b_out)
+    for bad in (None, b_out.bfloat16(), b_out[:2], b_out.t()):
+        with pytest.raises(ValueError, match="^b_out: "):
+            rms_norm_cat(a, w, 1e-6, ws, w, 1e-6, b_out=bad)
+    with pytest.raises(ValueError, match="^b_out: "):
+        rms_norm_cat(a, w, 1e-6, a, w, 1e-6, b_out=b_out)
+    with pytest.raises(ValueError, match="^b_out: "):
+        ops.rms_norm_cat(a, w, 1e-6, ws, w, 1e-6)
+    with pytest.raises(ValueError, match="^b: "):  # b's rows do not match a's
+        rms_norm_cat(torch.randn(4, 16), w, 1e-6, ws, w, 1e-6, b_out=b_out)
+    with pytest.raises(ValueError, match="^a_index: "):
+        rms_norm_cat(a, w, 1e-6, ws, w, 1e-6, a_index=torch.zeros(3), b_out=b_out)
+    assert b_out.isnan().all()  # nothing written
 
 
 @pytest.mark.gpu

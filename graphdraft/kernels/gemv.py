@@ -19,6 +19,9 @@ Fused forms, each one launch fewer than the unfused ops:
   linear_small_m_residual_norm
                         the split partials are summed by the RMSNorm(+residual) kernel:
                         `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`.
+  linear_small_m_partials
+                        the partials themselves, for a consumer kernel elsewhere that sums
+                        them (`fused_inputs`): `norm.rms_norm_cat`'s second input.
 
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
 rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
+from graphdraft.kernels.fused_inputs import sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 
 MAX_M = 16
@@ -155,9 +159,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: deterministic
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=ok, other=0.0)
+    acc = sum_partials(ws_ptr + offs, M * N, ok, SPLIT)  # fixed order: deterministic
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -171,9 +173,7 @@ def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, strid
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: deterministic
-        acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
+    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT)  # fixed order: deterministic
     r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
     y = acc.to(r.dtype)
     h = (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
@@ -260,6 +260,20 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     return out
 
 
+def linear_small_m_partials(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None,
+                            config: GemvConfig | None = None) -> torch.Tensor:
+    """The unsummed fp32 split-K partials `[split, M, N]` (split >= 1, contiguous) of
+    `act(x) [M, K] @ w [N, K]^T`, 1 <= M <= 16, for a consumer kernel that sums them itself
+    (`fused_inputs.sum_partials`, then rounded to x.dtype: `linear_small_m`'s bits)."""
+    _check(x, w, None, act)
+    m, n = x.shape[0], w.shape[0]
+    cfg = config or gemv_config(m, n, _k_of(x, act))
+    x, act = _act_input(x, act)
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    return ws
+
+
 def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
                           *, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head and greedy pick: `logits = x @ w^T [M, N]` and int64 `ids [M]`, the row argmax
@@ -300,15 +314,12 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
-    cfg = config or gemv_config(m, n, _k_of(x, act))
-    x, act = _act_input(x, act)
-    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    ws = linear_small_m_partials(x, w, act=act, config=config)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     h = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
-                                    h, h.stride(0), m, n, float(eps), SPLIT=cfg.split, BLOCK=block,
+                                    h, h.stride(0), m, n, float(eps), SPLIT=ws.shape[0], BLOCK=block,
                                     num_warps=min(16, max(1, block // 512)))
     return out, h
 
