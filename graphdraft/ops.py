@@ -109,6 +109,23 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     v_cache[out_cache_loc] = v
 
 
+def rope_and_store_kv_partials(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               out_cache_loc: torch.Tensor, *, use_triton: bool = False
+                               ) -> torch.Tensor:
+    """`rope_and_store_kv` of a fused qkv given as split partials `[split, T, (Hq + 2 Hkv) * D]`
+    (`linear_partials`; Hkv and D are the cache's), summed like `sum_partials` into the cache
+    dtype (the Triton path while loading); returns the rotated q `[T, Hq, D]`, a new tensor."""
+    if use_triton:
+        from graphdraft.kernels.rope import rope_and_store_kv_partials as rope_partials_triton
+        return rope_partials_triton(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc)
+    t, hkv, d = qkv.shape[1], k_cache.shape[1], k_cache.shape[2]
+    q, k, v = sum_partials(qkv, k_cache.dtype).view(t, -1, d).split(
+        [qkv.shape[2] // d - 2 * hkv, hkv, hkv], dim=1)
+    rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc)
+    return q
+
+
 # ---------------------------------------------------------------------------
 # Paged attention: query row t attends to positions [0, kv_lens[t]) of its request
 # ---------------------------------------------------------------------------
@@ -222,7 +239,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, *, use_triton: bool = False) -> torch.Tensor:
     """`linear(x, weight)` `[M, N]`, except where the Triton path runs the GEMV: there its unsummed
     fp32 split-K partials `[split, M, N]` (split >= 1; one launch fewer), for an op that accepts
-    them (`rms_norm_cat`'s b) and sums them as the GEMV would
+    them (`rms_norm_cat`'s b, `rope_and_store_kv_partials`) and sums them as the GEMV would
     (`sum_partials` in torch): the same bits as `linear`'s output."""
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m_partials
@@ -232,9 +249,10 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, *, use_triton: bool =
 
 def sum_partials(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 split-K partials `[split, M, N]` -> `[M, N]` in `dtype`, summed in the kernels' order
-    (`kernels.fused_inputs`: split 1 as is, else s = 0, 1, ... onto 0.0) and rounded once."""
+    (`kernels.fused_inputs`: split 1 as is, else s = 0, 1, ... onto 0.0) and rounded once; a new
+    tensor (never a view of ws)."""
     if ws.shape[0] == 1:
-        return ws[0].to(dtype)
+        return ws[0].to(dtype, copy=True)
     acc = torch.zeros_like(ws[0])
     for part in ws:
         acc = acc + part

@@ -17,6 +17,7 @@ from graphdraft.kernels.gemv import (
     linear_small_m_residual_norm,
 )
 from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
+from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -199,6 +200,73 @@ def test_rms_norm_cat_bad_partials():
     with pytest.raises(ValueError, match="^a_index: "):
         rms_norm_cat(a, w, 1e-6, ws, w, 1e-6, a_index=torch.zeros(3), b_out=b_out)
     assert b_out.isnan().all()  # nothing written
+
+
+def _qkv_rope_inputs(t, hq, hkv, d, dtype, split, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, k, slots = (hq + 2 * hkv) * d, 384, 40
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEV)
+    cfg = gemv_config(t, n, k, block_k=64, split=split)
+    assert cfg.split == split
+    pos = torch.randint(0, 64, (t,), generator=g).to(DEV)
+    loc = torch.randperm(slots, generator=g)[:t].to(DEV)
+    caches = tuple(torch.randn(slots, hkv, d, generator=g).to(dtype).to(DEV) for _ in range(2))
+    cos_sin = ops.rope_cos_sin_cache(d, 64, 10000.0, device=DEV)
+    return x, w, cfg, pos, loc, caches, cos_sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (3, 1, 8)])
+def test_rope_sums_qkv_partials(dtype, t, split, hq, hkv, d):
+    """qkv as the GEMV's split partials: the same rotated q and KV cache, byte for byte, as
+    linear_small_m followed by rope_and_store_kv on its views; close to the torch path."""
+    x, w, cfg, pos, loc, caches, cos_sin = _qkv_rope_inputs(t, hq, hkv, d, dtype, split,
+                                                            seed=t + 10 * split + hq)
+    qkv = linear_small_m(x, w, config=cfg)
+    q, k, v = qkv.view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    kc, vc = (c.clone() for c in caches)
+    rope_and_store_kv(q, k, v, pos, cos_sin, kc, vc, loc)
+
+    ws = linear_small_m_partials(x, w, config=cfg)
+    kc2, vc2 = (c.clone() for c in caches)
+    q_buf = torch.full((t, hq, d + 2), float("nan"), dtype=dtype, device=DEV)
+    q2 = rope_and_store_kv_partials(ws, pos, cos_sin, kc2, vc2, loc, q_out=q_buf[:, :, 1: 1 + d])
+    assert q2.data_ptr() == q_buf[:, :, 1:].data_ptr()
+    assert q_buf[:, :, 0].isnan().all() and q_buf[:, :, -1].isnan().all()
+    assert torch.equal(q2, q) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+    kc3, vc3 = (c.clone() for c in caches)
+    q3 = ops.rope_and_store_kv_partials(ws, pos, cos_sin, kc3, vc3, loc)
+    assert _rel(q2, q3) < 1e-2 and _rel(kc2, kc3) < 1e-2 and _rel(vc2, vc3) < 1e-2
+    kc4, vc4 = (c.clone() for c in caches)
+    q4 = ops.rope_and_store_kv_partials(ws, pos, cos_sin, kc4, vc4, loc, use_triton=True)
+    assert torch.equal(q4, q2) and torch.equal(kc4, kc2) and torch.equal(vc4, vc2)
+
+
+def test_rope_partials_bad_input():
+    x, w, cfg, pos, loc, (kc, vc), cos_sin = _qkv_rope_inputs(3, 4, 2, 16, torch.float32, 2, 0)
+    ws = linear_small_m_partials(x, w, config=cfg)
+    kc0, vc0 = kc.clone(), vc.clone()
+    for bad in (ws.bfloat16(), ws[:, :, :-16], ws[:, :, :-1], ws[0], ws.transpose(0, 1)):
+        with pytest.raises(ValueError, match="^qkv: "):
+            rope_and_store_kv_partials(bad, pos, cos_sin, kc, vc, loc)
+    for bad in (torch.empty(3, 4, 16, dtype=torch.bfloat16), torch.empty(3, 3, 16),
+                torch.empty(3, 16, 4).transpose(1, 2)):
+        with pytest.raises(ValueError, match="^q_out: "):
+            rope_and_store_kv_partials(ws, pos, cos_sin, kc, vc, loc, q_out=bad)
+    with pytest.raises(ValueError, match="^k_cache: "):
+        rope_and_store_kv_partials(ws, pos, cos_sin, kc[0], vc, loc)
+    for bad in (vc.bfloat16(), vc[:, :1]):  # Hkv, D and the dtype are k_cache's
+        with pytest.raises(ValueError, match="^v_cache: "):
+            rope_and_store_kv_partials(ws, pos, cos_sin, kc, bad, loc)
+    with pytest.raises(ValueError, match="^positions: "):
+        rope_and_store_kv_partials(ws, pos[:2], cos_sin, kc, vc, loc)
+    with pytest.raises(ValueError, match="^out_cache_loc: "):
+        rope_and_store_kv_partials(ws, pos, cos_sin, kc, vc, loc.float())
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)  # nothing written
 
 
 @pytest.mark.gpu
