@@ -168,16 +168,16 @@ class Eagle3DraftHead(nn.Module):
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
-        residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
         if tp is None:  # o_proj and down_proj fused with the residual add + RMSNorm after them
             post, final = layer.post_attention_layernorm, self.norm
-            normed, residual = linear_residual_rms_norm(
-                attn, attn_layer.o_proj, residual, post.weight, post.eps,
+            normed, residual = linear_residual_rms_norm(  # residual: hidden's gathered rows
+                attn, attn_layer.o_proj, hidden, post.weight, post.eps, residual_index=gather_ids,
                 use_triton=self.use_triton)
             normed, prenorm = linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
                 act="silu_mul", use_triton=self.use_triton)
         else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
+            residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
             logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),

@@ -101,9 +101,7 @@ class Attention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
             ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
                                   use_triton=self.use_triton)
-        if gather_ids is not None:
-            q = q.index_select(0, gather_ids)
-        out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata)
+        out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata, q_index=gather_ids)
         return out.reshape(out.shape[0], self.q_size)
 
 

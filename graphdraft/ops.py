@@ -143,15 +143,19 @@ def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, position
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, req_to_page: torch.Tensor,
                     page_size: int, sm_scale: float, max_kv_len: int, *,
-                    use_triton: bool = False) -> torch.Tensor:
+                    q_index: torch.Tensor | None = None, use_triton: bool = False) -> torch.Tensor:
     """q `[T, Hq, D]` -> `[T, Hq, D]`; row t reads exactly positions `[0, kv_lens[t])`.
 
-    `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit).
+    `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit). With `q_index`
+    `[T]` (int32/int64) the queries are `q.index_select(0, q_index)` (the Triton path gathers
+    inside the attention kernel).
     """
     if use_triton:
         from graphdraft.kernels.decode_attention import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
-                                      page_size, sm_scale, max_kv_len=max_kv_len)
+                                      page_size, sm_scale, max_kv_len=max_kv_len, q_index=q_index)
+    if q_index is not None:
+        q = q.index_select(0, q_index)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
@@ -261,11 +265,17 @@ def sum_partials(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                              norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
+                             residual_index: torch.Tensor | None = None,
                              use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`."""
+    """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`. With
+    `residual_index` `[M]` (int32/int64) the residual is `residual.index_select(0, residual_index)`
+    (gathered inside the norm kernel on the Triton GEMV path)."""
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m_residual_norm
-        return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act)
+        return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act,
+                                            residual_index=residual_index)
+    if residual_index is not None:
+        residual = residual.index_select(0, residual_index)
     return rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps, residual,
                     use_triton=use_triton)
 

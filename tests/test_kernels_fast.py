@@ -116,6 +116,50 @@ def test_decode_attention_default_splits():
     assert default_num_splits(64, 8, 4096, cpu) == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_decode_attention_gathers_q_rows(dtype, splits, B, monkeypatch):
+    """q_index: row t's query read from q[q_index[t]] inside the kernel, the same bytes as an
+    index_select before it."""
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(1, 71, (B,), generator=g).tolist()
+    reqs = torch.randint(0, 5, (B,), generator=g).tolist()
+    q, kc, vc, req, kv_lens, r2p = _paged_setup(lens, reqs, 4, 2, 16, 4, dtype, seed=B)
+    rows = 2 * B + 1
+    idx = torch.randperm(rows, generator=g)[:B]
+    q_all = torch.randn(rows, 4, 16, generator=g).to(dtype)
+    q_all[idx] = q
+    args = (kc, vc, req, kv_lens, r2p, 4, 0.25)
+    for index in (idx, idx.to(torch.int32)):
+        out = paged_decode_attention(q_all, *args, max_kv_len=80, num_splits=splits, q_index=index)
+        assert out.shape == q.shape
+        assert torch.equal(out, paged_decode_attention(q, *args, max_kv_len=80, num_splits=splits))
+    ref = paged_decode_attention_ref(q_all, *args, max_kv_len=80, q_index=idx)
+    _close(out, ref, dtype)
+    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx),
+                       ops.paged_attention(q, *args, 80))
+    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx, use_triton=True),
+                       paged_decode_attention(q, *args, max_kv_len=80))
+
+
+def test_decode_attention_bad_q_index():
+    q, kc, vc, req, kv_lens, r2p = _paged_setup([3, 5], [0, 1], 4, 2, 16, 1, torch.float32)
+    args = (kc, vc, req, kv_lens, r2p, 1, 0.25)
+    idx = torch.tensor([3, 1])
+    out = torch.full((2, 4, 16), 7.0)
+    for bad in (idx.float(), idx[None], idx.to("meta"), torch.arange(4)[::2]):
+        with pytest.raises(ValueError, match="^q_index: "):
+            paged_decode_attention(q.repeat(2, 1, 1), *args, max_kv_len=8, q_index=bad, out=out)
+    with pytest.raises(ValueError, match="^req_pool_indices: "):  # 3 rows, 2 requests
+        paged_decode_attention(q, *args, max_kv_len=8, q_index=torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="^out: "):
+        paged_decode_attention(q.repeat(2, 1, 1), *args, max_kv_len=8, q_index=idx,
+                               out=torch.empty(4, 4, 16))
+    assert (out == 7.0).all()  # nothing written
+
+
 def test_decode_attention_bad_inputs():
     q, kc, vc, req, kv_lens, r2p = _paged_setup([3], [0], 4, 2, 16, 1, torch.float32)
     args = (q, kc, vc, req, kv_lens, r2p, 1, 0.25)

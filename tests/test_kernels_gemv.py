@@ -125,6 +125,50 @@ def test_residual_norm_epilogue(m, act, split):
     assert _rel(h, ref_h) < 1e-5 and _rel(out, ref_out) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+@pytest.mark.parametrize("split", [1, 4])
+def test_residual_norm_gathers_residual_rows(dtype, m, act, split):
+    """residual_index: row m adds residual[residual_index[m]], read inside the norm kernel: the
+    same bytes as an index_select before it; the torch path gathers the same way."""
+    g = torch.Generator().manual_seed(m * 7 + split + (act is None))
+    k, n = 512, 96
+    x = torch.randn(m, 2 * k if act else k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEV)
+    res_buf = torch.randn(2 * m + 1, n + 8, generator=g).to(dtype).to(DEV)
+    res = res_buf[:, 4: 4 + n]  # strided rows
+    idx = torch.randint(0, 2 * m + 1, (m,), generator=g).to(DEV)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEV)
+    cfg = gemv_config(m, n, k, block_k=128, split=split)
+    assert cfg.split == split
+    for index in (idx, idx.to(torch.int32)):
+        out, h = linear_small_m_residual_norm(x, w, res, nw, 1e-5, act=act, config=cfg,
+                                              residual_index=index)
+        out2, h2 = linear_small_m_residual_norm(x, w, res.index_select(0, idx), nw, 1e-5, act=act,
+                                                config=cfg)
+        assert torch.equal(out, out2) and torch.equal(h, h2)
+    ref_out, ref_h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act, residual_index=idx)
+    gathered = ops.linear_residual_rms_norm(x, w, res[idx], nw, 1e-5, act=act)
+    assert torch.equal(ref_out, gathered[0]) and torch.equal(ref_h, gathered[1])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the interpreter truncates
+    assert _rel(h, ref_h) < tol and _rel(out, ref_out) < tol
+    got = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act, residual_index=idx,
+                                       use_triton=True)  # the default config
+    assert _rel(got[0], ref_out) < tol and _rel(got[1], ref_h) < tol
+
+
+def test_residual_norm_bad_residual_index():
+    x, w, nw = torch.randn(2, 8).to(DEV), torch.randn(3, 8).to(DEV), torch.ones(3).to(DEV)
+    res, idx = torch.randn(5, 3).to(DEV), torch.tensor([4, 0]).to(DEV)
+    for bad in (idx.float(), idx[:1], idx[None], idx.to("meta"), torch.arange(4).to(DEV)[::2]):
+        with pytest.raises(ValueError, match="^residual_index: "):
+            linear_small_m_residual_norm(x, w, res, nw, 1e-5, residual_index=bad)
+    for bad in (res[:, :2], res.bfloat16(), res[0]):
+        with pytest.raises(ValueError, match="^residual: "):
+            linear_small_m_residual_norm(x, w, bad, nw, 1e-5, residual_index=idx)
+
+
 def test_residual_norm_bad_input():
     x, w = torch.randn(2, 8).to(DEV), torch.randn(3, 8).to(DEV)
     with pytest.raises(ValueError, match="residual"):

@@ -18,7 +18,8 @@ Fused forms, each one launch fewer than the unfused ops:
                         `hot_token_ids` (replaces the two-stage argmax's first pass).
   linear_small_m_residual_norm
                         the split partials are summed by the RMSNorm(+residual) kernel:
-                        `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`.
+                        `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`; `residual_index`
+                        gathers the residual rows in the same kernel.
   linear_small_m_partials
                         the partials themselves, for a consumer kernel elsewhere that sums
                         them (`fused_inputs`): `norm.rms_norm_cat`'s second input.
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel
-from graphdraft.kernels.fused_inputs import sum_partials
+from graphdraft.kernels.fused_inputs import check_row_index, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 
 MAX_M = 16
@@ -166,15 +167,19 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 
 
 @triton.jit
-def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, w_ptr, out_ptr, stride_out,
+def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_index_ptr, w_ptr, out_ptr, stride_out,
                               res_out_ptr, stride_res_out, M, N, eps,
-                              SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Row m: `h = round(sum_s ws[s, m]) + residual[m]` (a dtype add), `out = RMSNorm(h)`."""
+                              SPLIT: tl.constexpr, BLOCK: tl.constexpr, RES_INDEX: tl.constexpr):
+    """Row m: `h = round(sum_s ws[s, m]) + residual[m]` (a dtype add; RES_INDEX: residual row
+    `res_index[m]`), `out = RMSNorm(h)`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT)  # fixed order: deterministic
-    r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+    res_row = row
+    if RES_INDEX:
+        res_row = tl.load(res_index_ptr + row).to(tl.int64)
+    r = tl.load(res_ptr + res_row * stride_res + cols, mask=ok, other=0.0)
     y = acc.to(r.dtype)
     h = (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=ok)
@@ -303,14 +308,23 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
 
 def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
-                                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 config: GemvConfig | None = None,
+                                 residual_index: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = act(x) @ w^T + residual` (rounded like the unfused ops), returns `(RMSNorm(h), h)`,
-    both `[M, N]`; the matmul's split partials are summed inside the norm kernel."""
+    both `[M, N]`; the matmul's split partials are summed inside the norm kernel. With
+    `residual_index` `[M]` (int32/int64, contiguous) row m adds `residual[residual_index[m]]`
+    (residual is then any `[R, N]`; index values must lie in `[0, R)`)."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
-    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"residual: expected [{m}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    if (residual.dim() != 2 or residual.shape[1] != n
+            or (residual_index is None and residual.shape[0] != m) or residual.dtype != x.dtype
+            or residual.device != x.device or residual.stride(-1) != 1):
+        raise ValueError(f"residual: expected [{m if residual_index is None else 'R'}, {n}] "
+                         f"{x.dtype} on {x.device} with unit column stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if residual_index is not None:
+        check_row_index("residual_index", residual_index, m, x.device)
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
@@ -318,8 +332,11 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     h = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0), norm_weight, out, out.stride(0),
+    _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),
+                                    residual if residual_index is None else residual_index,
+                                    norm_weight, out, out.stride(0),
                                     h, h.stride(0), m, n, float(eps), SPLIT=ws.shape[0], BLOCK=block,
+                                    RES_INDEX=residual_index is not None,
                                     num_warps=min(16, max(1, block // 512)))
     return out, h
 
