@@ -89,12 +89,16 @@ class PagedAttentionBackend:
 
     # --- compute ------------------------------------------------------------
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               sm_scale: float, metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        """q `[T, Hq, D]` -> `[T, Hq, D]` over the bound (or given) metadata's first T rows."""
+               sm_scale: float, metadata: AttentionMetadata | None = None,
+               q_index: torch.Tensor | None = None) -> torch.Tensor:
+        """q `[T, Hq, D]` -> `[T, Hq, D]` over the bound (or given) metadata's first T rows.
+        With `q_index` `[T]` the query rows are `q[q_index]` (q any `[R, Hq, D]`; the gather
+        happens inside the attention kernel on the Triton path)."""
         meta = metadata or self.metadata
         if meta is None:
             raise RuntimeError("attend: no attention metadata bound")
-        t = q.shape[0]
+        t = q.shape[0] if q_index is None else q_index.shape[0]
         return ops.paged_attention(q, k_cache, v_cache, meta.req_pool_indices[:t], meta.kv_lens[:t],
                                    self.req_to_page, self.page_size, sm_scale,
-                                   self.max_context_len, use_triton=self.use_triton)
+                                   self.max_context_len, q_index=q_index,
+                                   use_triton=self.use_triton)

@@ -47,6 +47,7 @@ from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
     argmax_with_map,
     linear,
+    linear_partials,
     linear_residual_rms_norm,
     rms_norm_cat,
     rope_cos_sin_cache,
@@ -164,26 +165,33 @@ class Eagle3DraftHead(nn.Module):
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp
-        embeds = (self.embed_tokens.index_select(0, input_ids) if tp is None
-                  else tp.embed(input_ids, self.embed_tokens))
+        if tp is None:  # the embedding lookup happens inside the norm kernel
+            embeds, embed_index = self.embed_tokens, input_ids
+        else:
+            embeds, embed_index = tp.embed(input_ids, self.embed_tokens), None
+        b, fc_sum = hidden, None
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = linear(hidden, self.fc, use_triton=self.use_triton)
+            # fc; on the GEMV path its split-K partials, which the norm kernel sums into fc_sum
+            b = linear_partials(hidden, self.fc, use_triton=self.use_triton)
+            if b.dim() == 3:
+                fc_sum = torch.empty(b.shape[1:], dtype=hidden.dtype, device=hidden.device)
+            hidden = b if fc_sum is None else fc_sum
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
-        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, hidden, norm_h.weight, norm_h.eps,
-                         use_triton=self.use_triton)
+        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight, norm_h.eps,
+                         a_index=embed_index, b_out=fc_sum, use_triton=self.use_triton)
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
-        residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
         if tp is None:  # o_proj and down_proj fused with the residual add + RMSNorm after them
             post, final = layer.post_attention_layernorm, self.norm
-            normed, residual = linear_residual_rms_norm(
-                attn, attn_layer.o_proj, residual, post.weight, post.eps,
+            normed, residual = linear_residual_rms_norm(  # residual: hidden's gathered rows
+                attn, attn_layer.o_proj, hidden, post.weight, post.eps, residual_index=gather_ids,
                 use_triton=self.use_triton)
             normed, prenorm = linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
                 act="silu_mul", h_out=hidden_out, use_triton=self.use_triton)
         else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
+            residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
             logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),

@@ -77,25 +77,31 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """`[T, input_size] -> [T, (Hq + 2 Hkv) * D]` (`attend`'s input)."""
-        return ops.linear(x, self.qkv_proj, use_triton=self.use_triton)
+        """`[T, input_size] -> [T, (Hq + 2 Hkv) * D]` (`attend`'s input); where the Triton path
+        runs the GEMV, its fp32 split-K partials `[split, T, (Hq + 2 Hkv) * D]` instead, which
+        `attend`'s RoPE kernel sums (`ops.linear_partials`: the same bits, one launch fewer)."""
+        return ops.linear_partials(x, self.qkv_proj, use_triton=self.use_triton)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                backend: PagedAttentionBackend, metadata: AttentionMetadata,
                gather_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Between qkv and o_proj: RoPE, KV write of all T tokens, attention of the gathered
-        rows -> `[B, Hq * D]`."""
-        t = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        rows -> `[B, Hq * D]`. qkv is `qkv`'s output: `[T, (Hq + 2 Hkv) * D]` or its split
+        partials `[split, T, (Hq + 2 Hkv) * D]`."""
         k_cache, v_cache = kv
-        ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
-                              use_triton=self.use_triton)
-        if gather_ids is not None:
-            q = q.index_select(0, gather_ids)
-        out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata)
+        if qkv.dim() == 3:
+            q = ops.rope_and_store_kv_partials(qkv, positions, cos_sin, k_cache, v_cache,
+                                               out_cache_loc, use_triton=self.use_triton)
+        else:
+            t = qkv.shape[0]
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads,
+                                                                      self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
+                                  use_triton=self.use_triton)
+        out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata, q_index=gather_ids)
         return out.reshape(out.shape[0], self.q_size)
 
 

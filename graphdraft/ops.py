@@ -7,6 +7,11 @@ The torch paths are vectorised and run on any device; `graphdraft.kernels`
 holds the Triton kernels.
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
+
+Launches saved by handing a producer's last step to its consumer: `linear_partials` leaves the
+Triton GEMV's split-K sum to an op that accepts the fp32 partials `[split, M, N]` (summed as
+`sum_partials` does, so the same bits as `linear`); row-index arguments (`a_index`, ...) gather
+rows inside the consuming kernel instead of an `index_select` before it.
 """
 
 from __future__ import annotations
@@ -32,11 +37,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
-                 weight_b: torch.Tensor, eps_b: float, *, use_triton: bool = False) -> torch.Tensor:
-    """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`."""
+                 weight_b: torch.Tensor, eps_b: float, *, a_index: torch.Tensor | None = None,
+                 b_out: torch.Tensor | None = None, use_triton: bool = False) -> torch.Tensor:
+    """`cat([rms_norm(a), rms_norm(b)], -1)`: `[M, N]` twice -> `[M, 2N]`. With `a_index` `[M]`
+    (int32/int64) the first input is `a.index_select(0, a_index)` (a any `[R, N]` table, such as
+    an embedding; the Triton path gathers inside the norm kernel). b may be split partials
+    `[split, M, N]` (`linear_partials`): b is then `sum_partials(b, a.dtype)`, also written to
+    `b_out` `[M, N]` (required then)."""
     if use_triton:
         from graphdraft.kernels.norm import rms_norm_cat as rms_norm_cat_triton
-        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b)
+        return rms_norm_cat_triton(a, weight_a, eps_a, b, weight_b, eps_b, a_index=a_index,
+                                   b_out=b_out)
+    if a_index is not None:
+        a = a.index_select(0, a_index)
+    if b.dim() == 3:
+        if b_out is None:
+            raise ValueError("b_out: expected an [M, N] tensor for the sum of b's split partials")
+        b = b_out.copy_(sum_partials(b, a.dtype))
     return torch.cat([rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b)], dim=-1)
 
 
@@ -92,6 +109,23 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     v_cache[out_cache_loc] = v
 
 
+def rope_and_store_kv_partials(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               out_cache_loc: torch.Tensor, *, use_triton: bool = False
+                               ) -> torch.Tensor:
+    """`rope_and_store_kv` of a fused qkv given as split partials `[split, T, (Hq + 2 Hkv) * D]`
+    (`linear_partials`; Hkv and D are the cache's), summed like `sum_partials` into the cache
+    dtype (the Triton path while loading); returns the rotated q `[T, Hq, D]`, a new tensor."""
+    if use_triton:
+        from graphdraft.kernels.rope import rope_and_store_kv_partials as rope_partials_triton
+        return rope_partials_triton(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc)
+    t, hkv, d = qkv.shape[1], k_cache.shape[1], k_cache.shape[2]
+    q, k, v = sum_partials(qkv, k_cache.dtype).view(t, -1, d).split(
+        [qkv.shape[2] // d - 2 * hkv, hkv, hkv], dim=1)
+    rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc)
+    return q
+
+
 # ---------------------------------------------------------------------------
 # Paged attention: query row t attends to positions [0, kv_lens[t]) of its request
 # ---------------------------------------------------------------------------
@@ -109,15 +143,19 @@ def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, position
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, req_to_page: torch.Tensor,
                     page_size: int, sm_scale: float, max_kv_len: int, *,
-                    use_triton: bool = False) -> torch.Tensor:
+                    q_index: torch.Tensor | None = None, use_triton: bool = False) -> torch.Tensor:
     """q `[T, Hq, D]` -> `[T, Hq, D]`; row t reads exactly positions `[0, kv_lens[t])`.
 
-    `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit).
+    `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit). With `q_index`
+    `[T]` (int32/int64) the queries are `q.index_select(0, q_index)` (the Triton path gathers
+    inside the attention kernel).
     """
     if use_triton:
         from graphdraft.kernels.decode_attention import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
-                                      page_size, sm_scale, max_kv_len=max_kv_len)
+                                      page_size, sm_scale, max_kv_len=max_kv_len, q_index=q_index)
+    if q_index is not None:
+        q = q.index_select(0, q_index)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
@@ -214,16 +252,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     return F.linear(apply_act(x, act), weight)
 
 
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, *, use_triton: bool = False) -> torch.Tensor:
+    """`linear(x, weight)` `[M, N]`, except where the Triton path runs the GEMV: there its unsummed
+    fp32 split-K partials `[split, M, N]` (split >= 1; one launch fewer), for an op that accepts
+    them (`rms_norm_cat`'s b, `rope_and_store_kv_partials`) and sums them as the GEMV would
+    (`sum_partials` in torch): the same bits as `linear`'s output."""
+    if _small_m(x, weight, use_triton):
+        from graphdraft.kernels.gemv import linear_small_m_partials
+        return linear_small_m_partials(x, weight)
+    return linear(x, weight, use_triton=use_triton)
+
+
+def sum_partials(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 split-K partials `[split, M, N]` -> `[M, N]` in `dtype`, summed in the kernels' order
+    (`kernels.fused_inputs`: split 1 as is, else s = 0, 1, ... onto 0.0) and rounded once; a new
+    tensor (never a view of ws)."""
+    if ws.shape[0] == 1:
+        return ws[0].to(dtype, copy=True)
+    acc = torch.zeros_like(ws[0])
+    for part in ws:
+        acc = acc + part
+    return acc.to(dtype)
+
+
 def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                              norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
                              h_out: torch.Tensor | None = None,
+                             residual_index: torch.Tensor | None = None,
                              use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = linear(x, weight, act) + residual` `[M, N]`; returns `(rms_norm(h), h)`, `h` written
-    into `h_out` when given."""
+    into `h_out` when given. With `residual_index` `[M]` (int32/int64) the residual is
+    `residual.index_select(0, residual_index)` (gathered inside the norm on the Triton GEMV path)."""
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m_residual_norm
         return linear_small_m_residual_norm(x, weight, residual, norm_weight, eps, act=act,
-                                            h_out=h_out)
+                                            h_out=h_out, residual_index=residual_index)
+    if residual_index is not None:
+        residual = residual.index_select(0, residual_index)
     normed, h = rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps,
                          residual, use_triton=use_triton)
     return normed, (h if h_out is None else h_out.copy_(h))

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from graphdraft import ops
 from graphdraft.kernels import decode_attention
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.decode_attention import (
@@ -115,6 +116,50 @@ def test_decode_attention_default_splits():
     assert default_num_splits(64, 8, 4096, cpu) == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_decode_attention_gathers_q_rows(dtype, splits, B, monkeypatch):
+    """q_index: row t's query read from q[q_index[t]] inside the kernel, the same bytes as an
+    index_select before it."""
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(1, 71, (B,), generator=g).tolist()
+    reqs = torch.randint(0, 5, (B,), generator=g).tolist()
+    q, kc, vc, req, kv_lens, r2p = _paged_setup(lens, reqs, 4, 2, 16, 4, dtype, seed=B)
+    rows = 2 * B + 1
+    idx = torch.randperm(rows, generator=g)[:B]
+    q_all = torch.randn(rows, 4, 16, generator=g).to(dtype)
+    q_all[idx] = q
+    args = (kc, vc, req, kv_lens, r2p, 4, 0.25)
+    for index in (idx, idx.to(torch.int32)):
+        out = paged_decode_attention(q_all, *args, max_kv_len=80, num_splits=splits, q_index=index)
+        assert out.shape == q.shape
+        assert torch.equal(out, paged_decode_attention(q, *args, max_kv_len=80, num_splits=splits))
+    ref = paged_decode_attention_ref(q_all, *args, max_kv_len=80, q_index=idx)
+    _close(out, ref, dtype)
+    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx),
+                       ops.paged_attention(q, *args, 80))
+    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx, use_triton=True),
+                       paged_decode_attention(q, *args, max_kv_len=80))
+
+
+def test_decode_attention_bad_q_index():
+    q, kc, vc, req, kv_lens, r2p = _paged_setup([3, 5], [0, 1], 4, 2, 16, 1, torch.float32)
+    args = (kc, vc, req, kv_lens, r2p, 1, 0.25)
+    idx = torch.tensor([3, 1])
+    out = torch.full((2, 4, 16), 7.0)
+    for bad in (idx.float(), idx[None], idx.to("meta"), torch.arange(4)[::2]):
+        with pytest.raises(ValueError, match="^q_index: "):
+            paged_decode_attention(q.repeat(2, 1, 1), *args, max_kv_len=8, q_index=bad, out=out)
+    with pytest.raises(ValueError, match="^req_pool_indices: "):  # 3 rows, 2 requests
+        paged_decode_attention(q, *args, max_kv_len=8, q_index=torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="^out: "):
+        paged_decode_attention(q.repeat(2, 1, 1), *args, max_kv_len=8, q_index=idx,
+                               out=torch.empty(4, 4, 16))
+    assert (out == 7.0).all()  # nothing written
+
+
 def test_decode_attention_bad_inputs():
     q, kc, vc, req, kv_lens, r2p = _paged_setup([3], [0], 4, 2, 16, 1, torch.float32)
     args = (q, kc, vc, req, kv_lens, r2p, 1, 0.25)
@@ -159,6 +204,38 @@ def test_rms_norm_cat_matches_two_norms(dtype):
     _close(out, ref, dtype)
     with pytest.raises(ValueError, match="b"):
         rms_norm_cat(a, wa, 1e-6, b[:2], wb, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_rms_norm_cat_gathers_a_rows(dtype, M, index_dtype):
+    """a_index: the first input's rows gathered from a table inside the kernel, the same bytes
+    as an index_select before it."""
+    g = torch.Generator().manual_seed(M)
+    table_buf = torch.randn(50, 90, generator=g).to(dtype)
+    table = table_buf[:, 5:85]  # strided rows
+    b = torch.randn(M, 80, generator=g).to(dtype)
+    wa, wb = torch.randn(80, generator=g).to(dtype), torch.randn(80, generator=g).to(dtype)
+    idx = torch.randint(0, 50, (M,), generator=g)
+    idx[-1] = idx[0]  # a repeated row
+    out = rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx.to(index_dtype))
+    assert torch.equal(out, rms_norm_cat(table.index_select(0, idx), wa, 1e-6, b, wb, 1e-5))
+    ref = torch.cat([rms_norm_ref(table[idx], wa, 1e-6), rms_norm_ref(b, wb, 1e-5)], dim=-1)
+    _close(out, ref, dtype)
+    assert torch.equal(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx),
+                       ops.rms_norm_cat(table[idx], wa, 1e-6, b, wb, 1e-5))
+    _close(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx, use_triton=True), ref, dtype)
+
+
+def test_rms_norm_cat_bad_a_index():
+    table, b, w = torch.randn(50, 16), torch.randn(3, 16), torch.randn(16)
+    idx = torch.tensor([1, 2, 3])
+    for bad in (idx.float(), idx[:2], idx[None], idx.to("meta"), torch.arange(6)[::2]):
+        with pytest.raises(ValueError, match="a_index"):
+            rms_norm_cat(table, w, 1e-6, b, w, 1e-6, a_index=bad)
+    with pytest.raises(ValueError, match="b"):
+        rms_norm_cat(table, w, 1e-6, torch.randn(3, 8), w[:8], 1e-6, a_index=idx)
 
 
 def test_rms_norm_in_place_residual_and_out():

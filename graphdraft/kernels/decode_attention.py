@@ -13,6 +13,9 @@ only up to ``kv_lens[t]`` (the last split also takes anything past
 ``num_splits * chunk``, so ``max_kv_len`` affects speed, never correctness).
 Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp. With one
 split, stage 1 writes the output directly.
+
+Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
+attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
+from graphdraft.kernels.fused_inputs import check_row_index
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -38,7 +42,7 @@ NUM_STAGES = 3
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, sq_t, sq_h,
+    q_ptr, sq_t, sq_h, q_index_ptr,
     k_ptr, sk_s, sk_h,
     v_ptr, sv_s, sv_h,
     req_ptr, lens_ptr, page_ptr, s_page_r, s_page_p,
@@ -47,6 +51,7 @@ def _decode_split_kernel(
     scale_log2, chunk, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    Q_INDEX: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,8 +71,11 @@ def _decode_split_kernel(
     gmask = g < G
     dmask = d < D
     heads = (kvh * G + g).to(tl.int64)
+    q_row = t.to(tl.int64)
+    if Q_INDEX:
+        q_row = tl.load(q_index_ptr + t).to(tl.int64)
     q = tl.load(
-        q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :],
+        q_ptr + q_row * sq_t + heads[:, None] * sq_h + d[None, :],
         mask=gmask[:, None] & dmask[None, :], other=0.0,
     )
     if DOT_FP32:
@@ -167,10 +175,15 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device
     return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, BLOCK_N)))
 
 
-def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out) -> None:
+def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out,
+           q_index) -> int:
+    """Returns T, the number of query rows."""
     if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
         raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last dim, got {tuple(q.shape)} {q.dtype}")
     T, Hq, D = q.shape
+    if q_index is not None:
+        T = q_index.shape[0] if q_index.dim() == 1 else -1
+        check_row_index("q_index", q_index, T, q.device)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device or c.stride(2) != 1:
             raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous last dim, got {c.dtype} {tuple(c.shape)}")
@@ -186,8 +199,9 @@ def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_siz
         raise ValueError(f"req_to_page: expected int32 [max_reqs, max_pages], got {req_to_page.dtype} {tuple(req_to_page.shape)}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1):
-        raise ValueError(f"out: expected {q.dtype} {tuple(q.shape)} with a contiguous last dim")
+    if out is not None and (out.shape != (T, Hq, D) or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1):
+        raise ValueError(f"out: expected {q.dtype} {(T, Hq, D)} with a contiguous last dim")
+    return T
 
 
 def paged_decode_attention(
@@ -203,6 +217,7 @@ def paged_decode_attention(
     max_kv_len: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    q_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q ``[T, Hq, D]`` over a paged KV cache; returns ``[T, Hq, D]``.
 
@@ -212,14 +227,16 @@ def paged_decode_attention(
     kv_lens such as the context limit) only sizes the splits; ``num_splits``
     overrides :func:`default_num_splits`. All last dims must be contiguous; other
     strides are free. CUDA-graph capturable (with splits it allocates fp32
-    work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``).
+    work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``). With ``q_index`` ``[T]``
+    (int32/int64, contiguous) row t's query is ``q[q_index[t]]`` (q is then any
+    ``[R, Hq, D]``; index values must lie in ``[0, R)``).
     """
-    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out)
-    T, Hq, D = q.shape
+    T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    _, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     splits = default_num_splits(T, Hkv, max_kv_len, q.device) if num_splits is None else max(1, int(num_splits))
@@ -233,7 +250,7 @@ def paged_decode_attention(
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(T, Hkv, splits)](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), q if q_index is None else q_index,
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
         req_pool_indices, kv_lens, req_to_page, req_to_page.stride(0), req_to_page.stride(1),
@@ -242,7 +259,7 @@ def paged_decode_attention(
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        Q_INDEX=q_index is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not one:
         _decode_combine_kernel[(T, Hq)](
@@ -267,10 +284,13 @@ def paged_decode_attention_ref(
     max_kv_len: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    q_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: per row, gather the slots of ``[0, kv_len)``, fp32 softmax."""
     del max_kv_len, num_splits
-    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out)
+    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    if q_index is not None:
+        q = q.index_select(0, q_index)
     T, Hq, D = q.shape
     G = Hq // k_cache.shape[1]
     res = torch.empty_like(q)

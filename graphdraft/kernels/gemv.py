@@ -26,6 +26,10 @@ acq_rel atomic after its stores; the one that sees `programs - 1` knows every pa
 memory, runs the finisher for all M rows and resets the counter. The sums keep their fixed
 order, so results do not depend on which program is last.
 
+  linear_small_m_partials
+                        the partials themselves, for a consumer kernel elsewhere that sums
+                        them (`fused_inputs`): `norm.rms_norm_cat`'s second input, RoPE's qkv.
+
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
 rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
 """
@@ -40,17 +44,16 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
+from graphdraft.kernels.fused_inputs import check_row_index, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 
 MAX_M = 16
+MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
 TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 FINISH_NORM_MAX_M = 4
 """Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
-NORM_CHUNK = 8192
-"""Columns per pass of the residual + RMSNorm pass (>= N: one pass, the row held in registers;
-measured 9 us per call faster at bs 1 than 1024-column passes, perf/RESULTS.md)."""
 FINISH_ARGMAX = False
 """Run the argmax's second stage in the LM-head GEMV's last program instead of its own launch
 (measured no faster at bs 1 and 15 us per call slower at bs 8: off)."""
@@ -121,7 +124,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
                  FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_RES_INDEX: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-                 HAS_TOKENS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr,
+                 HAS_TOKENS: tl.constexpr, NORM_BLOCK: tl.constexpr,
                  PDL: tl.constexpr, W_EVICT: tl.constexpr):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
     With FINISH, the launch's last program to finish (an atomic count on `counter`, reset by
@@ -185,7 +188,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                 if FINISH == 1:
                     _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
                                        nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
-                                       HAS_RES_INDEX, CHUNK, ONE_PASS)
+                                       HAS_RES_INDEX, NORM_BLOCK)
                 else:
                     argmax_final_row(m, amax_val_ptr, amax_idx_ptr, n_blocks, hot_ptr, ids_ptr,
                                      tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
@@ -212,9 +215,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: deterministic
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=ok, other=0.0)
+    acc = sum_partials(ws_ptr + offs, M * N, ok, SPLIT)  # fixed order: deterministic
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -223,59 +224,29 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 @triton.jit
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
                               h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
-                              HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr,
-                              ONE_PASS: tl.constexpr):
+                              HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
     _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
-                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, CHUNK,
-                       ONE_PASS)
+                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, BLOCK)
 
 
 @triton.jit
 def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr,
                        stride_out, h_ptr, stride_h, eps, SPLIT: tl.constexpr,
-                       HAS_RES_INDEX: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
+                       HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr):
     """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] or m)
-    -> `h[m]`, then `out[m] = RMSNorm(h[m])` (HF rounding, as `norm.rms_norm_row`), in two
-    passes over CHUNK columns. Partials are read from L2 (`.cg`): other programs wrote them."""
+    -> `h[m]`, then `out[m] = RMSNorm(h[m])` (`norm.rms_norm_row`); the row in registers
+    (one pass: two passes of 1024 columns measured 9 us per draft call slower)."""
     row = tl.cast(row, tl.int64)  # a loop index (a python int when interpreting) or program id
     r_row = tl.load(res_idx_ptr + row).to(tl.int64) if HAS_RES_INDEX else row
-    if ONE_PASS:  # CHUNK >= N: the whole row in registers
-        cols = tl.arange(0, CHUNK)
-        ok = cols < N
-        acc = tl.zeros((CHUNK,), dtype=tl.float32)
-        for s in range(SPLIT):  # fixed order: deterministic
-            acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0,
-                           cache_modifier=".cg")
-        r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
-        h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
-        return
-    sq = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        ok = cols < N
-        acc = tl.zeros((CHUNK,), dtype=tl.float32)
-        for s in range(SPLIT):  # fixed order: deterministic
-            acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0,
-                           cache_modifier=".cg")
-        r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
-        h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
-        hf = h.to(tl.float32)
-        sq += hf * hf
-    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
-    tl.debug_barrier()
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        ok = cols < N
-        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        y = (h.to(tl.float32) * rstd).to(h.dtype)
-        tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y.to(tl.float32)).to(h.dtype),
-                 mask=ok)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT)  # fixed order: deterministic
+    r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
+    h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w, N, eps), mask=ok)
 
 
 # ---------------------------------------------------------------------------
@@ -355,11 +326,6 @@ class _ArgmaxFinish:
     tokens: torch.Tensor | None
 
 
-def norm_chunk(n: int) -> int:
-    """Columns per pass of the residual + RMSNorm pass over rows of n (a power of two)."""
-    return NORM_CHUNK if NORM_CHUNK < n else triton.next_power_of_2(n)
-
-
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -393,7 +359,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     # one program) would raise the whole kernel's count and halve that: cap it there
     capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
     extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
-    chunk = norm_chunk(n)
     pdl = bool(GEMV_PDL) and x.is_cuda and not _interpreting()
     if pdl:
         extra["launch_pdl"] = True
@@ -408,7 +373,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot, FINISH=kind,
         SPLIT=cfg.split, HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
         SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=bool(pick and pick.hot_token_ids is not None),
-        HAS_TOKENS=bool(pick and pick.tokens is not None), CHUNK=chunk, ONE_PASS=chunk >= n,
+        HAS_TOKENS=bool(pick and pick.tokens is not None), NORM_BLOCK=triton.next_power_of_2(n),
         PDL=pdl, W_EVICT="evict_first" if STREAM_EVICT_FIRST else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
@@ -432,6 +397,20 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
                                                       SPLIT=cfg.split, BLOCK=block)
     return out
+
+
+def linear_small_m_partials(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None,
+                            config: GemvConfig | None = None) -> torch.Tensor:
+    """The unsummed fp32 split-K partials `[split, M, N]` (split >= 1, contiguous) of
+    `act(x) [M, K] @ w [N, K]^T`, 1 <= M <= 16, for a consumer kernel that sums them itself
+    (`fused_inputs.sum_partials`, then rounded to x.dtype: `linear_small_m`'s bits)."""
+    _check(x, w, None, act)
+    m, n = x.shape[0], w.shape[0]
+    cfg = config or gemv_config(m, n, _k_of(x, act))
+    x, act = _act_input(x, act)
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    return ws
 
 
 def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
@@ -488,14 +467,14 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
         raise ValueError(f"residual: expected [{'R' if residual_index is not None else m}, {n}] "
                          f"{x.dtype} with unit column stride, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
-    if residual_index is not None and (residual_index.shape != (m,) or residual_index.device != x.device
-                                       or residual_index.dtype not in (torch.int32, torch.int64)
-                                       or not residual_index.is_contiguous()):
-        raise ValueError(f"residual_index: expected contiguous int32/int64 [{m}] on {x.device}, got "
-                         f"{residual_index.dtype} {tuple(residual_index.shape)}")
+    if residual_index is not None:
+        check_row_index("residual_index", residual_index, m, x.device)
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if n > MAX_NORM_N:
+        raise ValueError(f"w: expected at most {MAX_NORM_N} rows (the norm holds a row in "
+                         f"registers), got {n}")
     if h_out is not None and (tuple(h_out.shape) != (m, n) or h_out.dtype != x.dtype
                               or h_out.stride(-1) != 1 or h_out.device != x.device):
         raise ValueError(f"h_out: expected [{m}, {n}] {x.dtype} on {x.device} with unit column "
@@ -514,7 +493,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                     residual_index if residual_index is not None else ws,
                                     norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
                                     SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
-                                    CHUNK=norm_chunk(n), ONE_PASS=norm_chunk(n) >= n,
+                                    BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)))
     return out, h
 

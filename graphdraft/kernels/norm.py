@@ -1,5 +1,9 @@
 """RMSNorm (HF LlamaRMSNorm numerics), optionally fused with the residual add.
 
+`rms_norm_cat` normalises two inputs side by side (the EAGLE-3 head's `[embedding ; hidden]`);
+fused into it: a row gather of the first input (`a_index`: the embedding lookup) and the
+split-K sum of the second (b given as a GEMV's fp32 partials: the fc projection's sum).
+
 Math, exactly as HF Llama::
 
     h  = x + residual                      # in the input dtype (if residual given)
@@ -15,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from graphdraft.kernels.fused_inputs import check_partials, check_row_index, sum_partials
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
@@ -52,38 +58,82 @@ def rms_norm_row(x, w, N, eps):
 
 
 @triton.jit
-def _rms_norm_cat_kernel(a_ptr, stride_a, wa_ptr, eps_a, b_ptr, stride_b, wb_ptr, eps_b,
-                         out_ptr, stride_out, N, BLOCK: tl.constexpr):
-    """Program (row, half): half 0 writes RMSNorm(a[row]) to out[row, :N], half 1 RMSNorm(b[row])
-    to out[row, N:]."""
+def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, stride_b, split_stride_b,
+                         wb_ptr, eps_b, b_out_ptr, stride_b_out, out_ptr, stride_out, N,
+                         BLOCK: tl.constexpr, A_INDEX: tl.constexpr, B_SPLIT: tl.constexpr):
+    """Program (row, half): half 0 writes RMSNorm(a[row]) (A_INDEX: a[a_index[row]]) to
+    out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]. B_SPLIT > 0: b is that many fp32
+    split-K partials, whose rounded sum is b[row] and is also written to b_out[row]."""
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     if half == 0:
-        x = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+        a_row = row
+        if A_INDEX:
+            a_row = tl.load(a_index_ptr + row).to(tl.int64)
+        x = tl.load(a_ptr + a_row * stride_a + cols, mask=mask, other=0.0)
         w = tl.load(wa_ptr + cols, mask=mask, other=0.0)
         eps = eps_a
     else:
-        x = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+        if B_SPLIT > 0:
+            x = sum_partials(b_ptr + row * stride_b + cols, split_stride_b, mask, B_SPLIT)
+            x = x.to(b_out_ptr.dtype.element_ty)
+            tl.store(b_out_ptr + row * stride_b_out + cols, x, mask=mask)
+        else:
+            x = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
         w = tl.load(wb_ptr + cols, mask=mask, other=0.0)
         eps = eps_b
     tl.store(out_ptr + row * stride_out + half * N + cols, rms_norm_row(x, w, N, eps), mask=mask)
 
 
 def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
-                 weight_b: torch.Tensor, eps_b: float) -> torch.Tensor:
-    """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch."""
+                 weight_b: torch.Tensor, eps_b: float, *, a_index: torch.Tensor | None = None,
+                 b_out: torch.Tensor | None = None) -> torch.Tensor:
+    """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch.
+
+    With `a_index` `[M]` (int32/int64, contiguous) row m of the first input is `a[a_index[m]]`
+    (a is then any `[R, N]` table, such as an embedding: the lookup is fused; the index values
+    must lie in `[0, R)`).
+    b may instead be the fp32 split-K partials `[split, M, N]` of the matmul that makes it
+    (`gemv.linear_small_m_partials`): the kernel sums them and rounds to a's dtype exactly as
+    `gemv.linear_small_m` would (`fused_inputs`), normalises that, and writes it to `b_out`
+    `[M, N]` (required then, a's dtype, unit column stride).
+    """
     _check(a, weight_a, None, None, None)
-    _check(b, weight_b, None, None, None)
-    if b.shape != a.shape or b.dtype != a.dtype:
-        raise ValueError(f"b: expected {a.dtype} {tuple(a.shape)} like a, got {b.dtype} {tuple(b.shape)}")
-    M, N = a.shape
+    N = a.shape[1]
+    if b.dim() == 3:
+        M = b.shape[1]
+        check_partials("b", b, M, N, a.device)
+        if (b_out is None or b_out.shape != (M, N) or b_out.dtype != a.dtype
+                or b_out.device != a.device or (M > 0 and N > 1 and b_out.stride(1) != 1)):
+            got = "None" if b_out is None else f"{b_out.dtype} {tuple(b_out.shape)} on {b_out.device}"
+            raise ValueError(f"b_out: expected {a.dtype} [{M}, {N}] on {a.device} with unit column "
+                             f"stride (for the sum of b's split partials), got {got}")
+        _check(b_out, weight_b, None, None, None)
+        b_rows = b_out
+    else:
+        if b_out is not None:
+            raise ValueError("b_out: only valid when b is split partials [split, M, N]")
+        _check(b, weight_b, None, None, None)
+        M, b_rows = b.shape[0], b
+    if a_index is None:
+        if b_rows.shape != a.shape or b_rows.dtype != a.dtype:
+            raise ValueError(f"b: expected {a.dtype} {tuple(a.shape)} like a, got {b.dtype} {tuple(b.shape)}")
+    else:
+        if b_rows.shape[1] != N or b_rows.dtype != a.dtype or b_rows.device != a.device:
+            raise ValueError(f"b: expected {a.dtype} [M, {N}] on {a.device} like a's rows, "
+                             f"got {b.dtype} {tuple(b.shape)} on {b.device}")
+        check_row_index("a_index", a_index, M, a.device)
     out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
     if M > 0:
         block = triton.next_power_of_2(N)
-        _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), weight_a, float(eps_a), b, b.stride(0), weight_b,
-                                     float(eps_b), out, out.stride(0), N, BLOCK=block,
+        b_split = b.shape[0] if b.dim() == 3 else 0
+        b_stride = b.stride(1) if b_split else b.stride(0)
+        _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), a if a_index is None else a_index, weight_a,
+                                     float(eps_a), b, b_stride, b.stride(0), weight_b, float(eps_b),
+                                     b_rows, b_rows.stride(0), out, out.stride(0), N, BLOCK=block,
+                                     A_INDEX=a_index is not None, B_SPLIT=b_split,
                                      num_warps=min(16, max(1, block // 512)))
     return out
 

@@ -6,6 +6,11 @@ For each token t, with ``c = cos_sin_cache[positions[t], :D/2]`` and
 (fp32 math, stored in x's dtype). q is rotated in place; rotated k and raw v are
 written to ``k_cache[out_cache_loc[t]]`` / ``v_cache[out_cache_loc[t]]``; k itself
 is left unchanged. One program per token handles all heads.
+
+Fused form: `rope_and_store_kv_partials` takes qkv as the qkv GEMV's fp32 split-K partials
+`[split, T, (Hq + 2 Hkv) * D]` (`gemv.linear_small_m_partials`) and sums them while loading
+(`fused_inputs.sum_partials`, rounded to the cache dtype: the bits `gemv.linear_small_m` would
+have written), replacing the GEMV's split-sum launch; rotated q goes to a separate `[T, Hq, D]`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope_and_store_kv", "rope_and_store_kv_ref"]
+from graphdraft.kernels.fused_inputs import check_partials, sum_partials
+
+__all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -27,17 +34,31 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit
+def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
+    """q/k/v values: loaded (SPLIT == 0) or the fp32 sum of SPLIT split-K partials."""
+    if SPLIT > 0:
+        x = sum_partials(ptrs, split_stride, mask, SPLIT)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_t, sk_h,
     v_ptr, sv_t, sv_h,
+    split_stride,
+    qo_ptr, sqo_t, sqo_h,
     pos_ptr, cs_ptr, s_cs,
     kc_ptr, skc_s, skc_h,
     vc_ptr, svc_s, svc_h,
     loc_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """SPLIT == 0: q/k/v are the activations (q_out may be q itself); SPLIT > 0: they are fp32
+    split-K partials (strides of one split), each summed and rounded to the cache dtype."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -46,48 +67,48 @@ def _rope_store_kernel(
     c = tl.load(cs_ptr + pos * s_cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
 
-    # q: rotate in place.
-    hq = tl.arange(0, HQ_PAD)
-    m = (hq[:, None] < HQ) & dmask[None, :]
-    p1 = q_ptr + t * sq_t + hq[:, None].to(tl.int64) * sq_h + d[None, :]
-    q1 = tl.load(p1, mask=m, other=0.0)
-    q2 = tl.load(p1 + HALF, mask=m, other=0.0)
+    # q: rotate into q_out.
+    dtype = kc_ptr.dtype.element_ty
+    hq = tl.arange(0, HQ_PAD)[:, None].to(tl.int64)
+    m = (hq < HQ) & dmask[None, :]
+    p1 = q_ptr + t * sq_t + hq * sq_h + d[None, :]
+    q1 = _load_input(p1, m, split_stride, SPLIT).to(dtype)
+    q2 = _load_input(p1 + HALF, m, split_stride, SPLIT).to(dtype)
     o1, o2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c, s)
-    tl.store(p1, o1.to(q1.dtype), mask=m)
-    tl.store(p1 + HALF, o2.to(q1.dtype), mask=m)
+    po = qo_ptr + t * sqo_t + hq * sqo_h + d[None, :]
+    tl.store(po, o1.to(dtype), mask=m)
+    tl.store(po + HALF, o2.to(dtype), mask=m)
 
     # k: rotate into the cache; v: copy into the cache.
     hk = tl.arange(0, HKV_PAD)[:, None].to(tl.int64)
     m = (hk < HKV) & dmask[None, :]
     pk = k_ptr + t * sk_t + hk * sk_h + d[None, :]
-    k1 = tl.load(pk, mask=m, other=0.0)
-    k2 = tl.load(pk + HALF, mask=m, other=0.0)
+    k1 = _load_input(pk, m, split_stride, SPLIT).to(dtype)
+    k2 = _load_input(pk + HALF, m, split_stride, SPLIT).to(dtype)
     o1, o2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), c, s)
     pkc = kc_ptr + loc * skc_s + hk * skc_h + d[None, :]
-    tl.store(pkc, o1.to(kc_ptr.dtype.element_ty), mask=m)
-    tl.store(pkc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(pkc, o1.to(dtype), mask=m)
+    tl.store(pkc + HALF, o2.to(dtype), mask=m)
     pv = v_ptr + t * sv_t + hk * sv_h + d[None, :]
     pvc = vc_ptr + loc * svc_s + hk * svc_h + d[None, :]
-    tl.store(pvc, tl.load(pv, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
-    tl.store(pvc + HALF, tl.load(pv + HALF, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+    tl.store(pvc, _load_input(pv, m, split_stride, SPLIT).to(vc_ptr.dtype.element_ty), mask=m)
+    tl.store(pvc + HALF, _load_input(pv + HALF, m, split_stride, SPLIT).to(vc_ptr.dtype.element_ty),
+             mask=m)
 
 
-def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
+def _check_q(name, q) -> None:
     if q.dim() != 3 or q.dtype not in _DTYPES:
-        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16, got {tuple(q.shape)} {q.dtype}")
+        raise ValueError(f"{name}: expected [T, Hq, D] float32/float16/bfloat16, got {tuple(q.shape)} {q.dtype}")
+    if q.shape[2] % 2 or q.stride(2) != 1:
+        raise ValueError(f"{name}: head_dim must be even and the last dim contiguous")
+
+
+def _check_targets(q, hkv, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
+    """The caches, rows and table around q `[T, Hq, D]` (which fixes T, D, dtype and device)."""
     T, _, D = q.shape
-    if D % 2 or q.stride(2) != 1:
-        raise ValueError("q: head_dim must be even and the last dim contiguous")
-    for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3 or t.shape[0] != T or t.shape[2] != D or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} [{T}, Hkv, {D}], got {t.dtype} {tuple(t.shape)}")
-        if t.stride(2) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[1:] != k.shape[1:] or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} [num_slots, {k.shape[1]}, {D}], got {t.dtype} {tuple(t.shape)}")
+        if t.dim() != 3 or t.shape[1:] != (hkv, D) or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} [num_slots, {hkv}, {D}], got {t.dtype} {tuple(t.shape)}")
         if t.stride(2) != 1:
             raise ValueError(f"{name}: last dim must be contiguous")
     for name, t in (("positions", positions), ("out_cache_loc", out_cache_loc)):
@@ -96,6 +117,41 @@ def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -
     cs = cos_sin_cache
     if cs.dim() != 2 or cs.shape[1] != D or cs.dtype != torch.float32 or cs.stride(1) != 1 or cs.device != q.device:
         raise ValueError(f"cos_sin_cache: expected float32 [max_pos, {D}] with a contiguous last dim, got {cs.dtype} {tuple(cs.shape)}")
+
+
+def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
+    _check_q("q", q)
+    T, _, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[0] != T or t.shape[2] != D or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} [{T}, Hkv, {D}], got {t.dtype} {tuple(t.shape)}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_targets(q, k.shape[1], positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+
+
+def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
+            out_cache_loc) -> None:
+    """q/k/v `[T, H, D]` views (split 0) or `[split, T, H, D]` views of fp32 partials."""
+    T, Hq, D = q_out.shape
+    Hkv, half = k_cache.shape[1], D // 2
+    _rope_store_kernel[(T,)](
+        q, q.stride(-3), q.stride(-2),
+        k, k.stride(-3), k.stride(-2),
+        v, v.stride(-3), v.stride(-2),
+        q.stride(0) if split else 0,
+        q_out, q_out.stride(0), q_out.stride(1),
+        positions, cos_sin_cache, cos_sin_cache.stride(0),
+        k_cache, k_cache.stride(0), k_cache.stride(1),
+        v_cache, v_cache.stride(0), v_cache.stride(1),
+        out_cache_loc,
+        HQ=Hq, HKV=Hkv, HALF=half,
+        HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
+        HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
+        num_warps=4,
+    )
 
 
 def rope_and_store_kv(
@@ -117,23 +173,47 @@ def rope_and_store_kv(
     write wins undefined): only padded rows aimed at a dummy slot may do that.
     """
     _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
-    T, Hq, D = q.shape
-    if T == 0:
-        return
-    Hkv, half = k.shape[1], D // 2
-    _rope_store_kernel[(T,)](
-        q, q.stride(0), q.stride(1),
-        k, k.stride(0), k.stride(1),
-        v, v.stride(0), v.stride(1),
-        positions, cos_sin_cache, cos_sin_cache.stride(0),
-        k_cache, k_cache.stride(0), k_cache.stride(1),
-        v_cache, v_cache.stride(0), v_cache.stride(1),
-        out_cache_loc,
-        HQ=Hq, HKV=Hkv, HALF=half,
-        HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
-    )
+    if q.shape[0] > 0:
+        _launch(q, k, v, 0, q, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+
+
+def rope_and_store_kv_partials(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`rope_and_store_kv` of a fused qkv given as the qkv GEMV's fp32 split-K partials
+    ``[split, T, (Hq + 2 Hkv) * D]`` (contiguous; Hkv and D are the cache's): each value is
+    summed and rounded to the cache dtype while loading, the bits ``gemv.linear_small_m``
+    would have written. Rotated q goes to ``q_out`` ``[T, Hq, D]`` (cache dtype, last dim
+    contiguous; allocated when None), which is returned; k and v go to the cache as there.
+    """
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache: expected [num_slots, Hkv, D], got {tuple(k_cache.shape)}")
+    hkv, D = k_cache.shape[1], k_cache.shape[2]
+    width = qkv.shape[-1] if qkv.dim() == 3 else 0
+    if width % D or width // D <= 2 * hkv:
+        raise ValueError(f"qkv: expected float32 split-K partials [split, T, (Hq + 2*{hkv}) * {D}], "
+                         f"got {qkv.dtype} {tuple(qkv.shape)}")
+    check_partials("qkv", qkv, qkv.shape[1], width, k_cache.device)
+    T, Hq = qkv.shape[1], width // D - 2 * hkv
+    if q_out is None:
+        q_out = torch.empty((T, Hq, D), dtype=k_cache.dtype, device=k_cache.device)
+    _check_q("q_out", q_out)
+    if q_out.shape != (T, Hq, D) or q_out.dtype != k_cache.dtype or q_out.device != k_cache.device:
+        raise ValueError(f"q_out: expected {k_cache.dtype} [{T}, {Hq}, {D}] on {k_cache.device}, "
+                         f"got {q_out.dtype} {tuple(q_out.shape)} on {q_out.device}")
+    _check_targets(q_out, hkv, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+    if T > 0:
+        q, k, v = qkv.view(qkv.shape[0], T, Hq + 2 * hkv, D).split([Hq, hkv, hkv], dim=2)
+        _launch(q, k, v, qkv.shape[0], q_out, positions, cos_sin_cache, k_cache, v_cache,
+                out_cache_loc)
+    return q_out
 
 
 def rope_and_store_kv_ref(
