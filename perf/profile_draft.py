@@ -3,8 +3,8 @@
 `python3 -m perf.profile_draft --out DIR [--bs 1,8] [--kv 512]`
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
-default all; `name:KNOB=V+KNOB=V` also sets `kernels.gemv` module knobs for that variant,
-e.g. `gemv:FINISH_ARGMAX=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
+default all; `name:KNOB=V+mod.KNOB=V` also sets module knobs of `kernels.gemv` / `kernels.mod`
+for that variant, e.g. `gemv:FINISH_ARGMAX=0+pdl.ENABLED=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
 every matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s
 swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
 `GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
@@ -17,6 +17,7 @@ swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -77,17 +78,20 @@ def after_l2_flush_us(fn, reps: int = 20, flush_bytes: int = 512 << 20) -> float
     return statistics.median(times[2:])
 
 
-def gemv_knobs(spec: str) -> dict:
-    """`"FINISH_ARGMAX=0+NORM_CHUNK=4096"` -> `{name: value}` for `kernels.gemv`'s module knobs
-    (ints; 0 / "none" for a False / None knob)."""
+def kernel_knobs(spec: str) -> dict:
+    """`"FINISH_ARGMAX=0+pdl.ENABLED=0"` -> `{(module, name): value}`: module-level knobs of
+    `graphdraft.kernels.gemv` (bare names) or `graphdraft.kernels.<module>` (ints; 0 / "none" for
+    a False / None knob)."""
     out = {}
     for item in filter(None, spec.split("+")):
         k, _, v = item.partition("=")
-        if not k.isupper() or not hasattr(gemv, k):
-            raise SystemExit(f"--variants: {k!r} is not a knob of graphdraft.kernels.gemv")
-        cur = getattr(gemv, k)
-        out[k] = (None if v.lower() == "none" else bool(int(v)) if isinstance(cur, bool)
-                  else int(v))
+        mod_name, _, name = k.rpartition(".")
+        mod = importlib.import_module(f"graphdraft.kernels.{mod_name or 'gemv'}")
+        if not name.isupper() or not hasattr(mod, name):
+            raise SystemExit(f"--variants: {k!r} is not a knob of {mod.__name__}")
+        cur = getattr(mod, name)
+        out[(mod, name)] = (None if v.lower() == "none" else bool(int(v)) if isinstance(cur, bool)
+                            else int(v))
     return out
 
 
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     head = build_head(LLAMA31_8B_HEAD, "cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "kv": a.kv, "runs": {}}
     labels = a.variants.split(",")
-    knobs = {label: gemv_knobs(label.partition(":")[2]) for label in labels}
+    knobs = {label: kernel_knobs(label.partition(":")[2]) for label in labels}
     bad = sorted({lb.partition(":")[0] for lb in labels} - {"cublas", "gemv", "gemv-uniform-tiles"})
     if bad:
         p.error(f"--variants: expected names from cublas, gemv, gemv-uniform-tiles; got {bad}")
@@ -121,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         small_m = 0 if name == "cublas" else ops.SMALL_M_MAX
         tiles = "uniform" if name == "gemv-uniform-tiles" else ""
         saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
-        saved_knobs = {k: getattr(gemv, k) for k in knobs[label]}
-        for k, v in knobs[label].items():
-            setattr(gemv, k, v)
+        saved_knobs = {k: getattr(*k) for k in knobs[label]}
+        for (mod, name), v in knobs[label].items():
+            setattr(mod, name, v)
         os.environ[gemv.TILES_ENV] = tiles  # read at every call: the graphs capture it
         try:
             group = build_group(head, 16, a.kv, sizes)
@@ -160,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         finally:
             ops.SMALL_M_MAX = saved
-            for k, v in saved_knobs.items():
-                setattr(gemv, k, v)
+            for (mod, name), v in saved_knobs.items():
+                setattr(mod, name, v)
             if saved_tiles is None:
                 os.environ.pop(gemv.TILES_ENV, None)
             else:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.pdl import launch_options, pdl_enter
+
 __all__ = ["argmax_with_map", "argmax_with_map_ref", "num_sms"]
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,8 +83,10 @@ def _argmax_stage1_kernel(
 def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
     SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program b: `argmax_final_row` of row b."""
+    pdl_enter(PDL)
     argmax_final_row(tl.program_id(0), part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
                      tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
 
@@ -177,6 +181,7 @@ def argmax_with_map(
     _argmax_stage2_kernel[(B,)](
         part_val, part_idx, splits, hot, out, out, 0,
         SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=False, num_warps=1,
+        **launch_options(logits.device),
     )
     return out
 

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.pdl import launch_options, pdl_enter
+
 __all__ = [
     "compute_out_cache_loc_uniform",
     "compute_out_cache_loc_uniform_ref",
@@ -96,7 +98,9 @@ def _uniform_kernel(
     seq_out_ptr,
     BLOCK: tl.constexpr,
     FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
     start = tl.load(start_ptr + row * stride_start).to(tl.int64)
@@ -153,7 +157,9 @@ def _ragged_kernel(
 
 
 @triton.jit
-def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr):
+def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = i < n
     s = tl.load(seq_lens_ptr + i * stride_seq, mask=mask, other=0)
@@ -268,7 +274,7 @@ def compute_out_cache_loc_uniform(
         req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
         page_size,
         positions_out if first else out, seq_lens_out if first else out,
-        BLOCK=block, FIRST=first,
+        BLOCK=block, FIRST=first, **launch_options(dev),
     )
 
 
@@ -360,7 +366,8 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
         return
     block = min(max(triton.next_power_of_2(bs), 16), _MAX_ADVANCE_BLOCK)
     _advance_kernel[(triton.cdiv(bs, block),)](
-        seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block
+        seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block,
+        **launch_options(seq_lens.device),
     )
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.fused_inputs import check_row_index
+from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -52,7 +53,9 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,7 +130,9 @@ def _decode_combine_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
     chunk, num_splits,
     D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
@@ -260,13 +265,14 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
         Q_INDEX=q_index is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **launch_options(q.device),
     )
     if not one:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)),
-            num_warps=4,
+            num_warps=4, **launch_options(q.device),
         )
     return out
 

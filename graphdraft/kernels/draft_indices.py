@@ -20,13 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.pdl import launch_options, pdl_enter
+
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
 
 
 @triton.jit
 def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather_ptr,
                                  seq_out_ptr, write_start_ptr, tokens_ptr, last_ptr, stride_last,
-                                 bs, N, token_offset, BLOCK: tl.constexpr, LAST: tl.constexpr):
+                                 bs, N, token_offset, BLOCK: tl.constexpr, LAST: tl.constexpr,
+                                 PDL: tl.constexpr):
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < bs
     acc = tl.load(accept_ptr + r, mask=ok, other=1)
@@ -86,7 +90,7 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
         accept, target_seq_lens, req, valid_cache_lengths, gather_ids, seq_lens, write_start,
         tokens if last else gather_ids, last_token if last else gather_ids,
         last_token.stride(0) if last else 0, bs, n, token_offset, BLOCK=block, LAST=last,
-        num_warps=1 if block <= 128 else 4)
+        num_warps=1 if block <= 128 else 4, **launch_options(accept.device))
 
 
 def decode_draft_indices_ref(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,

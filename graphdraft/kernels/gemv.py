@@ -46,6 +46,7 @@ import triton.language as tl
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
 from graphdraft.kernels.fused_inputs import check_row_index, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
+from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 MAX_M = 16
 MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
@@ -196,8 +197,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     """Row m of `[gate ; up]`: `out = silu(gate) * up`, each rounded like the torch ops."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -211,7 +214,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
@@ -224,8 +228,10 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
 @triton.jit
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
                               h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
-                              HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+                              HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
+    pdl_enter(PDL)
     _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
                        out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, BLOCK)
 
@@ -301,7 +307,8 @@ def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | No
     m, k = x.shape[0], x.shape[1] // 2
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block,
+                                                  **launch_options(x.device))
     return out, None
 
 
@@ -395,7 +402,8 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     _launch(x, w, out, ws, act, cfg, to_ws=True)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                      SPLIT=cfg.split, BLOCK=block)
+                                                      SPLIT=cfg.split, BLOCK=block,
+                                                      **launch_options(x.device))
     return out
 
 
@@ -445,7 +453,8 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
                                     tokens_out if has_tokens else ids,
                                     tokens_out.stride(0) if has_tokens else 0,
                                     SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                    HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1)
+                                    HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1,
+                                    **launch_options(x.device))
     return logits, ids
 
 
@@ -494,7 +503,8 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                     norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
                                     SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
                                     BLOCK=triton.next_power_of_2(n),
-                                    num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)))
+                                    num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
+                                    **launch_options(x.device))
     return out, h
 
 

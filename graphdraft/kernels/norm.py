@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.fused_inputs import check_partials, check_row_index, sum_partials
+from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
@@ -60,10 +61,12 @@ def rms_norm_row(x, w, N, eps):
 @triton.jit
 def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, stride_b, split_stride_b,
                          wb_ptr, eps_b, b_out_ptr, stride_b_out, out_ptr, stride_out, N,
-                         BLOCK: tl.constexpr, A_INDEX: tl.constexpr, B_SPLIT: tl.constexpr):
+                         BLOCK: tl.constexpr, A_INDEX: tl.constexpr, B_SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (row, half): half 0 writes RMSNorm(a[row]) (A_INDEX: a[a_index[row]]) to
     out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]. B_SPLIT > 0: b is that many fp32
     split-K partials, whose rounded sum is b[row] and is also written to b_out[row]."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -134,7 +137,8 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
                                      float(eps_a), b, b_stride, b.stride(0), weight_b, float(eps_b),
                                      b_rows, b_rows.stride(0), out, out.stride(0), N, BLOCK=block,
                                      A_INDEX=a_index is not None, B_SPLIT=b_split,
-                                     num_warps=min(16, max(1, block // 512)))
+                                     num_warps=min(16, max(1, block // 512)),
+                                     **launch_options(out.device))
     return out
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.fused_inputs import check_partials, sum_partials
+from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref"]
 
@@ -56,9 +57,11 @@ def _rope_store_kernel(
     loc_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """SPLIT == 0: q/k/v are the activations (q_out may be q itself); SPLIT > 0: they are fp32
     split-K partials (strides of one split), each summed and rounded to the cache dtype."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -150,7 +153,7 @@ def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
         HQ=Hq, HKV=Hkv, HALF=half,
         HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
         HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
-        num_warps=4,
+        num_warps=4, **launch_options(k_cache.device),
     )
 
 

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (PDL) for the draft chain's Triton kernels (CUDA only).
+
+A kernel launched with PDL (`launch_pdl=True`) may start while the kernel before it on the
+stream is still running, which hides the launch gap between the short kernels of a draft step.
+It must wait (`griddepcontrol.wait`) before it touches memory: every chain kernel starts with
+`pdl_enter(PDL)`, which waits for the previous kernel and then lets the next one launch, so at
+most one kernel waits ahead. The GEMV waits first too but lets the next launch start only after
+its K loop (`kernels.gemv`). Under CUDA graphs the launches become programmatic edges.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True
+"""Off: the small kernels launch plainly (the GEMV has its own switch, `gemv.GEMV_PDL`)."""
+
+
+def enabled(device: torch.device) -> bool:
+    return ENABLED and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments of a kernel launch: `PDL` (the constexpr) and `launch_pdl`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a chain kernel: wait for the previous kernel, then let the next launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
