@@ -2,7 +2,7 @@
 
 `python3 -m perf.l2_prefetch_probe --out DIR`
 
-One CUDA graph per variant, replayed; each rep runs, on the main stream, a gate_up-sized
+One CUDA graph per variant (`gemv_sweep.graph_time_us`), replayed; each rep runs, on the main stream, a gate_up-sized
 GEMV (235 MB: HBM-bound, flushes L2), a chain of small kernels (about the non-matmul work
 between two draft GEMVs) and an o_proj-sized GEMV `[4096, 4096]` whose weight rotates over
 copies (never L2-resident from a previous rep). A variant forks a side stream after the big
@@ -26,6 +26,7 @@ import triton.language as tl
 
 from graphdraft.kernels.gemv import linear_small_m
 from perf.bench import copy_bandwidth
+from perf.gemv_sweep import graph_time_us
 
 REPS = 20
 
@@ -99,27 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.current_stream().wait_stream(side)
 
     def time_variant(**kw) -> float:
-        def body():
-            for i in range(REPS):
-                rep_fn(i, **kw)
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            body()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        times = []
-        for _ in range(12):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / REPS)
-        return sorted(times[2:])[len(times[2:]) // 2]
+        return graph_time_us(lambda i: rep_fn(i, **kw), REPS, reps=10)
 
     base = dict(mode=None, nbytes=0, programs=0)
     rows = {"gemv_only": time_variant(o_gemv=False, chain=False, **base),
