@@ -89,6 +89,41 @@ def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
     assert st.total_replays > 0 and st.eager["above_max"] > 0
 
 
+@pytest.mark.parametrize("bs", [1, 3, 8])
+def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
+    """Graphs captured with programmatic dependent launch (the default) vs an eager run whose
+    kernels all launch plainly: identical drafts and KV writes (griddepcontrol.wait guards
+    every read of a previous kernel's output)."""
+    from graphdraft.kernels import gemv, pdl
+
+    assert pdl.ENABLED and gemv.GEMV_PDL
+    s = make_setup(steps=3, page_size=16, hot=True, seed=bs, device="cuda", dtype="bfloat16",
+                   max_running_requests=8, cuda_graph_max_bs=8)
+    s.drafter.capture_graphs()
+    loop = FakeServingLoop(s, seed=bs)
+    for _ in range(bs):
+        loop.add(20, 64)
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+    rows, order, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
+    assert ctx.num_extends == 0
+    with monkeypatch.context() as m:  # the eager half of _run_both launches plainly
+        m.setattr(pdl, "ENABLED", False)
+        m.setattr(gemv, "GEMV_PDL", False)
+        real_run = s.drafter.run
+
+        def run(*args):
+            if os.environ.get("GRAPHDRAFT_EAGER") != "1":
+                with monkeypatch.context() as on:  # the replay: graphs keep their PDL edges
+                    on.setattr(pdl, "ENABLED", True)
+                    on.setattr(gemv, "GEMV_PDL", True)
+                    return real_run(*args)
+            return real_run(*args)
+
+        m.setattr(s.drafter, "run", run)
+        _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
+
+
 def test_ten_thousand_replays_no_growth_no_recapture():
     s = make_setup(steps=3, page_size=16, seed=3, device="cuda", dtype="bfloat16",
                    validate_inputs=False)
