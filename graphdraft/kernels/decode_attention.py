@@ -39,6 +39,9 @@ BLOCK_N = 64  # KV positions per loop step
 MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
 NUM_WARPS = 4
 NUM_STAGES = 3
+COMBINE_IN_SPLIT = False
+"""Combine the splits in the last split program of each (row, kv head) to finish (an arrival
+counter per pair) instead of a second launch."""
 
 
 @triton.jit
@@ -53,6 +56,8 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
+    fo_ptr, counter_ptr,  # COMBINE: the final output [T, Hq, D] (strides so_t, so_h), counters
+    COMBINE: tl.constexpr, SB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -61,8 +66,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
     start = split * chunk
-    if start >= kv_len:
-        return  # nothing of this row here; stage 2 ignores this split
+    if start >= kv_len:  # nothing of this row here; the combine ignores this split
+        if COMBINE:
+            _arrive_and_combine(t, kvh, counter_ptr, o_ptr, lse_ptr, kv_len, fo_ptr, so_t, so_h,
+                                chunk, num_splits, G, D, D_PAD, SB)
+        return
     end = tl.minimum(start + chunk, kv_len)
     if split == num_splits - 1:
         end = kv_len
@@ -123,6 +131,9 @@ def _decode_split_kernel(
         row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [G_PAD]
         tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
+        if COMBINE:
+            _arrive_and_combine(t, kvh, counter_ptr, o_ptr, lse_ptr, kv_len, fo_ptr, so_t, so_h,
+                                chunk, num_splits, G, D, D_PAD, SB)
 
 
 @triton.jit
@@ -132,14 +143,41 @@ def _decode_combine_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (t, h): `_combine_head`."""
     pdl_enter(PDL)
     t = tl.program_id(0)
-    h = tl.program_id(1)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    _combine_head(t, tl.program_id(1), tl.num_programs(1), part_ptr, lse_ptr, kv_len, o_ptr, so_t,
+                  so_h, chunk, num_splits, D, D_PAD, SB)
+
+
+@triton.jit
+def _arrive_and_combine(t, kvh, counter_ptr, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h, chunk,
+                        num_splits, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                        SB: tl.constexpr):
+    """A split program of (t, kvh) is done: count it in; the last of the pair's `num_splits`
+    combines the G heads of kv head kvh and resets the counter (acq_rel: every split's partials
+    are visible to it)."""
+    tl.debug_barrier()
+    hkv = tl.num_programs(1)
+    c = counter_ptr + t * hkv + kvh
+    if tl.atomic_add(c, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        for g in range(G):
+            _combine_head(t, kvh * G + g, hkv * G, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h,
+                          chunk, num_splits, D, D_PAD, SB)
+        tl.atomic_xchg(c, 0)
+
+
+@triton.jit
+def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h, chunk, num_splits,
+                  D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr):
+    """Head h of row t: the log-sum-exp weighted sum of its splits' partial outputs."""
+    t = tl.cast(t, tl.int64)  # program ids, or loop indices (python ints when interpreting)
+    h = tl.cast(h, tl.int64)
     active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # splits that wrote
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    row = (t.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    row = (t * num_heads + h) * num_splits
     denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)  # fp32 scalars (typed loop carries)
     m = denom + float("-inf")
     acc = tl.zeros([D_PAD], tl.float32)
@@ -150,11 +188,25 @@ def _decode_combine_kernel(
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.exp2(m - m_new)
         w = tl.where(smask, tl.exp2(lse - m_new), 0.0)
-        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
+                       mask=smask[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
-    tl.store(o_ptr + t.to(tl.int64) * so_t + h.to(tl.int64) * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+    tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _combine_counters(n: int, device: torch.device) -> torch.Tensor:
+    """int32 zeros `[>= n]` per device, one per (row, kv head) (zero between launches: the
+    combining program resets its own). A larger need allocates a larger buffer; the old ones
+    are kept, since captured graphs point at them."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < n:
+        kept.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def _interpreting() -> bool:
@@ -254,6 +306,9 @@ def paged_decode_attention(
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
+    combine = COMBINE_IN_SPLIT and not one
+    counters = _combine_counters(T * Hkv, q.device) if combine else lse
+    sb = min(16, triton.next_power_of_2(splits))
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1), q if q_index is None else q_index,
         k_cache, k_cache.stride(0), k_cache.stride(1),
@@ -264,15 +319,14 @@ def paged_decode_attention(
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
-        Q_INDEX=q_index is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        **launch_options(q.device),
+        Q_INDEX=q_index is not None, fo_ptr=out, counter_ptr=counters, COMBINE=combine, SB=sb,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device),
     )
-    if not one:
+    if not one and not combine:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
-            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)),
-            num_warps=4, **launch_options(q.device),
+            D=D, D_PAD=d_pad, SB=sb, num_warps=4, **launch_options(q.device),
         )
     return out
 
