@@ -181,7 +181,7 @@ def argmax_with_map(
     _argmax_stage2_kernel[(B,)](
         part_val, part_idx, splits, hot, out, out, 0,
         SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=False, num_warps=1,
-        **launch_options(logits.device),
+        **launch_options(logits.device, B),
     )
     return out
 

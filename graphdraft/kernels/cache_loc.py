@@ -274,7 +274,7 @@ def compute_out_cache_loc_uniform(
         req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
         page_size,
         positions_out if first else out, seq_lens_out if first else out,
-        BLOCK=block, FIRST=first, **launch_options(dev),
+        BLOCK=block, FIRST=first, **launch_options(dev, bs),
     )
 
 
@@ -367,7 +367,7 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
     block = min(max(triton.next_power_of_2(bs), 16), _MAX_ADVANCE_BLOCK)
     _advance_kernel[(triton.cdiv(bs, block),)](
         seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block,
-        **launch_options(seq_lens.device),
+        **launch_options(seq_lens.device, bs),
     )
 
 

@@ -320,13 +320,13 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
         Q_INDEX=q_index is not None, fo_ptr=out, counter_ptr=counters, COMBINE=combine, SB=sb,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T),
     )
     if not one and not combine:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
-            D=D, D_PAD=d_pad, SB=sb, num_warps=4, **launch_options(q.device),
+            D=D, D_PAD=d_pad, SB=sb, num_warps=4, **launch_options(q.device, T),
         )
     return out
 

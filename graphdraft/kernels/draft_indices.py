@@ -90,7 +90,7 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
         accept, target_seq_lens, req, valid_cache_lengths, gather_ids, seq_lens, write_start,
         tokens if last else gather_ids, last_token if last else gather_ids,
         last_token.stride(0) if last else 0, bs, n, token_offset, BLOCK=block, LAST=last,
-        num_warps=1 if block <= 128 else 4, **launch_options(accept.device))
+        num_warps=1 if block <= 128 else 4, **launch_options(accept.device, bs))
 
 
 def decode_draft_indices_ref(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,

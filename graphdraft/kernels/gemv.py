@@ -308,7 +308,7 @@ def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | No
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block,
-                                                  **launch_options(x.device))
+                                                  **launch_options(x.device, m))
     return out, None
 
 
@@ -403,7 +403,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     block = 1024
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
                                                       SPLIT=cfg.split, BLOCK=block,
-                                                      **launch_options(x.device))
+                                                      **launch_options(x.device, m))
     return out
 
 
@@ -454,7 +454,7 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
                                     tokens_out.stride(0) if has_tokens else 0,
                                     SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
                                     HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1,
-                                    **launch_options(x.device))
+                                    **launch_options(x.device, m))
     return logits, ids
 
 
@@ -504,7 +504,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                     SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
                                     BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
-                                    **launch_options(x.device))
+                                    **launch_options(x.device, m))
     return out, h
 
 

@@ -138,7 +138,7 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
                                      b_rows, b_rows.stride(0), out, out.stride(0), N, BLOCK=block,
                                      A_INDEX=a_index is not None, B_SPLIT=b_split,
                                      num_warps=min(16, max(1, block // 512)),
-                                     **launch_options(out.device))
+                                     **launch_options(out.device, M))
     return out
 
 

@@ -18,15 +18,20 @@ import triton.language as tl
 
 ENABLED = True
 """Off: the small kernels launch plainly (the GEMV has its own switch, `gemv.GEMV_PDL`)."""
+MAX_ROWS = 4
+"""Small kernels over more rows launch plainly. Measured on an H200 (perf/RESULTS.md, third
+session run 8): PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but
+from 685 to 710 us at bs 8; the cause at bs 8 is not known (bs 2-4 not measured apart)."""
 
 
-def enabled(device: torch.device) -> bool:
-    return ENABLED and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+def enabled(device: torch.device, rows: int = 1) -> bool:
+    return (ENABLED and rows <= MAX_ROWS and device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a kernel launch: `PDL` (the constexpr) and `launch_pdl`."""
-    on = enabled(device)
+def launch_options(device: torch.device, rows: int) -> dict:
+    """Keyword arguments of a launch over `rows` rows: `PDL` (the constexpr) and `launch_pdl`."""
+    on = enabled(device, rows)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -153,7 +153,7 @@ def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
         HQ=Hq, HKV=Hkv, HALF=half,
         HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
         HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
-        num_warps=4, **launch_options(k_cache.device),
+        num_warps=4, **launch_options(k_cache.device, T),
     )
 
 
