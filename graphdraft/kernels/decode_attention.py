@@ -41,7 +41,8 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 COMBINE_IN_SPLIT = False
 """Combine the splits in the last split program of each (row, kv head) to finish (an arrival
-counter per pair) instead of a second launch."""
+counter per pair) instead of a second launch. Off: measured 50 us per draft call slower at
+bs 1 on an H200 (perf/RESULTS.md, third session run 8)."""
 
 
 @triton.jit
