@@ -41,6 +41,7 @@ from torch import nn
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
+from graphdraft.kernels.fused_inputs import check_rows_out
 from graphdraft.kernels.gemv import check_ids_out
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
@@ -157,11 +158,9 @@ class Eagle3DraftHead(nn.Module):
         column of the drafter's `next_tokens`), `hidden_out` `[B, H]` (the pre-norm hidden)."""
         rows = input_ids.shape[0] if gather_ids is None else gather_ids.shape[0]
         check_ids_out(ids_out, tokens_out, rows, input_ids.device)  # before anything is written
-        width = self.config.hidden_size
-        if hidden_out is not None and (tuple(hidden_out.shape) != (rows, width)
-                                       or hidden_out.dtype != self.dtype or hidden_out.stride(-1) != 1):
-            raise ValueError(f"hidden_out: expected [{rows}, {width}] {self.dtype} with unit column "
-                             f"stride, got {tuple(hidden_out.shape)} {hidden_out.dtype}")
+        if hidden_out is not None:
+            check_rows_out("hidden_out", hidden_out, rows, self.config.hidden_size, self.dtype,
+                           input_ids.device)
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp

@@ -29,6 +29,16 @@ def check_row_index(name: str, index: torch.Tensor, rows: int, device: torch.dev
                          f"got {index.dtype} {tuple(index.shape)} on {index.device}")
 
 
+def check_rows_out(name: str, out: torch.Tensor, rows: int, width: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """ValueError naming `name` unless `out` is a `[rows, width]` `dtype` destination on
+    `device` with unit column stride (any row stride: a view of a persistent buffer)."""
+    if (tuple(out.shape) != (rows, width) or out.dtype != dtype or out.device != device
+            or out.stride(-1) != 1):
+        raise ValueError(f"{name}: expected [{rows}, {width}] {dtype} on {device} with unit column "
+                         f"stride, got {tuple(out.shape)} {out.dtype} on {out.device}")
+
+
 def check_partials(name: str, ws: torch.Tensor, m: int, n: int, device: torch.device) -> None:
     """ValueError naming `name` unless `ws` is contiguous float32 `[split, m, n]` on `device`."""
     if (ws.dim() != 3 or ws.shape[0] < 1 or tuple(ws.shape[1:]) != (m, n)

@@ -44,9 +44,10 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
-from graphdraft.kernels.fused_inputs import check_row_index, sum_partials
+from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.pdl import supported as pdl_supported
 
 MAX_M = 16
 MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
@@ -366,7 +367,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     # one program) would raise the whole kernel's count and halve that: cap it there
     capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
     extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
-    pdl = bool(GEMV_PDL) and x.is_cuda and not _interpreting()
+    pdl = bool(GEMV_PDL) and pdl_supported(x.device)
     if pdl:
         extra["launch_pdl"] = True
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
@@ -392,18 +393,17 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     _check(x, w, out, act)
     m, n = x.shape[0], w.shape[0]
     cfg = config or gemv_config(m, n, _k_of(x, act))
-    x, act = _act_input(x, act)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if cfg.split == 1:
-        _launch(x, w, out, out, act, cfg, to_ws=False)
+    if cfg.split > 1:  # the partials, summed by a second launch
+        ws = linear_small_m_partials(x, w, act=act, config=cfg)
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
+                                                          SPLIT=cfg.split, BLOCK=block,
+                                                          **launch_options(x.device, m))
         return out
-    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, w, out, ws, act, cfg, to_ws=True)
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                      SPLIT=cfg.split, BLOCK=block,
-                                                      **launch_options(x.device, m))
+    x, act = _act_input(x, act)
+    _launch(x, w, out, out, act, cfg, to_ws=False)
     return out
 
 
@@ -484,10 +484,8 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     if n > MAX_NORM_N:
         raise ValueError(f"w: expected at most {MAX_NORM_N} rows (the norm holds a row in "
                          f"registers), got {n}")
-    if h_out is not None and (tuple(h_out.shape) != (m, n) or h_out.dtype != x.dtype
-                              or h_out.stride(-1) != 1 or h_out.device != x.device):
-        raise ValueError(f"h_out: expected [{m}, {n}] {x.dtype} on {x.device} with unit column "
-                         f"stride, got {tuple(h_out.shape)} {h_out.dtype} on {h_out.device}")
+    if h_out is not None:
+        check_rows_out("h_out", h_out, m, n, x.dtype, x.device)
     cfg = config or gemv_config(m, n, _k_of(x, act))
     x, act = _act_input(x, act)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)

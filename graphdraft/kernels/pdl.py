@@ -24,14 +24,14 @@ session run 8): PDL on every small kernel took a draft call from 642 to 633 us a
 from 685 to 710 us at bs 8; the cause at bs 8 is not known (bs 2-4 not measured apart)."""
 
 
-def enabled(device: torch.device, rows: int = 1) -> bool:
-    return (ENABLED and rows <= MAX_ROWS and device.type == "cuda"
-            and os.environ.get("TRITON_INTERPRET") != "1")
+def supported(device: torch.device) -> bool:
+    """A CUDA device, not Triton's interpreter (which has no griddepcontrol)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def launch_options(device: torch.device, rows: int) -> dict:
     """Keyword arguments of a launch over `rows` rows: `PDL` (the constexpr) and `launch_pdl`."""
-    on = enabled(device, rows)
+    on = ENABLED and rows <= MAX_ROWS and supported(device)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
