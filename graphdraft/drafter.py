@@ -23,9 +23,13 @@ The two forwards:
               advanced in place before each step.
 
 Both forwards read and write only `DraftBuffers` / `InputBuffers`; `capture.CapturedForward`
-decides whether a call replays a CUDA graph or runs the same function eagerly. Decode
-batches are always padded to the graph schedule (also when graphs are off), so
-`enforce_eager` reproduces graph numerics exactly.
+decides whether a call replays a CUDA graph or runs the same functions eagerly. Two graph
+sets per batch size: `decode_graphs` (a decode batch's whole draft: first step, then
+multi-step, one replay) and `multi_step_graphs` (multi-step alone, after the eager first
+step of a prefill/mixed batch). Between replays the host issues two launches: staging the
+caller's inputs (`stage_decode_inputs`) and copying next_tokens out. Decode batches are
+always padded to the graph schedule (also when graphs are off), so `enforce_eager`
+reproduces graph numerics exactly.
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ class EagleDrafter:
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
         self.graph_pool = graph_pool or GraphPool()
-        self.first_step_graphs = CapturedForward(
-            "draft_first_step", self._first_step_decode, self.schedule, pool=self.graph_pool,
+        self.decode_graphs = CapturedForward(
+            "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
             enabled=enabled, on_oom=on_oom)
         self.multi_step_graphs = CapturedForward(
             "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
@@ -105,14 +109,15 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture both draft forwards for every size of the schedule (largest first).
+        """Capture the decode draft and the multi-step chain for every size of the schedule
+        (largest first).
 
         Buffers are reset to neutral values first, so warm-up runs see length-1
         sequences of the dummy request.
         """
         self._use_head_kernels()
         self._reset_neutral()
-        self.first_step_graphs.capture()
+        self.decode_graphs.capture()
         self.multi_step_graphs.capture()
         self._reset_neutral()
 
@@ -164,6 +169,13 @@ class EagleDrafter:
     def _first_step_decode(self, bs: int):
         return self._first_step(bs, bs * self.N, 0, self.bufs.first_hidden[: bs * self.N])
 
+    def _decode(self, bs: int):
+        """A decode batch's whole draft over `bs` staged rows; writes next_tokens[:bs] `[bs, S + 1]`."""
+        self._first_step_decode(bs)
+        if self.S > 1:
+            self._multi_step(bs)
+        return self.bufs.next_tokens[:bs]
+
     def _multi_step(self, bs: int):
         """Draft steps 2..S for `bs` rows; writes next_tokens[:bs, 2:]."""
         b, steps = self.bufs, self.S
@@ -186,6 +198,14 @@ class EagleDrafter:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,
                                                    use_triton=self.cfg.use_triton)
         return b.next_tokens[:bs]
+
+    def decode_hidden_buffer(self, bs: int) -> torch.Tensor:
+        """The view `[bs * N, kH]` that a decode `run` at `bs` reads the target's hidden states
+        from. A target that writes its captured hidden states here (and passes this view as
+        `hidden_states`) saves `run` their copy; valid until the next `run`."""
+        if not 0 <= bs <= self.cfg.max_bs:
+            raise ValueError(f"bs: expected 0..{self.cfg.max_bs}, got {bs}")
+        return self.bufs.first_hidden[: bs * self.N]
 
     # ------------------------------------------------------------------
     # Public entry point
@@ -218,19 +238,19 @@ class EagleDrafter:
                 b.accept_lengths[:bs].copy_(accept_lengths)
                 self._prepare_mixed_ids(ctx, output_tokens)
 
-        with nvtx_range("draft_first_step"):
-            if decode:
-                self.stats.decode_calls += 1
-                self.first_step_graphs.run(pbs)
-            else:
-                self.stats.mixed_calls += 1
-                self._first_step(bs, ctx.input_num_tokens, ne, hidden_states)
+        if decode:
+            self.stats.decode_calls += 1
+            with nvtx_range("draft_decode"):
+                self.decode_graphs.run(pbs)
+            return b.next_tokens[:bs].clone()
 
+        self.stats.mixed_calls += 1
+        with nvtx_range("draft_first_step"):
+            self._first_step(bs, ctx.input_num_tokens, ne, hidden_states)
         if self.S > 1 and not ctx.all_extends_mid_chunk:
             with nvtx_range("draft_multi_step"):
-                if not decode:  # the first step ran at bs: neutral rows up to pbs
-                    ib.pad_rows(bs, pbs)
-                    self._pad_draft_rows(bs, pbs)
+                ib.pad_rows(bs, pbs)  # the first step ran at bs: neutral rows up to pbs
+                self._pad_draft_rows(bs, pbs)
                 self.multi_step_graphs.run(pbs)
         elif self.S > 1:
             self.stats.skipped_multi_step += 1

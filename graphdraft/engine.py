@@ -159,7 +159,7 @@ class Engine:
         """Per captured forward: (graph replays, eager runs)."""
         forwards = [self.verify_graphs]
         if isinstance(self.drafter, EagleDrafter):
-            forwards += [self.drafter.first_step_graphs, self.drafter.multi_step_graphs]
+            forwards += [self.drafter.decode_graphs, self.drafter.multi_step_graphs]
         return {f.name: (f.stats.total_replays, f.stats.total_eager) for f in forwards}
 
     # ------------------------------------------------------------------

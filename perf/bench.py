@@ -406,7 +406,7 @@ def activate(drafter: EagleDrafter) -> None:
     """Point the (shared) head's layers at this drafter's kernel backend.
 
     `EagleDrafter.run` does this itself; the harness also calls the drafters' forwards
-    directly (`first_step_graphs.run`, the compiled baseline's warm-up), which do not.
+    directly (`decode_graphs.run`, the compiled baseline's warm-up), which do not.
     """
     drafter.head.set_use_triton(drafter.cfg.use_triton)
 
@@ -527,7 +527,7 @@ def _dynamo_counts() -> tuple[int, int]:
 
 def build_baseline(group: DraftGroup, baseline: Baseline) -> EagleDrafter:
     """A torch-path drafter over the group's buffers whose two forwards are
-    `baseline.compiler(...)` of its own `_first_step_decode` / `_multi_step`.
+    `baseline.compiler(...)` of its own `_decode` / `_multi_step`.
 
     compile+graph: both wrapped in enabled `CapturedForward`s over the drafter's schedule
     and a graph pool of its own, and captured here for every bs of the group (three
@@ -545,7 +545,7 @@ def build_baseline(group: DraftGroup, baseline: Baseline) -> EagleDrafter:
         activate(base)  # compile (and capture) the torch path, not the group drafter's
         if not baseline.own_graphs:
             mark_static(base)
-        forwards = {"first_step_graphs": ("compiled_first_step", base._first_step_decode, True),
+        forwards = {"decode_graphs": ("compiled_decode", base._decode, True),
                     "multi_step_graphs": ("compiled_multi_step", base._multi_step, base.S > 1)}
         for attr, (name, fn, enabled) in forwards.items():
             setattr(base, attr, CapturedForward(
@@ -571,7 +571,7 @@ def _counter(group: str, key: str) -> int:
 
 def _forward_counts(d: EagleDrafter) -> tuple[int, int]:
     """(graph replays, eager calls) of both forwards so far."""
-    fs, ms = d.first_step_graphs.stats, d.multi_step_graphs.stats
+    fs, ms = d.decode_graphs.stats, d.multi_step_graphs.stats
     return fs.total_replays + ms.total_replays, fs.total_eager + ms.total_eager
 
 
@@ -582,7 +582,7 @@ def measure_compiled(group: DraftGroup, batch: DecodeBatch, baseline: Baseline, 
     building, compiling, capturing or running it raises (a failed build is kept in
     `group.baseline_error` and returned for every later case of the group).
 
-    Keys: `compile_{run,first,multi}_us` medians; `compile_s`, the seconds to make this
+    Keys: `compile_{run,decode,multi,first}_us` medians; `compile_s`, the seconds to make this
     bs ready (compile+graph: this bs's warm-up calls, where it compiles, and capture of
     both forwards; reduce-overhead, or a bs left uncaptured: the first three `run`
     calls: compile, cudagraph-trees warm-up, record); `compile_case_fx_graphs`, FX
@@ -619,7 +619,7 @@ def measure_compiled(group: DraftGroup, batch: DecodeBatch, baseline: Baseline, 
         res["compile_case_fx_graphs"] = _dynamo_counts()[0] - fx_graphs
         if baseline.own_graphs:
             bs = batch.ctx.bs
-            fs, ms = base.first_step_graphs.stats, base.multi_step_graphs.stats
+            fs, ms = base.decode_graphs.stats, base.multi_step_graphs.stats
             replays, eager = (b - a for a, b in zip(counts, _forward_counts(base), strict=True))
             if bs in fs.capture_seconds:
                 res["compile_s"] = fs.capture_seconds[bs] + ms.capture_seconds.get(bs, 0.0)
@@ -760,16 +760,76 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 3,
 # One case
 # ---------------------------------------------------------------------------
 def _time_forwards(prefix: str, d: EagleDrafter, batch: DecodeBatch, **kw: Any) -> dict[str, float]:
-    """Median us of `run` (whole draft call) and of each forward alone, `{prefix}_{name}_us`."""
+    """Median us of `run` (whole draft call), of the decode forward (first step + multi-step,
+    one replay) and of the multi-step forward alone, `{prefix}_{run,decode,multi}_us`, and
+    `{prefix}_first_us` = decode - multi."""
     bs, args = batch.ctx.bs, batch.args
-    fns = {"run": lambda: d.run(*args), "first": lambda: d.first_step_graphs.run(bs),
+    fns = {"run": lambda: d.run(*args), "decode": lambda: d.decode_graphs.run(bs),
            "multi": lambda: d.multi_step_graphs.run(bs)}
-    return {f"{prefix}_{k}_us": median_us(fn, device=d.cfg.device, **kw) for k, fn in fns.items()}
+    res = {f"{prefix}_{k}_us": median_us(fn, device=d.cfg.device, **kw) for k, fn in fns.items()}
+    res[f"{prefix}_first_us"] = res[f"{prefix}_decode_us"] - res[f"{prefix}_multi_us"]
+    return res
+
+
+def time_refresh_us(d: EagleDrafter, args: tuple[Any, ...], *, warmup: int = 3,
+                    reps: int = 20) -> list[float]:
+    """Per `d.run(*args)` call (decode batch, `reps` calls back to back after `warmup`): the
+    call's GPU span minus the span of its decode forward, both from CUDA events recorded in
+    the same call (around the call, and just before and after `decode_graphs.run`). What
+    is left is the work between replays: the staging launch, the output copy and any gap
+    the host leaves the GPU. CPU: the same with the host clock."""
+    cuda = torch.device(d.cfg.device).type == "cuda"
+
+    def mark() -> Any:
+        if not cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def span_us(a: Any, b: Any) -> float:
+        return a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+
+    inner: list[tuple[Any, Any]] = []
+    forward = d.decode_graphs.run
+
+    def timed_forward(bs: int, *a: Any, **k: Any) -> Any:
+        start = mark()
+        out = forward(bs, *a, **k)
+        inner.append((start, mark()))
+        return out
+
+    d.decode_graphs.run = timed_forward  # an instance attribute: shadows the method
+    try:
+        for _ in range(warmup):
+            d.run(*args)
+        sync(d.cfg.device)
+        inner.clear()
+        outer = []
+        for _ in range(reps):
+            start = mark()
+            d.run(*args)
+            outer.append((start, mark()))
+        sync(d.cfg.device)
+    finally:
+        del d.decode_graphs.run
+    if len(inner) != reps:
+        raise RuntimeError(f"expected one decode forward per draft call, got {len(inner)} in {reps}")
+    return [span_us(*o) - span_us(*i) for o, i in zip(outer, inner, strict=True)]
+
+
+def in_place_args(d: EagleDrafter, batch: DecodeBatch) -> tuple[Any, ...]:
+    """`batch.args` with the hidden states written into `d.decode_hidden_buffer(bs)` and
+    that view passed (a target writing there saves `run` the hidden copy)."""
+    ctx, hidden, tokens, accept = batch.args
+    view = d.decode_hidden_buffer(ctx.bs)
+    view.copy_(hidden)
+    return ctx, view, tokens, accept
 
 
 def capture_info(d: EagleDrafter, bs: int) -> dict[str, float]:
     """Capture seconds and pool bytes of both graphs at `bs`, and of the whole group."""
-    fs, ms = d.first_step_graphs.stats, d.multi_step_graphs.stats
+    fs, ms = d.decode_graphs.stats, d.multi_step_graphs.stats
     return {"capture_s": fs.capture_seconds.get(bs, 0.0) + ms.capture_seconds.get(bs, 0.0),
             "pool_bytes": fs.pool_bytes.get(bs, 0) + ms.pool_bytes.get(bs, 0),
             "group_capture_s": fs.total_capture_seconds + ms.total_capture_seconds,
@@ -782,13 +842,15 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     """Eager and graph-replay times of one decode batch (before any reduce-overhead
     `measure_compiled`).
 
-    Keys: `{eager,graph}_{run,first,multi}_us` medians, `eager_equals_graph`
-    (bit-identical `run` outputs), `graph_replayed`, capture stats, `refresh_us`
-    (`graph_run_us - graph_first_us - graph_multi_us`: the host-side prepare and input
-    copies around the two replays) and, on CUDA with `profile`, `profile_launches`'s
-    counts of the work one `run` issues outside the two graph launches (measured last,
-    after every timing; `launches_error` when the profiler fails). Keeps the graph
-    output in `group.reference[bs]`.
+    Keys: `{eager,graph}_{run,decode,multi,first}_us` (`_time_forwards`), `eager_equals_graph`
+    (bit-identical `run` outputs), `graph_replayed`, capture stats; `refresh_us`, the
+    median of `time_refresh_us` (work outside the decode replay, measured inside each
+    call), `refresh_in_place_us` the same with the hidden states already in the
+    drafter's buffer (`in_place_args`), `refresh_diff_us` = `graph_run_us -
+    graph_decode_us` (medians timed apart); and, on CUDA with `profile`,
+    `profile_launches`'s counts of the work one `run` issues outside its graph launch
+    (measured last, after every timing; `launches_error` when the profiler fails). Keeps
+    the graph output in `group.reference[bs]`.
     """
     d, bs = group.drafter, batch.ctx.bs
     if group.graphs_stale:
@@ -800,13 +862,17 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     with forced_eager():
         res.update(_time_forwards("eager", d, batch, warmup=1, reps=eager_reps))
         eager_out = d.run(*batch.args)
-    replays = d.first_step_graphs.stats.total_replays + d.multi_step_graphs.stats.total_replays
+    replays = d.decode_graphs.stats.total_replays
     res.update(_time_forwards("graph", d, batch, warmup=warmup, reps=reps))
     graph_out = d.run(*batch.args)
-    res["graph_replayed"] = (d.first_step_graphs.stats.total_replays
-                             + d.multi_step_graphs.stats.total_replays) > replays
+    res["graph_replayed"] = d.decode_graphs.stats.total_replays > replays
     res["eager_equals_graph"] = bool(torch.equal(eager_out, graph_out))
-    res["refresh_us"] = res["graph_run_us"] - res["graph_first_us"] - res["graph_multi_us"]
+    res["refresh_us"] = statistics.median(time_refresh_us(d, batch.args, warmup=warmup, reps=reps))
+    in_place = in_place_args(d, batch)
+    res["refresh_in_place_us"] = statistics.median(
+        time_refresh_us(d, in_place, warmup=warmup, reps=reps))
+    res["in_place_equals_copy"] = bool(torch.equal(d.run(*in_place), graph_out))
+    res["refresh_diff_us"] = res["graph_run_us"] - res["graph_decode_us"]
     res.update(capture_info(d, bs))
     group.reference[bs] = graph_out
     if profile and torch.device(d.cfg.device).type == "cuda":

@@ -7,7 +7,7 @@ prints one row per case, the baseline's columns labelled by its mode
 bandwidth and the GPU, then notes for anything that went wrong (compile
 failures, baseline forwards that did not replay a graph, eager/graph
 mismatches, graphs that never replayed) and the work a draft call issues
-outside its two graph replays.
+outside its graph replay.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ DEFAULT_MODE = "compile+graph"
 def columns(mode: str = DEFAULT_MODE) -> tuple[str, ...]:
     """The table's header; the baseline's columns carry its mode."""
     return ("case", "bs", "kv", "eager us", "graph us", f"{mode} us", "floor us", "graph/floor",
-            f"{mode}/graph", "eager/graph", "refresh us", "launches", "capture s", "pool MB",
+            f"{mode}/graph", "eager/graph", "refresh us", "in-place refresh us", "launches",
+            "capture s", "pool MB",
             f"{mode} s")
 
 
@@ -72,9 +73,9 @@ def gemv_lines(path: str | Path) -> list[str]:
 
 def schedule_line(s: dict[str, Any]) -> str:
     per = s.get("schedule_per_size", {})
-    sizes = ", ".join(f"{bs}: {(v.get('first_s') or 0) + (v.get('multi_s') or 0):.2f}s"
-                      for bs, v in per.items())
-    return (f"Whole schedule {s['schedule']}: first-step + multi-step graphs captured in "
+    sizes = ", ".join(f"{bs}: {(v.get('decode_s', v.get('first_s')) or 0) + (v.get('multi_s') or 0):.2f}s"
+                      for bs, v in per.items())  # first_s: runs before the one decode graph
+    return (f"Whole schedule {s['schedule']}: decode + multi-step graphs captured in "
             f"{s['schedule_capture_s']:.2f} s, pool {s['schedule_pool_bytes'] / 2**20:.1f} MiB "
             f"(per size: {sizes}).")
 
@@ -102,7 +103,8 @@ def _launch_cell(r: dict[str, Any]) -> str:
 
 
 def refresh_us(r: dict[str, Any]) -> float | None:
-    """`refresh_us`, or (runs before it was recorded) the same difference of the medians."""
+    """`refresh_us`, or (runs before it was recorded) graph run minus both replays, medians
+    timed apart."""
     if "refresh_us" in r:
         return r["refresh_us"]
     parts = [r.get(k) for k in ("graph_run_us", "graph_first_us", "graph_multi_us")]
@@ -117,7 +119,7 @@ def row(r: dict[str, Any]) -> list[str]:
             _num(_ratio(graph, floor), ".2f") + ("x" if graph and floor else ""),
             _num(_ratio(comp, graph), ".2f") + ("x" if comp and graph else ""),
             _num(_ratio(eager, graph), ".1f") + ("x" if eager and graph else ""),
-            _num(refresh_us(r), ".1f"), _launch_cell(r),
+            _num(refresh_us(r), ".1f"), _num(r.get("refresh_in_place_us"), ".1f"), _launch_cell(r),
             _num(r.get("capture_s"), ".2f"), _num(r.get("pool_bytes", 0) / 2**20, ".1f"),
             _num(r.get("compile_s"), ".1f")]
 
@@ -158,9 +160,12 @@ def notes(records: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"- {name}: no CUDA graph replayed (the 'graph' column ran eagerly)")
         if "launches_error" in r:
             out.append(f"- {name}: launch count failed: {r['launches_error']}")
-        if r.get("graph_launches") not in (None, 2):
+        if r.get("graph_launches") not in (None, 1):
             out.append(f"- {name}: {r['graph_launches']} graph launches in one draft call "
-                       "(expected 2: first step, multi-step)")
+                       "(expected 1: the decode draft)")
+        if r.get("in_place_equals_copy") is False:
+            out.append(f"- {name}: drafts with the hidden states in place differ from drafts "
+                       "with them copied")
         if r.get("launch_counts_stable") is False:
             out.append(f"- {name}: profiled draft calls issued different launch counts")
     ops = [r for r in records if r.get("refresh_ops")]
@@ -191,10 +196,12 @@ def render(records: Sequence[dict[str, Any]]) -> str:
               f"triton {first.get('triton', '?')}); floor = HBM bytes per draft call "
               f"({first.get('steps', 3)} steps: weights + KV + first-step fc and hidden) / that "
               "bandwidth; times are CUDA-event medians of `drafter.run` on a decode batch; "
-              f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = graph us minus the two "
-              "replays timed alone (host prepare and input copies between them); launches = "
-              "kernel launches, memcpys and memsets one draft call issues outside its two "
-              "graph launches (torch.profiler host API count)."]
+              f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = a draft call's "
+              "span minus its decode replay's span, CUDA events in the same call, median "
+              "(staging launch, output copy, host gaps); in-place refresh: the same with the "
+              "target's hidden states already in the drafter's buffer; launches = kernel "
+              "launches, memcpys and memsets one draft call issues outside its graph launch "
+              "(torch.profiler host API count)."]
     extra = notes(records)
     if extra:
         lines += ["", *extra]

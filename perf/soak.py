@@ -156,7 +156,7 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
     report = SoakReport(target_steps=steps, max_seconds=max_seconds)
     cuda = engine.device.type == "cuda"
     stream = sys.stdout if out is None else out
-    forwards = [engine.verify_graphs, engine.drafter.first_step_graphs,
+    forwards = [engine.verify_graphs, engine.drafter.decode_graphs,
                 engine.drafter.multi_step_graphs]
     captured = [dict(f.stats.capture_seconds) for f in forwards]
     free_pages = engine.pages.num_free_pages
@@ -208,7 +208,7 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
     for f, before in zip(forwards, captured, strict=True):
         if f.stats.capture_seconds != before:
             report.failures.append(f"{f.name}: captured again")
-    if cuda and engine.drafter.first_step_graphs.stats.total_replays == 0:
+    if cuda and engine.drafter.decode_graphs.stats.total_replays == 0:
         report.failures.append("no draft graph replayed")
     if engine.pages.num_free_pages != free_pages:
         report.failures.append(f"pages leaked: {free_pages - engine.pages.num_free_pages}")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                   progress_every=a.progress_every)
     for line in report.lines():
         print(line)
-    for f in [engine.verify_graphs, engine.drafter.first_step_graphs,
+    for f in [engine.verify_graphs, engine.drafter.decode_graphs,
               engine.drafter.multi_step_graphs]:
         print(f.stats.summary())
     return report.exit_code

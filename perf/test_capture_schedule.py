@@ -27,8 +27,8 @@ def test_capture_full_schedule(head: torch.nn.Module, groups: GroupCache, benchm
     group = build_group(head, 16, 512, sizes)
     wall = time.perf_counter() - t0
     d = group.drafter
-    fs, ms = d.first_step_graphs.stats, d.multi_step_graphs.stats
-    per_size = {bs: {"first_s": fs.capture_seconds.get(bs), "multi_s": ms.capture_seconds.get(bs),
+    fs, ms = d.decode_graphs.stats, d.multi_step_graphs.stats
+    per_size = {bs: {"decode_s": fs.capture_seconds.get(bs), "multi_s": ms.capture_seconds.get(bs),
                      "pool_bytes": fs.pool_bytes.get(bs, 0) + ms.pool_bytes.get(bs, 0)}
                 for bs in sizes}
     info = {"schedule": sizes, "schedule_per_size": per_size,
@@ -38,7 +38,7 @@ def test_capture_full_schedule(head: torch.nn.Module, groups: GroupCache, benchm
     benchmark.extra_info.update(info)
     print(f"\n[perf] schedule {sizes}: capture {info['schedule_capture_s']:.2f} s, "
           f"pool {info['schedule_pool_bytes'] / 2**20:.1f} MiB (drafter build {wall:.1f} s)")
-    assert d.first_step_graphs.captured_sizes == sizes
+    assert d.decode_graphs.captured_sizes == sizes
     assert d.multi_step_graphs.captured_sizes == sizes
     del group, d
     torch.cuda.empty_cache()

@@ -114,6 +114,33 @@ def test_output_is_a_copy():
     assert kept.data_ptr() != s.drafter.bufs.next_tokens.data_ptr()
 
 
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_hidden_written_into_the_drafter_buffer(kernel_backend):
+    """A target that writes its hidden states into `decode_hidden_buffer(bs)` and passes that
+    view drafts exactly what a separate hidden tensor drafts (bs 3 padded to 4)."""
+    s = make_setup(steps=3, seed=8, kernel_backend=kernel_backend)
+    loop = FakeServingLoop(s, 8)
+    for _ in range(3):
+        loop.add(6, 16)
+    loop.step()  # prefill
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    assert ctx.num_extends == 0 and ctx.bs == 3
+    k, v = s.drafter.kv_pool.layer(0)
+    kv0 = (k.clone(), v.clone())
+    separate = s.drafter.run(ctx, hidden, tokens, accept)
+    kv_separate = (k.clone(), v.clone())
+    k.copy_(kv0[0])
+    v.copy_(kv0[1])
+    view = s.drafter.decode_hidden_buffer(ctx.bs)
+    assert view.shape == hidden.shape and view.data_ptr() == s.drafter.bufs.first_hidden.data_ptr()
+    view.copy_(hidden)
+    in_place = s.drafter.run(ctx, view, tokens, accept)
+    assert torch.equal(separate, in_place)
+    assert torch.equal(kv_separate[0], k) and torch.equal(kv_separate[1], v)
+    with pytest.raises(ValueError, match="bs: expected 0..8"):
+        s.drafter.decode_hidden_buffer(9)
+
+
 # --- bad input ---------------------------------------------------------------------------
 def _decode_call(s):
     loop = FakeServingLoop(s, 9)
@@ -204,7 +231,7 @@ def test_decode_batch_padded_to_schedule_with_neutral_rows():
     assert int(ib.req_pool_indices[3]) == 0 and int(ib.seq_lens[3]) == 1
     assert (ib.out_cache_loc[12:16] == 0).all() and int(b.accept_lengths[3]) == 1
     assert not b.first_hidden[12:16].isnan().any()
-    assert s.drafter.first_step_graphs.stats.eager["disabled"] >= 1
+    assert s.drafter.decode_graphs.stats.eager["disabled"] >= 1
 
 
 @pytest.mark.parametrize("page_size,hot", [(1, True), (16, False)])

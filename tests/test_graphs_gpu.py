@@ -59,7 +59,7 @@ def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
     s = make_setup(steps=3, page_size=page_size, hot=hot, seed=page_size, dtype=dtype,
                    device="cuda", max_running_requests=12, cuda_graph_max_bs=8)
     s.drafter.capture_graphs()
-    assert s.drafter.first_step_graphs.captured_sizes == [1, 2, 4, 8]
+    assert s.drafter.decode_graphs.captured_sizes == [1, 2, 4, 8]
     loop = FakeServingLoop(s, seed=page_size)
     bystander = loop.add(40, 64)  # a request outside the decode batches below
     rows, order, ctx, hidden, tokens, accept = loop.prepare()
@@ -85,7 +85,7 @@ def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
                 assert pages <= allowed, f"bs={bs}: wrote pages {pages - allowed}"
                 assert not pages & by_pages, "a request outside the batch was written"
             loop.commit(rows, order, tokens, accept, ng)
-    st = s.drafter.first_step_graphs.stats
+    st = s.drafter.decode_graphs.stats
     assert st.total_replays > 0 and st.eager["above_max"] > 0
 
 
@@ -124,6 +124,32 @@ def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
         _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
 
 
+@pytest.mark.parametrize("bs", [1, 3, 8])
+def test_hidden_in_the_drafter_buffer_replays_like_a_copy(bs):
+    """Replays fed through `decode_hidden_buffer` (no hidden copy) == replays fed a separate
+    tensor == eager, drafts and KV writes."""
+    s = make_setup(steps=3, page_size=16, hot=True, seed=bs + 40, device="cuda", dtype="bfloat16",
+                   max_running_requests=8, cuda_graph_max_bs=8)
+    s.drafter.capture_graphs()
+    loop = FakeServingLoop(s, seed=bs)
+    for _ in range(bs):
+        loop.add(20, 64)
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+    rows, order, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
+    assert ctx.num_extends == 0
+    copied, kv_copied, kv0 = _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
+    k, v = s.drafter.kv_pool.layer(0)
+    k.copy_(kv0[0])
+    v.copy_(kv0[1])
+    view = s.drafter.decode_hidden_buffer(bs)
+    view.copy_(hidden)
+    in_place, kv_in_place, _ = _assert_graph_equals_eager(s, ctx, view, tokens, accept)
+    assert torch.equal(copied, in_place)
+    for a, b in zip(kv_copied, kv_in_place, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 def test_ten_thousand_replays_no_growth_no_recapture():
     s = make_setup(steps=3, page_size=16, seed=3, device="cuda", dtype="bfloat16",
                    validate_inputs=False)
@@ -134,7 +160,7 @@ def test_ten_thousand_replays_no_growth_no_recapture():
     rows, order, ctx, hidden, tokens, accept = loop.prepare()
     loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
     rows, order, ctx, hidden, tokens, accept = loop.prepare()
-    captured = dict(s.drafter.first_step_graphs.stats.capture_seconds)
+    captured = dict(s.drafter.decode_graphs.stats.capture_seconds)
     torch.cuda.synchronize()
     mem0 = torch.cuda.memory_allocated()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -147,8 +173,8 @@ def test_ten_thousand_replays_no_growth_no_recapture():
             mem1 = torch.cuda.memory_allocated()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= max(mem0, mem1)
-    assert s.drafter.first_step_graphs.stats.capture_seconds == captured
-    assert s.drafter.first_step_graphs.stats.replays[8] == 10_000
+    assert s.drafter.decode_graphs.stats.capture_seconds == captured
+    assert s.drafter.decode_graphs.stats.replays[8] == 10_000
     assert s.drafter.multi_step_graphs.stats.total_eager == 0
 
 

@@ -42,6 +42,36 @@ def test_matches_torch_path(bs, pbs):
     assert torch.equal(got["first_ids"][pbs * n:], ref["first_ids"][pbs * n:])  # untouched
 
 
+@pytest.mark.parametrize("fn", [stage_decode_inputs, stage_decode_inputs_ref])
+@pytest.mark.parametrize("bs,pbs", [(1, 1), (3, 4)])
+def test_hidden_already_in_the_buffer(fn, bs, pbs):
+    """hidden_states = first_hidden[:bs*N]: rows kept as written, padded rows zeroed, the
+    other writes as with a separate source tensor."""
+    n, kh, max_bs = 4, 40, 10
+    got, ref = _buffers(max_bs, n, kh, 4), _buffers(max_bs, n, kh, 4)
+    g = torch.Generator().manual_seed(5)
+    accept = torch.randint(1, n + 1, (bs,), generator=g, dtype=torch.int32).to(DEV)
+    tokens = torch.randint(0, 99, (bs * n,), generator=g).to(DEV)
+    written = torch.randn(bs * n, kh, generator=g).to(DEV)
+    got["first_hidden"][: bs * n] = written  # the target wrote its hidden states in place
+    fn(bs, pbs, n, accept, tokens, got["first_hidden"][: bs * n], **got)
+    stage_decode_inputs_ref(bs, pbs, n, accept, tokens, written.clone(), **ref)
+    for name in got:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_hidden_overlapping_the_buffer_elsewhere_is_refused():
+    n, kh = 4, 8
+    bufs = _buffers(4, n, kh, 6)
+    before = {k: v.clone() for k, v in bufs.items()}
+    for fn in (stage_decode_inputs, stage_decode_inputs_ref):
+        with pytest.raises(ValueError, match="hidden_states: expected a tensor apart"):
+            fn(2, 2, n, torch.ones(2, dtype=torch.int32, device=DEV),
+               torch.zeros(8, dtype=torch.int64, device=DEV), bufs["first_hidden"][4:12], **bufs)
+    for k, v in bufs.items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_bad_shapes_write_nothing():
     n, kh = 4, 8
     bufs = _buffers(4, n, kh, 3)

@@ -117,8 +117,11 @@ def test_tiny_case_end_to_end_on_cpu():
     res = measure_case(group, batch, warmup=1, reps=2, eager_reps=2)
     assert res["eager_equals_graph"] is True
     assert res["graph_replayed"] is False  # no graphs on CPU
-    assert res["refresh_us"] == pytest.approx(
-        res["graph_run_us"] - res["graph_first_us"] - res["graph_multi_us"])
+    assert res["refresh_diff_us"] == pytest.approx(res["graph_run_us"] - res["graph_decode_us"])
+    assert res["graph_first_us"] == pytest.approx(res["graph_decode_us"] - res["graph_multi_us"])
+    assert res["refresh_us"] > 0 and res["refresh_in_place_us"] > 0  # host clock on CPU
+    assert res["in_place_equals_copy"] is True
+    assert "run" not in vars(group.drafter.decode_graphs)  # time_refresh_us unwrapped it
     assert "refresh_launches" not in res  # the profiler pass is CUDA only
     assert group.reference[3].shape == (3, 4)
 
@@ -130,20 +133,21 @@ def test_tiny_case_end_to_end_on_cpu():
     res.update(measure_compiled(group, batch, Baseline(COMPILE_GRAPH, _identity(calls), True),
                                 warmup=1, reps=2))
     base = group.baseline
-    assert calls == ["_first_step_decode", "_multi_step"]
-    assert isinstance(base.first_step_graphs, CapturedForward)
-    assert base.first_step_graphs.name == "compiled_first_step"
+    assert calls == ["_decode", "_multi_step"]
+    assert isinstance(base.decode_graphs, CapturedForward)
+    assert base.decode_graphs.name == "compiled_decode"
     assert base.multi_step_graphs.name == "compiled_multi_step"
-    assert base.first_step_graphs.pool is base.graph_pool is base.multi_step_graphs.pool
+    assert base.decode_graphs.pool is base.graph_pool is base.multi_step_graphs.pool
     assert base.graph_pool is not group.drafter.graph_pool
-    assert base.first_step_graphs.warmup_iters == 3
+    assert base.decode_graphs.warmup_iters == 3
     assert not base.cfg.use_triton and base.schedule == group.drafter.schedule
     # the capture reset the shared inputs to neutral rows; build_baseline restored them
     assert torch.equal(group.inputs.positions, inputs_before[0])
     assert torch.equal(group.inputs.req_pool_indices, inputs_before[1])
     for key in ("eager", "graph", "compile"):
-        for part in ("run", "first", "multi"):
+        for part in ("run", "decode", "multi"):
             assert res[f"{key}_{part}_us"] > 0
+        assert isinstance(res[f"{key}_first_us"], float)  # decode - multi (noise on CPU)
     assert res["compile_agreement"] == 1.0  # torch path both ways on CPU
     assert res["compile_graph_replayed"] is False  # CPU: disabled, eager
     assert res["compile_replays"] == 0 and res["compile_eager_forwards"] > 0
@@ -159,7 +163,7 @@ def test_tiny_case_end_to_end_on_cpu():
     group.baseline, calls = None, []
     ro = measure_compiled(group, batch, Baseline(REDUCE_OVERHEAD, _identity(calls), False),
                           warmup=0, reps=1)
-    assert calls == ["_first_step_decode", "_multi_step"] and "compile_error" not in ro
+    assert calls == ["_decode", "_multi_step"] and "compile_error" not in ro
     assert ro["compile_agreement"] == 1.0 and "compile_cudagraph_skips" in ro
     assert "compile_graph_replayed" not in ro
     assert group.baseline.cfg.enforce_eager
@@ -258,23 +262,24 @@ def _table(tmp_path, capsys, benchmarks):
 def test_report_renders_one_table(tmp_path, capsys):
     ops = {"Memcpy DtoD (Device -> Device)": 3, "elementwise_kernel": 1}
     table, out = _table(tmp_path, capsys, [
-        _info(1, "graph", refresh_us=12.25, refresh_launches=4, refresh_gpu_ops=4,
-              graph_launches=2, refresh_ops=ops, launch_counts_stable=True),
+        _info(1, "graph", refresh_us=12.25, refresh_in_place_us=4.5, refresh_launches=4,
+              refresh_gpu_ops=4, graph_launches=1, refresh_ops=ops, launch_counts_stable=True),
         _info(8, "graph", eager_equals_graph=False, refresh_launches=5, refresh_gpu_ops=3,
-              graph_launches=3, refresh_ops=ops),
+              graph_launches=3, refresh_ops=ops, in_place_equals_copy=False),
         _info(1, "compile", compile_graph_replayed=True, compile_agreement=0.96875,
               compile_group_s=20.5),
         _info(8, "compile", compile_error="BackendCompilerFailed: boom"),
         {"name": "other", "extra_info": {}}])
     assert len(table) == 4  # header, rule, two cases
     assert table[0] == ("| case | bs | kv | eager us | graph us | compile+graph us | floor us "
-                        "| graph/floor | compile+graph/graph | eager/graph | refresh us | launches "
-                        "| capture s | pool MB | compile+graph s |")
+                        "| graph/floor | compile+graph/graph | eager/graph | refresh us "
+                        "| in-place refresh us | launches | capture s | pool MB | compile+graph s |")
     assert table[0].count("|") == len(report.COLUMNS) + 1 == len(report.columns("x")) + 1
     assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.25x | 5.0x "
-                        "| 12.2 | 4 | 1.50 | 64.0 | 12.3 |")
+                        "| 12.2 | 4.5 | 4 | 1.50 | 64.0 | 12.3 |")
     assert "failed: BackendCompilerFailed" in table[3]
-    assert "| 12.0 | 5 (3 on GPU) |" in table[3]  # refresh from the medians when not recorded
+    assert "| 12.0 | — | 5 (3 on GPU) |" in table[3]  # refresh from the medians when not recorded
+    assert "page16 kv512 bs8: drafts with the hidden states in place differ" in out
     assert "4.27 TB/s" in out and "NVIDIA H200" in out and "compile+graph = torch-path" in out
     assert "differs from eager" in out and "boom" in out
     assert "96.9% to 96.9% of draft tokens" in out and "page16 kv512 20.5 s" in out
@@ -354,7 +359,7 @@ def test_report_schedule_line(tmp_path):
 
     from perf.report import load_schedule, schedule_line
 
-    info = {"schedule": [1, 2], "schedule_per_size": {"1": {"first_s": 0.5, "multi_s": 0.25,
+    info = {"schedule": [1, 2], "schedule_per_size": {"1": {"decode_s": 0.5, "multi_s": 0.25,
                                                              "pool_bytes": 0},
                                                        "2": {"first_s": 0.1, "multi_s": 0.1,
                                                              "pool_bytes": 2**20}},

@@ -7,6 +7,9 @@ and the padded rows / tokens get the neutral values of `graphdraft.buffers`:
   rows [bs, pbs):        accept 1, seq_lens 1, req_pool_indices 0 (dummy slot), extend_lens 1
   tokens [bs*N, pbs*N):  first_ids 0, first_hidden 0, input_ids 0, positions 0, out_cache_loc 0
 (The first step itself writes every row's write_start, ids and hidden up to pbs.)
+When hidden_src already is `first_hidden[:bs*N]` (the caller's target wrote its hidden
+states into the drafter's buffer, `EagleDrafter.decode_hidden_buffer`), the copy is skipped
+and only the padded tokens' hidden rows are written.
 
 Shapes: accept_src `[bs]` int32/int64, tokens_src `[bs*N]` int32/int64, hidden_src
 `[bs*N, kH]` (unit column stride); the destinations are the buffers' full tensors.
@@ -20,21 +23,25 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["stage_decode_inputs", "stage_decode_inputs_ref"]
+__all__ = ["hidden_in_place", "stage_decode_inputs", "stage_decode_inputs_ref"]
 
 
 @triton.jit
 def _stage_kernel(accept_src, tokens_src, hidden_src, stride_hs, accept, first_ids, first_hidden,
                   stride_fh, seq_lens, req, extend_lens, input_ids, positions, out_cache_loc,
-                  bs, pbs, N, KH, BLOCK: tl.constexpr):
+                  bs, pbs, N, KH, BLOCK: tl.constexpr, COPY_HIDDEN: tl.constexpr):
     t = tl.program_id(0)  # token row in [0, pbs * N); also row t when t < pbs
     t64 = t.to(tl.int64)
     real = (tl.zeros([BLOCK], dtype=tl.int32) + t) < bs * N
+    write = ~real  # padded token rows: hidden 0
+    if COPY_HIDDEN:
+        write = write | real
     for c0 in range(0, KH, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = cols < KH
-        h = tl.load(hidden_src + t64 * stride_hs + cols, mask=ok & real, other=0.0)
-        tl.store(first_hidden + t64 * stride_fh + cols, h.to(first_hidden.dtype.element_ty), mask=ok)
+        h = tl.load(hidden_src + t64 * stride_hs + cols, mask=ok & real & write, other=0.0)
+        tl.store(first_hidden + t64 * stride_fh + cols, h.to(first_hidden.dtype.element_ty),
+                 mask=ok & write)
     # Per-token and per-row scalars as 1-wide vectors (masked scalars trip the interpreter).
     i = t64 + tl.arange(0, 1)
     tok_real = i < bs * N
@@ -75,6 +82,16 @@ def _check(bs: int, pbs: int, n: int, accept_src, tokens_src, hidden_src, accept
             or (bs and hidden_src.stride(1) != 1)):
         raise ValueError(f"hidden_states: expected [{bs * n}, {first_hidden.shape[1]}] with unit "
                          f"column stride, got {tuple(hidden_src.shape)}")
+    if (bs and hidden_src.untyped_storage().data_ptr() == first_hidden.untyped_storage().data_ptr()
+            and not hidden_in_place(hidden_src, first_hidden)):
+        raise ValueError("hidden_states: expected a tensor apart from the drafter's first_hidden "
+                         "buffer, or exactly its first rows (decode_hidden_buffer(bs))")
+
+
+def hidden_in_place(hidden_src: torch.Tensor, first_hidden: torch.Tensor) -> bool:
+    """Whether `hidden_src` is the view `first_hidden[:len(hidden_src)]` (nothing to copy)."""
+    return (hidden_src.numel() > 0 and hidden_src.data_ptr() == first_hidden.data_ptr()
+            and hidden_src.stride() == first_hidden.stride() and hidden_src.dtype == first_hidden.dtype)
 
 
 def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tokens_src: torch.Tensor,
@@ -92,7 +109,8 @@ def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tok
     _stage_kernel[(pbs * n,)](
         accept_src, tokens_src, hidden_src, hidden_src.stride(0) if bs else kh, accept, first_ids,
         first_hidden, first_hidden.stride(0), seq_lens, req, extend_lens, input_ids, positions,
-        out_cache_loc, bs, pbs, n, kh, BLOCK=min(4096, triton.next_power_of_2(kh)), num_warps=4)
+        out_cache_loc, bs, pbs, n, kh, BLOCK=min(4096, triton.next_power_of_2(kh)),
+        COPY_HIDDEN=not hidden_in_place(hidden_src, first_hidden), num_warps=4)
 
 
 def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
@@ -106,7 +124,8 @@ def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
     t, pt = bs * n, pbs * n
     accept[:bs].copy_(accept_src)
     first_ids[:t].copy_(tokens_src)
-    first_hidden[:t].copy_(hidden_src)
+    if not hidden_in_place(hidden_src, first_hidden):
+        first_hidden[:t].copy_(hidden_src)
     if pbs > bs:
         accept[bs:pbs] = 1
         seq_lens[bs:pbs] = 1
