@@ -20,15 +20,13 @@ attending rows out of all the step's tokens, instead of an ``index_select`` laun
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.fused_inputs import check_row_index
-from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -210,11 +208,6 @@ def _combine_counters(n: int, device: torch.device) -> torch.Tensor:
     return kept[-1]
 
 
-def _interpreting() -> bool:
-    # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
     """Split count for ``T * Hkv`` (row, kv head) pairs and a ``max_kv_len`` bound.
 
@@ -310,6 +303,8 @@ def paged_decode_attention(
     combine = COMBINE_IN_SPLIT and not one
     counters = _combine_counters(T * Hkv, q.device) if combine else lse
     sb = min(16, triton.next_power_of_2(splits))
+    # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1), q if q_index is None else q_index,
         k_cache, k_cache.stride(0), k_cache.stride(1),
@@ -319,7 +314,7 @@ def paged_decode_attention(
         lse,
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
-        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
+        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         Q_INDEX=q_index is not None, fo_ptr=out, counter_ptr=counters, COMBINE=combine, SB=sb,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T),
     )

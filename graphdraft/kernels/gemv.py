@@ -46,7 +46,7 @@ import triton.language as tl
 from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
 from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
-from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
 
 MAX_M = 16
@@ -73,10 +73,6 @@ measured no faster)."""
 FINISH_MAXNREG: int | None = 128
 """Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
 _FINISH_NONE, _FINISH_NORM, _FINISH_ARGMAX = 0, 1, 2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -352,7 +348,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
             n_blocks: int = 1, finish: _NormFinish | _ArgmaxFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
     block_m = 1 if m == 1 else MAX_M
-    fp32_dot = x.dtype == torch.float32 or _interpreting()
+    fp32_dot = x.dtype == torch.float32 or interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
     norm = finish if isinstance(finish, _NormFinish) else None
     pick = finish if isinstance(finish, _ArgmaxFinish) else None
@@ -365,7 +361,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     kind = _FINISH_NORM if norm else _FINISH_ARGMAX if pick else _FINISH_NONE
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
-    capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
+    capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not interpreting()
     extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
     pdl = bool(GEMV_PDL) and pdl_supported(x.device)
     if pdl:
