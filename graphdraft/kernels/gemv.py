@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
+from graphdraft.kernels.argmax import _BIG, argmax_final_row, argmax_stage2
 from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
@@ -444,13 +444,8 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks,
             finish=pick if FINISH_ARGMAX else None)
     if not FINISH_ARGMAX:
-        has_map, has_tokens = hot_token_ids is not None, tokens_out is not None
-        _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
-                                    tokens_out if has_tokens else ids,
-                                    tokens_out.stride(0) if has_tokens else 0,
-                                    SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                    HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1,
-                                    **launch_options(x.device, m))
+        argmax_stage2(val, idx, ids, hot_token_ids, tokens_out,
+                      num_warps=4 if n_blocks >= 256 else 1)
     return logits, ids
 
 
