@@ -97,10 +97,10 @@ def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr
                      HAS_TOKENS: tl.constexpr):
     """Row b: the (max, first index) over its `[num_splits]` partials, mapped -> `out[b]` (int64)
     and, with HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32).
-    Partials are read from L2 (`.cg`): another program of the same launch may have written them."""
+    Partials are read through L2 (`.cg`)."""
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < num_splits
-    b = tl.cast(b, tl.int64)  # a loop index (a python int when interpreting) or program id
+    b = tl.cast(b, tl.int64)  # int64 offsets
     base = b * num_splits
     val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
     idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG, cache_modifier=".cg")
