@@ -4,7 +4,7 @@
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
 default all; `name:KNOB=V+mod.KNOB=V` also sets module knobs of `kernels.gemv` / `kernels.mod`
-for that variant, e.g. `gemv:FINISH_ARGMAX=0+pdl.ENABLED=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
+for that variant, e.g. `gemv:GEMV_PDL=0+pdl.ENABLED=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
 every matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s
 swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
 `GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
@@ -80,7 +80,7 @@ def after_l2_flush_us(fn, reps: int = 20, flush_bytes: int = 512 << 20) -> float
 
 
 def kernel_knobs(spec: str) -> dict:
-    """`"FINISH_ARGMAX=0+pdl.ENABLED=0"` -> `{(module, name): value}`: module-level knobs of
+    """`"GEMV_PDL=0+pdl.ENABLED=0"` -> `{(module, name): value}`: module-level knobs of
     `graphdraft.kernels.gemv` (bare names) or `graphdraft.kernels.<module>` (ints; 0 / "none" for
     a False / None knob)."""
     out = {}

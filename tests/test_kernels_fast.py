@@ -107,23 +107,6 @@ def test_decode_attention_many_splits():
     _close(paged_decode_attention(*args, 16, 0.25, max_kv_len=1152, num_splits=18), ref, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [3, 17])
-def test_decode_attention_combine_in_split_equals_combine_launch(dtype, splits, monkeypatch):
-    """The last split program of each (row, kv head) combining the splits (rows with fewer
-    active splits than launched included) == the separate combine launch, bit for bit; the
-    arrival counters are back at zero afterwards, twice in a row."""
-    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
-    lens, reqs = [300, 9, 120], [1, 0, 1]
-    args = _paged_setup(lens, reqs, 8, 2, 16, 16, dtype, max_reqs=2, max_len=320, seed=5)
-    launch = paged_decode_attention(*args, 16, 0.25, max_kv_len=300, num_splits=splits)
-    monkeypatch.setattr(decode_attention, "COMBINE_IN_SPLIT", True)
-    for _ in range(2):
-        fused = paged_decode_attention(*args, 16, 0.25, max_kv_len=300, num_splits=splits)
-        assert torch.equal(fused, launch)
-        assert int(decode_attention._combine_counters(1, fused.device).abs().sum()) == 0
-
-
 def test_decode_attention_default_splits():
     cpu = torch.device("cpu")
     assert default_num_splits(1, 8, 4096, cpu) == 33  # 2 programs per SM

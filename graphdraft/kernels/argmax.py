@@ -97,10 +97,10 @@ def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr
                      HAS_TOKENS: tl.constexpr):
     """Row b: the (max, first index) over its `[num_splits]` partials, mapped -> `out[b]` (int64)
     and, with HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32).
-    Partials are read from L2 (`.cg`): another program of the same launch may have written them."""
+    Partials are read through L2 (`.cg`)."""
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < num_splits
-    b = tl.cast(b, tl.int64)  # a loop index (a python int when interpreting) or program id
+    b = tl.cast(b, tl.int64)  # int64 offsets
     base = b * num_splits
     val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
     idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG, cache_modifier=".cg")
@@ -111,6 +111,23 @@ def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr
     tl.store(out_ptr + b, res)
     if HAS_TOKENS:
         tl.store(tokens_ptr + b * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
+
+
+def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Tensor,
+                  hot_token_ids: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
+                  *, num_warps: int = 1) -> None:
+    """Second stage, one program per row b: the (max, first index) over the partials
+    `part_val` fp32 / `part_idx` int32 `[B, splits]` (contiguous), mapped through
+    `hot_token_ids` (int64 `[V]`) if given -> `out[b]` (int64 `[B]`); `tokens_out` (int32/int64
+    `[B]`, any stride) gets a copy. Arguments are not checked (the callers do)."""
+    B, splits = part_val.shape
+    has_map, has_tokens = hot_token_ids is not None, tokens_out is not None
+    _argmax_stage2_kernel[(B,)](
+        part_val, part_idx, splits, hot_token_ids if has_map else out, out,
+        tokens_out if has_tokens else out, tokens_out.stride(0) if has_tokens else 0,
+        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=has_tokens,
+        num_warps=num_warps, **launch_options(out.device, B),
+    )
 
 
 def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -178,11 +195,7 @@ def argmax_with_map(
         logits, logits.stride(0), V, chunk, part_val, part_idx, splits, hot, out,
         BLOCK=block, FINAL=False, HAS_MAP=has_map, num_warps=num_warps,
     )
-    _argmax_stage2_kernel[(B,)](
-        part_val, part_idx, splits, hot, out, out, 0,
-        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=False, num_warps=1,
-        **launch_options(logits.device, B),
-    )
+    argmax_stage2(part_val, part_idx, out, hot_token_ids)
     return out
 
 

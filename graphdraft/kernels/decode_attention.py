@@ -20,15 +20,13 @@ attending rows out of all the step's tokens, instead of an ``index_select`` laun
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.fused_inputs import check_row_index
-from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -39,10 +37,6 @@ BLOCK_N = 64  # KV positions per loop step
 MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
 NUM_WARPS = 4
 NUM_STAGES = 3
-COMBINE_IN_SPLIT = False
-"""Combine the splits in the last split program of each (row, kv head) to finish (an arrival
-counter per pair) instead of a second launch. Off: measured 50 us per draft call slower at
-bs 1 on an H200 (perf/RESULTS.md, third session run 8)."""
 
 
 @triton.jit
@@ -57,8 +51,6 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
-    fo_ptr, counter_ptr,  # COMBINE: the final output [T, Hq, D] (strides so_t, so_h), counters
-    COMBINE: tl.constexpr, SB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -68,9 +60,6 @@ def _decode_split_kernel(
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
     start = split * chunk
     if start >= kv_len:  # nothing of this row here; the combine ignores this split
-        if COMBINE:
-            _arrive_and_combine(t, kvh, counter_ptr, o_ptr, lse_ptr, kv_len, fo_ptr, so_t, so_h,
-                                chunk, num_splits, G, D, D_PAD, SB)
         return
     end = tl.minimum(start + chunk, kv_len)
     if split == num_splits - 1:
@@ -132,9 +121,6 @@ def _decode_split_kernel(
         row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [G_PAD]
         tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
-        if COMBINE:
-            _arrive_and_combine(t, kvh, counter_ptr, o_ptr, lse_ptr, kv_len, fo_ptr, so_t, so_h,
-                                chunk, num_splits, G, D, D_PAD, SB)
 
 
 @triton.jit
@@ -153,27 +139,10 @@ def _decode_combine_kernel(
 
 
 @triton.jit
-def _arrive_and_combine(t, kvh, counter_ptr, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h, chunk,
-                        num_splits, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        SB: tl.constexpr):
-    """A split program of (t, kvh) is done: count it in; the last of the pair's `num_splits`
-    combines the G heads of kv head kvh and resets the counter (acq_rel: every split's partials
-    are visible to it)."""
-    tl.debug_barrier()
-    hkv = tl.num_programs(1)
-    c = counter_ptr + t * hkv + kvh
-    if tl.atomic_add(c, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        for g in range(G):
-            _combine_head(t, kvh * G + g, hkv * G, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h,
-                          chunk, num_splits, D, D_PAD, SB)
-        tl.atomic_xchg(c, 0)
-
-
-@triton.jit
 def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h, chunk, num_splits,
                   D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr):
     """Head h of row t: the log-sum-exp weighted sum of its splits' partial outputs."""
-    t = tl.cast(t, tl.int64)  # program ids, or loop indices (python ints when interpreting)
+    t = tl.cast(t, tl.int64)  # int64 offsets
     h = tl.cast(h, tl.int64)
     active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # splits that wrote
     d = tl.arange(0, D_PAD)
@@ -195,24 +164,6 @@ def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h,
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
     tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _combine_counters(n: int, device: torch.device) -> torch.Tensor:
-    """int32 zeros `[>= n]` per device, one per (row, kv head) (zero between launches: the
-    combining program resets its own). A larger need allocates a larger buffer; the old ones
-    are kept, since captured graphs point at them."""
-    kept = _COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < n:
-        kept.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
-    return kept[-1]
-
-
-def _interpreting() -> bool:
-    # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
@@ -307,9 +258,8 @@ def paged_decode_attention(
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
-    combine = COMBINE_IN_SPLIT and not one
-    counters = _combine_counters(T * Hkv, q.device) if combine else lse
-    sb = min(16, triton.next_power_of_2(splits))
+    # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1), q if q_index is None else q_index,
         k_cache, k_cache.stride(0), k_cache.stride(1),
@@ -319,15 +269,16 @@ def paged_decode_attention(
         lse,
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
-        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
-        Q_INDEX=q_index is not None, fo_ptr=out, counter_ptr=counters, COMBINE=combine, SB=sb,
+        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
+        Q_INDEX=q_index is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T),
     )
-    if not one and not combine:
+    if not one:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
-            D=D, D_PAD=d_pad, SB=sb, num_warps=4, **launch_options(q.device, T),
+            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
+            **launch_options(q.device, T),
         )
     return out
 

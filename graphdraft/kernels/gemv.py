@@ -14,8 +14,8 @@ Fused forms, each one launch fewer than the unfused ops:
                         (rounded like the torch ops) while loading x (M == 1; M > 1 computes
                         it in one small kernel first).
   linear_small_m_argmax each program also writes the (max, first index) of its logits
-                        block; the launch's last program picks the row argmax and maps it
-                        through `hot_token_ids` (the two-stage argmax in the GEMV's launch).
+                        block (the argmax's first stage); `argmax.argmax_stage2` picks the
+                        row argmax and maps it through `hot_token_ids`.
   linear_small_m_residual_norm
                         the split partials are summed by the RMSNorm(+residual) pass:
                         `h = round(x @ w^T) + residual`, `out = RMSNorm(h)`; for M <= 4 the
@@ -43,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.argmax import _BIG, _argmax_stage2_kernel, argmax_final_row
+from graphdraft.kernels.argmax import _BIG, argmax_stage2
 from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
-from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
 
 MAX_M = 16
@@ -56,9 +56,6 @@ ACTS = (None, "silu_mul")
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 FINISH_NORM_MAX_M = 4
 """Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
-FINISH_ARGMAX = False
-"""Run the argmax's second stage in the LM-head GEMV's last program instead of its own launch
-(measured no faster at bs 1 and 15 us per call slower at bs 8: off)."""
 GEMV_PDL = True
 """Launch the GEMV with programmatic dependent launch (CUDA): its programs start while the
 previous kernel finishes and wait (`gdc_wait`) for its writes before reading x; each program
@@ -72,11 +69,6 @@ bs 1, neutral at bs 8; marking the 32 MiB o_proj `evict_last` to keep it in L2 a
 measured no faster)."""
 FINISH_MAXNREG: int | None = 128
 """Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
-_FINISH_NONE, _FINISH_NORM, _FINISH_ARGMAX = 0, 1, 2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -121,18 +113,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
                  counter_ptr,
                  res_ptr, stride_res, res_idx_ptr, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
-                 eps, hot_ptr, ids_ptr, tokens_ptr, stride_tokens,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
                  FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_RES_INDEX: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-                 HAS_TOKENS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 HAS_RES_INDEX: tl.constexpr, NORM_BLOCK: tl.constexpr,
                  PDL: tl.constexpr, W_EVICT: tl.constexpr):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
-    With FINISH, the launch's last program to finish (an atomic count on `counter`, reset by
-    it) runs the consumer of every program's output for all M rows: `_residual_norm_row`
-    over the split partials (FINISH_NORM) or `argmax_final_row` over the per-block maxima
-    (FINISH_ARGMAX); one launch instead of two."""
+    With ARGMAX, it also writes the (max, first index) of its rounded logits to
+    `amax_val/amax_idx [M, n_blocks]`. With FINISH, the launch's last program to finish (an
+    atomic count on `counter`, reset by it) runs `_residual_norm_row` over the split partials
+    for all M rows; one launch instead of two."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -182,18 +172,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             p = offs_m.to(tl.int64) * n_blocks + pid_n
             tl.store(amax_val_ptr + p, best, mask=m_ok)
             tl.store(amax_idx_ptr + p, idx, mask=m_ok)
-    if FINISH != 0:
+    if FINISH:
         tl.debug_barrier()  # every thread's stores issued before the release below
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program
             for m in range(M):
-                if FINISH == 1:
-                    _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
-                                       nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
-                                       HAS_RES_INDEX, NORM_BLOCK)
-                else:
-                    argmax_final_row(m, amax_val_ptr, amax_idx_ptr, n_blocks, hot_ptr, ids_ptr,
-                                     tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
+                _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
+                                   nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
+                                   HAS_RES_INDEX, NORM_BLOCK)
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
@@ -325,15 +311,6 @@ class _NormFinish:
     eps: float
 
 
-@dataclass
-class _ArgmaxFinish:
-    """FINISH_ARGMAX operands: ids int64 `[M]`, optional map and int32/int64 token copy."""
-
-    hot_token_ids: torch.Tensor | None
-    ids: torch.Tensor
-    tokens: torch.Tensor | None
-
-
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -349,23 +326,17 @@ def _counter(w: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
             cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
-            n_blocks: int = 1, finish: _NormFinish | _ArgmaxFinish | None = None) -> None:
+            n_blocks: int = 1, norm: _NormFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
     block_m = 1 if m == 1 else MAX_M
-    fp32_dot = x.dtype == torch.float32 or _interpreting()
+    fp32_dot = x.dtype == torch.float32 or interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
-    norm = finish if isinstance(finish, _NormFinish) else None
-    pick = finish if isinstance(finish, _ArgmaxFinish) else None
-    counter = _counter(w) if finish is not None else ws
+    counter = _counter(w) if norm else ws
     res = norm.residual if norm else ws
     res_idx = norm.residual_index if norm and norm.residual_index is not None else counter
-    hot = pick.hot_token_ids if pick and pick.hot_token_ids is not None else counter
-    ids = pick.ids if pick else counter
-    tokens = pick.tokens if pick and pick.tokens is not None else ids
-    kind = _FINISH_NORM if norm else _FINISH_ARGMAX if pick else _FINISH_NONE
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
-    capped = finish is not None and block_m == 1 and FINISH_MAXNREG and not _interpreting()
+    capped = norm is not None and block_m == 1 and FINISH_MAXNREG and not interpreting()
     extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
     pdl = bool(GEMV_PDL) and pdl_supported(x.device)
     if pdl:
@@ -375,13 +346,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         cfg.k_per_split, n_blocks, counter,
         res, res.stride(0), res_idx, norm.norm_weight if norm else ws, norm.out if norm else ws,
         norm.out.stride(0) if norm else 0, norm.h if norm else ws, norm.h.stride(0) if norm else 0,
-        float(norm.eps) if norm else 0.0, hot, ids, tokens,
-        pick.tokens.stride(0) if pick and pick.tokens is not None else 0,
+        float(norm.eps) if norm else 0.0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TO_WS=to_ws,
-        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot, FINISH=kind,
-        SPLIT=cfg.split, HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
-        SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=bool(pick and pick.hot_token_ids is not None),
-        HAS_TOKENS=bool(pick and pick.tokens is not None), NORM_BLOCK=triton.next_power_of_2(n),
+        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
+        FINISH=norm is not None, SPLIT=cfg.split,
+        HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
+        NORM_BLOCK=triton.next_power_of_2(n),
         PDL=pdl, W_EVICT="evict_first" if STREAM_EVICT_FIRST else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
@@ -444,17 +414,8 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
-    pick = _ArgmaxFinish(hot_token_ids, ids, tokens_out)
-    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks,
-            finish=pick if FINISH_ARGMAX else None)
-    if not FINISH_ARGMAX:
-        has_map, has_tokens = hot_token_ids is not None, tokens_out is not None
-        _argmax_stage2_kernel[(m,)](val, idx, n_blocks, hot_token_ids if has_map else ids, ids,
-                                    tokens_out if has_tokens else ids,
-                                    tokens_out.stride(0) if has_tokens else 0,
-                                    SPLITS_PAD=triton.next_power_of_2(n_blocks), HAS_MAP=has_map,
-                                    HAS_TOKENS=has_tokens, num_warps=4 if n_blocks >= 256 else 1,
-                                    **launch_options(x.device, m))
+    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
+    argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, num_warps=4 if n_blocks >= 256 else 1)
     return logits, ids
 
 
@@ -493,7 +454,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     h = h_out if h_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm = _NormFinish(residual, residual_index, norm_weight, out, h, eps)
     if m <= FINISH_NORM_MAX_M:
-        _launch(x, w, ws, ws, act, cfg, to_ws=True, finish=norm)
+        _launch(x, w, ws, ws, act, cfg, to_ws=True, norm=norm)
         return out, h
     _launch(x, w, ws, ws, act, cfg, to_ws=True)
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),

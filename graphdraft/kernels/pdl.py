@@ -24,9 +24,14 @@ session run 8): PDL on every small kernel took a draft call from 642 to 633 us a
 from 685 to 710 us at bs 8; the cause at bs 8 is not known (bs 2-4 not measured apart)."""
 
 
+def interpreting() -> bool:
+    """Triton's interpreter is on (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def supported(device: torch.device) -> bool:
     """A CUDA device, not Triton's interpreter (which has no griddepcontrol)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return device.type == "cuda" and not interpreting()
 
 
 def launch_options(device: torch.device, rows: int) -> dict:
