@@ -37,24 +37,6 @@ def test_matches_reference(m, n, k, dtype, tol):
     assert _rel(out, linear_small_m_ref(x, w)) < tol
 
 
-@pytest.mark.parametrize("mode,want", [(0, (3, 1536)), (1, (2, 2048)), (2, (4, 1024))])
-def test_even_split_modes(monkeypatch, mode, want):
-    """qkv of the 8B head at M = 1 (16 K blocks of 256, ~2.75 slices wanted); shapes whose
-    nearest split is already even keep it in every mode."""
-    from graphdraft.kernels import gemv
-    monkeypatch.setattr(gemv, "EVEN_SPLIT", mode)
-    cfg = gemv_config(1, 6144, 4096)
-    assert (cfg.split, cfg.k_per_split) == want
-    assert cfg.split * cfg.k_per_split >= 4096 > (cfg.split - 1) * cfg.k_per_split
-    for n, k in ((4096, 4096), (4096, 14336), (4096, 12288), (28672, 4096)):
-        monkeypatch.setattr(gemv, "EVEN_SPLIT", 0)
-        base = gemv_config(1, n, k)
-        monkeypatch.setattr(gemv, "EVEN_SPLIT", mode)
-        assert gemv_config(1, n, k) == base
-    monkeypatch.setattr(gemv, "EVEN_SPLIT", 1)
-    assert gemv_config(1, 6144, 13 * 256).split == 3  # no divisor of 13 within 2x: nearest kept
-
-
 def test_split_k_exercised_and_deterministic():
     assert gemv_config(2, 40, 2200).split > 1
     g = torch.Generator().manual_seed(0)

@@ -36,7 +36,6 @@ rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -68,11 +67,6 @@ STREAM_EVICT_FIRST = True
 pushes out what the small kernels between the GEMVs reuse (measured 8.6 us per call faster at
 bs 1, neutral at bs 8; marking the 32 MiB o_proj `evict_last` to keep it in L2 across steps
 measured no faster)."""
-EVEN_SPLIT = 0
-"""When the nearest K split leaves a shorter last slice (qkv at M = 1: 1536 + 1536 + 1024),
-`gemv_config` keeps it (0), takes the nearest count that divides the K blocks evenly (1) or
-the smallest such count above the target (2); 1 and 2 keep the nearest count when no
-divisor lies within 2x of the target."""
 FINISH_MAXNREG: int | None = 128
 """Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
 
@@ -107,22 +101,11 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
     num_stages = num_stages or (4 if wide else 3)
     n_blocks = triton.cdiv(n, block_n)
     if split is None:
-        cap = min(k // (4 * block_k), max_split)
-        split = min(round(target_programs / n_blocks), cap)
-        if EVEN_SPLIT and split > 1 and triton.cdiv(k, block_k) % split:
-            split = _even_split(target_programs / n_blocks, triton.cdiv(k, block_k), cap, split)
+        split = min(round(target_programs / n_blocks), k // (4 * block_k), max_split)
     split = max(1, min(split, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     return GemvConfig(block_n, block_k, split, k_per_split, num_warps, num_stages)
-
-
-def _even_split(want: float, k_blocks: int, cap: int, fallback: int) -> int:
-    """A split count dividing `k_blocks` (equal slices) near `want` (EVEN_SPLIT), <= `cap`."""
-    even = [s for s in range(1, max(cap, 1) + 1) if k_blocks % s == 0 and want / 2 <= s <= 2 * want]
-    if EVEN_SPLIT == 2:
-        even = [s for s in even if s >= want] or even
-    return min(even, key=lambda s: abs(math.log(s / want))) if even else fallback
 
 
 @triton.jit
