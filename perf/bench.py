@@ -676,6 +676,7 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
         raise ValueError(f"no {mark!r} spans in the profiler trace")
     calls: list[dict[str, Any]] = [{"launches": 0, "graph_launches": 0, "gpu_outside": 0,
                                     "gpu_inside": 0, "ops": Counter()} for _ in spans]
+    bounds: list[dict[bool, list[float]]] = [{} for _ in spans]  # is graph -> [first start, last end]
 
     def span_of(ts: float) -> int | None:
         for i, (lo, hi) in enumerate(spans):
@@ -708,13 +709,21 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
         if hit is None:
             continue
         i, graph = hit
+        t0 = float(e["ts"])
+        t1 = t0 + float(e.get("dur", 0.0))
+        b = bounds[i].setdefault(graph, [t0, t1])
+        b[0], b[1] = min(b[0], t0), max(b[1], t1)
         if graph:
             calls[i]["gpu_inside"] += 1
         else:
             calls[i]["gpu_outside"] += 1
             calls[i]["ops"][str(e.get("name", "?"))[:100]] += 1
-    for c in calls:
+    for c, b in zip(calls, bounds, strict=True):
         c["ops"] = dict(sorted(c["ops"].items()))
+        c["refresh_gpu_us"] = None
+        if len(b) == 2:
+            lo, hi = min(b[True][0], b[False][0]), max(b[True][1], b[False][1])
+            c["refresh_gpu_us"] = (hi - lo) - (b[True][1] - b[True][0])
     return calls
 
 
@@ -723,14 +732,15 @@ def launches_enabled(env: dict[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(LAUNCHES_ENV, "1").strip() != "0"
 
 
-def profile_launches(fn: Callable[[], Any], *, calls: int = 3,
+def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
                      device: str | torch.device = "cuda") -> dict[str, Any]:
     """Run `fn` (one draft call) `calls` times under torch.profiler and count the work it
     issues outside graph launches (`count_launches`); report the last call's counts.
 
     Keys: `refresh_launches`, `graph_launches`, `refresh_gpu_ops`, `graph_gpu_ops`,
     `refresh_ops` (name -> count), `launch_counts_stable` (every profiled call issued the
-    same host launches). On a CPU device only host ops are traced and the counts are 0.
+    same host launches), `refresh_gpu_us` (median over the calls; None without GPU
+    records). On a CPU device only host ops are traced and the counts are 0.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -749,9 +759,11 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 3,
         events = json.loads(path.read_text()).get("traceEvents", [])
     per_call = count_launches(events)
     last = per_call[-1]
+    gaps = [c["refresh_gpu_us"] for c in per_call if c["refresh_gpu_us"] is not None]
     return {"refresh_launches": last["launches"], "graph_launches": last["graph_launches"],
             "refresh_gpu_ops": last["gpu_outside"], "graph_gpu_ops": last["gpu_inside"],
             "refresh_ops": last["ops"],
+            "refresh_gpu_us": statistics.median(gaps) if gaps else None,
             "launch_counts_stable": len({(c["launches"], c["graph_launches"]) for c in per_call})
             == 1}
 
@@ -843,14 +855,16 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     `measure_compiled`).
 
     Keys: `{eager,graph}_{run,decode,multi,first}_us` (`_time_forwards`), `eager_equals_graph`
-    (bit-identical `run` outputs), `graph_replayed`, capture stats; `refresh_us`, the
-    median of `time_refresh_us` (work outside the decode replay, measured inside each
-    call), `refresh_in_place_us` the same with the hidden states already in the
-    drafter's buffer (`in_place_args`), `refresh_diff_us` = `graph_run_us -
-    graph_decode_us` (medians timed apart); and, on CUDA with `profile`,
-    `profile_launches`'s counts of the work one `run` issues outside its graph launch
-    (measured last, after every timing; `launches_error` when the profiler fails). Keeps
-    the graph output in `group.reference[bs]`.
+    (bit-identical `run` outputs), `graph_replayed`, capture stats, `in_place_equals_copy`
+    (the same drafts with the hidden states already in the drafter's buffer,
+    `in_place_args`); the time the work outside the decode replay adds to a call, three
+    ways: `refresh_events_us` / `refresh_events_in_place_us` (`time_refresh_us`: CUDA
+    events inside each call, host gaps and the two extra event records included),
+    `refresh_diff_us` = `graph_run_us - graph_decode_us` (medians timed apart), and, on
+    CUDA with `profile`, `refresh_gpu_us` / `refresh_gpu_in_place_us` (GPU timeline of
+    profiled calls) with `profile_launches`'s counts of the work one `run` issues outside
+    its graph launch (measured last, after every timing; `launches_error` when the
+    profiler fails). Keeps the graph output in `group.reference[bs]`.
     """
     d, bs = group.drafter, batch.ctx.bs
     if group.graphs_stale:
@@ -867,17 +881,18 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     graph_out = d.run(*batch.args)
     res["graph_replayed"] = d.decode_graphs.stats.total_replays > replays
     res["eager_equals_graph"] = bool(torch.equal(eager_out, graph_out))
-    res["refresh_us"] = statistics.median(time_refresh_us(d, batch.args, warmup=warmup, reps=reps))
     in_place = in_place_args(d, batch)
-    res["refresh_in_place_us"] = statistics.median(
-        time_refresh_us(d, in_place, warmup=warmup, reps=reps))
     res["in_place_equals_copy"] = bool(torch.equal(d.run(*in_place), graph_out))
+    for key, args in (("refresh_events_us", batch.args), ("refresh_events_in_place_us", in_place)):
+        res[key] = statistics.median(time_refresh_us(d, args, warmup=warmup, reps=reps))
     res["refresh_diff_us"] = res["graph_run_us"] - res["graph_decode_us"]
     res.update(capture_info(d, bs))
     group.reference[bs] = graph_out
     if profile and torch.device(d.cfg.device).type == "cuda":
         try:
             res.update(profile_launches(lambda: d.run(*batch.args), device=d.cfg.device))
+            res["refresh_gpu_in_place_us"] = profile_launches(
+                lambda: d.run(*in_place), device=d.cfg.device)["refresh_gpu_us"]
         except Exception as e:  # noqa: BLE001 - a failed count is a result, not a crash
             res["launches_error"] = f"{type(e).__name__}: {e}"[:300]
     return res

@@ -39,6 +39,7 @@ from perf.bench import (
     floor_info,
     forced_eager,
     median_us,
+    profile_launches,
     time_refresh_us,
 )
 
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                          reps=30)
                     first_us = decode_us - multi_us
                     refresh_us = statistics.median(time_refresh_us(d, batch.args, reps=30))
+                    refresh_gpu_us = profile_launches(run)["refresh_gpu_us"]
                     graph_rows = kernel_table(run)
                     with forced_eager():
                         eager_rows = kernel_table(run)
@@ -155,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["runs"][key] = {"drafts": drafts, "graph_run_us": graph_us,
                                        "after_l2_flush_us": after_flush_us,
                                        "graph_decode_us": decode_us, "graph_first_us": first_us,
-                                       "graph_multi_us": multi_us, "refresh_us": refresh_us, **fl,
+                                       "graph_multi_us": multi_us, "refresh_events_us": refresh_us,
+                                       "refresh_gpu_us": refresh_gpu_us, **fl,
                                        "eager_kernels": eager_rows, "graph_kernels": graph_rows}
                 print(f"\n[profile] {key}: after an L2 flush {after_flush_us:.1f} us")
                 print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay {decode_us:.1f}: "
-                      f"multi {multi_us:.1f}; refresh {refresh_us:.1f}), floor {fl['floor_us']:.1f} us "
+                      f"multi {multi_us:.1f}; refresh {refresh_gpu_us or 0:.1f} on the GPU, "
+                      f"{refresh_us:.1f} with host), floor {fl['floor_us']:.1f} us "
                       f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
                 print_table(f"{key} eager kernels", eager_rows)
                 print_table(f"{key} graph-replay kernels", graph_rows, top=12)

@@ -24,7 +24,7 @@ DEFAULT_MODE = "compile+graph"
 def columns(mode: str = DEFAULT_MODE) -> tuple[str, ...]:
     """The table's header; the baseline's columns carry its mode."""
     return ("case", "bs", "kv", "eager us", "graph us", f"{mode} us", "floor us", "graph/floor",
-            f"{mode}/graph", "eager/graph", "refresh us", "in-place refresh us", "launches",
+            f"{mode}/graph", "eager/graph", "refresh us", "in place", "with host", "launches",
             "capture s", "pool MB",
             f"{mode} s")
 
@@ -103,10 +103,11 @@ def _launch_cell(r: dict[str, Any]) -> str:
 
 
 def refresh_us(r: dict[str, Any]) -> float | None:
-    """`refresh_us`, or (runs before it was recorded) graph run minus both replays, medians
-    timed apart."""
-    if "refresh_us" in r:
-        return r["refresh_us"]
+    """`refresh_gpu_us` (GPU timeline), else the recorded `refresh_us` (runs before it), else
+    graph run minus both replays, medians timed apart (runs before that)."""
+    for key in ("refresh_gpu_us", "refresh_us"):
+        if r.get(key) is not None:
+            return r[key]
     parts = [r.get(k) for k in ("graph_run_us", "graph_first_us", "graph_multi_us")]
     return None if None in parts else parts[0] - parts[1] - parts[2]
 
@@ -119,7 +120,8 @@ def row(r: dict[str, Any]) -> list[str]:
             _num(_ratio(graph, floor), ".2f") + ("x" if graph and floor else ""),
             _num(_ratio(comp, graph), ".2f") + ("x" if comp and graph else ""),
             _num(_ratio(eager, graph), ".1f") + ("x" if eager and graph else ""),
-            _num(refresh_us(r), ".1f"), _num(r.get("refresh_in_place_us"), ".1f"), _launch_cell(r),
+            _num(refresh_us(r), ".1f"), _num(r.get("refresh_gpu_in_place_us"), ".1f"),
+            _num(r.get("refresh_events_us"), ".1f"), _launch_cell(r),
             _num(r.get("capture_s"), ".2f"), _num(r.get("pool_bytes", 0) / 2**20, ".1f"),
             _num(r.get("compile_s"), ".1f")]
 
@@ -196,12 +198,13 @@ def render(records: Sequence[dict[str, Any]]) -> str:
               f"triton {first.get('triton', '?')}); floor = HBM bytes per draft call "
               f"({first.get('steps', 3)} steps: weights + KV + first-step fc and hidden) / that "
               "bandwidth; times are CUDA-event medians of `drafter.run` on a decode batch; "
-              f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = a draft call's "
-              "span minus its decode replay's span, CUDA events in the same call, median "
-              "(staging launch, output copy, host gaps); in-place refresh: the same with the "
-              "target's hidden states already in the drafter's buffer; launches = kernel "
-              "launches, memcpys and memsets one draft call issues outside its graph launch "
-              "(torch.profiler host API count)."]
+              f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = how much the "
+              "work outside the decode replay (staging launch, output copy) lengthens a draft "
+              "call on the GPU timeline (torch.profiler, median of 5 calls); in place: the "
+              "same with the target's hidden states already in the drafter's buffer; with "
+              "host: CUDA events around the call and its replay, host gaps and two extra "
+              "event records included (median); launches = kernel launches, memcpys and "
+              "memsets one draft call issues outside its graph launch (host API count)."]
     extra = notes(records)
     if extra:
         lines += ["", *extra]

@@ -54,7 +54,8 @@ def _graph_line(res: dict[str, Any]) -> str:
                 if "refresh_launches" in res else
                 f", launch count failed: {res['launches_error']}" if "launches_error" in res else "")
     return (f"eager {_us(res, 'eager_run_us')}, graph {_us(res, 'graph_run_us')} "
-            f"(refresh {_us(res, 'refresh_us')}, hidden in place {_us(res, 'refresh_in_place_us')}"
+            f"(refresh on the GPU {_us(res, 'refresh_gpu_us')}, hidden in place "
+            f"{_us(res, 'refresh_gpu_in_place_us')}, with host {_us(res, 'refresh_events_us')}"
             f"{launches}; capture {res['capture_s']:.2f} s)")
 
 

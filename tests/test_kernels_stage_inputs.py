@@ -24,9 +24,10 @@ def _buffers(max_bs, n, kh, seed):
                 out_cache_loc=r(t))
 
 
-@pytest.mark.parametrize("bs,pbs", [(1, 1), (3, 4), (5, 8), (0, 2)])
-def test_matches_torch_path(bs, pbs):
-    n, kh, max_bs = 4, 40, 10
+@pytest.mark.parametrize("bs,pbs,kh", [(1, 1, 40), (3, 4, 40), (5, 8, 40), (0, 2, 40),
+                                       (3, 4, 4100)])  # 4100: three column blocks per row
+def test_matches_torch_path(bs, pbs, kh):
+    n, max_bs = 4, 10
     got, ref = _buffers(max_bs, n, kh, 1), _buffers(max_bs, n, kh, 1)
     g = torch.Generator().manual_seed(2)
     accept = torch.randint(0, n + 1, (bs,), generator=g, dtype=torch.int32).to(DEV)

@@ -119,7 +119,7 @@ def test_tiny_case_end_to_end_on_cpu():
     assert res["graph_replayed"] is False  # no graphs on CPU
     assert res["refresh_diff_us"] == pytest.approx(res["graph_run_us"] - res["graph_decode_us"])
     assert res["graph_first_us"] == pytest.approx(res["graph_decode_us"] - res["graph_multi_us"])
-    assert res["refresh_us"] > 0 and res["refresh_in_place_us"] > 0  # host clock on CPU
+    assert res["refresh_events_us"] > 0 and res["refresh_events_in_place_us"] > 0  # host clock
     assert res["in_place_equals_copy"] is True
     assert "run" not in vars(group.drafter.decode_graphs)  # time_refresh_us unwrapped it
     assert "refresh_launches" not in res  # the profiler pass is CUDA only
@@ -225,6 +225,8 @@ def test_count_launches_separates_graph_replays():
     assert last["gpu_outside"] == 4 and last["gpu_inside"] == 4
     assert last["ops"] == {"Memcpy DtoD (Device -> Device)": 1, "Memset (Device)": 1,
                            "elementwise_kernel": 1, "triton_fill": 1}
+    # GPU ops at 200 + i (1 us each): the call spans 200..207, its graph work 203..207
+    assert last["refresh_gpu_us"] == pytest.approx(3.0)
     assert out[0]["launches"] == 6
     with pytest.raises(ValueError, match="no 'graphdraft_perf_call' spans"):
         count_launches(_trace(call, mark="other"))
@@ -235,7 +237,8 @@ def test_profile_launches_on_cpu():
     x = torch.randn(64)
     res = profile_launches(lambda: (x * 2).sum(), calls=2, device="cpu")
     assert res == {"refresh_launches": 0, "graph_launches": 0, "refresh_gpu_ops": 0,
-                   "graph_gpu_ops": 0, "refresh_ops": {}, "launch_counts_stable": True}
+                   "graph_gpu_ops": 0, "refresh_ops": {}, "refresh_gpu_us": None,
+                   "launch_counts_stable": True}
 
 
 def _info(bs, variant, mode="compile+graph", **extra):
@@ -262,8 +265,9 @@ def _table(tmp_path, capsys, benchmarks):
 def test_report_renders_one_table(tmp_path, capsys):
     ops = {"Memcpy DtoD (Device -> Device)": 3, "elementwise_kernel": 1}
     table, out = _table(tmp_path, capsys, [
-        _info(1, "graph", refresh_us=12.25, refresh_in_place_us=4.5, refresh_launches=4,
-              refresh_gpu_ops=4, graph_launches=1, refresh_ops=ops, launch_counts_stable=True),
+        _info(1, "graph", refresh_gpu_us=6.25, refresh_gpu_in_place_us=4.5, refresh_events_us=9.75,
+              refresh_launches=4, refresh_gpu_ops=4, graph_launches=1, refresh_ops=ops,
+              launch_counts_stable=True),
         _info(8, "graph", eager_equals_graph=False, refresh_launches=5, refresh_gpu_ops=3,
               graph_launches=3, refresh_ops=ops, in_place_equals_copy=False),
         _info(1, "compile", compile_graph_replayed=True, compile_agreement=0.96875,
@@ -273,12 +277,12 @@ def test_report_renders_one_table(tmp_path, capsys):
     assert len(table) == 4  # header, rule, two cases
     assert table[0] == ("| case | bs | kv | eager us | graph us | compile+graph us | floor us "
                         "| graph/floor | compile+graph/graph | eager/graph | refresh us "
-                        "| in-place refresh us | launches | capture s | pool MB | compile+graph s |")
+                        "| in place | with host | launches | capture s | pool MB | compile+graph s |")
     assert table[0].count("|") == len(report.COLUMNS) + 1 == len(report.columns("x")) + 1
     assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.25x | 5.0x "
-                        "| 12.2 | 4.5 | 4 | 1.50 | 64.0 | 12.3 |")
+                        "| 6.2 | 4.5 | 9.8 | 4 | 1.50 | 64.0 | 12.3 |")
     assert "failed: BackendCompilerFailed" in table[3]
-    assert "| 12.0 | — | 5 (3 on GPU) |" in table[3]  # refresh from the medians when not recorded
+    assert "| 12.0 | — | — | 5 (3 on GPU) |" in table[3]  # refresh from the medians (older runs)
     assert "page16 kv512 bs8: drafts with the hidden states in place differ" in out
     assert "4.27 TB/s" in out and "NVIDIA H200" in out and "compile+graph = torch-path" in out
     assert "differs from eager" in out and "boom" in out

@@ -30,36 +30,38 @@ __all__ = ["hidden_in_place", "stage_decode_inputs", "stage_decode_inputs_ref"]
 def _stage_kernel(accept_src, tokens_src, hidden_src, stride_hs, accept, first_ids, first_hidden,
                   stride_fh, seq_lens, req, extend_lens, input_ids, positions, out_cache_loc,
                   bs, pbs, N, KH, BLOCK: tl.constexpr, COPY_HIDDEN: tl.constexpr):
+    """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token row t's hidden state;
+    the programs with c == 0 also write row / token t's scalars."""
     t = tl.program_id(0)  # token row in [0, pbs * N); also row t when t < pbs
     t64 = t.to(tl.int64)
     real = (tl.zeros([BLOCK], dtype=tl.int32) + t) < bs * N
     write = ~real  # padded token rows: hidden 0
     if COPY_HIDDEN:
         write = write | real
-    for c0 in range(0, KH, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        ok = cols < KH
-        h = tl.load(hidden_src + t64 * stride_hs + cols, mask=ok & real & write, other=0.0)
-        tl.store(first_hidden + t64 * stride_fh + cols, h.to(first_hidden.dtype.element_ty),
-                 mask=ok & write)
-    # Per-token and per-row scalars as 1-wide vectors (masked scalars trip the interpreter).
-    i = t64 + tl.arange(0, 1)
-    tok_real = i < bs * N
-    tok = tl.load(tokens_src + i, mask=tok_real, other=0)
-    tl.store(first_ids + i, tok.to(tl.int64))
-    zero = tl.zeros([1], dtype=tl.int64)
-    tl.store(input_ids + i, zero.to(input_ids.dtype.element_ty), mask=~tok_real)
-    tl.store(positions + i, zero.to(positions.dtype.element_ty), mask=~tok_real)
-    tl.store(out_cache_loc + i, zero.to(out_cache_loc.dtype.element_ty), mask=~tok_real)
-    row = i < pbs
-    row_real = i < bs
-    a = tl.load(accept_src + i, mask=row_real, other=1)
-    tl.store(accept + i, a.to(accept.dtype.element_ty), mask=row)
-    pad = row & ~row_real
-    one = zero + 1
-    tl.store(seq_lens + i, one.to(seq_lens.dtype.element_ty), mask=pad)
-    tl.store(req + i, zero.to(req.dtype.element_ty), mask=pad)
-    tl.store(extend_lens + i, one.to(extend_lens.dtype.element_ty), mask=pad)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < KH
+    h = tl.load(hidden_src + t64 * stride_hs + cols, mask=ok & real & write, other=0.0)
+    tl.store(first_hidden + t64 * stride_fh + cols, h.to(first_hidden.dtype.element_ty),
+             mask=ok & write)
+    if tl.program_id(1) == 0:
+        # Per-token and per-row scalars as 1-wide vectors (masked scalars trip the interpreter).
+        i = t64 + tl.arange(0, 1)
+        tok_real = i < bs * N
+        tok = tl.load(tokens_src + i, mask=tok_real, other=0)
+        tl.store(first_ids + i, tok.to(tl.int64))
+        zero = tl.zeros([1], dtype=tl.int64)
+        tl.store(input_ids + i, zero.to(input_ids.dtype.element_ty), mask=~tok_real)
+        tl.store(positions + i, zero.to(positions.dtype.element_ty), mask=~tok_real)
+        tl.store(out_cache_loc + i, zero.to(out_cache_loc.dtype.element_ty), mask=~tok_real)
+        row = i < pbs
+        row_real = i < bs
+        a = tl.load(accept_src + i, mask=row_real, other=1)
+        tl.store(accept + i, a.to(accept.dtype.element_ty), mask=row)
+        pad = row & ~row_real
+        one = zero + 1
+        tl.store(seq_lens + i, one.to(seq_lens.dtype.element_ty), mask=pad)
+        tl.store(req + i, zero.to(req.dtype.element_ty), mask=pad)
+        tl.store(extend_lens + i, one.to(extend_lens.dtype.element_ty), mask=pad)
 
 
 def _check(bs: int, pbs: int, n: int, accept_src, tokens_src, hidden_src, accept, first_ids,
@@ -106,10 +108,11 @@ def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tok
     if pbs == 0:
         return
     kh = first_hidden.shape[1]
-    _stage_kernel[(pbs * n,)](
+    block = min(2048, triton.next_power_of_2(kh))
+    _stage_kernel[(pbs * n, triton.cdiv(kh, block))](
         accept_src, tokens_src, hidden_src, hidden_src.stride(0) if bs else kh, accept, first_ids,
         first_hidden, first_hidden.stride(0), seq_lens, req, extend_lens, input_ids, positions,
-        out_cache_loc, bs, pbs, n, kh, BLOCK=min(4096, triton.next_power_of_2(kh)),
+        out_cache_loc, bs, pbs, n, kh, BLOCK=block,
         COPY_HIDDEN=not hidden_in_place(hidden_src, first_hidden), num_warps=4)
 
 
