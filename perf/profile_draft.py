@@ -82,13 +82,14 @@ def after_l2_flush_us(fn, reps: int = 20, flush_bytes: int = 512 << 20) -> float
 
 def kernel_knobs(spec: str) -> dict:
     """`"GEMV_PDL=0+pdl.ENABLED=0"` -> `{(module, name): value}`: module-level knobs of
-    `graphdraft.kernels.gemv` (bare names) or `graphdraft.kernels.<module>` (ints; 0 / "none" for
-    a False / None knob)."""
+    `graphdraft.kernels.gemv` (bare names), `graphdraft.kernels.<module>` or `graphdraft.ops`
+    (`ops.NAME`); ints, 0 / "none" for a False / None knob."""
     out = {}
     for item in filter(None, spec.split("+")):
         k, _, v = item.partition("=")
         mod_name, _, name = k.rpartition(".")
-        mod = importlib.import_module(f"graphdraft.kernels.{mod_name or 'gemv'}")
+        mod = importlib.import_module("graphdraft.ops" if mod_name == "ops"
+                                      else f"graphdraft.kernels.{mod_name or 'gemv'}")
         if not name.isupper() or not hasattr(mod, name):
             raise SystemExit(f"--variants: {k!r} is not a knob of {mod.__name__}")
         cur = getattr(mod, name)

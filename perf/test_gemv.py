@@ -23,7 +23,7 @@ SHAPES = {name: (n, k) for name, (n, k, _, _) in SWEEP_SHAPES.items() if name !=
 """The draft step's five matmuls (N, K), as the sweep names them (fc runs once per call)."""
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gemv_vs_cublas(name: str, m: int, benchmark: Any, device_info: dict[str, Any]) -> None:
     n, k = SHAPES[name]

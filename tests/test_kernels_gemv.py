@@ -26,7 +26,8 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 130, 1100), (16, 64, 128), (5, 7, 2200)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 130, 1100), (16, 64, 128), (5, 7, 2200),
+                                   (17, 48, 300), (64, 40, 260)])  # 32- and 64-row tiles
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_matches_reference(m, n, k, dtype, tol):
     g = torch.Generator().manual_seed(m * n + k)
@@ -57,7 +58,7 @@ def test_strided_rows_and_out_view():
 
 
 @pytest.mark.parametrize("bad,name", [
-    (lambda x, w: (x[None], w), "x"), (lambda x, w: (torch.randn(17, 8).to(DEV), w), "x"),
+    (lambda x, w: (x[None], w), "x"), (lambda x, w: (torch.randn(65, 8).to(DEV), w), "x"),
     (lambda x, w: (x, w[:, :4]), "w"), (lambda x, w: (x, w.double()), "w"),
 ])
 def test_bad_input(bad, name):
@@ -80,7 +81,7 @@ def test_silu_mul_input(m, split):
     assert _rel(out, linear_small_m_ref(gate_up, w, act="silu_mul")) < 1e-5
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 20])
 @pytest.mark.parametrize("hot", [False, True])
 def test_argmax_epilogue(m, hot):
     g = torch.Generator().manual_seed(m + hot)
@@ -126,7 +127,7 @@ def test_residual_norm_epilogue(m, act, split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("split", [1, 4])
 def test_residual_norm_gathers_residual_rows(dtype, m, act, split):
@@ -180,7 +181,7 @@ def test_residual_norm_bad_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
 @pytest.mark.parametrize("split", [1, 3])
 def test_partials_sum_to_linear_small_m(dtype, m, split):
     g = torch.Generator().manual_seed(m + 10 * split)
@@ -316,7 +317,7 @@ def test_rope_partials_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 8192), (4096, 4096), (28672, 4096), (4096, 14336),
                                  (32000, 4096)])
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64])
 def test_gpu_draft_head_shapes(m, n, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -324,7 +325,7 @@ def test_gpu_draft_head_shapes(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 32])
 def test_gpu_fused_epilogues_at_head_shapes(m):
     g = torch.Generator(device="cuda").manual_seed(m)
     bf = torch.bfloat16

@@ -1,10 +1,10 @@
-"""Small-M matmuls of a draft step: `y [M, N] = x [M, K] @ w [N, K]^T` with M <= 16.
+"""Small-M matmuls of a draft step: `y [M, N] = x [M, K] @ w [N, K]^T` with M <= 64.
 
 A draft step at small batch is a handful of matrix-vector products whose weights
 are read once from HBM; cuBLAS leaves bandwidth on the table for the narrow ones
 (DESIGN.md: o_proj at 34% of copy bandwidth at M=1). Each program streams one
 `[BLOCK_N, K / split]` slab of `w` once and multiplies it by all M rows (M == 1:
-CUDA-core dot products; M > 1: `tl.dot` on a 16-row tile). When N alone gives too
+CUDA-core dot products; M > 1: `tl.dot` on a 16-, 32- or 64-row tile). When N alone gives too
 few programs, K is split and the fp32 partials `[split, M, N]` are summed in a
 fixed order by the consumer (deterministic: no atomics, so graph replay and eager
 runs stay bit-identical).
@@ -49,7 +49,8 @@ from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
 
-MAX_M = 16
+MAX_M = 64
+"""Most rows a launch takes (`ops.SMALL_M_MAX` decides which matmuls come here)."""
 MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
 TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
@@ -328,7 +329,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
             cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
             n_blocks: int = 1, norm: _NormFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
-    block_m = 1 if m == 1 else MAX_M
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     fp32_dot = x.dtype == torch.float32 or interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
     counter = _counter(w) if norm else ws
@@ -358,7 +359,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                    act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """`act(x) [M, K] @ w [N, K]^T -> [M, N]` for 1 <= M <= 16 (graph-capturable; an fp32
+    """`act(x) [M, K] @ w [N, K]^T -> [M, N]` for 1 <= M <= MAX_M (graph-capturable; an fp32
     workspace `[split, M, N]` is allocated when K is split)."""
     _check(x, w, out, act)
     m, n = x.shape[0], w.shape[0]
@@ -380,7 +381,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
 def linear_small_m_partials(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None,
                             config: GemvConfig | None = None) -> torch.Tensor:
     """The unsummed fp32 split-K partials `[split, M, N]` (split >= 1, contiguous) of
-    `act(x) [M, K] @ w [N, K]^T`, 1 <= M <= 16, for a consumer kernel that sums them itself
+    `act(x) [M, K] @ w [N, K]^T`, 1 <= M <= MAX_M, for a consumer kernel that sums them itself
     (`fused_inputs.sum_partials`, then rounded to x.dtype: `linear_small_m`'s bits)."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
