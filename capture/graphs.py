@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import time
@@ -401,12 +402,21 @@ class CapturedForward(Generic[T]):
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         prev = torch.cuda.current_stream()
+        # No cyclic garbage collection while capturing: a dead object cycle holding an older
+        # CUDA graph (a dropped drafter: its CapturedForward holds a bound method of it) would
+        # be destroyed mid-capture, and freeing its pool's memory invalidates the capture
+        # (torch.cuda.graph no longer collects before capturing). It is collected afterwards.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.pool.handle, stream=side):
                 out = self._forward(bs)
         except BaseException:
             torch.cuda.set_stream(prev)  # a failed capture_end skips torch's own stream restore
             raise
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         pool_bytes = torch.cuda.memory_reserved() - before
         graph.replay()  # the first replay uploads the graph; time the second

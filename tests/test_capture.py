@@ -617,3 +617,55 @@ def test_graph_survives_torch_compile_reduce_overhead():
     out = f.run(64)
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_dropped_graphs_are_not_collected_mid_capture():
+    """A dropped CapturedForward whose forward is a bound method of its owner (an object
+    cycle) is freed only by the cyclic GC. Capturing another set must not let that GC run
+    mid-capture (freeing the old graphs' pool then invalidates the capture); it runs after."""
+    import gc
+    import weakref
+
+    class Owner:  # the drafter's shape: owner -> CapturedForward -> bound method -> owner
+        def __init__(self):
+            self.fwd, _ = mlp_forward()
+            self.graphs = CapturedForward("old", self.forward, [1, 2], pool=GraphPool())
+
+        def forward(self, bs):
+            return self.fwd(bs)
+
+    old = Owner()
+    old.graphs.capture(progress=False)
+    gone = weakref.ref(old)
+    box = [old]
+    del old
+    collected_while_capturing = []
+
+    def watch(phase, info):
+        if phase == "start":
+            collected_while_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    fwd, x = mlp_forward()
+
+    def forward(bs):
+        if box and torch.cuda.is_current_stream_capturing():
+            box.clear()  # the old set becomes cyclic garbage while a capture runs
+            _ = [[i] for i in range(5000)]  # allocations that would start a collection
+        return fwd(bs)
+
+    new = CapturedForward("new", forward, [1, 2], pool=GraphPool())
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(watch)
+    try:
+        assert new.capture(progress=False) == [1, 2]
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*thresholds)
+    assert not any(collected_while_capturing) and gc.isenabled()
+    gc.collect()
+    assert gone() is None
+    x.normal_()
+    got = _clone(new.run(2))
+    assert torch.equal(got["y"], _clone(fwd(2))["y"])

@@ -242,6 +242,15 @@ def test_triton_path_matches_reference_under_interpreter(page_size, hot):
     drive(s, seed=21, iters=3, prompts=[(5, 16), (9, 4)])
 
 
+def test_triton_path_with_32_row_gemvs_matches_reference():
+    """Six decode rows (padded to 8): the first step's matmuls take 32 rows, which run on the
+    GEMV kernel's 32-row tile (ops.SMALL_M_MAX = 32)."""
+    from graphdraft import ops
+    assert ops.SMALL_M_MAX >= 32
+    s = make_setup(steps=3, page_size=16, hot=True, seed=22, kernel_backend="triton")
+    drive(s, seed=22, iters=3, prompts=[(3, 16)] * 6)
+
+
 def test_head_shared_by_drafters_of_two_kernel_paths():
     """A second drafter over the same head (another kernel path) must not change the first's runs."""
     s = make_setup(steps=3, page_size=4, seed=31, kernel_backend="torch")
