@@ -89,6 +89,22 @@ def test_replay_bit_identical_to_eager_every_bs(page_size, hot, dtype):
     assert st.total_replays > 0 and st.eager["above_max"] > 0
 
 
+def _decode_batch_after_prefill(bs, seed):
+    """A bf16 drafter with graphs captured (bs 1..8), `bs` requests prefilled through it, and
+    the next decode batch: (setup, ctx, hidden, tokens, accept)."""
+    s = make_setup(steps=3, page_size=16, hot=True, seed=seed, device="cuda", dtype="bfloat16",
+                   max_running_requests=8, cuda_graph_max_bs=8)
+    s.drafter.capture_graphs()
+    loop = FakeServingLoop(s, seed=bs)
+    for _ in range(bs):
+        loop.add(20, 64)
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
+    _, _, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
+    assert ctx.num_extends == 0
+    return s, ctx, hidden, tokens, accept
+
+
 @pytest.mark.parametrize("bs", [1, 3, 8])
 def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
     """Graphs captured with programmatic dependent launch (the default) vs an eager run whose
@@ -97,16 +113,7 @@ def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
     from graphdraft.kernels import gemv, pdl
 
     assert pdl.ENABLED and gemv.GEMV_PDL
-    s = make_setup(steps=3, page_size=16, hot=True, seed=bs, device="cuda", dtype="bfloat16",
-                   max_running_requests=8, cuda_graph_max_bs=8)
-    s.drafter.capture_graphs()
-    loop = FakeServingLoop(s, seed=bs)
-    for _ in range(bs):
-        loop.add(20, 64)
-    rows, order, ctx, hidden, tokens, accept = loop.prepare()
-    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
-    rows, order, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
-    assert ctx.num_extends == 0
+    s, ctx, hidden, tokens, accept = _decode_batch_after_prefill(bs, seed=bs)
     with monkeypatch.context() as m:  # the eager half of _run_both launches plainly
         m.setattr(pdl, "ENABLED", False)
         m.setattr(gemv, "GEMV_PDL", False)
@@ -128,16 +135,7 @@ def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
 def test_hidden_in_the_drafter_buffer_replays_like_a_copy(bs):
     """Replays fed through `decode_hidden_buffer` (no hidden copy) == replays fed a separate
     tensor == eager, drafts and KV writes."""
-    s = make_setup(steps=3, page_size=16, hot=True, seed=bs + 40, device="cuda", dtype="bfloat16",
-                   max_running_requests=8, cuda_graph_max_bs=8)
-    s.drafter.capture_graphs()
-    loop = FakeServingLoop(s, seed=bs)
-    for _ in range(bs):
-        loop.add(20, 64)
-    rows, order, ctx, hidden, tokens, accept = loop.prepare()
-    loop.commit(rows, order, tokens, accept, s.drafter.run(ctx, hidden, tokens, accept))
-    rows, order, ctx, hidden, tokens, accept = loop.prepare(list(range(0, 5)))
-    assert ctx.num_extends == 0
+    s, ctx, hidden, tokens, accept = _decode_batch_after_prefill(bs, seed=bs + 40)
     copied, kv_copied, kv0 = _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
     k, v = s.drafter.kv_pool.layer(0)
     k.copy_(kv0[0])
