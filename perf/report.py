@@ -24,6 +24,7 @@ DEFAULT_MODE = "compile+graph"
 def columns(mode: str = DEFAULT_MODE) -> tuple[str, ...]:
     """The table's header; the baseline's columns carry its mode."""
     return ("case", "bs", "kv", "eager us", "graph us", f"{mode} us", "floor us", "graph/floor",
+            "replay/floor",
             f"{mode}/graph", "eager/graph", "refresh us", "in place", "with host", "launches",
             "capture s", "pool MB",
             f"{mode} s")
@@ -113,11 +114,12 @@ def refresh_us(r: dict[str, Any]) -> float | None:
 
 
 def row(r: dict[str, Any]) -> list[str]:
-    eager, graph = r.get("eager_run_us"), r.get("graph_run_us")
+    eager, graph, replay = r.get("eager_run_us"), r.get("graph_run_us"), r.get("graph_decode_us")
     comp, floor = r.get("compile_run_us"), r.get("floor_us")
     return [f"page{r.get('page_size', '?')}", str(r.get("bs", "?")), str(r.get("kv_len", "?")),
             _num(eager, ".0f"), _num(graph, ".0f"), _compile_cell(r), _num(floor, ".0f"),
             _num(_ratio(graph, floor), ".2f") + ("x" if graph and floor else ""),
+            _num(_ratio(replay, floor), ".3f") + ("x" if replay and floor else ""),
             _num(_ratio(comp, graph), ".2f") + ("x" if comp and graph else ""),
             _num(_ratio(eager, graph), ".1f") + ("x" if eager and graph else ""),
             _num(refresh_us(r), ".1f"), _num(r.get("refresh_gpu_in_place_us"), ".1f"),
@@ -197,7 +199,9 @@ def render(records: Sequence[dict[str, Any]]) -> str:
               f"{first.get('gpu', 'unknown GPU')} (torch {first.get('torch', '?')}, "
               f"triton {first.get('triton', '?')}); floor = HBM bytes per draft call "
               f"({first.get('steps', 3)} steps: weights + KV + first-step fc and hidden) / that "
-              "bandwidth; times are CUDA-event medians of `drafter.run` on a decode batch; "
+              "bandwidth; times are CUDA-event medians of `drafter.run` on a decode batch "
+              "(graph us: the whole call; replay: its decode graph replayed alone, without the "
+              "staging and output copy); "
               f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = how much the "
               "work outside the decode replay (staging launch, output copy) lengthens a draft "
               "call on the GPU timeline (torch.profiler, median of 5 calls); in place: the "

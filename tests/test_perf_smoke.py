@@ -247,7 +247,7 @@ def _info(bs, variant, mode="compile+graph", **extra):
                 compile_mode=mode)
     if variant == "graph":
         info.update(eager_run_us=4000.0, graph_run_us=800.0, graph_first_us=300.0,
-                    graph_multi_us=488.0, capture_s=1.5, pool_bytes=64 << 20)
+                    graph_multi_us=488.0, graph_decode_us=788.0, capture_s=1.5, pool_bytes=64 << 20)
     else:
         info.update(compile_run_us=1000.0, compile_s=12.34)
     info.update(extra)
@@ -276,10 +276,10 @@ def test_report_renders_one_table(tmp_path, capsys):
         {"name": "other", "extra_info": {}}])
     assert len(table) == 4  # header, rule, two cases
     assert table[0] == ("| case | bs | kv | eager us | graph us | compile+graph us | floor us "
-                        "| graph/floor | compile+graph/graph | eager/graph | refresh us "
+                        "| graph/floor | replay/floor | compile+graph/graph | eager/graph | refresh us "
                         "| in place | with host | launches | capture s | pool MB | compile+graph s |")
     assert table[0].count("|") == len(report.COLUMNS) + 1 == len(report.columns("x")) + 1
-    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.25x | 5.0x "
+    assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.313x | 1.25x | 5.0x "
                         "| 6.2 | 4.5 | 9.8 | 4 | 1.50 | 64.0 | 12.3 |")
     assert "failed: BackendCompilerFailed" in table[3]
     assert "| 12.0 | — | — | 5 (3 on GPU) |" in table[3]  # refresh from the medians (older runs)
