@@ -677,6 +677,7 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
     calls: list[dict[str, Any]] = [{"launches": 0, "graph_launches": 0, "gpu_outside": 0,
                                     "gpu_inside": 0, "ops": Counter()} for _ in spans]
     bounds: list[dict[bool, list[float]]] = [{} for _ in spans]  # is graph -> [first start, last end]
+    outside: list[list[list]] = [[] for _ in spans]
 
     def span_of(ts: float) -> int | None:
         for i, (lo, hi) in enumerate(spans):
@@ -713,14 +714,21 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
         t1 = t0 + float(e.get("dur", 0.0))
         b = bounds[i].setdefault(graph, [t0, t1])
         b[0], b[1] = min(b[0], t0), max(b[1], t1)
+        if not graph:
+            outside[i].append([str(e.get("name", "?"))[:60], t0, t1])
         if graph:
             calls[i]["gpu_inside"] += 1
         else:
             calls[i]["gpu_outside"] += 1
             calls[i]["ops"][str(e.get("name", "?"))[:100]] += 1
-    for c, b in zip(calls, bounds, strict=True):
+    for c, b, out in zip(calls, bounds, outside, strict=True):
         c["ops"] = dict(sorted(c["ops"].items()))
-        c["refresh_gpu_us"] = None
+        c["refresh_gpu_us"], c["timeline"] = None, []
+        if b:
+            lo = min(v[0] for v in b.values())
+            ops = out + ([["graph", *b[True]]] if True in b else [])
+            c["timeline"] = [[n, round(t0 - lo, 2), round(t1 - lo, 2)] for n, t0, t1 in sorted(
+                ops, key=lambda o: o[1])]
         if len(b) == 2:
             lo, hi = min(b[True][0], b[False][0]), max(b[True][1], b[False][1])
             c["refresh_gpu_us"] = (hi - lo) - (b[True][1] - b[True][0])
@@ -740,7 +748,7 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
     Keys: `refresh_launches`, `graph_launches`, `refresh_gpu_ops`, `graph_gpu_ops`,
     `refresh_ops` (name -> count), `launch_counts_stable` (every profiled call issued the
     same host launches), `refresh_gpu_us` (median over the calls; None without GPU
-    records). On a CPU device only host ops are traced and the counts are 0.
+    records), `refresh_timeline` (the last call's `timeline`). On a CPU device only host ops are traced and the counts are 0.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -764,6 +772,7 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
             "refresh_gpu_ops": last["gpu_outside"], "graph_gpu_ops": last["gpu_inside"],
             "refresh_ops": last["ops"],
             "refresh_gpu_us": statistics.median(gaps) if gaps else None,
+            "refresh_timeline": last["timeline"],
             "launch_counts_stable": len({(c["launches"], c["graph_launches"]) for c in per_call})
             == 1}
 

@@ -38,6 +38,7 @@ from perf.bench import (
     fill_decode_batch,
     floor_info,
     forced_eager,
+    in_place_args,
     median_us,
     profile_launches,
     time_refresh_us,
@@ -150,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                                          reps=30)
                     first_us = decode_us - multi_us
                     refresh_us = statistics.median(time_refresh_us(d, batch.args, reps=30))
-                    refresh_gpu_us = profile_launches(run)["refresh_gpu_us"]
+                    refresh = profile_launches(run)
+                    refresh_gpu_us = refresh["refresh_gpu_us"]
+                    in_place = in_place_args(d, batch)
+                    refresh_in_place = profile_launches(lambda d=d, a=in_place: d.run(*a))
                     graph_rows = kernel_table(run)
                     with forced_eager():
                         eager_rows = kernel_table(run)
@@ -159,13 +163,22 @@ def main(argv: list[str] | None = None) -> int:
                                        "after_l2_flush_us": after_flush_us,
                                        "graph_decode_us": decode_us, "graph_first_us": first_us,
                                        "graph_multi_us": multi_us, "refresh_events_us": refresh_us,
-                                       "refresh_gpu_us": refresh_gpu_us, **fl,
+                                       "refresh_gpu_us": refresh_gpu_us,
+                                       "refresh_timeline": refresh["refresh_timeline"],
+                                       "refresh_gpu_in_place_us": refresh_in_place["refresh_gpu_us"],
+                                       "refresh_in_place_timeline": refresh_in_place["refresh_timeline"],
+                                       **fl,
                                        "eager_kernels": eager_rows, "graph_kernels": graph_rows}
                 print(f"\n[profile] {key}: after an L2 flush {after_flush_us:.1f} us")
                 print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay {decode_us:.1f}: "
-                      f"multi {multi_us:.1f}; refresh {refresh_gpu_us or 0:.1f} on the GPU, "
+                      f"multi {multi_us:.1f}; refresh {refresh_gpu_us or 0:.1f} on the GPU "
+                      f"({refresh_in_place['refresh_gpu_us'] or 0:.1f} in place), "
                       f"{refresh_us:.1f} with host), floor {fl['floor_us']:.1f} us "
                       f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
+                for name, tl in (("copy", refresh["refresh_timeline"]),
+                                 ("in place", refresh_in_place["refresh_timeline"])):
+                    print(f"[profile] {key} timeline ({name}): "
+                          + ", ".join(f"{n[:24]} {t0:.1f}-{t1:.1f}" for n, t0, t1 in tl))
                 print_table(f"{key} eager kernels", eager_rows)
                 print_table(f"{key} graph-replay kernels", graph_rows, top=12)
             group = d = None

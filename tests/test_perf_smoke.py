@@ -227,6 +227,10 @@ def test_count_launches_separates_graph_replays():
                            "elementwise_kernel": 1, "triton_fill": 1}
     # GPU ops at 200 + i (1 us each): the call spans 200..207, its graph work 203..207
     assert last["refresh_gpu_us"] == pytest.approx(3.0)
+    assert [op[0] for op in last["timeline"]] == ["Memcpy DtoD (Device -> Device)",
+                                                  "elementwise_kernel", "graph", "triton_fill",
+                                                  "Memset (Device)"]
+    assert last["timeline"][2][1:] == [3.0, 7.0]
     assert out[0]["launches"] == 6
     with pytest.raises(ValueError, match="no 'graphdraft_perf_call' spans"):
         count_launches(_trace(call, mark="other"))
@@ -238,7 +242,7 @@ def test_profile_launches_on_cpu():
     res = profile_launches(lambda: (x * 2).sum(), calls=2, device="cpu")
     assert res == {"refresh_launches": 0, "graph_launches": 0, "refresh_gpu_ops": 0,
                    "graph_gpu_ops": 0, "refresh_ops": {}, "refresh_gpu_us": None,
-                   "launch_counts_stable": True}
+                   "refresh_timeline": [], "launch_counts_stable": True}
 
 
 def _info(bs, variant, mode="compile+graph", **extra):

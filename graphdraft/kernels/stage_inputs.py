@@ -25,6 +25,10 @@ import triton.language as tl
 
 __all__ = ["hidden_in_place", "stage_decode_inputs", "stage_decode_inputs_ref"]
 
+BLOCK = 2048
+"""Hidden-state columns per program (a row of kH columns takes cdiv(kH, BLOCK) programs when
+hidden rows are written; one when none are: hidden in place and no padded rows)."""
+
 
 @triton.jit
 def _stage_kernel(accept_src, tokens_src, hidden_src, stride_hs, accept, first_ids, first_hidden,
@@ -108,12 +112,12 @@ def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tok
     if pbs == 0:
         return
     kh = first_hidden.shape[1]
-    block = min(2048, triton.next_power_of_2(kh))
-    _stage_kernel[(pbs * n, triton.cdiv(kh, block))](
+    block = min(BLOCK, triton.next_power_of_2(kh))
+    copy = not hidden_in_place(hidden_src, first_hidden)
+    _stage_kernel[(pbs * n, triton.cdiv(kh, block) if copy or pbs > bs else 1)](
         accept_src, tokens_src, hidden_src, hidden_src.stride(0) if bs else kh, accept, first_ids,
         first_hidden, first_hidden.stride(0), seq_lens, req, extend_lens, input_ids, positions,
-        out_cache_loc, bs, pbs, n, kh, BLOCK=block,
-        COPY_HIDDEN=not hidden_in_place(hidden_src, first_hidden), num_warps=4)
+        out_cache_loc, bs, pbs, n, kh, BLOCK=block, COPY_HIDDEN=copy, num_warps=4)
 
 
 def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
