@@ -251,6 +251,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m
         return linear_small_m(x, weight, act=act)
+    if use_triton and act == "silu_mul" and x.dim() == 2 and x.stride(-1) == 1:
+        from graphdraft.kernels.gemv import silu_mul
+        return F.linear(silu_mul(x), weight)  # one launch for the activation, then cuBLAS
     return F.linear(apply_act(x, act), weight)
 
 
@@ -291,8 +294,11 @@ def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: to
                                             h_out=h_out, residual_index=residual_index)
     if residual_index is not None:
         residual = residual.index_select(0, residual_index)
-    normed, h = rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps,
-                         residual, use_triton=use_triton)
+    y = linear(x, weight, act=act, use_triton=use_triton)
+    if use_triton and h_out is not None:  # the norm kernel writes h straight into h_out
+        from graphdraft.kernels.norm import rms_norm as rms_norm_triton
+        return rms_norm_triton(y, norm_weight, eps, residual=residual, residual_out=h_out)
+    normed, h = rms_norm(y, norm_weight, eps, residual, use_triton=use_triton)
     return normed, (h if h_out is None else h_out.copy_(h))
 
 
@@ -310,6 +316,9 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Te
 
     check_ids_out(ids_out, tokens_out, x.shape[0], x.device)
     logits = linear(x, weight, use_triton=use_triton)
+    if use_triton:  # the argmax writes ids_out and tokens_out itself
+        from graphdraft.kernels.argmax import argmax_with_map as argmax_triton
+        return logits, argmax_triton(logits, hot_token_ids, out=ids_out, tokens_out=tokens_out)
     ids = argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
     if ids_out is not None:
         ids = ids_out.copy_(ids)

@@ -251,6 +251,16 @@ def test_triton_path_with_32_row_gemvs_matches_reference():
     drive(s, seed=22, iters=3, prompts=[(3, 16)] * 6)
 
 
+def test_triton_path_above_small_m_matches_reference():
+    """34 rows: every matmul has more than ops.SMALL_M_MAX rows (cuBLAS, with the Triton
+    silu_mul, the norm writing the hidden output and the argmax writing the token column)."""
+    from graphdraft import ops
+    assert 34 > ops.SMALL_M_MAX
+    s = make_setup(steps=2, page_size=4, seed=23, kernel_backend="triton", max_running_requests=40,
+                   max_num_batched_tokens=160)
+    drive(s, seed=23, iters=2, prompts=[(2, 16)] * 34)
+
+
 def test_head_shared_by_drafters_of_two_kernel_paths():
     """A second drafter over the same head (another kernel path) must not change the first's runs."""
     s = make_setup(steps=3, page_size=4, seed=31, kernel_backend="torch")

@@ -341,6 +341,10 @@ def test_argmax_matches_reference(dtype, splits):
     res = argmax_with_map(x, hot, out=out, num_splits=splits)
     assert res is out and torch.equal(out, hot[expected])
     assert torch.equal(argmax_with_map_ref(x, hot), hot[expected])
+    for fn in (argmax_with_map, argmax_with_map_ref):  # a strided int32 column gets a copy
+        cols = torch.full((B, 3), -7, dtype=torch.int32)
+        fn(x, hot, num_splits=splits, tokens_out=cols[:, 1])
+        assert torch.equal(cols[:, 1], hot[expected].int()) and (cols[:, [0, 2]] == -7).all()
 
 
 def test_argmax_nan_and_inf_rows():
@@ -362,6 +366,8 @@ def test_argmax_empty_and_bad_inputs():
         argmax_with_map(torch.randn(4, 10), torch.arange(10, dtype=torch.int32))
     with pytest.raises(ValueError, match="out"):
         argmax_with_map(torch.randn(4, 10), out=torch.empty(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^tokens_out: "):
+        argmax_with_map(torch.randn(4, 10), tokens_out=torch.empty(3, dtype=torch.int32))
 
 
 # --------------------------------------------------------------------------- GPU, realistic sizes

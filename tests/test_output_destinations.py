@@ -26,7 +26,7 @@ def _lm_inputs(m: int, seed: int = 0):
     return x, w, hot
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 40])  # 40: above ops.SMALL_M_MAX (cuBLAS + Triton argmax)
 @pytest.mark.parametrize("use_triton", [True, False])
 def test_linear_argmax_writes_ids_and_a_strided_token_column(m, use_triton):
     x, w, hot = _lm_inputs(m, seed=m)
@@ -74,6 +74,30 @@ def test_residual_norm_writes_h_out(split, use_triton):
     assert h.data_ptr() == dst.data_ptr()
     assert torch.equal(out, ref_out) and torch.equal(dst[:m], ref_h)
     assert torch.equal(dst[m], torch.full((n,), 7.0, device=DEV))  # nothing past it
+
+
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_residual_norm_above_small_m_writes_h_out(act, use_triton):
+    """40 rows (cuBLAS; on the Triton path silu_mul and the norm are Triton kernels and the norm
+    writes h straight into h_out): the same values as without h_out, nothing past it."""
+    assert 40 > ops.SMALL_M_MAX
+    g = torch.Generator().manual_seed(40)
+    m, k, n = 40, 64, 96
+    x = torch.randn(m, 2 * k if act else k, generator=g).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV)
+    res = torch.randn(m, n, generator=g).to(DEV)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV)
+    ref_out, ref_h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act,
+                                                  use_triton=use_triton)
+    dst = torch.full((m + 1, n), 7.0, device=DEV)
+    out, h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act, h_out=dst[:m],
+                                          use_triton=use_triton)
+    assert h.data_ptr() == dst.data_ptr()
+    assert torch.equal(out, ref_out) and torch.equal(dst[:m], ref_h)
+    assert torch.equal(dst[m], torch.full((n,), 7.0, device=DEV))
+    torch_out, torch_h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act)
+    assert torch.allclose(ref_h, torch_h, atol=1e-4) and torch.allclose(ref_out, torch_out, atol=1e-4)
 
 
 def test_residual_norm_bad_h_out_named():

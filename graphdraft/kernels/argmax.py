@@ -150,6 +150,14 @@ def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.
         raise ValueError(f"out: expected contiguous int64 [{logits.shape[0]}] on {logits.device}")
 
 
+def _check_tokens_out(tokens_out: torch.Tensor | None, logits: torch.Tensor) -> None:
+    if tokens_out is not None and (tokens_out.shape != (logits.shape[0],)
+                                   or tokens_out.dtype not in (torch.int32, torch.int64)
+                                   or tokens_out.device != logits.device):
+        raise ValueError(f"tokens_out: expected int32/int64 [{logits.shape[0]}] on {logits.device}, "
+                         f"got {tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
+
+
 def _pick_splits(B: int, V: int, block: int, device: torch.device) -> int:
     """Enough programs for ~2 per SM when B is small; never more splits than blocks."""
     return max(1, min(triton.cdiv(V, block), triton.cdiv(2 * num_sms(device), max(B, 1))))
@@ -161,16 +169,19 @@ def argmax_with_map(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tokens_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row argmax (lowest index on ties, NaN never wins), optionally mapped.
 
     logits ``[B, V]`` (fp32/fp16/bf16, unit column stride, any row stride);
-    hot_token_ids int64 ``[V]`` or None; returns int64 ``[B]`` (``out`` if given).
-    ``num_splits`` forces the number of row chunks (default: heuristic).
-    CUDA-graph capturable: with ``num_splits > 1`` it allocates two small
+    hot_token_ids int64 ``[V]`` or None; returns int64 ``[B]`` (``out`` if given);
+    ``tokens_out`` (int32/int64 ``[B]``, any stride) gets a copy of the ids, written by
+    the second stage. ``num_splits`` forces the number of row chunks (default:
+    heuristic). CUDA-graph capturable: with ``num_splits > 1`` it allocates two small
     ``[B, num_splits]`` work buffers.
     """
     _check(logits, hot_token_ids, out)
+    _check_tokens_out(tokens_out, logits)
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -188,6 +199,8 @@ def argmax_with_map(
             logits, logits.stride(0), V, chunk, out, out, 1, hot, out,
             BLOCK=block, FINAL=True, HAS_MAP=has_map, num_warps=num_warps,
         )
+        if tokens_out is not None:
+            tokens_out.copy_(out)
         return out
     part_val = torch.empty(B, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
@@ -195,7 +208,7 @@ def argmax_with_map(
         logits, logits.stride(0), V, chunk, part_val, part_idx, splits, hot, out,
         BLOCK=block, FINAL=False, HAS_MAP=has_map, num_warps=num_warps,
     )
-    argmax_stage2(part_val, part_idx, out, hot_token_ids)
+    argmax_stage2(part_val, part_idx, out, hot_token_ids, tokens_out)
     return out
 
 
@@ -205,10 +218,12 @@ def argmax_with_map_ref(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tokens_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: NaN -> -inf, row max, first index equal to it, then map."""
     del num_splits
     _check(logits, hot_token_ids, out)
+    _check_tokens_out(tokens_out, logits)
     x = logits.float()
     x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
     m = x.max(dim=1, keepdim=True).values if x.shape[0] else x[:, :1]
@@ -216,7 +231,7 @@ def argmax_with_map_ref(
     idx = torch.where(x == m, cols, torch.full_like(cols, x.shape[1])).min(dim=1).values
     if hot_token_ids is not None:
         idx = hot_token_ids[idx]
-    if out is None:
-        return idx.to(torch.int64)
-    out.copy_(idx)
+    out = idx.to(torch.int64) if out is None else out.copy_(idx)
+    if tokens_out is not None:
+        tokens_out.copy_(out)
     return out

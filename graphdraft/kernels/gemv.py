@@ -287,17 +287,24 @@ def check_ids_out(ids_out: torch.Tensor | None, tokens_out: torch.Tensor | None,
                          f"{tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
 
 
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """`[gate ; up]` `[M, 2K]` (unit column stride) -> `silu(gate) * up` `[M, K]`, each op
+    rounded like torch's; one launch."""
+    m, k = x.shape[0], x.shape[1] // 2
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m:
+        block = 1024
+        _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0),
+                                                      BLOCK=block, **launch_options(x.device, m))
+    return out
+
+
 def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | None]:
     """M == 1 computes silu_mul while loading x; M > 1 (the `tl.dot` path, where that measured
     slower than cuBLAS) materialises `silu(gate) * up` `[M, K]` first, one small launch."""
     if act != "silu_mul" or x.shape[0] == 1:
         return x, act
-    m, k = x.shape[0], x.shape[1] // 2
-    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block,
-                                                  **launch_options(x.device, m))
-    return out, None
+    return silu_mul(x), None
 
 
 @dataclass
