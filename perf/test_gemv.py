@@ -31,7 +31,8 @@ def test_gemv_vs_cublas(name: str, m: int, benchmark: Any, device_info: dict[str
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    assert (linear_small_m(x, ws[0]) - F.linear(x, ws[0])).abs().max() < 0.05
+    got, ref = linear_small_m(x, ws[0]).float(), F.linear(x, ws[0]).float()
+    assert (got - ref).norm() / ref.norm() < 1e-2  # bf16 outputs up to ~12: 1 ulp is 0.0625
     cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), copies)
     triton_ = graph_time_us(lambda i: linear_small_m(x, ws[i % copies], out=out), copies)
     floor = n * k * 2 / device_info["copy_bw"] * 1e6  # weights read once, as DESIGN.md counts
