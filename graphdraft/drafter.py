@@ -26,8 +26,8 @@ Both forwards read and write only `DraftBuffers` / `InputBuffers`; `capture.Capt
 decides whether a call replays a CUDA graph or runs the same functions eagerly. Two graph
 sets per batch size: `decode_graphs` (a decode batch's whole draft: first step, then
 multi-step, one replay) and `multi_step_graphs` (multi-step alone, after the eager first
-step of a prefill/mixed batch). Between replays the host issues two launches: staging the
-caller's inputs (`stage_decode_inputs`) and copying next_tokens out. Decode batches are
+step of a prefill/mixed batch). Around a decode replay the host issues two launches: staging
+the caller's inputs (`stage_decode_inputs`) and copying next_tokens out. Decode batches are
 always padded to the graph schedule (also when graphs are off), so `enforce_eager`
 reproduces graph numerics exactly.
 """
