@@ -222,8 +222,14 @@ class Engine:
         torch.index_select(ib.req_pool_indices, 0, row, out=self._tok_req[:t])
         self._tok_kv[:t].copy_(torch.clamp(ib.seq_lens[row] - n + self._tok_j[:t] + 1, min=1))
         meta = self.backend.bind_metadata(self._tok_req[:t], self._tok_kv[:t])
+        # the aux hidden states go straight into the drafter's input buffer (no copy in its run)
+        aux_out = None
+        if (isinstance(self.drafter, EagleDrafter)
+                and self.drafter.bufs.first_hidden.dtype == self.target.embed_tokens.dtype):
+            aux_out = self.drafter.decode_hidden_buffer(bs)
         return self.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], self.kv,
-                           self.backend, meta, None, capture_aux=self.drafter is not None)
+                           self.backend, meta, None, capture_aux=self.drafter is not None,
+                           aux_out=aux_out)
 
     def _target_forward(self, ctx: ForwardContext, rows: list[BatchRow]) -> TargetOutput:
         ib, bs = self.inputs, ctx.bs

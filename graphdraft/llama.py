@@ -94,9 +94,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv_pool: KVPool, backend: PagedAttentionBackend,
                 metadata: AttentionMetadata, logits_rows: torch.Tensor | None = None,
-                capture_aux: bool = True) -> TargetOutput:
+                capture_aux: bool = True, aux_out: torch.Tensor | None = None) -> TargetOutput:
         """input_ids/positions/out_cache_loc `[T]`; metadata per token (causal kv lens);
-        logits_rows `[B]` int64 (None: every token)."""
+        logits_rows `[B]` int64 (None: every token). `aux_out` `[T, k*H]` (contiguous, the
+        model's dtype): the aux hidden states are written there (e.g. into the drafter's
+        `decode_hidden_buffer`, which then needs no copy)."""
+        if aux_out is not None:
+            shape = (input_ids.shape[0], self.aux_hidden_width)
+            if (not capture_aux or tuple(aux_out.shape) != shape or not aux_out.is_contiguous()
+                    or aux_out.dtype != self.embed_tokens.dtype
+                    or aux_out.device != input_ids.device):
+                raise ValueError(f"aux_out: expected a contiguous {self.embed_tokens.dtype} "
+                                 f"{list(shape)} on {input_ids.device} (with capture_aux), got "
+                                 f"{aux_out.dtype} {list(aux_out.shape)} on {aux_out.device}")
         tp = self.tp
         hidden = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
                                                                           self.embed_tokens)
@@ -120,5 +130,6 @@ class LlamaForCausalLM(nn.Module):
         logits = ops.linear(normed, self.lm_head)
         if tp is not None:
             logits = tp.gather_vocab(logits, self.config.vocab_size)
-        aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], -1) if capture_aux else None
+        aux_hidden = (torch.cat([aux[i] for i in self.aux_layer_ids], -1, out=aux_out)
+                      if capture_aux else None)
         return TargetOutput(logits, aux_hidden)

@@ -92,6 +92,34 @@ def test_speculative_greedy_equals_target_only(steps, page_size):
     assert eng.stats.decode_rows > 0
 
 
+def test_decode_hidden_states_written_into_the_drafter_buffer():
+    """Decode steps: the target writes its aux hidden states into the drafter's
+    decode_hidden_buffer and the drafter gets that very view (no staging copy); prefill steps
+    pass the target's own tensor. Output still equals target-only."""
+    target, head = make_models(3)
+    ps = prompts(5, 3)
+    cfg = runtime(speculative_num_steps=3)
+    expected = target_only(target, cfg, ps, 10)
+    eng = Engine(target, cfg, head)
+    real_run, seen = eng.drafter.run, []
+
+    def run(ctx, hidden, tokens, accept):
+        in_buffer = hidden.data_ptr() == eng.drafter.bufs.first_hidden.data_ptr()
+        seen.append((ctx.num_extends == 0, in_buffer))
+        return real_run(ctx, hidden, tokens, accept)
+
+    eng.drafter.run = run
+    assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == expected
+    assert (True, True) in seen and all(decode == in_buffer for decode, in_buffer in seen)
+
+
+def test_target_rejects_a_bad_aux_out():
+    target, _ = make_models(0)
+    ids = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^aux_out: "):
+        target(ids, ids, ids, None, None, None, aux_out=torch.zeros(4, 3))
+
+
 @pytest.mark.parametrize("mode", ["oracle", "random"])
 def test_scripted_drafts_full_acceptance_and_rejection(mode):
     target, _ = make_models(3)
