@@ -166,12 +166,9 @@ class EagleDrafter:
                   ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1], hidden_out=b.hidden[:bs])
         return b.next_tokens[:bs]
 
-    def _first_step_decode(self, bs: int):
-        return self._first_step(bs, bs * self.N, 0, self.bufs.first_hidden[: bs * self.N])
-
     def _decode(self, bs: int):
         """A decode batch's whole draft over `bs` staged rows; writes next_tokens[:bs] `[bs, S + 1]`."""
-        self._first_step_decode(bs)
+        self._first_step(bs, bs * self.N, 0, self.bufs.first_hidden[: bs * self.N])
         if self.S > 1:
             self._multi_step(bs)
         return self.bufs.next_tokens[:bs]

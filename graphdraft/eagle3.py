@@ -41,8 +41,8 @@ from torch import nn
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
+from graphdraft.kernels.argmax import check_ids_out
 from graphdraft.kernels.fused_inputs import check_rows_out
-from graphdraft.kernels.gemv import check_ids_out
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
@@ -195,13 +195,11 @@ class Eagle3DraftHead(nn.Module):
             normed, prenorm = self.norm(layer.mlp(normed), residual)
             logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),
                                      self.config.output_vocab_size)
-            ids = argmax_with_map(logits, self.hot_token_ids,
+            ids = argmax_with_map(logits, self.hot_token_ids, out=ids_out, tokens_out=tokens_out,
                                   use_triton=self.logits_processor.use_triton)
-            for dst, src in ((ids_out, ids), (tokens_out, ids), (hidden_out, prenorm)):
-                if dst is not None:
-                    dst.copy_(src)
-            return DraftStepOutput(ids if ids_out is None else ids_out,
-                                   prenorm if hidden_out is None else hidden_out, logits)
+            if hidden_out is not None:
+                prenorm = hidden_out.copy_(prenorm)
+            return DraftStepOutput(ids, prenorm, logits)
         out: LogitsOutput = self.logits_processor(
             normed, self.lm_head, hidden_states=prenorm,
             capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True, ids_out=ids_out,

@@ -24,13 +24,16 @@ import torch.nn.functional as F
 # RMSNorm (HF Llama semantics: fp32 statistics, cast before the weight multiply)
 # ---------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             *, use_triton: bool = False):
-    """`[M, N] -> [M, N]`; with `residual`: `h = x + residual`, returns `(norm(h), h)`."""
+             *, residual_out: torch.Tensor | None = None, use_triton: bool = False):
+    """`[M, N] -> [M, N]`; with `residual`: `h = x + residual`, returns `(norm(h), h)`, h written
+    into `residual_out` `[M, N]` when given (on the Triton path by the norm kernel itself)."""
     if use_triton:
         from graphdraft.kernels.norm import rms_norm as rms_norm_triton
-        return rms_norm_triton(x, weight, eps, residual=residual)
+        return rms_norm_triton(x, weight, eps, residual=residual, residual_out=residual_out)
     if residual is not None:
         x = x + residual
+        if residual_out is not None:
+            x = residual_out.copy_(x)
     xf = x.float()
     normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (normed, x) if residual is not None else normed
@@ -179,13 +182,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # Greedy sampling fused with the draft->target vocab map
 # ---------------------------------------------------------------------------
 def argmax_with_map(logits: torch.Tensor, hot_token_ids: torch.Tensor | None = None, *,
+                    out: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
                     use_triton: bool = False) -> torch.Tensor:
-    """`[B, V]` -> int64 `[B]`: index of the row max (ties: lowest index), mapped by `hot_token_ids`."""
+    """`[B, V]` -> int64 `[B]`: index of the row max (ties: lowest index), mapped by `hot_token_ids`;
+    written into `out` (int64 `[B]`) and copied into `tokens_out` (int32/int64 `[B]`, any stride)
+    when given (on the Triton path by the argmax kernels themselves)."""
     if use_triton:
         from graphdraft.kernels.argmax import argmax_with_map as argmax_triton
-        return argmax_triton(logits, hot_token_ids)
+        return argmax_triton(logits, hot_token_ids, out=out, tokens_out=tokens_out)
     ids = torch.argmax(logits, dim=-1)
-    return hot_token_ids[ids] if hot_token_ids is not None else ids
+    if hot_token_ids is not None:
+        ids = hot_token_ids[ids]
+    if out is not None:
+        ids = out.copy_(ids)
+    if tokens_out is not None:
+        tokens_out.copy_(ids)
+    return ids
 
 
 # ---------------------------------------------------------------------------
@@ -234,12 +246,16 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, use_triton: bool) -> bool:
             and weight.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def apply_act(x: torch.Tensor, act: str | None) -> torch.Tensor:
-    """A matmul input's activation: None -> x; "silu_mul" -> `silu(gate) * up` of `[gate ; up]`."""
+def apply_act(x: torch.Tensor, act: str | None, *, use_triton: bool = False) -> torch.Tensor:
+    """A matmul input's activation: None -> x; "silu_mul" -> `silu(gate) * up` of `[gate ; up]`
+    (on the Triton path, for a 2-D x with unit column stride, one launch: `gemv.silu_mul`)."""
     if act is None:
         return x
     if act != "silu_mul":
         raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    if use_triton and x.dim() == 2 and x.stride(-1) == 1:
+        from graphdraft.kernels.gemv import silu_mul
+        return silu_mul(x)
     k = x.shape[-1] // 2
     return F.silu(x[..., :k]) * x[..., k:]
 
@@ -251,10 +267,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     if _small_m(x, weight, use_triton):
         from graphdraft.kernels.gemv import linear_small_m
         return linear_small_m(x, weight, act=act)
-    if use_triton and act == "silu_mul" and x.dim() == 2 and x.stride(-1) == 1:
-        from graphdraft.kernels.gemv import silu_mul
-        return F.linear(silu_mul(x), weight)  # one launch for the activation, then cuBLAS
-    return F.linear(apply_act(x, act), weight)
+    return F.linear(apply_act(x, act, use_triton=use_triton), weight)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, *, use_triton: bool = False) -> torch.Tensor:
@@ -294,12 +307,8 @@ def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: to
                                             h_out=h_out, residual_index=residual_index)
     if residual_index is not None:
         residual = residual.index_select(0, residual_index)
-    y = linear(x, weight, act=act, use_triton=use_triton)
-    if use_triton and h_out is not None:  # the norm kernel writes h straight into h_out
-        from graphdraft.kernels.norm import rms_norm as rms_norm_triton
-        return rms_norm_triton(y, norm_weight, eps, residual=residual, residual_out=h_out)
-    normed, h = rms_norm(y, norm_weight, eps, residual, use_triton=use_triton)
-    return normed, (h if h_out is None else h_out.copy_(h))
+    return rms_norm(linear(x, weight, act=act, use_triton=use_triton), norm_weight, eps, residual,
+                    residual_out=h_out, use_triton=use_triton)
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
@@ -312,19 +321,12 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, hot_token_ids: torch.Te
         from graphdraft.kernels.gemv import linear_small_m_argmax
         return linear_small_m_argmax(x, weight, hot_token_ids, ids_out=ids_out,
                                      tokens_out=tokens_out)
-    from graphdraft.kernels.gemv import check_ids_out
+    from graphdraft.kernels.argmax import check_ids_out
 
-    check_ids_out(ids_out, tokens_out, x.shape[0], x.device)
+    check_ids_out(ids_out, tokens_out, x.shape[0], x.device)  # before the matmul runs
     logits = linear(x, weight, use_triton=use_triton)
-    if use_triton:  # the argmax writes ids_out and tokens_out itself
-        from graphdraft.kernels.argmax import argmax_with_map as argmax_triton
-        return logits, argmax_triton(logits, hot_token_ids, out=ids_out, tokens_out=tokens_out)
-    ids = argmax_with_map(logits, hot_token_ids, use_triton=use_triton)
-    if ids_out is not None:
-        ids = ids_out.copy_(ids)
-    if tokens_out is not None:
-        tokens_out.copy_(ids)
-    return logits, ids
+    return logits, argmax_with_map(logits, hot_token_ids, out=ids_out, tokens_out=tokens_out,
+                                   use_triton=use_triton)
 
 
 def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
-__all__ = ["argmax_with_map", "argmax_with_map_ref", "num_sms"]
+__all__ = ["argmax_with_map", "argmax_with_map_ref", "check_ids_out", "num_sms"]
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BIG_INT = 2**31 - 1  # "no index yet": larger than any valid column
@@ -150,12 +150,18 @@ def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.
         raise ValueError(f"out: expected contiguous int64 [{logits.shape[0]}] on {logits.device}")
 
 
-def _check_tokens_out(tokens_out: torch.Tensor | None, logits: torch.Tensor) -> None:
-    if tokens_out is not None and (tokens_out.shape != (logits.shape[0],)
-                                   or tokens_out.dtype not in (torch.int32, torch.int64)
-                                   or tokens_out.device != logits.device):
-        raise ValueError(f"tokens_out: expected int32/int64 [{logits.shape[0]}] on {logits.device}, "
-                         f"got {tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
+def check_ids_out(ids_out: torch.Tensor | None, tokens_out: torch.Tensor | None, m: int,
+                  device: torch.device) -> None:
+    """Destinations of `m` greedy ids: `ids_out` int64 `[m]` contiguous, `tokens_out`
+    int32/int64 `[m]` any stride; both optional, on `device`."""
+    if ids_out is not None and (ids_out.shape != (m,) or ids_out.dtype != torch.int64
+                                or not ids_out.is_contiguous() or ids_out.device != device):
+        raise ValueError(f"ids_out: expected contiguous int64 [{m}] on {device}, got "
+                         f"{ids_out.dtype} {tuple(ids_out.shape)} on {ids_out.device}")
+    if tokens_out is not None and (tokens_out.shape != (m,) or tokens_out.device != device
+                                   or tokens_out.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"tokens_out: expected int32/int64 [{m}] on {device}, got "
+                         f"{tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
 
 
 def _pick_splits(B: int, V: int, block: int, device: torch.device) -> int:
@@ -181,7 +187,7 @@ def argmax_with_map(
     ``[B, num_splits]`` work buffers.
     """
     _check(logits, hot_token_ids, out)
-    _check_tokens_out(tokens_out, logits)
+    check_ids_out(None, tokens_out, logits.shape[0], logits.device)
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -223,7 +229,7 @@ def argmax_with_map_ref(
     """Torch reference: NaN -> -inf, row max, first index equal to it, then map."""
     del num_splits
     _check(logits, hot_token_ids, out)
-    _check_tokens_out(tokens_out, logits)
+    check_ids_out(None, tokens_out, logits.shape[0], logits.device)
     x = logits.float()
     x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
     m = x.max(dim=1, keepdim=True).values if x.shape[0] else x[:, :1]

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.argmax import _BIG, argmax_stage2
+from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
 from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
@@ -271,20 +271,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str 
                             or out.stride(-1) != 1):
         raise ValueError(f"out: expected [{x.shape[0]}, {w.shape[0]}] {x.dtype} with unit column "
                          f"stride, got {tuple(out.shape)} {out.dtype}")
-
-
-def check_ids_out(ids_out: torch.Tensor | None, tokens_out: torch.Tensor | None, m: int,
-                  device: torch.device) -> None:
-    """Destinations of `m` greedy ids: `ids_out` int64 `[m]` contiguous, `tokens_out`
-    int32/int64 `[m]` any stride; both optional, on `device`."""
-    if ids_out is not None and (ids_out.shape != (m,) or ids_out.dtype != torch.int64
-                                or not ids_out.is_contiguous() or ids_out.device != device):
-        raise ValueError(f"ids_out: expected contiguous int64 [{m}] on {device}, got "
-                         f"{ids_out.dtype} {tuple(ids_out.shape)} on {ids_out.device}")
-    if tokens_out is not None and (tokens_out.shape != (m,) or tokens_out.device != device
-                                   or tokens_out.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"tokens_out: expected int32/int64 [{m}] on {device}, got "
-                         f"{tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
