@@ -615,7 +615,7 @@ def measure_compiled(group: DraftGroup, batch: DecodeBatch, baseline: Baseline, 
         sync(dev)
         first_calls_s = time.perf_counter() - t0
         res: dict[str, Any] = {"compile_s": first_calls_s}
-        res.update(_time_forwards("compile", base, batch, warmup=warmup, reps=reps))
+        res.update(time_forwards("compile", base, batch, warmup=warmup, reps=reps))
         res["compile_case_fx_graphs"] = _dynamo_counts()[0] - fx_graphs
         if baseline.own_graphs:
             bs = batch.ctx.bs
@@ -780,7 +780,7 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
 # ---------------------------------------------------------------------------
 # One case
 # ---------------------------------------------------------------------------
-def _time_forwards(prefix: str, d: EagleDrafter, batch: DecodeBatch, **kw: Any) -> dict[str, float]:
+def time_forwards(prefix: str, d: EagleDrafter, batch: DecodeBatch, **kw: Any) -> dict[str, float]:
     """Median us of `run` (whole draft call), of the decode forward (first step + multi-step,
     one replay) and of the multi-step forward alone, `{prefix}_{run,decode,multi}_us`, and
     `{prefix}_first_us` = decode - multi."""
@@ -839,6 +839,28 @@ def time_refresh_us(d: EagleDrafter, args: tuple[Any, ...], *, warmup: int = 3,
     return [span_us(*o) - span_us(*i) for o, i in zip(outer, inner, strict=True)]
 
 
+def refresh_info(d: EagleDrafter, batch: DecodeBatch, *, warmup: int = 3, reps: int = 20,
+                 profile: bool = True) -> dict[str, Any]:
+    """The time the work outside the decode replay adds to a `d.run(*batch.args)` call, with
+    the hidden states copied and in place (`in_place_args`): `refresh_events{,_in_place}_us`
+    (`time_refresh_us` medians); on CUDA with `profile`, `profile_launches`'s keys for the copy
+    path and `refresh_gpu_in_place_us` / `refresh_in_place_timeline` (measured after the
+    event timings; `launches_error` when the profiler fails)."""
+    in_place = in_place_args(d, batch)
+    res: dict[str, Any] = {}
+    for key, args in (("refresh_events_us", batch.args), ("refresh_events_in_place_us", in_place)):
+        res[key] = statistics.median(time_refresh_us(d, args, warmup=warmup, reps=reps))
+    if profile and torch.device(d.cfg.device).type == "cuda":
+        try:
+            res.update(profile_launches(lambda: d.run(*batch.args), device=d.cfg.device))
+            place = profile_launches(lambda: d.run(*in_place), device=d.cfg.device)
+            res["refresh_gpu_in_place_us"] = place["refresh_gpu_us"]
+            res["refresh_in_place_timeline"] = place["refresh_timeline"]
+        except Exception as e:  # noqa: BLE001 - a failed count is a result, not a crash
+            res["launches_error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
 def in_place_args(d: EagleDrafter, batch: DecodeBatch) -> tuple[Any, ...]:
     """`batch.args` with the hidden states written into `d.decode_hidden_buffer(bs)` and
     that view passed (a target writing there saves `run` the hidden copy)."""
@@ -863,17 +885,15 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     """Eager and graph-replay times of one decode batch (before any reduce-overhead
     `measure_compiled`).
 
-    Keys: `{eager,graph}_{run,decode,multi,first}_us` (`_time_forwards`), `eager_equals_graph`
+    Keys: `{eager,graph}_{run,decode,multi,first}_us` (`time_forwards`), `eager_equals_graph`
     (bit-identical `run` outputs), `graph_replayed`, capture stats, `in_place_equals_copy`
     (the same drafts with the hidden states already in the drafter's buffer,
     `in_place_args`); the time the work outside the decode replay adds to a call, three
-    ways: `refresh_events_us` / `refresh_events_in_place_us` (`time_refresh_us`: CUDA
-    events inside each call, host gaps and the two extra event records included),
-    `refresh_diff_us` = `graph_run_us - graph_decode_us` (medians timed apart), and, on
-    CUDA with `profile`, `refresh_gpu_us` / `refresh_gpu_in_place_us` (GPU timeline of
-    profiled calls) with `profile_launches`'s counts of the work one `run` issues outside
-    its graph launch (measured last, after every timing; `launches_error` when the
-    profiler fails). Keeps the graph output in `group.reference[bs]`.
+    ways: `refresh_diff_us` = `graph_run_us - graph_decode_us` (medians timed apart) and
+    `refresh_info`'s CUDA events inside each call (host gaps and the two extra event
+    records included) and, on CUDA with `profile`, GPU timeline of profiled calls with
+    `profile_launches`'s counts of the work one `run` issues outside its graph launch
+    (measured last, after every timing). Keeps the graph output in `group.reference[bs]`.
     """
     d, bs = group.drafter, batch.ctx.bs
     if group.graphs_stale:
@@ -883,27 +903,18 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     d.validate(*batch.args)  # once: the timed calls skip it (validate_inputs=False)
     res: dict[str, Any] = {}
     with forced_eager():
-        res.update(_time_forwards("eager", d, batch, warmup=1, reps=eager_reps))
+        res.update(time_forwards("eager", d, batch, warmup=1, reps=eager_reps))
         eager_out = d.run(*batch.args)
     replays = d.decode_graphs.stats.total_replays
-    res.update(_time_forwards("graph", d, batch, warmup=warmup, reps=reps))
+    res.update(time_forwards("graph", d, batch, warmup=warmup, reps=reps))
     graph_out = d.run(*batch.args)
     res["graph_replayed"] = d.decode_graphs.stats.total_replays > replays
     res["eager_equals_graph"] = bool(torch.equal(eager_out, graph_out))
-    in_place = in_place_args(d, batch)
-    res["in_place_equals_copy"] = bool(torch.equal(d.run(*in_place), graph_out))
-    for key, args in (("refresh_events_us", batch.args), ("refresh_events_in_place_us", in_place)):
-        res[key] = statistics.median(time_refresh_us(d, args, warmup=warmup, reps=reps))
+    res["in_place_equals_copy"] = bool(torch.equal(d.run(*in_place_args(d, batch)), graph_out))
     res["refresh_diff_us"] = res["graph_run_us"] - res["graph_decode_us"]
     res.update(capture_info(d, bs))
     group.reference[bs] = graph_out
-    if profile and torch.device(d.cfg.device).type == "cuda":
-        try:
-            res.update(profile_launches(lambda: d.run(*batch.args), device=d.cfg.device))
-            res["refresh_gpu_in_place_us"] = profile_launches(
-                lambda: d.run(*in_place), device=d.cfg.device)["refresh_gpu_us"]
-        except Exception as e:  # noqa: BLE001 - a failed count is a result, not a crash
-            res["launches_error"] = f"{type(e).__name__}: {e}"[:300]
+    res.update(refresh_info(d, batch, warmup=warmup, reps=reps, profile=profile))
     return res
 
 

@@ -38,10 +38,8 @@ from perf.bench import (
     fill_decode_batch,
     floor_info,
     forced_eager,
-    in_place_args,
-    median_us,
-    profile_launches,
-    time_refresh_us,
+    refresh_info,
+    time_forwards,
 )
 
 CALLS = 5
@@ -142,41 +140,35 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     def run(d=d, batch=batch):
                         return d.run(*batch.args)
-                    graph_us = median_us(run, warmup=5, reps=30)
+                    times = time_forwards("graph", d, batch, warmup=5, reps=30)
+                    graph_us = times["graph_run_us"]
                     after_flush_us = after_l2_flush_us(run)
                     drafts = run().tolist()
-                    decode_us = median_us(lambda d=d, bs=bs: d.decode_graphs.run(bs), warmup=3,
-                                          reps=30)
-                    multi_us = median_us(lambda d=d, bs=bs: d.multi_step_graphs.run(bs), warmup=3,
-                                         reps=30)
-                    first_us = decode_us - multi_us
-                    refresh_us = statistics.median(time_refresh_us(d, batch.args, reps=30))
-                    refresh = profile_launches(run)
-                    refresh_gpu_us = refresh["refresh_gpu_us"]
-                    in_place = in_place_args(d, batch)
-                    refresh_in_place = profile_launches(lambda d=d, a=in_place: d.run(*a))
+                    refresh = refresh_info(d, batch, reps=30)
                     graph_rows = kernel_table(run)
                     with forced_eager():
                         eager_rows = kernel_table(run)
                 key = f"{label}-bs{bs}"
                 report["runs"][key] = {"drafts": drafts, "graph_run_us": graph_us,
                                        "after_l2_flush_us": after_flush_us,
-                                       "graph_decode_us": decode_us, "graph_first_us": first_us,
-                                       "graph_multi_us": multi_us, "refresh_events_us": refresh_us,
-                                       "refresh_gpu_us": refresh_gpu_us,
-                                       "refresh_timeline": refresh["refresh_timeline"],
-                                       "refresh_gpu_in_place_us": refresh_in_place["refresh_gpu_us"],
-                                       "refresh_in_place_timeline": refresh_in_place["refresh_timeline"],
+                                       **{k: times[k] for k in ("graph_decode_us",
+                                                                "graph_first_us",
+                                                                "graph_multi_us")},
+                                       **{k: refresh.get(k) for k in (
+                                           "refresh_events_us", "refresh_gpu_us",
+                                           "refresh_timeline", "refresh_gpu_in_place_us",
+                                           "refresh_in_place_timeline")},
                                        **fl,
                                        "eager_kernels": eager_rows, "graph_kernels": graph_rows}
                 print(f"\n[profile] {key}: after an L2 flush {after_flush_us:.1f} us")
-                print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay {decode_us:.1f}: "
-                      f"multi {multi_us:.1f}; refresh {refresh_gpu_us or 0:.1f} on the GPU "
-                      f"({refresh_in_place['refresh_gpu_us'] or 0:.1f} in place), "
-                      f"{refresh_us:.1f} with host), floor {fl['floor_us']:.1f} us "
+                print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay "
+                      f"{times['graph_decode_us']:.1f}: multi {times['graph_multi_us']:.1f}; refresh "
+                      f"{refresh.get('refresh_gpu_us') or 0:.1f} on the GPU "
+                      f"({refresh.get('refresh_gpu_in_place_us') or 0:.1f} in place), "
+                      f"{refresh['refresh_events_us']:.1f} with host), floor {fl['floor_us']:.1f} us "
                       f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
-                for name, tl in (("copy", refresh["refresh_timeline"]),
-                                 ("in place", refresh_in_place["refresh_timeline"])):
+                for name, tl in (("copy", refresh.get("refresh_timeline", [])),
+                                 ("in place", refresh.get("refresh_in_place_timeline", []))):
                     print(f"[profile] {key} timeline ({name}): "
                           + ", ".join(f"{n[:24]} {t0:.1f}-{t1:.1f}" for n, t0, t1 in tl))
                 print_table(f"{key} eager kernels", eager_rows)
