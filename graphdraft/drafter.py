@@ -210,14 +210,18 @@ class EagleDrafter:
     @torch.inference_mode()
     @nvtx_range("drafter")
     def run(self, ctx: ForwardContext, hidden_states: torch.Tensor, output_tokens: torch.Tensor,
-            accept_lengths: torch.Tensor) -> torch.Tensor:
-        """Draft for the target batch described by `ctx`; returns a new `[bs, S + 1]` int32 tensor."""
+            accept_lengths: torch.Tensor, *, copy_output: bool = True) -> torch.Tensor:
+        """Draft for the target batch described by `ctx`; returns `[bs, S + 1]` int32: a new
+        tensor, or with `copy_output=False` a view of the persistent `next_tokens` buffer (no
+        copy launch), valid until the next `run`."""
+        if not isinstance(copy_output, bool):
+            raise ValueError(f"copy_output: expected a bool, got {type(copy_output).__name__}")
         if self.cfg.validate_inputs:
             self.validate(ctx, hidden_states, output_tokens, accept_lengths)
         bs, ne, n = ctx.bs, ctx.num_extends, self.N
         self.stats.calls += 1
         if bs == 0:
-            return torch.empty((0, self.S + 1), dtype=torch.int32, device=self.device)
+            return self._output(0, copy_output)
         b, ib = self.bufs, self.inputs
         self._use_head_kernels()
         decode = ctx.forward_mode is ForwardMode.DECODE
@@ -239,7 +243,7 @@ class EagleDrafter:
             self.stats.decode_calls += 1
             with nvtx_range("draft_decode"):
                 self.decode_graphs.run(pbs)
-            return b.next_tokens[:bs].clone()
+            return self._output(bs, copy_output)
 
         self.stats.mixed_calls += 1
         with nvtx_range("draft_first_step"):
@@ -252,7 +256,12 @@ class EagleDrafter:
         elif self.S > 1:
             self.stats.skipped_multi_step += 1
             b.next_tokens[:bs, 2:] = b.next_tokens[:bs, :1]
-        return b.next_tokens[:bs].clone()
+        return self._output(bs, copy_output)
+
+    def _output(self, bs: int, copy: bool) -> torch.Tensor:
+        """`next_tokens[:bs]` `[bs, S + 1]`: cloned, or the persistent view itself."""
+        out = self.bufs.next_tokens[:bs]
+        return out.clone() if copy else out
 
     def _prepare_mixed_ids(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
         """First-step ids of a prefill/mixed batch: shifted prompt ids, then decode rows' outputs."""

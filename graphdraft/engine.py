@@ -291,7 +291,9 @@ class Engine:
         output_tokens, accept = self._verify(ctx, rows, reqs, out.logits)
         next_tokens = None
         if self.drafter is not None:
-            next_tokens = self.drafter.run(ctx, out.aux_hidden, output_tokens, accept)
+            # _commit reads the drafts back before the next run: no copy of them needed
+            no_copy = {"copy_output": False} if isinstance(self.drafter, EagleDrafter) else {}
+            next_tokens = self.drafter.run(ctx, out.aux_hidden, output_tokens, accept, **no_copy)
         return self._commit(ctx, rows, reqs, output_tokens, accept, next_tokens)
 
     def _verify(self, ctx: ForwardContext, rows, reqs, logits: torch.Tensor):

@@ -650,6 +650,8 @@ LAUNCH_APIS = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cuMemcpy", "cudaMemset",
 """Host API calls that put one kernel, copy or memset on a stream (runtime and driver API:
 Triton launches through `cuLaunchKernel[Ex]`)."""
 GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
+GRAPH_LAUNCH_HOST = "graph launch (host)"
+"""The timeline's name for a host graph-launch API call."""
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 
@@ -666,7 +668,11 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
     outside graph launches; `graph_launches`: `cudaGraphLaunch` calls; `gpu_outside` /
     `gpu_inside`: GPU kernels, copies and memsets correlated with a non-graph / a graph
     launch (the profiler may miss GPU records, never host API records, so `launches` is
-    the count to trust); `ops`: name -> count of the `gpu_outside` work.
+    the count to trust); `ops`: name -> count of the `gpu_outside` work;
+    `refresh_gpu_us`: the call's GPU span minus its graph work's span; `timeline`:
+    `[name, start, end]` us from the call's first GPU op, of the outside work, of the
+    graph work (`"graph: <its first op>"`) and of the host's graph-launch API calls
+    (`GRAPH_LAUNCH_HOST`, negative when the host ran ahead of the GPU).
     Raises ValueError when the trace has no span named `mark`.
     """
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
@@ -678,6 +684,8 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
                                     "gpu_inside": 0, "ops": Counter()} for _ in spans]
     bounds: list[dict[bool, list[float]]] = [{} for _ in spans]  # is graph -> [first start, last end]
     outside: list[list[list]] = [[] for _ in spans]
+    graph_api: list[list[list]] = [[] for _ in spans]  # host graph-launch calls
+    first_graph_op: list[tuple[float, str]] = [(float("inf"), "?") for _ in spans]
 
     def span_of(ts: float) -> int | None:
         for i, (lo, hi) in enumerate(spans):
@@ -696,6 +704,8 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
         graph = name.startswith(GRAPH_LAUNCH_APIS)
         if graph:
             calls[i]["graph_launches"] += 1
+            t0 = float(e["ts"])
+            graph_api[i].append([GRAPH_LAUNCH_HOST, t0, t0 + float(e.get("dur", 0.0))])
         elif name.startswith(LAUNCH_APIS):
             calls[i]["launches"] += 1
         else:
@@ -718,15 +728,18 @@ def count_launches(events: Sequence[dict[str, Any]], mark: str = CALL_MARK) -> l
             outside[i].append([str(e.get("name", "?"))[:60], t0, t1])
         if graph:
             calls[i]["gpu_inside"] += 1
+            if t0 < first_graph_op[i][0]:
+                first_graph_op[i] = (t0, str(e.get("name", "?"))[:40])
         else:
             calls[i]["gpu_outside"] += 1
             calls[i]["ops"][str(e.get("name", "?"))[:100]] += 1
-    for c, b, out in zip(calls, bounds, outside, strict=True):
+    for c, b, out, api, first in zip(calls, bounds, outside, graph_api, first_graph_op,
+                                     strict=True):
         c["ops"] = dict(sorted(c["ops"].items()))
         c["refresh_gpu_us"], c["timeline"] = None, []
         if b:
             lo = min(v[0] for v in b.values())
-            ops = out + ([["graph", *b[True]]] if True in b else [])
+            ops = out + api + ([[f"graph: {first[1]}", *b[True]]] if True in b else [])
             c["timeline"] = [[n, round(t0 - lo, 2), round(t1 - lo, 2)] for n, t0, t1 in sorted(
                 ops, key=lambda o: o[1])]
         if len(b) == 2:
@@ -793,12 +806,12 @@ def time_forwards(prefix: str, d: EagleDrafter, batch: DecodeBatch, **kw: Any) -
 
 
 def time_refresh_us(d: EagleDrafter, args: tuple[Any, ...], *, warmup: int = 3,
-                    reps: int = 20) -> list[float]:
-    """Per `d.run(*args)` call (decode batch, `reps` calls back to back after `warmup`): the
-    call's GPU span minus the span of its decode forward, both from CUDA events recorded in
-    the same call (around the call, and just before and after `decode_graphs.run`). What
-    is left is the work between replays: the staging launch, the output copy and any gap
-    the host leaves the GPU. CPU: the same with the host clock."""
+                    reps: int = 20, **run_kw: Any) -> list[float]:
+    """Per `d.run(*args, **run_kw)` call (decode batch, `reps` calls back to back after
+    `warmup`): the call's GPU span minus the span of its decode forward, both from CUDA events
+    recorded in the same call (around the call, and just before and after
+    `decode_graphs.run`). What is left is the work between replays: the staging launch, the
+    output copy and any gap the host leaves the GPU. CPU: the same with the host clock."""
     cuda = torch.device(d.cfg.device).type == "cuda"
 
     def mark() -> Any:
@@ -823,13 +836,13 @@ def time_refresh_us(d: EagleDrafter, args: tuple[Any, ...], *, warmup: int = 3,
     d.decode_graphs.run = timed_forward  # an instance attribute: shadows the method
     try:
         for _ in range(warmup):
-            d.run(*args)
+            d.run(*args, **run_kw)
         sync(d.cfg.device)
         inner.clear()
         outer = []
         for _ in range(reps):
             start = mark()
-            d.run(*args)
+            d.run(*args, **run_kw)
             outer.append((start, mark()))
         sync(d.cfg.device)
     finally:
@@ -841,20 +854,26 @@ def time_refresh_us(d: EagleDrafter, args: tuple[Any, ...], *, warmup: int = 3,
 
 def refresh_info(d: EagleDrafter, batch: DecodeBatch, *, warmup: int = 3, reps: int = 20,
                  profile: bool = True) -> dict[str, Any]:
-    """The time the work outside the decode replay adds to a `d.run(*batch.args)` call, with
-    the hidden states copied and in place (`in_place_args`): `refresh_events{,_in_place}_us`
-    (`time_refresh_us` medians); on CUDA with `profile`, `profile_launches`'s keys for the copy
-    path and `refresh_gpu_in_place_us` / `refresh_in_place_timeline` (measured after the
-    event timings; `launches_error` when the profiler fails)."""
-    in_place = in_place_args(d, batch)
-    res: dict[str, Any] = {}
-    for key, args in (("refresh_events_us", batch.args), ("refresh_events_in_place_us", in_place)):
-        res[key] = statistics.median(time_refresh_us(d, args, warmup=warmup, reps=reps))
+    """The time the work outside the decode replay adds to a `d.run` call, two ways: as the
+    API's default (`batch.args`: hidden states copied in, drafts copied out) and in place
+    (`in_place_args` and `copy_output=False`: the target's hidden states already in the
+    drafter's buffer, the drafts returned as its view, as the bundled Engine runs it).
+    Keys: `refresh_events{,_in_place}_us` (`time_refresh_us` medians); on CUDA with
+    `profile`, `profile_launches`'s keys for the default path and `refresh_gpu_in_place_us`,
+    `refresh_launches_in_place`, `refresh_in_place_timeline` (measured after the event
+    timings; `launches_error` when the profiler fails)."""
+    in_place, no_copy = in_place_args(d, batch), {"copy_output": False}
+    res: dict[str, Any] = {
+        "refresh_events_us": statistics.median(time_refresh_us(d, batch.args, warmup=warmup,
+                                                               reps=reps)),
+        "refresh_events_in_place_us": statistics.median(time_refresh_us(
+            d, in_place, warmup=warmup, reps=reps, **no_copy))}
     if profile and torch.device(d.cfg.device).type == "cuda":
         try:
             res.update(profile_launches(lambda: d.run(*batch.args), device=d.cfg.device))
-            place = profile_launches(lambda: d.run(*in_place), device=d.cfg.device)
+            place = profile_launches(lambda: d.run(*in_place, **no_copy), device=d.cfg.device)
             res["refresh_gpu_in_place_us"] = place["refresh_gpu_us"]
+            res["refresh_launches_in_place"] = place["refresh_launches"]
             res["refresh_in_place_timeline"] = place["refresh_timeline"]
         except Exception as e:  # noqa: BLE001 - a failed count is a result, not a crash
             res["launches_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -888,7 +907,7 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     Keys: `{eager,graph}_{run,decode,multi,first}_us` (`time_forwards`), `eager_equals_graph`
     (bit-identical `run` outputs), `graph_replayed`, capture stats, `in_place_equals_copy`
     (the same drafts with the hidden states already in the drafter's buffer,
-    `in_place_args`); the time the work outside the decode replay adds to a call, three
+    `in_place_args`, and the drafts returned as its view); the time the work outside the decode replay adds to a call, three
     ways: `refresh_diff_us` = `graph_run_us - graph_decode_us` (medians timed apart) and
     `refresh_info`'s CUDA events inside each call (host gaps and the two extra event
     records included) and, on CUDA with `profile`, GPU timeline of profiled calls with
@@ -910,7 +929,8 @@ def measure_case(group: DraftGroup, batch: DecodeBatch, *, warmup: int = 3, reps
     graph_out = d.run(*batch.args)
     res["graph_replayed"] = d.decode_graphs.stats.total_replays > replays
     res["eager_equals_graph"] = bool(torch.equal(eager_out, graph_out))
-    res["in_place_equals_copy"] = bool(torch.equal(d.run(*in_place_args(d, batch)), graph_out))
+    res["in_place_equals_copy"] = bool(torch.equal(
+        d.run(*in_place_args(d, batch), copy_output=False), graph_out))
     res["refresh_diff_us"] = res["graph_run_us"] - res["graph_decode_us"]
     res.update(capture_info(d, bs))
     group.reference[bs] = graph_out

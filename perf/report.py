@@ -97,10 +97,14 @@ def _compile_cell(r: dict[str, Any]) -> str:
 
 
 def _launch_cell(r: dict[str, Any]) -> str:
+    """Host launches outside the graph: the default call's, then in place (runs since the
+    fifth session)."""
     if "refresh_launches" not in r:
         return "failed" if "launches_error" in r else "—"
     n, gpu = r["refresh_launches"], r.get("refresh_gpu_ops")
-    return str(n) if gpu is None or gpu == n else f"{n} ({gpu} on GPU)"
+    cell = str(n) if gpu is None or gpu == n else f"{n} ({gpu} on GPU)"
+    in_place = r.get("refresh_launches_in_place")
+    return cell if in_place is None else f"{cell} / {in_place}"
 
 
 def refresh_us(r: dict[str, Any]) -> float | None:
@@ -168,8 +172,8 @@ def notes(records: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"- {name}: {r['graph_launches']} graph launches in one draft call "
                        "(expected 1: the decode draft)")
         if r.get("in_place_equals_copy") is False:
-            out.append(f"- {name}: drafts with the hidden states in place differ from drafts "
-                       "with them copied")
+            out.append(f"- {name}: drafts with the hidden states in place (and not copied "
+                       "out) differ from drafts with them copied")
         if r.get("launch_counts_stable") is False:
             out.append(f"- {name}: profiled draft calls issued different launch counts")
     ops = [r for r in records if r.get("refresh_ops")]
@@ -205,10 +209,13 @@ def render(records: Sequence[dict[str, Any]]) -> str:
               f"baseline: {MODE_TEXT.get(mode, mode).format(mode=mode)}; refresh us = how much the "
               "work outside the decode replay (staging launch, output copy) lengthens a draft "
               "call on the GPU timeline (torch.profiler, median of 5 calls); in place: the "
-              "same with the target's hidden states already in the drafter's buffer; with "
+              "same with the target's hidden states already in the drafter's buffer and the "
+              "drafts returned as its view (`copy_output=False`, as the bundled Engine runs; "
+              "runs before the fifth session still cloned the drafts); with "
               "host: CUDA events around the call and its replay, host gaps and two extra "
               "event records included (median); launches = kernel launches, memcpys and "
-              "memsets one draft call issues outside its graph launch (host API count)."]
+              "memsets one draft call issues outside its graph launch (host API count; "
+              "default / in place)."]
     extra = notes(records)
     if extra:
         lines += ["", *extra]

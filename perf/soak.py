@@ -105,9 +105,11 @@ def _checked_run(engine: Engine, report: SoakReport):
     original = drafter.run
     patched = "run" in vars(drafter)
 
-    def run(ctx, hidden, tokens, accept):
+    def run(ctx, hidden, tokens, accept, **kw):
         if ctx.num_extends:  # checks are for decode batches (the graphed ones)
-            return original(ctx, hidden, tokens, accept)
+            return original(ctx, hidden, tokens, accept, **kw)
+        # both runs copy their drafts out (the eager run overwrites the graph run's buffer);
+        # a copy serves a caller that asked for the view as well
         drafter.run = original
         k, v = drafter.kv_pool.layer(0)
         k0, v0 = k.clone(), v.clone()

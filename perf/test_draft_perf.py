@@ -50,11 +50,12 @@ def _us(res: dict[str, Any], key: str) -> str:
 
 
 def _graph_line(res: dict[str, Any]) -> str:
-    launches = (f", {res['refresh_launches']} launches outside the graphs"
+    launches = (f", {res['refresh_launches']} launches outside the graphs "
+                f"({res.get('refresh_launches_in_place', '?')} in place)"
                 if "refresh_launches" in res else
                 f", launch count failed: {res['launches_error']}" if "launches_error" in res else "")
     return (f"eager {_us(res, 'eager_run_us')}, graph {_us(res, 'graph_run_us')} "
-            f"(refresh on the GPU {_us(res, 'refresh_gpu_us')}, hidden in place "
+            f"(refresh on the GPU {_us(res, 'refresh_gpu_us')}, in place "
             f"{_us(res, 'refresh_gpu_in_place_us')}, with host {_us(res, 'refresh_events_us')}"
             f"{launches}; capture {res['capture_s']:.2f} s)")
 

@@ -114,6 +114,33 @@ def test_output_is_a_copy():
     assert kept.data_ptr() != s.drafter.bufs.next_tokens.data_ptr()
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_output_view_without_copy(decode):
+    """`copy_output=False` returns the persistent `next_tokens[:bs]` itself, with the values
+    the copying call returns; a non-bool is refused before anything is written."""
+    s = make_setup(steps=3, seed=6)
+    loop = FakeServingLoop(s, 4)
+    for _ in range(3):
+        loop.add(5, 16)
+    if decode:
+        loop.step()  # prefill: the next call is a decode batch
+    rows, order, ctx, hidden, tokens, accept = loop.prepare()
+    assert (ctx.num_extends == 0) == decode
+    k, v = s.drafter.kv_pool.layer(0)
+    kv0 = (k.clone(), v.clone())
+    copied = s.drafter.run(ctx, hidden, tokens, accept)
+    k.copy_(kv0[0])
+    v.copy_(kv0[1])
+    view = s.drafter.run(ctx, hidden, tokens, accept, copy_output=False)
+    assert view.data_ptr() == s.drafter.bufs.next_tokens.data_ptr()
+    assert view.shape == copied.shape and torch.equal(view, copied)
+    before = s.drafter.bufs.next_tokens.clone()
+    calls = s.drafter.stats.calls
+    with pytest.raises(ValueError, match="^copy_output: expected a bool, got int"):
+        s.drafter.run(ctx, hidden, tokens, accept, copy_output=0)
+    assert torch.equal(before, s.drafter.bufs.next_tokens) and s.drafter.stats.calls == calls
+
+
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
 def test_hidden_written_into_the_drafter_buffer(kernel_backend):
     """A target that writes its hidden states into `decode_hidden_buffer(bs)` and passes that

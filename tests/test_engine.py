@@ -95,7 +95,8 @@ def test_speculative_greedy_equals_target_only(steps, page_size):
 def test_decode_hidden_states_written_into_the_drafter_buffer():
     """Decode steps: the target writes its aux hidden states into the drafter's
     decode_hidden_buffer and the drafter gets that very view (no staging copy); prefill steps
-    pass the target's own tensor. Output still equals target-only."""
+    pass the target's own tensor; the drafts come back as the drafter's view (no output
+    copy). Output still equals target-only."""
     target, head = make_models(3)
     ps = prompts(5, 3)
     cfg = runtime(speculative_num_steps=3)
@@ -103,10 +104,11 @@ def test_decode_hidden_states_written_into_the_drafter_buffer():
     eng = Engine(target, cfg, head)
     real_run, seen = eng.drafter.run, []
 
-    def run(ctx, hidden, tokens, accept):
+    def run(ctx, hidden, tokens, accept, **kw):
         in_buffer = hidden.data_ptr() == eng.drafter.bufs.first_hidden.data_ptr()
         seen.append((ctx.num_extends == 0, in_buffer))
-        return real_run(ctx, hidden, tokens, accept)
+        assert kw == {"copy_output": False}  # the drafts are read back before the next run
+        return real_run(ctx, hidden, tokens, accept, **kw)
 
     eng.drafter.run = run
     assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == expected

@@ -146,6 +146,13 @@ def test_hidden_in_the_drafter_buffer_replays_like_a_copy(bs):
     assert torch.equal(copied, in_place)
     for a, b in zip(kv_copied, kv_in_place, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    # the zero-copy call (hidden in place, drafts returned as the buffer's view) replays alike
+    k.copy_(kv0[0])
+    v.copy_(kv0[1])
+    replays = s.drafter.decode_graphs.stats.total_replays
+    out = s.drafter.run(ctx, view, tokens, accept, copy_output=False)
+    assert s.drafter.decode_graphs.stats.total_replays == replays + 1
+    assert out.data_ptr() == s.drafter.bufs.next_tokens.data_ptr() and torch.equal(out, copied)
 
 
 def test_ten_thousand_replays_no_growth_no_recapture():

@@ -16,6 +16,7 @@ from perf import report
 from perf.bench import (
     CALL_MARK,
     COMPILE_GRAPH,
+    GRAPH_LAUNCH_HOST,
     LLAMA31_8B_HEAD,
     REDUCE_OVERHEAD,
     REDUCE_OVERHEAD_DYNAMIC,
@@ -227,10 +228,12 @@ def test_count_launches_separates_graph_replays():
                            "elementwise_kernel": 1, "triton_fill": 1}
     # GPU ops at 200 + i (1 us each): the call spans 200..207, its graph work 203..207
     assert last["refresh_gpu_us"] == pytest.approx(3.0)
-    assert [op[0] for op in last["timeline"]] == ["Memcpy DtoD (Device -> Device)",
-                                                  "elementwise_kernel", "graph", "triton_fill",
-                                                  "Memset (Device)"]
-    assert last["timeline"][2][1:] == [3.0, 7.0]
+    # host API calls at 1 + i (0.5 us each): 199 us before the GPU ran them
+    assert [op[0] for op in last["timeline"]] == [
+        GRAPH_LAUNCH_HOST, GRAPH_LAUNCH_HOST, "Memcpy DtoD (Device -> Device)",
+        "elementwise_kernel", "graph: gemv", "triton_fill", "Memset (Device)"]
+    assert last["timeline"][0][1:] == [-196.0, -195.5] and last["timeline"][1][1:] == [-193.0, -192.5]
+    assert last["timeline"][4][1:] == [3.0, 7.0]
     assert out[0]["launches"] == 6
     with pytest.raises(ValueError, match="no 'graphdraft_perf_call' spans"):
         count_launches(_trace(call, mark="other"))
@@ -271,7 +274,7 @@ def test_report_renders_one_table(tmp_path, capsys):
     table, out = _table(tmp_path, capsys, [
         _info(1, "graph", refresh_gpu_us=6.25, refresh_gpu_in_place_us=4.5, refresh_events_us=9.75,
               refresh_launches=4, refresh_gpu_ops=4, graph_launches=1, refresh_ops=ops,
-              launch_counts_stable=True),
+              launch_counts_stable=True, refresh_launches_in_place=1),
         _info(8, "graph", eager_equals_graph=False, refresh_launches=5, refresh_gpu_ops=3,
               graph_launches=3, refresh_ops=ops, in_place_equals_copy=False),
         _info(1, "compile", compile_graph_replayed=True, compile_agreement=0.96875,
@@ -284,10 +287,10 @@ def test_report_renders_one_table(tmp_path, capsys):
                         "| in place | with host | launches | capture s | pool MB | compile+graph s |")
     assert table[0].count("|") == len(report.COLUMNS) + 1 == len(report.columns("x")) + 1
     assert table[2] == ("| page16 | 1 | 512 | 4000 | 800 | 1000 | 600 | 1.33x | 1.313x | 1.25x | 5.0x "
-                        "| 6.2 | 4.5 | 9.8 | 4 | 1.50 | 64.0 | 12.3 |")
+                        "| 6.2 | 4.5 | 9.8 | 4 / 1 | 1.50 | 64.0 | 12.3 |")
     assert "failed: BackendCompilerFailed" in table[3]
     assert "| 12.0 | — | — | 5 (3 on GPU) |" in table[3]  # refresh from the medians (older runs)
-    assert "page16 kv512 bs8: drafts with the hidden states in place differ" in out
+    assert "page16 kv512 bs8: drafts with the hidden states in place (and not copied out) differ" in out
     assert "4.27 TB/s" in out and "NVIDIA H200" in out and "compile+graph = torch-path" in out
     assert "differs from eager" in out and "boom" in out
     assert "96.9% to 96.9% of draft tokens" in out and "page16 kv512 20.5 s" in out

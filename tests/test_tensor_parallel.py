@@ -50,8 +50,8 @@ def _record(eng: Engine) -> tuple[list, list]:
     if eng.drafter is not None:
         run = eng.drafter.run
 
-        def draft(*a):
-            out = run(*a)
+        def draft(*a, **kw):
+            out = run(*a, **kw)
             drafts.append(out.clone())
             return out
 
