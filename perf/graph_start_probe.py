@@ -10,6 +10,7 @@ of the draft head's first-step and multi-step shapes at bs 64 and 128 (does the 
 inside matter?). Each call is one eager tiny kernel then one replay, back to back behind a
 sleep kernel so that the host is far ahead of the GPU (the gap is the GPU's, not the host's);
 the gap is read off the profiler's GPU timeline (`bench.count_launches`), median over calls.
+It also prints the read-only bandwidth of `torch.sum` beside the copy bandwidth the floors use.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from perf.bench import CALL_MARK, GRAPH_LAUNCH_HOST, count_launches
+from perf.bench import CALL_MARK, GRAPH_LAUNCH_HOST, copy_bandwidth, count_launches, median_us
 
 CALLS = 12
 
@@ -74,6 +75,17 @@ def start_gap_us(g: torch.cuda.CUDAGraph, pre: Callable[[], None], calls: int = 
             "timeline": per_call[-1]["timeline"] if per_call else []}
 
 
+def read_bandwidth(sizes_mb: tuple[int, ...] = (32, 256, 1024)) -> dict[int, float]:
+    """Bytes per second a bf16 `torch.sum` reads, per tensor size (MB); a side figure for the
+    floors, which use the copy bandwidth."""
+    out = {}
+    for mb in sizes_mb:
+        x = torch.randn(mb * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
+        out[mb] = x.numel() * 2 / (median_us(lambda x=x: x.sum(dtype=torch.float32),
+                                             device="cuda", warmup=3, reps=20) * 1e-6)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="perf/out")
@@ -109,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (64, 128, 256, 512):
         variants[f"tiny + fc,qkv,o matmuls M={rows}"] = matmuls(rows, ("fc", "qkv", "o"))
         variants[f"tiny + o matmul M={rows}"] = matmuls(rows, ("o",))
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {},
+              "read_bw": read_bandwidth(), "copy_bw": copy_bandwidth()}
+    print(f"[graph_start] copy bandwidth {report['copy_bw'] / 1e12:.2f} TB/s (read + written); "
+          "read-only (torch.sum): " + ", ".join(f"{mb} MB {bw / 1e12:.2f} TB/s"
+                                                for mb, bw in report["read_bw"].items()))
     for name, body in variants.items():
         res = start_gap_us(_graph(body), pre)
         report["variants"][name] = res
