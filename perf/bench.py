@@ -220,6 +220,15 @@ def time_us(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
     return [start.elapsed_time(end) * 1e3 for start, end in events]
 
 
+def write_json(out_dir: str | Path, name: str, data: Any) -> Path:
+    """Write `data` as indented JSON to `out_dir/name` (the folder made if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
 def median_us(fn: Callable[[], Any], **kw: Any) -> float:
     return statistics.median(time_us(fn, **kw))
 

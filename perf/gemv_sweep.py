@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +31,7 @@ from graphdraft.kernels.gemv import (
     linear_small_m_argmax,
     linear_small_m_ref,
 )
-from perf.bench import copy_bandwidth
+from perf.bench import copy_bandwidth, write_json
 
 # name: (N, K, act, epilogue)
 SHAPES = {"o": (4096, 4096, None, None), "down": (4096, 14336, "silu_mul", None),
@@ -139,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         ws = []
         torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemv_sweep.json").write_text(json.dumps(results, indent=1))
+    write_json(a.out, "gemv_sweep.json", results)
     print(f"[sweep] done in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0
 

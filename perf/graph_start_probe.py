@@ -24,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from perf.bench import CALL_MARK, GRAPH_LAUNCH_HOST, copy_bandwidth, count_launches, median_us
+from perf.bench import (
+    CALL_MARK,
+    GRAPH_LAUNCH_HOST,
+    copy_bandwidth,
+    count_launches,
+    median_us,
+    write_json,
+)
 
 CALLS = 12
 
@@ -133,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['graph_span_us']:.1f} us; timeline "
               + ", ".join(f"{n[:28]} {t0:.1f}-{t1:.1f}" for n, t0, t1 in res["timeline"]
                           if n != GRAPH_LAUNCH_HOST), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "graph_start_probe.json").write_text(json.dumps(report, indent=1))
+    write_json(a.out, "graph_start_probe.json", report)
     return 0
 
 

@@ -17,15 +17,13 @@ timed as its own graph variant: rep - rep without the o GEMV, etc.). Prefetch in
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from graphdraft.kernels.gemv import linear_small_m
-from perf.bench import copy_bandwidth
+from perf.bench import copy_bandwidth, write_json
 from perf.gemv_sweep import graph_time_us
 
 REPS = 20
@@ -126,11 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:24s} rep {v:7.1f} us ({v - ref:+6.1f} vs no prefetch); o GEMV {v - no_o:5.1f} us; "
               f"chain with prefetch {no_o - rows['gemv_only']:5.1f} us (alone "
               f"{rows['gemv+chain'] - rows['gemv_only']:.1f})")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "l2_prefetch_probe.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "l2_bytes": l2, "reps": REPS,
-         "small_kernels": a.small, "us_per_rep": rows}, indent=1))
+    write_json(a.out, "l2_prefetch_probe.json",
+               {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "l2_bytes": l2, "reps": REPS,
+                "small_kernels": a.small, "us_per_rep": rows})
     return 0
 
 

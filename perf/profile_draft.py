@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -40,6 +38,7 @@ from perf.bench import (
     forced_eager,
     refresh_info,
     time_forwards,
+    write_json,
 )
 
 CALLS = 5
@@ -189,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         same = [k for k, d in runs.items() if d == first]
         print(f"[profile] bs {bs}: drafts identical across {len(same)} of {len(runs)} variants"
               + ("" if len(same) == len(runs) else f" (differ: {sorted(set(runs) - set(same))})"))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_draft.json").write_text(json.dumps(report, indent=1))
+    write_json(a.out, "profile_draft.json", report)
     return 0
 
 

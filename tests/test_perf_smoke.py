@@ -392,3 +392,14 @@ def test_report_gemv_lines(tmp_path):
     path.write_text(json.dumps({"benchmarks": [{"extra_info": rec}]}))
     lines = gemv_lines(path)
     assert lines[-1] == "| o | 1 | 23.4 | 10.0 | 7.9 | 34% | 79% |"
+
+
+def test_write_json_and_probe_without_cuda(tmp_path, capsys):
+    from perf import graph_start_probe
+    from perf.bench import write_json
+
+    path = write_json(tmp_path / "new" / "dir", "r.json", {"a": [1, 2]})
+    assert path == tmp_path / "new" / "dir" / "r.json"
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    assert graph_start_probe.main(["--out", str(tmp_path / "probe")]) == 0  # CPU: says so, writes nothing
+    assert "no CUDA device" in capsys.readouterr().out and not (tmp_path / "probe").exists()
