@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphdraft.kernels import pdl
 from graphdraft.kernels.cache_loc import (
     advance_positions_and_seq_lens,
     advance_positions_and_seq_lens_ref,
@@ -407,3 +408,39 @@ def test_one_compiled_kernel_across_table_widths():
         assert torch.equal(got, exp)
         counts.append(sum(len(c[0]) for c in kernel.device_caches.values()))
     assert len(set(counts)) == 1, counts
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_early_loads_off_and_on(early, monkeypatch):
+    """`pdl.EARLY_LOADS` (the metadata loaded before the PDL wait; under the interpreter it is
+    on by default): the uniform kernel over several blocks with the first-step outputs, and
+    the advance kernel, equal their references both ways."""
+    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+    gen = torch.Generator().manual_seed(9)
+    rtp = _table(gen, 4, 40)
+    reqs = torch.tensor([3, 1, 2], dtype=I64)
+    starts = torch.tensor([5, 0, 17], dtype=I32)
+    for length in (2, 300):  # one block; 300 > the 128-token block
+        got, exp = (torch.full((3 * length,), -7, dtype=I64) for _ in range(2))
+        outs = [(torch.zeros(3, dtype=I64), torch.zeros(3, dtype=I32)) for _ in range(2)]
+        compute_out_cache_loc_uniform(got, reqs, starts, rtp, 1, length,
+                                      positions_out=outs[0][0], seq_lens_out=outs[0][1])
+        compute_out_cache_loc_uniform_ref(exp, reqs, starts, rtp, 1, length,
+                                          positions_out=outs[1][0], seq_lens_out=outs[1][1])
+        assert torch.equal(got, exp)
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    seq, pos = torch.arange(5, dtype=I32), torch.arange(5, dtype=I64) * 3
+    eseq, epos = advance_positions_and_seq_lens_ref(seq.clone(), pos.clone(), 2)
+    advance_positions_and_seq_lens(seq, pos, 2)
+    assert torch.equal(seq, eseq) and torch.equal(pos, epos)
+
+
+def test_launch_options_early_flag(monkeypatch):
+    cpu = torch.device("cpu")
+    assert pdl.launch_options(cpu, 1) == {"PDL": False}  # no EARLY for kernels without it
+    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": True}  # interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pdl, "EARLY_LOADS", False)
+    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": False}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import decode_attention
+from graphdraft.kernels import decode_attention, pdl
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.decode_attention import (
     default_num_splits,
@@ -304,6 +304,29 @@ def _check_rope(T, Hq, Hkv, D, dtype, device="cpu"):
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 1, 32), (6, 2, 16), (3, 3, 24)])
 def test_rope_and_store_kv_matches_reference(dtype, Hq, Hkv, D):
     _check_rope(5, Hq, Hkv, D, dtype)
+
+
+def test_early_loads_off_and_on_agree(monkeypatch):
+    """`pdl.EARLY_LOADS` off (metadata loaded after the PDL wait, as before) and on (before it;
+    the interpreter's default): attention over several splits with gathered query rows, its
+    combine, and RoPE + KV store give the same bits."""
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    q, kc, vc, req, kv_lens, r2p = _paged_setup([70, 3, 41], [1, 0, 4], 4, 2, 16, 4,
+                                                torch.float32, seed=5)
+    idx = torch.tensor([2, 0, 1])
+    qkv, pos, cs, kc2, vc2, loc = _rope_inputs(4, 4, 2, 16, torch.float32)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+        att = paged_decode_attention(q[idx.argsort()], kc, vc, req, kv_lens, r2p, 4, 0.25,
+                                     max_kv_len=80, num_splits=3, q_index=idx)
+        x, k_out, v_out = qkv.clone(), kc2.clone(), vc2.clone()
+        rope_and_store_kv(*_split_qkv(x, 4, 2, 16), pos, cs, k_out, v_out, loc)
+        outs.append((att, x, k_out, v_out))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    _close(outs[1][0], paged_decode_attention_ref(q, kc, vc, req, kv_lens, r2p, 4, 0.25,
+                                                  max_kv_len=80), torch.float32)
 
 
 def test_rope_bad_inputs():

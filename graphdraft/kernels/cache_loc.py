@@ -99,15 +99,30 @@ def _uniform_kernel(
     BLOCK: tl.constexpr,
     FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    """EARLY (with PDL): the row's request, start and first block of slots are loaded before
+    waiting for the kernel before (pdl module doc); every store after."""
+    if not EARLY:
+        pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
     start = tl.load(start_ptr + row * stride_start).to(tl.int64)
+    j0_loop = 0
+    if EARLY:
+        j = tl.arange(0, BLOCK).to(tl.int64)
+        mask = j < length
+        slot = _slot(
+            req_to_page_ptr, r, start + j, mask,
+            n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
+        )
+        pdl_enter(PDL)
+        tl.store(out_ptr + row * stride_out_req + j * stride_out_tok, slot, mask=mask)
+        j0_loop = BLOCK
     if FIRST:  # the first written position and the KV length once it is written
         tl.store(pos_out_ptr + row, start)
         tl.store(seq_out_ptr + row, (start + 1).to(tl.int32))
-    for j0 in range(0, length, BLOCK):
+    for j0 in range(j0_loop, length, BLOCK):
         j = (j0 + tl.arange(0, BLOCK)).to(tl.int64)
         mask = j < length
         slot = _slot(
@@ -158,12 +173,17 @@ def _ragged_kernel(
 
 @triton.jit
 def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
-    pdl_enter(PDL)
+                    PDL: tl.constexpr, EARLY: tl.constexpr):
+    """EARLY (with PDL): loads before waiting for the kernel before (pdl module doc), stores
+    after."""
+    if not EARLY:
+        pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = i < n
     s = tl.load(seq_lens_ptr + i * stride_seq, mask=mask, other=0)
     p = tl.load(positions_ptr + i * stride_pos, mask=mask, other=0)
+    if EARLY:
+        pdl_enter(PDL)
     tl.store(seq_lens_ptr + i * stride_seq, (s + delta).to(tl.int32), mask=mask)
     tl.store(positions_ptr + i * stride_pos, (p + delta).to(tl.int64), mask=mask)
 
@@ -274,7 +294,7 @@ def compute_out_cache_loc_uniform(
         req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
         page_size,
         positions_out if first else out, seq_lens_out if first else out,
-        BLOCK=block, FIRST=first, **launch_options(dev, bs),
+        BLOCK=block, FIRST=first, **launch_options(dev, bs, early=True),
     )
 
 
@@ -367,7 +387,7 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
     block = min(max(triton.next_power_of_2(bs), 16), _MAX_ADVANCE_BLOCK)
     _advance_kernel[(triton.cdiv(bs, block),)](
         seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block,
-        **launch_options(seq_lens.device, bs),
+        **launch_options(seq_lens.device, bs, early=True),
     )
 
 

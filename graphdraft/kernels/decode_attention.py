@@ -51,30 +51,38 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    """EARLY (with PDL): the row's length, request, query row and first block's page ids are
+    loaded before waiting for the kernel before (pdl module doc); q and KV after."""
+    if not EARLY:
+        pdl_enter(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
     start = split * chunk
-    if start >= kv_len:  # nothing of this row here; the combine ignores this split
-        return
     end = tl.minimum(start + chunk, kv_len)
     if split == num_splits - 1:
         end = kv_len
     req = tl.load(req_ptr + t).to(tl.int64)
     page_row = page_ptr + req * s_page_r
+    q_row = t.to(tl.int64)
+    if Q_INDEX:
+        q_row = tl.load(q_index_ptr + t).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    if EARLY:  # the first block's page ids; the loop then loads each next block's
+        page = tl.load(page_row + ((start + n) // PAGE_SIZE).to(tl.int64) * s_page_p,
+                       mask=start + n < end, other=0)
+        pdl_enter(PDL)
+    if start >= kv_len:  # nothing of this row here; the combine ignores this split
+        return
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < G
     dmask = d < D
     heads = (kvh * G + g).to(tl.int64)
-    q_row = t.to(tl.int64)
-    if Q_INDEX:
-        q_row = tl.load(q_index_ptr + t).to(tl.int64)
     q = tl.load(
         q_ptr + q_row * sq_t + heads[:, None] * sq_h + d[None, :],
         mask=gmask[:, None] & dmask[None, :], other=0.0,
@@ -87,11 +95,12 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    n = tl.arange(0, BLOCK)
     for off in range(start, end, BLOCK):
         pos = off + n
         pmask = pos < end
-        page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p, mask=pmask, other=0)
+        if not EARLY:
+            page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p, mask=pmask,
+                           other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
         kvmask = pmask[:, None] & dmask[None, :]
         k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
@@ -111,6 +120,10 @@ def _decode_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if EARLY:
+            nxt = pos + BLOCK
+            page = tl.load(page_row + (nxt // PAGE_SIZE).to(tl.int64) * s_page_p, mask=nxt < end,
+                           other=0)
 
     out = acc / l_i[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -128,12 +141,16 @@ def _decode_combine_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
     chunk, num_splits,
     D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Program (t, h): `_combine_head`."""
-    pdl_enter(PDL)
+    """Program (t, h): `_combine_head`. EARLY (with PDL): the row's length is loaded before
+    waiting for the split kernel; the partials after."""
+    if not EARLY:
+        pdl_enter(PDL)
     t = tl.program_id(0)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    if EARLY:
+        pdl_enter(PDL)
     _combine_head(t, tl.program_id(1), tl.num_programs(1), part_ptr, lse_ptr, kv_len, o_ptr, so_t,
                   so_h, chunk, num_splits, D, D_PAD, SB)
 
@@ -271,14 +288,14 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         Q_INDEX=q_index is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T, early=True),
     )
     if not one:
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
-            **launch_options(q.device, T),
+            **launch_options(q.device, T, early=True),
         )
     return out
 

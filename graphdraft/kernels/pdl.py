@@ -6,6 +6,15 @@ It must wait (`griddepcontrol.wait`) before it touches memory: every chain kerne
 `pdl_enter(PDL)`, which waits for the previous kernel and then lets the next one launch, so at
 most one kernel waits ahead. The GEMV waits first too but lets the next launch start only after
 its K loop (`kernels.gemv`). Under CUDA graphs the launches become programmatic edges.
+
+Early loads (`EARLY`, the kernels that take it: attention's split and combine, RoPE + KV store,
+the uniform cache-location and advance kernels): a kernel may load, before `pdl_enter`, what
+the kernel launched just before it does not write; that one may still be running, every
+kernel before it has finished (it waited before letting this one launch). These kernels
+load their metadata there: positions, cache locations, seq lens, request rows, the page table
+and the rope table, which every caller writes at least two launches earlier (a forward's
+metadata is written before its first layer runs; the drafter's refresh kernels run at least
+two launches before the next RoPE and attention). Stores always come after `pdl_enter`.
 """
 
 from __future__ import annotations
@@ -34,10 +43,19 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting()
 
 
-def launch_options(device: torch.device, rows: int) -> dict:
-    """Keyword arguments of a launch over `rows` rows: `PDL` (the constexpr) and `launch_pdl`."""
+EARLY_LOADS = True
+"""Kernels that take `EARLY` load their metadata before waiting (module doc); off: after."""
+
+
+def launch_options(device: torch.device, rows: int, *, early: bool = False) -> dict:
+    """Keyword arguments of a launch over `rows` rows: `PDL` (the constexpr) and `launch_pdl`;
+    with `early` (a kernel that takes the `EARLY` constexpr) also `EARLY`: on with PDL, and
+    under Triton's interpreter (where the wait is a no-op)."""
     on = ENABLED and rows <= MAX_ROWS and supported(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    opts = {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    if early:  # under the interpreter too: the CPU tests run the code small GPU batches run
+        opts["EARLY"] = bool(EARLY_LOADS) and (on or interpreting())
+    return opts
 
 
 @triton.jit

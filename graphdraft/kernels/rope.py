@@ -57,11 +57,14 @@ def _rope_store_kernel(
     loc_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """SPLIT == 0: q/k/v are the activations (q_out may be q itself); SPLIT > 0: they are fp32
-    split-K partials (strides of one split), each summed and rounded to the cache dtype."""
-    pdl_enter(PDL)
+    split-K partials (strides of one split), each summed and rounded to the cache dtype.
+    EARLY (with PDL): position, cache slot and cos/sin are loaded before waiting for the
+    kernel before (pdl module doc); q/k/v after."""
+    if not EARLY:
+        pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -69,6 +72,8 @@ def _rope_store_kernel(
     dmask = d < HALF
     c = tl.load(cs_ptr + pos * s_cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if EARLY:
+        pdl_enter(PDL)
 
     # q: rotate into q_out.
     dtype = kc_ptr.dtype.element_ty
@@ -153,7 +158,7 @@ def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
         HQ=Hq, HKV=Hkv, HALF=half,
         HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
         HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
-        num_warps=4, **launch_options(k_cache.device, T),
+        num_warps=4, **launch_options(k_cache.device, T, early=True),
     )
 
 
