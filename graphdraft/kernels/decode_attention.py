@@ -71,9 +71,9 @@ def _decode_split_kernel(
     if Q_INDEX:
         q_row = tl.load(q_index_ptr + t).to(tl.int64)
     n = tl.arange(0, BLOCK)
-    if EARLY:  # the first block's page ids; the loop then loads each next block's
-        page = tl.load(page_row + ((start + n) // PAGE_SIZE).to(tl.int64) * s_page_p,
-                       mask=start + n < end, other=0)
+    if EARLY:  # the first block's page ids (the loop's own loads stay index-only: pipelined)
+        first_page = tl.load(page_row + ((start + n) // PAGE_SIZE).to(tl.int64) * s_page_p,
+                             mask=start + n < end, other=0)
         pdl_enter(PDL)
     if start >= kv_len:  # nothing of this row here; the combine ignores this split
         return
@@ -98,7 +98,12 @@ def _decode_split_kernel(
     for off in range(start, end, BLOCK):
         pos = off + n
         pmask = pos < end
-        if not EARLY:
+        if EARLY:  # the first block (pos < start + BLOCK) has its page ids already
+            later = pos >= start + BLOCK
+            page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p,
+                           mask=pmask & later, other=0)
+            page = tl.where(later, page, first_page)
+        else:
             page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p, mask=pmask,
                            other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
@@ -120,10 +125,6 @@ def _decode_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        if EARLY:
-            nxt = pos + BLOCK
-            page = tl.load(page_row + (nxt // PAGE_SIZE).to(tl.int64) * s_page_p, mask=nxt < end,
-                           other=0)
 
     out = acc / l_i[:, None]
     omask = gmask[:, None] & dmask[None, :]
