@@ -115,7 +115,8 @@ class DraftBuffers:
     """The drafter's own static inputs and outputs (what its CUDA graphs read and write).
 
     first_input_ids   [max_tokens] int64      first step's token ids (target output tokens, shifted layout)
-    first_hidden      [max_bs * N, kH] dtype  target hidden states of a decode batch (graph input)
+    first_hidden      [max_bs * N, kH] dtype  target hidden states of a decode batch (graph input;
+                                              `decode_hidden_buffer(bs)` is `[:bs * N]` of it)
     accept_lengths    [max_bs] int32          tokens committed this step per row (prefill rows: 1)
     gather_ids        [max_bs] int64          first step: the token row that goes to the LM head
     write_start       [max_bs] int64          position draft step 1 writes (accepted prefix end)
@@ -127,6 +128,7 @@ class DraftBuffers:
     ids               [max_bs] int64          current draft token per row (target vocab ids)
     hidden            [max_bs, H] dtype       current draft hidden (pre-norm) per row
     next_tokens       [max_bs, S + 1] int32   column 0: last verified token; 1..S: draft tokens
+                                              (`run(copy_output=False)` returns `[:bs]` of it)
     """
 
     first_input_ids: torch.Tensor
