@@ -15,6 +15,7 @@ load their metadata there: positions, cache locations, seq lens, request rows, t
 and the rope table, which every caller writes at least two launches earlier (a forward's
 metadata is written before its first layer runs; the drafter's refresh kernels run at least
 two launches before the next RoPE and attention). Stores always come after `pdl_enter`.
+`tests/test_pdl_order.py` traces the drafter's and the engine's launches and checks the rule.
 """
 
 from __future__ import annotations
