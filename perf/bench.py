@@ -762,16 +762,12 @@ def launches_enabled(env: dict[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(LAUNCHES_ENV, "1").strip() != "0"
 
 
-def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
-                     device: str | torch.device = "cuda") -> dict[str, Any]:
-    """Run `fn` (one draft call) `calls` times under torch.profiler and count the work it
-    issues outside graph launches (`count_launches`); report the last call's counts.
-
-    Keys: `refresh_launches`, `graph_launches`, `refresh_gpu_ops`, `graph_gpu_ops`,
-    `refresh_ops` (name -> count), `launch_counts_stable` (every profiled call issued the
-    same host launches), `refresh_gpu_us` (median over the calls; None without GPU
-    records), `refresh_timeline` (the last call's `timeline`). On a CPU device only host ops are traced and the counts are 0.
-    """
+def trace_calls(fn: Callable[[], Any], *, calls: int = 5, device: str | torch.device = "cuda",
+                host_ahead_cycles: int = 0) -> list[dict[str, Any]]:
+    """Run `fn` once, then `calls` times under torch.profiler, each inside a
+    `record_function(CALL_MARK)` span; returns `count_launches` of the trace (one dict per
+    call). `host_ahead_cycles` > 0 (CUDA) first queues a sleep kernel of that many cycles, so
+    that the host issues every call before the GPU runs them."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = torch.device(device).type == "cuda"
@@ -780,6 +776,8 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
     sync(device)
     with tempfile.TemporaryDirectory() as tmp:
         with profile(activities=activities) as prof:
+            if cuda and host_ahead_cycles:
+                torch.cuda._sleep(host_ahead_cycles)
             for _ in range(calls):
                 with record_function(CALL_MARK):
                     fn()
@@ -787,7 +785,20 @@ def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    per_call = count_launches(events)
+    return count_launches(events)
+
+
+def profile_launches(fn: Callable[[], Any], *, calls: int = 5,
+                     device: str | torch.device = "cuda") -> dict[str, Any]:
+    """Run `fn` (one draft call) `calls` times under torch.profiler and count the work it
+    issues outside graph launches (`trace_calls`); report the last call's counts.
+
+    Keys: `refresh_launches`, `graph_launches`, `refresh_gpu_ops`, `graph_gpu_ops`,
+    `refresh_ops` (name -> count), `launch_counts_stable` (every profiled call issued the
+    same host launches), `refresh_gpu_us` (median over the calls; None without GPU
+    records), `refresh_timeline` (the last call's `timeline`). On a CPU device only host ops are traced and the counts are 0.
+    """
+    per_call = trace_calls(fn, calls=calls, device=device)
     last = per_call[-1]
     gaps = [c["refresh_gpu_us"] for c in per_call if c["refresh_gpu_us"] is not None]
     return {"refresh_launches": last["launches"], "graph_launches": last["graph_launches"],

@@ -9,27 +9,23 @@ lengths (does the gap grow with the node count?) and a tiny kernel followed by c
 of the draft head's first-step and multi-step shapes at bs 64 and 128 (does the kind of kernel
 inside matter?). Each call is one eager tiny kernel then one replay, back to back behind a
 sleep kernel so that the host is far ahead of the GPU (the gap is the GPU's, not the host's);
-the gap is read off the profiler's GPU timeline (`bench.count_launches`), median over calls.
+the gap is read off the profiler's GPU timeline (`bench.trace_calls`), median over calls.
 It also prints the read-only bandwidth of `torch.sum` beside the copy bandwidth the floors use.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from perf.bench import (
-    CALL_MARK,
     GRAPH_LAUNCH_HOST,
     copy_bandwidth,
-    count_launches,
     median_us,
+    trace_calls,
     write_json,
 )
 
@@ -52,28 +48,17 @@ def _graph(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
 def start_gap_us(g: torch.cuda.CUDAGraph, pre: Callable[[], None], calls: int = CALLS) -> dict:
     """Median gap (us) from the end of `pre`'s GPU work to the graph's first GPU op, and of
     the graph's GPU span; the last call's timeline."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    def call() -> None:
+        pre()
+        g.replay()
 
-    pre()
-    g.replay()
-    torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            torch.cuda._sleep(20_000_000)  # ~10 ms: the host queues every call before the GPU runs them
-            for _ in range(calls):
-                with record_function(CALL_MARK):
-                    pre()
-                    g.replay()
-            torch.cuda.synchronize()
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+    # ~10 ms of sleep first: the host queues every call before the GPU runs them
+    per_call = trace_calls(call, calls=calls, host_ahead_cycles=20_000_000)
     gaps, spans = [], []
-    per_call = count_launches(events)
     for c in per_call:
         tl = c["timeline"]
-        outside = [op for op in tl if not op[0].startswith("graph") and op[0] != GRAPH_LAUNCH_HOST]
         graph = [op for op in tl if op[0].startswith("graph:")]
+        outside = [op for op in tl if op not in graph and op[0] != GRAPH_LAUNCH_HOST]
         if outside and graph:
             gaps.append(graph[0][1] - max(op[2] for op in outside))
             spans.append(graph[0][2] - graph[0][1])
