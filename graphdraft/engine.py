@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from graphdraft.drafter import EagleDrafter
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.llama import LlamaForCausalLM, TargetOutput
+from graphdraft.metrics import ServingMetrics
 from graphdraft.nvtx import nvtx_range
 from graphdraft.verify import SamplingParams, sample_tokens, verify_greedy, verify_sampled
 
@@ -142,6 +144,7 @@ class Engine:
         else:
             self._seeds.seed()
         self.stats = EngineStats()
+        self.metrics = ServingMetrics()
 
     # ------------------------------------------------------------------
     # Graphs
@@ -155,12 +158,20 @@ class Engine:
         if isinstance(self.drafter, EagleDrafter):
             self.drafter.capture_graphs()
 
-    def graph_summary(self) -> dict[str, tuple[int, int]]:
-        """Per captured forward: (graph replays, eager runs)."""
+    def _captured_forwards(self) -> list[CapturedForward]:
         forwards = [self.verify_graphs]
         if isinstance(self.drafter, EagleDrafter):
             forwards += [self.drafter.decode_graphs, self.drafter.multi_step_graphs]
-        return {f.name: (f.stats.total_replays, f.stats.total_eager) for f in forwards}
+        return forwards
+
+    def graph_summary(self) -> dict[str, tuple[int, int]]:
+        """Per captured forward: (graph replays, eager runs)."""
+        return {f.name: (f.stats.total_replays, f.stats.total_eager)
+                for f in self._captured_forwards()}
+
+    def metrics_snapshot(self) -> dict:
+        """`ServingMetrics.snapshot()` with every captured forward's graph statistics."""
+        return self.metrics.snapshot([f.stats for f in self._captured_forwards()])
 
     # ------------------------------------------------------------------
     # Requests
@@ -170,6 +181,20 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
         """Queue a request; raises ValueError (and queues nothing) when it can never be served."""
+        params = self.check_request(prompt, params)
+        req = Request(next(self._rids), list(prompt), params)
+        if not params.greedy:
+            seed = (params.seed if params.seed is not None
+                    else int(torch.randint(2**62, (), generator=self._seeds)))
+            req.generator = torch.Generator().manual_seed(seed)
+        self.waiting.append(req)
+        self.metrics.on_request_added(req.rid, time.perf_counter())
+        return req
+
+    def check_request(self, prompt: list[int], params: SamplingParams | None = None
+                      ) -> SamplingParams:
+        """Raise ValueError naming the argument when `prompt` / `params` can never be served;
+        returns the params to use (defaults for None). Changes nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -184,13 +209,7 @@ class Engine:
         if self.pages.pages_needed(None, need) > self.pages.num_pages - 1:
             raise ValueError(f"prompt: needs {self.pages.pages_needed(None, need)} KV pages, the "
                              f"pool has {self.pages.num_pages - 1}")
-        req = Request(next(self._rids), list(prompt), params)
-        if not params.greedy:
-            seed = (params.seed if params.seed is not None
-                    else int(torch.randint(2**62, (), generator=self._seeds)))
-            req.generator = torch.Generator().manual_seed(seed)
-        self.waiting.append(req)
-        return req
+        return params
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
@@ -339,6 +358,7 @@ class Engine:
                 r.committed = row.start + a
                 self.stats.decode_rows += 1
                 self.stats.accepted_tokens += a
+                self.metrics.on_decode_accept(a)
             if new:
                 r.last_verified = new[-1]
             r.drafts = nxt_h[i][1:] if nxt_h is not None else []
@@ -355,6 +375,12 @@ class Engine:
         return finished
 
     def _emit(self, r: Request, tokens: list[int]) -> None:
+        before = len(r.output)
+        self._append_until_stop(r, tokens)
+        if len(r.output) > before:
+            self.metrics.on_tokens(r.rid, len(r.output) - before, time.perf_counter())
+
+    def _append_until_stop(self, r: Request, tokens: list[int]) -> None:
         for tok in tokens:
             r.output.append(tok)
             self.stats.emitted_tokens += 1
@@ -368,6 +394,7 @@ class Engine:
                 return
 
     def _release(self, r: Request) -> None:
+        self.metrics.on_request_finished(r.rid)
         self.running.remove(r)
         self.pages.free(r.slot)
         self.states.valid_cache_lengths[r.slot] = 0
@@ -384,8 +411,19 @@ class Engine:
     # ------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[list[int]]:
-        """Serve every prompt to completion; returns each request's output tokens."""
+        """Serve every prompt to completion; returns each request's output tokens.
+
+        Every prompt is checked before any is queued: a bad one raises ValueError (naming
+        its index) and leaves the engine's queue as it was."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: expected one SamplingParams per prompt ({len(prompts)}), "
+                             f"got {len(plist)}")
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            try:
+                self.check_request(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         bar = None
         if progress:
