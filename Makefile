@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -36,11 +36,19 @@ demo: install
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rA -m gpu -p no:cacheprovider tests
 
-perf:
+# Every benchmark; each also runs alone (JSON under $(OUT)).
+perf: perf-draft perf-e2e
+
+perf-draft:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -s -p no:cacheprovider perf \
 		--benchmark-json=$(OUT)/benchmark.json; s=$$?; \
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json; exit $$s
+
+# The speculative cycle end to end at the 8B shape ($(OUT)/e2e.json).
+perf-e2e:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.e2e --out $(OUT)
 
 # 100,000 draft steps, stopped early (exit code 2, "TARGET NOT REACHED") after SOAK_MINUTES.
 SOAK_MINUTES ?= 8
