@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from perf.bench import LLAMA31_8B_HEAD, GroupCache, build_head, cases_from_env, copy_bandwidth
+from perf.cases import cases_from_env
+from perf.draft_group import GroupCache
+from perf.models_8b import LLAMA31_8B_HEAD, build_head
+from perf.timing import copy_bandwidth
 
 HAS_CUDA = torch.cuda.is_available()
 _HERE = Path(__file__).resolve().parent

@@ -36,8 +36,9 @@ from capture import padded_batch_size
 from graphdraft.config import RuntimeConfig
 from graphdraft.engine import Engine
 from graphdraft.verify import SamplingParams
-from perf.bench import copy_bandwidth, floor_bytes, median_us, write_json
+from perf.floors import floor_bytes
 from perf.models_8b import build_pair, kv_bytes_per_token, weight_bytes
+from perf.timing import copy_bandwidth, median_us, write_json
 
 BATCH_SIZES = (1, 8, 32, 64, 128)
 PROMPT_LEN = 512

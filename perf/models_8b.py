@@ -11,14 +11,44 @@ import torch
 
 from graphdraft.config import ModelConfig
 from graphdraft.eagle3 import Eagle3DraftHead
+from graphdraft.layers import init_random_
 from graphdraft.llama import LlamaForCausalLM
-from perf.bench import LLAMA31_8B_HEAD, build_head
 
 LLAMA31_8B = ModelConfig(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     intermediate_size=14336, num_hidden_layers=32, vocab_size=128256,
     max_position_embeddings=8192, rope_theta=500000.0)
 """Llama-3.1-8B's shape (no rope scaling: the speed is the same)."""
+
+LLAMA31_8B_HEAD = ModelConfig(
+    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000,
+    max_position_embeddings=8192, rope_theta=500000.0)
+"""EAGLE-3 head shaped for Llama-3.1-8B (weights read per draft step: 748.7 MB in bf16)."""
+
+
+def build_head(mc: ModelConfig, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
+               seed: int = 0, std: float = 0.02) -> Eagle3DraftHead:
+    """A head with random weights and, for a draft vocab, a random hot-token map.
+
+    CPU: `init_random_`. CUDA: the same distribution drawn on the device (N(0, std),
+    norm weights 1 + N(0, 0.1)): `init_random_` draws on the host, about 20 s for the
+    8B-shaped head's 0.9 G values, which the perf budget cannot spare.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hot = (torch.randperm(mc.vocab_size, generator=gen)[: mc.output_vocab_size]
+           if mc.output_vocab_size < mc.vocab_size else None)
+    head = Eagle3DraftHead(mc, dtype, hot_token_ids=hot)
+    if torch.device(device).type == "cpu":
+        init_random_(head, seed, std=std)
+        return head
+    head.to(device)
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(head.named_parameters()):
+            is_norm = "norm" in name
+            p.normal_(1.0 if is_norm else 0.0, 0.1 if is_norm else std, generator=dgen)
+    return head
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -34,6 +64,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+DRAFT_STEP_MATMULS = {
+    "o": (4096, 4096, None, None), "down": (4096, 14336, "silu_mul", None),
+    "qkv": (6144, 8192, None, None), "gate_up": (28672, 4096, None, None),
+    "lm_head": (32000, 4096, None, "argmax"), "fc": (4096, 12288, None, None)}
+"""The 8B head's draft-step matmuls, name: (N, K, input activation, epilogue); fc once per call."""
 
 
 @torch.no_grad()

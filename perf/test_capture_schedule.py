@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from capture import batch_size_schedule
-from perf.bench import GroupCache, build_group
+from perf.draft_group import GroupCache, build_group
 
 MAX_BS = 64
 

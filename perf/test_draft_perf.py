@@ -23,21 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-from perf.bench import (
-    LLAMA31_8B_HEAD,
-    STEPS,
-    Case,
-    GroupCache,
-    activate,
-    baseline_from_env,
-    cases_from_env,
-    fill_decode_batch,
-    floor_info,
-    launches_enabled,
-    measure_case,
-    measure_compiled,
-    ordered_params,
-)
+from perf.bench import measure_case
+from perf.cases import STEPS, Case, cases_from_env, ordered_params
+from perf.compile_baseline import baseline_from_env, measure_compiled
+from perf.draft_group import GroupCache, activate, fill_decode_batch
+from perf.floors import floor_info
+from perf.launches import launches_enabled
+from perf.models_8b import LLAMA31_8B_HEAD
 
 CASES = cases_from_env()
 BASELINE = baseline_from_env()

@@ -13,37 +13,29 @@ import torch
 from capture import CapturedForward
 from graphdraft.config import ModelConfig
 from perf import report
-from perf.bench import (
-    CALL_MARK,
+from perf.bench import measure_case
+from perf.cases import Case, cases_from_env, default_cases, group_batch_sizes, ordered_params
+from perf.compile_baseline import (
     COMPILE_GRAPH,
-    GRAPH_LAUNCH_HOST,
-    LLAMA31_8B_HEAD,
     REDUCE_OVERHEAD,
     REDUCE_OVERHEAD_DYNAMIC,
     Baseline,
-    Case,
-    GroupCache,
     baseline_from_env,
-    build_head,
-    cases_from_env,
-    context_positions,
-    copy_bandwidth,
-    count_launches,
-    default_cases,
-    fill_decode_batch,
-    floor_bytes,
-    floor_info,
-    group_batch_sizes,
     inductor,
-    launches_enabled,
-    measure_case,
     measure_compiled,
-    ordered_params,
-    profile_launches,
     reduce_overhead,
-    runtime_config,
-    weight_bytes_per_step,
 )
+from perf.draft_group import GroupCache, context_positions, fill_decode_batch, runtime_config
+from perf.floors import floor_bytes, floor_info, weight_bytes_per_step
+from perf.launches import (
+    CALL_MARK,
+    GRAPH_LAUNCH_HOST,
+    count_launches,
+    launches_enabled,
+    profile_launches,
+)
+from perf.models_8b import LLAMA31_8B_HEAD, build_head
+from perf.timing import copy_bandwidth
 
 TINY = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    intermediate_size=48, vocab_size=97, draft_vocab_size=53,
@@ -395,8 +387,8 @@ def test_report_gemv_lines(tmp_path):
 
 
 def test_write_json_and_probe_without_cuda(tmp_path, capsys):
-    from perf import graph_start_probe
-    from perf.bench import write_json
+    from perf.studies import graph_start_probe
+    from perf.timing import write_json
 
     path = write_json(tmp_path / "new" / "dir", "r.json", {"a": [1, 2]})
     assert path == tmp_path / "new" / "dir" / "r.json"

@@ -1,6 +1,6 @@
 """Tile sweep of the small-M GEMV kernels at the 8B head's draft-step shapes (GPU only).
 
-`python3 -m perf.gemv_sweep --out DIR [--max-seconds 150]`
+`python3 -m perf.studies.gemv_sweep --out DIR [--max-seconds 150]`
 
 For each matmul of a draft step (qkv, o, gate_up, down with the silu_mul input,
 lm_head with the argmax epilogue, fc) and M in {1, 4, 16}: the time of cuBLAS
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,35 +29,11 @@ from graphdraft.kernels.gemv import (
     linear_small_m_argmax,
     linear_small_m_ref,
 )
-from perf.bench import copy_bandwidth, write_json
+from perf.models_8b import DRAFT_STEP_MATMULS
+from perf.timing import copy_bandwidth, graph_time_us, write_json
 
-# name: (N, K, act, epilogue)
-SHAPES = {"o": (4096, 4096, None, None), "down": (4096, 14336, "silu_mul", None),
-          "qkv": (6144, 8192, None, None), "gate_up": (28672, 4096, None, None),
-          "lm_head": (32000, 4096, None, "argmax"), "fc": (4096, 12288, None, None)}
+SHAPES = DRAFT_STEP_MATMULS
 MS = (1, 4, 16)
-
-
-def graph_time_us(fn: Callable[[int], object], calls: int, reps: int = 7) -> float:
-    """Median per-call time of a CUDA graph holding `fn(0..calls-1)`."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del g
-    return statistics.median(times)
 
 
 def configs(m: int, n: int, k: int, epilogue: str | None) -> list[GemvConfig]:

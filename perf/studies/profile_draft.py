@@ -1,6 +1,6 @@
 """Where a draft call's time goes: per-kernel GPU time of one decode `run` (GPU only).
 
-`python3 -m perf.profile_draft --out DIR [--bs 1,8] [--kv 512]`
+`python3 -m perf.studies.profile_draft --out DIR [--bs 1,8] [--kv 512]`
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
 default all; `name:KNOB=V+mod.KNOB=V` also sets module knobs of `kernels.gemv` / `kernels.mod`
@@ -28,18 +28,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphdraft import ops
 from graphdraft.kernels import gemv
-from perf.bench import (
-    LLAMA31_8B_HEAD,
-    build_group,
-    build_head,
-    copy_bandwidth,
-    fill_decode_batch,
-    floor_info,
-    forced_eager,
-    refresh_info,
-    time_forwards,
-    write_json,
-)
+from perf.bench import refresh_info, time_forwards
+from perf.draft_group import build_group, fill_decode_batch
+from perf.floors import floor_info
+from perf.models_8b import LLAMA31_8B_HEAD, build_head
+from perf.timing import copy_bandwidth, forced_eager, write_json
 
 CALLS = 5
 

@@ -1,6 +1,6 @@
 """How long after the kernel before it does a CUDA graph's first kernel start? (GPU only, a probe.)
 
-`python3 -m perf.graph_start_probe --out DIR`
+`python3 -m perf.studies.graph_start_probe --out DIR`
 
 Run 4 of the fourth session (perf/RESULTS.md) found the bs 128 draft graph starting 4.3 us
 after the staging kernel ended, against 1.3-1.5 us at bs 1-64. This probe times that gap on
@@ -21,13 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from perf.bench import (
-    GRAPH_LAUNCH_HOST,
-    copy_bandwidth,
-    median_us,
-    trace_calls,
-    write_json,
-)
+from perf.launches import GRAPH_LAUNCH_HOST, trace_calls
+from perf.timing import copy_bandwidth, median_us, write_json
 
 CALLS = 12
 
