@@ -1,4 +1,9 @@
-"""Pure helpers of the perf suite: cases, drafter set-up, decode batches, timing, HBM floor.
+"""One case of the draft benchmark measured: eager vs graph replay, refresh, capture stats.
+
+The harness around it, one module per concern: `cases` (benchmark points), `floors` (HBM
+floors), `timing` (CUDA-event medians, copy bandwidth, JSON), `draft_group` (drafter set-up
+and decode batches), `compile_baseline` (the torch.compile drafter), `launches` (work outside
+the graph launches, from a profiler trace), `models_8b` (8B-shaped models).
 
 Nothing here needs a GPU: on a CPU device the same code paths run (graphs are
 off there and times come from the host clock), which `tests/test_perf_smoke.py`
@@ -8,28 +13,6 @@ A *group* is one `(page_size, kv_len)` set-up: a drafter whose graphs are
 captured once for every bs the group's cases need, its own shuffled page table,
 KV pool (filled with random values) and input buffers, and, built on first use,
 the torch.compile baseline drafter over the same buffers.
-
-The baseline (`Baseline`, chosen by `GRAPHDRAFT_PERF_COMPILE`) is a torch-path
-drafter (`kernel_backend="torch"`) whose two forwards are compiled:
-
-- "compile+graph" (default): `torch.compile(fn, dynamic=False, fullgraph=False)`
-  (inductor, default mode, no cudagraphs), the compiled forwards captured in
-  graphdraft's own CUDA graphs (`CapturedForward`, its own pool; the compile runs
-  on each bs's first warm-up call), as SGLang runs torch.compile inside its own
-  graph runner;
-- "reduce-overhead": `torch.compile(mode="reduce-overhead", dynamic=False)`,
-  torch's cudagraph trees (which skip graphs that mutate inputs: the multi-step's
-  in-place buffer writes); "reduce-overhead-dynamic" the same with automatic
-  dynamic shapes.
-
-Order inside a group: every graph measurement first, then the compiled baseline.
-For reduce-overhead this order is required: cudagraph trees clear PyTorch's
-cached cuBLAS workspaces before they warm up or record; graphs that baked in the
-workspace cuBLAS held at capture then replay into freed memory (seen on an
-H200: an illegal memory access on the next replay), so `DraftGroup.graphs_stale`
-is set once a reduce-overhead baseline exists. With compile+graph every graph is
-captured by `CapturedForward`, which gives each capture a workspace of its own
-pool, and nothing frees it: the drafter's graphs stay valid.
 """
 
 

@@ -1,4 +1,27 @@
-"""The torch.compile baseline drafter (`GRAPHDRAFT_PERF_COMPILE`): see perf/bench.py's docstring."""
+"""The torch.compile baseline drafter.
+
+The baseline (`Baseline`, chosen by `GRAPHDRAFT_PERF_COMPILE`) is a torch-path
+drafter (`kernel_backend="torch"`) whose two forwards are compiled:
+
+- "compile+graph" (default): `torch.compile(fn, dynamic=False, fullgraph=False)`
+  (inductor, default mode, no cudagraphs), the compiled forwards captured in
+  graphdraft's own CUDA graphs (`CapturedForward`, its own pool; the compile runs
+  on each bs's first warm-up call), as SGLang runs torch.compile inside its own
+  graph runner;
+- "reduce-overhead": `torch.compile(mode="reduce-overhead", dynamic=False)`,
+  torch's cudagraph trees (which skip graphs that mutate inputs: the multi-step's
+  in-place buffer writes); "reduce-overhead-dynamic" the same with automatic
+  dynamic shapes.
+
+Order inside a group: every graph measurement first, then the compiled baseline.
+For reduce-overhead this order is required: cudagraph trees clear PyTorch's
+cached cuBLAS workspaces before they warm up or record; graphs that baked in the
+workspace cuBLAS held at capture then replay into freed memory (seen on an
+H200: an illegal memory access on the next replay), so `DraftGroup.graphs_stale`
+is set once a reduce-overhead baseline exists. With compile+graph every graph is
+captured by `CapturedForward`, which gives each capture a workspace of its own
+pool, and nothing frees it: the drafter's graphs stay valid.
+"""
 
 from __future__ import annotations
 
