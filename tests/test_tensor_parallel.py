@@ -297,3 +297,23 @@ def test_sharded_models_cannot_be_saved_or_host_a_head(tmp_path):
         save_target(target, tmp_path / "t")
     with pytest.raises(ValueError, match="target"):
         load_eagle3_head(tmp_path / "head", target)
+
+
+def test_tp_demo_pair_keeps_the_targets_embedding():
+    """scripts/tp_demo.py's random pair: the head shares the target's embedding, and building the
+    head does not re-initialise it (it once drew the head's weights into the shared table)."""
+    import importlib.util
+    from pathlib import Path
+
+    from graphdraft.layers import init_random_
+    from graphdraft.llama import LlamaForCausalLM
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tp_demo.py"
+    spec = importlib.util.spec_from_file_location("tp_demo", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    target, head = mod.random_pair(torch.float32, seed=5)
+    alone = LlamaForCausalLM(target.config, torch.float32)
+    init_random_(alone, 5, std=0.1)
+    assert head.embed_tokens is target.embed_tokens
+    assert torch.equal(target.embed_tokens, alone.embed_tokens)
