@@ -264,3 +264,30 @@ def test_bad_inputs_named():
         tree_accept(spec, t.tokens, t.first_child, t.next_sibling,
                     probs=torch.zeros(bs * spec.n, 5, device=DEV),
                     coins=torch.zeros(bs, 3, device=DEV), final_coin=torch.zeros(bs, device=DEV), **o)
+
+
+@pytest.mark.parametrize("fn", [tree_accept_ref, tree_accept])
+def test_padded_rows_inert(fn):
+    """Garbage in padded rows (huge token ids, broken links inside bounds, NaN probs, coins
+    outside [0, 1]) neither crashes nor changes a real row's outputs."""
+    spec = TreeSpec(3, 2, 6)
+    real, vocab = 4, 10
+    t, g = _random_trees(spec, real, 21, vocab)
+    probs = torch.softmax(torch.randn(real * spec.n, vocab, generator=g), -1).to(DEV)
+    coins, final = torch.rand(real, spec.n, generator=g).to(DEV), torch.rand(real, generator=g).to(DEV)
+    alone = _outs(real, spec)
+    fn(spec, t.tokens, t.first_child, t.next_sibling, probs=probs, coins=coins, final_coin=final,
+       **alone)
+    pad = 3
+    cat = lambda a, b: torch.cat([a, b]).contiguous()  # noqa: E731
+    tokens = cat(t.tokens, torch.full((pad, spec.n), 2**40, dtype=torch.int64, device=DEV))
+    first = cat(t.first_child, torch.randint(-1, spec.n, (pad, spec.n), generator=g).to(DEV))
+    nxt = cat(t.next_sibling, torch.randint(-1, spec.n, (pad, spec.n), generator=g).to(DEV))
+    probs2 = cat(probs, torch.full((pad * spec.n, vocab), float("nan"), device=DEV))
+    coins2 = cat(coins, torch.full((pad, spec.n), 7.0, device=DEV))
+    final2 = cat(final, torch.full((pad,), -3.0, device=DEV))
+    both = _outs(real + pad, spec)
+    fn(spec, tokens, first, nxt, probs=probs2, coins=coins2, final_coin=final2, **both)
+    for key in alone:
+        assert torch.equal(alone[key], both[key][:real]), key
+    assert bool(((both["bonus"] >= 0) & (both["bonus"] < vocab)).all())

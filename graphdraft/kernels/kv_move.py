@@ -16,7 +16,8 @@ the `Hkv * D` elements) loads all P source rows before it stores any.
 
 Hidden gather: `hid_c [B*P, kH] = aux_hidden[r*n + path[d]]` (aux_hidden `[B*n, kH]`, the
 target's captured hidden states at every tree node); rows `d >= accept_len` repeat the last
-path node (valid, never read). The next cycle's first draft step reads `hid_c` with chain's
+path node (valid, never read); node ids are clamped to `[0, n)`, so garbage in a padded row
+never reads out of bounds. The next cycle's first draft step reads `hid_c` with chain's
 layout of width P.
 
 Fixed shapes, no host sync. `move_accepted_kv` / `gather_accepted_hidden` (Triton) and the
@@ -153,7 +154,7 @@ def _hidden_rows_ref(accept_index, accept_len, n):
     bs, p = accept_index.shape
     last = accept_index.gather(1, (accept_len.long() - 1).clamp(0, p - 1)[:, None])
     d = torch.arange(p, device=accept_index.device)[None, :]
-    node = torch.where(d < accept_len.long()[:, None], accept_index, last).clamp(min=0)
+    node = torch.where(d < accept_len.long()[:, None], accept_index, last).clamp(0, n - 1)
     return (torch.arange(bs, device=accept_index.device)[:, None] * n + node).reshape(-1)
 
 
@@ -174,7 +175,7 @@ def _gather_hidden_kernel(src_ptr, stride_src, dst_ptr, idx_ptr, len_ptr, n, P, 
     d = q % P
     acc = tl.load(len_ptr + r).to(tl.int64)
     dd = tl.minimum(d, tl.maximum(acc, 1) - 1)
-    node = tl.maximum(tl.load(idx_ptr + r * P + dd), 0)
+    node = tl.minimum(tl.maximum(tl.load(idx_ptr + r * P + dd), 0), n - 1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     m = cols < W
     x = tl.load(src_ptr + (r * n + node) * stride_src + cols, mask=m)

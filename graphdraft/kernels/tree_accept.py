@@ -16,7 +16,8 @@ Walk, at most P-1 levels (P = min(K+1, n)), from cur = root:
            children zeroed and renormalised, at a leaf from p_cur: each emitted token is
            distributed as the target's p given the accepted prefix (multi-draft rejection
            sampling with point-mass drafts), whatever the drafts are.
-The token drawn after the walk (greedy: target[cur]) is the bonus; inverse-CDF draw with
+A draft token outside `[0, V)` (garbage in a padded row) has probability 0: never read out
+of bounds. The token drawn after the walk (greedy: target[cur]) is the bonus; inverse-CDF draw with
 final_coin over the residual (if the residual has no mass left, which rounding alone can
 cause, over p_cur itself), never a zero-probability token.
 
@@ -131,7 +132,8 @@ def tree_accept_ref(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Ten
             if greedy:
                 hit = valid & (tc == want)
             else:
-                pc = probs[rows * n + cur, tc]
+                vocab = probs.shape[1]
+                pc = torch.where((tc >= 0) & (tc < vocab), probs[rows * n + cur, tc.clamp(0, vocab - 1)], 0.0)
                 s = torch.where(valid, s + pc, s)
                 hit = valid & (uc <= s)
             matched = torch.where(hit, c, matched)
@@ -190,7 +192,7 @@ def _tree_accept_kernel(tok_ptr, fc_ptr, ns_ptr, tgt_ptr, prob_ptr, stride_p, co
             if GREEDY:
                 hit = valid & (tc == want)
             else:
-                pc = tl.load(prow + tc, mask=valid, other=0.0)
+                pc = tl.load(prow + tc, mask=valid & (tc >= 0) & (tc < V), other=0.0)
                 s = tl.where(valid, s + pc, s)
                 hit = valid & (u <= s)
             matched = tl.where(hit, c, matched)
