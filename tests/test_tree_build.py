@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphdraft.beams import BeamState, decode_step, first_step
-from graphdraft.kernels.argmax import argmax_with_map_ref
+from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
 from graphdraft.tree import TreeSpec, scratch_slots, score_key
 
@@ -121,8 +121,10 @@ def test_beams_k1_is_chain_argmax():
     first_step(spec, logits[0], st_, hot_token_ids=hot)
     for j in range(1, 4):
         decode_step(spec, j, logits[j], st_, hot_token_ids=hot)
-    for j in range(4):
+    for j in range(4):  # chain's selection: the drafter's torch path and its Triton kernel
         assert torch.equal(st_.cand_tok[:, j], argmax_with_map_ref(logits[j], hot))
+        assert torch.equal(st_.cand_tok[:, j], argmax_with_map(logits[j], hot))
+    assert torch.equal(st_.beam_tok[:, 0], st_.cand_tok[:, 2])  # the last fed-back token
     assert st_.cand_parent.tolist() == [[-1, 0, 1, 2]] * 3
 
 
