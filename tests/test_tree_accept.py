@@ -23,6 +23,7 @@ SHAPES = {
     "chain": (TreeSpec(3, 1), [0, 1, 2]),
     "star": (TreeSpec(1, 5, 6), [0, 0, 0, 0, 0]),
     "k2d3": (TreeSpec(3, 2, 8), [0, 0, 1, 1, 2, 3, 4]),
+    "sorted": (TreeSpec(3, 4, 8), [0, 0, 0, 1, 1, 2, 4]),   # SGLang-like: 3 / 2+1 / 1 per level
 }
 
 

@@ -281,3 +281,26 @@ def test_build_rejects_bad_shapes():
                        TreeBuffers(**{**t.__dict__, "mask": t.mask.int()}))
     with pytest.raises(ValueError, match="prefix_len"):
         build_tree(spec, st_.cand_score, st_.cand_tok, st_.cand_parent, root, root[:1], t)
+
+
+@pytest.mark.parametrize("fn", [build_tree_ref, build_tree])
+def test_padded_rows_inert(fn):
+    """Garbage in a padded row's store (NaN / huge scores, huge tokens, out-of-range parents)
+    stays in bounds and leaves the real rows' trees unchanged."""
+    spec = TreeSpec(3, 2, 6)
+    st_, _ = _run_beams(spec, 2, 8, "plain", 9)
+    root = torch.tensor([4, 5], device=DEV)
+    plen = torch.tensor([3, 8], device=DEV)
+    alone = TreeBuffers.allocate(spec, 2, DEV)
+    fn(spec, st_.cand_score, st_.cand_tok, st_.cand_parent, root, plen, alone)
+    g = torch.Generator().manual_seed(0)
+    bad_score = torch.randn(1, spec.M, generator=g).to(DEV) * 1e30
+    bad_score[0, ::3] = float("nan")
+    cat = lambda a, b: torch.cat([a, b]).contiguous()  # noqa: E731
+    both = TreeBuffers.allocate(spec, 3, DEV)
+    fn(spec, cat(st_.cand_score, bad_score),
+       cat(st_.cand_tok, torch.full((1, spec.M), 2**50, dtype=torch.int64, device=DEV)),
+       cat(st_.cand_parent, torch.randint(-5, 10**6, (1, spec.M), generator=g).to(DEV)),
+       cat(root, torch.tensor([-3], device=DEV)), cat(plen, torch.tensor([10**9], device=DEV)), both)
+    for f in FIELDS:
+        assert torch.equal(getattr(alone, f), getattr(both, f)[:2]), f

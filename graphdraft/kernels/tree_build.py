@@ -91,7 +91,8 @@ def build_tree_ref(spec: TreeSpec, cand_score: torch.Tensor, cand_tok: torch.Ten
     sel = torch.sort(sel, dim=1).values                                    # [B, n-1] ascending
     pflat = cand_parent.gather(1, sel)
     pnode = torch.where(pflat < 0, torch.zeros_like(pflat),
-                        1 + torch.searchsorted(sel, pflat.clamp(min=0)))
+                        1 + torch.searchsorted(sel, pflat.clamp(0, spec.M - 1)))
+    pnode = pnode.clamp(max=n - 1)  # only a malformed store (not one beams wrote) gets here
     minus1 = torch.full((bs, 1), -1, dtype=torch.int64, device=dev)
     zero = torch.zeros((bs, 1), dtype=torch.int64, device=dev)
     parents = torch.cat([minus1, pnode], 1)
@@ -155,6 +156,7 @@ def _build_tree_kernel(score_ptr, tok_ptr, par_ptr, root_ptr, plen_ptr,
     nrow = r * n
     L = tl.load(plen_ptr + r).to(tl.int64)
     pf = tl.load(par_ptr + crow + i, mask=sel, other=-1)
+    pf = tl.minimum(pf, M - 1)  # beams write valid parents; the clamp keeps garbage in bounds
     pnode = tl.where(pf < 0, 0, tl.load(o_cnode + crow + tl.maximum(pf, 0), mask=sel, other=0))
     depth = tl.where(i < k, 1, 2 + (i - k) // (k * k)).to(tl.int64)
     tl.store(o_tok + nrow + node, tl.load(tok_ptr + crow + i, mask=sel, other=0), mask=sel)
