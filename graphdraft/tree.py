@@ -27,6 +27,8 @@ shape anywhere):
 | mask | `[B, n]` | int64 | `kernels.tree_build` (bit j of row i: node i sees node j) |
 | first_child, next_sibling | `[B, n]` | int64 | `kernels.tree_build` (-1 = none) |
 | retrieve_index | `[B, n]` | int64 | `kernels.tree_build` (`r*n + i`: the node's verify row) |
+| cand_node | `[B, M]` | int64 | `kernels.tree_build` (node id of each candidate, 0 = not selected) |
+| coins, final_coin | `[B, n]`, `[B]` | float32 | the caller, before replay (sampled acceptance) |
 | accept_len, bonus | `[B]` | int32, int64 | `kernels.tree_accept` |
 | accept_index, out_tokens | `[B, P]` | int64 | `kernels.tree_accept` (-1 padded / bonus padded) |
 | hid_c | `[B*P, kH]` | draft dtype | `kernels.kv_move` |

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from graphdraft.beams import BeamState, decode_step, first_step
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
-from graphdraft.tree import TreeSpec, scratch_slots, score_key
+from graphdraft.tree import TreeSpec, score_key, scratch_slots
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("tokens", "parents", "depths", "positions", "mask", "first_child", "next_sibling",

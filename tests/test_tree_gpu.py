@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from graphdraft.beams import BeamState, decode_step, first_step
-from graphdraft.kernels.kv_move import (gather_accepted_hidden, gather_accepted_hidden_ref,
-                                        move_accepted_kv, move_accepted_kv_ref)
+from graphdraft.kernels.kv_move import (
+    gather_accepted_hidden,
+    gather_accepted_hidden_ref,
+    move_accepted_kv,
+    move_accepted_kv_ref,
+)
 from graphdraft.kernels.tree_accept import tree_accept, tree_accept_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
 from graphdraft.tree import TreeSpec

@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.kernels.kv_move import (gather_accepted_hidden, gather_accepted_hidden_ref,
-                                        move_accepted_kv, move_accepted_kv_ref)
+from graphdraft.kernels.kv_move import (
+    gather_accepted_hidden,
+    gather_accepted_hidden_ref,
+    move_accepted_kv,
+    move_accepted_kv_ref,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MOVES = [move_accepted_kv, move_accepted_kv_ref]
