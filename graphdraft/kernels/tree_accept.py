@@ -167,9 +167,21 @@ def tree_accept_ref(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Ten
 
 
 @triton.jit
+def _zero_kids(p, cols, kid, off, BLOCK: tl.constexpr):
+    """`p` with the columns listed in `kid` zeroed; the 2-D compare runs only for the chunks
+    `[off, off + BLOCK)` that hold a child's token."""
+    res = p
+    if tl.sum(((kid >= off) & (kid < off + BLOCK)).to(tl.int32), axis=0) > 0:
+        hit = tl.sum((cols[:, None] == kid[None, :]).to(tl.int32), axis=1) > 0
+        res = tl.where(hit, 0.0, p)
+    return res
+
+
+@triton.jit
 def _tree_accept_kernel(tok_ptr, fc_ptr, ns_ptr, tgt_ptr, prob_ptr, stride_p, coin_ptr, fcoin_ptr,
                         len_ptr, idx_ptr, out_ptr, bonus_ptr, n, V, P, tiny, cmax,
-                        GREEDY: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr):
+                        GREEDY: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr,
+                        NB: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     base = r * n
     cur = r * 0
@@ -209,19 +221,20 @@ def _tree_accept_kernel(tok_ptr, fc_ptr, ns_ptr, tgt_ptr, prob_ptr, stride_p, co
     else:
         uf = tl.minimum(tl.maximum(tl.load(fcoin_ptr + r), tiny), cmax)
         prow = prob_ptr + (base + cur) * stride_p
-        c0 = tl.load(fc_ptr + base + cur)
+        v = tl.arange(0, NB)
+        kid = tl.full([NB], -1, tl.int64)        # the tokens of cur's children (-1: none)
+        c = tl.load(fc_ptr + base + cur)
+        for sib in range(0, n - 1):
+            tc = tl.load(tok_ptr + base + tl.maximum(c, 0))
+            kid = tl.where((v == sib) & (c >= 0), tc, kid)
+            c = tl.where(c >= 0, tl.load(ns_ptr + base + tl.maximum(c, 0)), -1)
         lanes = tl.arange(0, BLOCK)
         total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         total_p = total
         for off in range(0, V, BLOCK):
             cols = off + lanes
             p = tl.load(prow + cols, mask=cols < V, other=0.0)
-            res = p
-            c = c0
-            for _ in range(0, n - 1):
-                tc = tl.load(tok_ptr + base + tl.maximum(c, 0))
-                res = tl.where((cols == tc) & (c >= 0), 0.0, res)
-                c = tl.where(c >= 0, tl.load(ns_ptr + base + tl.maximum(c, 0)), -1)
+            res = _zero_kids(p, cols, kid, off, BLOCK)
             total += tl.sum(res, axis=0)
             total_p += tl.sum(p, axis=0)
         use_res = total > 0
@@ -232,12 +245,7 @@ def _tree_accept_kernel(tok_ptr, fc_ptr, ns_ptr, tgt_ptr, prob_ptr, stride_p, co
         for off in range(0, V, BLOCK):
             cols = off + lanes
             p = tl.load(prow + cols, mask=cols < V, other=0.0)
-            res = p
-            c = c0
-            for _ in range(0, n - 1):
-                tc = tl.load(tok_ptr + base + tl.maximum(c, 0))
-                res = tl.where((cols == tc) & (c >= 0), 0.0, res)
-                c = tl.where(c >= 0, tl.load(ns_ptr + base + tl.maximum(c, 0)), -1)
+            res = _zero_kids(p, cols, kid, off, BLOCK)
             res = tl.where(use_res, res, p)
             cdf = running + tl.cumsum(res, axis=0)
             pos = (res > 0) & (cols < V)
@@ -273,4 +281,5 @@ def tree_accept(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Tensor,
     _tree_accept_kernel[(bs,)](
         tokens, first_child, next_sibling, target if greedy else tokens, probs_, stride, coins_,
         fcoin, accept_len, accept_index, out_tokens, bonus, spec.n, v, spec.P, _TINY, COIN_MAX,
-        GREEDY=greedy, BLOCK=blk, PB=triton.next_power_of_2(spec.P), num_warps=4)
+        GREEDY=greedy, BLOCK=blk, PB=triton.next_power_of_2(spec.P),
+        NB=triton.next_power_of_2(spec.n), num_warps=4)
