@@ -1,0 +1,182 @@
+"""Top-k beam bookkeeping of tree drafting (TREE.md section 1), in fixed-shape torch.
+
+Per draft level the drafter hands over its log-its; this module keeps the `k` beams of every
+row, their cumulative log-probabilities, the candidate store the tree is built from, and the
+ancestor table the draft attention reads. Every tensor has a shape fixed by `(B, k, K)`: no
+host sync, no boolean indexing, no data-dependent shape, so the same code runs eagerly and
+inside a captured CUDA graph.
+
+Level 1 (`first_step`, logits `[B, Vd]` of the first draft step's LM-head rows):
+    lp = log_softmax(logits) (fp32); (s, idx) = the k best of lp
+    beam_tok = hot[idx], beam_score = s, beam_cand = 0..k-1
+    cand_*[:, :k] = (s, hot[idx], -1);  anc[:, b, 0] = scratch(r, b, 1)
+Decode level j = 1..K-1 (`decode_step`, logits `[B*k, Vd]`, one row per beam, row r*k + b):
+    lp, ct = the k best of each beam's log_softmax              [B, k, k]
+    cum = beam_score[:, :, None] + lp                           [B, k, k]
+    cand_* at flat offset k + (j-1)*k*k + b*k + c = (cum, hot[ct], beam_cand[b])
+    and, when j < K-1 (a forward follows):
+    sel = the k best of cum.view(B, k*k); pb = sel // k (parent beam)
+    beam_tok = hot[ct].flat[sel], beam_score = cum.flat[sel], beam_cand = offset + sel
+    anc[:, b, :j] = anc_old[:, pb[b], :j]; anc[:, b, j] = scratch(r, b, j+1)
+    hidden of beam b (optional) = hid_out[r*k + pb[b]]
+
+"The k best": the order of `graphdraft.tree.score_key` (higher first, ties to the lower index,
+NaN as -inf), so the tree build's tie rule and this one agree. With `k = 1` the token is
+chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
+(`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from graphdraft.kernels.argmax import argmax_with_map_ref
+from graphdraft.tree import TreeSpec, score_key
+
+__all__ = ["BeamState", "first_step", "decode_step"]
+
+
+@dataclass
+class BeamState:
+    """Beams and candidate store of `B` rows (shapes: `graphdraft.tree` table).
+
+    beam_tok [B, k] int64 (target ids), beam_score [B, k] float32, beam_cand [B, k] int64,
+    parent_beam [B, k] int64, anc [B, k, max(K-1, 1)] int64,
+    cand_score [B, M] float32, cand_tok [B, M] int64, cand_parent [B, M] int64.
+    """
+
+    beam_tok: torch.Tensor
+    beam_score: torch.Tensor
+    beam_cand: torch.Tensor
+    parent_beam: torch.Tensor
+    anc: torch.Tensor
+    cand_score: torch.Tensor
+    cand_tok: torch.Tensor
+    cand_parent: torch.Tensor
+
+    @classmethod
+    def allocate(cls, spec: TreeSpec, bs: int, device: str | torch.device) -> BeamState:
+        """Zeroed buffers for `bs` rows (allocate once for the largest `B`, then `rows(B)`)."""
+        k, m = spec.topk, spec.M
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(beam_tok=torch.zeros(bs, k, **i64),
+                   beam_score=torch.zeros(bs, k, dtype=torch.float32, device=device),
+                   beam_cand=torch.zeros(bs, k, **i64), parent_beam=torch.zeros(bs, k, **i64),
+                   anc=torch.zeros(bs, k, spec.anc_width, **i64),
+                   cand_score=torch.zeros(bs, m, dtype=torch.float32, device=device),
+                   cand_tok=torch.zeros(bs, m, **i64), cand_parent=torch.zeros(bs, m, **i64))
+
+    def rows(self, bs: int) -> BeamState:
+        """Views of the first `bs` rows (the buffers a graph of padded size `bs` uses)."""
+        return BeamState(**{f.name: getattr(self, f.name)[:bs] for f in fields(self)})
+
+
+def _check(spec: TreeSpec, st: BeamState, logits: torch.Tensor, rows_per_req: int, what: str,
+           hot_token_ids: torch.Tensor | None) -> int:
+    bs = st.beam_tok.shape[0]
+    if logits.dim() != 2 or logits.shape[0] != bs * rows_per_req or not logits.is_floating_point():
+        raise ValueError(f"logits: expected float [{what} = {bs * rows_per_req}, Vd], got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    if spec.topk > logits.shape[1]:
+        raise ValueError(f"speculative_eagle_topk: expected <= the draft vocab {logits.shape[1]}, "
+                         f"got {spec.topk}")
+    want = {"beam_tok": (bs, spec.topk), "beam_score": (bs, spec.topk),
+            "beam_cand": (bs, spec.topk), "parent_beam": (bs, spec.topk),
+            "anc": (bs, spec.topk, spec.anc_width), "cand_score": (bs, spec.M),
+            "cand_tok": (bs, spec.M), "cand_parent": (bs, spec.M)}
+    for name, shape in want.items():
+        t = getattr(st, name)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected {shape} for {spec}, got {tuple(t.shape)}")
+    if hot_token_ids is not None and (hot_token_ids.dim() != 1
+                                      or hot_token_ids.shape[0] != logits.shape[1]):
+        raise ValueError(f"hot_token_ids: expected [{logits.shape[1]}], got "
+                         f"{tuple(hot_token_ids.shape)}")
+    return bs
+
+
+def _top(spec: TreeSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `logits [R, Vd]` -> (log-prob `[R, k]` fp32, draft index `[R, k]` int64) of the
+    k best (module doc), best first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    if spec.topk == 1:
+        idx = argmax_with_map_ref(logits).unsqueeze(1)  # chain's exact selection
+    else:
+        idx = torch.topk(score_key(lp), spec.topk, dim=-1).indices
+    return lp.gather(1, idx), idx
+
+
+def _map(idx: torch.Tensor, hot_token_ids: torch.Tensor | None) -> torch.Tensor:
+    return idx if hot_token_ids is None else hot_token_ids[idx].to(torch.int64)
+
+
+def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
+               hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0) -> None:
+    """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`."""
+    bs = _check(spec, st, logits, 1, "B", hot_token_ids)
+    k = spec.topk
+    s, idx = _top(spec, logits)
+    tok = _map(idx, hot_token_ids)
+    st.beam_tok.copy_(tok)
+    st.beam_score.copy_(s)
+    st.beam_cand.copy_(torch.arange(k, device=logits.device).expand(bs, k))
+    st.parent_beam.zero_()
+    st.cand_score[:, :k].copy_(s)
+    st.cand_tok[:, :k].copy_(tok)
+    st.cand_parent[:, :k].fill_(-1)
+    if spec.steps > 1:
+        rows = torch.arange(bs, device=logits.device).unsqueeze(1)
+        beams = torch.arange(k, device=logits.device).unsqueeze(0)
+        st.anc[:, :, 0].copy_(spec.scratch_slot(scratch_base, rows, beams, 1))
+
+
+def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
+                hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
+                hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None) -> None:
+    """Decode level `j` (1..K-1) from `logits [B*k, Vd]` (row `r*k + b` = beam b of row r);
+    writes `st` (module doc). With `hid_out [B*k, H]` and `hid_next [B*k, H]` also gathers the
+    next step's hidden input `hid_next[r*k + b] = hid_out[r*k + parent_beam[r, b]]`
+    (`hid_next` must not alias `hid_out`)."""
+    if not 1 <= j <= spec.steps - 1:
+        raise ValueError(f"j: expected a decode level in 1..{spec.steps - 1}, got {j}")
+    bs = _check(spec, st, logits, spec.topk, "B*k", hot_token_ids)
+    if (hid_out is None) != (hid_next is None):
+        raise ValueError("hid_out, hid_next: expected both or neither")
+    if hid_out is not None and (hid_out.shape != hid_next.shape or hid_out.dim() != 2
+                                or hid_out.shape[0] != logits.shape[0]):
+        raise ValueError(f"hid_out, hid_next: expected [{logits.shape[0]}, H] each, got "
+                         f"{tuple(hid_out.shape)} and {tuple(hid_next.shape)}")
+    if hid_out is not None and hid_out.data_ptr() == hid_next.data_ptr():
+        raise ValueError("hid_next: expected a buffer apart from hid_out")
+    k, dev = spec.topk, logits.device
+    lp, idx = _top(spec, logits)                                   # [B*k, k]
+    lp, ct = lp.view(bs, k, k), _map(idx, hot_token_ids).view(bs, k, k)
+    cum = st.beam_score.unsqueeze(2) + lp                          # [B, k, k]
+    off = spec.level_offset(j + 1)
+    st.cand_score[:, off:off + k * k].copy_(cum.view(bs, k * k))
+    st.cand_tok[:, off:off + k * k].copy_(ct.view(bs, k * k))
+    st.cand_parent[:, off:off + k * k].copy_(st.beam_cand.unsqueeze(2).expand(bs, k, k)
+                                             .reshape(bs, k * k))
+    if j == spec.steps - 1:
+        return  # level K: no forward follows, no re-rank (TREE.md section 1)
+    flat = cum.view(bs, k * k)
+    if k == 1:
+        sel = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
+    else:
+        sel = torch.topk(score_key(flat), k, dim=-1).indices       # [B, k], best first
+    pb = sel // k
+    st.beam_tok.copy_(ct.view(bs, k * k).gather(1, sel))
+    st.beam_score.copy_(flat.gather(1, sel))
+    st.beam_cand.copy_(sel + off)
+    st.parent_beam.copy_(pb)
+    kept = st.anc[:, :, :j].gather(1, pb.unsqueeze(2).expand(bs, k, j))
+    st.anc[:, :, :j].copy_(kept)
+    rows = torch.arange(bs, device=dev).unsqueeze(1)
+    beams = torch.arange(k, device=dev).unsqueeze(0)
+    st.anc[:, :, j].copy_(spec.scratch_slot(scratch_base, rows, beams, j + 1))
+    if hid_out is not None:
+        h = hid_out.shape[1]
+        hid_next.view(bs, k, h).copy_(hid_out.view(bs, k, h)
+                                      .gather(1, pb.unsqueeze(2).expand(bs, k, h)))
