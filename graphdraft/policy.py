@@ -32,9 +32,11 @@ bs for a k that has entries, and linearly in k otherwise.
                 whatever the hysteresis says);
               - hysteresis: the current k of that bs stays unless the best scores more than
                 `hysteresis` (relative) above it;
-              - probing: at k = 0 the estimate gets no data; after `probe_every` decisions with
-                no observation of a k > 0 step, one decision returns the smallest k > 0 of
-                `steps` (counted as a probe), so a regime change is noticed.
+              - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
+                decisions with no observation of a k > 0 step (`probe_every`, stretched so that
+                probes cost at most `probe_budget` of the target-only time), one decision
+                returns the smallest k > 0 of `steps` (counted as a probe), so a regime change
+                is noticed.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class AcceptRateEstimator:
     per-request-slot estimates for slots 0..max_slots-1 (None: batch only).
     """
 
-    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 8.0, decay: float = 0.95,
+    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 8.0, decay: float = 0.99,
                  z: float = 1.64, max_slots: int | None = None) -> None:
         self.prior_alpha = _check_prob("prior_alpha", prior_alpha, open_low=True)
         if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
@@ -282,12 +284,14 @@ class SpeculationPolicy:
     `mode` "fixed" | "adaptive"; `num_steps` S (fixed mode's k, and the largest draft length);
     `steps` the captured draft lengths the adaptive mode may pick (default 0..S; must hold 0 and
     lie in 0..S); `costs` a `CostTable` or mapping (adaptive mode needs one covering `steps`);
-    `hysteresis` relative margin >= 0; `probe_every` decisions (0: never probe).
+    `hysteresis` relative margin >= 0; `probe_every` decisions (0: never probe); `probe_budget`
+    the fraction of target-only time probes may cost.
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
-                 hysteresis: float = 0.03, probe_every: int = 64) -> None:
+                 hysteresis: float = 0.03, probe_every: int = 16,
+                 probe_budget: float = 0.005) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -317,6 +321,10 @@ class SpeculationPolicy:
                              f"{type(self.estimator).__name__}")
         self.hysteresis = float(hysteresis)
         self.probe_every = _check_int("probe_every", probe_every, 0)
+        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) \
+                or not math.isfinite(probe_budget) or probe_budget < 0:
+            raise ValueError(f"probe_budget: expected a finite number >= 0, got {probe_budget!r}")
+        self.probe_budget = float(probe_budget)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -354,13 +362,13 @@ class SpeculationPolicy:
                 cur_safe = cur == 0 or upper[cur] > upper[0]
                 if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
                     k = cur  # not better by the margin: stay
-            if k == 0 and self.probe_every and self._since_info >= self.probe_every:
-                k = min(s for s in self.steps if s > 0) if len(self.steps) > 1 else 0
-                if k:
-                    self._probes += 1
-                    self._since_info = 0
-                    self._chosen[bs][k] += 1
-                    return k  # a probe does not move the bs's current choice
+            if k == 0 and self.probe_every and len(self.steps) > 1 \
+                    and self._since_info >= self.probe_interval(bs):
+                k = self.steps[1]
+                self._probes += 1
+                self._since_info = 0
+                self._chosen[bs][k] += 1
+                return k  # a probe does not move the bs's current choice
             self._since_info += 1
             if k == 0:
                 self.estimator.age()
@@ -370,6 +378,17 @@ class SpeculationPolicy:
         self._current[bs] = k
         self._chosen[bs][k] += 1
         return k
+
+    def probe_interval(self, padded_bs: int) -> int:
+        """Decisions without information before a probe at this bs: `probe_every`, stretched so
+        that probing costs at most `probe_budget` of the target-only time (a probe of the
+        smallest k > 0 costs cost(bs, k) - cost(bs, 0) and, at alpha ~ 0, gains nothing)."""
+        if len(self.steps) < 2 or self.costs is None:
+            return self.probe_every
+        extra = self.costs.cost(padded_bs, self.steps[1]) / self.costs.cost(padded_bs, 0) - 1.0
+        if self.probe_budget <= 0 or extra <= 0:
+            return self.probe_every
+        return max(self.probe_every, math.ceil(extra / self.probe_budget))
 
     def observe(self, accept_lengths: Any, k: int, slots: Any = None) -> None:
         """Accept lengths `[rows]` of one verify with k drafts (the k that verify ran with,
