@@ -221,6 +221,7 @@ class CostTable:
 
     def __init__(self, costs: Mapping[tuple[int, int], float] | None = None) -> None:
         self._by_k: dict[int, dict[int, float]] = defaultdict(dict)
+        self._cache: dict[tuple[int, int], float] = {}  # interpolated lookups (decide's hot path)
         if costs is not None:
             if not isinstance(costs, Mapping):
                 raise ValueError(f"costs: expected a mapping {{(padded_bs, k): ms}}, got "
@@ -241,6 +242,7 @@ class CostTable:
     def set(self, padded_bs: int, k: int, ms: float) -> None:
         bs, k, ms = self._checked((padded_bs, k), ms)
         self._by_k[k][bs] = ms
+        self._cache.clear()
 
     def measured(self) -> dict[tuple[int, int], float]:
         return {(bs, k): ms for k, row in self._by_k.items() for bs, ms in row.items()}
@@ -264,7 +266,15 @@ class CostTable:
         return max(y, nearest / 1000.0)
 
     def cost(self, padded_bs: int, k: int) -> float:
+        """ms of one cycle at this padded bs with k drafts (measured or interpolated)."""
+        hit = self._cache.get((padded_bs, k))
+        if hit is not None:
+            return hit
         bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
+        self._cache[(bs, k)] = c = self._interpolate(bs, k)
+        return c
+
+    def _interpolate(self, bs: int, k: int) -> float:
         if k in self._by_k:
             return self._in_bs(self._by_k[k], bs)
         ks = sorted(self._by_k)

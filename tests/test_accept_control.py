@@ -135,3 +135,19 @@ def test_graph_replay_matches_reference():
     accept_control_ref(ref, slots, pos, oracle, 0.6, 42, VOCAB)
     torch.cuda.synchronize()
     assert torch.equal(buf, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kernel_matches_reference_at_8b_shape(dtype):
+    """bs 256, S 3, vocab 128256, oracle [257, 4096], on the device."""
+    bs, s, rows, ctx, vocab = 256, 3, 257, 4096, 128256
+    g = torch.Generator().manual_seed(4)
+    oracle = torch.randint(0, vocab, (rows, ctx), generator=g, dtype=torch.int32).cuda()
+    nxt = torch.randint(0, vocab, (bs, s + 1), generator=g).to(dtype).cuda()
+    slots = torch.randperm(rows, generator=g)[:bs].cuda()
+    pos = torch.randint(0, ctx, (bs,), generator=g, dtype=torch.int32).cuda()  # some run off the end
+    got, ref = nxt.clone(), nxt.clone()
+    accept_control(got, slots, pos, oracle, 0.7, 31337, vocab)
+    accept_control_ref(ref, slots, pos, oracle, 0.7, 31337, vocab)
+    assert torch.equal(got, ref)

@@ -129,6 +129,8 @@ def test_cost_table_interpolates():
     assert t.cost(1, 2) == pytest.approx((5.5 + 6.0) / 2)
     with pytest.raises(ValueError, match="k"):
         t.cost(1, 4)  # no measured k above
+    t.set(32, 0, 1.0)  # a new measurement replaces the interpolation
+    assert t.cost(32, 0) == 1.0 and t.cost(16, 0) == pytest.approx(5.0 + (1.0 - 5.0) * 15 / 31)
 
 
 def test_cost_table_bad_input():
