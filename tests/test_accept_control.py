@@ -40,6 +40,29 @@ def test_matches_reference(bs, s, p, dtype):
     assert ((got[:, 1:] >= 0) & (got[:, 1:] < VOCAB)).all()
 
 
+def test_host_and_tensor_p_give_the_same_threshold():
+    from graphdraft.kernels.accept_control import _check
+
+    nxt, slots, pos, oracle = _case(1, 1)
+    for p in (0.0, 0.1, 0.3, 0.6, 0.9, 1.0, 1 / 3):
+        host, _ = _check(nxt, slots, pos, oracle, p, 0, VOCAB)
+        dev = int((torch.tensor(p, dtype=torch.float32) * (1 << 24)).to(torch.int32))
+        assert host == dev
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_p_as_a_device_tensor(p):
+    nxt, slots, pos, oracle = _case(5, 3, seed=13)
+    pt = torch.tensor([p], dtype=torch.float32, device=DEV)
+    got, ref, host = nxt.clone(), nxt.clone(), nxt.clone()
+    accept_control(got, slots, pos, oracle, pt, 77, VOCAB)
+    accept_control_ref(ref, slots, pos, oracle, pt, 77, VOCAB)
+    accept_control(host, slots, pos, oracle, p, 77, VOCAB)
+    assert torch.equal(got, ref) and torch.equal(got, host)  # same threshold either way
+    with pytest.raises(ValueError, match="p"):
+        accept_control(got, slots, pos, oracle, pt.double(), 77, VOCAB)
+
+
 def test_edges_left_unchanged_and_strided_output():
     bs, s, rows, ctx = 6, 3, 4, 16
     nxt, _, _, oracle = _case(bs, s, rows=rows, ctx=ctx, seed=5)
@@ -126,15 +149,18 @@ def test_graph_replay_matches_reference():
     accept_control(buf, slots, pos, oracle, 0.6, 42, VOCAB)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
+    pt = torch.tensor([0.6], device="cuda")
     with torch.cuda.graph(g):
-        accept_control(buf, slots, pos, oracle, 0.6, 42, VOCAB)
-    buf.copy_(nxt)
-    pos.add_(5)  # live inputs change between replays
-    g.replay()
-    ref = nxt.clone()
-    accept_control_ref(ref, slots, pos, oracle, 0.6, 42, VOCAB)
-    torch.cuda.synchronize()
-    assert torch.equal(buf, ref)
+        accept_control(buf, slots, pos, oracle, pt, 42, VOCAB)
+    for p in (0.6, 0.1, 0.9):  # one graph, every regime
+        pt.fill_(p)
+        buf.copy_(nxt)
+        pos.add_(5)  # live inputs change between replays
+        g.replay()
+        ref = nxt.clone()
+        accept_control_ref(ref, slots, pos, oracle, p, 42, VOCAB)  # host p: the same threshold
+        torch.cuda.synchronize()
+        assert torch.equal(buf, ref)
 
 
 @pytest.mark.gpu

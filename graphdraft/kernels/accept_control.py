@@ -23,16 +23,21 @@ whichever cycle, padded bs or graph replays it. Each position's coin decides acc
 once (after a rejection at q the target's token is committed there and the next drafts start at
 q + 1), so the accept lengths are exactly truncated geometric in p: per-draft match rate p,
 mean accept (1 - p^(S+1)) / (1 - p). The coin is the top 24 bits of the first Philox word
-against round(p * 2^24); the random token is (second word >> 1) % (vocab_size - 1), shifted up
+against trunc(p * 2^24) (exact in fp32 too); the random token is (second word >> 1) % (vocab_size - 1), shifted up
 by one at or above o. Integer-only, so `accept_control_ref` (torch, int64 Philox) matches bit
 for bit.
 
-Graph-capturable: host-side shape checks only, no allocation, no sync; `p` and `seed` are baked
-into a captured graph (capture one graph per regime, or call it outside the graph).
+`p` is a host number (baked into a captured graph) or a one-element float32 device tensor read
+by the kernel at each launch (clamped to [0, 1]): one captured graph then serves every regime,
+the benchmark writes the tensor between runs.
+
+Graph-capturable: host-side shape checks only, no allocation, no sync (the reference reads a
+tensor p on the host); `seed` is baked into a captured graph.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -46,9 +51,12 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 
 @triton.jit
 def _accept_control_kernel(tok_ptr, stride_tr, stride_tc, slot_ptr, pos_ptr, oracle_ptr,
-                           stride_or, stride_oc, S, L, R, threshold, vocab, seed,
-                           BLOCK: tl.constexpr):
+                           stride_or, stride_oc, S, L, R, threshold, p_ptr, vocab, seed,
+                           BLOCK: tl.constexpr, P_TENSOR: tl.constexpr):
     r = tl.program_id(0)
+    if P_TENSOR:  # p read on the device at every launch: one captured graph serves every p
+        pv = tl.minimum(tl.maximum(tl.load(p_ptr).to(tl.float32), 0.0), 1.0)
+        threshold = (pv * 16777216.0).to(tl.int32)
     j = 1 + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + r).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)  # per lane
     q = tl.load(pos_ptr + r).to(tl.int64) + j
@@ -65,8 +73,8 @@ def _accept_control_kernel(tok_ptr, stride_tr, stride_tc, slot_ptr, pos_ptr, ora
              new.to(tok_ptr.dtype.element_ty), mask=ok)
 
 
-def _check(next_tokens, slots, positions, oracle, p, seed, vocab_size) -> tuple[int, int]:
-    """-> (threshold, S); raises ValueError naming the argument."""
+def _check(next_tokens, slots, positions, oracle, p, seed, vocab_size) -> tuple[int | None, int]:
+    """-> (threshold, or None for a tensor p; S); raises ValueError naming the argument."""
     if next_tokens.dim() != 2 or next_tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"next_tokens: expected int32/int64 [bs, S + 1], got {next_tokens.dtype} "
                          f"{tuple(next_tokens.shape)}")
@@ -85,13 +93,19 @@ def _check(next_tokens, slots, positions, oracle, p, seed, vocab_size) -> tuple[
     for name, t in (("slots", slots), ("positions", positions), ("oracle", oracle)):
         if t.device != next_tokens.device:
             raise ValueError(f"{name}: expected on {next_tokens.device}, got {t.device}")
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1 or p.dtype != torch.float32 or p.device != next_tokens.device:
+            raise ValueError(f"p: expected a number in [0, 1] or a one-element float32 tensor on "
+                             f"{next_tokens.device}, got {p.dtype} {tuple(p.shape)} on {p.device}")
+    elif isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         raise ValueError(f"p: expected a number in [0, 1], got {p!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
         raise ValueError(f"seed: expected an int in [0, 2^31), got {seed!r}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size < 2**31:
         raise ValueError(f"vocab_size: expected an int in [2, 2^31), got {vocab_size!r}")
-    return round(float(p) * (1 << 24)), next_tokens.shape[1] - 1
+    # from p's float32 value, as the kernel computes it from a tensor p: both paths agree
+    threshold = None if isinstance(p, torch.Tensor) else int(np.float32(p) * np.float32(1 << 24))
+    return threshold, next_tokens.shape[1] - 1
 
 
 def accept_control(next_tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -103,8 +117,9 @@ def accept_control(next_tokens: torch.Tensor, slots: torch.Tensor, positions: to
         return
     _accept_control_kernel[(bs,)](
         next_tokens, next_tokens.stride(0), next_tokens.stride(1), slots, positions, oracle,
-        oracle.stride(0), oracle.stride(1), s, oracle.shape[1], oracle.shape[0], threshold,
-        vocab_size, seed, BLOCK=triton.next_power_of_2(s), num_warps=1)
+        oracle.stride(0), oracle.stride(1), s, oracle.shape[1], oracle.shape[0],
+        0 if threshold is None else threshold, p if threshold is None else oracle, vocab_size,
+        seed, BLOCK=triton.next_power_of_2(s), P_TENSOR=threshold is None, num_warps=1)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +154,8 @@ def accept_control_ref(next_tokens: torch.Tensor, slots: torch.Tensor, positions
     bs = next_tokens.shape[0]
     if bs == 0 or s == 0:
         return
+    if threshold is None:
+        threshold = int((p.reshape(()).clamp(0.0, 1.0) * (1 << 24)).to(torch.int32))
     rows, ctx = oracle.shape
     j = torch.arange(1, s + 1, device=next_tokens.device)
     slot = slots.to(torch.int64)[:, None].expand(bs, s)
