@@ -1,0 +1,442 @@
+"""Speculation policy: how many draft steps each padded batch size runs (0 = target-only).
+
+Host-side arithmetic only (no tensors on the device, no sync): the Engine feeds it what it
+already reads back (accept lengths, one step late in the zero-sync cycle) and the capture-time
+timings of each captured configuration, and asks `decide(padded_bs) -> k` once per cycle.
+
+Model. A decode row verified with k drafts commits a in 1..k+1 tokens. With a per-draft match
+rate alpha (draft j is accepted given drafts 1..j-1 were), the matched drafts m = a - 1 are a
+truncated geometric observation: P(m = j) = alpha^j (1 - alpha) for j < k, P(m = k) = alpha^k.
+Each row is a run of Bernoulli trials that stops at the first failure or after k trials:
+successes = m, trials = m + (m < k). The maximum-likelihood alpha is successes / trials.
+
+  expected tokens per verify at k drafts  E(k) = (1 - alpha^(k+1)) / (1 - alpha)   (alpha = 1: k + 1)
+  tokens per ms at padded bs and k        E(k) / cost_ms[(bs, k)]                  (per row; bs cancels)
+
+`AcceptRateEstimator` keeps exponentially decayed success / trial counts per batch (and, when
+given request slots, per slot), started from a prior (`prior_alpha`, `prior_weight` pseudo-trials)
+so that a cold start speculates; each `observe` (one verify step) multiplies the counts by
+`decay` before adding the step's, and so does each k = 0 decision of the policy (`age()`: the
+EMA runs over cycles, so evidence gathered before a stretch of target-only cycles fades and a
+probe weighs in). `upper_bound()` is the Wilson score upper bound of alpha over
+the effective trial count.
+
+`CostTable` holds `cost_ms[(padded_bs, k)]` (k = 0: the target-only decode step) measured on the
+device at capture (`measure_replay_ms` times a replay with CUDA events), interpolating linearly in
+bs for a k that has entries, and linearly in k otherwise.
+
+`SpeculationPolicy`:
+  "fixed"     always `num_steps` drafts;
+  "adaptive"  the k in `steps` (the captured set, 0 included) maximising E(k) / cost(bs, k), with
+              - safety: k > 0 only when E(k) at alpha's upper bound beats k = 0 (otherwise 0,
+                whatever the hysteresis says);
+              - hysteresis: the current k of that bs stays unless the best scores more than
+                `hysteresis` (relative) above it;
+              - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
+                decisions with no observation of a k > 0 step (`probe_every`, stretched so that
+                probes cost at most `probe_budget` of the target-only time), one decision
+                returns the smallest k > 0 of `steps` (counted as a probe), so a regime change
+                is noticed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "SpeculationPolicy",
+           "check_speculative_policy", "expected_tokens", "measure_replay_ms"]
+
+POLICY_MODES = ("adaptive", "fixed")
+
+
+def check_speculative_policy(value: Any) -> str:
+    """The `--speculative-policy` value check (CLI and config): returns it, or raises ValueError."""
+    if not isinstance(value, str) or value not in POLICY_MODES:
+        raise ValueError(f"--speculative-policy: expected one of {list(POLICY_MODES)}, got {value!r}")
+    return value
+
+
+def _check_prob(name: str, x: Any, *, open_low: bool = False, open_high: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number in [0, 1], got {x!r}")
+    x = float(x)
+    if x < 0 or x > 1 or (open_low and x == 0) or (open_high and x == 1):
+        lo, hi = "(" if open_low else "[", ")" if open_high else "]"
+        raise ValueError(f"{name}: expected a number in {lo}0, 1{hi}, got {x!r}")
+    return x
+
+
+def _check_int(name: str, x: Any, lo: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {x!r}")
+    return int(x)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens committed per verify with k drafts at match rate alpha:
+    (1 - alpha^(k+1)) / (1 - alpha), and k + 1 at alpha = 1."""
+    alpha = _check_prob("alpha", alpha)
+    k = _check_int("k", k, 0)
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _wilson_upper(successes: float, trials: float, z: float) -> float:
+    if trials <= 0:
+        return 1.0
+    p = min(max(successes / trials, 0.0), 1.0)
+    z2 = z * z
+    centre = p + z2 / (2 * trials)
+    half = z * math.sqrt(max(p * (1 - p) / trials + z2 / (4 * trials * trials), 0.0))
+    return min(1.0, (centre + half) / (1 + z2 / trials))
+
+
+def _as_int_array(name: str, x: Any) -> np.ndarray:
+    """A 1-D int array from a list / tuple / numpy array / CPU torch tensor."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor: the caller's host copy
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: expected a host (CPU) tensor (read back once per cycle), "
+                             f"got one on {x.device}")
+        x = x.detach().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {a.shape} "
+                         f"dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+class AcceptRateEstimator:
+    """Running estimate of the per-draft match rate alpha (module docstring).
+
+    `prior_alpha` in (0, 1], `prior_weight` > 0 pseudo-trials, `decay` in (0, 1] per observed
+    step (1: plain running totals), `z` the Wilson bound's normal quantile, `max_slots`: keep
+    per-request-slot estimates for slots 0..max_slots-1 (None: batch only).
+    """
+
+    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 8.0, decay: float = 0.99,
+                 z: float = 1.64, max_slots: int | None = None) -> None:
+        self.prior_alpha = _check_prob("prior_alpha", prior_alpha, open_low=True)
+        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
+                or not math.isfinite(prior_weight) or prior_weight <= 0:
+            raise ValueError(f"prior_weight: expected a finite number > 0, got {prior_weight!r}")
+        self.prior_weight = float(prior_weight)
+        self.decay = _check_prob("decay", decay, open_low=True)
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+            raise ValueError(f"z: expected a finite number >= 0, got {z!r}")
+        self.z = float(z)
+        self.max_slots = None if max_slots is None else _check_int("max_slots", max_slots, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        self.successes = self.prior_alpha * self.prior_weight
+        self.trials = self.prior_weight
+        self.observed_steps = 0
+        self.observed_rows = 0
+        if self.max_slots is not None:
+            self.slot_successes = np.full(self.max_slots, self.prior_alpha * self.prior_weight)
+            self.slot_trials = np.full(self.max_slots, self.prior_weight)
+
+    def reset_slot(self, slot: int) -> None:
+        """Back to the prior for a slot (call when a request takes or leaves it)."""
+        if self.max_slots is None:
+            raise ValueError("slot: this estimator keeps no per-slot estimates (max_slots=None)")
+        slot = _check_int("slot", slot, 0)
+        if slot >= self.max_slots:
+            raise ValueError(f"slot: expected < max_slots ({self.max_slots}), got {slot}")
+        self.slot_successes[slot] = self.prior_alpha * self.prior_weight
+        self.slot_trials[slot] = self.prior_weight
+
+    @staticmethod
+    def counts(accept_lengths: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per row (successes, trials) of a verify with k drafts: (a - 1, a - 1 + (a <= k))."""
+        m = accept_lengths - 1
+        return m, m + (m < k)
+
+    def observe(self, accept_lengths: Any, k: int, slots: Any = None) -> None:
+        """One verify step: `accept_lengths [rows]` (each in 1..k+1: the real decode rows that
+        verified k drafts, before any stop cut), `slots [rows]` their request slots (needs
+        `max_slots`). k = 0 carries no information and changes nothing. Bad input raises
+        ValueError and changes nothing."""
+        k = _check_int("k", k, 0)
+        a = _as_int_array("accept_lengths", accept_lengths)
+        if a.size and (a.min() < 1 or a.max() > k + 1):
+            raise ValueError(f"accept_lengths: expected values in 1..{k + 1} (k = {k} drafts), "
+                             f"got min {a.min()} max {a.max()}")
+        s = None
+        if slots is not None:
+            if self.max_slots is None:
+                raise ValueError("slots: this estimator keeps no per-slot estimates (max_slots=None)")
+            s = _as_int_array("slots", slots)
+            if s.shape != a.shape:
+                raise ValueError(f"slots: expected one slot per accept length ({a.size}), got {s.size}")
+            if s.size and (s.min() < 0 or s.max() >= self.max_slots):
+                raise ValueError(f"slots: expected values in 0..{self.max_slots - 1}")
+            if np.unique(s).size != s.size:
+                raise ValueError("slots: expected distinct slots (one row per request)")
+        if k == 0 or a.size == 0:
+            return
+        succ, trials = self.counts(a, k)
+        self.successes = self.decay * self.successes + float(succ.sum())
+        self.trials = self.decay * self.trials + float(trials.sum())
+        self.observed_steps += 1
+        self.observed_rows += int(a.size)
+        if s is not None:
+            self.slot_successes[s] = self.decay * self.slot_successes[s] + succ
+            self.slot_trials[s] = self.decay * self.slot_trials[s] + trials
+
+    def age(self) -> None:
+        """One step without information (a k = 0 cycle): the counts decay, the estimate stays,
+        its upper bound widens, and the next observation weighs more."""
+        self.successes *= self.decay
+        self.trials *= self.decay
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials
+
+    def upper_bound(self) -> float:
+        """Wilson upper bound of alpha over the effective (decayed) trial count."""
+        return _wilson_upper(self.successes, self.trials, self.z)
+
+    def slot_alpha(self, slots: Any = None) -> np.ndarray:
+        """Per-slot alpha estimates (all slots, or those given)."""
+        if self.max_slots is None:
+            raise ValueError("slots: this estimator keeps no per-slot estimates (max_slots=None)")
+        est = self.slot_successes / self.slot_trials
+        return est if slots is None else est[_as_int_array("slots", slots)]
+
+
+class CostTable:
+    """`cost_ms[(padded_bs, k)]`: device time of one cycle at padded bs with k drafts (k = 0:
+    the target-only decode step), from capture-time timings. Missing entries interpolate:
+    linearly in bs over the entries of the same k (beyond the ends: the nearest two, at least
+    the nearest measured value's 1/1000); a k with no entry at all interpolates linearly in k
+    between the nearest k below and above with entries (beyond them: ValueError)."""
+
+    def __init__(self, costs: Mapping[tuple[int, int], float] | None = None) -> None:
+        self._by_k: dict[int, dict[int, float]] = defaultdict(dict)
+        self._cache: dict[tuple[int, int], float] = {}  # interpolated lookups (decide's hot path)
+        if costs is not None:
+            if not isinstance(costs, Mapping):
+                raise ValueError(f"costs: expected a mapping {{(padded_bs, k): ms}}, got "
+                                 f"{type(costs).__name__}")
+            checked = [self._checked(key, ms) for key, ms in costs.items()]
+            for bs, k, ms in checked:
+                self._by_k[k][bs] = ms
+
+    @staticmethod
+    def _checked(key: Any, ms: Any) -> tuple[int, int, float]:
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise ValueError(f"costs: expected keys (padded_bs, k), got {key!r}")
+        bs, k = _check_int("padded_bs", key[0], 1), _check_int("k", key[1], 0)
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"cost_ms: expected a finite number > 0 for {(bs, k)}, got {ms!r}")
+        return bs, k, float(ms)
+
+    def set(self, padded_bs: int, k: int, ms: float) -> None:
+        bs, k, ms = self._checked((padded_bs, k), ms)
+        self._by_k[k][bs] = ms
+        self._cache.clear()
+
+    def measured(self) -> dict[tuple[int, int], float]:
+        return {(bs, k): ms for k, row in self._by_k.items() for bs, ms in row.items()}
+
+    def _in_bs(self, row: dict[int, float], bs: int) -> float:
+        if bs in row:
+            return row[bs]
+        xs = sorted(row)
+        if len(xs) == 1:
+            return row[xs[0]]
+        if bs < xs[0]:
+            x0, x1 = xs[0], xs[1]
+        elif bs > xs[-1]:
+            x0, x1 = xs[-2], xs[-1]
+        else:
+            i = int(np.searchsorted(xs, bs))
+            x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = row[x0], row[x1]
+        y = y0 + (y1 - y0) * (bs - x0) / (x1 - x0)
+        nearest = row[x0] if abs(bs - x0) <= abs(bs - x1) else row[x1]
+        return max(y, nearest / 1000.0)
+
+    def cost(self, padded_bs: int, k: int) -> float:
+        """ms of one cycle at this padded bs with k drafts (measured or interpolated)."""
+        hit = self._cache.get((padded_bs, k))
+        if hit is not None:
+            return hit
+        bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
+        self._cache[(bs, k)] = c = self._interpolate(bs, k)
+        return c
+
+    def _interpolate(self, bs: int, k: int) -> float:
+        if k in self._by_k:
+            return self._in_bs(self._by_k[k], bs)
+        ks = sorted(self._by_k)
+        lo = [x for x in ks if x < k]
+        hi = [x for x in ks if x > k]
+        if not lo or not hi:
+            raise ValueError(f"k: no cost entry for k = {k} and no measured k on both sides "
+                             f"(measured k: {ks})")
+        k0, k1 = lo[-1], hi[0]
+        c0, c1 = self._in_bs(self._by_k[k0], bs), self._in_bs(self._by_k[k1], bs)
+        return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
+
+
+class SpeculationPolicy:
+    """Draft steps per padded batch size (module docstring).
+
+    `mode` "fixed" | "adaptive"; `num_steps` S (fixed mode's k, and the largest draft length);
+    `steps` the captured draft lengths the adaptive mode may pick (default 0..S; must hold 0 and
+    lie in 0..S); `costs` a `CostTable` or mapping (adaptive mode needs one covering `steps`);
+    `hysteresis` relative margin >= 0; `probe_every` decisions (0: never probe); `probe_budget`
+    the fraction of target-only time probes may cost.
+    """
+
+    def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
+                 steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
+                 hysteresis: float = 0.03, probe_every: int = 16,
+                 probe_budget: float = 0.005) -> None:
+        self.mode = check_speculative_policy(mode)
+        self.num_steps = _check_int("num_steps", num_steps, 0)
+        steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
+        for s in steps:
+            _check_int("steps", s, 0)
+        if not steps or len(set(steps)) != len(steps) or max(steps) > self.num_steps or (
+                self.mode == "adaptive" and 0 not in steps):
+            raise ValueError(f"steps: expected distinct ints in 0..{self.num_steps} including 0 "
+                             f"(adaptive), got {steps}")
+        self.steps = sorted(int(s) for s in steps)
+        if costs is not None and not isinstance(costs, CostTable):
+            costs = CostTable(costs)
+        if self.mode == "adaptive":
+            if costs is None:
+                raise ValueError("costs: the adaptive policy needs the measured cost table")
+            if not costs.measured():
+                raise ValueError("costs: expected at least one measured (padded_bs, k) entry")
+            for k in self.steps:  # every captured k must be priceable (raises naming k)
+                costs.cost(1, k)
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) \
+                or not math.isfinite(hysteresis) or hysteresis < 0:
+            raise ValueError(f"hysteresis: expected a finite number >= 0, got {hysteresis!r}")
+        self.costs = costs
+        self.estimator = estimator if estimator is not None else AcceptRateEstimator()
+        if not isinstance(self.estimator, AcceptRateEstimator):
+            raise ValueError(f"estimator: expected an AcceptRateEstimator, got "
+                             f"{type(self.estimator).__name__}")
+        self.hysteresis = float(hysteresis)
+        self.probe_every = _check_int("probe_every", probe_every, 0)
+        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) \
+                or not math.isfinite(probe_budget) or probe_budget < 0:
+            raise ValueError(f"probe_budget: expected a finite number >= 0, got {probe_budget!r}")
+        self.probe_budget = float(probe_budget)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._current: dict[int, int] = {}
+        self._chosen: dict[int, Counter[int]] = defaultdict(Counter)
+        self._switches: Counter[int] = Counter()
+        self._probes = 0
+        self._since_info = 0
+
+    # ------------------------------------------------------------------
+    def scores(self, padded_bs: int, alpha: float | None = None) -> dict[int, float]:
+        """Expected tokens per ms per row for every k of `steps` at this bs (alpha: the estimate)."""
+        a = self.estimator.alpha if alpha is None else alpha
+        return {k: expected_tokens(a, k) / self.costs.cost(padded_bs, k) for k in self.steps}
+
+    def best(self, padded_bs: int) -> int:
+        """The adaptive choice without hysteresis or probing: the smallest k of maximal score,
+        0 when no k > 0 beats k = 0 even at alpha's upper bound."""
+        point = self.scores(padded_bs)
+        upper = self.scores(padded_bs, self.estimator.upper_bound())
+        allowed = [k for k in self.steps if k == 0 or upper[k] > upper[0]]
+        return max(allowed, key=lambda k: (point[k], -k))
+
+    def decide(self, padded_bs: int) -> int:
+        """Draft steps for the next cycle at this padded bs (recorded in `stats()`)."""
+        bs = _check_int("padded_bs", padded_bs, 1)
+        if self.mode == "fixed":
+            k = self.num_steps
+        else:
+            k = self.best(bs)
+            cur = self._current.get(bs)
+            if cur is not None and cur != k:
+                point = self.scores(bs)
+                upper = self.scores(bs, self.estimator.upper_bound())
+                cur_safe = cur == 0 or upper[cur] > upper[0]
+                if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
+                    k = cur  # not better by the margin: stay
+            if k == 0 and self.probe_every and len(self.steps) > 1 \
+                    and self._since_info >= self.probe_interval(bs):
+                k = self.steps[1]
+                self._probes += 1
+                self._since_info = 0
+                self._chosen[bs][k] += 1
+                return k  # a probe does not move the bs's current choice
+            self._since_info += 1
+            if k == 0:
+                self.estimator.age()
+        prev = self._current.get(bs)
+        if prev is not None and prev != k:
+            self._switches[bs] += 1
+        self._current[bs] = k
+        self._chosen[bs][k] += 1
+        return k
+
+    def probe_interval(self, padded_bs: int) -> int:
+        """Decisions without information before a probe at this bs: `probe_every`, stretched so
+        that probing costs at most `probe_budget` of the target-only time (a probe of the
+        smallest k > 0 costs cost(bs, k) - cost(bs, 0) and, at alpha ~ 0, gains nothing)."""
+        if len(self.steps) < 2 or self.costs is None:
+            return self.probe_every
+        extra = self.costs.cost(padded_bs, self.steps[1]) / self.costs.cost(padded_bs, 0) - 1.0
+        if self.probe_budget <= 0 or extra <= 0:
+            return self.probe_every
+        return max(self.probe_every, math.ceil(extra / self.probe_budget))
+
+    def observe(self, accept_lengths: Any, k: int, slots: Any = None) -> None:
+        """Accept lengths `[rows]` of one verify with k drafts (the k that verify ran with,
+        whatever has been decided since); see `AcceptRateEstimator.observe`."""
+        self.estimator.observe(accept_lengths, k, slots)
+        if k > 0 and len(accept_lengths):
+            self._since_info = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions for metrics, as a plain dict."""
+        return {
+            "mode": self.mode,
+            "alpha": self.estimator.alpha,
+            "alpha_upper": self.estimator.upper_bound(),
+            "observed_rows": self.estimator.observed_rows,
+            "steps_chosen": {bs: dict(sorted(c.items())) for bs, c in sorted(self._chosen.items())},
+            "current": dict(sorted(self._current.items())),
+            "switches": dict(sorted(self._switches.items())),
+            "probes": self._probes,
+        }
+
+
+def measure_replay_ms(replay: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
+    """Median device time (ms) of `replay()` (a captured graph's replay, or any launch sequence)
+    timed with CUDA events on the current stream: the capture-time cost of one configuration."""
+    import torch
+
+    warmup, iters = _check_int("warmup", warmup, 0), _check_int("iters", iters, 1)
+    if not torch.cuda.is_available():
+        raise ValueError("replay: measure_replay_ms needs a CUDA device (timings are device times)")
+    for _ in range(warmup):
+        replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
