@@ -43,9 +43,8 @@ def random_pair(dtype: torch.dtype, seed: int):
                      max_position_embeddings=2048, rope_theta=10000.0)
     target = LlamaForCausalLM(tc, dtype)
     init_random_(target, seed, std=0.1)
-    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), dtype,
-                           embed_tokens=target.embed_tokens.data)
-    init_random_(head, seed + 1, std=0.1)
+    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), dtype)
+    init_random_(head, seed + 1, std=0.1)  # its own table, dropped below: the target's stays as drawn
     head.embed_tokens = target.embed_tokens
     return target, head
 
