@@ -44,7 +44,7 @@ def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_stride"])
 def _rope_store_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_t, sk_h,
