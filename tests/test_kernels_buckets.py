@@ -300,3 +300,44 @@ def test_gpu_draft_capture_second_size_of_a_bucket_compiles_nothing():
         assert f.captured_sizes == [24, 32]
         assert f.stats.compiles[24] == 0, (f.name, dict(f.stats.compiles), f.stats.summary())
     assert f"compiles {drafter.decode_graphs.stats.total_compiles}" in drafter.decode_graphs.stats.summary()
+
+
+# ------------------------------------------------------------------ the whole chain, on CPU
+def _chain_keys(run, sizes):
+    """Keys of the chain's kernels (attention excluded: not these modules) per size."""
+    out = {}
+    for bs in sizes:
+        with torch.inference_mode(), warmup.KeyRecorder() as rec:
+            run(bs)
+        out[bs] = {(n, k) for n, ks in rec.keys.items() for k in ks}
+    return out
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (5, 6)])
+def test_drafter_decode_one_key_set_per_bucket(sizes):
+    """The drafter's whole decode draft (first step + multi-step, the code its graphs capture)
+    at two sizes of one bucket, an odd and an even one (row slices of persistent buffers at
+    offsets of step * bs: pointer alignment), launches the same keys."""
+    from tests.drafter_harness import make_setup
+
+    assert len(representative_sizes(sizes, (1, 4))) == 1
+    s = make_setup(steps=3, page_size=16, hot=True, seed=1, dtype="bfloat16",
+                   max_running_requests=8, cuda_graph_max_bs=8, kernel_backend="triton")
+    s.drafter._reset_neutral()
+    keys = _chain_keys(s.drafter._decode, sizes)
+    a, b = sizes
+    assert keys[a] == keys[b], sorted({n for n, _ in keys[a] ^ keys[b]})
+
+
+def test_engine_verify_one_key_set_per_bucket():
+    from graphdraft.engine import Engine
+    from tests.engine_harness import make_models, runtime
+
+    target, head = make_models(dtype=torch.bfloat16, draft_vocab=40)
+    cfg = runtime(dtype="bfloat16", kernel_backend="triton", max_running_requests=8,
+                  cuda_graph_max_bs=8, max_num_batched_tokens=64)
+    e = Engine(target, cfg, head)
+    e.inputs.pad_rows(0, cfg.max_bs)
+    e.inputs.pad_tokens(0, cfg.max_bs * e.n_row)
+    keys = _chain_keys(e._target_decode, (5, 6))
+    assert keys[5] == keys[6], sorted({n for n, _ in keys[5] ^ keys[6]})

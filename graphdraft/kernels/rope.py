@@ -44,7 +44,10 @@ def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["split_stride"])
+# split_stride (T * width) scales with the rows; the drafter passes per-step slices of its
+# cache-location buffer at offsets of step * bs elements, 16-byte aligned only for even bs
+@triton.jit(do_not_specialize=["split_stride"],
+            do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _rope_store_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_t, sk_h,
