@@ -6,7 +6,7 @@ capture and stores the difference in ``GraphStats.compiles``. The default,
 :func:`triton_compiles`, counts the kernels Triton's JIT compiled in this process (a new
 specialization of a ``@triton.jit`` function: ``triton.knobs.runtime.jit_post_compile_hook``,
 which triton 3.4+ calls once per new specialization whether its binary came from the
-on-disk cache or from the compiler). :func:`cache_entries` counts the entries of Triton's
+on-disk cache or from the compiler; :func:`thread_compiles` counts the calling thread's). :func:`cache_entries` counts the entries of Triton's
 on-disk cache (compiles that reached the compiler, in a process that started with an empty
 cache). Mechanism only: nothing here knows what the kernels do.
 """
@@ -17,10 +17,12 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["cache_dir", "cache_entries", "install_triton_counter", "triton_compiles"]
+__all__ = ["cache_dir", "cache_entries", "install_triton_counter", "thread_compiles",
+           "triton_compiles"]
 
 _lock = threading.Lock()
 _count = 0
+_local = threading.local()  # per thread: Triton compiles in the thread whose launch needs them
 _installed: bool | None = None  # None: not tried; False: no hook in this triton
 
 
@@ -29,6 +31,7 @@ def _on_compile(*args, **kwargs):
     global _count
     with _lock:
         _count += 1
+    _local.count = getattr(_local, "count", 0) + 1
     prev = _on_compile.previous
     return prev(*args, **kwargs) if prev is not None else None
 
@@ -66,6 +69,14 @@ def triton_compiles() -> int:
     the counter was installed (the first call installs it); 0 without triton."""
     install_triton_counter()
     return _count
+
+
+def thread_compiles() -> int:
+    """:func:`triton_compiles` of the calling thread only (the default counter of
+    :class:`~capture.CapturedForward`: forwards warmed up in parallel threads each count
+    their own compiles)."""
+    install_triton_counter()
+    return getattr(_local, "count", 0)
 
 
 def cache_dir() -> Path:

@@ -46,7 +46,7 @@ try:
 except ImportError:  # pragma: no cover - a declared dependency; fall back to log lines
     tqdm = None
 
-from .compiles import triton_compiles
+from .compiles import thread_compiles
 from .schedule import padded_batch_size
 
 __all__ = [
@@ -270,7 +270,7 @@ class CapturedForward(Generic[T]):
             ``"raise"``: propagate it.
         env_var: the eager-forcing environment variable (see :func:`eager_forced`).
         compile_counter: a ``() -> int`` count of JIT compilations so far (only grows);
-            None: Triton's (:func:`capture.compiles.triton_compiles`).
+            None: Triton's, in the calling thread (:func:`capture.compiles.thread_compiles`).
     """
 
     def __init__(
@@ -307,7 +307,7 @@ class CapturedForward(Generic[T]):
         if compile_counter is not None and not callable(compile_counter):
             raise ValueError(f"{name}: compile_counter must be a callable () -> int or None, "
                              f"got {compile_counter!r}")
-        self._compiles = compile_counter if compile_counter is not None else triton_compiles
+        self._compiles = compile_counter if compile_counter is not None else thread_compiles
         self._compiles()  # install Triton's hook now: compiles from here on are counted
         self._graphs: dict[int, _Graph] = {}
         self._lookup: list[int] = [0]  # _lookup[bs]: captured size a bs replays on

@@ -732,8 +732,12 @@ def test_default_counter_is_tritons():
     from capture import compiles
 
     cf = CapturedForward("g", lambda bs: None, [1])
-    assert cf._compiles is compiles.triton_compiles
+    assert cf._compiles is compiles.thread_compiles
     assert isinstance(compiles.triton_compiles(), int)
+    # the hook counts globally and per thread, and chains to a hook installed before it
+    before, mine = compiles.triton_compiles(), compiles.thread_compiles()
+    compiles._on_compile(key="k")
+    assert compiles.triton_compiles() == before + 1 and compiles.thread_compiles() == mine + 1
     assert compiles.install_triton_counter() is compiles.install_triton_counter()
 
 

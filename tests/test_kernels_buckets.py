@@ -341,3 +341,51 @@ def test_engine_verify_one_key_set_per_bucket():
     e.inputs.pad_tokens(0, cfg.max_bs * e.n_row)
     keys = _chain_keys(e._target_decode, (5, 6))
     assert keys[5] == keys[6], sorted({n for n, _ in keys[5] ^ keys[6]})
+
+
+# ------------------------------------------------------------------ precompile_engine
+@pytest.mark.parametrize("parallel", [False, True])
+def test_precompile_engine_runs_one_size_per_bucket(monkeypatch, parallel):
+    """With graphs 'available' (the side-stream call replaced by a plain call): every captured
+    forward of the engine and its drafter runs at its representative sizes, the drafter's
+    buffers are reset before and after, compiles are counted per forward."""
+    import threading
+    from types import SimpleNamespace
+
+    from capture import CapturedForward
+    from capture import graphs as graphs_mod
+
+    calls, lock = [], threading.Lock()
+    monkeypatch.setattr(graphs_mod, "graphs_available", lambda: True)
+    monkeypatch.setattr(CapturedForward, "_run_side",
+                        lambda self, bs, stream: self._forward(bs))
+
+    def fwd(name):
+        def f(bs):
+            with lock:
+                calls.append((name, bs, threading.current_thread().name))
+            return torch.zeros(bs)
+        return f
+
+    sched = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    counter = {"n": 0}
+    cf = {name: CapturedForward(name, fwd(name), sched, compile_counter=lambda: counter["n"])
+          for name in ("target_verify", "draft_decode", "draft_multi_step")}
+    resets = []
+    drafter = SimpleNamespace(decode_graphs=cf["draft_decode"],
+                              multi_step_graphs=cf["draft_multi_step"],
+                              _reset_neutral=lambda: resets.append(len(calls)))
+    engine = SimpleNamespace(cfg=SimpleNamespace(spec_num_tokens=4),
+                             verify_graphs=cf["target_verify"], drafter=drafter)
+    counts = warmup.precompile_engine(engine, progress=False, parallel=parallel)
+    assert set(counts) == set(cf) and all(v == 0 for v in counts.values())
+    reps = representative_sizes(sched, (1, 4))
+    for name in cf:
+        assert [bs for n, bs, _ in calls if n == name] == reps, name
+        assert sorted(cf[name].stats.precompile_seconds) == sorted(reps)
+    assert resets == [0, len(calls)]
+    threads = {t for _, _, t in calls}
+    if parallel:  # in the pool's threads (one may take both owners when the first is quick)
+        assert threads and all(t.startswith("jit-warmup") for t in threads)
+    else:
+        assert threads == {threading.current_thread().name}

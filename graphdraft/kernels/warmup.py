@@ -171,27 +171,53 @@ def _forwards_of(engine) -> Iterator[tuple[object, dict[str, CapturedForward]]]:
         yield drafter, captured_forwards(drafter)
 
 
-@torch.inference_mode()
-def precompile_engine(engine, *, progress: bool = True) -> dict[str, int]:
+def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) -> dict[str, int]:
     """Run each captured forward of `engine` and `engine.drafter` once per size bucket of its
     schedule (`representative_sizes` with rows per request 1 and `engine.cfg.spec_num_tokens`),
     so `capture_graphs` compiles nothing more; return the compiles counted per forward.
 
     Call it inside `Engine.capture_graphs`, after the static inputs are padded (the warm-up
     forwards read them, as capture's own warm-up does). The drafter's buffers are reset to
-    neutral values before and after its forwards (`_reset_neutral`, as its capture does).
+    neutral values before and after (`_reset_neutral`, as its capture does).
+
+    `parallel`: the engine's forwards and the drafter's run in two threads, so one compiles
+    while the other launches or compiles (Triton's compiler releases the GIL in its C++
+    passes and in ptxas). Their launches go to each forward's side stream; the draft
+    forwards may then read target hidden states mid-write: finite values either way, and no
+    index buffer is written by the other owner's forwards. Only compiling is the point.
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
+    owners = list(_forwards_of(engine))
+    resets = [getattr(o, "_reset_neutral", None) for o, _ in owners if o is not engine]
+    resets = [r for r in resets if r is not None]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def work(forwards: dict[str, CapturedForward]) -> dict[str, int]:
+        if device is not None:
+            torch.cuda.set_device(device)  # the current device is per thread
+        out = {}
+        with torch.inference_mode():  # per thread too
+            for f in forwards.values():
+                sizes = representative_sizes(f.batch_sizes, (1, n))
+                out[f.name] = f.precompile(sizes, progress=progress)
+        return out
+
+    for r in resets:
+        r()
     counts: dict[str, int] = {}
-    for owner, forwards in _forwards_of(engine):
-        reset = getattr(owner, "_reset_neutral", None) if owner is not engine else None
-        if reset is not None:
-            reset()
-        for f in forwards.values():
-            sizes = representative_sizes(f.batch_sizes, (1, n))
-            counts[f.name] = f.precompile(sizes, progress=progress)
-        if reset is not None:
-            reset()
+    if parallel and len(owners) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(owners), thread_name_prefix="jit-warmup") as pool:
+            for part in pool.map(work, [fw for _, fw in owners]):
+                counts.update(part)
+    else:
+        for _, fw in owners:
+            counts.update(work(fw))
+    if device is not None:
+        torch.cuda.synchronize()
+    for r in resets:
+        r()
     logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
     return counts
 
