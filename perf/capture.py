@@ -15,7 +15,9 @@ seconds, compiles per size and pool MiB.
 
 Writes `DIR/capture.json`: `cold_s`, `warm_s`, `triton_compiles_cold`, `sizes`, `pool_mib`,
 `per_forward` for the schedule to 64 (the issue's goals: cold <= 5 s, warm <= 2 s,
-<= 30 compiles), and `runs` with every run (`cold-64`, `warm-64`, `cold-160`, `warm-160`).
+<= 30 compiles), and `runs` with every run (`cold-64`, `warm-64`, `cold-160`, `warm-160`,
+and `cold-64-parallel-precompile`: `kernels.warmup.precompile_engine(parallel=True)` before
+the capture, timed together, in its own empty cache; a failure there is recorded, not fatal).
 Prints a table. Needs CUDA; about a minute per run on an H200.
 """
 
@@ -34,14 +36,16 @@ GOALS = {"cold_s": 5.0, "warm_s": 2.0, "triton_compiles_cold": 30}
 _MiB = float(1 << 20)
 
 
-def child(max_bs: int, result: Path) -> None:
-    """One run in this process (TRITON_CACHE_DIR already set by the parent)."""
+def child(max_bs: int, result: Path, precompile: str = "none") -> None:
+    """One run in this process (TRITON_CACHE_DIR already set by the parent). `precompile`:
+    "none" times `engine.capture_graphs()` alone; "serial" / "parallel" time
+    `kernels.warmup.precompile_engine` (threads with "parallel") and then the capture."""
     import torch
 
     from capture import cache_dir, cache_entries, triton_compiles
     from graphdraft.config import RuntimeConfig
     from graphdraft.engine import Engine
-    from graphdraft.kernels.warmup import captured_forwards
+    from graphdraft.kernels.warmup import captured_forwards, precompile_engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()
@@ -54,6 +58,14 @@ def child(max_bs: int, result: Path) -> None:
     t_built = time.perf_counter()
     c0, e0 = triton_compiles(), cache_entries()
     t0 = time.perf_counter()
+    precompile_s = None
+    if precompile != "none":
+        with torch.inference_mode():  # what capture_graphs does before its capture
+            engine.inputs.pad_rows(0, cfg.max_bs)
+            engine.inputs.pad_tokens(0, cfg.max_bs * engine.n_row)
+        precompile_engine(engine, progress=False, parallel=precompile == "parallel")
+        torch.cuda.synchronize()
+        precompile_s = round(time.perf_counter() - t0, 4)
     engine.capture_graphs()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -74,6 +86,8 @@ def child(max_bs: int, result: Path) -> None:
         }
     data = {
         "max_bs": max_bs,
+        "precompile": precompile,
+        "precompile_s": precompile_s,
         "capture_s": round(seconds, 4),
         "build_s": round(t_built - t_start, 2),
         "triton_compiles": triton_compiles() - c0,
@@ -89,11 +103,13 @@ def child(max_bs: int, result: Path) -> None:
     result.write_text(json.dumps(data, indent=1))
 
 
-def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float) -> dict:
+def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
+           precompile: str = "none") -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "perf.capture", "--child", str(max_bs), "--result", str(result)]
+    cmd = [sys.executable, "-m", "perf.capture", "--child", str(max_bs), "--result", str(result),
+           "--precompile", precompile]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=root, timeout=timeout_s, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -112,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--precompile", default="none", choices=("none", "serial", "parallel"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        child(args.child, args.result)
+        child(args.child, args.result, args.precompile)
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
@@ -132,6 +150,19 @@ def main(argv: list[str] | None = None) -> int:
                 r = runs[f"{kind}-{top}"]
                 print(f"{kind}-{top}: capture {r['capture_s']:.2f}s, {r['triton_compiles']} "
                       f"compiles, {r['cache_entries_new']} new cache entries", flush=True)
+            if top == tops[0]:  # the threaded precompile, cold, in its own empty cache
+                pcache = Path(tmp) / f"triton-cache-{top}-parallel"
+                pcache.mkdir()
+                try:
+                    r = _spawn(top, pcache, Path(tmp) / f"parallel-{top}.json", args.timeout,
+                               "parallel")
+                    print(f"cold-{top}-parallel-precompile: {r['capture_s']:.2f}s "
+                          f"(precompile {r['precompile_s']:.2f}s), {r['triton_compiles']} compiles",
+                          flush=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported, not fatal
+                    r = {"error": str(e)[-4000:]}
+                    print(f"cold-{top}-parallel-precompile failed: {str(e)[:400]}", flush=True)
+                runs[f"cold-{top}-parallel-precompile"] = r
     head_cold, head_warm = runs[f"cold-{tops[0]}"], runs[f"warm-{tops[0]}"]
     out = {
         "max_bs": tops[0],
@@ -152,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'run':<10} {'capture s':>9} {'compiles':>8} {'cache +':>7} {'pool MiB':>8}  per forward "
           "(capture s / compiles)")
     for name, r in runs.items():
+        if "error" in r:
+            print(f"{name:<10} failed (see capture.json)")
+            continue
         fw = ", ".join(f"{k} {v['capture_s']:.2f}/{v['compiles']}" for k, v in r["per_forward"].items())
         print(f"{name:<10} {r['capture_s']:>9.2f} {r['triton_compiles']:>8} "
               f"{r['cache_entries_new']:>7} {r['pool_mib']:>8.1f}  {fw}")

@@ -752,3 +752,38 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
     (tmp_path / "stray.txt").write_text("")
     assert compiles.cache_entries() == 1
     assert compiles.cache_entries(tmp_path / "missing") == 0
+
+
+# ------------------------------------------------------------ perf.capture's report
+def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
+    """The parent's assembly of capture.json from its runs (the subprocess runner replaced:
+    the child needs CUDA): the issue's keys from the first schedule top, every run kept, a
+    failed parallel-precompile run recorded without failing the benchmark."""
+    import json
+
+    from perf import capture as perf_capture
+
+    def fake_spawn(max_bs, cache, result, timeout_s, precompile="none"):
+        assert cache.is_dir() and cache.parent == result.parent
+        if precompile == "parallel":
+            raise RuntimeError("boom")
+        warm = any(cache.iterdir())
+        (cache / f"k{max_bs}").mkdir(exist_ok=True)
+        fw = {"draft_decode": {"attribute": "decode_graphs", "sizes": [1, 2], "capture_s": 0.5,
+                               "compiles": 0 if warm else 3, "pool_mib": 4.0, "summary": "s"}}
+        return {"max_bs": max_bs, "capture_s": 1.0 if warm else 9.0, "precompile_s": None,
+                "triton_compiles": 0 if warm else 3, "cache_entries_new": 0 if warm else 3,
+                "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw}
+
+    monkeypatch.setattr(perf_capture, "_spawn", fake_spawn)
+    assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64,160"]) == 0
+    data = json.loads((tmp_path / "capture.json").read_text())
+    assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (9.0, 1.0, 3)
+    assert data["sizes"] == [1, 2] and data["pool_mib"] == 4.0
+    assert data["per_forward"]["draft_decode"]["compiles"] == 3
+    assert set(data["runs"]) == {"cold-64", "warm-64", "cold-160", "warm-160",
+                                 "cold-64-parallel-precompile"}
+    assert "boom" in data["runs"]["cold-64-parallel-precompile"]["error"]
+    assert "cold-64" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        perf_capture.main(["--out", str(tmp_path), "--max-bs", "0"])
