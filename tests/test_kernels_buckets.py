@@ -224,7 +224,8 @@ def test_stage_inputs_one_key():
 
 def test_fused_partials_consumers_one_key():
     """RoPE + KV store and the [embedding ; fc] norm take split partials whose split stride
-    (T * width) scales with the rows: one key over rows 2, 3, 16, 17."""
+    (T * width) scales with the rows but stays a multiple of 16 (width is): one key over rows
+    2, 3, 16, 17."""
     g = torch.Generator().manual_seed(4)
     hq, hkv, d, split = 2, 1, 8, 2
     width = (hq + 2 * hkv) * d

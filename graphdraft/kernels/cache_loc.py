@@ -78,8 +78,9 @@ def _slot(
     return tl.where(valid & (page > 0), page * page_size + pos % page_size, 0)
 
 
-@triton.jit(do_not_specialize=["stride_out_req", "stride_out_tok", "n_reqs", "max_pages",
-                             "stride_page_row", "stride_page_col"])
+# stride_out_tok is bs in the [length, bs] layout (the draft steps' slots): not specialized
+@triton.jit(do_not_specialize=["stride_out_tok", "n_reqs", "max_pages", "stride_page_row",
+                             "stride_page_col"])
 def _uniform_kernel(
     out_ptr,
     req_pool_ptr,
