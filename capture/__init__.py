@@ -5,6 +5,7 @@ which captures one forward function per padded batch size and replays it, or
 falls back to running it eagerly.
 """
 
+from .compiles import cache_dir, cache_entries, thread_compiles, triton_compiles
 from .graphs import (
     EAGER_ENV,
     EAGER_REASONS,
@@ -23,7 +24,11 @@ __all__ = [
     "GraphPool",
     "GraphStats",
     "batch_size_schedule",
+    "cache_dir",
+    "cache_entries",
     "eager_forced",
     "graphs_available",
     "padded_batch_size",
+    "thread_compiles",
+    "triton_compiles",
 ]

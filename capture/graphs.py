@@ -46,6 +46,7 @@ try:
 except ImportError:  # pragma: no cover - a declared dependency; fall back to log lines
     tqdm = None
 
+from .compiles import thread_compiles
 from .schedule import padded_batch_size
 
 __all__ = [
@@ -149,6 +150,10 @@ class GraphStats:
     smaller graphs mostly reuse it and add ~0), ``eager_seconds`` (one
     synchronized warm-up forward) and ``replay_seconds`` (one synchronized
     replay). ``dropped``: scheduled sizes left uncaptured by out-of-memory.
+    ``compiles``: JIT compilations (the forward's compile counter, by default Triton's:
+    ``capture.compiles``) while precompiling, warming up and capturing that size; a size of
+    an already compiled bucket adds 0. ``precompile_seconds``: wall time of
+    :meth:`CapturedForward.precompile` per size it ran.
     """
 
     name: str
@@ -157,12 +162,22 @@ class GraphStats:
     eager_seconds: dict[int, float] = field(default_factory=dict)
     replay_seconds: dict[int, float] = field(default_factory=dict)
     dropped: list[int] = field(default_factory=list)
+    compiles: Counter[int] = field(default_factory=Counter)
+    precompile_seconds: dict[int, float] = field(default_factory=dict)
     replays: Counter[int] = field(default_factory=Counter)
     eager: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EAGER_REASONS, 0))
 
     @property
     def total_capture_seconds(self) -> float:
         return sum(self.capture_seconds.values())
+
+    @property
+    def total_compiles(self) -> int:
+        return sum(self.compiles.values())
+
+    @property
+    def total_precompile_seconds(self) -> float:
+        return sum(self.precompile_seconds.values())
 
     @property
     def total_pool_bytes(self) -> int:
@@ -186,15 +201,19 @@ class GraphStats:
         return self.eager_seconds[bs] / max(self.replay_seconds[bs], 1e-9)
 
     def summary(self) -> str:
-        """One line, e.g. ``draft: 5 graphs [1..16] 0.41s pool 12.0MiB ~3.2x | replays 9 eager 2 (above_max=2)``."""
+        """One line, e.g. ``draft: 5 graphs [1..16] 0.41s pool 12.0MiB compiles 7 ~3.2x | replays 9
+        eager 2 (above_max=2)`` (with a precompile: ``0.41s (+0.30s precompile)``)."""
         sizes = sorted(self.capture_seconds)
         span = f"[{sizes[0]}..{sizes[-1]}]" if sizes else "[]"
         speed = f" ~{self.speedup:.1f}x" if self.speedup is not None else ""
         why = ", ".join(f"{k}={v}" for k, v in self.eager.items() if v)
         drop = f" dropped {self.dropped}" if self.dropped else ""
+        pre = (f" (+{self.total_precompile_seconds:.2f}s precompile)" if self.precompile_seconds
+               else "")
         return (
-            f"{self.name}: {len(sizes)} graphs {span} {self.total_capture_seconds:.2f}s "
-            f"pool {self.total_pool_bytes / _MiB:.1f}MiB{speed}{drop} | "
+            f"{self.name}: {len(sizes)} graphs {span} {self.total_capture_seconds:.2f}s{pre} "
+            f"pool {self.total_pool_bytes / _MiB:.1f}MiB compiles {self.total_compiles}"
+            f"{speed}{drop} | "
             f"replays {self.total_replays} eager {self.total_eager}" + (f" ({why})" if why else "")
         )
 
@@ -250,6 +269,8 @@ class CapturedForward(Generic[T]):
             then pad to the next larger captured size, or run eagerly);
             ``"raise"``: propagate it.
         env_var: the eager-forcing environment variable (see :func:`eager_forced`).
+        compile_counter: a ``() -> int`` count of JIT compilations so far (only grows);
+            None: Triton's, in the calling thread (:func:`capture.compiles.thread_compiles`).
     """
 
     def __init__(
@@ -263,6 +284,7 @@ class CapturedForward(Generic[T]):
         warmup_iters: int = 2,
         on_oom: OnOOM = "drop",
         env_var: str = EAGER_ENV,
+        compile_counter: Callable[[], int] | None = None,
     ) -> None:
         sizes = list(batch_sizes)
         if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
@@ -282,6 +304,11 @@ class CapturedForward(Generic[T]):
         self._env_read = _env_reader(env_var)
         self._env_at_init = eager_forced(env_var=env_var)
         self._on_oom = on_oom
+        if compile_counter is not None and not callable(compile_counter):
+            raise ValueError(f"{name}: compile_counter must be a callable () -> int or None, "
+                             f"got {compile_counter!r}")
+        self._compiles = compile_counter if compile_counter is not None else thread_compiles
+        self._compiles()  # install Triton's hook now: compiles from here on are counted
         self._graphs: dict[int, _Graph] = {}
         self._lookup: list[int] = [0]  # _lookup[bs]: captured size a bs replays on
         self._stats = GraphStats(name)
@@ -340,10 +367,12 @@ class CapturedForward(Generic[T]):
         with torch.no_grad(), contextlib.closing(sizes) if bar else contextlib.nullcontext():
             for bs in sizes:
                 t0 = time.perf_counter()
+                c0 = self._compiles()
                 try:
                     eager_s = self._warmup(bs, stream)
                     graph, out, pool_bytes, replay_s = self._record(bs, stream)
                 except Exception as e:
+                    st.compiles[bs] += self._compiles() - c0
                     if self._on_oom == "raise" or not _is_oom(e):
                         raise
                     logger.debug("%s: out of memory at bs=%d: %s", self.name, bs, e)
@@ -352,6 +381,7 @@ class CapturedForward(Generic[T]):
                 _check_outputs(self.name, bs, out)
                 self._graphs[bs] = _Graph(graph, out)
                 st.capture_seconds[bs] = time.perf_counter() - t0
+                st.compiles[bs] += self._compiles() - c0
                 st.pool_bytes[bs] = pool_bytes
                 st.replay_seconds[bs] = replay_s
                 if eager_s is not None:
@@ -369,6 +399,53 @@ class CapturedForward(Generic[T]):
             )
         logger.info("%s", st.summary())
         return self.captured_sizes
+
+    def precompile(self, sizes: Iterable[int], stream: torch.cuda.Stream | None = None,
+                   progress: bool = True) -> int:
+        """Run ``forward(bs)`` once for each of ``sizes`` (scheduled sizes not yet captured,
+        largest first) on the side stream, under ``torch.no_grad()``, so the JIT compiles
+        what their buckets need before :meth:`capture`; return the compiles it counted.
+
+        The caller picks one size per bucket of compiled variants (it knows which sizes
+        share them); capture then finds every kernel compiled. Same no-op rule as
+        :meth:`capture`; ``ValueError`` for a size that is not scheduled. Per size:
+        ``stats.precompile_seconds`` and ``stats.compiles``. ``progress``: a tqdm bar (an
+        INFO line per size if tqdm is missing).
+        """
+        sizes = sorted(set(sizes), reverse=True)
+        bad = [bs for bs in sizes if bs not in self._sizes]
+        if bad:
+            raise ValueError(f"{self.name}: precompile sizes must be scheduled sizes "
+                             f"{self._sizes}, got {bad}")
+        if not self._enabled or self._env_at_init or eager_forced(env_var=self._env_var):
+            return 0
+        todo = [bs for bs in sizes if bs not in self._graphs]
+        st = self._stats
+        bar = progress and tqdm is not None and bool(todo)
+        level = logging.INFO if progress and not bar else logging.DEBUG
+        it = tqdm(todo, desc=f"JIT warm-up {self.name}", unit="size") if bar else todo
+        total = 0
+        with torch.no_grad(), contextlib.closing(it) if bar else contextlib.nullcontext():
+            for bs in it:
+                t0 = time.perf_counter()
+                c0 = self._compiles()
+                self._run_side(bs, stream)
+                n = self._compiles() - c0
+                st.compiles[bs] += n
+                st.precompile_seconds[bs] = time.perf_counter() - t0
+                total += n
+                logger.log(level, "%s: precompiled bs=%d in %.3fs, %d compiles", self.name, bs,
+                           st.precompile_seconds[bs], n)
+        return total
+
+    def _run_side(self, bs: int, stream: torch.cuda.Stream | None) -> None:
+        """One eager ``forward(bs)`` on the side stream, synchronized."""
+        side = stream if stream is not None else self.pool.stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _check_outputs(self.name, bs, self._forward(bs))
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
 
     def _warmup(self, bs: int, stream: torch.cuda.Stream | None) -> float | None:
         """``warmup_iters`` eager forwards on the side stream; seconds of the last (synchronized) one."""

@@ -191,9 +191,14 @@ def fake_cuda(monkeypatch):
             state.capturing = False
         return FakeGraph(self._forward, bs), out, 1024 * bs, 1e-3
 
+    def run_side(self, bs, stream):
+        state.calls.append(("precompile", bs))
+        graphs_mod._check_outputs(self.name, bs, self._forward(bs))
+
     monkeypatch.setattr(graphs_mod, "graphs_available", lambda: True)
     monkeypatch.setattr(CapturedForward, "_warmup", warmup)
     monkeypatch.setattr(CapturedForward, "_record", record)
+    monkeypatch.setattr(CapturedForward, "_run_side", run_side)
     return state
 
 
@@ -669,3 +674,116 @@ def test_gpu_dropped_graphs_are_not_collected_mid_capture():
     x.normal_()
     got = _clone(new.run(2))
     assert torch.equal(got["y"], _clone(fwd(2))["y"])
+
+
+# ------------------------------------------------------------ compile counts
+class BucketJit:
+    """A stand-in JIT: a forward at bs 'compiles' once per new bucket (next power of two)."""
+
+    def __init__(self):
+        self.count = 0
+        self.seen: set[int] = set()
+
+    def wrap(self, forward):
+        def f(bs):
+            b = 1 << (bs - 1).bit_length()
+            if b not in self.seen:
+                self.seen.add(b)
+                self.count += 1
+            return forward(bs)
+        return f
+
+
+def test_compiles_per_size_in_stats_and_summary(fake_cuda):
+    jit = BucketJit()
+    cf = CapturedForward("draft", jit.wrap(linear_forward()[0]), [1, 2, 3, 4, 6, 8],
+                         compile_counter=lambda: jit.count)
+    cf.capture(progress=False)
+    # largest first: 8 compiles bucket 8, 6 nothing (same bucket), 4, 3 nothing, 2, 1
+    assert dict(cf.stats.compiles) == {8: 1, 6: 0, 4: 1, 3: 0, 2: 1, 1: 1}
+    assert cf.stats.total_compiles == 4
+    assert " compiles 4" in cf.stats.summary()
+
+
+def test_precompile_runs_given_sizes_then_capture_compiles_nothing(fake_cuda):
+    jit = BucketJit()
+    cf = CapturedForward("draft", jit.wrap(linear_forward()[0]), [1, 2, 3, 4, 6, 8],
+                         compile_counter=lambda: jit.count)
+    assert cf.precompile([2, 8, 4, 1], progress=False) == 4
+    assert [c for c in fake_cuda.calls if c[0] == "precompile"] == [
+        ("precompile", 8), ("precompile", 4), ("precompile", 2), ("precompile", 1)]
+    assert sorted(cf.stats.precompile_seconds) == [1, 2, 4, 8]
+    cf.capture(progress=False)
+    assert cf.stats.total_compiles == 4
+    assert all(cf.stats.compiles[bs] == 0 for bs in (3, 6))
+    assert "precompile)" in cf.stats.summary()
+    with pytest.raises(ValueError, match="scheduled sizes"):
+        cf.precompile([5])
+    with pytest.raises(ValueError, match="compile_counter"):
+        CapturedForward("g", lambda bs: None, [1], compile_counter=3)
+
+
+def test_precompile_noop_when_disabled(fake_cuda):
+    cf = CapturedForward("g", linear_forward()[0], [1, 2], enabled=False)
+    assert cf.precompile([1, 2], progress=False) == 0 and fake_cuda.calls == []
+
+
+def test_default_counter_is_tritons():
+    from capture import compiles
+
+    cf = CapturedForward("g", lambda bs: None, [1])
+    assert cf._compiles is compiles.thread_compiles
+    assert isinstance(compiles.triton_compiles(), int)
+    # the hook counts globally and per thread, and chains to a hook installed before it
+    before, mine = compiles.triton_compiles(), compiles.thread_compiles()
+    compiles._on_compile(key="k")
+    assert compiles.triton_compiles() == before + 1 and compiles.thread_compiles() == mine + 1
+    assert compiles.install_triton_counter() is compiles.install_triton_counter()
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    from capture import compiles
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert compiles.cache_dir() == tmp_path
+    assert compiles.cache_entries() == 0
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "abc" / "k.cubin").write_bytes(b"")
+    (tmp_path / "stray.txt").write_text("")
+    assert compiles.cache_entries() == 1
+    assert compiles.cache_entries(tmp_path / "missing") == 0
+
+
+# ------------------------------------------------------------ perf.capture's report
+def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
+    """The parent's assembly of capture.json from its runs (the subprocess runner replaced:
+    the child needs CUDA): the issue's keys from the first schedule top, every run kept, a
+    failed parallel-precompile run recorded without failing the benchmark."""
+    import json
+
+    from perf import capture as perf_capture
+
+    def fake_spawn(max_bs, cache, result, timeout_s, precompile="none"):
+        assert cache.is_dir() and cache.parent == result.parent
+        if precompile == "parallel":
+            raise RuntimeError("boom")
+        warm = any(cache.iterdir())
+        (cache / f"k{max_bs}").mkdir(exist_ok=True)
+        fw = {"draft_decode": {"attribute": "decode_graphs", "sizes": [1, 2], "capture_s": 0.5,
+                               "compiles": 0 if warm else 3, "pool_mib": 4.0, "summary": "s"}}
+        return {"max_bs": max_bs, "capture_s": 1.0 if warm else 9.0, "precompile_s": None,
+                "triton_compiles": 0 if warm else 3, "cache_entries_new": 0 if warm else 3,
+                "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw}
+
+    monkeypatch.setattr(perf_capture, "_spawn", fake_spawn)
+    assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64,160"]) == 0
+    data = json.loads((tmp_path / "capture.json").read_text())
+    assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (9.0, 1.0, 3)
+    assert data["sizes"] == [1, 2] and data["pool_mib"] == 4.0
+    assert data["per_forward"]["draft_decode"]["compiles"] == 3
+    assert set(data["runs"]) == {"cold-64", "warm-64", "cold-160", "warm-160",
+                                 "cold-64-parallel-precompile"}
+    assert "boom" in data["runs"]["cold-64-parallel-precompile"]["error"]
+    assert "cold-64" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        perf_capture.main(["--out", str(tmp_path), "--max-bs", "0"])

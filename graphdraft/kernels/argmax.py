@@ -42,7 +42,9 @@ def num_sms(device: torch.device) -> int:
     return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@triton.jit
+# chunk (a multiple of BLOCK) stays specialized: always "divisible by 16", which keeps the
+# logits' loads aligned; the split count varies with the rows.
+@triton.jit(do_not_specialize=["num_splits"])
 def _argmax_stage1_kernel(
     logits_ptr, stride_b, V, chunk,
     part_val_ptr, part_idx_ptr, num_splits,
@@ -79,7 +81,7 @@ def _argmax_stage1_kernel(
         tl.store(part_idx_ptr + p, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
     SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
@@ -113,6 +115,20 @@ def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr
         tl.store(tokens_ptr + b * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
 
 
+def splits_pad(splits: int) -> int:
+    """Lanes of the second stage for `splits` partials per row: 16 up to 16, 64 up to 64, 512
+    up to 512, else the next power of two. The split count of `argmax_with_map` falls as rows
+    grow (about two programs per SM), so a per-count power of two would compile a kernel per
+    batch size; these buckets compile at most three on an H200 (at most 264 splits). The
+    masked lanes are a few more loads and compares in a one-program-per-row kernel."""
+    if splits < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    for pad in (16, 64, 512):
+        if splits <= pad:
+            return pad
+    return triton.next_power_of_2(splits)
+
+
 def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Tensor,
                   hot_token_ids: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
                   *, num_warps: int = 1) -> None:
@@ -125,7 +141,7 @@ def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Ten
     _argmax_stage2_kernel[(B,)](
         part_val, part_idx, splits, hot_token_ids if has_map else out, out,
         tokens_out if has_tokens else out, tokens_out.stride(0) if has_tokens else 0,
-        SPLITS_PAD=triton.next_power_of_2(splits), HAS_MAP=has_map, HAS_TOKENS=has_tokens,
+        SPLITS_PAD=splits_pad(splits), HAS_MAP=has_map, HAS_TOKENS=has_tokens,
         num_warps=num_warps, **launch_options(out.device, B),
     )
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.buckets import rows_block
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 
 _MAX_TOKEN_BLOCK = 128  # tokens per loop iteration, uniform kernel (upper bound)
 _RAGGED_BLOCK = 64  # tokens per loop iteration, ragged kernel
-_MAX_ADVANCE_BLOCK = 1024  # requests per program, advance kernel
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -78,7 +78,9 @@ def _slot(
     return tl.where(valid & (page > 0), page * page_size + pos % page_size, 0)
 
 
-@triton.jit(do_not_specialize=["n_reqs", "max_pages", "stride_page_row", "stride_page_col"])
+# stride_out_tok is bs in the [length, bs] layout (the draft steps' slots): not specialized
+@triton.jit(do_not_specialize=["stride_out_tok", "n_reqs", "max_pages", "stride_page_row",
+                             "stride_page_col"])
 def _uniform_kernel(
     out_ptr,
     req_pool_ptr,
@@ -171,7 +173,7 @@ def _ragged_kernel(
             tl.store(pos_out_ptr + base + j, pos, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr,
                     PDL: tl.constexpr, EARLY: tl.constexpr):
     """EARLY (with PDL): loads before waiting for the kernel before (pdl module doc), stores
@@ -384,7 +386,7 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
     bs = seq_lens.shape[0]
     if bs == 0:
         return
-    block = min(max(triton.next_power_of_2(bs), 16), _MAX_ADVANCE_BLOCK)
+    block = rows_block(bs)
     _advance_kernel[(triton.cdiv(bs, block),)](
         seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block,
         **launch_options(seq_lens.device, bs, early=True),

@@ -20,12 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kernels.buckets import rows_block
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs", "token_offset"])
 def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather_ptr,
                                  seq_out_ptr, write_start_ptr, tokens_ptr, last_ptr, stride_last,
                                  bs, N, token_offset, BLOCK: tl.constexpr, LAST: tl.constexpr,
@@ -84,7 +85,7 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
     bs = accept.shape[0]
     if bs == 0:
         return
-    block = min(1024, triton.next_power_of_2(bs))
+    block = rows_block(bs)
     last = tokens is not None
     _decode_draft_indices_kernel[(triton.cdiv(bs, block),)](
         accept, target_seq_lens, req, valid_cache_lengths, gather_ids, seq_lens, write_start,

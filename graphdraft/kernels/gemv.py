@@ -72,6 +72,17 @@ FINISH_MAXNREG: int | None = 128
 """Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
 
 
+def m_bucket(m: int) -> int:
+    """The row tile (BLOCK_M) of an M-row launch: 1 for M == 1 (CUDA-core dot products), else
+    16, 32 or 64 (`tl.dot` on the next power of two, at least 16). The GEMV compiles once per
+    bucket (M itself is not specialized); with `FINISH_NORM_MAX_M` (the fused-norm finisher,
+    a constexpr that stays: M <= 4 runs it in the launch) the buckets are 1 | 2-4 | 5-16 |
+    17-32 | 33-64."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"m: expected 1..{MAX_M} rows, got {m}")
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """Tile sizes of one launch: `split` K-slices, each `k_per_split` long (a BLOCK_K multiple)."""
@@ -109,8 +120,7 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
     return GemvConfig(block_n, block_k, split, k_per_split, num_warps, num_stages)
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
+def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
                  counter_ptr,
                  res_ptr, stride_res, res_idx_ptr, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
@@ -184,6 +194,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
+# The row count M is a runtime argument Triton does not specialize (value 1, divisibility by
+# 16), so every M of one tile bucket (`m_bucket`) shares one compiled kernel; M == 1 (its own
+# bucket: BLOCK_M == 1) keeps the specialized form it was measured with.
+_gemv_kernel = triton.jit(do_not_specialize=["M"])(_gemv_body)
+_gemv_kernel_m1 = triton.jit(_gemv_body)
+
+
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
@@ -200,7 +217,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
              mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
@@ -213,7 +230,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
                               h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
                               HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr,
@@ -322,7 +339,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
             cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
             n_blocks: int = 1, norm: _NormFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    block_m = m_bucket(m)
     fp32_dot = x.dtype == torch.float32 or interpreting()
     amax_val, amax_idx = amax if amax is not None else (ws, ws)
     counter = _counter(w) if norm else ws
@@ -335,7 +352,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     pdl = bool(GEMV_PDL) and pdl_supported(x.device)
     if pdl:
         extra["launch_pdl"] = True
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
+    kernel = _gemv_kernel_m1 if m == 1 else _gemv_kernel
+    kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
         x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         cfg.k_per_split, n_blocks, counter,
         res, res.stride(0), res_idx, norm.norm_weight if norm else ws, norm.out if norm else ws,

@@ -44,7 +44,11 @@ def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
     return x
 
 
-@triton.jit
+# The drafter passes per-step slices of its cache-location buffer at offsets of step * bs
+# elements, 16-byte aligned only for even bs: not specialized on alignment (one scalar load per
+# program). split_stride (T * width) stays specialized: width is a multiple of 16 for every
+# head_dim in use, so it is always "divisible by 16", which keeps the partials' loads vectorized.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _rope_store_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_t, sk_h,

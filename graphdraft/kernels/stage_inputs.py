@@ -30,7 +30,7 @@ BLOCK = 2048
 hidden rows are written; one when none are: hidden in place and no padded rows)."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs", "pbs"])
 def _stage_kernel(accept_src, tokens_src, hidden_src, stride_hs, accept, first_ids, first_hidden,
                   stride_fh, seq_lens, req, extend_lens, input_ids, positions, out_cache_loc,
                   bs, pbs, N, KH, BLOCK: tl.constexpr, COPY_HIDDEN: tl.constexpr):

@@ -1,0 +1,105 @@
+"""Counting JIT compilations (Triton's), for the capture statistics.
+
+A compile counter is any ``Callable[[], int]`` returning a count that only grows;
+:class:`~capture.CapturedForward` reads it before and after each size's warm-up and
+capture and stores the difference in ``GraphStats.compiles``. The default,
+:func:`triton_compiles`, counts the kernels Triton's JIT compiled in this process (a new
+specialization of a ``@triton.jit`` function: ``triton.knobs.runtime.jit_post_compile_hook``,
+which triton 3.4+ calls once per new specialization whether its binary came from the
+on-disk cache or from the compiler; :func:`thread_compiles` counts the calling thread's). :func:`cache_entries` counts the entries of Triton's
+on-disk cache (compiles that reached the compiler, in a process that started with an empty
+cache). Mechanism only: nothing here knows what the kernels do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["cache_dir", "cache_entries", "install_triton_counter", "thread_compiles",
+           "triton_compiles"]
+
+_lock = threading.Lock()
+_count = 0
+_local = threading.local()  # per thread: Triton compiles in the thread whose launch needs them
+_installed: bool | None = None  # None: not tried; False: no hook in this triton
+
+
+def _on_compile(*args, **kwargs):
+    """The hook: count, then chain to the hook that was installed before ours."""
+    global _count
+    with _lock:
+        _count += 1
+    _local.count = getattr(_local, "count", 0) + 1
+    prev = _on_compile.previous
+    return prev(*args, **kwargs) if prev is not None else None
+
+
+_on_compile.previous = None
+
+
+def install_triton_counter() -> bool:
+    """Install the counting hook once (idempotent); False when triton or its hook is missing."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    try:
+        import triton
+        knobs = getattr(triton, "knobs", None)
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
+            _on_compile.previous = runtime.jit_post_compile_hook
+            runtime.jit_post_compile_hook = _on_compile
+            _installed = True
+        else:  # triton < 3.4: a class attribute of JITFunction
+            from triton.runtime.jit import JITFunction
+            if not hasattr(JITFunction, "compiled_hook"):
+                raise AttributeError("no compile hook")
+            _on_compile.previous = JITFunction.compiled_hook
+            JITFunction.compiled_hook = staticmethod(_on_compile)
+            _installed = True
+    except (ImportError, AttributeError):
+        _installed = False
+    return _installed
+
+
+def triton_compiles() -> int:
+    """Triton kernel specializations compiled (or loaded from disk) by this process since
+    the counter was installed (the first call installs it); 0 without triton."""
+    install_triton_counter()
+    return _count
+
+
+def thread_compiles() -> int:
+    """:func:`triton_compiles` of the calling thread only (the default counter of
+    :class:`~capture.CapturedForward`: forwards warmed up in parallel threads each count
+    their own compiles)."""
+    install_triton_counter()
+    return getattr(_local, "count", 0)
+
+
+def cache_dir() -> Path:
+    """Triton's on-disk cache: ``TRITON_CACHE_DIR`` if set, else Triton's own default
+    (``$TRITON_HOME/.triton/cache``, ``~/.triton/cache`` without TRITON_HOME)."""
+    env = os.environ.get("TRITON_CACHE_DIR", "").strip()
+    if env:
+        return Path(env)
+    try:
+        import triton
+        d = triton.knobs.cache.dir
+        if d:
+            return Path(d)
+    except (ImportError, AttributeError):
+        pass
+    home = os.environ.get("TRITON_HOME", "").strip() or str(Path.home())
+    return Path(home) / ".triton" / "cache"
+
+
+def cache_entries(directory: str | os.PathLike | None = None) -> int:
+    """Entries (one directory per compiled kernel) in the Triton cache (default `cache_dir()`);
+    0 when it does not exist."""
+    d = Path(directory) if directory is not None else cache_dir()
+    if not d.is_dir():
+        return 0
+    return sum(1 for e in d.iterdir() if e.is_dir())

@@ -1,0 +1,79 @@
+"""Size buckets: which row counts share one compiled variant of the Triton kernels.
+
+Triton compiles a kernel once per *specialization key*: its constexprs, launch options, and,
+for every int argument it may specialize, whether the value is 1 or divisible by 16 (and
+16-byte alignment of pointers). A row count passed plainly would therefore compile a new
+variant for 1, for multiples of 16 and for the rest, times every per-size constexpr. The
+kernels here pass batch / row / token counts (and strides that scale with them) as
+`do_not_specialize` arguments and pick their tiles per bucket of rows, so a batch-size
+schedule compiles a handful of variants per kernel, not one per size:
+
+* `rows_block(rows)`: the lanes of the per-row metadata kernels (16 up to 16 rows, else 64
+  with more programs);
+* `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <= 4, the fused-norm
+  finisher;
+* `pdl.MAX_ROWS`: PDL on (a constexpr) up to 4 rows;
+* `argmax.splits_pad(splits)`: the second-stage lanes of the split argmax.
+
+`row_bucket(rows)` names the combination; `representative_sizes` picks one batch size of a
+schedule per distinct combination (the sizes a warm-up must run to compile what every size
+of the schedule needs: `kernels.warmup`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import triton
+
+__all__ = ["representative_sizes", "row_bucket", "rows_block"]
+
+_ROWS_SMALL = 16
+_ROWS_LARGE = 64
+
+
+def rows_block(rows: int) -> int:
+    """Lanes per program of a kernel over `rows` per-row values: 16 up to 16 rows, else 64
+    (the grid then takes `cdiv(rows, 64)` programs)."""
+    if rows < 0:
+        raise ValueError(f"rows: expected >= 0, got {rows}")
+    return _ROWS_SMALL if rows <= _ROWS_SMALL else _ROWS_LARGE
+
+
+def row_bucket(rows: int, *, num_sms: int = 132) -> tuple:
+    """The compile-relevant choices of a launch over `rows` rows (equal tuples: the same
+    compiled variants): the GEMV tile and finisher (or cuBLAS above `ops.SMALL_M_MAX`),
+    PDL on or off, `rows_block`, and the split argmax's second-stage lanes (its split count
+    is about `2 * num_sms / rows`)."""
+    from graphdraft import ops  # ops imports the kernels lazily: no cycle
+    from graphdraft.kernels import argmax, gemv, pdl
+
+    if rows < 1:
+        raise ValueError(f"rows: expected >= 1, got {rows}")
+    if rows <= min(ops.SMALL_M_MAX, gemv.MAX_M):
+        gemv_key = (gemv.m_bucket(rows), rows <= gemv.FINISH_NORM_MAX_M)
+    else:
+        gemv_key = ("cublas",)
+    splits = triton.cdiv(2 * num_sms, rows)
+    return (gemv_key, rows <= pdl.MAX_ROWS, rows_block(rows), argmax.splits_pad(splits))
+
+
+def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int] = (1,), *,
+                         num_sms: int = 132) -> list[int]:
+    """One batch size per bucket of `schedule` (the largest of each), descending.
+
+    A forward at batch size bs launches kernels over `bs * r` rows for each r of
+    `row_multipliers` (e.g. 1 for per-request kernels and N for the N tokens a request
+    carries into a decode step); two sizes share a bucket when every such row count does
+    (`row_bucket`). Warming up these sizes compiles every variant the schedule needs.
+    """
+    sizes = sorted(set(schedule))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"schedule: expected batch sizes >= 1, got {list(schedule)!r}")
+    mults = sorted(set(row_multipliers))
+    if not mults or mults[0] < 1:
+        raise ValueError(f"row_multipliers: expected ints >= 1, got {list(row_multipliers)!r}")
+    best: dict[tuple, int] = {}
+    for bs in sizes:
+        best[tuple(row_bucket(bs * r, num_sms=num_sms) for r in mults)] = bs  # largest wins
+    return sorted(best.values(), reverse=True)

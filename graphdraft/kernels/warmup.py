@@ -1,0 +1,223 @@
+"""Compiling what a batch-size schedule needs before capture, and checking what it compiles.
+
+`precompile_engine(engine)` runs every captured forward of an engine (and of its drafter) once
+at one batch size per bucket of compiled variants (`buckets.representative_sizes`), before
+`capture_graphs` warms up and captures each size: the Triton kernels of every bucket are
+compiled there, with a progress bar (`progress=False` or the logger level silences it), and
+capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`.
+
+`specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
+kernel under for a launch with these arguments (its constexprs and launch options, and for
+every other argument its type with Triton's value specialization: 1, divisible by 16,
+16-byte aligned), computed on the host the way Triton's launcher does; `KeyRecorder` records
+it for every launch of the given kernels. They run under the interpreter too, so the CPU
+tests can check that the sizes of one bucket launch under one key.
+
+Triton's cache stays where Triton puts it: `TRITON_CACHE_DIR` when set, else Triton's
+default (`capture.compiles.cache_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from capture import CapturedForward
+from graphdraft.kernels.buckets import representative_sizes
+
+__all__ = ["KeyRecorder", "captured_forwards", "kernels", "precompile_engine",
+           "specialization_key"]
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_MODULES = ("argmax", "cache_loc", "draft_indices", "gemv", "norm", "rope", "stage_inputs")
+
+
+def kernels() -> dict[str, object]:
+    """The launched `@triton.jit` kernels of the draft chain's kernel modules (not attention),
+    by `module.name`."""
+    import importlib
+
+    out = {}
+    for mod_name in _KERNEL_MODULES:
+        mod = importlib.import_module(f"graphdraft.kernels.{mod_name}")
+        for name, obj in vars(mod).items():
+            if name.startswith("_") and "_kernel" in name and hasattr(obj, "run") and hasattr(obj, "fn"):
+                out[f"{mod_name}.{name}"] = obj
+    return out
+
+
+def _params(kernel) -> list:
+    """Triton's per-parameter metadata (KernelParam), also for the interpreter's functions."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return params
+    from triton.runtime.jit import KernelParam  # interpreter: rebuild from the jit arguments
+
+    kw = getattr(kernel, "kwargs", {}) or {}
+    dns = set(kw.get("do_not_specialize") or ())
+    dns_oa = set(kw.get("do_not_specialize_on_alignment") or ())
+    return [KernelParam(i, p, i in dns or p.name in dns, i in dns_oa or p.name in dns_oa)
+            for i, p in enumerate(inspect.signature(kernel.fn).parameters.values())]
+
+
+def _specialize(v, is_const: bool, specialize: bool, align: bool) -> tuple:
+    """Triton's (type, specialization) of one argument: its own native function where the
+    installed triton has it, else the same rules in Python (ints: 1 -> constexpr, a multiple
+    of 16 -> "D"; pointers: 16-byte aligned -> "D"; none of it under do_not_specialize)."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        native_specialize_impl = None
+    if native_specialize_impl is not None:
+        return tuple(native_specialize_impl(BaseBackend, v, is_const, specialize, align))
+    if v is None:
+        return ("constexpr", None)
+    if isinstance(v, bool):
+        return ("u1", None)
+    if isinstance(v, int):
+        ty = "i32" if -2**31 <= v < 2**31 else ("u64" if v >= 2**63 else "i64")
+        if not specialize:
+            return (ty, None)
+        return ("constexpr", 1) if v == 1 else (ty, "D" if v % 16 == 0 else "")
+    if isinstance(v, float):
+        return ("fp32", None)
+    if hasattr(v, "data_ptr"):
+        ty = f"*{'k' if is_const else ''}{v.dtype}"
+        return (ty, ("D" if v.data_ptr() % 16 == 0 else "") if specialize and align else None)
+    return (type(v).__name__, repr(v))
+
+
+def specialization_key(kernel, *args, **kwargs) -> tuple:
+    """The JIT cache key of launching `kernel` with these arguments: a tuple of
+    `(name, ("constexpr", value) | (type, specialization))` per parameter, then the sorted
+    launch options (num_warps, launch_pdl, ...). Two launches with equal keys run one
+    compiled kernel."""
+    params = _params(kernel)
+    names = {p.name for p in params}
+    sig = inspect.signature(kernel.fn)
+    bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()
+    spec = []
+    for p in params:
+        v = bound.arguments[p.name]
+        if p.is_constexpr:
+            spec.append((p.name, ("constexpr", v)))
+        else:
+            spec.append((p.name, _specialize(v, p.is_const, not p.do_not_specialize,
+                                             not p.do_not_specialize_on_alignment)))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    return tuple(spec) + options
+
+
+class KeyRecorder(contextlib.AbstractContextManager):
+    """Record `specialization_key` of every launch of `kernels` (default: `kernels()`) while
+    active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count.
+    The launches still run. A diagnostic (it costs host time per launch), not for serving."""
+
+    def __init__(self, kernels_by_name: dict[str, object] | None = None) -> None:
+        self.kernels = dict(kernels_by_name) if kernels_by_name is not None else kernels()
+        self.keys: dict[str, set] = defaultdict(set)
+        self.launches: dict[str, int] = defaultdict(int)
+        self._saved: list[tuple[object, object]] = []
+
+    def __enter__(self) -> KeyRecorder:
+        for name, k in self.kernels.items():
+            run = k.run  # the bound method (or an outer recorder's wrapper)
+
+            def wrapped(*args, _run=run, _k=k, _name=name, grid, warmup, **kwargs):
+                self.keys[_name].add(specialization_key(_k, *args, **kwargs))
+                self.launches[_name] += 1
+                return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+            self._saved.append((k, k.__dict__.get("run")))
+            k.run = wrapped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for k, prev in reversed(self._saved):
+            if prev is None:
+                del k.run
+            else:
+                k.run = prev
+        self._saved.clear()
+
+    def total(self) -> int:
+        """Distinct keys over all kernels: the compiles these launches need on a GPU."""
+        return sum(len(v) for v in self.keys.values())
+
+
+def captured_forwards(*owners: object) -> dict[str, CapturedForward]:
+    """Every `CapturedForward` attribute of the given objects (e.g. an engine and its
+    drafter), by attribute name (`verify_graphs`, `decode_graphs`, ...), in discovery order."""
+    out: dict[str, CapturedForward] = {}
+    for o in owners:
+        for name, v in vars(o).items():
+            if isinstance(v, CapturedForward) and all(v is not w for w in out.values()):
+                out[name] = v
+    return out
+
+
+def _forwards_of(engine) -> Iterator[tuple[object, dict[str, CapturedForward]]]:
+    yield engine, captured_forwards(engine)
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:
+        yield drafter, captured_forwards(drafter)
+
+
+def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) -> dict[str, int]:
+    """Run each captured forward of `engine` and `engine.drafter` once per size bucket of its
+    schedule (`representative_sizes` with rows per request 1 and `engine.cfg.spec_num_tokens`),
+    so `capture_graphs` compiles nothing more; return the compiles counted per forward.
+
+    Call it inside `Engine.capture_graphs`, after the static inputs are padded (the warm-up
+    forwards read them, as capture's own warm-up does). The drafter's buffers are reset to
+    neutral values before and after (`_reset_neutral`, as its capture does).
+
+    `parallel`: the engine's forwards and the drafter's run in two threads, so one compiles
+    while the other launches or compiles (Triton's compiler releases the GIL in its C++
+    passes and in ptxas). Their launches go to each forward's side stream; the draft
+    forwards may then read target hidden states mid-write: finite values either way, and no
+    index buffer is written by the other owner's forwards. Only compiling is the point.
+    """
+    n = int(getattr(engine.cfg, "spec_num_tokens", 1))
+    owners = list(_forwards_of(engine))
+    resets = [getattr(o, "_reset_neutral", None) for o, _ in owners if o is not engine]
+    resets = [r for r in resets if r is not None]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def work(forwards: dict[str, CapturedForward]) -> dict[str, int]:
+        if device is not None:
+            torch.cuda.set_device(device)  # the current device is per thread
+        out = {}
+        with torch.inference_mode():  # per thread too
+            for f in forwards.values():
+                sizes = representative_sizes(f.batch_sizes, (1, n))
+                out[f.name] = f.precompile(sizes, progress=progress)
+        return out
+
+    for r in resets:
+        r()
+    counts: dict[str, int] = {}
+    if parallel and len(owners) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(owners), thread_name_prefix="jit-warmup") as pool:
+            for part in pool.map(work, [fw for _, fw in owners]):
+                counts.update(part)
+    else:
+        for _, fw in owners:
+            counts.update(work(fw))
+    if device is not None:
+        torch.cuda.synchronize()
+    for r in resets:
+        r()
+    logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
+    return counts
+
