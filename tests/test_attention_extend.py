@@ -141,7 +141,7 @@ def test_torch_path_matches_per_token_attention():
     q, kc, vc, req, sl, e, qs, r2p = _setup(seq, ext, [0, 1, 2], 4, 2, 16, 4, torch.float32)
     out = ops.paged_extend_attention(q, kc, vc, req, sl, e, qs, r2p, 4, 0.25, 32, max_extend=7)
     tok_req = torch.repeat_interleave(req, e.long())
-    tok_kv = torch.tensor([s - n + j + 1 for s, n in zip(seq, ext) for j in range(n)],
+    tok_kv = torch.tensor([s - n + j + 1 for s, n in zip(seq, ext, strict=True) for j in range(n)],
                           dtype=torch.int32)
     assert torch.equal(out, ops.paged_attention(q, kc, vc, tok_req, tok_kv, r2p, 4, 0.25, 32))
 
