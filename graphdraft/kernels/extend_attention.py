@@ -24,6 +24,8 @@ Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine. E
 program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
 combine reads all splits of every token without knowing its row.
 
+Over at most `pdl.MAX_ROWS` tokens (verify at bs 1) both stages launch with programmatic
+dependent launch (`kernels.pdl`), waiting first thing, as the decode kernel they replace did.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
 config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
-from graphdraft.kernels.pdl import interpreting
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]
@@ -75,8 +77,9 @@ def _extend_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UNIFORM: tl.constexpr, MASK_BITS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # with PDL (few rows): wait for the kernel before, then let the next launch
     BLOCK_T: tl.constexpr = BLOCK_M // G_PAD
     r = tl.program_id(0)
     qb = num_q_blocks - 1 - tl.program_id(1)  # longest blocks first
@@ -199,8 +202,10 @@ def _extend_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _extend_combine_kernel(part_ptr, lse_ptr, o_ptr, so_t, so_h, num_splits,
-                           D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr):
+                           D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (t, h): the log-sum-exp weighted sum of all splits (empty ones: lse -inf)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D_PAD)
@@ -368,11 +373,13 @@ def paged_extend_attention(
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, UNIFORM=uniform_n > 0, MASK_BITS=mask_bits is not None, ONE_SPLIT=one,
         DOT_FP32=dot_fp32, num_warps=warps, num_stages=NUM_STAGES,
+        **launch_options(q.device, T),
     )
     if not one:
         _extend_combine_kernel[(T, Hq)](
             part, lse, out, out.stride(0), out.stride(1), splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
+            **launch_options(q.device, T),
         )
     return out
 
