@@ -11,7 +11,8 @@ N = 1 (decode step: the decode kernel), and times their replays (CUDA events, me
 warm-up). `verify_old_ms`: the same verify forward with the per-token metadata the engine
 used before (one decode-kernel row per token), for comparison.
 
-Floors: `hbm_floor_ms` = (weight bytes + every row's KV read once) / the copy bandwidth
+Floors: `hbm_floor_ms` = (weight bytes but the embedding table, which is only gathered, +
+every row's KV read once) / the copy bandwidth
 measured in this run; `compute_floor_ms` = the forward's FLOPs (2 x matmul parameters x
 tokens + attention 4 x Hq x D x sum of positions seen, every layer) / the bf16 rate of an
 8192^3 cuBLAS GEMM timed in this run. `matmuls`: the verify forward's projections at
@@ -225,6 +226,8 @@ def main() -> None:
     target = build_target(device)
     target.set_use_triton(True)
     wbytes = weight_bytes(target)
+    if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
+        wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
     matmuls = time_matmuls(target, rate, device)
     per_tok = kv_bytes_per_token(mc)
     cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
