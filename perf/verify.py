@@ -23,7 +23,10 @@ Prefill: the extend kernel alone (`kernels.extend_attention.paged_extend_attenti
 heads, 8 kv heads, D 128, causal), against `scaled_dot_product_attention` with the flash
 backend on the same shapes with contiguous K/V (GQA through `enable_gqa`, or K/V expanded to
 32 heads where that backend refuses it: `sdpa_form` says which), and the per-token decode
-kernel on the same paged cache (`old_prefill_ms`, today's path).
+kernel on the same paged cache (`old_prefill_ms`, today's path). `prefill_tiles`: the same
+prefill under a few other 128-row tile configs; `attention_alone`: one layer's verify attention
+(N = 4) at kv 4096 through the extend kernel (a few tile configs), the per-token decode kernel
+it replaces, and the decode kernel at N = 1, against that layer's KV read once.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 from graphdraft import ops
 from graphdraft.attention import PagedAttentionBackend
+from graphdraft.kernels import extend_attention
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.kv_cache import KVPool
@@ -204,6 +208,96 @@ def prefill(device: str) -> dict:
             "max_abs_diff_vs_sdpa": err, "measured": "kernel alone, one layer"}
 
 
+PREFILL_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                 (128, 32, 4, 4))
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) tried for the 8k prefill (`prefill_tiles`)."""
+VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (64, 8, 4))
+"""(BLOCK_N, num_warps, num_stages) tried for the N = 4 verify tile (`attention_alone`)."""
+
+
+def _with_tiles(tiles: dict, stages: int, fn):
+    saved = dict(extend_attention.TILES), extend_attention.NUM_STAGES
+    extend_attention.TILES.update(tiles)
+    extend_attention.NUM_STAGES = stages
+    try:
+        return fn()
+    finally:
+        extend_attention.TILES.clear()
+        extend_attention.TILES.update(saved[0])
+        extend_attention.NUM_STAGES = saved[1]
+
+
+def prefill_tiles(device: str) -> list[dict]:
+    """The 8k prefill (kernel alone, as `prefill`) under other 128-row tile configs."""
+    mc, L = LLAMA31_8B, PREFILL_TOKENS
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per = L // PAGE_SIZE
+    r2p = torch.zeros(2, per, dtype=torch.int32, device=device)
+    r2p[1] = (torch.randperm(per, device=device) + 1).to(torch.int32)
+    q = torch.randn(L, hq, d, device=device, dtype=torch.bfloat16)
+    kc = torch.randn((per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    req = torch.ones(1, dtype=torch.int64, device=device)
+    seq = torch.full((1,), L, dtype=torch.int32, device=device)
+    qs = torch.zeros(1, dtype=torch.int64, device=device)
+    out = torch.empty_like(q)
+    call = lambda: paged_extend_attention(q, kc, vc, req, seq, seq, qs, r2p, PAGE_SIZE,
+                                          d ** -0.5, max_kv_len=L, max_extend=L, out=out)
+    rows = []
+    for bm, bn, w, st in PREFILL_TILES:
+        try:
+            ms = _with_tiles({128: (bm, bn, w)}, st,
+                             lambda: median_us(call, warmup=2, reps=5, device=device)) / 1e3
+        except Exception as e:  # a config the compiler refuses (shared memory): say so
+            rows.append({"tile": [bm, bn, w, st], "error": str(e).splitlines()[0][:200]})
+            continue
+        rows.append({"tile": [bm, bn, w, st], "ms": ms})
+    return rows
+
+
+def attention_alone(bw: float, device: str) -> list[dict]:
+    """One layer's verify attention (N = 4, extend kernel; the per-token decode kernel it
+    replaces) and decode attention (N = 1) at kv 4096, against one layer's KV read once."""
+    rows = []
+    for bs in (1, 8, 64, 256):
+        rows.append(_attention_alone_row(bs, bw, device))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
+    mc, kv, n = LLAMA31_8B, 4096, N_VERIFY
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per = math.ceil((kv + n) / PAGE_SIZE)
+    r2p = torch.zeros(bs + 1, per, dtype=torch.int32, device=device)
+    r2p[1:] = (torch.randperm(bs * per, device=device) + 1).view(bs, per).to(torch.int32)
+    kc = torch.randn((bs * per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(bs * n, hq, d, device=device, dtype=torch.bfloat16)
+    req = torch.arange(1, bs + 1, device=device)
+    seq = torch.full((bs,), kv + n, dtype=torch.int32, device=device)
+    tok_req = req.repeat_interleave(n)
+    tok_kv = (seq.repeat_interleave(n) - n + torch.arange(bs * n, device=device) % n + 1
+              ).to(torch.int32)
+    scale, ctx = d ** -0.5, kv + 64
+    ext = lambda: paged_extend_attention(q, kc, vc, req, seq, None, None, r2p, PAGE_SIZE,
+                                         scale, max_kv_len=ctx, uniform_n=n)
+    old = lambda: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p, PAGE_SIZE, scale,
+                                         max_kv_len=ctx)
+    dec = lambda: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p, PAGE_SIZE, scale,
+                                         max_kv_len=ctx)
+    row = {"bs": bs, "kv": kv, "kv_floor_us": bs * (kv + n) * hkv * d * 2 * 2 / bw * 1e6,
+           "decode_kernel_n1_us": median_us(dec, warmup=3, reps=20, device=device),
+           "old_per_token_n4_us": median_us(old, warmup=3, reps=20, device=device)}
+    for bn, w, st in VERIFY_TILES:
+        try:
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = _with_tiles(
+                {16: (16, bn, w)}, st, lambda: median_us(ext, warmup=3, reps=20, device=device))
+        except Exception as e:  # a config the compiler refuses: say so, go on
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = str(e).splitlines()[0][:200]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -219,6 +313,13 @@ def main() -> None:
     print(f"prefill {PREFILL_TOKENS}: ours {pre['prefill_ms']:.3f} ms, sdpa flash "
           f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['sdpa_form']}), per-token decode kernel "
           f"{pre['old_prefill_ms']:.3f} ms; max |diff| {pre['max_abs_diff_vs_sdpa']:.3g}")
+    tiles = prefill_tiles(device)
+    print("prefill tiles (BLOCK_M, BLOCK_N, warps, stages): " + ", ".join(
+        f"{r['tile']} {r['ms']:.3f} ms" if "ms" in r else f"{r['tile']} failed" for r in tiles))
+    alone = attention_alone(bw, device)
+    for r in alone:
+        print("attention alone:", {k: round(v, 1) if isinstance(v, float) else v
+                                   for k, v in r.items()})
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -265,7 +366,8 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     rows.append({k: pre[k] for k in ("prefill_tokens", "prefill_ms", "sdpa_prefill_ms")})
-    data = {"rows": rows, "prefill": pre, "matmuls": matmuls, "copy_bandwidth_bytes_s": bw,
+    data = {"rows": rows, "prefill": pre, "prefill_tiles": tiles, "attention_alone": alone,
+            "matmuls": matmuls, "copy_bandwidth_bytes_s": bw,
             "gemm_flops_s": rate, "n_verify": N_VERIFY, "page_size": PAGE_SIZE,
             "weight_bytes": wbytes, "seconds": time.time() - t0}
     path = write_json(args.out, "verify.json", data)
