@@ -1,9 +1,16 @@
 """Attention backend for paged KV: metadata and the attend call.
 
-Every attention in graphdraft is expressed per query row: row t attends to
-positions `[0, kv_lens[t])` of request slot `req_pool_indices[t]`. A decode
-draft step has one row per request; the target's prefill and verify forwards
-have one row per token, with `kv_lens` growing causally inside a request.
+Two forms of metadata:
+- per query token (`AttentionMetadata`, `bind_metadata`): token t attends to positions
+  `[0, kv_lens[t])` of request slot `req_pool_indices[t]`. The single-token decode forwards
+  (draft steps, one row per request) use it: the decode kernel.
+- per row of several tokens (`RowMetadata`, `row_metadata` / `uniform_row_metadata`): row r
+  holds the `extend_lens[r]` new tokens of request `req_pool_indices[r]`, whose sequence is
+  `seq_lens[r]` long with them; token j sees `seq_lens[r] - extend_lens[r] + j + 1` positions.
+  The target's verify (uniform rows of N tokens, graph-captured), prefill and mixed forwards
+  use it: the extend kernel (`kernels.extend_attention`) loads each KV block once per row
+  instead of once per token. The torch path expands the rows to the per-token form and runs
+  the same plain attention.
 
 The draft's seq-len alias: the drafter binds a persistent `kv_lens` buffer as
 the metadata once, then advances it in place before each draft step
@@ -30,6 +37,23 @@ class AttentionMetadata:
     kv_lens: torch.Tensor
 
 
+@dataclass
+class RowMetadata:
+    """Per row `[R]`: request slot, sequence length with the new tokens, and (ragged rows)
+    new-token count `extend_lens` and first query row `q_starts` (int32/int64); uniform rows
+    have `uniform_n` tokens each at `r * uniform_n` (extend_lens / q_starts None).
+    `max_extend` (host int) bounds extend_lens (sizes the kernel's grid: no host sync);
+    `mask_bits` `[T]` int64 (optional): bit i of token j's word = token j sees new token i."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor | None
+    q_starts: torch.Tensor | None
+    uniform_n: int
+    max_extend: int
+    mask_bits: torch.Tensor | None = None
+
+
 class PagedAttentionBackend:
     """Paged attention over `req_to_page`; torch path everywhere, Triton path on CUDA."""
 
@@ -40,7 +64,7 @@ class PagedAttentionBackend:
         self.max_context_len = max_context_len
         self.use_triton = use_triton
         self.num_extends = 0
-        self.metadata: AttentionMetadata | None = None
+        self.metadata: AttentionMetadata | RowMetadata | None = None
 
     # --- metadata -----------------------------------------------------------
     def bind_metadata(self, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor) -> AttentionMetadata:
@@ -56,8 +80,8 @@ class PagedAttentionBackend:
         captured graph still reads the same memory.
         """
         meta = self.metadata
-        if meta is None:
-            raise RuntimeError("advance_draft_forward_metadata: no metadata bound")
+        if not isinstance(meta, AttentionMetadata):
+            raise RuntimeError("advance_draft_forward_metadata: no per-token metadata bound")
         if seq_lens.data_ptr() != meta.kv_lens.data_ptr():
             meta.kv_lens[: seq_lens.shape[0]].copy_(seq_lens)
 
@@ -69,6 +93,34 @@ class PagedAttentionBackend:
             yield
         finally:
             self.num_extends = saved
+
+    def uniform_row_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                             n: int, mask_bits: torch.Tensor | None = None) -> RowMetadata:
+        """Bind rows of `n` tokens each (the verify forward): `req_pool_indices` / `seq_lens`
+        `[R]` (views of persistent buffers: a captured graph reads them in place), the queries
+        `[R * n]` row-major. Nothing is computed (no launch). With n == 1 (target-only decode)
+        this is the per-token form over the same buffers (`kv_lens = seq_lens`, each >= 1:
+        padded rows hold 1), which runs the single-token decode kernel."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: expected a positive int (tokens per row), got {n!r}")
+        if n == 1 and mask_bits is None:  # single-token rows: the decode kernel, kv_lens = seq_lens
+            return self.bind_metadata(req_pool_indices, seq_lens)
+        self.metadata = RowMetadata(req_pool_indices, seq_lens, None, None, n, n, mask_bits)
+        return self.metadata
+
+    def row_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, max_extend: int,
+                     mask_bits: torch.Tensor | None = None) -> RowMetadata:
+        """Bind ragged rows laid out in order (prefill chunks, mixed batches; eager): `[R]`
+        each; `max_extend` a host upper bound of `extend_lens` (e.g. the longest chunk
+        scheduled). The rows' first query rows (the exclusive cumsum of extend_lens) are
+        computed on the device (one small tensor, no host sync)."""
+        if not isinstance(max_extend, int) or max_extend < 1:
+            raise ValueError(f"max_extend: expected a positive int, got {max_extend!r}")
+        q_starts = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
+        self.metadata = RowMetadata(req_pool_indices, seq_lens, extend_lens, q_starts, 0,
+                                    max_extend, mask_bits)
+        return self.metadata
 
     def token_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        extend_lens: torch.Tensor, num_tokens: int,
@@ -89,14 +141,23 @@ class PagedAttentionBackend:
 
     # --- compute ------------------------------------------------------------
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               sm_scale: float, metadata: AttentionMetadata | None = None,
+               sm_scale: float, metadata: AttentionMetadata | RowMetadata | None = None,
                q_index: torch.Tensor | None = None) -> torch.Tensor:
-        """q `[T, Hq, D]` -> `[T, Hq, D]` over the bound (or given) metadata's first T rows.
-        With `q_index` `[T]` the query rows are `q[q_index]` (q any `[R, Hq, D]`; the gather
-        happens inside the attention kernel on the Triton path)."""
+        """q `[T, Hq, D]` -> `[T, Hq, D]` over the bound (or given) metadata's first T rows
+        (per-token metadata) or its rows (row metadata: T their tokens). With `q_index` `[T]`
+        the query rows are `q[q_index]` (q any `[R, Hq, D]`; with per-token metadata the
+        gather happens inside the attention kernel on the Triton path)."""
         meta = metadata or self.metadata
         if meta is None:
             raise RuntimeError("attend: no attention metadata bound")
+        if isinstance(meta, RowMetadata):
+            if q_index is not None:
+                q = q.index_select(0, q_index)
+            return ops.paged_extend_attention(
+                q, k_cache, v_cache, meta.req_pool_indices, meta.seq_lens, meta.extend_lens,
+                meta.q_starts, self.req_to_page, self.page_size, sm_scale, self.max_context_len,
+                max_extend=meta.max_extend, uniform_n=meta.uniform_n, mask_bits=meta.mask_bits,
+                use_triton=self.use_triton)
         t = q.shape[0] if q_index is None else q_index.shape[0]
         return ops.paged_attention(q, k_cache, v_cache, meta.req_pool_indices[:t], meta.kv_lens[:t],
                                    self.req_to_page, self.page_size, sm_scale,

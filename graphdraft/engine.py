@@ -237,10 +237,7 @@ class Engine:
     def _target_decode(self, bs: int) -> TargetOutput:
         """Target forward over a decode batch of `bs` rows x n_row tokens (graph-capturable)."""
         t, n, ib = bs * self.n_row, self.n_row, self.inputs
-        row = self._tok_row[:t]
-        torch.index_select(ib.req_pool_indices, 0, row, out=self._tok_req[:t])
-        self._tok_kv[:t].copy_(torch.clamp(ib.seq_lens[row] - n + self._tok_j[:t] + 1, min=1))
-        meta = self.backend.bind_metadata(self._tok_req[:t], self._tok_kv[:t])
+        meta = self.backend.uniform_row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs], n)
         # the aux hidden states go straight into the drafter's input buffer (no copy in its run)
         aux_out = None
         if (isinstance(self.drafter, EagleDrafter)
@@ -261,8 +258,8 @@ class Engine:
             aux = out.aux_hidden[:t] if out.aux_hidden is not None else None
             return TargetOutput(out.logits[:t], aux)
         t = ctx.input_num_tokens
-        meta = self.backend.token_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
-                                           ib.extend_lens[:bs], t, self._tok_req, self._tok_kv)
+        meta = self.backend.row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
+                                         ib.extend_lens[:bs], max(len(r.input_ids) for r in rows))
         logit_rows, tok = [], 0
         for r in rows:
             if r.is_prefill:

@@ -159,6 +159,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       page_size, sm_scale, max_kv_len=max_kv_len, q_index=q_index)
     if q_index is not None:
         q = q.index_select(0, q_index)
+    return _paged_attention_torch(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
+                                  page_size, sm_scale, max_kv_len)
+
+
+def _paged_attention_torch(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size,
+                           sm_scale, max_kv_len, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain torch attention: row t over positions `[0, kv_lens[t])` (and, with `seen`
+    `[T, max_kv_len]` bool, only where it is True)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
@@ -166,6 +174,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pos = torch.arange(max_kv_len, device=q.device)
     slots = kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0), page_size)
     valid = pos.unsqueeze(0) < kv_lens.unsqueeze(1)                  # [T, L]
+    if seen is not None:
+        valid = valid & seen
     k = k_cache[slots].float()                                        # [T, L, Hkv, D]
     v = v_cache[slots].float()
     qg = q.float().view(t, hkv, hq // hkv, d)                         # [T, Hkv, G, D]
@@ -176,6 +186,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = torch.where(valid[:, :, None, None], v, torch.zeros_like(v))  # garbage past kv_lens stays out
     out = torch.einsum("thgl,tlhd->thgd", probs, v)
     return out.reshape(t, hq, d).to(q.dtype)
+
+
+def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           extend_lens: torch.Tensor | None, q_starts: torch.Tensor | None,
+                           req_to_page: torch.Tensor, page_size: int, sm_scale: float,
+                           max_kv_len: int, *, max_extend: int = 0, uniform_n: int = 0,
+                           mask_bits: torch.Tensor | None = None,
+                           use_triton: bool = False) -> torch.Tensor:
+    """Rows of several query tokens: q `[T, Hq, D]` -> `[T, Hq, D]`
+    (`graphdraft.kernels.extend_attention` has the semantics). Row r (`[R]` metadata) holds
+    `extend_lens[r]` tokens (or `uniform_n` each) at q rows from `q_starts[r]`; token j sees
+    `max(seq_lens[r] - extend_lens[r] + j + 1, 1)` positions, and with `mask_bits` `[T]` int64
+    only the row's new tokens whose bit is set. The torch path expands the rows to per-token
+    metadata (rows laid out in order: `q_starts` the exclusive cumsum of `extend_lens`) and runs
+    the same plain attention as `paged_attention`; the Triton path reads each KV block once per
+    (row, query block, kv head)."""
+    if use_triton:
+        from graphdraft.kernels.extend_attention import paged_extend_attention as kernel
+        return kernel(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
+                      req_to_page, page_size, sm_scale, max_kv_len=max_kv_len,
+                      max_extend=max_extend, uniform_n=uniform_n, mask_bits=mask_bits)
+    t = q.shape[0]
+    tok = torch.arange(t, device=q.device)
+    if uniform_n:
+        row = tok // uniform_n
+        j = tok % uniform_n
+        prefix = seq_lens.long()[row] - uniform_n
+    else:
+        row = torch.repeat_interleave(torch.arange(extend_lens.shape[0], device=q.device),
+                                      extend_lens.long(), output_size=t)
+        j = tok - q_starts.long()[row]
+        prefix = seq_lens.long()[row] - extend_lens.long()[row]
+    kv_lens = torch.clamp(prefix + j + 1, min=1)
+    seen = None
+    if mask_bits is not None:
+        i = torch.arange(max_kv_len, device=q.device)[None, :] - prefix[:, None]  # [T, L]
+        seen = (i < 0) | (((mask_bits[:, None] >> i.clamp(0, 63)) & 1) != 0)
+    return _paged_attention_torch(q, k_cache, v_cache, req_pool_indices[row], kv_lens,
+                                  req_to_page, page_size, sm_scale, max_kv_len, seen)
 
 
 # ---------------------------------------------------------------------------

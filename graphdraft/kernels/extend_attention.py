@@ -1,0 +1,434 @@
+"""Paged attention for rows of several query tokens (verify, prefill chunks, mixed batches).
+
+A row r holds ``E = extend_lens[r]`` new tokens of request ``req_pool_indices[r]`` whose
+sequence is ``L = seq_lens[r]`` long with them (prefix ``P = L - E``). Its tokens are query
+rows ``q_starts[r] + j`` (j < E) of ``q [T, Hq, D]``; token j attends to positions
+``[0, max(P + j + 1, 1))`` (causal; the clamp keeps padded graph rows, L = 1 < E, on a
+defined read), and with ``mask_bits [T]`` int64 it sees new token i (position ``P + i``)
+only when bit i of its word is set (tree verification; bits above j are ignored: the causal
+limit stays). The cache slot of position p is
+``req_to_page[req, p // page_size] * page_size + p % page_size``.
+
+Uniform rows (``uniform_n > 0``, the captured verify forward): every row has E = uniform_n
+and ``q_starts[r] = r * uniform_n``; ``extend_lens`` and ``q_starts`` are not read.
+
+Stage 1, grid ``(R, num_q_blocks, Hkv * num_splits)``: a program takes ``BLOCK_T`` tokens of
+one row times the ``G = Hq / Hkv`` heads of one kv head (``BLOCK_M = BLOCK_T * G_PAD`` rows
+of ``tl.dot``, row m = token ``m // G_PAD``, head ``m % G_PAD``), and walks its KV chunk in
+``BLOCK_N`` blocks, each loaded once for all of them (fp32 online softmax). Positions every
+token of the block sees run without a mask; the rest (the causal diagonal, the mask bits)
+with one. The chunk of split s is ``[s * chunk, (s + 1) * chunk)`` cut at the block's last
+token's length (the last split runs to it), ``chunk = roundup(ceil(max_kv_len / splits),
+BLOCK_N)``. Programs past a row's end exit (a host bound sizes the grid: no sync).
+Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine. Every stage-1
+program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
+combine reads all splits of every token without knowing its row.
+
+Over at most `pdl.MAX_ROWS` tokens (verify at bs 1) both stages launch with programmatic
+dependent launch (`kernels.pdl`), waiting first thing, as the decode kernel they replace did.
+Query blocks are walked longest first (causal prefill: the heavy blocks start first).
+Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
+config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
+page size and flags, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdraft.kernels.argmax import num_sms
+from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
+
+__all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
+           "tile_config"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+MAX_MASK_TOKENS = 64
+"""mask_bits words are int64: at most 64 new tokens per row with a mask."""
+MAX_CHUNK = 256
+"""Preferred upper bound on positions per split (as the decode kernel's)."""
+NUM_STAGES = 3
+# (BLOCK_M, BLOCK_N, num_warps) by BLOCK_M; module-level so a benchmark can override them.
+TILES = {16: (16, 64, 4), 32: (32, 64, 4), 64: (64, 64, 4), 128: (128, 64, 8)}
+
+
+def tile_config(max_extend: int, g_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of at most `max_extend` tokens and `g_pad`
+    (power of two) grouped heads: BLOCK_M = next_pow2(max_extend * g_pad) within [16, 128]."""
+    bm = min(128, max(16, g_pad, triton.next_power_of_2(max(1, max_extend) * g_pad)))
+    return TILES.get(bm, (bm, 64, 4 if bm <= 64 else 8))
+
+
+@triton.jit(do_not_specialize=["seq_stride", "uniform_n", "chunk", "num_splits", "num_q_blocks",
+                               "hkv"])
+def _extend_split_kernel(
+    q_ptr, sq_t, sq_h,
+    k_ptr, sk_s, sk_h,
+    v_ptr, sv_s, sv_h,
+    req_ptr, seq_ptr, seq_stride, ext_ptr, qs_ptr, bits_ptr,
+    page_ptr, s_page_r, s_page_p,
+    o_ptr, so_t, so_h,  # final output (ONE_SPLIT) or fp32 partials [T, Hq, S, D] (contiguous)
+    lse_ptr,  # fp32 [T, Hq, S] (log2 domain)
+    scale_log2, uniform_n, chunk, num_splits, num_q_blocks, hkv,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNIFORM: tl.constexpr, MASK_BITS: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_enter(PDL)  # with PDL (few rows): wait for the kernel before, then let the next launch
+    BLOCK_T: tl.constexpr = BLOCK_M // G_PAD
+    r = tl.program_id(0)
+    qb = num_q_blocks - 1 - tl.program_id(1)  # longest blocks first
+    kvh = tl.program_id(2) % hkv
+    split = tl.program_id(2) // hkv
+    seq_len = tl.load(seq_ptr + r * seq_stride).to(tl.int32)
+    if UNIFORM:
+        ext = uniform_n
+        q_start = r.to(tl.int64) * uniform_n
+    else:
+        ext = tl.load(ext_ptr + r).to(tl.int32)
+        q_start = tl.load(qs_ptr + r).to(tl.int64)
+    j0 = qb * BLOCK_T
+    if j0 >= ext:  # past this row's end
+        return
+    prefix = seq_len - ext
+    j_last = tl.minimum(j0 + BLOCK_T, ext) - 1
+    block_end = tl.maximum(prefix + j_last + 1, 1)  # the block's longest token's length
+    start = split * chunk
+    end = tl.minimum(start + chunk, block_end)
+    if split == num_splits - 1:
+        end = block_end
+
+    m = tl.arange(0, BLOCK_M)
+    tok = j0 + m // G_PAD  # [BLOCK_M] token index in the row
+    g = m % G_PAD
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    rmask = (tok < ext) & (g < G)
+    heads = (kvh * G + g).to(tl.int64)
+    tok_row = q_start + tok.to(tl.int64)
+    tok_len = tl.maximum(prefix + tok + 1, 1)  # [BLOCK_M] positions each row sees
+    if MASK_BITS:
+        bits = tl.load(bits_ptr + tok_row, mask=tok < ext, other=0)
+        # positions below `full` need no mask: every token sees them
+        full = tl.minimum(tl.maximum(prefix, 0), end)
+    else:
+        bits = tok_row  # unused
+        full = tl.minimum(tl.maximum(prefix + j0 + 1, 1), end)
+    full = tl.maximum(start + ((full - start) // BLOCK_N) * BLOCK_N, start)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if start < end:
+        q = tl.load(q_ptr + tok_row[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        k_base = k_ptr + kvh.to(tl.int64) * sk_h
+        v_base = v_ptr + kvh.to(tl.int64) * sv_h
+        page_row = page_ptr + tl.load(req_ptr + r).to(tl.int64) * s_page_r
+        n = tl.arange(0, BLOCK_N)
+        # 1) blocks every token sees whole: no mask
+        for off in range(start, full, BLOCK_N):
+            pos = off + n
+            page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p)
+            slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
+            k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=dmask[None, :], other=0.0)
+            v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=dmask[None, :], other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # 2) the rest: causal limit per token, mask bits over the row's new tokens
+        for off in range(full, end, BLOCK_N):
+            pos = off + n
+            pmask = pos < end
+            page = tl.load(page_row + (pos // PAGE_SIZE).to(tl.int64) * s_page_p, mask=pmask,
+                           other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
+            kvmask = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            seen = pos[None, :] < tok_len[:, None]
+            if MASK_BITS:
+                i = pos[None, :] - prefix  # new-token index of the position
+                bit = (bits[:, None] >> tl.minimum(tl.maximum(i, 0), 63).to(tl.int64)) & 1
+                seen = seen & ((i < 0) | (bit != 0))
+            s = tl.where(seen, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    omask = rmask[:, None] & dmask[None, :]
+    if ONE_SPLIT:
+        o = o_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=omask)
+    else:
+        row = (tok_row * (G * hkv) + heads) * num_splits + split  # [BLOCK_M]
+        tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(lse_ptr + row, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)),
+                                         float("-inf")), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _extend_combine_kernel(part_ptr, lse_ptr, o_ptr, so_t, so_h, num_splits,
+                           D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
+                           PDL: tl.constexpr):
+    """Program (t, h): the log-sum-exp weighted sum of all splits (empty ones: lse -inf)."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    row = (t * tl.num_programs(1) + h) * num_splits
+    denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)
+    m = denom + float("-inf")
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, num_splits, SB):
+        sp = s0 + tl.arange(0, SB)
+        smask = sp < num_splits
+        lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        live = lse > float("-inf")
+        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
+        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
+                       mask=(smask & live)[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+    """Splits for `programs` (row, query block, kv head) programs: 1 once they reach 2 per SM;
+    otherwise enough for 2 per SM and chunks of <= MAX_CHUNK positions, at most ~16 programs
+    per SM, never more than the BLOCK_N blocks of `max_kv_len`."""
+    programs = max(1, programs)
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    max_kv_len = max(1, max_kv_len)
+    want = max(triton.cdiv(target, programs), triton.cdiv(max_kv_len, MAX_CHUNK))
+    return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, block_n)))
+
+
+def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
+           page_size, max_extend, uniform_n, mask_bits, out) -> int:
+    """Returns R, the number of rows. ValueError naming the argument; nothing is written."""
+    if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
+        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last "
+                         f"dim, got {tuple(q.shape)} {q.dtype}")
+    T, Hq, D = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device
+                or c.stride(2) != 1):
+            raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous "
+                             f"last dim, got {c.dtype} {tuple(c.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got "
+                         f"{tuple(v_cache.shape)}")
+    if Hq % k_cache.shape[1]:
+        raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
+    if (req_pool_indices.dim() != 1 or req_pool_indices.dtype not in _INDEX
+            or req_pool_indices.device != q.device or not req_pool_indices.is_contiguous()):
+        raise ValueError(f"req_pool_indices: expected contiguous int32/int64 [R], got "
+                         f"{req_pool_indices.dtype} {tuple(req_pool_indices.shape)}")
+    R = req_pool_indices.shape[0]
+    if seq_lens.shape != (R,) or seq_lens.dtype not in _INDEX or seq_lens.device != q.device:
+        raise ValueError(f"seq_lens: expected int32/int64 [{R}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if not isinstance(uniform_n, int) or uniform_n < 0:
+        raise ValueError(f"uniform_n: expected an int >= 0, got {uniform_n!r}")
+    if uniform_n:
+        if R * uniform_n != T:
+            raise ValueError(f"uniform_n: expected R * uniform_n == T ({R} * {uniform_n} != {T})")
+        max_extend = uniform_n
+    else:
+        for name, x in (("extend_lens", extend_lens), ("q_starts", q_starts)):
+            if (x is None or x.shape != (R,) or x.dtype not in _INDEX or x.device != q.device
+                    or not x.is_contiguous()):
+                raise ValueError(f"{name}: expected contiguous int32/int64 [{R}] (rows of "
+                                 f"different lengths need it), got "
+                                 f"{None if x is None else (x.dtype, tuple(x.shape))}")
+    if not isinstance(max_extend, int) or max_extend < 1:
+        raise ValueError(f"max_extend: expected a positive int (an upper bound of extend_lens), "
+                         f"got {max_extend!r}")
+    if mask_bits is not None:
+        if (mask_bits.shape != (T,) or mask_bits.dtype != torch.int64
+                or mask_bits.device != q.device or not mask_bits.is_contiguous()):
+            raise ValueError(f"mask_bits: expected contiguous int64 [{T}], got {mask_bits.dtype} "
+                             f"{tuple(mask_bits.shape)}")
+        if max_extend > MAX_MASK_TOKENS:
+            raise ValueError(f"max_extend: at most {MAX_MASK_TOKENS} tokens per row with "
+                             f"mask_bits, got {max_extend}")
+    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32 or req_to_page.device != q.device:
+        raise ValueError(f"req_to_page: expected int32 [max_reqs, max_pages], got "
+                         f"{req_to_page.dtype} {tuple(req_to_page.shape)}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+    if out is not None and (out.shape != (T, Hq, D) or out.dtype != q.dtype
+                            or out.device != q.device or out.stride(2) != 1):
+        raise ValueError(f"out: expected {q.dtype} {(T, Hq, D)} with a contiguous last dim")
+    return R
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor | None,
+    q_starts: torch.Tensor | None,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    max_kv_len: int,
+    max_extend: int = 0,
+    uniform_n: int = 0,
+    mask_bits: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of the rows' tokens q ``[T, Hq, D]`` over a paged KV cache -> ``[T, Hq, D]``.
+
+    req_pool_indices / seq_lens / extend_lens / q_starts ``[R]`` int32/int64 (seq_lens may be
+    strided); with ``uniform_n > 0`` every row has that many tokens at ``r * uniform_n`` (then
+    extend_lens / q_starts may be None and ``R * uniform_n == T``). ``max_extend`` (host int)
+    bounds extend_lens (sizes the grid and picks the tile); ``max_kv_len`` bounds seq_lens
+    (sizes the splits). ``mask_bits`` ``[T]`` int64: module doc. Rows must cover the tokens
+    they name; query rows of q no row names are left as they are in ``out``.
+    CUDA-graph capturable (with splits it allocates fp32 work buffers).
+    """
+    R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
+               req_to_page, page_size, max_extend, uniform_n, mask_bits, out)
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0 or R == 0:
+        return out
+    max_extend = uniform_n or max_extend
+    g_pad = triton.next_power_of_2(G)
+    block_m, block_n, warps = tile_config(max_extend, g_pad)
+    n_qb = triton.cdiv(max_extend, block_m // g_pad)
+    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
+              if num_splits is None else max(1, int(num_splits)))
+    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
+    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    one = splits == 1
+    d_pad = max(16, triton.next_power_of_2(D))
+    if one:
+        part, lse = out, out
+    else:
+        part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
+    ext = extend_lens if extend_lens is not None else req_pool_indices
+    qs = q_starts if q_starts is not None else req_pool_indices
+    _extend_split_kernel[(R, n_qb, Hkv * splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, k_cache.stride(0), k_cache.stride(1),
+        v_cache, v_cache.stride(0), v_cache.stride(1),
+        req_pool_indices, seq_lens, seq_lens.stride(0), ext, qs,
+        mask_bits if mask_bits is not None else req_pool_indices,
+        req_to_page, req_to_page.stride(0), req_to_page.stride(1),
+        part, out.stride(0), out.stride(1),
+        lse,
+        float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv,
+        G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, UNIFORM=uniform_n > 0, MASK_BITS=mask_bits is not None, ONE_SPLIT=one,
+        DOT_FP32=dot_fp32, num_warps=warps, num_stages=NUM_STAGES,
+        **launch_options(q.device, T),
+    )
+    if not one:
+        _extend_combine_kernel[(T, Hq)](
+            part, lse, out, out.stride(0), out.stride(1), splits,
+            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
+            **launch_options(q.device, T),
+        )
+    return out
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor | None,
+    q_starts: torch.Tensor | None,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    max_kv_len: int,
+    max_extend: int = 0,
+    uniform_n: int = 0,
+    mask_bits: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Torch reference: per row and token, gather the slots it sees, fp32 softmax."""
+    del max_kv_len, num_splits
+    R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
+               req_to_page, page_size, max_extend, uniform_n, mask_bits, out)
+    G = q.shape[1] // k_cache.shape[1]
+    res = out.clone() if out is not None else torch.zeros_like(q)
+    for r in range(R):
+        e = uniform_n or int(extend_lens[r])
+        q0 = r * uniform_n if uniform_n else int(q_starts[r])
+        prefix = int(seq_lens[r]) - e
+        req = int(req_pool_indices[r])
+        for j in range(e):
+            n = max(prefix + j + 1, 1)
+            pos = torch.arange(n, device=q.device)
+            seen = torch.ones(n, dtype=torch.bool, device=q.device)
+            if mask_bits is not None:
+                word = mask_bits[q0 + j].cpu()
+                i = (pos - prefix).cpu()
+                seen = ((i < 0) | (((word >> i.clamp(0, 63)) & 1) != 0)).to(q.device)
+            slots = req_to_page[req, pos // page_size].long() * page_size + pos % page_size
+            k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
+            v = v_cache[slots].float().repeat_interleave(G, dim=1)
+            s = torch.einsum("hd,nhd->hn", q[q0 + j].float(), k) * sm_scale
+            s = s.masked_fill(~seen[None, :], float("-inf"))
+            res[q0 + j] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out

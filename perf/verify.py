@@ -1,0 +1,391 @@
+"""Verify forward vs decode step vs their floors at the 8B shape, and an 8k-token prefill (issue #23).
+
+    python3 -m perf.verify --out DIR        (one H200; about 3-4 minutes; writes DIR/verify.json)
+
+The Llama-3.1-8B-shaped target (random bf16 weights, `perf.models_8b.build_target`) is built
+once. For bs in 1, 8, 64, 128, 256 and kv in 512, 4096 (cases whose KV does not fit next to
+the weights are skipped with a printed reason) it captures, as `Engine._target_decode` runs
+them, the target forward over bs rows of N = 4 tokens (verify: `uniform_row_metadata`, the
+extend kernel; aux hidden states captured as for EAGLE-3; logits of every token) and of
+N = 1 (decode step: the decode kernel), and times their replays (CUDA events, median after
+warm-up). `verify_old_ms`: the same verify forward with the per-token metadata the engine
+used before (one decode-kernel row per token), for comparison.
+
+Floors: `hbm_floor_ms` = (weight bytes but the embedding table, which is only gathered, +
+every row's KV read once) / the copy bandwidth
+measured in this run; `compute_floor_ms` = the forward's FLOPs (2 x matmul parameters x
+tokens + attention 4 x Hq x D x sum of positions seen, every layer) / the bf16 rate of an
+8192^3 cuBLAS GEMM timed in this run. `matmuls`: the verify forward's projections at
+M = 256, 512, 1024 (`ops.linear`, as the model calls them) as a fraction of that rate.
+
+Prefill: the extend kernel alone (`kernels.extend_attention.paged_extend_attention`) over one
+8192-token prompt in a paged cache (page 16, shuffled pages), one layer's attention (32 q
+heads, 8 kv heads, D 128, causal), against `scaled_dot_product_attention` with the flash
+backend on the same shapes with contiguous K/V (GQA through `enable_gqa`, or K/V expanded to
+32 heads where that backend refuses it: `sdpa_form` says which), and the per-token decode
+kernel on the same paged cache (`old_prefill_ms`, today's path). `prefill_tiles`: the same
+prefill under a few other 128-row tile configs; `attention_alone`: one layer's verify attention
+(N = 4) at kv 4096 through the extend kernel (a few tile configs), the per-token decode kernel
+it replaces, and the decode kernel at N = 1, against that layer's KV read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+
+import torch
+
+from graphdraft import ops
+from graphdraft.attention import PagedAttentionBackend
+from graphdraft.kernels import extend_attention
+from graphdraft.kernels.decode_attention import paged_decode_attention
+from graphdraft.kernels.extend_attention import paged_extend_attention
+from graphdraft.kv_cache import KVPool
+from perf.bench import copy_bandwidth, median_us, write_json
+from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
+
+BATCH_SIZES = (1, 8, 64, 128, 256)
+KV_LENS = (512, 4096)
+N_VERIFY = 4
+PAGE_SIZE = 16
+KV_BUDGET_BYTES = 104 << 30  # ~120 GB next to the 16 GB of weights, less activations
+PREFILL_TOKENS = 8192
+
+
+def gemm_rate(device: str) -> float:
+    """bf16 FLOP/s of a large cuBLAS GEMM (8192^3)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = median_us(lambda: a @ b, warmup=5, reps=20, device=device)
+    return 2 * 8192 ** 3 / (t * 1e-6)
+
+
+def matmul_params(mc) -> int:
+    """Parameters the forward multiplies per token (projections and LM head)."""
+    h, d = mc.hidden_size, mc.head_dim
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * d * h
+    o = h * mc.num_attention_heads * d
+    mlp = 3 * h * mc.intermediate_size
+    return mc.num_hidden_layers * (qkv + o + mlp) + mc.vocab_size * h
+
+
+def forward_flops(mc, bs: int, kv: int, n: int) -> float:
+    seen = bs * sum(kv + j + 1 for j in range(n))  # positions each token attends to
+    attn = 4 * mc.num_attention_heads * mc.head_dim * seen * mc.num_hidden_layers
+    return 2 * matmul_params(mc) * bs * n + attn
+
+
+class Batch:
+    """bs requests (slots 1..bs) of kv committed positions plus n new tokens, shuffled pages."""
+
+    def __init__(self, pool: KVPool, bs: int, kv: int, n: int, device: str, seed: int = 0):
+        ps = PAGE_SIZE
+        per_req = math.ceil((kv + n) / ps)
+        if bs * per_req + 1 > pool.num_pages:
+            raise ValueError("pool too small")
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randperm(bs * per_req, generator=g) + 1
+        table = torch.zeros(bs + 1, per_req, dtype=torch.int32)
+        table[1:] = ids.view(bs, per_req).to(torch.int32)
+        self.req_to_page = table.to(device)
+        t = bs * n
+        pos = (kv + torch.arange(n)).repeat(bs)
+        slot = torch.arange(1, bs + 1).repeat_interleave(n)
+        loc = table[slot, pos // ps].long() * ps + pos % ps
+        self.input_ids = torch.randint(0, LLAMA31_8B.vocab_size, (t,), generator=g).to(device)
+        self.positions = pos.to(device)
+        self.out_cache_loc = loc.to(device)
+        self.req = torch.arange(1, bs + 1, device=device)
+        self.seq_lens = torch.full((bs,), kv + n, dtype=torch.int32, device=device)
+        # the per-token metadata the engine built before (today's verify path)
+        j = torch.arange(t, device=device) % n
+        self.tok_req = self.req.repeat_interleave(n)
+        self.tok_kv = (self.seq_lens.repeat_interleave(n) - n + j + 1).to(torch.int32)
+        self.max_ctx = kv + 64
+
+
+def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str) -> float:
+    """Median replay time (ms) of the captured target forward; form "rows" (the engine's
+    metadata now) or "tokens" (per-token metadata, the decode kernel for every token)."""
+    backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx, True)
+
+    def fwd():
+        if form == "rows":
+            meta = backend.uniform_row_metadata(batch.req, batch.seq_lens, n)
+        else:
+            meta = backend.bind_metadata(batch.tok_req, batch.tok_kv)
+        return target(batch.input_ids, batch.positions, batch.out_cache_loc, pool, backend, meta,
+                      None, capture_aux=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fwd()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd()
+    ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
+    del graph
+    return ms
+
+
+def time_matmuls(target, rate: float, device: str) -> list[dict]:
+    layer = target.layers[0]
+    shapes = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+              "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
+              "lm_head": target.lm_head}
+    rows = []
+    for m in (256, 512, 1024):
+        for name, w in shapes.items():
+            x = torch.randn(m, w.shape[1], device=device, dtype=w.dtype)
+            us = median_us(lambda x=x, w=w: ops.linear(x, w, use_triton=True), warmup=3, reps=20,
+                           device=device)
+            flops = 2 * m * w.shape[0] * w.shape[1]
+            rows.append({"m": m, "name": name, "n": w.shape[0], "k": w.shape[1], "us": us,
+                         "tflops": flops / us / 1e6, "of_gemm_rate": flops / (us * 1e-6) / rate})
+    return rows
+
+
+def prefill(device: str) -> dict:
+    """One 8192-token prompt through one layer's attention: the extend kernel (paged, page
+    16), the per-token decode kernel (today), SDPA flash (contiguous)."""
+    mc, L = LLAMA31_8B, PREFILL_TOKENS
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    per = L // PAGE_SIZE
+    pages = torch.randperm(per, device=device) + 1
+    r2p = torch.zeros(2, per, dtype=torch.int32, device=device)
+    r2p[1] = pages.to(torch.int32)
+    q = torch.randn(L, hq, d, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(L, hkv, d, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(L, hkv, d, device=device, dtype=torch.bfloat16, generator=g)
+    kc = torch.zeros((per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    pos = torch.arange(L, device=device)
+    slots = r2p[1, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE
+    kc[slots], vc[slots] = k, v
+    scale = d ** -0.5
+    req = torch.ones(1, dtype=torch.int64, device=device)
+    seq = torch.full((1,), L, dtype=torch.int32, device=device)
+    ext = seq.clone()
+    qs = torch.zeros(1, dtype=torch.int64, device=device)
+    out = torch.empty_like(q)
+    ours = lambda: paged_extend_attention(q, kc, vc, req, seq, ext, qs, r2p, PAGE_SIZE, scale,
+                                          max_kv_len=L, max_extend=L, out=out)
+    prefill_ms = median_us(ours, warmup=3, reps=10, device=device) / 1e3
+    tok_req = req.repeat(L)
+    tok_kv = (pos + 1).to(torch.int32)
+    old = lambda: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p, PAGE_SIZE, scale,
+                                         max_kv_len=L, out=out)
+    old_ms = median_us(old, warmup=2, reps=5, device=device) / 1e3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, L, D]
+    form = "enable_gqa"
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            sdpa = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                          enable_gqa=True)
+            sdpa()
+        except (RuntimeError, TypeError):
+            form = "expanded_kv"
+            ke, ve = (x.repeat_interleave(hq // hkv, dim=1) for x in (kh, vh))
+            sdpa = lambda: F.scaled_dot_product_attention(qh, ke, ve, is_causal=True, scale=scale)
+        sdpa_ms = median_us(sdpa, warmup=3, reps=10, device=device) / 1e3
+        ref = sdpa()
+    torch.cuda.synchronize()
+    ours()
+    err = (out.float() - ref[0].transpose(0, 1).float()).abs().max().item()
+    flops = 4 * hq * d * L * (L + 1) / 2
+    return {"prefill_tokens": L, "prefill_ms": prefill_ms, "sdpa_prefill_ms": sdpa_ms,
+            "old_prefill_ms": old_ms, "sdpa_form": form,
+            "prefill_tflops": flops / prefill_ms / 1e9, "sdpa_tflops": flops / sdpa_ms / 1e9,
+            "max_abs_diff_vs_sdpa": err, "measured": "kernel alone, one layer"}
+
+
+PREFILL_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                 (128, 32, 4, 4))
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) tried for the 8k prefill (`prefill_tiles`)."""
+VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (64, 8, 4))
+"""(BLOCK_N, num_warps, num_stages) tried for the N = 4 verify tile (`attention_alone`)."""
+
+
+def _with_tiles(tiles: dict, stages: int, fn):
+    saved = dict(extend_attention.TILES), extend_attention.NUM_STAGES
+    extend_attention.TILES.update(tiles)
+    extend_attention.NUM_STAGES = stages
+    try:
+        return fn()
+    finally:
+        extend_attention.TILES.clear()
+        extend_attention.TILES.update(saved[0])
+        extend_attention.NUM_STAGES = saved[1]
+
+
+def prefill_tiles(device: str) -> list[dict]:
+    """The 8k prefill (kernel alone, as `prefill`) under other 128-row tile configs."""
+    mc, L = LLAMA31_8B, PREFILL_TOKENS
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per = L // PAGE_SIZE
+    r2p = torch.zeros(2, per, dtype=torch.int32, device=device)
+    r2p[1] = (torch.randperm(per, device=device) + 1).to(torch.int32)
+    q = torch.randn(L, hq, d, device=device, dtype=torch.bfloat16)
+    kc = torch.randn((per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    req = torch.ones(1, dtype=torch.int64, device=device)
+    seq = torch.full((1,), L, dtype=torch.int32, device=device)
+    qs = torch.zeros(1, dtype=torch.int64, device=device)
+    out = torch.empty_like(q)
+    call = lambda: paged_extend_attention(q, kc, vc, req, seq, seq, qs, r2p, PAGE_SIZE,
+                                          d ** -0.5, max_kv_len=L, max_extend=L, out=out)
+    rows = []
+    for bm, bn, w, st in PREFILL_TILES:
+        try:
+            ms = _with_tiles({128: (bm, bn, w)}, st,
+                             lambda: median_us(call, warmup=2, reps=5, device=device)) / 1e3
+        except Exception as e:  # a config the compiler refuses (shared memory): say so
+            rows.append({"tile": [bm, bn, w, st], "error": str(e).splitlines()[0][:200]})
+            continue
+        rows.append({"tile": [bm, bn, w, st], "ms": ms})
+    return rows
+
+
+def attention_alone(bw: float, device: str) -> list[dict]:
+    """One layer's verify attention (N = 4, extend kernel; the per-token decode kernel it
+    replaces) and decode attention (N = 1) at kv 4096, against one layer's KV read once."""
+    rows = []
+    for bs in (1, 8, 64, 256):
+        rows.append(_attention_alone_row(bs, bw, device))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
+    mc, kv, n = LLAMA31_8B, 4096, N_VERIFY
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per = math.ceil((kv + n) / PAGE_SIZE)
+    r2p = torch.zeros(bs + 1, per, dtype=torch.int32, device=device)
+    r2p[1:] = (torch.randperm(bs * per, device=device) + 1).view(bs, per).to(torch.int32)
+    kc = torch.randn((bs * per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(bs * n, hq, d, device=device, dtype=torch.bfloat16)
+    req = torch.arange(1, bs + 1, device=device)
+    seq = torch.full((bs,), kv + n, dtype=torch.int32, device=device)
+    tok_req = req.repeat_interleave(n)
+    tok_kv = (seq.repeat_interleave(n) - n + torch.arange(bs * n, device=device) % n + 1
+              ).to(torch.int32)
+    scale, ctx = d ** -0.5, kv + 64
+    ext = lambda: paged_extend_attention(q, kc, vc, req, seq, None, None, r2p, PAGE_SIZE,
+                                         scale, max_kv_len=ctx, uniform_n=n)
+    old = lambda: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p, PAGE_SIZE, scale,
+                                         max_kv_len=ctx)
+    dec = lambda: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p, PAGE_SIZE, scale,
+                                         max_kv_len=ctx)
+    row = {"bs": bs, "kv": kv, "kv_floor_us": bs * (kv + n) * hkv * d * 2 * 2 / bw * 1e6,
+           "decode_kernel_n1_us": median_us(dec, warmup=3, reps=20, device=device),
+           "old_per_token_n4_us": median_us(old, warmup=3, reps=20, device=device)}
+    for bn, w, st in VERIFY_TILES:
+        try:
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = _with_tiles(
+                {16: (16, bn, w)}, st, lambda: median_us(ext, warmup=3, reps=20, device=device))
+        except Exception as e:  # a config the compiler refuses: say so, go on
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = str(e).splitlines()[0][:200]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-old", action="store_true", help="skip the per-token verify baseline")
+    args = ap.parse_args()
+    device = "cuda"
+    t0 = time.time()
+    torch.manual_seed(0)
+    bw = copy_bandwidth(device)
+    rate = gemm_rate(device)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
+    pre = prefill(device)
+    print(f"prefill {PREFILL_TOKENS}: ours {pre['prefill_ms']:.3f} ms, sdpa flash "
+          f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['sdpa_form']}), per-token decode kernel "
+          f"{pre['old_prefill_ms']:.3f} ms; max |diff| {pre['max_abs_diff_vs_sdpa']:.3g}")
+    tiles = prefill_tiles(device)
+    print("prefill tiles (BLOCK_M, BLOCK_N, warps, stages): " + ", ".join(
+        f"{r['tile']} {r['ms']:.3f} ms" if "ms" in r else f"{r['tile']} failed" for r in tiles))
+    alone = attention_alone(bw, device)
+    for r in alone:
+        print("attention alone:", {k: round(v, 1) if isinstance(v, float) else v
+                                   for k, v in r.items()})
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    mc = LLAMA31_8B
+    target = build_target(device)
+    target.set_use_triton(True)
+    wbytes = weight_bytes(target)
+    if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
+        wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
+    matmuls = time_matmuls(target, rate, device)
+    per_tok = kv_bytes_per_token(mc)
+    cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
+    fit = [(bs, kv) for bs, kv in cases
+           if bs * (kv + N_VERIFY + PAGE_SIZE) * per_tok <= KV_BUDGET_BYTES]
+    for bs, kv in cases:
+        if (bs, kv) not in fit:
+            print(f"skip bs {bs} kv {kv}: its KV needs "
+                  f"{bs * (kv + N_VERIFY) * per_tok / 2**30:.0f} GiB, over the "
+                  f"{KV_BUDGET_BYTES / 2**30:.0f} GiB budget next to the weights")
+    max_pages = max(bs * math.ceil((kv + N_VERIFY) / PAGE_SIZE) for bs, kv in fit) + 1
+    pool = KVPool(mc.num_hidden_layers, max_pages, PAGE_SIZE, mc.num_key_value_heads,
+                  mc.head_dim, torch.bfloat16, device)
+    for t in pool.k + pool.v:
+        t.normal_()
+    rows = []
+    with torch.inference_mode():
+        for bs, kv in fit:
+            row = {"bs": bs, "kv": kv}
+            vb = Batch(pool, bs, kv, N_VERIFY, device)
+            row["verify_ms"] = capture_and_time(target, pool, vb, N_VERIFY, "rows", device)
+            if not args.no_old:
+                row["verify_old_ms"] = capture_and_time(target, pool, vb, N_VERIFY, "tokens",
+                                                        device)
+            db = Batch(pool, bs, kv, 1, device)
+            row["decode_ms"] = capture_and_time(target, pool, db, 1, "rows", device)
+            kv_read = bs * (kv + N_VERIFY) * per_tok
+            row["hbm_floor_ms"] = (wbytes + kv_read) / bw * 1e3
+            row["compute_floor_ms"] = forward_flops(mc, bs, kv, N_VERIFY) / rate * 1e3
+            row["verify_over_floor"] = row["verify_ms"] / max(row["hbm_floor_ms"],
+                                                              row["compute_floor_ms"])
+            rows.append(row)
+            print(row, flush=True)
+            del vb, db
+            gc.collect()
+            torch.cuda.empty_cache()
+    rows.append({k: pre[k] for k in ("prefill_tokens", "prefill_ms", "sdpa_prefill_ms")})
+    data = {"rows": rows, "prefill": pre, "prefill_tiles": tiles, "attention_alone": alone,
+            "matmuls": matmuls, "copy_bandwidth_bytes_s": bw,
+            "gemm_flops_s": rate, "n_verify": N_VERIFY, "page_size": PAGE_SIZE,
+            "weight_bytes": wbytes, "seconds": time.time() - t0}
+    path = write_json(args.out, "verify.json", data)
+
+    print(f"\n{'bs':>4} {'kv':>5} {'verify':>8} {'old':>8} {'decode':>8} {'hbm':>7} {'flops':>7} "
+          f"{'v/floor':>7}")
+    for r in rows:
+        if "bs" in r:
+            print(f"{r['bs']:>4} {r['kv']:>5} {r['verify_ms']:>8.2f} {r.get('verify_old_ms', 0):>8.2f} "
+                  f"{r['decode_ms']:>8.2f} {r['hbm_floor_ms']:>7.2f} {r['compute_floor_ms']:>7.2f} "
+                  f"{r['verify_over_floor']:>7.2f}")
+    print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
+          f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
+    worst = sorted(matmuls, key=lambda r: r["of_gemm_rate"])[:5]
+    print("slowest matmuls (of the GEMM rate): " + ", ".join(
+        f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

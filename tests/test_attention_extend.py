@@ -1,0 +1,267 @@
+"""The multi-token paged attention kernel (`kernels.extend_attention`) against its torch reference.
+
+CPU: Triton's interpreter with small tiles (BLOCK_M 16, BLOCK_N 16) so that a few positions cross
+block, page and split edges. GPU (`gpu` marker): realistic sizes with the shipped tiles, and a
+captured CUDA graph against the eager call, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from graphdraft import ops
+from graphdraft.kernels import extend_attention
+from graphdraft.kernels.extend_attention import (
+    paged_extend_attention,
+    paged_extend_attention_ref,
+    tile_config,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+SMALL_TILES = {bm: (16, 16, 4) for bm in (16, 32, 64, 128)}
+
+
+def _close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])  # NaN never passes
+
+
+def _setup(seq_lens, ext_lens, reqs, Hq, Hkv, D, page_size, dtype, device="cpu", max_reqs=5,
+           max_len=80, seed=0):
+    """Rows (seq_lens, ext_lens, request slots) laid out in order; a cache full of NaN except
+    the positions some token may read; shuffled pages (page 0 unused)."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_req = math.ceil(max_len / page_size) + 1
+    num_pages = max_reqs * pages_per_req + 1
+    r2p = (torch.randperm(num_pages - 1, generator=g)[: max_reqs * pages_per_req] + 1)
+    r2p = r2p.view(max_reqs, pages_per_req).to(torch.int32)
+    kc = torch.full((num_pages * page_size, Hkv, D), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    need: dict[int, int] = {}
+    for r, n, e in zip(reqs, seq_lens, ext_lens, strict=True):
+        need[r] = max(need.get(r, 0), max(n, 1 + max(n - e, 0)), 2)
+    for r, n in need.items():
+        pos = torch.arange(n)
+        slots = r2p[r, pos // page_size].long() * page_size + pos % page_size
+        kc[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
+        vc[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
+    T = sum(ext_lens)
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    ext = torch.tensor(ext_lens, dtype=torch.int32)
+    qs = (torch.cumsum(ext, 0) - ext).to(torch.int64)
+    t = lambda x, dt: torch.tensor(x, dtype=dt)
+    dev = lambda x: x.to(device)
+    return (dev(q), dev(kc), dev(vc), dev(t(reqs, torch.int64)), dev(t(seq_lens, torch.int32)),
+            dev(ext), dev(qs), dev(r2p))
+
+
+def _tree_bits(ext_lens, seed):
+    """Random ancestor sets: token j sees itself and a random subset of tokens before it."""
+    g = torch.Generator().manual_seed(seed)
+    words = []
+    for e in ext_lens:
+        for j in range(e):
+            w = 1 << j
+            for i in range(j):
+                if torch.rand((), generator=g) < 0.5:
+                    w |= 1 << i
+            words.append(w)
+    return torch.tensor(words, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_ragged_rows(dtype, page_size, Hq, Hkv, splits, monkeypatch):
+    """Prefill chunks, verify rows and decode rows in one batch; lengths around the 16-position
+    blocks and pages, N = 1..16 tokens per row, a prefix-free prefill (P = 0)."""
+    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
+    seq = [17, 33, 16, 5, 64]
+    ext = [16, 4, 1, 5, 3]
+    reqs = [1, 0, 3, 2, 4]
+    args = _setup(seq, ext, reqs, Hq, Hkv, 16, page_size, dtype, seed=page_size + Hq)
+    kw = dict(max_kv_len=80, max_extend=16, num_splits=splits)
+    out = paged_extend_attention(*args, page_size, 0.25, **kw)
+    _close(out, paged_extend_attention_ref(*args, page_size, 0.25, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 4, 7])
+def test_uniform_rows_match_ragged(dtype, n, monkeypatch):
+    """The verify form (uniform_n, no extend_lens / q_starts) gives the ragged form's bits; a
+    padded row (seq len 1 < N) reads position 0 (and 1..) of its request, clamped like the
+    per-token metadata it replaces."""
+    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
+    seq = [40, 16 + n, 1]
+    args = _setup(seq, [n] * 3, [2, 1, 0], 8, 2, 16, 16, dtype, seed=n)
+    q, kc, vc, req, sl, ext, qs, r2p = args
+    for splits in (None, 2):
+        ragged = paged_extend_attention(*args, 16, 0.25, max_kv_len=64, max_extend=n,
+                                        num_splits=splits)
+        uniform = paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, 16, 0.25,
+                                         max_kv_len=64, uniform_n=n, num_splits=splits)
+        assert torch.equal(ragged, uniform)
+    ref = paged_extend_attention_ref(q, kc, vc, req, sl, None, None, r2p, 16, 0.25, max_kv_len=64,
+                                     uniform_n=n)
+    _close(uniform, ref, dtype)
+    torch_path = ops.paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, 16, 0.25, 64,
+                                            uniform_n=n)
+    _close(torch_path, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mask_bits(dtype, splits, monkeypatch):
+    """Tree masks over the row's new tokens; the prefix stays fully visible."""
+    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
+    seq, ext = [30, 20, 9], [8, 3, 9]
+    args = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 1, dtype, seed=7)
+    bits = _tree_bits(ext, seed=splits)
+    kw = dict(max_kv_len=40, max_extend=9, mask_bits=bits)
+    out = paged_extend_attention(*args, 1, 0.25, num_splits=splits, **kw)
+    ref = paged_extend_attention_ref(*args, 1, 0.25, **kw)
+    _close(out, ref, dtype)
+    causal = paged_extend_attention_ref(*args, 1, 0.25, max_kv_len=40, max_extend=9)
+    assert not torch.allclose(ref.float(), causal.float())  # the mask changes the result
+    _close(ops.paged_extend_attention(*args, 1, 0.25, 40, max_extend=9, mask_bits=bits), ref, dtype)
+    full = torch.full_like(bits, -1)  # every bit: the causal result
+    _close(paged_extend_attention(*args, 1, 0.25, max_kv_len=40, max_extend=9, mask_bits=full),
+           causal, dtype)
+
+
+def test_torch_path_matches_per_token_attention():
+    """ops' torch path is the per-token plain attention over the expanded rows (the metadata
+    the engine used to build), bit for bit."""
+    seq, ext = [21, 7, 12], [5, 7, 1]
+    q, kc, vc, req, sl, e, qs, r2p = _setup(seq, ext, [0, 1, 2], 4, 2, 16, 4, torch.float32)
+    out = ops.paged_extend_attention(q, kc, vc, req, sl, e, qs, r2p, 4, 0.25, 32, max_extend=7)
+    tok_req = torch.repeat_interleave(req, e.long())
+    tok_kv = torch.tensor([s - n + j + 1 for s, n in zip(seq, ext, strict=True) for j in range(n)],
+                          dtype=torch.int32)
+    assert torch.equal(out, ops.paged_attention(q, kc, vc, tok_req, tok_kv, r2p, 4, 0.25, 32))
+
+
+def test_tile_config():
+    assert tile_config(4, 4)[0] == 16  # verify N = 4, G = 4: one 16-row tile per row
+    assert tile_config(4, 8)[0] == 32
+    assert tile_config(16, 4)[0] == 64
+    assert tile_config(8192, 4)[0] == 128
+    assert tile_config(1, 1)[0] == 16
+
+
+def test_bad_input_names_the_argument():
+    args = _setup([10, 6], [3, 2], [0, 1], 4, 2, 16, 1, torch.float32)
+    q, kc, vc, req, sl, ext, qs, r2p = args
+    out = torch.full_like(q, 7.0)
+    cases = {
+        "q": (q.double(), kc, vc, req, sl, ext, qs, r2p),
+        "k_cache": (q, kc[:, :, :8], vc, req, sl, ext, qs, r2p),
+        "seq_lens": (q, kc, vc, req, sl[:1], ext, qs, r2p),
+        "extend_lens": (q, kc, vc, req, sl, None, qs, r2p),
+        "q_starts": (q, kc, vc, req, sl, ext, qs.float(), r2p),
+        "req_to_page": (q, kc, vc, req, sl, ext, qs, r2p.long()),
+    }
+    for name, a in cases.items():
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            paged_extend_attention(*a, 1, 0.25, max_kv_len=16, max_extend=3, out=out)
+    with pytest.raises(ValueError, match="^max_extend: "):
+        paged_extend_attention(*args, 1, 0.25, max_kv_len=16, max_extend=0, out=out)
+    with pytest.raises(ValueError, match="^uniform_n: "):
+        paged_extend_attention(*args, 1, 0.25, max_kv_len=16, uniform_n=3, out=out)  # 2 * 3 != 5
+    with pytest.raises(ValueError, match="^mask_bits: "):
+        paged_extend_attention(*args, 1, 0.25, max_kv_len=16, max_extend=3,
+                               mask_bits=torch.zeros(5, dtype=torch.int32), out=out)
+    with pytest.raises(ValueError, match="^max_extend: "):
+        paged_extend_attention(*args, 1, 0.25, max_kv_len=16, max_extend=65,
+                               mask_bits=torch.zeros(5, dtype=torch.int64), out=out)
+    with pytest.raises(ValueError, match="^out: "):
+        paged_extend_attention(*args, 1, 0.25, max_kv_len=16, max_extend=3, out=out[:4])
+    assert (out == 7.0).all()  # nothing written
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _gpu_rows(bs, n, kv, Hq, Hkv, page_size, dtype, seed=0):
+    """bs uniform rows of n tokens over kv positions each (random pages), on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    dev = "cuda"
+    pages_per_req = math.ceil((kv + n) / page_size)
+    num_pages = bs * pages_per_req + 1
+    r2p = (torch.randperm(num_pages - 1, generator=g) + 1).view(bs, pages_per_req).to(torch.int32)
+    kc = torch.randn(num_pages * page_size, Hkv, 128, generator=g).to(dtype)
+    vc = torch.randn(num_pages * page_size, Hkv, 128, generator=g).to(dtype)
+    q = torch.randn(bs * n, Hq, 128, generator=g).to(dtype)
+    req = torch.arange(bs)
+    sl = torch.randint(max(1, kv - 200), kv + 1, (bs,), generator=g).to(torch.int32) + n
+    return [x.to(dev) for x in (q, kc, vc, req, sl, r2p)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bs,n,kv", [(1, 4, 4000), (8, 4, 700), (64, 4, 500), (3, 16, 1000)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_uniform_against_torch(dtype, bs, n, kv, page_size):
+    q, kc, vc, req, sl, r2p = _gpu_rows(bs, n, kv, 32, 8, page_size, dtype, seed=bs)
+    out = paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, page_size, 0.088,
+                                 max_kv_len=kv + n, uniform_n=n)
+    ref = ops.paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, page_size, 0.088,
+                                     kv + n, uniform_n=n)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_ragged_prefill_and_mask(dtype):
+    """A long prefill chunk (several 128-row query blocks), a short chunk with a long prefix,
+    verify rows with tree masks; G = 4 and 8."""
+    g = torch.Generator().manual_seed(3)
+    for Hq, Hkv in ((32, 8), (32, 4)):
+        seq, ext = [1500, 2000, 36, 520], [1500, 40, 4, 16]
+        T, R, page = sum(ext), len(seq), 16
+        pages = math.ceil(2048 / page)
+        r2p = (torch.randperm(R * pages, generator=g) + 1).view(R, pages).to(torch.int32)
+        kc = torch.randn((R * pages + 1) * page, Hkv, 128, generator=g).to(dtype)
+        vc = torch.randn((R * pages + 1) * page, Hkv, 128, generator=g).to(dtype)
+        q = torch.randn(T, Hq, 128, generator=g).to(dtype)
+        e = torch.tensor(ext, dtype=torch.int32)
+        qs = torch.cumsum(e, 0) - e
+        args = [x.cuda() for x in (q, kc, vc, torch.arange(R), torch.tensor(seq, dtype=torch.int32),
+                                   e, qs, r2p)]
+        out = paged_extend_attention(*args, page, 0.088, max_kv_len=2048, max_extend=1500)
+        ref = ops.paged_extend_attention(*args, page, 0.088, 2048, max_extend=1500)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+        vargs = args[:3] + [a[2:] for a in args[3:6]] + [args[6][2:] - args[6][2], args[7]]
+        vargs[0] = args[0][1540:]
+        bits = _tree_bits(ext[2:], seed=1).cuda()
+        out = paged_extend_attention(*vargs, page, 0.088, max_kv_len=2048, max_extend=16,
+                                     mask_bits=bits)
+        ref = ops.paged_extend_attention(*vargs, page, 0.088, 2048, max_extend=16, mask_bits=bits)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 64])
+def test_gpu_graph_equals_eager(bs):
+    """A captured call replays the eager call's bits, with the metadata changed in place."""
+    q, kc, vc, req, sl, r2p = _gpu_rows(bs, 4, 900, 32, 8, 16, torch.bfloat16, seed=5)
+    out = torch.empty_like(q)
+    call = lambda: paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, 16, 0.088,
+                                          max_kv_len=1024, uniform_n=4, out=out)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    sl.sub_(37)
+    graph.replay()
+    replay = out.clone()
+    call()
+    assert torch.equal(replay, out)
