@@ -108,7 +108,7 @@ class EagleDrafter:
     # Graphs
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, progress: bool = True) -> None:
         """Capture the decode draft and the multi-step chain for every size of the schedule
         (largest first).
 
@@ -117,8 +117,8 @@ class EagleDrafter:
         """
         self._use_head_kernels()
         self._reset_neutral()
-        self.decode_graphs.capture()
-        self.multi_step_graphs.capture()
+        self.decode_graphs.capture(progress=progress)
+        self.multi_step_graphs.capture(progress=progress)
         self._reset_neutral()
 
     def _reset_neutral(self) -> None:
