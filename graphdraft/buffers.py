@@ -166,6 +166,7 @@ class DraftBuffers:
     hidden            [max_bs, H] dtype       current draft hidden (pre-norm) per row
     next_tokens       [max_bs, S + 1] int32   column 0: last verified token; 1..S: draft tokens
                                               (`run(copy_output=False)` returns `[:bs]` of it)
+    err               [1] int32               deferred validation's error word (bits: EagleDrafter.ERR_BITS)
     """
 
     first_input_ids: torch.Tensor
@@ -179,6 +180,7 @@ class DraftBuffers:
     ids: torch.Tensor
     hidden: torch.Tensor
     next_tokens: torch.Tensor
+    err: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: RuntimeConfig, hidden_size: int, target_hidden_width: int,
@@ -196,6 +198,7 @@ class DraftBuffers:
             ids=_zeros(b, torch.int64, dev),
             hidden=_zeros((b, hidden_size), dtype, dev),
             next_tokens=_zeros((b, s + 1), torch.int32, dev),
+            err=_zeros(1, torch.int32, dev),
         )
 
     def nbytes(self) -> int:
