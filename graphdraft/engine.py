@@ -352,7 +352,9 @@ class Engine:
             else:
                 logit_rows.extend(range(tok, tok + self.n_row))
             tok += len(r.input_ids)
-        idx = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
+        idx = torch.tensor(logit_rows, dtype=torch.int64)
+        idx = (idx.pin_memory() if self.device.type == "cuda" else idx).to(self.device,
+                                                                           non_blocking=True)
         return self.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], self.kv,
                            self.backend, meta, idx, capture_aux=self.drafter is not None)
 
