@@ -12,6 +12,11 @@ For a decode batch one kernel writes the drafter's inputs and all of these
 (`graphdraft.kernels.stage_inputs`); `pad_rows` / `pad_tokens` below do it
 for the other paths.
 
+The speculative cycle's per request-slot tables (last token, drafts, sampling parameters,
+stop table, max_new, emitted, done; slot 0 the inert dummy) are `graphdraft.slot_state.SlotState`
+(documented there, allocated once by the Engine); its per-row buffers and the packed output
+are `CycleBuffers` below.
+
 Sizes: `max_bs = RuntimeConfig.max_bs`, `max_tokens = RuntimeConfig.max_num_tokens`,
 `N = spec_num_tokens`, `S = speculative_num_steps`, `H` the draft hidden size,
 `kH` the width of the target's captured hidden states.

@@ -44,6 +44,7 @@ from graphdraft.config import RuntimeConfig
 from graphdraft.drafter import EagleDrafter
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
+from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS, commit_pack, prepare_rows
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.llama import LlamaForCausalLM, TargetOutput
 from graphdraft.metrics import ServingMetrics
@@ -53,10 +54,9 @@ from graphdraft.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
 
-ERR_DRAFTS = 1
-"""Error bit: a candidate token (last verified token or draft) outside [0, vocab)."""
-ERR_CACHE_LEN = 2
-"""Error bit: a committed length whose next N positions pass max_context_len."""
+# Error bits of the cycle's prepare: ERR_DRAFTS (1) a candidate token (last verified token or
+# draft) outside [0, vocab); ERR_CACHE_LEN (2) a committed length whose next N positions pass
+# max_context_len. Bit 1 of the accept kernel (a draft outside [0, vocab)) is the same fault.
 _ERR_NAMES = {ERR_DRAFTS: ("drafts", "token ids in [0, vocab_size)"),
               ERR_CACHE_LEN: ("valid_cache_lengths", "committed length + N <= max_context_len")}
 
@@ -192,6 +192,12 @@ class Engine:
         self._events = [torch.cuda.Event(blocking=True) if pin else None for _ in range(2)]
         self.stats = EngineStats()
         self.metrics = ServingMetrics()
+
+    @property
+    def pinned_packs(self) -> list[torch.Tensor]:
+        """The two pinned host copies `[max_bs, N + 3]` int32 of `cycle.pack` (one per step
+        parity; a step's rows are valid once its event completed: `drain()` waits)."""
+        return self._pinned
 
     # ------------------------------------------------------------------
     # Graphs
@@ -365,29 +371,21 @@ class Engine:
         """Decode rows [row0, row0 + rows) from `slot_rows` into `InputBuffers` (N tokens each
         from token tok0): ids from last_token / drafts, positions and KV slots from
         valid_cache_lengths and the page table. Padded (slot 0), done and bad rows are inert:
-        the dummy slot 0 at positions 0..N-1. Sets `err` of these rows (fresh each step)."""
+        the dummy slot 0 at positions 0..N-1. Sets `err` of these rows (fresh each step).
+        (`graphdraft.kernels.cycle_kernels.prepare_rows`: one launch on the Triton path.)"""
         n, ib, st, cb = self.n_row, self.inputs, self.slots, self.cycle
         t = rows * n
-        s = cb.slot_rows[row0: row0 + rows]
-        live = (s != 0) & (st.done[s] == 0)
-        vcl = self.states.valid_cache_lengths[s].long()
-        ids = torch.cat([st.last_token[s].unsqueeze(1), st.drafts[s, : n - 1]], 1)
-        bad_len = live & (vcl + n > self.cfg.max_context_len)
-        bad_ids = live & ((ids < 0) | (ids >= self.target.config.vocab_size)).any(1)
-        cb.err[row0: row0 + rows] = (bad_ids.int() * ERR_DRAFTS) | (bad_len.int() * ERR_CACHE_LEN)
-        live = live & ~bad_len & ~bad_ids
-        req = torch.where(live, s, 0)
-        j = self._tok_j[:t].view(rows, n)
-        pos = torch.where(live.unsqueeze(1), vcl.unsqueeze(1) + j, j)
-        ids = torch.where(live.unsqueeze(1), ids, 0)
-        ps = self.cfg.page_size
-        page = self.pages.req_to_page[req.unsqueeze(1), (pos // ps).clamp(max=self.cfg.max_pages_per_req - 1)]
-        ib.input_ids[tok0: tok0 + t] = ids.reshape(-1)
-        ib.positions[tok0: tok0 + t] = pos.reshape(-1)
-        ib.out_cache_loc[tok0: tok0 + t] = (page.long() * ps + pos % ps).reshape(-1)
-        ib.req_pool_indices[row0: row0 + rows] = req
-        ib.seq_lens[row0: row0 + rows] = (torch.where(live, vcl, 0) + n).int()
-        ib.extend_lens[row0: row0 + rows] = n
+        prepare_rows(cb.slot_rows[row0: row0 + rows], n, done=st.done,
+                     vcl=self.states.valid_cache_lengths, last_token=st.last_token,
+                     drafts=st.drafts, req_to_page=self.pages.req_to_page,
+                     page_size=self.cfg.page_size, max_context_len=self.cfg.max_context_len,
+                     vocab=self.target.config.vocab_size, input_ids=ib.input_ids[tok0: tok0 + t],
+                     positions=ib.positions[tok0: tok0 + t],
+                     out_cache_loc=ib.out_cache_loc[tok0: tok0 + t],
+                     req=ib.req_pool_indices[row0: row0 + rows],
+                     seq_lens=ib.seq_lens[row0: row0 + rows],
+                     extend_lens=ib.extend_lens[row0: row0 + rows], err=cb.err[row0: row0 + rows],
+                     use_triton=self.cfg.use_triton)
 
     def _tokens_buffer(self, rows: int) -> torch.Tensor:
         """Where a decode cycle's accepted tokens go `[rows, N]`: the drafter's first-step ids
@@ -415,25 +413,17 @@ class Engine:
     def _commit(self, row0: int, rows: int, tokens: torch.Tensor, next_tokens: torch.Tensor | None,
                 prefill: bool) -> None:
         """State after the step for rows [row0, row0 + rows): valid_cache_lengths (decode:
-        += accept; prefill rows: their seq len), last_token, drafts, emitted, done. Rows that
-        accepted nothing (inert, mid-chunk) write only the dummy slot 0, reset after."""
-        cb, st, vcl = self.cycle, self.slots, self.states.valid_cache_lengths
-        ib = self.inputs
-        a = cb.accept[row0: row0 + rows].long()
-        req = ib.req_pool_indices[row0: row0 + rows]
-        live = a > 0
-        s = torch.where(live, req, 0)
-        if prefill:
-            vcl.index_put_((req,), ib.seq_lens[row0: row0 + rows])
-        else:
-            vcl.index_put_((s,), (vcl[s] + a).int())
-        last = tokens.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        st.last_token.index_put_((s,), last.long())
-        if next_tokens is not None and st.drafts.shape[1]:
-            st.drafts.index_put_((s,), next_tokens[:rows, 1:].long())
-        st.emitted.index_put_((s,), (st.emitted[s] + a).int())
-        st.done.index_put_((s,), st.done[s] | (cb.finish[row0: row0 + rows] != 0).int())
-        self._neutral_slot0()
+        += accept; prefill rows: their seq len), last_token, drafts, emitted, done; then the
+        rows' pack (tokens, accept, finish, error bits). Rows that accepted nothing (inert,
+        mid-chunk) change no slot's tokens (`cycle_kernels.commit_pack`, one launch)."""
+        cb, st, ib = self.cycle, self.slots, self.inputs
+        sl = slice(row0, row0 + rows)
+        commit_pack(tokens, next_tokens[:rows] if next_tokens is not None else None,
+                    accept=cb.accept[sl], finish=cb.finish[sl], err=cb.err[sl],
+                    req=ib.req_pool_indices[sl], seq_lens=ib.seq_lens[sl],
+                    vcl=self.states.valid_cache_lengths, last_token=st.last_token,
+                    drafts=st.drafts, emitted=st.emitted, done=st.done, pack=cb.pack[sl],
+                    prefill=prefill, use_triton=self.cfg.use_triton)
 
     def _neutral_slot0(self) -> None:
         st = self.slots
@@ -442,17 +432,6 @@ class Engine:
         st.drafts[0] = 0
         st.emitted[0] = 0
         st.done[0] = 0
-
-    def _pack(self, row0: int, rows: int, tokens: torch.Tensor) -> None:
-        """`pack[row0:row0 + rows]` = tokens (n columns), then accept, finish, error bits."""
-        cb, n = self.cycle, tokens.shape[1]
-        p = cb.pack[row0: row0 + rows]
-        p[:, :n] = tokens
-        if n < self.n_row:
-            p[:, n: self.n_row] = 0
-        p[:, self.n_row] = cb.accept[row0: row0 + rows]
-        p[:, self.n_row + 1] = cb.finish[row0: row0 + rows]
-        p[:, self.n_row + 2] = cb.err[row0: row0 + rows]
 
     def _spec_cycle(self, bs: int) -> torch.Tensor:
         """One decode cycle over `bs` staged rows (graph-capturable); returns pack[:bs]."""
@@ -464,7 +443,6 @@ class Engine:
         if isinstance(self.drafter, EagleDrafter):
             nxt = self.drafter._decode(bs)
         self._commit(0, bs, tokens, nxt, prefill=False)
-        self._pack(0, bs, tokens)
         return self.cycle.pack[:bs]
 
     def _split_cycle(self, bs: int, pbs: int) -> None:
@@ -484,7 +462,6 @@ class Engine:
             nxt = torch.cat([nxt, torch.zeros(pbs - bs, nxt.shape[1], dtype=nxt.dtype,
                                               device=nxt.device)]) if pbs > bs else nxt
         self._commit(0, pbs, tokens, nxt, prefill=False)
-        self._pack(0, pbs, tokens)
 
     # ------------------------------------------------------------------
     # One step
@@ -559,6 +536,9 @@ class Engine:
                 self.cycle_graphs.run(pbs)
             else:
                 self._split_cycle(bs, pbs)
+            if isinstance(self.drafter, EagleDrafter):  # it drafted once, inside the cycle
+                self.drafter.stats.calls += 1
+                self.drafter.stats.decode_calls += 1
         else:
             self._mixed_step(rows, preqs, dreqs)
             pbs = bs
@@ -608,9 +588,6 @@ class Engine:
         self._commit(0, ne, p_tok, nxt[:ne] if nxt is not None else None, prefill=True)
         if nd:
             self._commit(ne, nd, d_tok, nxt[ne:bs] if nxt is not None else None, prefill=False)
-        self._pack(0, ne, p_tok)
-        if nd:
-            self._pack(ne, nd, d_tok)
 
     # ------------------------------------------------------------------
     # Retirement (host, one step late)
