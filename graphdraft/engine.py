@@ -193,6 +193,20 @@ class Engine:
         self.stats = EngineStats()
         self.metrics = ServingMetrics()
 
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of the per-slot device state a cycle commits (valid_cache_lengths and the
+        `SlotState` tables). A benchmark that replays `cycle_graphs` alone advances the
+        requests at every replay (commit); `restore_state` puts them back between replays."""
+        snap = {f"slots.{k}": v.clone() for k, v in vars(self.slots).items()}
+        snap["valid_cache_lengths"] = self.states.valid_cache_lengths.clone()
+        return snap
+
+    def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
+        """Copy a `state_snapshot` back in place (stream-ordered; no sync)."""
+        for k, v in vars(self.slots).items():
+            v.copy_(snap[f"slots.{k}"])
+        self.states.valid_cache_lengths.copy_(snap["valid_cache_lengths"])
+
     @property
     def pinned_packs(self) -> list[torch.Tensor]:
         """The two pinned host copies `[max_bs, N + 3]` int32 of `cycle.pack` (one per step

@@ -243,3 +243,24 @@ def test_launch_reads_no_device_value(monkeypatch):
     while eng.has_work:
         eng.step()
     assert [r.output for r in reqs] == expected
+
+
+def test_state_snapshot_restore_replays_a_cycle_identically():
+    """A benchmark replaying the cycle alone restores the committed state between replays:
+    the same cycle then commits the same tokens again."""
+    target, head = make_models(3)
+    eng = Engine(target, runtime(), head)
+    for p in prompts(13, 3):
+        eng.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.drain()
+    snap = eng.state_snapshot()
+    pbs = eng.cycle_graphs.padded_bs(3)
+    first = eng.cycle_graphs.run(pbs).clone()
+    after = eng.state_snapshot()
+    eng.restore_state(snap)
+    again = eng.cycle_graphs.run(pbs).clone()
+    assert torch.equal(first, again)
+    assert all(torch.equal(after[k], v) for k, v in eng.state_snapshot().items())
+    assert not torch.equal(after["valid_cache_lengths"], snap["valid_cache_lengths"])
