@@ -541,7 +541,7 @@ class Engine:
         return finished
 
     def _launch(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
-        n, ne, nd = self.n_row, len(rows), len(dreqs)
+        ne, nd = len(rows), len(dreqs)
         bs = ne + nd
         if ne == 0:
             pbs = padded_batch_size(self.schedule, bs) or bs
@@ -555,7 +555,6 @@ class Engine:
                 self.drafter.stats.decode_calls += 1
         else:
             self._mixed_step(rows, preqs, dreqs)
-            pbs = bs
         ring = self._ring
         self._ring ^= 1
         pinned = self._pinned[ring]

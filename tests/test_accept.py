@@ -8,8 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.accept import (FINISH_LENGTH, FINISH_STOP, _uniform, accept_ref,
-                                       accept_tokens, philox_uniform_ref)
+from graphdraft.kernels.accept import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    _uniform,
+    accept_ref,
+    accept_tokens,
+    philox_uniform_ref,
+)
 from graphdraft.slot_state import SlotState, StopTableFullError
 from graphdraft.verify import SamplingParams, request_seed, target_probs, verify_greedy
 
