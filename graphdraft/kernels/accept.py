@@ -26,8 +26,8 @@ Writes tokens[r, :N] (t_j; 0 for inert rows), accept[r] (the cut a; 0 for inert 
 draft_accept[r] (max(a, 1): what the drafter reads), finish[r] and err[r] (bit 1: a candidate
 outside [0, V), replaced by 0 before the compare).
 
-Noise: the 64-bit key `seed[s]` and the 64-bit counter `position + (SALT << 32)` go through
-Philox-4x32-10 (`tl.randint`, counter-based: no generator state, graph-safe); the top 24 bits
+Noise: the 64-bit key `seed[s]` and the counter (position, SALT, 0, 0) as 32-bit words go
+through Philox-4x32-10 (`tl.philox`, counter-based: no generator state, graph-safe); the top 24 bits
 of the first output word give u = (r + 0.5) / 2^24, never 0 or 1. A row's draws depend only on
 its seed and the absolute positions it samples: not on the batch, the padded size, chunking or
 how many drafts were accepted. (A position re-sampled in a later cycle after a rejection
@@ -48,6 +48,7 @@ __all__ = ["ERR_TOKEN", "FINISH_LENGTH", "FINISH_STOP", "SALT_TARGET", "accept_r
 
 SALT_TARGET = 1
 """Stage salt of the target's sampled tokens (high word of the Philox counter)."""
+_SALT = tl.constexpr(SALT_TARGET)  # jit functions read globals only as constexpr
 FINISH_STOP, FINISH_LENGTH = 1, 2
 ERR_TOKEN = 1
 """Error bit: a candidate token id outside [0, V)."""
@@ -57,7 +58,11 @@ ITERS = 32
 
 @triton.jit
 def _uniform(seed, pos):
-    r = tl.randint(seed, pos + (SALT_TARGET << 32))
+    # explicit 32-bit counters (c0 = position's low word, c1 = salt): the same Philox-4x32
+    # stream on every Triton version, whatever width randint gives a 64-bit offset
+    c0 = pos.to(tl.int64).to(tl.uint32)
+    zero = c0 * 0
+    r, _, _, _ = tl.philox(seed, c0, zero + _SALT, zero, zero)
     r = r.to(tl.uint32, bitcast=True) >> 8
     return (r.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
@@ -65,7 +70,8 @@ def _uniform(seed, pos):
 @triton.jit
 def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperature, top_p, top_k,
                    seed, stop_ids, max_new, emitted, done, tokens, stride_t, accept, draft_accept,
-                   finish, err, N, V, W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                   finish, err, N, V, W, WP2: tl.constexpr, BLOCK: tl.constexpr,
+                   ITERS: tl.constexpr):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     s = tl.load(slots + r).to(tl.int64)
@@ -175,7 +181,8 @@ def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperatur
         tok = tl.where(live, tok, 0)
         tl.store(tokens + r64 * stride_t + j, tok.to(tokens.dtype.element_ty))
         if fin == 0 and matching == 1:  # j < accept: the stop cut over the accepted prefix
-            st = tl.load(stop_ids + s * W + tl.arange(0, W)).to(tl.int64)
+            w = tl.arange(0, WP2)
+            st = tl.load(stop_ids + s * W + w, mask=w < W, other=-1).to(tl.int64)
             if tl.sum((st == tok.to(tl.int64)).to(tl.int32), 0) > 0:
                 fin = 1
                 cut = j + 1
@@ -236,7 +243,8 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
     _accept_kernel[(rows,)](
         logits, logits.stride(0), cand, cand.stride(0), slots, seq_lens, state.temperature,
         state.top_p, state.top_k, state.seed, state.stop_ids, state.max_new, state.emitted,
-        state.done, tokens, tokens.stride(0), accept, draft_accept, finish, err, n, v, W=w,
+        state.done, tokens, tokens.stride(0), accept, draft_accept, finish, err, n, v, w,
+        WP2=triton.next_power_of_2(w),
         BLOCK=min(1024, triton.next_power_of_2(v)), ITERS=ITERS, num_warps=4)
 
 
