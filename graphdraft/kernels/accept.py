@@ -22,6 +22,8 @@ a prefill chunk that is not the last; also inert when `done[s]`):
      unused entry) -> a = j + 1, finish 1 ("stop"); or where emitted[s] + j + 1 reaches
      max_new[s] -> a = j + 1, finish 2 ("length"). A stop token wins over the length limit
      at the same position (the host order: append, check stop, then length).
+Two launches: `_token_kernel`, one program per (row, position) (step 1), then
+`_accept_kernel`, one program per row (steps 2-3).
 Writes tokens[r, :N] (t_j; 0 for inert rows), accept[r] (the cut a; 0 for inert rows),
 draft_accept[r] (max(a, 1): what the drafter reads), finish[r] and err[r] (bit 1: a candidate
 outside [0, V), replaced by 0 before the compare).
@@ -68,11 +70,12 @@ def _uniform(seed, pos):
 
 
 @triton.jit
-def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperature, top_p, top_k,
-                   seed, stop_ids, max_new, emitted, done, tokens, stride_t, accept, draft_accept,
-                   finish, err, N, V, W, WP2: tl.constexpr, BLOCK: tl.constexpr,
-                   ITERS: tl.constexpr):
-    r = tl.program_id(0)
+def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, seed, done,
+                  tokens, stride_t, N, V, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Program (r, j): the target token t_j of row r (step 1 of the module docstring)."""
+    pid = tl.program_id(0)
+    r = pid // N
+    j = pid % N
     r64 = r.to(tl.int64)
     s = tl.load(slots + r).to(tl.int64)
     live = s != 0
@@ -85,6 +88,107 @@ def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperatur
     key = tl.load(seed + s).to(tl.int64)
     start = tl.load(seq_lens + r).to(tl.int64) - N + 1
     cols = tl.arange(0, BLOCK)
+    row = logits + (r64 * N + j) * stride_l
+    if temp == 0:
+        best = -float("inf")
+        bi = 0
+        for c in range(0, V, BLOCK):
+            x = tl.load(row + c + cols, mask=c + cols < V, other=-float("inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            i = tl.argmax(x, 0)
+            if m > best:
+                best = m
+                bi = c + i
+        tok = bi
+    else:
+        inv = 1.0 / temp
+        mx = -float("inf")
+        mn = float("inf")
+        for c in range(0, V, BLOCK):
+            ok = c + cols < V
+            x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+            mx = tl.maximum(mx, tl.max(tl.where(ok, x, -float("inf")), 0))
+            mn = tl.minimum(mn, tl.min(tl.where(ok, x, float("inf")), 0))
+        thr = -float("inf")
+        if tk > 0 and tk < V:  # largest lo with count(x >= lo) >= top_k
+            lo = mn
+            hi = mx
+            for _ in range(ITERS):
+                mid = (lo + hi) * 0.5
+                cnt = 0
+                for c in range(0, V, BLOCK):
+                    ok = c + cols < V
+                    x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+                    cnt += tl.sum((ok & (x >= mid)).to(tl.int32), 0)
+                if cnt >= tk:
+                    lo = mid
+                else:
+                    hi = mid
+            thr = lo
+        z = 0.0
+        for c in range(0, V, BLOCK):
+            ok = c + cols < V
+            x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+            z += tl.sum(tl.where(ok & (x >= thr), tl.exp(x - mx), 0.0), 0)
+        ethr = 0.0
+        if tp < 1.0:  # largest tau with mass(e >= tau) >= top_p * z (e = exp(x - max))
+            lo = 0.0
+            hi = 1.0
+            goal = tp * z
+            for _ in range(ITERS):
+                mid = (lo + hi) * 0.5
+                mass = 0.0
+                for c in range(0, V, BLOCK):
+                    ok = c + cols < V
+                    x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+                    e = tl.exp(x - mx)
+                    mass += tl.sum(tl.where(ok & (x >= thr) & (e >= mid), e, 0.0), 0)
+                if mass >= goal:
+                    lo = mid
+                else:
+                    hi = mid
+            ethr = lo
+            z = 0.0
+            for c in range(0, V, BLOCK):
+                ok = c + cols < V
+                x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+                e = tl.exp(x - mx)
+                z += tl.sum(tl.where(ok & (x >= thr) & (e >= ethr), e, 0.0), 0)
+        target = _uniform(key, start + j) * z
+        run = 0.0
+        found = -1
+        last = 0
+        for c in range(0, V, BLOCK):
+            ok = c + cols < V
+            x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
+            e = tl.exp(x - mx)
+            keep = ok & (x >= thr) & (e >= ethr)
+            e = tl.where(keep, e, 0.0)
+            cs = tl.cumsum(e, 0) + run
+            hit = keep & (cs >= target)
+            first = tl.min(tl.where(hit, cols, BLOCK), 0)
+            if found < 0 and first < BLOCK:
+                found = c + first
+            lk = tl.max(tl.where(keep, cols, -1), 0)
+            if lk >= 0:
+                last = c + lk
+            run += tl.sum(e, 0)
+        tok = tl.where(found >= 0, found, last)
+    tok = tl.where(live, tok, 0)
+    tl.store(tokens + r64 * stride_t + j, tok.to(tokens.dtype.element_ty))
+
+
+@triton.jit
+def _accept_kernel(tokens, stride_t, cand, stride_c, slots, stop_ids, max_new, emitted, done,
+                   accept, draft_accept, finish, err, N, V, W, WP2: tl.constexpr):
+    """Program r: accept, stop cut and error bit of row r (steps 2-3) from its tokens."""
+    r = tl.program_id(0)
+    r64 = r.to(tl.int64)
+    s = tl.load(slots + r).to(tl.int64)
+    live = s != 0
+    if live:
+        live = tl.load(done + s) == 0
+    s = tl.where(live, s, 0)
     em = tl.load(emitted + s).to(tl.int32)
     mnew = tl.load(max_new + s).to(tl.int32)
     acc = 1
@@ -92,98 +196,11 @@ def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperatur
     fin = 0
     cut = 0
     for j in range(0, N):
-        row = logits + (r64 * N + j) * stride_l
-        if temp == 0:
-            best = -float("inf")
-            bi = 0
-            for c in range(0, V, BLOCK):
-                x = tl.load(row + c + cols, mask=c + cols < V, other=-float("inf")).to(tl.float32)
-                m = tl.max(x, 0)
-                i = tl.argmax(x, 0)
-                if m > best:
-                    best = m
-                    bi = c + i
-            tok = bi
-        else:
-            inv = 1.0 / temp
-            mx = -float("inf")
-            mn = float("inf")
-            for c in range(0, V, BLOCK):
-                ok = c + cols < V
-                x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                mx = tl.maximum(mx, tl.max(tl.where(ok, x, -float("inf")), 0))
-                mn = tl.minimum(mn, tl.min(tl.where(ok, x, float("inf")), 0))
-            thr = -float("inf")
-            if tk > 0 and tk < V:  # largest lo with count(x >= lo) >= top_k
-                lo = mn
-                hi = mx
-                for _ in range(ITERS):
-                    mid = (lo + hi) * 0.5
-                    cnt = 0
-                    for c in range(0, V, BLOCK):
-                        ok = c + cols < V
-                        x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                        cnt += tl.sum((ok & (x >= mid)).to(tl.int32), 0)
-                    if cnt >= tk:
-                        lo = mid
-                    else:
-                        hi = mid
-                thr = lo
-            z = 0.0
-            for c in range(0, V, BLOCK):
-                ok = c + cols < V
-                x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                z += tl.sum(tl.where(ok & (x >= thr), tl.exp(x - mx), 0.0), 0)
-            ethr = 0.0
-            if tp < 1.0:  # largest tau with mass(e >= tau) >= top_p * z (e = exp(x - max))
-                lo = 0.0
-                hi = 1.0
-                goal = tp * z
-                for _ in range(ITERS):
-                    mid = (lo + hi) * 0.5
-                    mass = 0.0
-                    for c in range(0, V, BLOCK):
-                        ok = c + cols < V
-                        x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                        e = tl.exp(x - mx)
-                        mass += tl.sum(tl.where(ok & (x >= thr) & (e >= mid), e, 0.0), 0)
-                    if mass >= goal:
-                        lo = mid
-                    else:
-                        hi = mid
-                ethr = lo
-                z = 0.0
-                for c in range(0, V, BLOCK):
-                    ok = c + cols < V
-                    x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                    e = tl.exp(x - mx)
-                    z += tl.sum(tl.where(ok & (x >= thr) & (e >= ethr), e, 0.0), 0)
-            target = _uniform(key, start + j) * z
-            run = 0.0
-            found = -1
-            last = 0
-            for c in range(0, V, BLOCK):
-                ok = c + cols < V
-                x = tl.load(row + c + cols, mask=ok, other=0.0).to(tl.float32) * inv
-                e = tl.exp(x - mx)
-                keep = ok & (x >= thr) & (e >= ethr)
-                e = tl.where(keep, e, 0.0)
-                cs = tl.cumsum(e, 0) + run
-                hit = keep & (cs >= target)
-                first = tl.min(tl.where(hit, cols, BLOCK), 0)
-                if found < 0 and first < BLOCK:
-                    found = c + first
-                lk = tl.max(tl.where(keep, cols, -1), 0)
-                if lk >= 0:
-                    last = c + lk
-                run += tl.sum(e, 0)
-            tok = tl.where(found >= 0, found, last)
-        tok = tl.where(live, tok, 0)
-        tl.store(tokens + r64 * stride_t + j, tok.to(tokens.dtype.element_ty))
+        tok = tl.load(tokens + r64 * stride_t + j).to(tl.int64)
         if fin == 0 and matching == 1:  # j < accept: the stop cut over the accepted prefix
             w = tl.arange(0, WP2)
             st = tl.load(stop_ids + s * W + w, mask=w < W, other=-1).to(tl.int64)
-            if tl.sum((st == tok.to(tl.int64)).to(tl.int32), 0) > 0:
+            if tl.sum((st == tok).to(tl.int32), 0) > 0:
                 fin = 1
                 cut = j + 1
             elif em + j + 1 >= mnew:
@@ -196,7 +213,7 @@ def _accept_kernel(logits, stride_l, cand, stride_c, slots, seq_lens, temperatur
                 tl.store(err + r, tl.load(err + r) | 1)
             d = tl.where(bad, 0, d)
             if matching == 1:
-                if d == tok.to(tl.int64):
+                if d == tok:
                     acc += 1
                 else:
                     matching = 0
@@ -240,12 +257,14 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
         return
     v = logits.shape[1]
     w = state.stop_ids.shape[1]
+    _token_kernel[(rows * n,)](
+        logits, logits.stride(0), slots, seq_lens, state.temperature, state.top_p, state.top_k,
+        state.seed, state.done, tokens, tokens.stride(0), n, v,
+        BLOCK=min(4096, triton.next_power_of_2(v)), ITERS=ITERS, num_warps=8)
     _accept_kernel[(rows,)](
-        logits, logits.stride(0), cand, cand.stride(0), slots, seq_lens, state.temperature,
-        state.top_p, state.top_k, state.seed, state.stop_ids, state.max_new, state.emitted,
-        state.done, tokens, tokens.stride(0), accept, draft_accept, finish, err, n, v, w,
-        WP2=triton.next_power_of_2(w),
-        BLOCK=min(1024, triton.next_power_of_2(v)), ITERS=ITERS, num_warps=4)
+        tokens, tokens.stride(0), cand, cand.stride(0), slots, state.stop_ids, state.max_new,
+        state.emitted, state.done, accept, draft_accept, finish, err, n, v, w,
+        WP2=triton.next_power_of_2(w), num_warps=1)
 
 
 # ----------------------------------------------------------------------------
