@@ -415,7 +415,8 @@ class Engine:
 
     def _accept(self, row0: int, tok0: int, rows: int, n: int, logits: torch.Tensor,
                 slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The accept kernel over rows [row0, row0 + rows) whose logits are `logits [rows * n, V]`."""
+        """The accept kernel over rows [row0, row0 + rows) whose logits are `logits [rows * n, V]`;
+        `slots`: the rows' slots as prepared (0 for padded, done and flagged rows: inert)."""
         cb = self.cycle
         cand = self.inputs.input_ids[tok0: tok0 + rows * n].view(rows, n)
         accept_tokens(logits, cand, slots, self.inputs.seq_lens[row0: row0 + rows], self.slots,
@@ -452,7 +453,7 @@ class Engine:
         self._prepare(0, 0, bs)
         out = self._target_decode(bs)
         tokens = self._tokens_buffer(bs)
-        self._accept(0, 0, bs, self.n_row, out.logits, self.cycle.slot_rows[:bs], tokens)
+        self._accept(0, 0, bs, self.n_row, out.logits, self.inputs.req_pool_indices[:bs], tokens)
         nxt = None
         if isinstance(self.drafter, EagleDrafter):
             nxt = self.drafter._decode(bs)
@@ -465,7 +466,8 @@ class Engine:
         self._prepare(0, 0, pbs)
         out = self.verify_graphs.run(pbs)
         tokens = self._tokens_buffer(pbs)
-        self._accept(0, 0, pbs, self.n_row, out.logits, self.cycle.slot_rows[:pbs], tokens)
+        self._accept(0, 0, pbs, self.n_row, out.logits, self.inputs.req_pool_indices[:pbs],
+                     tokens)
         nxt = None
         if isinstance(self.drafter, EagleDrafter):
             nxt = self.drafter.decode_graphs.run(pbs)
@@ -591,7 +593,7 @@ class Engine:
         self._accept(0, 0, ne, 1, out.logits[:ne], self._host_tensor(final), p_tok)
         d_tok = tokens[ne: ne + nd * n].view(nd, n)
         if nd:
-            self._accept(ne, npt, nd, n, out.logits[ne:], cb.slot_rows[ne: ne + nd], d_tok)
+            self._accept(ne, npt, nd, n, out.logits[ne:], ib.req_pool_indices[ne: ne + nd], d_tok)
         nxt = None
         if self.drafter is not None:
             accept = self._draft_accept_buffer()[:bs].clone()
