@@ -85,6 +85,7 @@ class Request:
     last_verified: int | None = None     # the last emitted token, as the host has read it
     finish_reason: str | None = None
     seed: int = 0                        # Philox key of sampled tokens (verify.request_seed)
+    in_flight: int = 0                   # launched steps that emit for it, not yet retired
 
     @property
     def prefilling(self) -> bool:
@@ -114,6 +115,7 @@ class _Launched:
 
     reqs: list[Request]
     decode: list[bool]                   # False: a prefill row (one token column, or none)
+    emits: list[bool]                    # the row counts in its request's `in_flight`
     ring: int                            # pinned slot holding its pack
     event: object | None
 
@@ -485,7 +487,10 @@ class Engine:
     def _schedule(self) -> tuple[list[BatchRow], list[Request], list[Request]]:
         """-> prefill rows (host-written), their requests, decode requests (device-prepared)."""
         prefill = [r for r in self.running if r.prefilling]
-        decode = [r for r in self.running if not r.prefilling]
+        # every launched live row emits >= 1 token: a request whose in-flight steps reach
+        # max_new_tokens is certainly done on device; it is not scheduled again (no inert row)
+        decode = [r for r in self.running if not r.prefilling
+                  and len(r.output) + r.in_flight < r.params.max_new_tokens]
         budget = self.cfg.max_num_batched_tokens - len(decode) * self.n_row
         rows, reqs = [], []
         for r in prefill:
@@ -566,9 +571,14 @@ class Engine:
             event.record()
         for row, r in zip(rows, preqs, strict=True):
             r.committed = row.end
+            r.in_flight += row.end == len(r.prompt)  # its first token
             self.stats.prefill_tokens += len(row.input_ids)
+        for r in dreqs:
+            r.in_flight += 1
         self.stats.steps += 1
-        self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, ring, event))
+        emits = [row.end == len(r.prompt) for row, r in zip(rows, preqs, strict=True)] + [True] * nd
+        self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, emits, ring,
+                                         event))
 
     def _mixed_step(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
         """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
@@ -613,7 +623,8 @@ class Engine:
         data = self._pinned[step.ring][: len(step.reqs)].tolist()
         n = self.n_row
         finished, errors = [], []
-        for r, decode, row in zip(step.reqs, step.decode, data, strict=True):
+        for r, decode, emits, row in zip(step.reqs, step.decode, step.emits, data, strict=True):
+            r.in_flight -= emits
             if r.finished:
                 continue  # aborted (or failed) after this step was launched
             a, fin, err = row[n], row[n + 1], row[n + 2]
