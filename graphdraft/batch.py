@@ -131,7 +131,10 @@ def write_batch(buffers, page_table, rows: list[BatchRow]) -> ForwardContext:
 
     def put(dst, values, dtype):
         if values:
-            dst[: len(values)].copy_(torch.tensor(values, dtype=dtype).to(dev, non_blocking=True))
+            src = torch.tensor(values, dtype=dtype)
+            if dev.type == "cuda":
+                src = src.pin_memory()  # pageable sources make non_blocking copies synchronous
+            dst[: len(values)].copy_(src.to(dev, non_blocking=True))
 
     put(buffers.input_ids, ids, torch.int64)
     put(buffers.positions, positions, torch.int64)

@@ -12,6 +12,11 @@ For a decode batch one kernel writes the drafter's inputs and all of these
 (`graphdraft.kernels.stage_inputs`); `pad_rows` / `pad_tokens` below do it
 for the other paths.
 
+The speculative cycle's per request-slot tables (last token, drafts, sampling parameters,
+stop table, max_new, emitted, done; slot 0 the inert dummy) are `graphdraft.slot_state.SlotState`
+(documented there, allocated once by the Engine); its per-row buffers and the packed output
+are `CycleBuffers` below.
+
 Sizes: `max_bs = RuntimeConfig.max_bs`, `max_tokens = RuntimeConfig.max_num_tokens`,
 `N = spec_num_tokens`, `S = speculative_num_steps`, `H` the draft hidden size,
 `kH` the width of the target's captured hidden states.
@@ -111,6 +116,43 @@ class RuntimeStates:
 
 
 @dataclass
+class CycleBuffers:
+    """The speculative cycle's own buffers (graphdraft.engine; the per-slot tables are
+    `graphdraft.slot_state.SlotState`, documented there).
+
+    slot_rows     [max_bs] int64       each row's request slot (host-staged when the rows
+                                       change; 0: a padded row)
+    tokens        [max_tokens] int64   accepted tokens of prefill / mixed steps and of
+                                       engines without an EAGLE drafter (with one, a decode
+                                       cycle writes them into `DraftBuffers.first_input_ids`)
+    accept        [max_bs] int32       accepted tokens per row after the stop cut (0: inert)
+    draft_accept  [max_bs] int32       max(accept, 1) for drafters that are not an EagleDrafter
+                                       (an EagleDrafter's `DraftBuffers.accept_lengths` otherwise)
+    finish        [max_bs] int32       0 running, 1 stop token, 2 max_new_tokens
+    err           [max_bs] int32       error bits (engine.ERR_*), read one step later
+    pack          [max_bs, N + 3] int32  tokens (N), accept, finish, err: the one D2H copy
+    """
+
+    slot_rows: torch.Tensor
+    tokens: torch.Tensor
+    accept: torch.Tensor
+    draft_accept: torch.Tensor
+    finish: torch.Tensor
+    err: torch.Tensor
+    pack: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: RuntimeConfig, n: int) -> CycleBuffers:
+        b, dev = cfg.max_bs, cfg.device
+        return cls(slot_rows=_zeros(b, torch.int64, dev),
+                   tokens=_zeros(cfg.max_num_tokens, torch.int64, dev),
+                   accept=_zeros(b, torch.int32, dev),
+                   draft_accept=torch.ones(b, dtype=torch.int32, device=dev),
+                   finish=_zeros(b, torch.int32, dev), err=_zeros(b, torch.int32, dev),
+                   pack=_zeros((b, n + 3), torch.int32, dev))
+
+
+@dataclass
 class DraftBuffers:
     """The drafter's own static inputs and outputs (what its CUDA graphs read and write).
 
@@ -129,6 +171,7 @@ class DraftBuffers:
     hidden            [max_bs, H] dtype       current draft hidden (pre-norm) per row
     next_tokens       [max_bs, S + 1] int32   column 0: last verified token; 1..S: draft tokens
                                               (`run(copy_output=False)` returns `[:bs]` of it)
+    err               [1] int32               deferred validation's error word (bits: EagleDrafter.ERR_BITS)
     """
 
     first_input_ids: torch.Tensor
@@ -142,6 +185,7 @@ class DraftBuffers:
     ids: torch.Tensor
     hidden: torch.Tensor
     next_tokens: torch.Tensor
+    err: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: RuntimeConfig, hidden_size: int, target_hidden_width: int,
@@ -159,6 +203,7 @@ class DraftBuffers:
             ids=_zeros(b, torch.int64, dev),
             hidden=_zeros((b, hidden_size), dtype, dev),
             next_tokens=_zeros((b, s + 1), torch.int32, dev),
+            err=_zeros(1, torch.int32, dev),
         )
 
     def nbytes(self) -> int:

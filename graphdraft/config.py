@@ -64,6 +64,15 @@ class RuntimeConfig:
     """Check every call's shapes, dtypes and value ranges (a host sync); off on a tuned hot path."""
     kernel_backend: str = "auto"
     """"triton" (Triton kernels), "torch" (plain torch path), or "auto" (triton on CUDA)."""
+    validation: str = "deferred"
+    """Value checks of the hot path: "deferred" (device error word, raised one step later as
+    the named ValueError; no sync), "sync" (immediate errors, syncs), "off". `validate_inputs=False`
+    also turns them off (kept as an alias). (Named `validation`: `validate()` is the method.)"""
+    cycle_graph: bool = True
+    """Pure decode steps replay one graph per cycle (verify + accept + draft + commit); False:
+    the split mode (verify graph, eager accept, draft graph), bit-identical."""
+    stop_table_width: int = 4
+    """Stop token ids per request held on the device (EOS included); more are rejected."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +150,15 @@ class RuntimeConfig:
         need(self.kernel_backend != "triton" or str(self.device).startswith("cuda") or interpreting,
              "kernel_backend", "'torch' or 'auto' on a CPU device (unless TRITON_INTERPRET=1)")
         need(str(self.device).split(":")[0] in ("cpu", "cuda"), "device", "'cpu' or 'cuda[:N]'")
+        need(self.validation in ("deferred", "sync", "off"), "validation", "'deferred', 'sync' or 'off'")
+        need(isinstance(self.cycle_graph, bool), "cycle_graph", "a bool")
+        need(isinstance(self.stop_table_width, int) and self.stop_table_width >= 1,
+             "stop_table_width", "an int >= 1")
+
+    @property
+    def validation_mode(self) -> str:
+        """The effective `validation` mode ("off" when `validate_inputs` is False)."""
+        return self.validation if self.validate_inputs else "off"
 
 
 @dataclass

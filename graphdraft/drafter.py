@@ -108,7 +108,7 @@ class EagleDrafter:
     # Graphs
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, progress: bool = True) -> None:
         """Capture the decode draft and the multi-step chain for every size of the schedule
         (largest first).
 
@@ -117,8 +117,8 @@ class EagleDrafter:
         """
         self._use_head_kernels()
         self._reset_neutral()
-        self.decode_graphs.capture()
-        self.multi_step_graphs.capture()
+        self.decode_graphs.capture(progress=progress)
+        self.multi_step_graphs.capture(progress=progress)
         self._reset_neutral()
 
     def _reset_neutral(self) -> None:
@@ -216,8 +216,11 @@ class EagleDrafter:
         copy launch), valid until the next `run`."""
         if not isinstance(copy_output, bool):
             raise ValueError(f"copy_output: expected a bool, got {type(copy_output).__name__}")
-        if self.cfg.validate_inputs:
+        mode = self.cfg.validation_mode
+        if mode == "sync":
             self.validate(ctx, hidden_states, output_tokens, accept_lengths)
+        elif mode == "deferred":
+            self.check_shapes(ctx, hidden_states, output_tokens, accept_lengths)
         bs, ne, n = ctx.bs, ctx.num_extends, self.N
         self.stats.calls += 1
         if bs == 0:
@@ -238,6 +241,8 @@ class EagleDrafter:
             else:
                 b.accept_lengths[:bs].copy_(accept_lengths)
                 self._prepare_mixed_ids(ctx, output_tokens)
+            if mode == "deferred":
+                self._device_checks(ctx)
 
         if decode:
             self.stats.decode_calls += 1
@@ -274,11 +279,55 @@ class EagleDrafter:
         ids[npt:].copy_(output_tokens[ne:])
 
     # ------------------------------------------------------------------
-    # Validation (a host sync; `RuntimeConfig.validate_inputs=False` skips it)
+    # Validation. RuntimeConfig.validation: "sync" runs `validate` (host syncs, immediate
+    # errors); "deferred" checks shapes on the host and values on the device into the error
+    # word `DraftBuffers.err` (no sync; bad values are clamped to safe ones first: token 0,
+    # accept in [0, N], the dummy slot 0, seq len >= 1), read by `check_errors()`; "off" none.
     # ------------------------------------------------------------------
+    ERR_BITS = {1: ("output_tokens", "token ids in [0, vocab_size)"),
+                2: ("accept_lengths", "decode rows in [0, N]"),
+                4: ("input_buffers.req_pool_indices", "slots in [0, max_running_requests]"),
+                8: ("input_buffers.seq_lens", ">= 1 for every row")}
+
+    def _device_checks(self, ctx: ForwardContext) -> None:
+        """Deferred value checks on the staged inputs: OR bits into `err`, sanitize in place."""
+        b, ib, bs, ne = self.bufs, self.inputs, ctx.bs, ctx.num_extends
+        ids = b.first_input_ids[: ctx.input_num_tokens]
+        vocab = self.head.config.vocab_size
+        bad_ids = ((ids < 0) | (ids >= vocab)).any()
+        acc = b.accept_lengths[ne:bs]
+        bad_acc = ((acc < 0) | (acc > self.N)).any()
+        req = ib.req_pool_indices[:bs]
+        bad_req = ((req < 0) | (req >= self.req_to_page.shape[0])).any()
+        bad_seq = (ib.seq_lens[:bs] < 1).any()
+        word = bad_ids.int() | (bad_acc.int() << 1) | (bad_req.int() << 2) | (bad_seq.int() << 3)
+        b.err |= word
+        ids.clamp_(0, vocab - 1)
+        acc.clamp_(0, self.N)
+        req.copy_(torch.where((req < 0) | (req >= self.req_to_page.shape[0]), 0, req))
+        ib.seq_lens[:bs].clamp_(min=1)
+
+    def check_errors(self) -> None:
+        """Read the deferred error word (one sync) and raise the ValueError naming the first
+        bad argument of any `run` since the last check; resets the word."""
+        word = int(self.bufs.err.item())
+        if word:
+            self.bufs.err.zero_()
+            bit = word & -word
+            name, expected = self.ERR_BITS[bit]
+            raise ValueError(f"{name}: expected {expected} (deferred check of an earlier run; "
+                             f"error bits {word:#x})")
+
+    def check_shapes(self, ctx: ForwardContext, hidden_states: torch.Tensor,
+                     output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> None:
+        """The host half of `validate`: sizes, shapes, dtypes, devices; reads no device value."""
+        self.validate(ctx, hidden_states, output_tokens, accept_lengths, values=False)
+
     def validate(self, ctx: ForwardContext, hidden_states: torch.Tensor,
-                 output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> None:
-        """Raise ValueError naming the first bad argument; writes nothing."""
+                 output_tokens: torch.Tensor, accept_lengths: torch.Tensor,
+                 values: bool = True) -> None:
+        """Raise ValueError naming the first bad argument; writes nothing. `values=False`:
+        the host checks only (no sync)."""
         cfg, n = self.cfg, self.N
         bs, ne, nd = ctx.bs, ctx.num_extends, ctx.num_decodes
         if bs > cfg.max_bs:
@@ -308,6 +357,8 @@ class EagleDrafter:
         check("accept_lengths", accept_lengths, (bs,), ints)
         check("hidden_states", hidden_states, (ctx.input_num_tokens, self.head.target_hidden_width),
               (self.head.dtype,))
+        if not values:
+            return
         if output_tokens.numel():
             lo, hi = int(output_tokens.min()), int(output_tokens.max())
             if lo < 0 or hi >= self.head.config.vocab_size:
@@ -321,9 +372,10 @@ class EagleDrafter:
                                  f"got values in [{lo}, {hi}]")
         ib = self.inputs
         req = ib.req_pool_indices[:bs]
-        if bs and (int(req.min()) < 1 or int(req.max()) >= self.req_to_page.shape[0]):
-            raise ValueError(f"input_buffers.req_pool_indices: expected live slots in "
-                             f"[1, {self.req_to_page.shape[0]}), got {req.tolist()}")
+        if bs and (int(req.min()) < 0 or int(req.max()) >= self.req_to_page.shape[0]):
+            raise ValueError(f"input_buffers.req_pool_indices: expected slots in "
+                             f"[0, {self.req_to_page.shape[0]}) (0: a padded or inert row), "
+                             f"got {req.tolist()}")
         if bs and int(ib.seq_lens[:bs].min()) < 1:
             raise ValueError("input_buffers.seq_lens: expected >= 1 for every row")
         if ne:

@@ -1,14 +1,28 @@
 """The serving loop: requests in, tokens out, with EAGLE-3 speculative decoding.
 
-Each `step()`:
-  1. admit waiting requests while a request slot and their KV pages are free
-     (pages for the whole request are reserved up front: a running request
-     never runs out; new work queues instead),
-  2. schedule prefill chunks (first) and decode rows (N tokens each),
-  3. run the target (a replayed CUDA graph for pure decode batches),
-  4. verify (greedy or rejection sampling) and run the drafter,
-  5. commit accepted tokens, stop on EOS / max_new_tokens, free finished requests.
+Every token decision lives on the device; the host plans and reads results one step late.
+Per-slot state (`graphdraft.slot_state.SlotState` + `RuntimeStates.valid_cache_lengths`)
+holds each request's last verified token, drafts, committed length, sampling parameters,
+stop table, emitted count and done flag; the host writes a slot's row only at admission.
 
+A pure decode step is one **cycle** per padded batch size B (`cycle_graphs`, one CUDA graph
+replay; the same functions run eagerly under `enforce_eager` / GRAPHDRAFT_EAGER=1):
+  prepare   rows' slots (`CycleBuffers.slot_rows`) -> input ids from last_token / drafts,
+            positions, KV slots and seq lens from valid_cache_lengths and the page table;
+            padded and done rows inert (the dummy slot 0)
+  verify    `_target_decode(B)` (its aux hidden states land in the drafter's buffer)
+  accept    `graphdraft.kernels.accept` (greedy and sampled rows, stop tokens, max_new)
+  draft     the drafter's decode body (first step + multi-step) over the accepted rows
+  commit    valid_cache_lengths += accept, last_token, drafts, emitted, done
+  pack      tokens, accept, finish, error bits -> `CycleBuffers.pack [max_bs, N + 3]` int32
+`cycle_graph=False` runs the same functions as verify graph + eager accept + draft graph +
+eager commit (bit-identical). Prefill / mixed steps run eagerly over the same state (prefill
+rows written by the host, decode rows prepared on device), so no step needs a sync.
+
+`step()` keeps one step in flight: it plans (retire nothing yet; drop finished rows, admit,
+schedule prefill chunks), launches step k, enqueues one non-blocking copy of the pack buffer
+into a pinned slot (two slots, each with its own event), then retires step k-1: appends its
+tokens, decodes its error bits, finishes requests. `generate()` drains the last step.
 Without a draft head the same loop decodes one token per row (target-only).
 """
 
@@ -25,17 +39,26 @@ import torch
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
 from graphdraft.attention import PagedAttentionBackend
 from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
-from graphdraft.buffers import InputBuffers, RuntimeStates
+from graphdraft.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.config import RuntimeConfig
 from graphdraft.drafter import EagleDrafter
 from graphdraft.eagle3 import Eagle3DraftHead
+from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
+from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS, commit_pack, prepare_rows
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.llama import LlamaForCausalLM, TargetOutput
 from graphdraft.metrics import ServingMetrics
 from graphdraft.nvtx import nvtx_range
-from graphdraft.verify import SamplingParams, sample_tokens, verify_greedy, verify_sampled
+from graphdraft.slot_state import SlotState, StopTableFullError
+from graphdraft.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
+
+# Error bits of the cycle's prepare: ERR_DRAFTS (1) a candidate token (last verified token or
+# draft) outside [0, vocab); ERR_CACHE_LEN (2) a committed length whose next N positions pass
+# max_context_len. Bit 1 of the accept kernel (a draft outside [0, vocab)) is the same fault.
+_ERR_NAMES = {ERR_DRAFTS: ("drafts", "token ids in [0, vocab_size)"),
+              ERR_CACHE_LEN: ("valid_cache_lengths", "committed length + N <= max_context_len")}
 
 
 def _check_model(name: str, model: torch.nn.Module, cfg: RuntimeConfig,
@@ -58,11 +81,11 @@ class Request:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     slot: int | None = None
-    committed: int = 0                   # KV positions committed
-    last_verified: int | None = None
-    drafts: list[int] = field(default_factory=list)
+    committed: int = 0                   # prompt positions prefilled (decode progress: on device)
+    last_verified: int | None = None     # the last emitted token, as the host has read it
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0                        # Philox key of sampled tokens (verify.request_seed)
+    in_flight: int = 0                   # launched steps that emit for it, not yet retired
 
     @property
     def prefilling(self) -> bool:
@@ -86,14 +109,25 @@ class EngineStats:
         return self.accepted_tokens / self.decode_rows if self.decode_rows else 0.0
 
 
+@dataclass
+class _Launched:
+    """A launched step, retired one step later: its rows' requests and their kind."""
+
+    reqs: list[Request]
+    decode: list[bool]                   # False: a prefill row (one token column, or none)
+    emits: list[bool]                    # the row counts in its request's `in_flight`
+    ring: int                            # pinned slot holding its pack
+    event: object | None
+
+
 class Engine:
     def __init__(self, target: LlamaForCausalLM, cfg: RuntimeConfig,
                  head: Eagle3DraftHead | None = None, *, drafter=None,
                  eos_token_id: int | None = None, seed: int | None = None) -> None:
         """`head`: an EAGLE-3 head (an `EagleDrafter` is built for it); or `drafter`: any
-        object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)`.
-        `seed` seeds sampled requests that carry none (pass the same on every
-        tensor-parallel rank so that ranks sample alike)."""
+        object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)` (run
+        eagerly inside every step, no cycle graph). `seed` seeds sampled requests that carry
+        none (pass the same on every tensor-parallel rank so that ranks sample alike)."""
         self.target, self.cfg, self.eos_token_id = target, cfg, eos_token_id
         tc = target.config
         if tc.max_position_embeddings < cfg.max_context_len:
@@ -111,6 +145,9 @@ class Engine:
         self.kv = KVPool(tc.num_hidden_layers, cfg.total_kv_pages, cfg.page_size,
                          tc.num_key_value_heads, tc.head_dim, target.dtype, self.device)
         self.inputs, self.states = InputBuffers.allocate(cfg), RuntimeStates.allocate(cfg)
+        self.slots = SlotState.allocate(cfg.max_running_requests + 1, cfg.speculative_num_steps,
+                                        cfg.stop_table_width, self.device)
+        self.cycle = CycleBuffers.allocate(cfg, self.n_row)
         self.backend = PagedAttentionBackend(self.pages.req_to_page, cfg.page_size,
                                              cfg.max_context_len, cfg.use_triton)
         target.set_use_triton(cfg.use_triton)
@@ -135,6 +172,10 @@ class Engine:
             self.drafter = EagleDrafter(head, cfg, req_to_page=self.pages.req_to_page,
                                         input_buffers=self.inputs, runtime_states=self.states,
                                         graph_pool=self.graph_pool, on_oom=on_oom)
+        self._own_drafter = self.drafter is None or isinstance(self.drafter, EagleDrafter)
+        self.cycle_graphs = CapturedForward("spec_cycle", self._spec_cycle, self.schedule,
+                                            pool=self.graph_pool, on_oom=on_oom,
+                                            enabled=enabled and self._own_drafter and cfg.cycle_graph)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rids = itertools.count()
@@ -143,23 +184,64 @@ class Engine:
             self._seeds.manual_seed(seed)
         else:
             self._seeds.seed()
+        self._seed_uses: dict[int, int] = {}
+        self._staged_rows: list[int] | None = None
+        self._in_flight: deque[_Launched] = deque()
+        self._ring = 0
+        pin = self.device.type == "cuda"
+        shape = self.cycle.pack.shape
+        self._pinned = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._events = [torch.cuda.Event(blocking=True) if pin else None for _ in range(2)]
         self.stats = EngineStats()
         self.metrics = ServingMetrics()
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of the per-slot device state a cycle commits (valid_cache_lengths and the
+        `SlotState` tables). A benchmark that replays `cycle_graphs` alone advances the
+        requests at every replay (commit); `restore_state` puts them back between replays."""
+        snap = {f"slots.{k}": v.clone() for k, v in vars(self.slots).items()}
+        snap["valid_cache_lengths"] = self.states.valid_cache_lengths.clone()
+        return snap
+
+    def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
+        """Copy a `state_snapshot` back in place (stream-ordered; no sync)."""
+        for k, v in vars(self.slots).items():
+            v.copy_(snap[f"slots.{k}"])
+        self.states.valid_cache_lengths.copy_(snap["valid_cache_lengths"])
+
+    @property
+    def pinned_packs(self) -> list[torch.Tensor]:
+        """The two pinned host copies `[max_bs, N + 3]` int32 of `cycle.pack` (one per step
+        parity; a step's rows are valid once its event completed: `drain()` waits)."""
+        return self._pinned
 
     # ------------------------------------------------------------------
     # Graphs
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Capture the target's verify forward and the drafter's forwards (largest bs first)."""
+    def capture_graphs(self, progress: bool = True) -> None:
+        """Capture the target's verify forward, the drafter's forwards and the cycle (largest
+        bs first). Warm-up and capture run inert rows only (slot 0); every table is neutral after."""
+        self.drain()
+        self._reset_neutral()
+        self.verify_graphs.capture(progress=progress)
+        if isinstance(self.drafter, EagleDrafter):
+            self.drafter.capture_graphs(progress=progress)
+        self._reset_neutral()
+        self.cycle_graphs.capture(progress=progress)
+        self._reset_neutral()
+
+    def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)
         self.inputs.pad_tokens(0, self.cfg.max_bs * self.n_row)
-        self.verify_graphs.capture()
+        self.cycle.slot_rows.zero_()
+        self._staged_rows = None
         if isinstance(self.drafter, EagleDrafter):
-            self.drafter.capture_graphs()
+            self.drafter._reset_neutral()
+        self._neutral_slot0()
 
     def _captured_forwards(self) -> list[CapturedForward]:
-        forwards = [self.verify_graphs]
+        forwards = [self.cycle_graphs, self.verify_graphs]
         if isinstance(self.drafter, EagleDrafter):
             forwards += [self.drafter.decode_graphs, self.drafter.multi_step_graphs]
         return forwards
@@ -179,14 +261,28 @@ class Engine:
     def _lookahead(self) -> int:
         return self.n_row + self.cfg.speculative_num_steps
 
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        stops = list(dict.fromkeys(params.stop_token_ids))
+        if self.eos_token_id is not None and not params.ignore_eos and self.eos_token_id not in stops:
+            stops.insert(0, self.eos_token_id)
+        return stops
+
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
-        """Queue a request; raises ValueError (and queues nothing) when it can never be served."""
+        """Queue a request; raises ValueError (and queues nothing) when it can never be served.
+
+        Seeds of sampled requests (`verify.request_seed`): without `params.seed` one drawn
+        from the Engine's `seed`; with it, derived from (seed, how many earlier requests of
+        this Engine carried the same seed), so requests sharing one SamplingParams get
+        distinct streams and the same sequence of requests reproduces the same tokens."""
         params = self.check_request(prompt, params)
         req = Request(next(self._rids), list(prompt), params)
         if not params.greedy:
-            seed = (params.seed if params.seed is not None
-                    else int(torch.randint(2**62, (), generator=self._seeds)))
-            req.generator = torch.Generator().manual_seed(seed)
+            if params.seed is None:
+                req.seed = int(torch.randint(2**62, (), generator=self._seeds))
+            else:
+                k = self._seed_uses.get(params.seed, 0)
+                self._seed_uses[params.seed] = k + 1
+                req.seed = request_seed(params.seed, k)
         self.waiting.append(req)
         self.metrics.on_request_added(req.rid, time.perf_counter())
         return req
@@ -201,6 +297,11 @@ class Engine:
         vocab = self.target.config.vocab_size
         if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+        stops = self._stop_ids(params)
+        if len(stops) > self.cfg.stop_table_width:
+            raise StopTableFullError(
+                f"params.stop_token_ids: expected at most {self.cfg.stop_table_width} stop ids "
+                f"with EOS (RuntimeConfig.stop_table_width), got {len(stops)}")
         need = len(prompt) + params.max_new_tokens + self._lookahead()
         if need > self.cfg.max_context_len:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens "
@@ -223,13 +324,16 @@ class Engine:
             except OutOfPagesError:
                 self.pages.free(slot)
                 break
+            p = req.params
+            self.slots.admit(slot, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                             seed=req.seed, stop_ids=self._stop_ids(p), max_new=p.max_new_tokens)
             req.slot = slot
             self.waiting.popleft()
             self.running.append(req)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     # ------------------------------------------------------------------
     # Target forwards
@@ -267,16 +371,123 @@ class Engine:
             else:
                 logit_rows.extend(range(tok, tok + self.n_row))
             tok += len(r.input_ids)
-        idx = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
+        idx = torch.tensor(logit_rows, dtype=torch.int64)
+        idx = (idx.pin_memory() if self.device.type == "cuda" else idx).to(self.device,
+                                                                           non_blocking=True)
         return self.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], self.kv,
                            self.backend, meta, idx, capture_aux=self.drafter is not None)
 
     # ------------------------------------------------------------------
+    # The cycle's device functions (run eagerly or captured; identical code)
+    # ------------------------------------------------------------------
+    def _prepare(self, row0: int, tok0: int, rows: int) -> None:
+        """Decode rows [row0, row0 + rows) from `slot_rows` into `InputBuffers` (N tokens each
+        from token tok0): ids from last_token / drafts, positions and KV slots from
+        valid_cache_lengths and the page table. Padded (slot 0), done and bad rows are inert:
+        the dummy slot 0 at positions 0..N-1. Sets `err` of these rows (fresh each step).
+        (`graphdraft.kernels.cycle_kernels.prepare_rows`: one launch on the Triton path.)"""
+        n, ib, st, cb = self.n_row, self.inputs, self.slots, self.cycle
+        t = rows * n
+        prepare_rows(cb.slot_rows[row0: row0 + rows], n, done=st.done,
+                     vcl=self.states.valid_cache_lengths, last_token=st.last_token,
+                     drafts=st.drafts, req_to_page=self.pages.req_to_page,
+                     page_size=self.cfg.page_size, max_context_len=self.cfg.max_context_len,
+                     vocab=self.target.config.vocab_size, input_ids=ib.input_ids[tok0: tok0 + t],
+                     positions=ib.positions[tok0: tok0 + t],
+                     out_cache_loc=ib.out_cache_loc[tok0: tok0 + t],
+                     req=ib.req_pool_indices[row0: row0 + rows],
+                     seq_lens=ib.seq_lens[row0: row0 + rows],
+                     extend_lens=ib.extend_lens[row0: row0 + rows], err=cb.err[row0: row0 + rows],
+                     use_triton=self.cfg.use_triton)
+
+    def _tokens_buffer(self, rows: int) -> torch.Tensor:
+        """Where a decode cycle's accepted tokens go `[rows, N]`: the drafter's first-step ids
+        (no staging copy) or the engine's own buffer."""
+        if isinstance(self.drafter, EagleDrafter):
+            return self.drafter.bufs.first_input_ids[: rows * self.n_row].view(rows, self.n_row)
+        return self.cycle.tokens[: rows * self.n_row].view(rows, self.n_row)
+
+    def _draft_accept_buffer(self) -> torch.Tensor:
+        if isinstance(self.drafter, EagleDrafter):
+            return self.drafter.bufs.accept_lengths
+        return self.cycle.draft_accept
+
+    def _accept(self, row0: int, tok0: int, rows: int, n: int, logits: torch.Tensor,
+                slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The accept kernel over rows [row0, row0 + rows) whose logits are `logits [rows * n, V]`;
+        `slots`: the rows' slots as prepared (0 for padded, done and flagged rows: inert)."""
+        cb = self.cycle
+        cand = self.inputs.input_ids[tok0: tok0 + rows * n].view(rows, n)
+        accept_tokens(logits, cand, slots, self.inputs.seq_lens[row0: row0 + rows], self.slots,
+                      tokens=tokens, accept=cb.accept[row0: row0 + rows],
+                      draft_accept=self._draft_accept_buffer()[row0: row0 + rows],
+                      finish=cb.finish[row0: row0 + rows], err=cb.err[row0: row0 + rows],
+                      use_triton=self.cfg.use_triton)
+
+    def _commit(self, row0: int, rows: int, tokens: torch.Tensor, next_tokens: torch.Tensor | None,
+                prefill: bool) -> None:
+        """State after the step for rows [row0, row0 + rows): valid_cache_lengths (decode:
+        += accept; prefill rows: their seq len), last_token, drafts, emitted, done; then the
+        rows' pack (tokens, accept, finish, error bits). Rows that accepted nothing (inert,
+        mid-chunk) change no slot's tokens (`cycle_kernels.commit_pack`, one launch)."""
+        cb, st, ib = self.cycle, self.slots, self.inputs
+        sl = slice(row0, row0 + rows)
+        commit_pack(tokens, next_tokens[:rows] if next_tokens is not None else None,
+                    accept=cb.accept[sl], finish=cb.finish[sl], err=cb.err[sl],
+                    req=ib.req_pool_indices[sl], seq_lens=ib.seq_lens[sl],
+                    vcl=self.states.valid_cache_lengths, last_token=st.last_token,
+                    drafts=st.drafts, emitted=st.emitted, done=st.done, pack=cb.pack[sl],
+                    prefill=prefill, use_triton=self.cfg.use_triton)
+
+    def _neutral_slot0(self) -> None:
+        st = self.slots
+        self.states.valid_cache_lengths[0] = 0
+        st.last_token[0] = 0
+        st.drafts[0] = 0
+        st.emitted[0] = 0
+        st.done[0] = 0
+
+    def _spec_cycle(self, bs: int) -> torch.Tensor:
+        """One decode cycle over `bs` staged rows (graph-capturable); returns pack[:bs]."""
+        self._prepare(0, 0, bs)
+        out = self._target_decode(bs)
+        tokens = self._tokens_buffer(bs)
+        self._accept(0, 0, bs, self.n_row, out.logits, self.inputs.req_pool_indices[:bs], tokens)
+        nxt = None
+        if isinstance(self.drafter, EagleDrafter):
+            nxt = self.drafter._decode(bs)
+        self._commit(0, bs, tokens, nxt, prefill=False)
+        return self.cycle.pack[:bs]
+
+    def _split_cycle(self, bs: int, pbs: int) -> None:
+        """The same cycle as verify graph, eager accept, draft graph (or any drafter's run),
+        eager commit and pack."""
+        self._prepare(0, 0, pbs)
+        out = self.verify_graphs.run(pbs)
+        tokens = self._tokens_buffer(pbs)
+        self._accept(0, 0, pbs, self.n_row, out.logits, self.inputs.req_pool_indices[:pbs],
+                     tokens)
+        nxt = None
+        if isinstance(self.drafter, EagleDrafter):
+            nxt = self.drafter.decode_graphs.run(pbs)
+        elif self.drafter is not None:
+            ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * self.n_row)
+            aux = out.aux_hidden[: bs * self.n_row] if out.aux_hidden is not None else None
+            nxt = self.drafter.run(ctx, aux, tokens[:bs].reshape(-1), self.cycle.draft_accept[:bs])
+            nxt = torch.cat([nxt, torch.zeros(pbs - bs, nxt.shape[1], dtype=nxt.dtype,
+                                              device=nxt.device)]) if pbs > bs else nxt
+        self._commit(0, pbs, tokens, nxt, prefill=False)
+
+    # ------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------
-    def _schedule(self) -> tuple[list[BatchRow], list[Request]]:
+    def _schedule(self) -> tuple[list[BatchRow], list[Request], list[Request]]:
+        """-> prefill rows (host-written), their requests, decode requests (device-prepared)."""
         prefill = [r for r in self.running if r.prefilling]
-        decode = [r for r in self.running if not r.prefilling]
+        # every launched live row emits >= 1 token: a request whose in-flight steps reach
+        # max_new_tokens is certainly done on device; it is not scheduled again (no inert row)
+        decode = [r for r in self.running if not r.prefilling
+                  and len(r.output) + r.in_flight < r.params.max_new_tokens]
         budget = self.cfg.max_num_batched_tokens - len(decode) * self.n_row
         rows, reqs = [], []
         for r in prefill:
@@ -289,116 +500,173 @@ class Engine:
             rows.append(BatchRow(r.slot, r.committed, ids, True, nxt))
             reqs.append(r)
             budget -= len(ids)
-        for r in decode:
-            rows.append(BatchRow(r.slot, r.committed, [r.last_verified] + r.drafts, False))
-            reqs.append(r)
-        return rows, reqs
+        return rows, reqs, decode
+
+    def _stage_rows(self, slots: list[int]) -> None:
+        """Write `slot_rows[:len(slots)]` (one H2D copy) when the rows changed."""
+        if slots == self._staged_rows:
+            return
+        src = torch.tensor(slots, dtype=torch.int64)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.cycle.slot_rows[: len(slots)].copy_(src.to(self.device, non_blocking=True))
+        self._staged_rows = list(slots)
+
+    def _host_tensor(self, values: list[int]) -> torch.Tensor:
+        src = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        return src.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     @nvtx_range("engine_step")
     def step(self) -> list[Request]:
-        """Run one forward of everything scheduled; returns the requests that finished."""
+        """Plan and launch one step, then retire the previous one; returns the requests that
+        finished (as read back: one step late). With `validation="sync"` the launched step is
+        retired at once (a sync per step; immediate errors)."""
         self._admit()
-        rows, reqs = self._schedule()
-        if not rows:
-            return []
-        ctx = write_batch(self.inputs, self.pages, rows)
-        out = self._target_forward(ctx, rows)
-        output_tokens, accept = self._verify(ctx, rows, reqs, out.logits)
-        next_tokens = None
-        if self.drafter is not None:
-            # _commit reads the drafts back before the next run: no copy of them needed
-            no_copy = {"copy_output": False} if isinstance(self.drafter, EagleDrafter) else {}
-            next_tokens = self.drafter.run(ctx, out.aux_hidden, output_tokens, accept, **no_copy)
-        return self._commit(ctx, rows, reqs, output_tokens, accept, next_tokens)
+        rows, preqs, dreqs = self._schedule()
+        launched = False
+        if rows or dreqs:
+            with nvtx_range("launch"):
+                self._launch(rows, preqs, dreqs)
+            launched = True
+        finished: list[Request] = []
+        keep = 1 if launched and self.cfg.validation_mode != "sync" else 0
+        while len(self._in_flight) > keep:
+            finished += self._retire(self._in_flight.popleft())
+        return finished
 
-    def _verify(self, ctx: ForwardContext, rows, reqs, logits: torch.Tensor):
-        """-> output_tokens `[ne + nd * n]` int64, accept_lengths `[bs]` int32."""
-        ne, n = ctx.num_extends, self.n_row
-        outs = []
-        for i in range(ne):  # a prefill row's first output token (mid-chunk: unused)
-            r = reqs[i]
-            outs.append(sample_tokens(logits[i: i + 1], r.params, r.generator))
-        accept = torch.ones(ctx.bs, dtype=torch.int32, device=self.device)
-        nd = ctx.bs - ne
-        if nd:
-            cand = torch.tensor([rows[i].input_ids for i in range(ne, ctx.bs)],
-                                dtype=torch.int64).to(self.device)
-            dec_logits = logits[ne: ne + nd * n]
-            tokens, acc = verify_greedy(cand, dec_logits)
-            for k in range(nd):
-                r = reqs[ne + k]
-                if not r.params.greedy:
-                    t, a = verify_sampled(cand[k: k + 1], dec_logits[k * n:(k + 1) * n],
-                                          r.params, r.generator)
-                    tokens[k * n:(k + 1) * n] = t
-                    acc[k] = a[0]
-            outs.append(tokens)
-            accept[ne:] = acc
-        return torch.cat(outs).to(torch.int64), accept
+    def drain(self) -> list[Request]:
+        """Retire every launched step (waits for the device)."""
+        finished: list[Request] = []
+        while self._in_flight:
+            finished += self._retire(self._in_flight.popleft())
+        return finished
 
-    def _commit(self, ctx, rows, reqs, output_tokens, accept, next_tokens) -> list[Request]:
-        ne, n = ctx.num_extends, self.n_row
-        out_h = output_tokens.tolist()
-        acc_h = accept.tolist()
-        nxt_h = next_tokens.tolist() if next_tokens is not None else None
-        finished, slots, lengths = [], [], []
-        for i, (row, r) in enumerate(zip(rows, reqs, strict=True)):
-            if row.is_prefill:
-                r.committed = row.end
-                self.stats.prefill_tokens += len(row.input_ids)
-                new = [] if r.prefilling else [out_h[i]]
+    def _launch(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
+        ne, nd = len(rows), len(dreqs)
+        bs = ne + nd
+        if ne == 0:
+            pbs = padded_batch_size(self.schedule, bs) or bs
+            self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
+            if self._own_drafter and self.cfg.cycle_graph:
+                self.cycle_graphs.run(pbs)
             else:
-                a = acc_h[i]
-                base = ne + (i - ne) * n
-                new = out_h[base: base + a]
-                r.committed = row.start + a
+                self._split_cycle(bs, pbs)
+            if isinstance(self.drafter, EagleDrafter):  # it drafted once, inside the cycle
+                self.drafter.stats.calls += 1
+                self.drafter.stats.decode_calls += 1
+        else:
+            self._mixed_step(rows, preqs, dreqs)
+        ring = self._ring
+        self._ring ^= 1
+        pinned = self._pinned[ring]
+        pinned[:bs].copy_(self.cycle.pack[:bs], non_blocking=True)
+        event = self._events[ring]
+        if event is not None:
+            event.record()
+        for row, r in zip(rows, preqs, strict=True):
+            r.committed = row.end
+            r.in_flight += row.end == len(r.prompt)  # its first token
+            self.stats.prefill_tokens += len(row.input_ids)
+        for r in dreqs:
+            r.in_flight += 1
+        self.stats.steps += 1
+        emits = [row.end == len(r.prompt) for row, r in zip(rows, preqs, strict=True)] + [True] * nd
+        self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, emits, ring,
+                                         event))
+
+    def _mixed_step(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
+        """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
+        device from the same state as the cycle; the same accept, commit and pack."""
+        n, ne, nd = self.n_row, len(rows), len(dreqs)
+        bs = ne + nd
+        ib, cb = self.inputs, self.cycle
+        pctx = write_batch(ib, self.pages, rows)
+        npt = pctx.input_num_tokens
+        self._stage_rows([r.slot for r in preqs] + [r.slot for r in dreqs])
+        if nd:
+            self._prepare(ne, npt, nd)
+        ctx = ForwardContext(bs=bs, num_extends=ne, input_num_tokens=npt + nd * n,
+                             all_extends_mid_chunk=pctx.all_extends_mid_chunk and nd == 0)
+        all_rows = rows + [BatchRow(r.slot, 0, [0] * n, False) for r in dreqs]
+        out = self._target_forward(ctx, all_rows)
+        # prefill rows: one token after a request's last chunk (slot 0 for the others)
+        final = [r.slot if row.end == len(r.prompt) else 0 for row, r in zip(rows, preqs, strict=True)]
+        tokens = cb.tokens
+        cb.err[:ne] = 0
+        p_tok = tokens[:ne].view(ne, 1)
+        self._accept(0, 0, ne, 1, out.logits[:ne], self._host_tensor(final), p_tok)
+        d_tok = tokens[ne: ne + nd * n].view(nd, n)
+        if nd:
+            self._accept(ne, npt, nd, n, out.logits[ne:], ib.req_pool_indices[ne: ne + nd], d_tok)
+        nxt = None
+        if self.drafter is not None:
+            accept = self._draft_accept_buffer()[:bs].clone()
+            accept[:ne] = 1
+            kw = {"copy_output": False} if isinstance(self.drafter, EagleDrafter) else {}
+            nxt = self.drafter.run(ctx, out.aux_hidden, tokens[: ne + nd * n], accept, **kw)
+        self._commit(0, ne, p_tok, nxt[:ne] if nxt is not None else None, prefill=True)
+        if nd:
+            self._commit(ne, nd, d_tok, nxt[ne:bs] if nxt is not None else None, prefill=False)
+
+    # ------------------------------------------------------------------
+    # Retirement (host, one step late)
+    # ------------------------------------------------------------------
+    def _retire(self, step: _Launched) -> list[Request]:
+        if step.event is not None:
+            step.event.synchronize()
+        data = self._pinned[step.ring][: len(step.reqs)].tolist()
+        n = self.n_row
+        finished, errors = [], []
+        for r, decode, emits, row in zip(step.reqs, step.decode, step.emits, data, strict=True):
+            r.in_flight -= emits
+            if r.finished:
+                continue  # aborted (or failed) after this step was launched
+            a, fin, err = row[n], row[n + 1], row[n + 2]
+            if err and self.cfg.validation_mode != "off":
+                errors.append((r, err))
+                continue
+            new = row[:a]
+            if decode:
                 self.stats.decode_rows += 1
                 self.stats.accepted_tokens += a
                 self.metrics.on_decode_accept(a)
             if new:
+                r.output.extend(new)
                 r.last_verified = new[-1]
-            r.drafts = nxt_h[i][1:] if nxt_h is not None else []
-            slots.append(r.slot)
-            lengths.append(r.committed)
-            self._emit(r, new)
-            if r.finished:
+                self.stats.emitted_tokens += len(new)
+                self.metrics.on_tokens(r.rid, len(new), time.perf_counter())
+            if fin:
+                r.finish_reason = "stop" if fin == FINISH_STOP else "length"
+                assert fin in (FINISH_STOP, FINISH_LENGTH)
                 finished.append(r)
-        self.states.valid_cache_lengths[torch.tensor(slots, device=self.device)] = torch.tensor(
-            lengths, dtype=torch.int32).to(self.device)
         for r in finished:
             self._release(r)
-        self.stats.steps += 1
+        if errors:
+            for r, _ in errors:
+                r.finish_reason = "error"
+                self._release(r)
+            r, err = errors[0]
+            bit = err & -err
+            name, expected = _ERR_NAMES.get(bit, ("error bits", "0"))
+            raise ValueError(f"{name}: expected {expected} for request {r.rid} (slot {r.slot}); "
+                             f"the request was aborted (error bits {err:#x}, "
+                             f"{len(errors)} request(s) flagged)")
         return finished
-
-    def _emit(self, r: Request, tokens: list[int]) -> None:
-        before = len(r.output)
-        self._append_until_stop(r, tokens)
-        if len(r.output) > before:
-            self.metrics.on_tokens(r.rid, len(r.output) - before, time.perf_counter())
-
-    def _append_until_stop(self, r: Request, tokens: list[int]) -> None:
-        for tok in tokens:
-            r.output.append(tok)
-            self.stats.emitted_tokens += 1
-            stop = tok in r.params.stop_token_ids or (
-                tok == self.eos_token_id and not r.params.ignore_eos)
-            if stop:
-                r.finish_reason = "stop"
-                return
-            if len(r.output) >= r.params.max_new_tokens:
-                r.finish_reason = "length"
-                return
 
     def _release(self, r: Request) -> None:
         self.metrics.on_request_finished(r.rid)
         self.running.remove(r)
         self.pages.free(r.slot)
         self.states.valid_cache_lengths[r.slot] = 0
+        self.slots.release(r.slot)
         r.slot = None
 
     def abort(self, r: Request) -> None:
-        """Drop a waiting or running request; its pages return to the pool."""
+        """Drop a waiting or running request; its pages return to the pool (a step already in
+        flight treats its row as inert or writes only within the request's reservation)."""
         if r in self.waiting:
             self.waiting.remove(r)
         elif r in self.running:
@@ -431,6 +699,7 @@ class Engine:
             self.step()
             if bar is not None:
                 bar.update(self.stats.emitted_tokens - before)
+        self.drain()
         if bar is not None:
             bar.close()
         return [r.output for r in reqs]

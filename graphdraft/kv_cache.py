@@ -113,8 +113,11 @@ class PageTable:
         new = [self._free_pages.pop() for _ in range(need)]
         start = len(req.pages)
         req.pages.extend(new)
-        self.req_to_page[slot, start:start + need] = torch.tensor(new, dtype=torch.int32).to(
-            self.req_to_page.device, non_blocking=True)
+        src = torch.tensor(new, dtype=torch.int32)
+        if self.req_to_page.device.type == "cuda":
+            src = src.pin_memory()  # a pageable source would make the copy wait for the stream
+        self.req_to_page[slot, start:start + need] = src.to(self.req_to_page.device,
+                                                             non_blocking=True)
 
     def free(self, slot: int) -> None:
         """Return a request's pages and slot; its table row becomes zeros (the dummy page)."""

@@ -25,7 +25,18 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters; `temperature == 0` is greedy."""
+    """Per-request decoding parameters; `temperature == 0` is greedy.
+
+    Seeds (sampled requests): the Engine samples on device with Philox noise keyed by the
+    request's seed and the absolute position of each sampled token, so a request's tokens
+    depend only on its seed, its prompt and the models: not on the other requests of the
+    batch, the padded batch size, prefill chunking or how many drafts were accepted.
+    `seed=None`: the Engine draws a distinct seed from its own `Engine(seed=...)`.
+    `seed=s`: the k-th request of an Engine carrying seed s (k = 0, 1, ... in `add_request`
+    order) uses `request_seed(s, k)`: one request with seed s reproduces alone or in any
+    batch, and several requests sharing one SamplingParams(seed=s) get distinct streams,
+    the same ones again whenever the same requests are added in the same order.
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -48,6 +59,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def request_seed(seed: int, k: int) -> int:
+    """The Philox key of the k-th request carrying `seed` (k = 0: the seed itself, masked to
+    63 bits; k > 0: a splitmix64 mix of (seed, k))."""
+    m = (1 << 64) - 1
+    if k == 0:
+        return seed & ((1 << 63) - 1)
+    z = (seed + 0x9E3779B97F4A7C15 * (k + 1)) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

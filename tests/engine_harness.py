@@ -64,7 +64,9 @@ class ScriptedDrafter:
                 a = max(1, min(int(accept_lengths[i]), n))
                 col0 = int(output_tokens[ne + (i - ne) * n + a - 1])
                 c = seq[i] - n + int(accept_lengths[i])
-            if self.mode == "oracle":
+            if slots[i] == 0:  # an inert row (a request done on device, not yet retired)
+                drafts = [0] * (n - 1)
+            elif self.mode == "oracle":
                 exp = self.expected[tuple(by_slot[slots[i]])]
                 drafts = [exp[p] if p < len(exp) else 0 for p in range(c + 1, c + n)]
             else:

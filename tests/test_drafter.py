@@ -188,7 +188,8 @@ def _decode_call(s):
     ("bs_too_large", "ctx.bs"),
 ])
 def test_bad_input_raises_and_changes_nothing(case, arg):
-    s = make_setup(steps=3, seed=8)
+    """validation="sync": the call raises at once and writes nothing."""
+    s = make_setup(steps=3, seed=8, validation="sync")
     _decode_call(s)
     n, bs = s.cfg.spec_num_tokens, 2
     ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * n)
@@ -219,6 +220,61 @@ def test_bad_input_raises_and_changes_nothing(case, arg):
     for k, v in vars(s.drafter.bufs).items():
         assert torch.equal(v, before[k]), k
     assert all(torch.equal(a, b) for a, b in zip(kv_before, s.drafter.kv_pool.k, strict=True))
+
+
+@pytest.mark.parametrize("case,arg", [
+    ("accept_too_long", "accept_lengths"),
+    ("token_out_of_vocab", "output_tokens"),
+    ("slot_out_of_range", "input_buffers.req_pool_indices"),
+])
+def test_deferred_validation_flags_values_without_a_sync(case, arg):
+    """validation="deferred" (default): value errors go to the device error word (the run
+    itself reads no device value and does not fault: the values are clamped), and
+    check_errors() raises the named ValueError once; shape errors still raise at once."""
+    s = make_setup(steps=3, seed=8)
+    assert s.cfg.validation_mode == "deferred"
+    _decode_call(s)
+    n, bs = s.cfg.spec_num_tokens, 2
+    ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * n)
+    tokens = torch.randint(0, 97, (bs * n,))
+    hidden = torch.randn(bs * n, s.head.target_hidden_width)
+    accept = torch.tensor([1, 2], dtype=torch.int32)
+    s.drafter.check_errors()  # clean so far
+    if case == "accept_too_long":
+        accept = torch.tensor([1, n + 1], dtype=torch.int32)
+    elif case == "token_out_of_vocab":
+        tokens[3] = 97
+    else:
+        s.inputs.req_pool_indices[1] = 10**6
+    real_item = torch.Tensor.item
+    out = s.drafter.run(ctx, hidden, tokens, accept)
+    assert out.shape == (bs, n) and int(out.min()) >= 0
+    with pytest.raises(ValueError, match="^" + arg.replace(".", r"\.")):
+        s.drafter.check_errors()
+    s.drafter.check_errors()  # the word was reset
+    assert torch.Tensor.item is real_item
+    with pytest.raises(ValueError, match="output_tokens"):
+        s.drafter.run(ctx, hidden, tokens[:-1], accept)  # a shape error: immediate
+
+
+def test_deferred_run_does_no_host_sync(monkeypatch):
+    """A deferred-mode decode run reads no device value: every host read is trapped."""
+    s = make_setup(steps=3, seed=8)
+    _decode_call(s)
+    n, bs = s.cfg.spec_num_tokens, 2
+    ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * n)
+    tokens = torch.randint(0, 97, (bs * n,))
+    hidden = torch.randn(bs * n, s.head.target_hidden_width)
+    accept = torch.tensor([1, 2], dtype=torch.int32)
+
+    def trap(*a, **k):
+        raise AssertionError("host read of a device value")
+
+    for name in ("item", "tolist", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, trap)
+    s.drafter.run(ctx, hidden, tokens, accept)
+    monkeypatch.undo()
+    s.drafter.check_errors()
 
 
 def test_validation_can_be_turned_off():

@@ -92,11 +92,10 @@ def test_speculative_greedy_equals_target_only(steps, page_size):
     assert eng.stats.decode_rows > 0
 
 
-def test_decode_hidden_states_written_into_the_drafter_buffer():
-    """Decode steps: the target writes its aux hidden states into the drafter's
-    decode_hidden_buffer and the drafter gets that very view (no staging copy); prefill steps
-    pass the target's own tensor; the drafts come back as the drafter's view (no output
-    copy). Output still equals target-only."""
+def test_decode_steps_run_the_cycle_not_drafter_run():
+    """Pure decode steps run the cycle (the drafter's decode body inside it: no `run` call,
+    no staging copy; the target's aux hidden states land in the drafter's buffer); only
+    prefill / mixed steps call `drafter.run` (zero-copy view). Output still equals target-only."""
     target, head = make_models(3)
     ps = prompts(5, 3)
     cfg = runtime(speculative_num_steps=3)
@@ -105,14 +104,15 @@ def test_decode_hidden_states_written_into_the_drafter_buffer():
     real_run, seen = eng.drafter.run, []
 
     def run(ctx, hidden, tokens, accept, **kw):
-        in_buffer = hidden.data_ptr() == eng.drafter.bufs.first_hidden.data_ptr()
-        seen.append((ctx.num_extends == 0, in_buffer))
-        assert kw == {"copy_output": False}  # the drafts are read back before the next run
+        seen.append(ctx.num_extends > 0)
+        assert kw == {"copy_output": False}
         return real_run(ctx, hidden, tokens, accept, **kw)
 
     eng.drafter.run = run
     assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == expected
-    assert (True, True) in seen and all(decode == in_buffer for decode, in_buffer in seen)
+    assert seen and all(seen)
+    assert eng.graph_summary()["spec_cycle"][1] > 0  # cycles ran (eagerly on CPU)
+    assert eng.graph_summary()["draft_decode"] == (0, 0)
 
 
 def test_target_rejects_a_bad_aux_out():
@@ -150,9 +150,11 @@ def test_pages_returned_and_committed_kv_never_overwritten():
     pools = [eng.kv, eng.drafter.kv_pool]
     while eng.has_work:
         snap = {}
+        eng.drain()  # the committed lengths are device state: read them settled
         for r in eng.running:
             pages = eng.pages.pages_of(r.slot)
-            slots = [pages[q // 4] * 4 + q % 4 for q in range(r.committed)]
+            committed = int(eng.states.valid_cache_lengths[r.slot])
+            slots = [pages[q // 4] * 4 + q % 4 for q in range(committed)]
             snap[r.rid] = (slots, [(k[slots].clone(), v[slots].clone())
                                    for pool in pools for k, v in zip(pool.k, pool.v, strict=True)])
         eng.step()

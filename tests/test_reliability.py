@@ -19,7 +19,8 @@ from tests.test_engine import prompts, target_only
 
 @pytest.mark.parametrize("where", ["target", "drafter"])
 def test_failed_forward_leaves_engine_consistent(where, monkeypatch):
-    """A forward that raises mid-step changes no request, page or committed KV; serving resumes."""
+    """A forward that raises mid-cycle (before the commit) changes no request, page or
+    per-slot device state; serving resumes exactly."""
     target, head = make_models(12)
     ps = prompts(12, 4)
     cfg = runtime(speculative_num_steps=3)
@@ -29,21 +30,25 @@ def test_failed_forward_leaves_engine_consistent(where, monkeypatch):
     eng.step()
     eng.step()
     obj = eng if where == "target" else eng.drafter
-    name = "_target_forward" if where == "target" else "run"
+    name = "_target_decode" if where == "target" else "_decode"  # what the cycle calls
     original = getattr(obj, name)
 
     def boom(*a, **k):
         raise RuntimeError("injected fault")
 
-    state = [(r.committed, list(r.output), list(r.drafts), r.slot) for r in reqs]
+    eng.drain()
+    state = [(r.committed, list(r.output), r.slot) for r in reqs]
     free, table = eng.pages.num_free_pages, eng.pages.req_to_page.clone()
     vcl = eng.states.valid_cache_lengths.clone()
+    slot_state = {k: v.clone() for k, v in vars(eng.slots).items()}
     monkeypatch.setattr(obj, name, boom)
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
-    assert [(r.committed, list(r.output), list(r.drafts), r.slot) for r in reqs] == state
+    eng.drain()
+    assert [(r.committed, list(r.output), r.slot) for r in reqs] == state
     assert eng.pages.num_free_pages == free and torch.equal(eng.pages.req_to_page, table)
     assert torch.equal(eng.states.valid_cache_lengths, vcl)
+    assert all(torch.equal(v, slot_state[k]) for k, v in vars(eng.slots).items())
     monkeypatch.setattr(obj, name, original)
     while eng.has_work:
         eng.step()
