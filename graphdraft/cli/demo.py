@@ -23,6 +23,7 @@ import torch
 from graphdraft.cli import models
 from graphdraft.cli.args import CliError, translate
 from graphdraft.cli.report import (
+    CPU_SPEEDUP_NOTE,
     CPU_TIMING_NOTE,
     metrics_lines,
     report_greedy_match,
@@ -114,7 +115,10 @@ def demo(a: argparse.Namespace) -> int:
         base = Engine(m.target, cfg, eos_token_id=m.eos, seed=a.seed)
         spec = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
         for i, p in enumerate(prompts):
-            spec.check_request(p, params)
+            try:
+                spec.check_request(p, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
     except ValueError as e:
         raise CliError(translate(str(e))) from None
     capture_s = {"target-only": capture(base, "target-only", a.quiet),
@@ -153,6 +157,7 @@ def demo(a: argparse.Namespace) -> int:
         print(line)
     if not on_gpu:
         print(CPU_TIMING_NOTE)
+        print(CPU_SPEEDUP_NOTE)
     code = 0
     if params.greedy:
         code = report_greedy_match(base_out, spec_out, cfg.torch_dtype)

@@ -15,6 +15,7 @@ import torch
 
 CPU_TIMING_NOTE = ("timings: not shown: a CPU run of this runtime is not a performance "
                    "figure (the metrics JSON keeps them, marked timings_are_performance: false)")
+CPU_SPEEDUP_NOTE = "speed-up over target-only: not measured (needs a GPU; see timings above)"
 
 
 def _ms(x: float) -> str:
