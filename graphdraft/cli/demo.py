@@ -56,14 +56,23 @@ def capture(engine: Engine, name: str, quiet: bool) -> float:
     on_gpu = engine.device.type == "cuda"
     graphs = on_gpu and not engine.cfg.enforce_eager
     if graphs:
-        print(f"capturing {name} CUDA graphs (batch sizes {list(engine.schedule)}) ...",
-              flush=True)
+        sizes = getattr(engine, "schedule", None)
+        print(f"capturing {name} CUDA graphs" + (f" (batch sizes {list(sizes)})" if sizes else "")
+              + " ...", flush=True)
     t0 = time.perf_counter()
     engine.capture_graphs(**kw)
     dt = time.perf_counter() - t0
     if graphs:
         print(f"captured {name} graphs in {dt:.1f} s")
     return dt
+
+
+def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    """`Engine.check_request` where the engine has it (ValueError naming the argument);
+    otherwise `add_request` reports the same when the request is queued."""
+    check = getattr(engine, "check_request", None)
+    if check is not None:
+        check(prompt, params)
 
 
 def _sync(engine: Engine) -> None:
@@ -116,7 +125,7 @@ def demo(a: argparse.Namespace) -> int:
         spec = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
         for i, p in enumerate(prompts):
             try:
-                spec.check_request(p, params)
+                check_request(spec, p, params)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
     except ValueError as e:

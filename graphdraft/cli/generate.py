@@ -100,14 +100,14 @@ def generate(a: argparse.Namespace) -> int:
                        "--target needs tokenizer.json and the `tokenizers` package)")
     cfg = m.cfg
     engine = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
-    from graphdraft.cli.demo import capture
+    from graphdraft.cli.demo import capture, check_request
     capture(engine, "speculative", a.quiet)
     prompts, plist, stops = [], [], []
     for spec in specs:
         ids = m.tokenizer.encode(spec.text).ids
         params, st = sampling_for(a, spec, m.stops, m.eos)
         try:
-            engine.check_request(ids, params)
+            check_request(engine, ids, params)
         except ValueError as e:
             raise CliError(f"{spec.source}: {translate(str(e))}") from None
         prompts.append(ids)
