@@ -37,7 +37,9 @@ def metrics_lines(snap: dict[str, Any], *, timings: bool) -> list[str]:
     for name, g in snap.get("graphs", {}).items():
         eager = ", ".join(f"{k} {v}" for k, v in g["eager"].items()) or "none"
         cap = f", captured in {g['capture_s']:.1f} s" if timings and g["capture_s"] else ""
-        lines.append(f"{name:>18}: {g['replays']} graph replays, eager runs: {eager}{cap}")
+        rate = g.get("hit_rate")
+        hit = f" (hit rate {rate:.0%})" if rate is not None else ""
+        lines.append(f"{name:>18}: {g['replays']} graph replays{hit}, eager runs: {eager}{cap}")
     return lines
 
 
