@@ -257,3 +257,34 @@ def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
     res = json.loads(path.read_text())
     assert res["timings_are_performance"] is True and res["speed_up"]["n"] == 3
     assert res["metrics"]["graphs"]["target_verify"]["replays"] > 0
+
+
+def test_quiet_reaches_capture_graphs_when_the_engine_accepts_progress(capsys):
+    from types import SimpleNamespace
+
+    from graphdraft.cli.demo import capture
+
+    calls = []
+
+    class WithProgress:
+        device, cfg = torch.device("cpu"), SimpleNamespace(enforce_eager=False)
+
+        def capture_graphs(self, progress: bool = True) -> None:
+            calls.append(progress)
+
+    class Without(WithProgress):
+        def capture_graphs(self) -> None:  # the Engine before the capture change
+            calls.append("no flag")
+
+    capture(WithProgress(), "x", quiet=True)
+    capture(WithProgress(), "x", quiet=False)
+    capture(Without(), "x", quiet=True)
+    assert calls == [False, True, "no flag"]
+
+
+def test_help_exits_zero_and_lists_both_commands(capsys):
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+    assert main(["generate", "--help"]) == 0
+    assert "--prompt-file PATH" in capsys.readouterr().out
+    assert main([]) == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
