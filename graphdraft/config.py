@@ -10,11 +10,14 @@ draft head), named like Hugging Face's `LlamaConfig`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # float64: exactness tests on the torch path
@@ -52,7 +55,13 @@ class RuntimeConfig:
     max_num_batched_tokens: int = 4096
     """Token budget of one forward (chunked-prefill size); persistent token buffers use it."""
     num_kv_pages: int | None = None
-    """KV pages in the pool (page 0 is the reserved dummy). None: enough for every slot at max context."""
+    """KV pages in the pool (page 0 is the reserved dummy). None: sized by `kv_cache_memory_gb`
+    (see `kv_pages`)."""
+    kv_cache_memory_gb: float = 4.0
+    """Budget of the target's KV pool in GB (1e9 bytes) when `num_kv_pages` is None: the pool
+    holds `min(every slot at max context, what the budget pays for)` pages, and requests wait
+    for pages (back-pressure) beyond it. 4 GB: about 30,000 tokens of a Llama-3.1-8B target
+    in bf16 (128 KiB a token), instead of 64 slots x 4096 tokens = 34 GB."""
     cuda_graph_max_bs: int = 64
     cuda_graph_bs: tuple[int, ...] | None = None
     """Explicit padded batch-size schedule; None: 1, 2, 4, 8, 16, 24, ... up to cuda_graph_max_bs."""
@@ -107,6 +116,27 @@ class RuntimeConfig:
             return self.num_kv_pages + 1
         return self.max_running_requests * self.max_pages_per_req + 1
 
+    def kv_pages(self, bytes_per_token: int) -> int:
+        """Pages of the KV pool including the reserved dummy page 0, for a model whose KV cache
+        takes `bytes_per_token` bytes a token (`ModelConfig.kv_bytes_per_token`).
+
+        `num_kv_pages + 1` when it is set; else every slot at max context
+        (`total_kv_pages`), capped at what `kv_cache_memory_gb` pays for. Raises ValueError
+        when the budget cannot hold one request of `max_context_len` tokens."""
+        if not isinstance(bytes_per_token, int) or isinstance(bytes_per_token, bool) \
+                or bytes_per_token < 1:
+            raise ValueError(f"bytes_per_token: expected an int >= 1, got {bytes_per_token!r}")
+        if self.num_kv_pages is not None:
+            return self.num_kv_pages + 1
+        full = self.max_running_requests * self.max_pages_per_req
+        budget = int(self.kv_cache_memory_gb * 1e9) // (bytes_per_token * self.page_size)
+        if budget < self.max_pages_per_req:
+            need = self.max_pages_per_req * self.page_size * bytes_per_token / 1e9
+            raise ValueError(f"kv_cache_memory_gb: expected >= {need:.3g} (one request of "
+                             f"max_context_len {self.max_context_len} tokens at "
+                             f"{bytes_per_token} bytes a token), got {self.kv_cache_memory_gb!r}")
+        return min(full, budget) + 1
+
     @property
     def max_num_tokens(self) -> int:
         """Rows of the persistent token buffers: the chunk budget or a full decode batch."""
@@ -132,6 +162,9 @@ class RuntimeConfig:
              "max_num_batched_tokens", "an int >= 1")
         need(self.num_kv_pages is None or (isinstance(self.num_kv_pages, int) and self.num_kv_pages >= 1),
              "num_kv_pages", "None or an int >= 1")
+        need(isinstance(self.kv_cache_memory_gb, (int, float))
+             and not isinstance(self.kv_cache_memory_gb, bool) and self.kv_cache_memory_gb > 0,
+             "kv_cache_memory_gb", "a number > 0")
         need(isinstance(self.cuda_graph_max_bs, int) and 1 <= self.cuda_graph_max_bs,
              "cuda_graph_max_bs", "an int >= 1")
         need(self.cuda_graph_max_bs <= self.max_running_requests, "cuda_graph_max_bs",
@@ -159,6 +192,9 @@ class RuntimeConfig:
     def validation_mode(self) -> str:
         """The effective `validation` mode ("off" when `validate_inputs` is False)."""
         return self.validation if self.validate_inputs else "off"
+
+
+_WARNED_AUX_LAYERS: set[int] = set()
 
 
 @dataclass
@@ -214,12 +250,29 @@ class ModelConfig:
         """Rows of the LM head: the draft vocab for a head that has one, else the vocab."""
         return self.draft_vocab_size or self.vocab_size
 
+    def kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
+        """Bytes of K and V a token takes over all layers in `dtype` (`RuntimeConfig.kv_pages`)."""
+        itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
     def aux_layer_ids(self) -> tuple[int, ...]:
-        """Target layers whose *input* residual stream is captured for EAGLE-3."""
+        """Target layers whose *input* residual stream is captured for EAGLE-3.
+
+        None configured: EAGLE-3's default [2, L//2, L-3] (clamped to the layers there are).
+        For L < 7 those ids repeat or descend (L = 4: (2, 2, 1)); that is logged as a warning
+        once per L: the head then sees the same stream twice, or in an order a head trained
+        on ascending ids does not expect. Name the ids (`aux_hidden_state_layer_ids`) for
+        small targets."""
         if self.aux_hidden_state_layer_ids is not None:
             return self.aux_hidden_state_layer_ids
         n = self.num_hidden_layers
-        return (min(2, n - 1), n // 2, max(n - 3, 0))
+        ids = (min(2, n - 1), n // 2, max(n - 3, 0))
+        if list(ids) != sorted(set(ids)) and n not in _WARNED_AUX_LAYERS:
+            _WARNED_AUX_LAYERS.add(n)
+            log.warning("aux layer ids: the default [2, L//2, L-3] for a %d-layer target is %s "
+                        "(repeated or descending); set aux_hidden_state_layer_ids to name "
+                        "distinct ascending layers", n, list(ids))
+        return ids
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

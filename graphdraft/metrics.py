@@ -10,7 +10,9 @@ The Engine calls the `on_*` hooks with host timestamps (`time.perf_counter()` se
                     divided by the tokens of the later emit): p50 / p99 / mean
   tokens_per_s      output tokens over the span from the first add to the last emit
   accept_length     mean and histogram {length: rows} over decode rows
-  graphs            per captured forward: replays, eager runs by reason, capture seconds
+  graphs            per captured forward: replays (in all and per padded batch size), eager
+                    runs by reason, hit_rate (replays over all runs; None before any run),
+                    capture seconds
 
 Timestamps are the host's view: on a GPU they are taken when the host reads the tokens back.
 """
@@ -102,9 +104,12 @@ class ServingMetrics:
             },
         }
         if graph_stats is not None:
-            out["graphs"] = {
-                st.name: {"replays": st.total_replays, "replays_by_bs": dict(sorted(st.replays.items())),
-                          "eager": {k: v for k, v in st.eager.items() if v},
-                          "capture_s": round(st.total_capture_seconds, 4)}
-                for st in graph_stats}
+            out["graphs"] = {}
+            for st in graph_stats:
+                eager = {k: v for k, v in st.eager.items() if v}
+                runs = st.total_replays + sum(eager.values())
+                out["graphs"][st.name] = {
+                    "replays": st.total_replays, "replays_by_bs": dict(sorted(st.replays.items())),
+                    "eager": eager, "hit_rate": st.total_replays / runs if runs else None,
+                    "capture_s": round(st.total_capture_seconds, 4)}
         return out

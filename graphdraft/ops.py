@@ -64,12 +64,20 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
 # RoPE (NeoX / HF rotate_half) fused with the KV write
 # ---------------------------------------------------------------------------
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
-                       scaling: dict | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+                       scaling: dict | None = None, device: str | torch.device | None = None
+                       ) -> torch.Tensor:
     """`[max_positions, head_dim]` fp32: cos in the first half of the columns, sin in the second.
 
-    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`).
+    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`). `device` None: the
+    current default device (`torch.get_default_device()`), so a model built under
+    `with torch.device("cuda"):` gets its table there. Computed in float64 on the host either
+    way (the same values on every device).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if device is None:
+        device = torch.get_default_device()
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
+                                / head_dim))
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
@@ -85,7 +93,7 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
             inv_freq = torch.where(is_mid, mid, scaled)
         elif kind not in (None, "default"):
             raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (expected 'llama3')")
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=cpu), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
 
 

@@ -1,40 +1,240 @@
-"""`python -m graphdraft demo` end to end on CPU (random pair and a saved checkpoint pair)."""
+"""`python -m graphdraft` as a user meets it: one-line errors naming the flag, help with
+defaults, conflicts rejected, prompts from flags and files, streaming, stop strings, JSON
+output, metrics, logging confined to the 'graphdraft' loggers, no CPU timing presented as a
+result. The runs use the shipped pair (or a saved tiny pair) on the CPU, a few tokens each."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import re
+
+import pytest
 import torch
 
 from graphdraft.__main__ import main, report_greedy_match
 from graphdraft.checkpoint import save_eagle3_head, save_target
+from graphdraft.cli import build_parser
+from graphdraft.cli.args import CliError
+from graphdraft.cli.generate import Stream, run_streams, sampling_for, visible
+from graphdraft.cli.prompts import PromptSpec, gather, read_prompt_file
 from tests.engine_harness import make_models
+
+
+def _one_line_error(capsys, argv, *needles):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err            # no usage block, no traceback
+    assert "error:" in lines[0] and "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# --- parsing -----------------------------------------------------------------------------
+def test_every_flag_has_help_and_its_default_shown():
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    assert set(subs) == {"demo", "generate"}
+    for name, sub in subs.items():
+        assert sub.allow_abbrev is False
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"{name} {action.option_strings}: no help text"
+            assert "%(default)" in sub._get_formatter()._get_help_string(action), action.dest
+        assert text.count("(default:") == len(sub._actions) - 1
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["demo", "--num-p", "2"], ["--num-p"]),                       # abbreviations refused
+    (["demo", "--num-prompts", "0"], ["--num-prompts", "expected an int >= 1", "'0'"]),
+    (["demo", "--max-new-tokens", "-3"], ["--max-new-tokens", ">= 1"]),
+    (["demo", "--speculative-num-steps", "x"], ["--speculative-num-steps", "'x'"]),
+    (["generate", "--temperature", "1", "--top-p", "1.5"], ["--top-p", "(0, 1]"]),
+    (["generate", "--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["demo", "--top-k", "5"], ["--top-k", "--temperature > 0"]),  # no effect when greedy
+    (["demo", "--cuda-graph-max-bs", "8", "--max-running-requests", "4"],
+     ["--cuda-graph-max-bs", "--max-running-requests (4)", "got 8"]),   # rejected, not capped
+    (["demo", "--target", "somewhere"], ["--draft", "--target"]),
+    (["demo", "--random-models", "--target", "a", "--draft", "b"], ["--random-models"]),
+    (["demo", "--device", "tpu"], ["--device", "'cpu', 'cuda' or 'cuda:N'"]),
+    (["demo", "--log-level", "loud"], ["--log-level"]),
+    (["demo", "--kv-cache-memory-gb", "0"], ["--kv-cache-memory-gb", "> 0"]),
+])
+def test_bad_flags_are_one_line_errors_naming_the_flag(capsys, argv, needles):
+    _one_line_error(capsys, argv, *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    _one_line_error(capsys, ["demo", "--device", "cuda"], "--device", "no CUDA device")
+
+
+def test_config_errors_name_the_flag_not_the_field(capsys):
+    line = _one_line_error(capsys, ["demo", "--random-models", "--cuda-graph-bs", "4", "32",
+                                    "--max-running-requests", "16"], "--cuda-graph-bs")
+    assert "cuda_graph_bs" not in line and "cuda_graph_max_bs" not in line
+    # the engine's check against the shipped target's 256 positions
+    line = _one_line_error(capsys, ["demo", "--max-context-len", "512", "--quiet"],
+                           "--max-context-len", "(256)", "got 512")
+    assert "max_context_len" not in line
+
+
+def test_checkpoint_errors_are_one_line(capsys, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d").mkdir()
+    _one_line_error(capsys, ["demo", "--target", str(tmp_path / "t"), "--draft",
+                             str(tmp_path / "d")], "--target/--draft")
+
+
+def test_logging_stays_on_the_graphdraft_loggers(capsys):
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    # gets past parsing (logging configured), then fails: the random pair has no tokenizer
+    _one_line_error(capsys, ["generate", "--random-models", "--prompt", "hi", "--log-level",
+                             "debug"], "--prompt", "no tokenizer")
+    assert (root.level, list(root.handlers)) == before
+    assert logging.getLogger("graphdraft").level == logging.DEBUG
+    assert logging.getLogger("capture").level == logging.DEBUG
+    assert main(["generate", "--random-models", "--prompt", "hi", "--log-level", "error"]) == 2
+    assert logging.getLogger("graphdraft").level == logging.ERROR
+    capsys.readouterr()
+
+
+# --- prompts -----------------------------------------------------------------------------
+def test_prompt_files_lines_and_jsonl(tmp_path):
+    plain = tmp_path / "p.txt"
+    plain.write_text("first prompt\n\nsecond\\nline two\n")
+    assert [(s.text, s.source) for s in read_prompt_file(str(plain))] == [
+        ("first prompt", f"--prompt-file {plain}:1"), ("second\nline two", f"--prompt-file {plain}:3")]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "a", "max_new_tokens": 3, "stop": ["x"]}\n{"prompt": "b"}\n')
+    specs = read_prompt_file(str(jl))
+    assert specs[0].overrides == {"max_new_tokens": 3, "stop": ["x"]} and specs[1].overrides == {}
+    both = gather(["cli"], str(jl))
+    assert [s.text for s in both] == ["cli", "a", "b"] and both[0].source == "--prompt #1"
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"prompt": "a"}\n{"prompt": "b", "topp": 0.5}\n', ":2: unknown key 'topp'"),
+    ('{"prompt": "a"}\n{"prompt": \n', ":2: expected a JSON object per line"),
+    ('{"text": "a"}\n', ':1: expected an object with a non-empty string "prompt"'),
+    ('{"prompt": "a", "stop": "x"}\n', ":1: stop: expected a list of non-empty strings"),
+    ("\n\n", "expected at least one prompt"),
+])
+def test_bad_prompt_files_name_file_and_line(tmp_path, content, needle):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(CliError, match="--prompt-file .*bad.jsonl") as e:
+        read_prompt_file(str(f))
+    assert needle in str(e.value)
+
+
+def test_prompt_needed_and_per_prompt_params_checked():
+    with pytest.raises(CliError, match="--prompt: expected at least one"):
+        gather(None, None)
+    with pytest.raises(CliError, match="--prompt-file .*missing.txt: expected a readable"):
+        gather(None, "/nonexistent/missing.txt")
+    a = argparse.Namespace(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=["##"])
+    params, stops = sampling_for(a, PromptSpec("x", "--prompt #1"), (257,), 257)
+    assert params.max_new_tokens == 8 and stops == ("##",) and params.stop_token_ids == (257,)
+    spec = PromptSpec("x", "--prompt-file f.jsonl:4", {"temperature": 0.7, "top_p": 2.0})
+    with pytest.raises(CliError, match=r"f.jsonl:4: top_p: expected in \(0, 1\]"):
+        sampling_for(a, spec, (), None)
+
+
+def test_visible_text_holds_back_partial_characters_and_stop_prefixes():
+    assert visible("abc\ufffd", final=False) == "abc"
+    assert visible("abc\ufffd", final=True) == "abc\ufffd"
+    assert visible("value = 1\n#", final=False, stops=("\n##",)) == "value = 1"
+    assert visible("value = 1\n#", final=True, stops=("\n##",)) == "value = 1\n#"
+    assert visible("a#b", final=False, stops=("##",)) == "a#b"
+
+
+# --- runs --------------------------------------------------------------------------------
+def test_demo_on_cpu_prints_no_timing_and_writes_metrics(capsys, tmp_path):
+    path = tmp_path / "m" / "metrics.json"
+    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
+                 "--quiet", "--metrics-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "running eagerly on the CPU" in out
+    assert "mean accept length" in out and "histogram" in out
+    assert "greedy outputs identical to target-only: True" in out
+    assert "not a performance figure" in out
+    assert "tokens/s" not in out and not re.search(r"\d\.\d+x", out)  # before: "speed-up 0.77x"
+    assert "speed-up over target-only: not measured" in out
+    snap = json.loads(path.read_text())
+    assert snap["timings_are_performance"] is False and snap["greedy_identical"] is True
+    m = snap["metrics"]
+    assert m["requests"] == 2 and m["output_tokens"] == 16
+    assert {"ttft_s", "itl_s", "tokens_per_s", "accept_length", "graphs"} <= set(m)
+    assert sum(m["accept_length"]["histogram"].values()) > 0
+    assert set(m["graphs"]) == {"target_verify", "draft_decode", "draft_multi_step"}
 
 
 def test_demo_random_pair(capsys):
     assert main(["demo", "--random-models", "--num-prompts", "2", "--max-new-tokens", "8",
-                 "--device", "cpu", "--max-running-requests", "4"]) == 0
+                 "--device", "cpu", "--max-running-requests", "4", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "running eagerly on the CPU" in out
     assert "mean accept length" in out and "greedy outputs identical to target-only: True" in out
 
 
 def test_demo_checkpoint_pair(tmp_path, capsys):
-    target, head = make_models(4, dtype=__import__("torch").float32)
+    target, head = make_models(4, dtype=torch.float32)
     save_target(target, tmp_path / "t")
     save_eagle3_head(head, tmp_path / "d")
     assert main(["demo", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
                  "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
-                 "--max-context-len", "256"]) == 0
+                 "--max-context-len", "256", "--quiet"]) == 0
     assert "identical to target-only: True" in capsys.readouterr().out
 
 
-def test_demo_bad_flag_is_a_clear_error(capsys, tmp_path):
-    assert main(["demo", "--target", str(tmp_path)]) == 2
-    assert "--draft" in capsys.readouterr().err
+def test_generate_json_prompt_file_and_per_prompt_params(capsys, tmp_path):
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "import os\\n", "max_new_tokens": 5}\n'
+                  '{"prompt": "class A:\\n", "temperature": 0.8, "top_k": 20, "seed": 3}\n')
+    argv = ["generate", "--prompt", "def main():\n", "--prompt-file", str(jl),
+            "--max-new-tokens", "12", "--json", "--quiet"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    outs = res["outputs"]
+    assert [o["prompt"] for o in outs] == ["def main():\n", "import os\n", "class A:\n"]
+    assert [len(o["token_ids"]) for o in outs] == [12, 5, 12]
+    assert outs[2]["params"]["temperature"] == 0.8 and outs[2]["params"]["seed"] == 3
+    from graphdraft.bytes_tokenizer import ByteTokenizer
+    for o in outs:
+        assert o["text"] == ByteTokenizer().decode(o["token_ids"]) and o["finish_reason"] == "length"
+    assert res["metrics"]["output_tokens"] == 29 and res["timings_are_performance"] is False
+    # the same greedy prompt again, streamed, with a stop string taken from its text
+    text = outs[0]["text"]
+    stop = text[4:7]
+    assert main(["generate", "--prompt", "def main():\n", "--max-new-tokens", "12",
+                 "--stop", stop, "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == text[: text.index(stop)] + "\n"
+    assert "[0] finished: stop" in cap.err and "not a performance figure" in cap.err
+
+
+def test_generate_streams_every_step():
+    from graphdraft.cli import models
+    from graphdraft.engine import Engine
+    from graphdraft.verify import SamplingParams
+    a = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
+    m = models.load(a)
+    engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos)
+    req = engine.add_request(m.tokenizer.encode("for i in range(").ids,
+                             SamplingParams(max_new_tokens=20, ignore_eos=True))
+    pieces = []
+    run_streams(engine, m.tokenizer, [Stream(0, req, ())], lambda i, t: pieces.append(t))
+    assert len(pieces) > 2 and "".join(pieces) == m.tokenizer.decode(req.output)
 
 
 def test_greedy_mismatch_fails_in_float32_and_is_explained_in_bf16(capsys):
-
-
     base, spec = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]]
     assert report_greedy_match(base, base, torch.float32) == 0
     assert report_greedy_match(base, spec, torch.float32) == 1
@@ -42,3 +242,49 @@ def test_greedy_mismatch_fails_in_float32_and_is_explained_in_bf16(capsys):
     assert "1/2 requests identical; request 1 differs from token 1" in out
     assert report_greedy_match(base, spec, torch.bfloat16) == 0
     assert "expected in bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
+    path = tmp_path / "gpu_metrics.json"
+    assert main(["demo", "--num-prompts", "4", "--max-new-tokens", "32", "--repeats", "3",
+                 "--quiet", "--metrics-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up over target-only" in out and "median of 3 runs; range" in out
+    assert "time to first token: p50" in out and "inter-token latency: p50" in out
+    assert "captured speculative graphs in" in out
+    res = json.loads(path.read_text())
+    assert res["timings_are_performance"] is True and res["speed_up"]["n"] == 3
+    assert res["metrics"]["graphs"]["target_verify"]["replays"] > 0
+
+
+def test_quiet_reaches_capture_graphs_when_the_engine_accepts_progress(capsys):
+    from types import SimpleNamespace
+
+    from graphdraft.cli.demo import capture
+
+    calls = []
+
+    class WithProgress:
+        device, cfg = torch.device("cpu"), SimpleNamespace(enforce_eager=False)
+
+        def capture_graphs(self, progress: bool = True) -> None:
+            calls.append(progress)
+
+    class Without(WithProgress):
+        def capture_graphs(self) -> None:  # the Engine before the capture change
+            calls.append("no flag")
+
+    capture(WithProgress(), "x", quiet=True)
+    capture(WithProgress(), "x", quiet=False)
+    capture(Without(), "x", quiet=True)
+    assert calls == [False, True, "no flag"]
+
+
+def test_help_exits_zero_and_lists_both_commands(capsys):
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+    assert main(["generate", "--help"]) == 0
+    assert "--prompt-file PATH" in capsys.readouterr().out
+    assert main([]) == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1

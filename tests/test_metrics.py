@@ -42,6 +42,18 @@ def test_engine_metrics_match_outputs():
     assert set(snap["graphs"]) == {"target_verify", "draft_decode", "draft_multi_step"}
     assert snap["graphs"]["target_verify"]["eager"] == {"disabled": eng.graph_summary()[
         "target_verify"][1]}
+    assert snap["graphs"]["target_verify"]["hit_rate"] == 0.0  # graphs off on a CPU
+
+
+def test_graph_hit_rate_counts_replays_over_all_runs():
+    from capture.graphs import GraphStats
+    st = GraphStats("f")
+    assert ServingMetrics().snapshot([st])["graphs"]["f"]["hit_rate"] is None
+    st.replays.update({1: 3, 4: 5})
+    st.eager["disabled"] = 2
+    g = ServingMetrics().snapshot([st])["graphs"]["f"]
+    assert g["replays"] == 8 and g["replays_by_bs"] == {1: 3, 4: 5}
+    assert g["eager"] == {"disabled": 2} and g["hit_rate"] == pytest.approx(0.8)
 
 
 def test_generate_checks_every_prompt_before_queueing_any():

@@ -1,0 +1,177 @@
+"""`graphdraft demo`: the same prompts served with speculative decoding and with the target
+alone, then what that shows.
+
+On a CPU (graphs need a GPU; every forward runs eagerly) it prints tokens, the accept
+length and its histogram, graph use and the greedy exactness check, and no timing: a CPU
+run of this runtime says nothing about its performance. On a GPU it times the serving:
+one untimed warm-up run of each engine (Triton compiles a kernel for every new
+specialisation on first use), then `--repeats` timed runs of each, alternated, and prints
+the median tokens/s of each and the speed-up (median of the per-repetition ratios, with
+their range), then the latency metrics of the last speculative run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import random
+import time
+
+import torch
+
+from graphdraft.cli import models
+from graphdraft.cli.args import CliError, translate
+from graphdraft.cli.report import (
+    CPU_SPEEDUP_NOTE,
+    CPU_TIMING_NOTE,
+    metrics_lines,
+    report_greedy_match,
+    spread,
+    write_json,
+)
+from graphdraft.engine import Engine
+from graphdraft.verify import SamplingParams
+
+log = logging.getLogger("graphdraft.cli")
+
+SAMPLE_PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "A recipe for bread: first,",
+    "In speculative decoding, a small draft model",
+    "The capital of France is",
+    "Once upon a time, in a village by the sea,",
+    "import numpy as np\n\n# compute the mean of each column\n",
+    "Photosynthesis converts light energy into",
+]
+
+
+def capture(engine: Engine, name: str, quiet: bool) -> float:
+    """Capture the engine's CUDA graphs, saying so; returns the seconds it took. `quiet`
+    turns the progress bars off where `Engine.capture_graphs` accepts `progress`."""
+    kw = {}
+    if "progress" in inspect.signature(engine.capture_graphs).parameters:
+        kw["progress"] = not quiet
+    on_gpu = engine.device.type == "cuda"
+    graphs = on_gpu and not engine.cfg.enforce_eager
+    if graphs:
+        sizes = getattr(engine, "schedule", None)
+        print(f"capturing {name} CUDA graphs" + (f" (batch sizes {list(sizes)})" if sizes else "")
+              + " ...", flush=True)
+    t0 = time.perf_counter()
+    engine.capture_graphs(**kw)
+    dt = time.perf_counter() - t0
+    if graphs:
+        print(f"captured {name} graphs in {dt:.1f} s")
+    return dt
+
+
+def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    """`Engine.check_request` where the engine has it (ValueError naming the argument);
+    otherwise `add_request` reports the same when the request is queued."""
+    check = getattr(engine, "check_request", None)
+    if check is not None:
+        check(prompt, params)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress: bool
+          ) -> tuple[list[list[int]], float]:
+    """One `generate` of all prompts, synchronised: (outputs, output tokens per second)."""
+    _sync(engine)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, progress=progress)
+    _sync(engine)
+    return outs, sum(len(o) for o in outs) / (time.perf_counter() - t0)
+
+
+def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int]], str]:
+    if isinstance(m.tokenizer, models.ByteTokenizerAdapter):
+        from graphdraft.train.data import heldout_prompts
+        texts = heldout_prompts(a.num_prompts, a.prompt_bytes)
+        if not texts:
+            raise CliError("--num-prompts: no held-out standard-library text found for prompts")
+        texts = [texts[i % len(texts)] for i in range(a.num_prompts)]
+        return ([m.tokenizer.tok.encode(t) for t in texts],
+                f"{a.num_prompts} x {a.prompt_bytes} bytes of held-out stdlib sources")
+    if m.tokenizer is not None:
+        texts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(a.num_prompts)]
+        return [m.tokenizer.encode(t).ids for t in texts], f"{a.num_prompts} sample sentences"
+    rng = random.Random(a.seed)
+    vocab = m.target.config.vocab_size
+    return ([[rng.randrange(vocab) for _ in range(rng.randint(16, 64))]
+             for _ in range(a.num_prompts)], f"{a.num_prompts} random token sequences")
+
+
+def demo(a: argparse.Namespace) -> int:
+    m = models.load(a)
+    cfg = m.cfg
+    on_gpu = cfg.device.startswith("cuda")
+    if not on_gpu:
+        print("no CUDA device: running eagerly on the CPU (graphs need a GPU)")
+    print(f"model pair: {m.label}")
+    prompts, what = demo_prompts(a, m)
+    print(f"prompts: {what}")
+    try:
+        params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                top_p=a.top_p, top_k=a.top_k, stop_token_ids=m.stops,
+                                ignore_eos=m.eos is None)
+        base = Engine(m.target, cfg, eos_token_id=m.eos, seed=a.seed)
+        spec = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
+        for i, p in enumerate(prompts):
+            try:
+                check_request(spec, p, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+    except ValueError as e:
+        raise CliError(translate(str(e))) from None
+    capture_s = {"target-only": capture(base, "target-only", a.quiet),
+                 "speculative": capture(spec, "speculative", a.quiet)}
+    progress = not a.quiet
+    result: dict = {"device": cfg.device, "timings_are_performance": on_gpu,
+                    "capture_s": capture_s}
+    if on_gpu:
+        base.generate(prompts, params)  # warm-up: kernel compilation, allocator
+        spec.generate(prompts, params)
+        base_tps, spec_tps, ratios = [], [], []
+        for _ in range(a.repeats):
+            base_out, b = timed(base, prompts, params, progress)
+            spec.metrics.reset()
+            spec_out, s = timed(spec, prompts, params, progress)
+            base_tps.append(b)
+            spec_tps.append(s)
+            ratios.append(s / b)
+        sb, ss, sr = spread(base_tps), spread(spec_tps), spread(ratios)
+        print(f"target-only decoding: {sb['median']:,.1f} tokens/s (median of {a.repeats})")
+        print(f"speculative decoding: {ss['median']:,.1f} tokens/s (median of {a.repeats})")
+        print(f"speed-up over target-only: {sr['median']:.2f}x "
+              f"(median of {a.repeats} runs; range {sr['min']:.2f}x-{sr['max']:.2f}x)")
+        result.update(target_only_tokens_per_s=sb, speculative_tokens_per_s=ss, speed_up=sr)
+    else:
+        base_out = base.generate(prompts, params, progress=progress)
+        spec_out = spec.generate(prompts, params, progress=progress)
+    if m.tokenizer is not None:
+        print(f"sample: {m.tokenizer.decode(prompts[0])!r} -> {m.tokenizer.decode(spec_out[0])!r}")
+    else:
+        print(f"sample: request 0 -> tokens {spec_out[0][:16]}"
+              f"{' ...' if len(spec_out[0]) > 16 else ''}")
+    snap = spec.metrics_snapshot()
+    result["metrics"] = snap
+    for line in metrics_lines(snap, timings=on_gpu):
+        print(line)
+    if not on_gpu:
+        print(CPU_TIMING_NOTE)
+        print(CPU_SPEEDUP_NOTE)
+    code = 0
+    if params.greedy:
+        code = report_greedy_match(base_out, spec_out, cfg.torch_dtype)
+        result["greedy_identical"] = base_out == spec_out
+    if a.metrics_json:
+        write_json(a.metrics_json, result)
+        print(f"metrics written to {a.metrics_json}")
+    return code

@@ -1,0 +1,139 @@
+"""The model pair, runtime config and tokenizer a command serves with.
+
+By default the trained byte-level pair shipped in `graphdraft/assets/` (a small Llama
+target and its EAGLE-3 head, see `graphdraft/assets/MODEL_CARD.md`); `--target DIR --draft
+DIR` for other checkpoints; `--random-models` for a random-weight pair (drafts are then
+almost never accepted, and there is no tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphdraft.cli.args import DEFAULT_MAX_CONTEXT_LEN, CliError, translate
+from graphdraft.config import ModelConfig, RuntimeConfig
+from graphdraft.eagle3 import Eagle3DraftHead
+from graphdraft.llama import LlamaForCausalLM
+from graphdraft.random_models import random_model_pair
+
+log = logging.getLogger("graphdraft.cli")
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED_TARGET, SHIPPED_DRAFT = ASSETS / "target", ASSETS / "eagle3"
+
+
+def shipped_pair_available() -> bool:
+    return all((d / "config.json").is_file() and (d / "model.safetensors").is_file()
+               for d in (SHIPPED_TARGET, SHIPPED_DRAFT))
+
+
+def runtime_from_args(a: argparse.Namespace, max_context_len: int | None = None) -> RuntimeConfig:
+    """The RuntimeConfig the flags ask for; CliError naming the flag when it is rejected."""
+    # The small shipped / random pairs run in float32, where "greedy output identical to
+    # target-only" is an exact check; real checkpoints default to bf16 on a GPU.
+    user_ckpt = getattr(a, "target", None) is not None
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") and user_ckpt else "float32")
+    ctx = a.max_context_len if a.max_context_len is not None else (
+        max_context_len or DEFAULT_MAX_CONTEXT_LEN)
+    try:
+        return RuntimeConfig(
+            speculative_num_steps=a.speculative_num_steps, page_size=a.page_size,
+            max_running_requests=a.max_running_requests, max_context_len=ctx,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            kv_cache_memory_gb=a.kv_cache_memory_gb,
+            cuda_graph_max_bs=a.cuda_graph_max_bs or a.max_running_requests,
+            cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
+            enforce_eager=a.enforce_eager, dtype=dtype, device=a.device,
+            kernel_backend=a.kernel_backend)
+    except ValueError as e:
+        raise CliError(translate(str(e))) from e
+
+
+class ByteTokenizerAdapter:
+    """The byte tokenizer behind the `tokenizers` calls the CLI makes (`encode(t).ids`, `decode`)."""
+
+    def __init__(self) -> None:
+        from graphdraft.bytes_tokenizer import ByteTokenizer
+        self.tok = ByteTokenizer()
+
+    def encode(self, text: str):
+        return argparse.Namespace(ids=self.tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, errors="replace")
+
+
+def load_tokenizer(path: str, config: dict | None = None):
+    """The byte tokenizer when `config` says `graphdraft_tokenizer: "bytes"`; else a
+    `tokenizers` tokenizer from `path/tokenizer.json`; else None."""
+    from graphdraft.bytes_tokenizer import CONFIG_KEY
+    if config is not None and config.get(CONFIG_KEY) == "bytes":
+        return ByteTokenizerAdapter()
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        log.warning("%s found but the `tokenizers` package is missing: no text prompts", file)
+        return None
+    return Tokenizer.from_file(str(file))
+
+
+def random_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM, Eagle3DraftHead]:
+    """A small random-weight Llama and EAGLE-3 head (the drafts are rarely accepted)."""
+    tc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=688, num_hidden_layers=8, vocab_size=1024,
+                     max_position_embeddings=max(2048, cfg.max_context_len), rope_theta=10000.0)
+    return random_model_pair(tc, tc.replace(num_hidden_layers=1), cfg.torch_dtype, seed,
+                             std=0.1, device=cfg.device)
+
+
+@dataclass
+class Loaded:
+    target: LlamaForCausalLM
+    head: Eagle3DraftHead
+    cfg: RuntimeConfig
+    tokenizer: Any | None
+    eos: int | None
+    stops: tuple[int, ...]
+    label: str
+
+
+def load(a: argparse.Namespace) -> Loaded:
+    """Load what the model flags name (the shipped pair by default)."""
+    if a.target:
+        target_dir, draft_dir = a.target, a.draft
+    elif not a.random_models and shipped_pair_available():
+        target_dir, draft_dir = str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
+    else:
+        target_dir = draft_dir = None
+        if not a.random_models:
+            log.warning("no shipped model pair in %s: using random weights", ASSETS)
+    torch.manual_seed(a.seed)
+    if target_dir is None:
+        cfg = runtime_from_args(a)
+        target, head = random_pair(cfg, a.seed)
+        return Loaded(target, head, cfg, None, None, (), "random weights (acceptance is not "
+                      "meaningful for them)")
+    from graphdraft.checkpoint import load_model_pair, read_config
+    flag = "--target/--draft" if a.target else "the shipped pair"
+    try:
+        tcfg, _ = read_config(target_dir)
+    except (ValueError, OSError) as e:
+        raise CliError(f"{flag}: {e}") from e
+    # the default context, capped at what the target was built for
+    cfg = runtime_from_args(a, min(DEFAULT_MAX_CONTEXT_LEN, tcfg.max_position_embeddings))
+    try:
+        target, head, info = load_model_pair(target_dir, draft_dir, cfg.torch_dtype, cfg.device)
+    except (ValueError, OSError, KeyError) as e:
+        raise CliError(f"{flag}: {e}") from e
+    stops = tuple(info.eos_token_ids)
+    return Loaded(target, head, cfg, load_tokenizer(target_dir, info.extras.raw),
+                  stops[0] if stops else None, stops, f"{target_dir} + {draft_dir}")
