@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e perf-verify perf-capture perf-tree soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,7 +37,7 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rA -m gpu -p no:cacheprovider tests
 
 # Every benchmark; each also runs alone (JSON under $(OUT)).
-perf: perf-draft perf-e2e
+perf: perf-draft perf-e2e perf-verify perf-capture perf-tree
 
 perf-draft:
 	mkdir -p $(OUT)
@@ -49,6 +49,23 @@ perf-draft:
 perf-e2e:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.e2e --out $(OUT)
+
+# The verify forward's attention against its floors and SDPA ($(OUT)/verify.json).
+perf-verify:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.verify --out $(OUT)
+
+# Start-up: capture_graphs cold (empty Triton cache) and warm ($(OUT)/capture.json).
+CAPTURE_MAX_BS ?= 64,160
+perf-capture:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.capture --out $(OUT) \
+		--max-bs $(CAPTURE_MAX_BS)
+
+# Tree-drafting kernels as replayed graphs ($(OUT)/tree_kernels.json).
+perf-tree:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.tree_kernels --out $(OUT)
 
 # 100,000 draft steps, stopped early (exit code 2, "TARGET NOT REACHED") after SOAK_MINUTES.
 SOAK_MINUTES ?= 8

@@ -45,6 +45,7 @@ from graphdraft.drafter import EagleDrafter
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
 from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS, commit_pack, prepare_rows
+from graphdraft.kernels.warmup import precompile_engine
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.llama import LlamaForCausalLM, TargetOutput
 from graphdraft.metrics import ServingMetrics
@@ -128,8 +129,10 @@ class Engine:
         object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)` (run
         eagerly inside every step, no cycle graph). `seed` seeds sampled requests that carry
         none (pass the same on every tensor-parallel rank so that ranks sample alike)."""
-        self.target, self.cfg, self.eos_token_id = target, cfg, eos_token_id
         tc = target.config
+        # The pool's size is fixed here, once: `num_kv_pages` or what `kv_cache_memory_gb` pays for.
+        cfg = cfg.replace(num_kv_pages=cfg.kv_pages(tc.kv_bytes_per_token(target.dtype)) - 1)
+        self.target, self.cfg, self.eos_token_id = target, cfg, eos_token_id
         if tc.max_position_embeddings < cfg.max_context_len:
             raise ValueError(f"max_context_len: expected <= the target's max_position_embeddings "
                              f"({tc.max_position_embeddings}), got {cfg.max_context_len}")
@@ -151,11 +154,6 @@ class Engine:
         self.backend = PagedAttentionBackend(self.pages.req_to_page, cfg.page_size,
                                              cfg.max_context_len, cfg.use_triton)
         target.set_use_triton(cfg.use_triton)
-        t = cfg.max_num_tokens
-        self._tok_req = torch.zeros(t, dtype=torch.int64, device=self.device)
-        self._tok_kv = torch.ones(t, dtype=torch.int32, device=self.device)
-        self._tok_row = torch.arange(t, device=self.device) // self.n_row
-        self._tok_j = torch.arange(t, device=self.device) % self.n_row
         self.graph_pool = GraphPool()
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
@@ -219,10 +217,14 @@ class Engine:
     # Graphs
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the target's verify forward, the drafter's forwards and the cycle (largest
+    def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False) -> None:
+        """Compile the Triton kernels each size bucket needs (`precompile_engine`), then capture
+        the target's verify forward, the drafter's forwards and the cycle (largest
         bs first). Warm-up and capture run inert rows only (slot 0); every table is neutral after."""
         self.drain()
+        self._reset_neutral()
+        # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
+        precompile_engine(self, progress=progress, parallel=parallel_precompile)
         self._reset_neutral()
         self.verify_graphs.capture(progress=progress)
         if isinstance(self.drafter, EagleDrafter):

@@ -5,9 +5,9 @@ requests of random lengths, replacing each one that finishes, until the drafter
 has run `--steps` times. It checks, and prints:
   - allocated GPU memory does not grow after the first few hundred steps;
   - no graph is captured again (capture stats unchanged) and decode batches replay;
-  - every `--check-every` steps, one decode step runs both as graph replay and
-    eagerly (GRAPHDRAFT_EAGER=1) from the same state: the drafts and draft KV
-    writes must be bit-identical;
+  - every `--check-every` steps, one decode cycle runs both as the cycle graph's
+    replay and eagerly (GRAPHDRAFT_EAGER=1) from the same state: the committed slot
+    state, the packed tokens and the target and draft KV writes must be bit-identical;
   - every request's pages return to the pool.
 A progress line every `--progress-every` draft steps (10,000). `--max-minutes` caps
 the wall time: the soak stops early, says how many draft steps it did and that the
@@ -97,46 +97,50 @@ def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
     return engine
 
 
-def _checked_run(engine: Engine, report: SoakReport):
-    """Wrap drafter.run until the next decode batch: graph and eager runs from the same
-    KV state must give the same drafts and KV writes. Returns the undo (for a soak that
-    stops before the next decode batch)."""
-    drafter = engine.drafter
-    original = drafter.run
-    patched = "run" in vars(drafter)
+def _checked_cycle(engine: Engine, report: SoakReport):
+    """Wrap `engine.cycle_graphs.run` until the next decode cycle: the graph replay and an
+    eager run from the same device state (slot tables, cache lengths, target and draft KV of
+    layer 0) must commit the same state, pack the same tokens and write the same KV. Returns
+    the undo (for a soak that stops before the next decode cycle)."""
+    forward = engine.cycle_graphs
+    original = forward.run
+    drafter_kv = engine.drafter.kv_pool.layer(0)
+    target_kv = engine.kv.layer(0)
 
-    def run(ctx, hidden, tokens, accept, **kw):
-        if ctx.num_extends:  # checks are for decode batches (the graphed ones)
-            return original(ctx, hidden, tokens, accept, **kw)
-        # both runs copy their drafts out (the eager run overwrites the graph run's buffer);
-        # a copy serves a caller that asked for the view as well
-        drafter.run = original
-        k, v = drafter.kv_pool.layer(0)
-        k0, v0 = k.clone(), v.clone()
-        graph = original(ctx, hidden, tokens, accept)
-        kg, vg = k.clone(), v.clone()
-        k.copy_(k0)
-        v.copy_(v0)
+    def kv_clones() -> list[torch.Tensor]:
+        return [t.clone() for t in (*target_kv, *drafter_kv)]
+
+    def restore_kv(saved: list[torch.Tensor]) -> None:
+        for t, c in zip((*target_kv, *drafter_kv), saved, strict=True):
+            t.copy_(c)
+
+    def run(bs, padded_bs=None):
+        del forward.run  # one check per wrap
+        before, kv0 = engine.state_snapshot(), kv_clones()
+        original(bs, padded_bs)
+        graph_state, graph_kv = engine.state_snapshot(), kv_clones()
+        graph_pack = engine.cycle.pack[:bs].clone()
+        engine.restore_state(before)
+        restore_kv(kv0)
         os.environ["GRAPHDRAFT_EAGER"] = "1"
         try:
-            eager = original(ctx, hidden, tokens, accept)
+            original(bs, padded_bs)
         finally:
             del os.environ["GRAPHDRAFT_EAGER"]
         report.checks += 1
-        same_kv = torch.equal(kg.nan_to_num(), k.nan_to_num()) and torch.equal(
-            vg.nan_to_num(), v.nan_to_num())
-        if not torch.equal(graph, eager) or not same_kv:
-            report.failures.append(f"step {report.draft_steps}: graph != eager (bs={ctx.bs})")
-        return graph
+        eager_state = engine.state_snapshot()
+        same = (torch.equal(graph_pack, engine.cycle.pack[:bs])
+                and all(torch.equal(graph_state[k], eager_state[k]) for k in graph_state)
+                and all(torch.equal(g.nan_to_num(), e.nan_to_num())
+                        for g, e in zip(graph_kv, kv_clones(), strict=True)))
+        if not same:
+            report.failures.append(f"step {report.draft_steps}: cycle graph != eager (bs={bs})")
 
-    drafter.run = run
+    forward.run = run
 
     def undo() -> None:
-        if vars(drafter).get("run") is run:
-            if patched:
-                drafter.run = original
-            else:
-                del drafter.run
+        if vars(forward).get("run") is run:
+            del forward.run
 
     return undo
 
@@ -158,7 +162,7 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
     report = SoakReport(target_steps=steps, max_seconds=max_seconds)
     cuda = engine.device.type == "cuda"
     stream = sys.stdout if out is None else out
-    forwards = [engine.verify_graphs, engine.drafter.decode_graphs,
+    forwards = [engine.cycle_graphs, engine.verify_graphs, engine.drafter.decode_graphs,
                 engine.drafter.multi_step_graphs]
     captured = [dict(f.stats.capture_seconds) for f in forwards]
     free_pages = engine.pages.num_free_pages
@@ -179,7 +183,7 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
             break
         refill()
         if engine.drafter.stats.calls >= next_check:
-            undo_check = _checked_run(engine, report)
+            undo_check = _checked_cycle(engine, report)
             next_check += check_every
         done = engine.step()
         report.engine_steps += 1
@@ -210,8 +214,8 @@ def soak(engine: Engine, steps: int, check_every: int, seed: int = 0, *,
     for f, before in zip(forwards, captured, strict=True):
         if f.stats.capture_seconds != before:
             report.failures.append(f"{f.name}: captured again")
-    if cuda and engine.drafter.decode_graphs.stats.total_replays == 0:
-        report.failures.append("no draft graph replayed")
+    if cuda and engine.cycle_graphs.stats.total_replays == 0:
+        report.failures.append("no cycle graph replayed")
     if engine.pages.num_free_pages != free_pages:
         report.failures.append(f"pages leaked: {free_pages - engine.pages.num_free_pages}")
     return report

@@ -44,8 +44,8 @@ from graphdraft.kernels import extend_attention
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.kv_cache import KVPool
-from perf.bench import copy_bandwidth, median_us, write_json
 from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
+from perf.timing import copy_bandwidth, median_us, write_json
 
 BATCH_SIZES = (1, 8, 64, 128, 256)
 KV_LENS = (512, 4096)

@@ -183,16 +183,18 @@ def test_ten_thousand_replays_no_growth_no_recapture():
     assert s.drafter.multi_step_graphs.stats.total_eager == 0
 
 
+@pytest.mark.parametrize("cycle_graph", [True, False])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_graphs_lossless_float64(steps, page_size):
-    """Speculative greedy through graphs (target verify + both draft forwards) == target-only."""
+def test_engine_graphs_lossless_float64(steps, page_size, cycle_graph):
+    """Speculative greedy through graphs == target-only: the whole-cycle graph, or (cycle_graph
+    off) the split graphs (target verify + both draft forwards)."""
     from graphdraft.engine import Engine
     from graphdraft.verify import SamplingParams
 
     target, head = make_models(steps, device="cuda", draft_vocab=40 if steps % 2 else None)
     cfg = runtime(device="cuda", kernel_backend="torch", speculative_num_steps=steps,
-                  page_size=page_size)
+                  page_size=page_size, cycle_graph=cycle_graph)
     rng = random.Random(1)
     prompts = [[rng.randrange(61) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     base = Engine(target, cfg)
@@ -202,8 +204,12 @@ def test_engine_graphs_lossless_float64(steps, page_size):
     params = SamplingParams(max_new_tokens=20)
     assert spec.generate(prompts, params) == base.generate(prompts, params)
     summary = spec.graph_summary()
-    assert all(replays > 0 for name, (replays, _) in summary.items()
-               if steps > 1 or name != "draft_multi_step"), summary
+    if cycle_graph:
+        assert summary["spec_cycle"][0] > 0, summary
+    else:
+        assert summary["spec_cycle"][0] == 0, summary
+        assert all(replays > 0 for name, (replays, _) in summary.items()
+                   if name != "spec_cycle" and (steps > 1 or name != "draft_multi_step")), summary
 
 
 def test_engine_graphs_equal_enforce_eager_bf16_triton():

@@ -39,10 +39,10 @@ def test_engine_metrics_match_outputs():
     hist = snap["accept_length"]["histogram"]
     assert sum(hist.values()) == eng.stats.decode_rows
     assert sum(k * v for k, v in hist.items()) == eng.stats.accepted_tokens
-    assert set(snap["graphs"]) == {"target_verify", "draft_decode", "draft_multi_step"}
-    assert snap["graphs"]["target_verify"]["eager"] == {"disabled": eng.graph_summary()[
-        "target_verify"][1]}
-    assert snap["graphs"]["target_verify"]["hit_rate"] == 0.0  # graphs off on a CPU
+    assert set(snap["graphs"]) == {"spec_cycle", "target_verify", "draft_decode", "draft_multi_step"}
+    cycles = eng.graph_summary()["spec_cycle"][1]  # decode cycles: one forward each
+    assert cycles > 0 and snap["graphs"]["spec_cycle"]["eager"] == {"disabled": cycles}
+    assert snap["graphs"]["spec_cycle"]["hit_rate"] == 0.0  # graphs off on a CPU
 
 
 def test_graph_hit_rate_counts_replays_over_all_runs():

@@ -146,7 +146,9 @@ def test_training_forward_matches_runtime_head(pair, prompts):
     """Every draft step of the runtime (first step over the accepted prefix, then chain steps
     over its own KV) equals the training-time-test unroll at the same chain start."""
     target, head, _ = pair
-    eng = Engine(target, runtime(1), head)
+    # "sync": each step retires before the next launches, so the recorded head calls are the
+    # emitted text's (a deferred engine may launch one cycle past the request's end)
+    eng = Engine(target, runtime(1).replace(validation="sync"), head)
     calls: list = []
     handle = _record(head, calls, rows_arg=7)
     try:

@@ -98,7 +98,7 @@ class GemvConfig:
 def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
                 target_programs: int | None = None, max_split: int = 16, split: int | None = None,
                 num_warps: int = 4, num_stages: int | None = None) -> GemvConfig:
-    """Tiles for a `[m, k] x [n, k]^T` product, from the H200 sweep (`perf/gemv_sweep.py`,
+    """Tiles for a `[m, k] x [n, k]^T` product, from the H200 sweep (`perf/studies/gemv_sweep.py`,
     perf/RESULTS.md): M == 1 streams `[32|64, 256]` slabs with about 528 programs in flight,
     M > 1 `[64|128, 128]` slabs with about 264; K is split to reach that count (the nearest
     whole number of slices, at least 4 * BLOCK_K long, at most `max_split`); `split` forces
