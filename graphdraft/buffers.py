@@ -151,6 +151,12 @@ class CycleBuffers:
                    finish=_zeros(b, torch.int32, dev), err=_zeros(b, torch.int32, dev),
                    pack=_zeros((b, n + 3), torch.int32, dev))
 
+    def reset(self) -> None:
+        """Every buffer back to its allocated value (after warm-up and capture)."""
+        for t in (self.slot_rows, self.tokens, self.accept, self.finish, self.err, self.pack):
+            t.zero_()
+        self.draft_accept.fill_(1)
+
 
 @dataclass
 class DraftBuffers:

@@ -236,7 +236,7 @@ class Engine:
     def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)
         self.inputs.pad_tokens(0, self.cfg.max_bs * self.n_row)
-        self.cycle.slot_rows.zero_()
+        self.cycle.reset()
         self._staged_rows = None
         if isinstance(self.drafter, EagleDrafter):
             self.drafter._reset_neutral()

@@ -48,10 +48,12 @@ ACCEPTS = (2.5, 3.0, 3.5)
 
 def runtime(max_bs: int, sizes: tuple[int, ...], prompt_len: int = PROMPT_LEN,
             device: str = "cuda", dtype: str = "bfloat16") -> RuntimeConfig:
-    return RuntimeConfig(speculative_num_steps=STEPS, page_size=16, max_running_requests=max_bs,
-                         max_context_len=prompt_len + 256, max_num_batched_tokens=8192,
-                         cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, dtype=dtype,
-                         device=device)
+    cfg = RuntimeConfig(speculative_num_steps=STEPS, page_size=16, max_running_requests=max_bs,
+                        max_context_len=prompt_len + 256, max_num_batched_tokens=8192,
+                        cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, dtype=dtype,
+                        device=device)
+    # every slot at max context: no request waits for pages (over kv_cache_memory_gb's default)
+    return cfg.replace(num_kv_pages=cfg.max_running_requests * cfg.max_pages_per_req)
 
 
 def _decoding(engine: Engine, bs: int) -> bool:

@@ -256,7 +256,7 @@ def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
     assert "captured speculative graphs in" in out
     res = json.loads(path.read_text())
     assert res["timings_are_performance"] is True and res["speed_up"]["n"] == 3
-    assert res["metrics"]["graphs"]["target_verify"]["replays"] > 0
+    assert res["metrics"]["graphs"]["spec_cycle"]["replays"] > 0
 
 
 def test_quiet_reaches_capture_graphs_when_the_engine_accepts_progress(capsys):

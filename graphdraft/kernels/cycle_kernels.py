@@ -178,11 +178,8 @@ def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl,
     emitted.index_put_((s,), (emitted[s] + a).to(emitted.dtype))
     done.index_put_((s,), done[s] | (finish != 0).to(done.dtype))
     # slot 0 (inert rows' sink) back to neutral
-    vcl[0] = 0
-    last_token[0] = 0
-    drafts[0] = 0
-    emitted[0] = 0
-    done[0] = 0
+    for t in (vcl, last_token, drafts, emitted, done):
+        t[:1].zero_()  # a slice's fill: `t[0] = 0` copies a host scalar (not capturable)
     pack[:, :n] = tokens
     if n < nrow:
         pack[:, n:nrow] = 0
