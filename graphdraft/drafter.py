@@ -213,7 +213,13 @@ class EagleDrafter:
             accept_lengths: torch.Tensor, *, copy_output: bool = True) -> torch.Tensor:
         """Draft for the target batch described by `ctx`; returns `[bs, S + 1]` int32: a new
         tensor, or with `copy_output=False` a view of the persistent `next_tokens` buffer (no
-        copy launch), valid until the next `run`."""
+        copy launch), valid until the next `run`.
+
+        Accept length 0 on a decode row: the row committed nothing; its output is not drafts
+        for the committed text (column 0 is the row's first output token), discard it.
+        A batch of mid-chunk prefill rows only (`ctx.all_extends_mid_chunk`) skips the
+        multi-step forward: column 0 is each row's next prompt token, column 1 the first
+        step's draft, columns 2.. copies of column 0 (README, "Using the drafter")."""
         if not isinstance(copy_output, bool):
             raise ValueError(f"copy_output: expected a bool, got {type(copy_output).__name__}")
         mode = self.cfg.validation_mode

@@ -18,6 +18,10 @@ captured for the measured batch sizes. Per bs, two Engines over the same weights
   speedup_at_<a>       projected tokens/s over target-only at mean accept length a:
                        a * target_only_step_ms / cycle_ms
 
+`serving` (GPU only): 64 requests of 512 tokens served to 128 new tokens each through
+`Engine.generate`; `mixed_draft_share` is the share of that run's wall time spent in the
+drafter's eager calls of prefill / mixed steps (the draft work no graph covers).
+
 Wall times are medians over blocks of steps after warm-up (synchronized at block ends);
 replays are medians of CUDA-event timings. Writes `DIR/e2e.json` and prints a table.
 """
@@ -134,6 +138,42 @@ def cycle_replay_ms(engine: Engine, bs: int) -> float | None:
     return ms
 
 
+def serving_run(engine: Engine, bs: int, rng: random.Random, *, prompt_len: int = PROMPT_LEN,
+                new_tokens: int = 128) -> dict[str, Any]:
+    """`bs` requests of `prompt_len` random tokens served to `new_tokens` each with
+    `Engine.generate` (prefill chunks, mixed steps, then decode cycles); the drafter's eager
+    calls (prefill / mixed steps: the only draft work outside a graph) timed with CUDA events
+    around each, as a share of the run's wall time (`mixed_draft_share`)."""
+    drafter = engine.drafter
+    original, spans = drafter.run, []
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original(*args, **kw)
+        end.record()
+        spans.append((start, end))
+        return out
+
+    vocab = engine.target.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
+    cycles0 = engine.cycle_graphs.stats.total_replays + engine.cycle_graphs.stats.total_eager
+    drafter.run = timed
+    try:
+        _sync(engine)
+        t0 = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        _sync(engine)
+        wall = (time.perf_counter() - t0) * 1e3
+    finally:
+        del drafter.run
+    mixed = sum(s.elapsed_time(e) for s, e in spans)
+    cycles = engine.cycle_graphs.stats.total_replays + engine.cycle_graphs.stats.total_eager - cycles0
+    return {"bs": bs, "prompt_len": prompt_len, "new_tokens": new_tokens, "wall_ms": wall,
+            "decode_cycles": cycles, "mixed_draft_calls": len(spans), "mixed_draft_ms": mixed,
+            "mixed_draft_share": mixed / wall}
+
+
 def measure(batch_sizes: tuple[int, ...], *, seed: int = 0, pair: tuple | None = None,
             device: str = "cuda", dtype: str = "bfloat16",
             prompt_len: int = PROMPT_LEN) -> dict[str, Any]:
@@ -177,10 +217,14 @@ def measure(batch_sizes: tuple[int, ...], *, seed: int = 0, pair: tuple | None =
         rows.append(row)
         print(f"[e2e] bs {bs}: " + ", ".join(
             f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+    serving = None
+    if device == "cuda":
+        serving = serving_run(spec, min(64, max_bs), rng, prompt_len=prompt_len)
+        print(f"[e2e] serving: {serving}", flush=True)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (timings meaningless)"
     return {"gpu": gpu, "torch": torch.__version__,
             "copy_bw": bw, "target_weight_bytes": tw, "prompt_len": prompt_len, "steps": STEPS,
-            "capture_s": capture_s, "rows": rows}
+            "capture_s": capture_s, "rows": rows, "serving": serving}
 
 
 def table(data: dict[str, Any]) -> str:
