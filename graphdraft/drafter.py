@@ -126,6 +126,7 @@ class EagleDrafter:
         self.inputs.pad_rows(0, mb)
         self.inputs.pad_tokens(0, mb * self.N)
         self._pad_draft_rows(0, mb)
+        self.bufs.next_tokens.zero_()  # warm-up and capture drafted for inert rows
 
     def _pad_draft_rows(self, start: int, stop: int) -> None:
         if stop <= start:

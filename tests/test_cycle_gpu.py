@@ -46,7 +46,10 @@ def _state(eng: Engine) -> dict[str, torch.Tensor]:
                              for k, v in zip(eng.kv.k, eng.kv.v, strict=True)])
     dkv = eng.drafter.kv_pool
     out["draft_kv"] = torch.stack([dkv.k[0][dkv.page_size:], dkv.v[0][dkv.page_size:]])
-    out["next_tokens"] = eng.drafter.bufs.next_tokens.clone()
+    # drafts of the rows that committed tokens (pack's accept column > 0): inert padded rows
+    # draft from the dummy page, whose contents warm-up left (their drafts are discarded)
+    live = eng.cycle.pack[:, eng.n_row] > 0
+    out["next_tokens"] = eng.drafter.bufs.next_tokens[: live.shape[0]][live]
     return out
 
 
