@@ -44,6 +44,30 @@ def test_kv_pages_small_model_explicit_pages_and_bad_budget():
             RuntimeConfig(device="cpu", kv_cache_memory_gb=bad)
 
 
+def test_engine_pool_follows_the_budget_and_requests_wait_for_pages():
+    """The Engine sizes its KV pool once from `kv_cache_memory_gb`: a budget of about two
+    requests at max context gives a pool of that many pages; more requests queue for pages and
+    all finish (none lost)."""
+    from graphdraft.engine import Engine
+    from graphdraft.verify import SamplingParams
+    from tests.engine_harness import make_models, runtime
+
+    target, head = make_models(2)
+    tc = target.config
+    per_token = tc.kv_bytes_per_token(target.dtype)
+    base = runtime()
+    budget_pages = 2 * base.max_pages_per_req
+    gb = budget_pages * base.page_size * per_token / 1e9
+    eng = Engine(target, base.replace(kv_cache_memory_gb=gb * 1.0001), head)
+    assert eng.cfg.num_kv_pages == budget_pages
+    assert eng.kv.num_pages == budget_pages + 1 and eng.pages.num_free_pages == budget_pages
+    assert Engine(target, base, head).cfg.num_kv_pages == base.max_running_requests * base.max_pages_per_req
+    prompts = [[1 + i, 2, 3] * 40 for i in range(base.max_running_requests)]  # 120 tokens each
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [len(o) for o in outs] == [30] * len(prompts)
+    assert eng.pages.num_free_pages == budget_pages
+
+
 @pytest.mark.parametrize("layers", [2, 3, 4, 5, 6])
 def test_degenerate_default_aux_layer_ids_warn(layers, caplog, monkeypatch):
     monkeypatch.setattr(config_mod, "_WARNED_AUX_LAYERS", set())
