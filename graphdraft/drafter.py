@@ -206,6 +206,29 @@ class EagleDrafter:
         return self.bufs.first_hidden[: bs * self.N]
 
     # ------------------------------------------------------------------
+    # The Engine's cycle seam (`graphdraft.drafter_protocol.CycleDrafter`): the cycle graph
+    # writes the accepted tokens and accept lengths straight into this drafter's buffers and
+    # runs its decode body in the same graph.
+    # ------------------------------------------------------------------
+    supports_cycle = True
+
+    def cycle_tokens(self, rows: int) -> torch.Tensor:
+        """`[rows, N]` view of `DraftBuffers.first_input_ids`: the first step's ids."""
+        return self.bufs.first_input_ids[: rows * self.N].view(rows, self.N)
+
+    def cycle_accept_lengths(self) -> torch.Tensor:
+        """`DraftBuffers.accept_lengths` `[max_bs]` int32."""
+        return self.bufs.accept_lengths
+
+    def draft_staged(self, bs: int) -> torch.Tensor:
+        """`_decode(bs)`: the decode draft over staged buffers -> next_tokens[:bs] `[bs, S + 1]`."""
+        return self._decode(bs)
+
+    def reset_neutral(self) -> None:
+        """`_reset_neutral()`: input, draft and next_tokens buffers back to neutral values."""
+        self._reset_neutral()
+
+    # ------------------------------------------------------------------
     # Public entry point
     # ------------------------------------------------------------------
     @torch.inference_mode()
