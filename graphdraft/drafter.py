@@ -188,7 +188,6 @@ class EagleDrafter:
         metadata = self.backend.bind_metadata(req, seq_lens)
         ids, hidden = b.ids[:bs], b.hidden[:bs]
         for i in range(1, steps):
-            self.backend.advance_draft_forward_metadata(seq_lens)
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
                             self.backend, metadata, tokens_out=b.next_tokens[:bs, i + 1])
             ids, hidden = out.ids, out.hidden
