@@ -136,8 +136,16 @@ def test_env_reader_follows_os_environ(monkeypatch):
     assert graphs_mod._env_reader("GD_TEST_VAR")() == "1"
 
 
-def test_graphs_available_matches_torch():
-    assert graphs_available() is torch.cuda.is_available()
+def test_graphs_available_is_decided_once(monkeypatch):
+    """torch's answer, read once: a later change (a CUDA context lost, a test patching torch)
+    does not flip graph forwards between replay and eager mid-run."""
+    first = graphs_available()
+    assert first is torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not first)
+    assert graphs_available() is first
+    cf = CapturedForward("g", lambda bs: None, [1])
+    cf.run(1)
+    assert cf.stats.eager["disabled"] == (0 if first else 1)  # built on the first answer
 
 
 # ------------------------------------------------------------ helpers
