@@ -142,13 +142,13 @@ def rope_and_store_kv_partials(qkv: torch.Tensor, positions: torch.Tensor, cos_s
 # ---------------------------------------------------------------------------
 def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
              page_size: int) -> torch.Tensor:
-    """Slots of `positions`; `req_pool_indices` broadcasts against it; 0 where unmapped."""
-    max_pages = req_to_page.shape[1]
-    page_idx = torch.div(positions, page_size, rounding_mode="floor")
-    inside = (page_idx < max_pages) & (positions >= 0)
-    pages = req_to_page[req_pool_indices, page_idx.clamp(0, max_pages - 1)].long()
-    slot = pages * page_size + torch.remainder(positions, page_size)
-    return torch.where(inside & (pages > 0), slot, torch.zeros_like(slot))
+    """Slots of `positions` (`kv_cache.kv_slot`); `req_pool_indices` broadcasts against it;
+    the dummy slot 0 where unmapped: a negative position, one past the table, a page id <= 0."""
+    from graphdraft.kv_cache import kv_slot
+
+    inside = (positions >= 0) & (positions < req_to_page.shape[1] * page_size)
+    slot = kv_slot(req_to_page, req_pool_indices, positions, page_size)
+    return torch.where(inside & (slot >= page_size), slot, torch.zeros_like(slot))  # page > 0
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
