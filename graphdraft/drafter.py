@@ -129,15 +129,7 @@ class EagleDrafter:
         self.bufs.next_tokens.zero_()  # warm-up and capture drafted for inert rows
 
     def _pad_draft_rows(self, start: int, stop: int) -> None:
-        if stop <= start:
-            return
-        b, n = self.bufs, self.N
-        b.first_input_ids[start * n: stop * n] = 0
-        b.first_hidden[start * n: stop * n] = 0
-        b.accept_lengths[start:stop] = 1
-        b.write_start[start:stop] = 1
-        b.ids[start:stop] = 0
-        b.hidden[start:stop] = 0
+        self.bufs.pad_rows(start, stop, self.N)
 
     # ------------------------------------------------------------------
     # The two forwards (run eagerly or captured; identical code)
