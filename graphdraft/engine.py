@@ -145,6 +145,8 @@ class Engine:
             _check_model("head", head, cfg, self.device)
         if head is not None and drafter is not None:
             raise ValueError("drafter: expected either head or drafter, not both")
+        if drafter is not None:
+            check_drafter(drafter)  # before anything (the target's kernel path) is changed
         self.n_row = cfg.spec_num_tokens if (head is not None or drafter is not None) else 1
         self.pages = PageTable(cfg.max_running_requests, cfg.max_pages_per_req, cfg.total_kv_pages,
                                cfg.page_size, self.device)
@@ -165,7 +167,7 @@ class Engine:
         on_oom = "raise" if getattr(target, "tp", None) is not None else "drop"
         self.verify_graphs = CapturedForward("target_verify", self._target_decode, self.schedule,
                                              pool=self.graph_pool, enabled=enabled, on_oom=on_oom)
-        self.drafter: Drafter | None = check_drafter(drafter) if drafter is not None else None
+        self.drafter: Drafter | None = drafter
         if head is not None:
             if head.config.num_aux_hidden_states * head.config.hidden_size != target.aux_hidden_width:
                 raise ValueError("head: its fc input width (k * H) does not match the target's "
