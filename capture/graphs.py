@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -105,24 +105,15 @@ def _env_reader(var: str) -> Callable[[], str]:
 class GraphPool:
     """One CUDA-graph memory pool, and the side stream captures into it use.
 
-    Every graph set of a process shares :meth:`default` unless given another
-    pool. Graphs of one pool reuse each other's freed intermediates, so they must
+    Graph sets share one by passing it as ``pool=``; a :class:`CapturedForward`
+    given none makes its own. Graphs of one pool reuse each other's freed intermediates, so they must
     never replay concurrently (replay them on one stream). Handle and stream are
     created lazily on first use, on the then-current device.
     """
 
-    _default: ClassVar[GraphPool | None] = None
-
     def __init__(self) -> None:
         self._handle: Any = None
         self._stream: torch.cuda.Stream | None = None
-
-    @classmethod
-    def default(cls) -> GraphPool:
-        """The process-wide pool."""
-        if cls._default is None:
-            cls._default = cls()
-        return cls._default
 
     @property
     def handle(self) -> Any:
@@ -261,7 +252,7 @@ class CapturedForward(Generic[T]):
         name: label for logs and stats.
         forward: the function to capture, called as ``forward(bs)``.
         batch_sizes: sizes to capture (any order; e.g. ``batch_size_schedule(...)``).
-        pool: memory pool shared with other graph sets (None: ``GraphPool.default()``).
+        pool: memory pool shared with other graph sets (None: a pool of its own).
         enabled: False never captures and always runs eagerly (reason ``disabled``).
         warmup_iters: eager calls of ``forward(bs)`` on the side stream before capturing bs.
         on_oom: ``"drop"``: an out-of-memory while warming up or capturing a size
@@ -319,7 +310,7 @@ class CapturedForward(Generic[T]):
     def pool(self) -> GraphPool:
         """The memory pool graphs are captured into."""
         if self._pool is None:
-            self._pool = GraphPool.default()
+            self._pool = GraphPool()
         return self._pool
 
     @property
@@ -545,14 +536,6 @@ class CapturedForward(Generic[T]):
         elif bs < len(self._lookup):
             return self._lookup[bs]
         return "above_max" if bs > self._max_bs else "not_captured"
-
-    def padded_bs(self, bs: int) -> int:
-        """The batch size forward will run at: the graph's padded size if one would
-        replay now, else ``bs``. Fill rows ``bs:padded_bs(bs)`` of the static inputs
-        with valid padding before ``run(bs)``; passing the value back as
-        ``run(bs, padded_bs=...)`` pins that choice."""
-        d = self._decide(bs)
-        return d if isinstance(d, int) else bs
 
     def run(self, bs: int, padded_bs: int | None = None) -> T:
         """Replay the graph for ``bs`` (see the module docstring's rule) or call ``forward(bs)``.

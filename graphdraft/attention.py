@@ -13,15 +13,13 @@ Two forms of metadata:
   the same plain attention.
 
 The draft's seq-len alias: the drafter binds a persistent `kv_lens` buffer as
-the metadata once, then advances it in place before each draft step
-(`advance_draft_forward_metadata`); a captured graph reads the same memory,
-so it sees new lengths without re-capture.
+the metadata once (`bind_metadata`), then advances that buffer in place between draft steps
+(`ops.advance_positions_and_seq_lens`); a captured graph reads the same memory, so it sees
+new lengths without re-capture.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +61,6 @@ class PagedAttentionBackend:
         self.page_size = page_size
         self.max_context_len = max_context_len
         self.use_triton = use_triton
-        self.num_extends = 0
         self.metadata: AttentionMetadata | RowMetadata | None = None
 
     # --- metadata -----------------------------------------------------------
@@ -71,28 +68,6 @@ class PagedAttentionBackend:
         """Use these tensors (views of persistent buffers, not copies) as the metadata."""
         self.metadata = AttentionMetadata(req_pool_indices, kv_lens)
         return self.metadata
-
-    def advance_draft_forward_metadata(self, seq_lens: torch.Tensor) -> None:
-        """Make the bound seq-len alias hold `seq_lens`.
-
-        When `seq_lens` is the bound alias itself (the drafter advanced it in
-        place) nothing is copied; otherwise it is copied in place, so a
-        captured graph still reads the same memory.
-        """
-        meta = self.metadata
-        if not isinstance(meta, AttentionMetadata):
-            raise RuntimeError("advance_draft_forward_metadata: no per-token metadata bound")
-        if seq_lens.data_ptr() != meta.kv_lens.data_ptr():
-            meta.kv_lens[: seq_lens.shape[0]].copy_(seq_lens)
-
-    @contextlib.contextmanager
-    def override_num_extends(self, num_extends: int) -> Iterator[None]:
-        """Treat the batch as having `num_extends` prefill rows inside the block."""
-        saved, self.num_extends = self.num_extends, num_extends
-        try:
-            yield
-        finally:
-            self.num_extends = saved
 
     def uniform_row_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                              n: int, mask_bits: torch.Tensor | None = None) -> RowMetadata:

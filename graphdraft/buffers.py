@@ -34,6 +34,27 @@ DUMMY_REQ_SLOT = 0
 """Request-pool slot reserved for padded rows; its page-table row stays all zeros."""
 DUMMY_PAGE = 0
 """KV page reserved for padded rows and unmapped positions; slot 0 is its first slot."""
+DUMMY_KV_SLOT = 0
+"""The KV slot padded tokens write (the dummy page's first slot)."""
+
+# The neutral values of padded rows and tokens, by buffer field: the one home of them.
+# (`graphdraft.kernels.stage_inputs`' Triton kernel writes the same values in its body.)
+NEUTRAL_ROW = {"seq_lens": 1, "req_pool_indices": DUMMY_REQ_SLOT, "extend_lens": 1}
+"""`InputBuffers` per row: the dummy request, seq len 1, one input token."""
+NEUTRAL_TOKEN = {"input_ids": 0, "positions": 0, "out_cache_loc": DUMMY_KV_SLOT}
+"""`InputBuffers` per token: token id 0 at position 0, writing the dummy slot."""
+NEUTRAL_DRAFT_ROW = {"accept_lengths": 1, "write_start": 1, "ids": 0, "hidden": 0}
+"""`DraftBuffers` per row: accept length 1, draft step 1 writes position 1, id 0, hidden 0."""
+NEUTRAL_DRAFT_TOKEN = {"first_input_ids": 0, "first_hidden": 0}
+"""`DraftBuffers` per token of the first step: id 0, hidden 0."""
+
+
+def fill_neutral(buffers: object, neutral: dict[str, int], start: int, stop: int) -> None:
+    """Write `neutral`'s value into rows [start, stop) of each named field of `buffers`."""
+    if stop <= start:
+        return
+    for name, value in neutral.items():
+        getattr(buffers, name)[start:stop] = value
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -84,20 +105,12 @@ class InputBuffers:
         return self.input_ids.shape[0]
 
     def pad_rows(self, start: int, stop: int) -> None:
-        """Neutral per-row values in rows [start, stop): dummy request, seq len 1."""
-        if stop <= start:
-            return
-        self.seq_lens[start:stop] = 1
-        self.req_pool_indices[start:stop] = DUMMY_REQ_SLOT
-        self.extend_lens[start:stop] = 1
+        """`NEUTRAL_ROW` in rows [start, stop): dummy request, seq len 1."""
+        fill_neutral(self, NEUTRAL_ROW, start, stop)
 
     def pad_tokens(self, start: int, stop: int) -> None:
-        """Neutral per-token values in tokens [start, stop): id 0, position 0, dummy slot 0."""
-        if stop <= start:
-            return
-        self.input_ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.out_cache_loc[start:stop] = 0
+        """`NEUTRAL_TOKEN` in tokens [start, stop): id 0, position 0, dummy slot 0."""
+        fill_neutral(self, NEUTRAL_TOKEN, start, stop)
 
 
 @dataclass
@@ -123,11 +136,11 @@ class CycleBuffers:
     slot_rows     [max_bs] int64       each row's request slot (host-staged when the rows
                                        change; 0: a padded row)
     tokens        [max_tokens] int64   accepted tokens of prefill / mixed steps and of
-                                       engines without an EAGLE drafter (with one, a decode
-                                       cycle writes them into `DraftBuffers.first_input_ids`)
+                                       engines without a cycle drafter (with one, a decode
+                                       cycle writes them into its `cycle_tokens`)
     accept        [max_bs] int32       accepted tokens per row after the stop cut (0: inert)
-    draft_accept  [max_bs] int32       max(accept, 1) for drafters that are not an EagleDrafter
-                                       (an EagleDrafter's `DraftBuffers.accept_lengths` otherwise)
+    draft_accept  [max_bs] int32       max(accept, 1) for drafters that do not run inside the cycle
+                                       (a `CycleDrafter`'s `cycle_accept_lengths()` otherwise)
     finish        [max_bs] int32       0 running, 1 stop token, 2 max_new_tokens
     err           [max_bs] int32       error bits (engine.ERR_*), read one step later
     pack          [max_bs, N + 3] int32  tokens (N), accept, finish, err: the one D2H copy
@@ -155,7 +168,7 @@ class CycleBuffers:
         """Every buffer back to its allocated value (after warm-up and capture)."""
         for t in (self.slot_rows, self.tokens, self.accept, self.finish, self.err, self.pack):
             t.zero_()
-        self.draft_accept.fill_(1)
+        self.draft_accept.fill_(NEUTRAL_DRAFT_ROW["accept_lengths"])
 
 
 @dataclass
@@ -211,6 +224,12 @@ class DraftBuffers:
             next_tokens=_zeros((b, s + 1), torch.int32, dev),
             err=_zeros(1, torch.int32, dev),
         )
+
+    def pad_rows(self, start: int, stop: int, n: int) -> None:
+        """`NEUTRAL_DRAFT_ROW` in rows [start, stop) and `NEUTRAL_DRAFT_TOKEN` in their
+        first-step tokens [start * n, stop * n) (`n` = N tokens per decode row)."""
+        fill_neutral(self, NEUTRAL_DRAFT_TOKEN, start * n, stop * n)
+        fill_neutral(self, NEUTRAL_DRAFT_ROW, start, stop)
 
     def nbytes(self) -> int:
         return sum(getattr(self, f.name).nbytes for f in fields(self))

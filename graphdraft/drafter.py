@@ -129,15 +129,7 @@ class EagleDrafter:
         self.bufs.next_tokens.zero_()  # warm-up and capture drafted for inert rows
 
     def _pad_draft_rows(self, start: int, stop: int) -> None:
-        if stop <= start:
-            return
-        b, n = self.bufs, self.N
-        b.first_input_ids[start * n: stop * n] = 0
-        b.first_hidden[start * n: stop * n] = 0
-        b.accept_lengths[start:stop] = 1
-        b.write_start[start:stop] = 1
-        b.ids[start:stop] = 0
-        b.hidden[start:stop] = 0
+        self.bufs.pad_rows(start, stop, self.N)
 
     # ------------------------------------------------------------------
     # The two forwards (run eagerly or captured; identical code)
@@ -188,7 +180,6 @@ class EagleDrafter:
         metadata = self.backend.bind_metadata(req, seq_lens)
         ids, hidden = b.ids[:bs], b.hidden[:bs]
         for i in range(1, steps):
-            self.backend.advance_draft_forward_metadata(seq_lens)
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
                             self.backend, metadata, tokens_out=b.next_tokens[:bs, i + 1])
             ids, hidden = out.ids, out.hidden
@@ -204,6 +195,29 @@ class EagleDrafter:
         if not 0 <= bs <= self.cfg.max_bs:
             raise ValueError(f"bs: expected 0..{self.cfg.max_bs}, got {bs}")
         return self.bufs.first_hidden[: bs * self.N]
+
+    # ------------------------------------------------------------------
+    # The Engine's cycle seam (`graphdraft.drafter_protocol.CycleDrafter`): the cycle graph
+    # writes the accepted tokens and accept lengths straight into this drafter's buffers and
+    # runs its decode body in the same graph.
+    # ------------------------------------------------------------------
+    supports_cycle = True
+
+    def cycle_tokens(self, rows: int) -> torch.Tensor:
+        """`[rows, N]` view of `DraftBuffers.first_input_ids`: the first step's ids."""
+        return self.bufs.first_input_ids[: rows * self.N].view(rows, self.N)
+
+    def cycle_accept_lengths(self) -> torch.Tensor:
+        """`DraftBuffers.accept_lengths` `[max_bs]` int32."""
+        return self.bufs.accept_lengths
+
+    def draft_staged(self, bs: int) -> torch.Tensor:
+        """`_decode(bs)`: the decode draft over staged buffers -> next_tokens[:bs] `[bs, S + 1]`."""
+        return self._decode(bs)
+
+    def reset_neutral(self) -> None:
+        """`_reset_neutral()`: input, draft and next_tokens buffers back to neutral values."""
+        self._reset_neutral()
 
     # ------------------------------------------------------------------
     # Public entry point

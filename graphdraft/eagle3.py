@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
-from graphdraft.batch import CaptureHiddenMode
 from graphdraft.config import ModelConfig
 from graphdraft.kernels.argmax import check_ids_out
 from graphdraft.kernels.fused_inputs import check_rows_out
@@ -200,8 +199,6 @@ class Eagle3DraftHead(nn.Module):
             if hidden_out is not None:
                 prenorm = hidden_out.copy_(prenorm)
             return DraftStepOutput(ids, prenorm, logits)
-        out: LogitsOutput = self.logits_processor(
-            normed, self.lm_head, hidden_states=prenorm,
-            capture_hidden_mode=CaptureHiddenMode.FULL, fuse_argmax=True, ids_out=ids_out,
-            tokens_out=tokens_out)
+        out: LogitsOutput = self.logits_processor(normed, self.lm_head, ids_out=ids_out,
+                                                  tokens_out=tokens_out)
         return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)

@@ -42,6 +42,7 @@ from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
 from graphdraft.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.config import RuntimeConfig
 from graphdraft.drafter import EagleDrafter
+from graphdraft.drafter_protocol import CycleDrafter, Drafter, check_drafter
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
 from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS, commit_pack, prepare_rows
@@ -126,9 +127,11 @@ class Engine:
                  head: Eagle3DraftHead | None = None, *, drafter=None,
                  eos_token_id: int | None = None, seed: int | None = None) -> None:
         """`head`: an EAGLE-3 head (an `EagleDrafter` is built for it); or `drafter`: any
-        object with the drafter's `run(ctx, hidden, output_tokens, accept_lengths)` (run
-        eagerly inside every step, no cycle graph). `seed` seeds sampled requests that carry
-        none (pass the same on every tensor-parallel rank so that ranks sample alike)."""
+        object meeting `graphdraft.drafter_protocol.Drafter` (its `run(ctx, hidden,
+        output_tokens, accept_lengths)` runs eagerly inside every step, no cycle graph, unless
+        it is a `CycleDrafter`; anything else: ValueError naming `drafter`). `seed` seeds
+        sampled requests that carry none (pass the same on every tensor-parallel rank so that
+        ranks sample alike)."""
         tc = target.config
         # The pool's size is fixed here, once: `num_kv_pages` or what `kv_cache_memory_gb` pays for.
         cfg = cfg.replace(num_kv_pages=cfg.kv_pages(tc.kv_bytes_per_token(target.dtype)) - 1)
@@ -142,6 +145,8 @@ class Engine:
             _check_model("head", head, cfg, self.device)
         if head is not None and drafter is not None:
             raise ValueError("drafter: expected either head or drafter, not both")
+        if drafter is not None:
+            check_drafter(drafter)  # before anything (the target's kernel path) is changed
         self.n_row = cfg.spec_num_tokens if (head is not None or drafter is not None) else 1
         self.pages = PageTable(cfg.max_running_requests, cfg.max_pages_per_req, cfg.total_kv_pages,
                                cfg.page_size, self.device)
@@ -162,7 +167,7 @@ class Engine:
         on_oom = "raise" if getattr(target, "tp", None) is not None else "drop"
         self.verify_graphs = CapturedForward("target_verify", self._target_decode, self.schedule,
                                              pool=self.graph_pool, enabled=enabled, on_oom=on_oom)
-        self.drafter = drafter
+        self.drafter: Drafter | None = drafter
         if head is not None:
             if head.config.num_aux_hidden_states * head.config.hidden_size != target.aux_hidden_width:
                 raise ValueError("head: its fc input width (k * H) does not match the target's "
@@ -170,7 +175,10 @@ class Engine:
             self.drafter = EagleDrafter(head, cfg, req_to_page=self.pages.req_to_page,
                                         input_buffers=self.inputs, runtime_states=self.states,
                                         graph_pool=self.graph_pool, on_oom=on_oom)
-        self._own_drafter = self.drafter is None or isinstance(self.drafter, EagleDrafter)
+        # the drafter whose decode draft runs inside the cycle graph (None: `run` eagerly)
+        self._cycle_drafter: CycleDrafter | None = (
+            self.drafter if self.drafter is not None and self.drafter.supports_cycle else None)
+        self._own_drafter = self.drafter is None or self._cycle_drafter is not None
         self.cycle_graphs = CapturedForward("spec_cycle", self._spec_cycle, self.schedule,
                                             pool=self.graph_pool, on_oom=on_oom,
                                             enabled=enabled and self._own_drafter and cfg.cycle_graph)
@@ -227,7 +235,7 @@ class Engine:
         precompile_engine(self, progress=progress, parallel=parallel_precompile)
         self._reset_neutral()
         self.verify_graphs.capture(progress=progress)
-        if isinstance(self.drafter, EagleDrafter):
+        if self.drafter is not None:
             self.drafter.capture_graphs(progress=progress)
         self._reset_neutral()
         self.cycle_graphs.capture(progress=progress)
@@ -238,14 +246,14 @@ class Engine:
         self.inputs.pad_tokens(0, self.cfg.max_bs * self.n_row)
         self.cycle.reset()
         self._staged_rows = None
-        if isinstance(self.drafter, EagleDrafter):
-            self.drafter._reset_neutral()
+        if self._cycle_drafter is not None:
+            self._cycle_drafter.reset_neutral()
         self._neutral_slot0()
 
     def _captured_forwards(self) -> list[CapturedForward]:
         forwards = [self.cycle_graphs, self.verify_graphs]
-        if isinstance(self.drafter, EagleDrafter):
-            forwards += [self.drafter.decode_graphs, self.drafter.multi_step_graphs]
+        if self._cycle_drafter is not None:
+            forwards += [self._cycle_drafter.decode_graphs, self._cycle_drafter.multi_step_graphs]
         return forwards
 
     def graph_summary(self) -> dict[str, tuple[int, int]]:
@@ -345,10 +353,9 @@ class Engine:
         t, n, ib = bs * self.n_row, self.n_row, self.inputs
         meta = self.backend.uniform_row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs], n)
         # the aux hidden states go straight into the drafter's input buffer (no copy in its run)
-        aux_out = None
-        if (isinstance(self.drafter, EagleDrafter)
-                and self.drafter.bufs.first_hidden.dtype == self.target.embed_tokens.dtype):
-            aux_out = self.drafter.decode_hidden_buffer(bs)
+        aux_out = self.drafter.decode_hidden_buffer(bs) if self.drafter is not None else None
+        if aux_out is not None and aux_out.dtype != self.target.embed_tokens.dtype:
+            aux_out = None
         return self.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], self.kv,
                            self.backend, meta, None, capture_aux=self.drafter is not None,
                            aux_out=aux_out)
@@ -405,13 +412,13 @@ class Engine:
     def _tokens_buffer(self, rows: int) -> torch.Tensor:
         """Where a decode cycle's accepted tokens go `[rows, N]`: the drafter's first-step ids
         (no staging copy) or the engine's own buffer."""
-        if isinstance(self.drafter, EagleDrafter):
-            return self.drafter.bufs.first_input_ids[: rows * self.n_row].view(rows, self.n_row)
+        if self._cycle_drafter is not None:
+            return self._cycle_drafter.cycle_tokens(rows)
         return self.cycle.tokens[: rows * self.n_row].view(rows, self.n_row)
 
     def _draft_accept_buffer(self) -> torch.Tensor:
-        if isinstance(self.drafter, EagleDrafter):
-            return self.drafter.bufs.accept_lengths
+        if self._cycle_drafter is not None:
+            return self._cycle_drafter.cycle_accept_lengths()
         return self.cycle.draft_accept
 
     def _accept(self, row0: int, tok0: int, rows: int, n: int, logits: torch.Tensor,
@@ -456,8 +463,8 @@ class Engine:
         tokens = self._tokens_buffer(bs)
         self._accept(0, 0, bs, self.n_row, out.logits, self.inputs.req_pool_indices[:bs], tokens)
         nxt = None
-        if isinstance(self.drafter, EagleDrafter):
-            nxt = self.drafter._decode(bs)
+        if self._cycle_drafter is not None:
+            nxt = self._cycle_drafter.draft_staged(bs)
         self._commit(0, bs, tokens, nxt, prefill=False)
         return self.cycle.pack[:bs]
 
@@ -470,8 +477,8 @@ class Engine:
         self._accept(0, 0, pbs, self.n_row, out.logits, self.inputs.req_pool_indices[:pbs],
                      tokens)
         nxt = None
-        if isinstance(self.drafter, EagleDrafter):
-            nxt = self.drafter.decode_graphs.run(pbs)
+        if self._cycle_drafter is not None:
+            nxt = self._cycle_drafter.decode_graphs.run(pbs)
         elif self.drafter is not None:
             ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * self.n_row)
             aux = out.aux_hidden[: bs * self.n_row] if out.aux_hidden is not None else None
@@ -556,9 +563,9 @@ class Engine:
                 self.cycle_graphs.run(pbs)
             else:
                 self._split_cycle(bs, pbs)
-            if isinstance(self.drafter, EagleDrafter):  # it drafted once, inside the cycle
-                self.drafter.stats.calls += 1
-                self.drafter.stats.decode_calls += 1
+            if self._cycle_drafter is not None:  # it drafted once, inside the cycle
+                self._cycle_drafter.stats.calls += 1
+                self._cycle_drafter.stats.decode_calls += 1
         else:
             self._mixed_step(rows, preqs, dreqs)
         ring = self._ring
@@ -607,7 +614,7 @@ class Engine:
         if self.drafter is not None:
             accept = self._draft_accept_buffer()[:bs].clone()
             accept[:ne] = 1
-            kw = {"copy_output": False} if isinstance(self.drafter, EagleDrafter) else {}
+            kw = {"copy_output": False} if self._cycle_drafter is not None else {}
             nxt = self.drafter.run(ctx, out.aux_hidden, tokens[: ne + nd * n], accept, **kw)
         self._commit(0, ne, p_tok, nxt[:ne] if nxt is not None else None, prefill=True)
         if nd:

@@ -30,12 +30,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if use_triton:
         from graphdraft.kernels.norm import rms_norm as rms_norm_triton
         return rms_norm_triton(x, weight, eps, residual=residual, residual_out=residual_out)
+    from graphdraft.kernels.norm import rms_norm_torch
+
     if residual is not None:
         x = x + residual
         if residual_out is not None:
             x = residual_out.copy_(x)
-    xf = x.float()
-    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = rms_norm_torch(x, weight, eps)
     return (normed, x) if residual is not None else normed
 
 
@@ -97,13 +98,6 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, H, D]`, cos/sin `[T, 1, D/2]` fp32 -> rotated x in x.dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       out_cache_loc: torch.Tensor, *, use_triton: bool = False) -> None:
@@ -112,11 +106,13 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         from graphdraft.kernels.rope import rope_and_store_kv as rope_triton
         rope_triton(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc)
         return
+    from graphdraft.kernels.rope import rope_rotate_torch
+
     half = q.shape[-1] // 2
     cs = cos_sin[positions].unsqueeze(1)
     cos, sin = cs[..., :half], cs[..., half:]
-    q.copy_(_rotate(q, cos, sin))
-    k_cache[out_cache_loc] = _rotate(k, cos, sin)
+    q.copy_(rope_rotate_torch(q, cos, sin))
+    k_cache[out_cache_loc] = rope_rotate_torch(k, cos, sin)
     v_cache[out_cache_loc] = v
 
 
@@ -142,13 +138,13 @@ def rope_and_store_kv_partials(qkv: torch.Tensor, positions: torch.Tensor, cos_s
 # ---------------------------------------------------------------------------
 def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
              page_size: int) -> torch.Tensor:
-    """Slots of `positions`; `req_pool_indices` broadcasts against it; 0 where unmapped."""
-    max_pages = req_to_page.shape[1]
-    page_idx = torch.div(positions, page_size, rounding_mode="floor")
-    inside = (page_idx < max_pages) & (positions >= 0)
-    pages = req_to_page[req_pool_indices, page_idx.clamp(0, max_pages - 1)].long()
-    slot = pages * page_size + torch.remainder(positions, page_size)
-    return torch.where(inside & (pages > 0), slot, torch.zeros_like(slot))
+    """Slots of `positions` (`kv_cache.kv_slot`); `req_pool_indices` broadcasts against it;
+    the dummy slot 0 where unmapped: a negative position, one past the table, a page id <= 0."""
+    from graphdraft.kv_cache import kv_slot
+
+    inside = (positions >= 0) & (positions < req_to_page.shape[1] * page_size)
+    slot = kv_slot(req_to_page, req_pool_indices, positions, page_size)
+    return torch.where(inside & (slot >= page_size), slot, torch.zeros_like(slot))  # page > 0
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -43,7 +43,7 @@ from graphdraft.attention import PagedAttentionBackend
 from graphdraft.kernels import extend_attention
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
-from graphdraft.kv_cache import KVPool
+from graphdraft.kv_cache import KVPool, kv_slot
 from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
 from perf.timing import copy_bandwidth, median_us, write_json
 
@@ -94,7 +94,7 @@ class Batch:
         t = bs * n
         pos = (kv + torch.arange(n)).repeat(bs)
         slot = torch.arange(1, bs + 1).repeat_interleave(n)
-        loc = table[slot, pos // ps].long() * ps + pos % ps
+        loc = kv_slot(table, slot, pos, ps)
         self.input_ids = torch.randint(0, LLAMA31_8B.vocab_size, (t,), generator=g).to(device)
         self.positions = pos.to(device)
         self.out_cache_loc = loc.to(device)

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
-from graphdraft.kv_cache import KVPool, PageTable
+from graphdraft.kv_cache import KVPool, PageTable, kv_slot
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def full_logits(target, ids: list[int], page_size: int = 4) -> torch.Tensor:
     backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size, False)
     target.set_use_triton(False)
     pos = torch.arange(n, device=dev)
-    loc = table.req_to_page[slot, pos // page_size].long() * page_size + pos % page_size
+    loc = kv_slot(table.req_to_page, slot, pos, page_size)
     meta = AttentionMetadata(torch.full((n,), slot, dtype=torch.int64, device=dev),
                              (pos + 1).to(torch.int32))
     out = target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
+from graphdraft.drafter import DrafterStats
 from graphdraft.engine import Engine
 from graphdraft.random_models import random_model_pair
 
@@ -48,6 +49,19 @@ class ScriptedDrafter:
         self.expected = expected or {}
         self.steps = engine.cfg.speculative_num_steps
         self.calls = 0
+
+    # the rest of `graphdraft.drafter_protocol.Drafter`: no graphs, no zero-copy hidden buffer
+    supports_cycle = False
+
+    @property
+    def stats(self) -> DrafterStats:
+        return DrafterStats(calls=getattr(self, "calls", 0))
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        pass
+
+    def decode_hidden_buffer(self, bs: int) -> None:
+        return None
 
     def run(self, ctx, hidden, output_tokens, accept_lengths):
         n, ne = self.steps + 1, ctx.num_extends

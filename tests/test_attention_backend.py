@@ -14,6 +14,7 @@ import torch
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend, RowMetadata
 from graphdraft.engine import Engine
 from graphdraft.kernels import extend_attention
+from graphdraft.kv_cache import kv_slot
 from graphdraft.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
@@ -138,7 +139,7 @@ def test_gpu_target_verify_extend_vs_per_token_and_graph(bs):
     seq = torch.randint(n + 1, kv + n, (bs,), dtype=torch.int32)
     pos = torch.cat([torch.arange(int(s) - n, int(s)) for s in seq])
     slot = torch.arange(1, bs + 1).repeat_interleave(n)
-    loc = r2p[slot, pos // ps].long() * ps + pos % ps
+    loc = kv_slot(r2p, slot, pos, ps)
     ids = torch.randint(0, 1000, (bs * n,))
     r2p, seq, pos, loc, ids = (x.cuda() for x in (r2p, seq, pos, loc, ids))
     req = torch.arange(1, bs + 1, device="cuda")

@@ -19,6 +19,7 @@ from graphdraft.kernels.extend_attention import (
     paged_extend_attention_ref,
     tile_config,
 )
+from graphdraft.kv_cache import kv_slot
 
 HAS_CUDA = torch.cuda.is_available()
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
@@ -46,7 +47,7 @@ def _setup(seq_lens, ext_lens, reqs, Hq, Hkv, D, page_size, dtype, device="cpu",
         need[r] = max(need.get(r, 0), max(n, 1 + max(n - e, 0)), 2)
     for r, n in need.items():
         pos = torch.arange(n)
-        slots = r2p[r, pos // page_size].long() * page_size + pos % page_size
+        slots = kv_slot(r2p, r, pos, page_size)
         kc[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
         vc[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
     T = sum(ext_lens)

@@ -136,8 +136,16 @@ def test_env_reader_follows_os_environ(monkeypatch):
     assert graphs_mod._env_reader("GD_TEST_VAR")() == "1"
 
 
-def test_graphs_available_matches_torch():
-    assert graphs_available() is torch.cuda.is_available()
+def test_graphs_available_is_decided_once(monkeypatch):
+    """torch's answer, read once: a later change (a CUDA context lost, a test patching torch)
+    does not flip graph forwards between replay and eager mid-run."""
+    first = graphs_available()
+    assert first is torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not first)
+    assert graphs_available() is first
+    cf = CapturedForward("g", lambda bs: None, [1])
+    cf.run(1)
+    assert cf.stats.eager["disabled"] == (0 if first else 1)  # built on the first answer
 
 
 # ------------------------------------------------------------ helpers
@@ -215,7 +223,6 @@ def test_cpu_capture_is_noop_and_run_is_eager(caplog):
     for bs in (3, 16, 40):
         out = cf.run(bs)
         assert out.shape[0] == bs and torch.equal(out, x[:bs] @ w + 1)
-        assert cf.padded_bs(bs) == bs
     assert calls == [3, 16, 40]
     assert cf.stats.eager == {"disabled": 3, "env": 0, "above_max": 0, "not_captured": 0}
     assert cf.stats.total_replays == 0
@@ -234,8 +241,10 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="on_oom"):
         CapturedForward("g", f, [1], on_oom="ignore")
     assert CapturedForward("g", f, [8, 2, 2, 1]).batch_sizes == [1, 2, 8]
-    # pool=None: the process-wide pool, shared by every graph set (handle made lazily)
-    assert CapturedForward("a", f, [1]).pool is CapturedForward("b", f, [1]).pool is GraphPool.default()
+    # pool=None: a pool of its own (handle made lazily); a given pool is shared as given
+    assert CapturedForward("a", f, [1]).pool is not CapturedForward("b", f, [1]).pool
+    pool = GraphPool()
+    assert CapturedForward("c", f, [1], pool=pool).pool is pool
 
 
 def test_enabled_false_never_captures(fake_cuda):
@@ -266,8 +275,7 @@ def test_run_replays_padded_graph_and_counts(fake_cuda):
     fwd, x, w, y = linear_forward(log=calls)
     cf = CapturedForward("draft", fwd, SCHED16)
     cf.capture(progress=False)
-    pads = {bs: cf.padded_bs(bs) for bs in range(1, 17)}
-    assert pads == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, **dict.fromkeys(range(9, 17), 16)}
+    pads = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, **dict.fromkeys(range(9, 17), 16)}
     for bs in range(1, 17):
         out = cf.run(bs)
         assert out.shape[0] == pads[bs]  # padded graph's rows
@@ -283,8 +291,7 @@ def test_above_max_warns_once_and_counts(fake_cuda, caplog):
     cf.capture(progress=False)
     with caplog.at_level(logging.DEBUG, LOGGER):
         for bs in (17, 30, 17):
-            assert torch.equal(cf.run(bs), x[:bs] @ w + 1)
-            assert cf.padded_bs(bs) == bs
+            assert torch.equal(cf.run(bs), x[:bs] @ w + 1)  # bs rows: eager, not padded
     warns = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warns) == 1
     msg = warns[0].getMessage()
@@ -299,7 +306,6 @@ def test_env_var_rechecked_at_run(fake_cuda, monkeypatch):
     cf.capture(progress=False)
     calls.clear()
     monkeypatch.setenv(EAGER_ENV, "1")
-    assert cf.padded_bs(3) == 3
     assert cf.run(3).shape[0] == 3 and calls == [3]
     assert cf.stats.eager["env"] == 1 and cf.stats.total_replays == 0
     monkeypatch.setenv(EAGER_ENV, "0")  # flipped back: replays resume
@@ -361,7 +367,7 @@ def test_oom_in_middle_pads_to_next_larger(fake_cuda):
     fwd, x, w = _oom_forward(fake_cuda, lambda bs: bs == 8)
     cf = CapturedForward("draft", fwd, SCHED16)
     assert cf.capture(progress=False) == [1, 2, 4, 16]
-    assert [cf.padded_bs(bs) for bs in (5, 8, 9)] == [16, 16, 16]
+    assert [cf.run(bs).shape[0] for bs in (5, 8, 9)] == [16, 16, 16]
     assert torch.equal(cf.run(6)[:6], x[:6] @ w + 1)
 
 
@@ -428,11 +434,12 @@ def test_restrict_to_multi_rank_hook(fake_cuda):
     cf = CapturedForward("draft", linear_forward()[0], SCHED16)
     cf.capture(progress=False)
     assert cf.restrict_to([1, 2, 4, 16, 99]) == [1, 2, 4, 16]
-    assert cf.padded_bs(5) == 16 and 8 not in cf.stats.pool_bytes
+    assert 8 not in cf.stats.pool_bytes
     fake_cuda.calls.clear()
     assert cf.capture(progress=False) == [1, 2, 4, 16] and fake_cuda.calls == []  # no recapture
-    assert cf.restrict_to([]) == [] and cf.padded_bs(5) == 5
-    cf.run(5)
+    assert cf.run(5).shape[0] == 16 and cf.stats.replays[16] == 1  # 8 is gone: pads to 16
+    assert cf.restrict_to([]) == []
+    assert cf.run(5).shape[0] == 5
     cf.run(17)
     assert cf.stats.eager["not_captured"] == 1 and cf.stats.eager["above_max"] == 1
 
@@ -479,8 +486,7 @@ def test_gpu_replay_matches_eager_bit_for_bit():
     cf = CapturedForward("mlp", fwd, SCHED16, pool=GraphPool())
     assert cf.capture(progress=False) == SCHED16
     for bs in range(1, 17):
-        p = cf.padded_bs(bs)
-        assert p == padded_batch_size(SCHED16, bs)
+        p = padded_batch_size(SCHED16, bs)
         x.normal_()
         got = _clone(cf.run(bs))
         assert got["y"].shape[0] == p and got["h"].shape[0] == p  # the padded graph's rows
@@ -583,7 +589,7 @@ def test_gpu_oom_during_capture_drops_sizes(caplog, how):
     for bs in range(1, 17):
         x.normal_()
         got = _clone(cf.run(bs))
-        ref = _clone(fwd(cf.padded_bs(bs)))
+        ref = _clone(fwd(padded_batch_size(cf.captured_sizes, bs) or bs))
         assert torch.equal(got["y"][:bs], ref["y"][:bs]), bs
     assert cf.stats.eager["not_captured"] == 12 and cf.stats.total_replays == 4
 

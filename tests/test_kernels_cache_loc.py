@@ -11,8 +11,6 @@ from graphdraft.kernels import pdl
 from graphdraft.kernels.cache_loc import (
     advance_positions_and_seq_lens,
     advance_positions_and_seq_lens_ref,
-    compute_out_cache_loc_ragged,
-    compute_out_cache_loc_ragged_ref,
     compute_out_cache_loc_uniform,
     compute_out_cache_loc_uniform_ref,
 )
@@ -27,10 +25,6 @@ def _table(gen: torch.Generator, max_reqs: int, max_pages: int, n_phys: int = 10
     return t
 
 
-def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(lengths, 0) - lengths
-
-
 def _run_uniform(rtp, reqs, starts, page_size, length, layout):
     bs = reqs.shape[0]
     kw = {} if layout == "row" else {"out_stride_req": 1, "out_stride_tok": bs}
@@ -39,19 +33,6 @@ def _run_uniform(rtp, reqs, starts, page_size, length, layout):
     compute_out_cache_loc_uniform(got, reqs, starts, rtp, page_size, length, **kw)
     compute_out_cache_loc_uniform_ref(exp, reqs, starts, rtp, page_size, length, **kw)
     return got, exp
-
-
-def _run_ragged(rtp, reqs, starts, lengths, page_size, with_pos=True):
-    offs = _exclusive_cumsum(lengths)
-    total = int(lengths.clamp(min=0).sum())
-    got, exp, gpos, epos = (torch.full((total + 3,), -7, dtype=I64, device=reqs.device) for _ in range(4))
-    compute_out_cache_loc_ragged(
-        got, reqs, starts, lengths, offs, rtp, page_size, positions_out=gpos if with_pos else None
-    )
-    compute_out_cache_loc_ragged_ref(
-        exp, reqs, starts, lengths, offs, rtp, page_size, positions_out=epos if with_pos else None
-    )
-    return got, exp, gpos, epos
 
 
 # --------------------------------------------------------------------------- random vs reference
@@ -91,43 +72,6 @@ def test_uniform_long_run_loops_over_blocks():
     assert torch.equal(got, exp)
 
 
-@pytest.mark.parametrize("idx_dtype", [I32, I64])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_ragged_matches_ref(page_size, idx_dtype):
-    gen = torch.Generator().manual_seed(100 + page_size)
-    max_reqs, max_pages = 8, 8
-    rtp = _table(gen, max_reqs, max_pages)
-    reqs = torch.tensor([3, 1, 7, 2, 5, 0], dtype=idx_dtype)
-    lengths = torch.tensor([5, 0, 70, 1, 130, 4], dtype=idx_dtype)  # 0-length row, multi-block rows
-    starts = torch.tensor([page_size - 2, 9, 2 * page_size - 1, 0, 3, 11], dtype=idx_dtype)
-    got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
-    assert torch.equal(got, exp)
-    assert torch.equal(gpos, epos)
-    assert (got[-3:] == -7).all() and (gpos[-3:] == -7).all()  # nothing past the last row
-
-
-def test_ragged_without_positions_out():
-    gen = torch.Generator().manual_seed(7)
-    rtp = _table(gen, 4, 4)
-    reqs = torch.tensor([1, 2, 3], dtype=I64)
-    lengths = torch.tensor([3, 4, 2], dtype=I32)
-    starts = torch.tensor([14, 0, 31], dtype=I32)
-    got, exp, gpos, _ = _run_ragged(rtp, reqs, starts, lengths, 16, with_pos=False)
-    assert torch.equal(got, exp)
-    assert (gpos == -7).all()
-
-
-def test_ragged_uniform_agree():
-    gen = torch.Generator().manual_seed(8)
-    rtp = _table(gen, 5, 5)
-    reqs = torch.tensor([4, 2, 3], dtype=I32)
-    starts = torch.tensor([7, 15, 60], dtype=I64)
-    uni, _ = _run_uniform(rtp, reqs, starts, 16, 6, "row")
-    rag, _, pos, _ = _run_ragged(rtp, reqs, starts, torch.full((3,), 6, dtype=I64), 16)
-    assert torch.equal(uni, rag[:18])
-    assert torch.equal(pos[:18], (starts[:, None] + torch.arange(6)).reshape(-1))
-
-
 @pytest.mark.parametrize("delta", [1, 3, -2])
 @pytest.mark.parametrize("bs", [1, 5, 37])
 def test_advance_matches_ref(bs, delta):
@@ -156,7 +100,6 @@ def test_empty_inputs_do_nothing():
     out = torch.full((4,), -7, dtype=I64)
     compute_out_cache_loc_uniform(out, empty, empty, rtp, 16, 3)
     compute_out_cache_loc_uniform(out, torch.ones(2, dtype=I32), torch.zeros(2, dtype=I32), rtp, 16, 0)
-    compute_out_cache_loc_ragged(out, empty, empty, empty, empty, rtp, 16)
     advance_positions_and_seq_lens(torch.empty(0, dtype=I32), empty)
     assert (out == -7).all()
 
@@ -183,27 +126,17 @@ def test_dummy_slot_rules():
     assert got[3].tolist() == [0, 0] + z4 + [28, 29, 30, 31] + [0, 0]  # negative positions
     assert got[4].tolist() == [0] * 12 and got[5].tolist() == [0] * 12
 
-    rgot, rexp, pos, _ = _run_ragged(
-        rtp, reqs, starts, torch.tensor([12, 12, 12, 12, 12, 12], dtype=I32), ps
-    )
-    assert torch.equal(rgot, rexp)
-    assert torch.equal(rgot[:72], got.reshape(-1))
-    assert torch.equal(pos[36:48], torch.arange(-2, 10))
-
 
 def test_one_kernel_for_two_table_widths():
     gen = torch.Generator().manual_seed(11)
     wide = _table(gen, 6, 16)
     reqs = torch.tensor([2, 5, 1], dtype=I32)
-    lengths = torch.tensor([9, 3, 20], dtype=I32)
     for width in (3, 10):
         rtp = wide[:, :width]  # row stride 16 != width: strides are honoured
         starts = torch.tensor([0, 2 * 16 - 1, width * 16 - 10], dtype=I64)
         got, exp = _run_uniform(rtp, reqs, starts, 16, 12, "step")
         assert torch.equal(got, exp)
         assert (got.view(12, 3)[-2:, 2] == 0).all()  # last positions run past the table
-        rgot, rexp, _, _ = _run_ragged(rtp, reqs, starts, lengths, 16)
-        assert torch.equal(rgot, rexp)
 
 
 # --------------------------------------------------------------------------- validation
@@ -217,20 +150,6 @@ def _uniform_args(**over):
         req_to_page=torch.ones(3, 4, dtype=I32),
         page_size=16,
         length=3,
-    )
-    args.update(over)
-    return args
-
-
-def _ragged_args(**over):
-    args = dict(
-        out=torch.zeros(6, dtype=I64),
-        req_pool_indices=torch.ones(2, dtype=I32),
-        start_positions=torch.zeros(2, dtype=I64),
-        lengths=torch.full((2,), 3, dtype=I32),
-        out_offsets=torch.tensor([0, 3]),
-        req_to_page=torch.ones(3, 4, dtype=I32),
-        page_size=16,
     )
     args.update(over)
     return args
@@ -263,23 +182,6 @@ def test_uniform_bad_input(over, name):
 
 
 @pytest.mark.parametrize(
-    "over, name",
-    [
-        ({"out": torch.zeros(6, dtype=torch.float32)}, "out"),
-        ({"lengths": torch.full((2,), 3.0)}, "lengths"),
-        ({"out_offsets": torch.zeros(3, dtype=I64)}, "out_offsets"),
-        ({"start_positions": torch.zeros(2, 1, dtype=I64)}, "start_positions"),
-        ({"positions_out": torch.zeros(6, dtype=I32)}, "positions_out"),
-        ({"req_to_page": "table"}, "req_to_page"),
-        ({"page_size": 1.5}, "page_size"),
-    ],
-)
-def test_ragged_bad_input(over, name):
-    with pytest.raises(ValueError, match=name):
-        compute_out_cache_loc_ragged(**_ragged_args(**over))
-
-
-@pytest.mark.parametrize(
     "seq, pos, delta, name",
     [
         (torch.zeros(3, dtype=I64), torch.zeros(3, dtype=I64), 1, "seq_lens"),
@@ -303,7 +205,7 @@ def test_advance_bad_input(seq, pos, delta, name):
     max_pages=st.integers(1, 5),
     idx_dtype=st.sampled_from([I32, I64]),
     rows=st.lists(
-        st.tuples(st.integers(-1, 4), st.integers(-3, 90), st.integers(0, 20)), min_size=1, max_size=4
+        st.tuples(st.integers(-1, 4), st.integers(-3, 90)), min_size=1, max_size=4
     ),
     length=st.integers(0, 9),
     layout=st.sampled_from(["row", "step"]),
@@ -314,11 +216,8 @@ def test_property_matches_ref(page_size, max_pages, idx_dtype, rows, length, lay
     rtp = torch.randint(-2, 50, (4, max_pages), generator=gen, dtype=I32)  # includes 0 / negative ids
     reqs = torch.tensor([r[0] for r in rows], dtype=idx_dtype)
     starts = torch.tensor([r[1] for r in rows], dtype=idx_dtype)
-    lengths = torch.tensor([r[2] for r in rows], dtype=idx_dtype)
     got, exp = _run_uniform(rtp, reqs, starts, page_size, length, layout)
     assert torch.equal(got, exp)
-    got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
-    assert torch.equal(got, exp) and torch.equal(gpos, epos)
 
 
 # --------------------------------------------------------------------------- GPU: CUDA-graph capture
@@ -333,17 +232,12 @@ def test_cuda_graph_capture_and_replay():
     reqs = torch.tensor([3, 1, 0, 6], dtype=I32, device=dev)
     seq = torch.tensor([10, 15, 0, 40], dtype=I32, device=dev)
     pos = seq.to(I64)
-    lengths = torch.tensor([2, 0, 3, 17], dtype=I32, device=dev)
-    offs = _exclusive_cumsum(lengths)
     out_u = torch.zeros(bs * steps, dtype=I64, device=dev)
-    out_r = torch.zeros(40, dtype=I64, device=dev)
-    pos_r = torch.zeros(40, dtype=I64, device=dev)
 
     def body():
         compute_out_cache_loc_uniform(
             out_u, reqs, seq, rtp, ps, steps, out_stride_req=1, out_stride_tok=bs
         )
-        compute_out_cache_loc_ragged(out_r, reqs, pos, lengths, offs, rtp, ps, positions_out=pos_r)
         advance_positions_and_seq_lens(seq, pos, 2)
 
     s = torch.cuda.Stream()
@@ -358,18 +252,13 @@ def test_cuda_graph_capture_and_replay():
     for new_seq in ([7, 30, 1, 100], [0, 63, 64, 5]):
         seq.copy_(torch.tensor(new_seq, dtype=I32))
         pos.copy_(seq.to(I64))
-        lengths.copy_(torch.tensor([1, 4, 0, 20], dtype=I32))
-        offs.copy_(_exclusive_cumsum(lengths))
         eu = compute_out_cache_loc_uniform_ref(
             out_u.clone(), reqs, seq, rtp, ps, steps, out_stride_req=1, out_stride_tok=bs
         )
-        er, ep = out_r.clone(), pos_r.clone()
-        compute_out_cache_loc_ragged_ref(er, reqs, pos, lengths, offs, rtp, ps, positions_out=ep)
         eseq, epos = seq + 2, pos + 2
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out_u, eu)
-        assert torch.equal(out_r, er) and torch.equal(pos_r, ep)
         assert torch.equal(seq, eseq) and torch.equal(pos, epos)
 
 
@@ -383,12 +272,9 @@ def test_compiled_kernels_match_ref_on_gpu(page_size):
         rtp = wide.to(dev)[:, :width]  # row stride 12 != width
         reqs = torch.tensor([3, 0, 7, -1, 5], dtype=idx_dtype, device=dev)
         starts = torch.tensor([page_size - 2, 0, -3, 4, width * page_size - 5], dtype=idx_dtype, device=dev)
-        lengths = torch.tensor([5, 0, 70, 3, 140], dtype=idx_dtype, device=dev)
         for layout in ("row", "step"):
             got, exp = _run_uniform(rtp, reqs, starts, page_size, 9, layout)
             assert got.is_cuda and torch.equal(got, exp)
-        got, exp, gpos, epos = _run_ragged(rtp, reqs, starts, lengths, page_size)
-        assert got.is_cuda and torch.equal(got, exp) and torch.equal(gpos, epos)
 
 
 @pytest.mark.gpu

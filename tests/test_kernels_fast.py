@@ -24,6 +24,7 @@ from graphdraft.kernels.decode_attention import (
 )
 from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_ref
+from graphdraft.kv_cache import kv_slot
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.bfloat16]
@@ -55,7 +56,7 @@ def _paged_setup(
         need[r] = max(need.get(r, 0), n)
     for r, n in need.items():
         pos = torch.arange(n)
-        slots = req_to_page[r, pos // page_size].long() * page_size + pos % page_size
+        slots = kv_slot(req_to_page, r, pos, page_size)
         k_cache[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
         v_cache[slots] = torch.randn(n, Hkv, D, generator=g).to(dtype)
     q = torch.randn(len(lens), Hq, D, generator=g).to(dtype)

@@ -18,6 +18,7 @@ from graphdraft.kernels.gemv import (
 )
 from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
+from graphdraft.kv_cache import kv_slot
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -371,7 +372,7 @@ def _head_setup(dtype, seed):
 
 def _slots(backend, reqs, positions):
     r2p, ps = backend.req_to_page, backend.page_size
-    return r2p[reqs, positions // ps].long() * ps + positions % ps
+    return kv_slot(r2p, reqs, positions, ps)
 
 
 def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend, meta, gather):

@@ -11,6 +11,7 @@ the launch before it wrote.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from triton.runtime import interpreter
@@ -19,16 +20,6 @@ from graphdraft.engine import Engine
 from graphdraft.verify import SamplingParams
 from tests.drafter_harness import FakeServingLoop, make_setup
 from tests.engine_harness import make_models, runtime
-
-EARLY_READS = {
-    "_decode_split_kernel": ("req_ptr", "lens_ptr", "page_ptr", "q_index_ptr if Q_INDEX"),
-    "_decode_combine_kernel": ("lens_ptr",),
-    "_rope_store_kernel": ("pos_ptr", "loc_ptr", "cs_ptr"),
-    "_uniform_kernel": ("req_pool_ptr", "start_ptr", "req_to_page_ptr"),
-    "_advance_kernel": ("seq_lens_ptr", "positions_ptr"),
-}
-"""Kernel -> the pointer arguments it loads before its PDL wait when EARLY ("arg if FLAG": only
-when the constexpr FLAG is set)."""
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -42,44 +33,92 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 @pytest.fixture
 def launches(monkeypatch):
     """Every interpreted launch in order: (kernel name, {arg: tensor or constexpr}, spans it
-    changed, EARLY)."""
-    trace: list[tuple[str, dict, list, bool]] = []
+    changed, EARLY, the tensor arguments it loaded from before `pdl_enter`).
+
+    The early reads are observed, not listed by hand: the loads of a program (the
+    interpreter's `create_masked_load`, its masked-in addresses) before it calls `pdl_enter`
+    (programs run one after another: `set_grid_idx` starts each; a kernel that never calls
+    `pdl_enter` has no early reads) are mapped to the tensor arguments whose memory holds the
+    address (CPU tensors: the interpreter loads from their own storage)."""
+    trace: list[tuple[str, dict, list, bool, set]] = []
     run = interpreter.InterpretedFunction.run
+    call = interpreter.InterpretedFunction.__call__
+    builder = interpreter.interpreter_builder
+    load, set_idx = builder.create_masked_load, builder.set_grid_idx
+    state = {"entered": True, "pending": [], "addrs": []}
+
+    def traced_load(ptrs, mask, *args, **kwargs):
+        if not state["entered"]:
+            m = np.broadcast_to(mask.data, ptrs.data.shape)
+            state["pending"].append(np.asarray(ptrs.data)[m].astype(np.int64).ravel())
+        return load(ptrs, mask, *args, **kwargs)
+
+    def traced_set_idx(*idx):
+        state["entered"], state["pending"] = False, []  # a new program
+        return set_idx(*idx)
+
+    def traced_call(self, *args, **kwargs):
+        if self.__name__ == "pdl_enter" and not state["entered"]:
+            state["addrs"] += state["pending"]  # what this program loaded before its wait
+            state["entered"], state["pending"] = True, []
+        return call(self, *args, **kwargs)
 
     def traced(self, *args, grid, warmup, **kwargs):
         named = dict(zip(self.arg_names, args, strict=False)) | kwargs
         tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         before = {k: v.clone() for k, v in tensors.items()}
+        state["addrs"], state["pending"] = [], []
         out = run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        state["entered"], state["pending"] = True, []
         changed = [_span(v) for k, v in tensors.items()
                    if not torch.equal(before[k].nan_to_num(), v.nan_to_num())
                    or (before[k].isnan() != v.isnan()).any()]
+        addrs = np.concatenate(state["addrs"]) if state["addrs"] else np.zeros(0, np.int64)
+        early_reads = {k for k, v in tensors.items()
+                       if ((addrs >= _span(v)[0]) & (addrs < _span(v)[1])).any()}
         trace.append((self.__name__, tensors | {k: v for k, v in named.items() if k.isupper()},
-                      changed, bool(named.get("EARLY", False))))
+                      changed, bool(named.get("EARLY", False)), early_reads))
         return out
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", traced)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__call__", traced_call)
+    monkeypatch.setattr(builder, "create_masked_load", traced_load)
+    monkeypatch.setattr(builder, "set_grid_idx", traced_set_idx)
     return trace
 
 
 def _violations(trace) -> list[str]:
     bad, early_seen = [], 0
     for i in range(1, len(trace)):
-        name, tensors, _, early = trace[i]
-        if not early or name not in EARLY_READS:
+        name, tensors, _, early, early_reads = trace[i]
+        if not early_reads:
             continue
-        early_seen += 1
-        prev_name, _, prev_changed, _ = trace[i - 1]
-        for item in EARLY_READS[name]:
-            arg, _, flag = item.partition(" if ")
-            t = tensors.get(arg)
-            if not isinstance(t, torch.Tensor) or (flag and not tensors.get(flag)):
-                continue
-            lo, hi = _span(t)
+        early_seen += early
+        prev_name, _, prev_changed, _, _ = trace[i - 1]
+        for arg in sorted(early_reads):
+            lo, hi = _span(tensors[arg])
             if any(lo < b and a < hi for a, b in prev_changed):
                 bad.append(f"launch {i} {name}.{arg} written by launch {i - 1} {prev_name}")
     assert early_seen, "no early-loading launch traced"
     return bad
+
+
+DOCUMENTED_EARLY_READS = {
+    "_decode_split_kernel": {"req_ptr", "lens_ptr", "page_ptr", "q_index_ptr"},
+    "_decode_combine_kernel": {"lens_ptr"},
+    "_rope_store_kernel": {"pos_ptr", "loc_ptr", "cs_ptr"},
+    "_uniform_kernel": {"req_pool_ptr", "start_ptr", "req_to_page_ptr"},
+    "_advance_kernel": {"seq_lens_ptr", "positions_ptr"},
+}
+"""What `graphdraft.kernels.pdl`'s doc and the kernels' docstrings say each loads before its
+wait (metadata only); the check itself uses the observed reads, this is compared to them."""
+
+
+def _early_reads(trace) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, _, _, _, reads in trace:
+        out.setdefault(name, set()).update(reads)
+    return out
 
 
 @pytest.mark.parametrize("steps", [3, 4])
@@ -94,6 +133,8 @@ def test_drafter_launch_order_keeps_the_early_load_rule(launches, steps):
     assert {"_uniform_kernel", "_decode_split_kernel", "_rope_store_kernel"} <= names
     assert "_advance_kernel" in names
     assert _violations(launches) == []
+    early = {k: v for k, v in _early_reads(launches).items() if v}
+    assert early == DOCUMENTED_EARLY_READS  # every early reader seen; none loads data early
 
 
 def test_engine_launch_order_keeps_the_early_load_rule(launches):
@@ -122,3 +163,4 @@ def test_the_check_sees_a_violation(launches):
                       torch.tensor([3, 4]))
     assert _violations(launches) == ["launch 1 _rope_store_kernel.pos_ptr written by launch 0 "
                                      "_advance_kernel"]
+

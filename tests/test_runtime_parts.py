@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.batch import BatchRow, CaptureHiddenMode, ForwardContext, ForwardMode, write_batch
+from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
 from graphdraft.buffers import InputBuffers
 from graphdraft.config import ModelConfig, RuntimeConfig
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
@@ -79,21 +79,17 @@ def test_kv_pool_shapes():
         KVPool(1, 1, 4, 2, 8, torch.float32, "cpu")
 
 
-def test_logits_processor_modes():
+def test_logits_processor_maps_argmax_and_writes_outputs():
     hidden = torch.randn(5, 8)
     lm_head = torch.randn(11, 8)
     hot = torch.arange(11) * 3
-    lp = LogitsProcessor(hot)
-    gather = torch.tensor([4, 1])
-    out = lp(hidden, lm_head, gather_ids=gather, hidden_states=hidden,
-             capture_hidden_mode=CaptureHiddenMode.LAST, fuse_argmax=True)
-    assert torch.equal(out.next_token_logits, hidden[gather] @ lm_head.T)
-    assert torch.equal(out.next_token_ids, hot[(hidden[gather] @ lm_head.T).argmax(-1)])
-    assert torch.equal(out.hidden_states, hidden[gather])
-    full = lp(hidden, lm_head, hidden_states=hidden, capture_hidden_mode=CaptureHiddenMode.FULL)
-    assert full.next_token_ids is None and full.hidden_states.shape == (5, 8)
-    none = lp(hidden, lm_head, hidden_states=hidden)
-    assert none.hidden_states is None
+    ids_out, tokens_out = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int32)
+    out = LogitsProcessor(hot)(hidden, lm_head, ids_out=ids_out, tokens_out=tokens_out)
+    assert torch.equal(out.next_token_logits, hidden @ lm_head.T)
+    assert torch.equal(out.next_token_ids, hot[(hidden @ lm_head.T).argmax(-1)])
+    assert torch.equal(ids_out, out.next_token_ids) and torch.equal(tokens_out, ids_out.int())
+    plain = LogitsProcessor()(hidden, lm_head)  # no map: draft ids are target ids
+    assert torch.equal(plain.next_token_ids, (hidden @ lm_head.T).argmax(-1))
 
 
 def test_forward_context_modes_and_errors():

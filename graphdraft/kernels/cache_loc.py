@@ -11,8 +11,7 @@ Layouts (all tensors on one device; index inputs may be int32 or int64):
   It is the dummy slot 0 instead when ``p < 0``, when ``p // page_size >=
   max_pages`` (past the page table), when the page id is ``<= 0``, or when
   ``r`` is outside ``[0, max_reqs)``.
-- ``req_pool_indices``, ``cache_start``/``start_positions``, ``lengths``,
-  ``out_offsets``: ``[bs]``, int32 or int64, any stride.
+- ``req_pool_indices``, ``cache_start``: ``[bs]``, int32 or int64, any stride.
 - Out-cache locations (``out``) and ``positions_out``: int64, contiguous,
   indexed as flat memory.
 - ``advance_positions_and_seq_lens``: ``seq_lens`` ``[bs]`` int32, ``positions``
@@ -37,14 +36,11 @@ from graphdraft.kernels.pdl import launch_options, pdl_enter
 __all__ = [
     "compute_out_cache_loc_uniform",
     "compute_out_cache_loc_uniform_ref",
-    "compute_out_cache_loc_ragged",
-    "compute_out_cache_loc_ragged_ref",
     "advance_positions_and_seq_lens",
     "advance_positions_and_seq_lens_ref",
 ]
 
 _MAX_TOKEN_BLOCK = 128  # tokens per loop iteration, uniform kernel (upper bound)
-_RAGGED_BLOCK = 64  # tokens per loop iteration, ragged kernel
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -132,45 +128,6 @@ def _uniform_kernel(
             n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
         )
         tl.store(out_ptr + row * stride_out_req + j * stride_out_tok, slot, mask=mask)
-
-
-@triton.jit(do_not_specialize=["n_reqs", "max_pages", "stride_page_row", "stride_page_col"])
-def _ragged_kernel(
-    out_ptr,
-    pos_out_ptr,
-    req_pool_ptr,
-    start_ptr,
-    len_ptr,
-    off_ptr,
-    req_to_page_ptr,
-    stride_req_pool,
-    stride_start,
-    stride_len,
-    stride_off,
-    n_reqs,
-    max_pages,
-    stride_page_row,
-    stride_page_col,
-    page_size,
-    HAS_POS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
-    start = tl.load(start_ptr + row * stride_start).to(tl.int64)
-    n = tl.load(len_ptr + row * stride_len).to(tl.int64)
-    base = tl.load(off_ptr + row * stride_off).to(tl.int64)
-    for j0 in range(0, n, BLOCK):  # dynamic trip count, read from device memory
-        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        mask = j < n
-        pos = start + j
-        slot = _slot(
-            req_to_page_ptr, r, pos, mask,
-            n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
-        )
-        tl.store(out_ptr + base + j, slot, mask=mask)
-        if HAS_POS:
-            tl.store(pos_out_ptr + base + j, pos, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -315,56 +272,6 @@ def check_first_step_outputs(positions_out: torch.Tensor | None, seq_lens_out: t
     return True
 
 
-def compute_out_cache_loc_ragged(
-    out: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    start_positions: torch.Tensor,
-    lengths: torch.Tensor,
-    out_offsets: torch.Tensor,
-    req_to_page: torch.Tensor,
-    page_size: int,
-    *,
-    positions_out: torch.Tensor | None = None,
-) -> None:
-    """Fill ``out`` with the KV slots of a ragged batch of position runs.
-
-    ``out[out_offsets[r] + j] = slot(req_pool_indices[r], start_positions[r] + j)``
-    for ``r < bs``, ``j < lengths[r]``; with ``positions_out`` also
-    ``positions_out[out_offsets[r] + j] = start_positions[r] + j``.
-
-    Args:
-        out: flat int64, contiguous. Must hold ``out_offsets[r] + lengths[r]`` for
-            every row: lengths live on the device, so only the caller can ensure it.
-        req_pool_indices, start_positions, lengths, out_offsets: ``[bs]`` int32/int64.
-            ``out_offsets`` is the exclusive prefix sum of ``lengths`` (any
-            non-overlapping offsets work); rows with ``lengths[r] <= 0`` write nothing.
-        req_to_page: ``[max_reqs, max_pages]`` int32 page table.
-        page_size: tokens per page (>= 1).
-        positions_out: optional flat int64, contiguous, same requirement as ``out``.
-    """
-    req_to_page = _check_req_to_page(req_to_page)
-    dev = req_to_page.device
-    bs = _check_index("req_pool_indices", req_pool_indices, dev).shape[0]
-    _check_index("start_positions", start_positions, dev, bs)
-    _check_index("lengths", lengths, dev, bs)
-    _check_index("out_offsets", out_offsets, dev, bs)
-    page_size = _check_int("page_size", page_size, 1)
-    _check_out("out", out, dev, 0)
-    if positions_out is not None:
-        _check_out("positions_out", positions_out, dev, 0)
-    if bs == 0:
-        return
-    _ragged_kernel[(bs,)](
-        out, out if positions_out is None else positions_out,
-        req_pool_indices, start_positions, lengths, out_offsets, req_to_page,
-        req_pool_indices.stride(0), start_positions.stride(0), lengths.stride(0), out_offsets.stride(0),
-        req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
-        page_size,
-        HAS_POS=positions_out is not None,
-        BLOCK=_RAGGED_BLOCK,
-    )
-
-
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1) -> None:
     """In place, one launch: ``seq_lens[:] += delta; positions[:] += delta``.
 
@@ -436,32 +343,6 @@ def compute_out_cache_loc_uniform_ref(
             idx.append(row * s_req + j * s_tok)
             vals.append(_slot_ref(table, page_size, r, start + j))
     _scatter_ref(out, idx, vals)
-    return out
-
-
-def compute_out_cache_loc_ragged_ref(
-    out: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    start_positions: torch.Tensor,
-    lengths: torch.Tensor,
-    out_offsets: torch.Tensor,
-    req_to_page: torch.Tensor,
-    page_size: int,
-    *,
-    positions_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference for :func:`compute_out_cache_loc_ragged`; fills and returns ``out``."""
-    table = req_to_page.tolist()
-    idx, vals, pos = [], [], []
-    rows = zip(req_pool_indices.tolist(), start_positions.tolist(), lengths.tolist(), out_offsets.tolist(), strict=True)
-    for r, start, n, off in rows:
-        for j in range(n):
-            idx.append(off + j)
-            vals.append(_slot_ref(table, page_size, r, start + j))
-            pos.append(start + j)
-    _scatter_ref(out, idx, vals)
-    if positions_out is not None:
-        _scatter_ref(positions_out, idx, pos)
     return out
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kv_cache import kv_slot
+
 __all__ = ["commit_pack", "prepare_rows"]
 
 ERR_DRAFTS, ERR_CACHE_LEN = 1, 2
@@ -97,10 +99,9 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
     j = torch.arange(n, device=s.device).expand(rows, n)
     pos = torch.where(live.unsqueeze(1), v.unsqueeze(1) + j, j)
     ids = torch.where(live.unsqueeze(1), ids, 0)
-    page = req_to_page[sl.unsqueeze(1), (pos // page_size).clamp(max=req_to_page.shape[1] - 1)]
     input_ids.copy_(ids.reshape(-1))
     positions.copy_(pos.reshape(-1))
-    out_cache_loc.copy_((page.long() * page_size + pos % page_size).reshape(-1))
+    out_cache_loc.copy_(kv_slot(req_to_page, sl.unsqueeze(1), pos, page_size).reshape(-1))
     req.copy_(sl)
     seq_lens.copy_(torch.where(live, v, 0) + n)
     extend_lens.fill_(n)

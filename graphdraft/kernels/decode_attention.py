@@ -27,6 +27,7 @@ import triton.language as tl
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.fused_inputs import check_row_index
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
+from graphdraft.kv_cache import kv_slot
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -328,7 +329,7 @@ def paged_decode_attention_ref(
         n = int(kv_lens[t])
         req = int(req_pool_indices[t])
         pos = torch.arange(n, device=q.device)
-        slots = req_to_page[req, pos // page_size].long() * page_size + pos % page_size
+        slots = kv_slot(req_to_page, req, pos, page_size)
         k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
         v = v_cache[slots].float().repeat_interleave(G, dim=1)
         s = torch.einsum("hd,nhd->hn", q[t].float(), k) * sm_scale

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
+from graphdraft.kv_cache import kv_slot
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]
@@ -422,7 +423,7 @@ def paged_extend_attention_ref(
                 word = mask_bits[q0 + j].cpu()
                 i = (pos - prefix).cpu()
                 seen = ((i < 0) | (((word >> i.clamp(0, 63)) & 1) != 0)).to(q.device)
-            slots = req_to_page[req, pos // page_size].long() * page_size + pos % page_size
+            slots = kv_slot(req_to_page, req, pos, page_size)
             k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
             v = v_cache[slots].float().repeat_interleave(G, dim=1)
             s = torch.einsum("hd,nhd->hn", q[q0 + j].float(), k) * sm_scale

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.kv_cache import kv_slot
+
 __all__ = ["move_accepted_kv", "move_accepted_kv_ref", "gather_accepted_hidden",
            "gather_accepted_hidden_ref"]
 
@@ -67,10 +69,9 @@ def _check_kv(k_layers, v_layers, req_to_page, page_size) -> None:
 
 def _slots_ref(req_to_page, req, pos, page_size):
     """Slot of logical positions `pos [B, P]` of rows `req [B]` (dummy slot 0 past the table)."""
-    page_idx = pos // page_size
-    inside = page_idx < req_to_page.shape[1]
-    page = req_to_page[req.long()[:, None], page_idx.clamp(max=req_to_page.shape[1] - 1)].long()
-    return torch.where(inside, page * page_size + pos % page_size, torch.zeros_like(pos))
+    inside = pos // page_size < req_to_page.shape[1]
+    slot = kv_slot(req_to_page, req.long()[:, None], pos, page_size)
+    return torch.where(inside, slot, torch.zeros_like(pos))
 
 
 def move_accepted_kv_ref(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],

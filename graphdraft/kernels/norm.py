@@ -200,6 +200,14 @@ def rms_norm(
     return out if residual is None else (out, residual_out)
 
 
+def rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm formula in torch, its one home (HF LlamaRMSNorm): `[M, N] -> [M, N]`,
+    fp32 statistics, cast to h's dtype before the weight multiply. `ops.rms_norm`'s torch
+    path, :func:`rms_norm_ref` and the training forward call it."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
 def rms_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -212,9 +220,7 @@ def rms_norm_ref(
     """Torch reference (HF LlamaRMSNorm); same signature and outputs as :func:`rms_norm`."""
     _check(x, weight, residual, out, residual_out)
     h = x if residual is None else x + residual
-    hf = h.float()
-    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * hf.to(x.dtype)
+    y = rms_norm_torch(h, weight, eps)
     if out is not None:
         out.copy_(y)
         y = out

@@ -228,6 +228,16 @@ def rope_and_store_kv_partials(
     return q_out
 
 
+def rope_rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE rotation in torch, its one home (NeoX / HF rotate_half, in fp32, then cast):
+    x `[..., D]`, cos / sin `[..., D/2]` fp32 broadcasting against x's halves -> rotated x in
+    x.dtype: `[x1 cos - x2 sin, x2 cos + x1 sin]`. `ops.rope_and_store_kv`'s torch path,
+    :func:`rope_and_store_kv_ref` and the training forward call it."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def rope_and_store_kv_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,17 +252,8 @@ def rope_and_store_kv_ref(
     _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
     D = q.shape[2]
     cs = cos_sin_cache[positions.long()]
-    cos = torch.cat([cs[:, : D // 2]] * 2, dim=-1)[:, None, :]
-    sin = torch.cat([cs[:, D // 2 :]] * 2, dim=-1)[:, None, :]
-
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
-
-    q.copy_(apply(q))
+    cos, sin = cs[:, None, : D // 2], cs[:, None, D // 2 :]
+    q.copy_(rope_rotate_torch(q, cos, sin))
     loc = out_cache_loc.long()
-    k_cache[loc] = apply(k)
+    k_cache[loc] = rope_rotate_torch(k, cos, sin)
     v_cache[loc] = v

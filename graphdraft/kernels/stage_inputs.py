@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.buffers import NEUTRAL_DRAFT_ROW, NEUTRAL_DRAFT_TOKEN, NEUTRAL_ROW, NEUTRAL_TOKEN
+
 __all__ = ["hidden_in_place", "stage_decode_inputs", "stage_decode_inputs_ref"]
 
 BLOCK = 2048
@@ -133,10 +135,14 @@ def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
     first_ids[:t].copy_(tokens_src)
     if not hidden_in_place(hidden_src, first_hidden):
         first_hidden[:t].copy_(hidden_src)
-    if pbs > bs:
-        accept[bs:pbs] = 1
-        seq_lens[bs:pbs] = 1
-        req[bs:pbs] = 0
-        extend_lens[bs:pbs] = 1
-        for buf in (first_ids, first_hidden, input_ids, positions, out_cache_loc):
-            buf[t:pt] = 0
+    if pbs > bs:  # the neutral values of graphdraft.buffers
+        rows = {"accept_lengths": accept, "seq_lens": seq_lens, "req_pool_indices": req,
+                "extend_lens": extend_lens}
+        tokens = {"first_input_ids": first_ids, "first_hidden": first_hidden,
+                  "input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
+        neutral_rows = NEUTRAL_ROW | {"accept_lengths": NEUTRAL_DRAFT_ROW["accept_lengths"]}
+        neutral_tokens = NEUTRAL_TOKEN | NEUTRAL_DRAFT_TOKEN
+        for name, buf in rows.items():
+            buf[bs:pbs] = neutral_rows[name]
+        for name, buf in tokens.items():
+            buf[t:pt] = neutral_tokens[name]

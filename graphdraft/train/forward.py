@@ -23,24 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from graphdraft.eagle3 import Eagle3DraftHead
+from graphdraft.kernels.norm import rms_norm_torch
+from graphdraft.kernels.rope import rope_rotate_torch
 from graphdraft.layers import MLP, Attention
 from graphdraft.llama import LlamaForCausalLM
 from graphdraft.ops import rope_cos_sin_cache
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama RMSNorm: fp32 statistics, cast to x's dtype before the weight multiply."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+rms_norm = rms_norm_torch
+"""HF Llama RMSNorm (`kernels.norm.rms_norm_torch`, the runtime's torch path)."""
 
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """NeoX rotate-half RoPE: x `[B, heads, L, D]`, positions `[L]` -> rotated x."""
     half = x.shape[-1] // 2
     cs = cos_sin[positions]                            # [L, D] fp32: cos | sin
-    cos, sin = cs[:, :half], cs[:, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rope_rotate_torch(x, cs[:, :half], cs[:, half:])
 
 
 def _qkv(attn: Attention, x: torch.Tensor):
