@@ -1,0 +1,336 @@
+"""Data-parallel attention on CPU: 2 and 4 gloo ranks (spawned, FileStore) in lock-step.
+
+Every rank serves its own requests (different counts, prompt lengths and arrival steps: a
+rank idle for several steps, one rank only mid-chunk prefill while another decodes, joins
+and leaves) with the MLPs split over the ranks (`shard_dense_`), and must emit exactly the
+tokens a single-process run over its requests emits (greedy, float64 tiny models). Every
+rank records its collectives and each step's agreed plan: all ranks must have issued the
+same sequence. The process group has a 30 s timeout, so a rank waiting on a collective the
+others never issue raises (the spawn fails the test) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from capture import CapturedForward
+from capture.graphs import _Graph
+from graphdraft.data_parallel import (
+    PLAN_FIELDS,
+    DataParallel,
+    agree_sizes,
+    gather_outputs,
+    graph_decision,
+    local_plan,
+    lockstep_plan,
+    shard_dense_,
+    spread,
+)
+from graphdraft.engine import Engine
+from graphdraft.verify import SamplingParams
+from tests.engine_harness import make_models, runtime
+
+TIMEOUT_S = 30
+LAST_JOIN = 16  # the last step any rank admits a request at (`_joins`)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 61, (n,), generator=g).tolist()
+
+
+def _joins(rank: int, world: int) -> dict[int, list[tuple[list[int], int]]]:
+    """Per step, the (prompt, max_new_tokens) this rank admits at that step.
+
+    rank 0: a 20-token prompt at step 0 (chunks of 16: mid-chunk), a short one at step 1
+            that decodes for many steps;
+    rank 1: a 24-token prompt at step 0 (both ranks mid-chunk: the global multi-step skip)
+            that leaves after 2 tokens; idle for several steps; a 40-token prompt joins at
+            step 9 (mid-chunk for 2 steps while rank 0 decodes); another at step 16;
+    rank 2: two requests at once, different lengths and budgets;
+    rank 3: idle all along (the dummy row every step).
+    """
+    if rank == 0:
+        return {0: [(_prompt(1, 20), 6)], 1: [(_prompt(2, 3), 24)]}
+    if rank == 1:
+        return {0: [(_prompt(7, 24), 2)], 9: [(_prompt(3, 40), 5)], 16: [(_prompt(4, 5), 4)]}
+    if rank == 2:
+        return {0: [(_prompt(5, 7), 3), (_prompt(6, 11), 8)]}
+    return {}
+
+
+def _cfg(**kw):
+    return runtime(speculative_num_steps=3, max_num_batched_tokens=16, **kw)
+
+
+def _drive(eng: Engine, joins: dict) -> list[list[int]]:
+    """Step with the given arrivals until no rank has work (the loop condition is agreed)."""
+    reqs, k = [], 0
+    eng._lockstep_work = True
+    while k <= LAST_JOIN or eng._lockstep_work:  # same k and agreed work flag on every rank
+        for prompt, new in joins.get(k, []):
+            reqs.append(eng.add_request(prompt, SamplingParams(max_new_tokens=new)))
+        eng.step()
+        k += 1
+        assert k < 200
+    eng.drain()
+    return [r.output for r in reqs]
+
+
+def _scenarios(dp: DataParallel, world: int) -> dict:
+    res: dict = {}
+    joins = _joins(dp.rank, world)
+    # speculative decoding, target and head MLPs split over the ranks
+    target, head = make_models(3, draft_vocab=40)
+    shard_dense_(target, dp)
+    shard_dense_(head, dp)
+    dp.log, dp.decisions = [], []
+    eng = Engine(target, _cfg(dp_size=world), head)
+    res["spec"] = _drive(eng, joins)
+    res["spec_log"], res["spec_plans"] = dp.log, dp.decisions
+    res["skipped"] = eng.drafter.stats.skipped_multi_step
+    res["mlp_shape"] = tuple(target.layers[0].mlp.down_proj.shape)
+    if world == 2:
+        # target-only (one token a row) and a replicated head (no collective in the draft)
+        target, head = make_models(3, draft_vocab=40)
+        shard_dense_(target, dp)
+        dp.log, dp.decisions = [], []
+        res["target_only"] = _drive(Engine(target, _cfg(dp_size=world)), joins)
+        res["target_only_log"] = dp.log
+        dp.log = []
+        res["replicated_head"] = _drive(Engine(target, _cfg(dp_size=world, cycle_graph=False),
+                                               head), joins)
+        res["replicated_head_log"] = dp.log
+        # requests spread over ranks, outputs gathered to rank 0 (Engine.generate)
+        prompts = [_prompt(20 + i, 4 + 3 * i) for i in range(5)]
+        mine = spread(prompts, dp)
+        target, head = make_models(3, draft_vocab=40)
+        shard_dense_(target, dp)
+        shard_dense_(head, dp)
+        dp.log = None
+        outs = Engine(target, _cfg(dp_size=world), head).generate(
+            [prompts[i] for i in mine], SamplingParams(max_new_tokens=6))
+        res["gathered"] = gather_outputs(outs, mine, len(prompts), dp)
+        res["spread_prompts"] = prompts
+        # capture sizes agreed after a (simulated) out-of-memory drop on rank 1
+        cf = CapturedForward("dp_test", lambda bs: torch.zeros(bs), [1, 2, 4, 8], enabled=False)
+        for bs in ([1, 2, 4, 8] if dp.rank == 0 else [1, 2, 8]):
+            cf._graphs[bs] = _Graph(None, None)
+        cf._reindex()
+        res["agreed"] = cf.restrict_to(agree_sizes(dp, cf.captured_sizes, 8))
+        res["lookup_3"] = cf._lookup[3]
+    return res
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        res = _scenarios(DataParallel.from_group(), world)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path_factory, world: int) -> list[dict]:
+    d = tmp_path_factory.mktemp(f"dp{world}")
+    torch.multiprocessing.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world,
+                                join=True)
+    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _spawn(tmp_path_factory, 4)
+
+
+def _reference(rank: int, world: int, head: bool = True) -> list[list[int]]:
+    """A single-process run (no data parallelism) over `rank`'s requests."""
+    target, h = make_models(3, draft_vocab=40)
+    joins = _joins(rank, world)
+    items = [x for k in sorted(joins) for x in joins[k]]
+    if not items:
+        return []
+    eng = Engine(target, _cfg(), h if head else None)
+    return [eng.generate([p], SamplingParams(max_new_tokens=n))[0] for p, n in items]
+
+
+# ---------------------------------------------------------------------------
+# Lock-step runs == single-process runs over each rank's requests
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_matches_a_single_process_run(world, request):
+    ranks = request.getfixturevalue({2: "two", 4: "four"}[world])
+    for rank, got in enumerate(ranks):
+        ref = _reference(rank, world)
+        assert got["spec"] == ref, f"rank {rank}"
+        assert all(len(o) > 0 for o in got["spec"])
+        # the MLP holds this rank's slice: F / world columns of down_proj
+        assert got["mlp_shape"] == (32, 64 // world)
+    if world == 4:
+        assert ranks[3]["spec"] == []
+
+
+def test_target_only_and_replicated_head_match(two):
+    for rank, got in enumerate(two):
+        assert got["target_only"] == _reference(rank, 2, head=False)
+        assert got["replicated_head"] == _reference(rank, 2)
+        # a replicated head draws no collective: per step only the target's MLPs gather
+        names = {n for n, _ in got["replicated_head_log"]}
+        assert names == {"all_gather_ints", "all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_issued_the_same_collectives_and_plans(world, request):
+    ranks = request.getfixturevalue({2: "two", 4: "four"}[world])
+    keys = ["spec_log", "spec_plans"] + (["target_only_log", "replicated_head_log"]
+                                         if world == 2 else [])
+    for key in keys:
+        first = ranks[0][key]
+        assert len(first) > 20
+        for got in ranks[1:]:
+            assert got[key] == first, key
+    plans = ranks[0]["spec_plans"]
+    # the scenario covers: mixed and pure decode steps, a rank idle while others run,
+    # graph-or-eager decided for all, the global multi-step skip (every rank mid-chunk)
+    assert any(p.mixed for p in plans) and any(not p.mixed and p.any_rows for p in plans)
+    assert all(p.eager for p in plans)  # CPU: graphs off on every rank
+    assert all(p.rows is None for p in plans if not p.mixed)
+    assert any(p.all_mid_chunk for p in plans) == (world == 2)
+    rows = lambda p, r: dict(zip(PLAN_FIELDS, p.table[r]))
+    # a rank idle for several consecutive steps while another runs
+    idle = [not rows(p, 1 if world == 2 else 3)["has_rows"] and p.any_rows for p in plans]
+    assert any(all(idle[i:i + 3]) for i in range(len(idle)))
+    # one rank only mid-chunk prefill while another decodes
+    assert any(rows(p, 1)["mid_chunk"] and rows(p, 0)["has_rows"] and not rows(p, 0)["mixed"]
+               for p in plans) or world == 4
+
+
+def test_multi_step_skip_is_global(two, four):
+    # 2 ranks: at step 0 both ranks only prefill mid-chunk -> both skipped the multi-step
+    assert two[0]["skipped"] == two[1]["skipped"] > 0
+    # 4 ranks: rank 3 is idle every step (its dummy row drafts) -> nobody skipped
+    assert all(got["skipped"] == 0 for got in four)
+
+
+def test_outputs_are_gathered_to_rank_0(two):
+    prompts = two[0]["spread_prompts"]
+    target, head = make_models(3, draft_vocab=40)
+    ref = Engine(target, _cfg(), head).generate(prompts, SamplingParams(max_new_tokens=6))
+    assert two[0]["gathered"] == ref
+    assert two[1]["gathered"] is None
+
+
+def test_capture_sizes_agreed_after_an_oom_drop(two):
+    # rank 1 lost bs 4 to out-of-memory: every rank keeps [1, 2, 8] and pads 3 -> 8 alike
+    assert two[0]["agreed"] == two[1]["agreed"] == [1, 2, 8]
+    assert two[0]["lookup_3"] == two[1]["lookup_3"] == 8
+
+
+# ---------------------------------------------------------------------------
+# The decision functions (no processes)
+# ---------------------------------------------------------------------------
+SCHED = [1, 2, 4, 8, 16]
+
+
+def test_lockstep_plan_pads_to_the_largest_rank_and_mixes_all():
+    decode = local_plan(SCHED, 4, prefill_lens=[], num_decodes=3, mid_chunk=False,
+                        would_replay=True, has_work=True)
+    idle = local_plan(SCHED, 4, prefill_lens=[], num_decodes=0, mid_chunk=False,
+                      would_replay=True, has_work=False)
+    prefill = local_plan(SCHED, 4, prefill_lens=[10, 3], num_decodes=1, mid_chunk=False,
+                         would_replay=True, has_work=True)
+    p = lockstep_plan([decode, idle], SCHED)
+    assert (p.any_rows, p.mixed, p.padded_bs, p.rows, p.eager, p.any_work) == (
+        True, False, 4, None, False, True)
+    assert not p.all_mid_chunk  # the idle rank's dummy decode row drafts every step
+    p = lockstep_plan([decode, prefill, idle], SCHED)
+    # mixed everywhere, eager, gather size = the largest need: 10 + 3 + 1 * 4 tokens
+    assert (p.mixed, p.eager, p.rows) == (True, True, 17)
+    p = lockstep_plan([idle, idle], SCHED)
+    assert not p.any_rows and not p.any_work
+
+
+def test_lockstep_plan_mid_chunk_skip_needs_every_rank():
+    mid = local_plan(SCHED, 4, prefill_lens=[16], num_decodes=0, mid_chunk=True,
+                     would_replay=True, has_work=True)
+    last = local_plan(SCHED, 4, prefill_lens=[16], num_decodes=0, mid_chunk=False,
+                      would_replay=True, has_work=True)
+    assert lockstep_plan([mid, mid], SCHED).all_mid_chunk
+    assert not lockstep_plan([mid, last], SCHED).all_mid_chunk
+
+
+def test_graph_or_eager_decision_is_the_same_for_every_rank():
+    # one rank would run eagerly (its own graph missing, or GRAPHDRAFT_EAGER): all eager
+    rows = [local_plan(SCHED, 4, prefill_lens=[], num_decodes=2, mid_chunk=False,
+                       would_replay=ok, has_work=True) for ok in (True, False)]
+    assert lockstep_plan(rows, SCHED).eager
+    # captured sets differ per rank (an OOM drop): the common sizes decide, for everyone
+    captured = [[1, 2, 4, 8], [1, 2, 8], [1, 2, 4, 8]]
+    assert graph_decision(3, captured, [False] * 3) == 8
+    assert graph_decision(2, captured, [False] * 3) == 2
+    assert graph_decision(9, captured, [False] * 3) == "eager"
+    assert graph_decision(1, captured, [False, True, False]) == "eager"
+
+
+def test_forced_eager_runs_eagerly_and_counts_it():
+    cf = CapturedForward("f", lambda bs: torch.ones(bs), [1, 2], enabled=False)
+    with cf.forced_eager():
+        assert torch.equal(cf.run(2), torch.ones(2))
+    assert cf.stats.eager["disabled"] == 1  # not enabled (CPU): rule 1 comes first
+    cf._enabled = True  # what a CUDA machine has: forced_eager comes before any graph
+    cf._graphs[2] = _Graph(None, None)
+    cf._reindex()
+    with cf.forced_eager():
+        assert cf._decide(2) == "lockstep"
+        cf.run(1)
+    assert cf._decide(2) == 2 and cf.stats.eager["lockstep"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+def test_dp_size_one_is_todays_engine():
+    target, head = make_models(0)
+    before = {n: p for n, p in target.named_parameters()}
+    assert shard_dense_(target, None) is target and shard_dense_(target, DataParallel(0, 1))
+    assert all(a is before[n] for n, a in target.named_parameters()) and target.dp is None
+    eng = Engine(target, _cfg(), head)
+    assert eng.dp is None and _cfg().dp_size == 1
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="dp_size"):
+        _cfg(dp_size=0)
+    with pytest.raises(ValueError, match="rank"):
+        DataParallel(2, 2)
+    target, head = make_models(0)
+    with pytest.raises(ValueError, match="dp_size"):  # dp_size 2 without split models
+        Engine(target, _cfg(dp_size=2), head)
+    shard_dense_(target, DataParallel(0, 2))  # slicing needs no group
+    with pytest.raises(ValueError, match="dp_size"):
+        Engine(target, _cfg(), head)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_dense_(target, DataParallel(0, 2))
+    t3, _ = make_models(0)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        shard_dense_(t3, DataParallel(0, 3))
+    assert t3.dp is None and t3.layers[0].mlp.dp is None
+    from graphdraft.parallel import TensorParallel, shard_
+    with pytest.raises(ValueError, match="data-parallel"):
+        shard_(target, TensorParallel(0, 2))
+    dp = DataParallel(0, 2)
+    dp.rows = 1
+    with pytest.raises(ValueError, match="rows"):
+        dp.dense(torch.zeros(2, 4), lambda x: x)
