@@ -82,7 +82,9 @@ class DataParallel:
     """This process's place in a data-parallel group (group None: the default group).
 
     `rows`: the gather size of the current step's MLPs (None: each call's own row count;
-    set by `lockstep_step` for a mixed step). `log`: None, or a list that records every
+    set by `lockstep_step` for a mixed step). `cpu_group`: a gloo group over the same ranks
+    for the host-side agreements (the plan table, captured sizes, outputs) when `group` is
+    NCCL (None: `group` itself, gloo on CPU): no device sync for the plan. `log`: None, or a list that records every
     collective as `(name, shape)`. `decisions`: None, or a list
     that records every step's `StepPlan`."""
 
@@ -90,6 +92,7 @@ class DataParallel:
     world_size: int
     group: Any = None
     rows: int | None = None
+    cpu_group: Any = None
     log: list | None = field(default=None, repr=False)
     decisions: list | None = field(default=None, repr=False)
 
@@ -103,6 +106,11 @@ class DataParallel:
     def from_group(cls, group: Any = None) -> DataParallel:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
+    @property
+    def host_group(self) -> Any:
+        """The group of host-side (CPU tensor) agreements."""
+        return self.group if self.cpu_group is None else self.cpu_group
+
     def _record(self, name: str, t: torch.Tensor) -> None:
         if self.log is not None:
             self.log.append((name, tuple(t.shape)))
@@ -115,7 +123,7 @@ class DataParallel:
         local = torch.tensor(list(values), dtype=torch.int64)
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64)
         self._record("all_gather_ints", out)
-        _all_gather_single(out, local, group=self.group)
+        _all_gather_single(out, local, group=self.host_group)
         return out.view(self.world_size, -1).tolist()
 
     def dense(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -172,6 +180,8 @@ def init_data_parallel(dp_size: int, backend: str | None = None, device: str | N
         dist.init_process_group(backend or ("nccl" if device.startswith("cuda") else "gloo"),
                                 **kw)
     dp = DataParallel.from_group()
+    if dist.get_backend() != "gloo":  # host-side agreements on CPU tensors: a gloo group
+        dp.cpu_group = dist.new_group(backend="gloo")
     dp.warmup(device)
     return dp, device
 
@@ -373,7 +383,7 @@ def gather_outputs(outputs: list, indices: list[int], total: int, dp: DataParall
     if dp is None:
         return list(outputs)
     got = [None] * dp.world_size if dp.rank == 0 else None
-    dist.gather_object((indices, outputs), got, dst=0, group=dp.group)
+    dist.gather_object((indices, outputs), got, dst=0, group=dp.host_group)
     if dp.rank != 0:
         return None
     full = [None] * total

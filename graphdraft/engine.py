@@ -361,6 +361,13 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)
 
+    @property
+    def keep_stepping(self) -> bool:
+        """Whether a serving loop should call `step()` again: `has_work`; data-parallel, whether
+        any rank had work at the last step's agreement (ranks stop together; True before the
+        first step, so a rank without requests joins its peers' steps)."""
+        return self.has_work if self.dp is None else self._lockstep_work
+
     # ------------------------------------------------------------------
     # Target forwards
     # ------------------------------------------------------------------
@@ -726,7 +733,7 @@ class Engine:
             from tqdm import tqdm
             bar = tqdm(total=sum(r.params.max_new_tokens for r in reqs), desc="tokens", unit="tok")
         self._lockstep_work = True
-        while self.has_work if self.dp is None else self._lockstep_work:
+        while self.keep_stepping:
             before = self.stats.emitted_tokens
             self.step()
             if bar is not None:

@@ -71,8 +71,7 @@ def _cfg(**kw):
 def _drive(eng: Engine, joins: dict) -> list[list[int]]:
     """Step with the given arrivals until no rank has work (the loop condition is agreed)."""
     reqs, k = [], 0
-    eng._lockstep_work = True
-    while k <= LAST_JOIN or eng._lockstep_work:  # same k and agreed work flag on every rank
+    while k <= LAST_JOIN or eng.keep_stepping:  # same k and agreed work flag on every rank
         for prompt, new in joins.get(k, []):
             reqs.append(eng.add_request(prompt, SamplingParams(max_new_tokens=new)))
         eng.step()
