@@ -29,9 +29,11 @@ models carry a `DataParallel`): every rank plans its step, then ONE all-gather o
   rows         mixed step: the largest token / row count any rank's forward needs (the
                gather size of every MLP of the step); decode cycle: None (all ranks run
                the same padded shapes, so their local counts are equal)
-  eager        graph-or-eager: eager for every rank when any rank would run eagerly (a
-               mixed step always; the cycle when one rank's graph of padded_bs is missing,
-               GRAPHDRAFT_EAGER set on one rank only, ...): `CapturedForward.forced_eager`
+  eager        graph-or-eager: each rank sends a bit mask of the schedule's sizes its decode
+               forwards would replay now (`replay_mask`); the cycle replays only when every
+               rank's mask holds padded_bs, else every rank runs eagerly (a graph missing on
+               one rank, GRAPHDRAFT_EAGER set on one rank only, padded_bs above the
+               schedule, and every mixed step): `CapturedForward.forced_eager`
   all_mid_chunk  the drafter's multi-step skip: only when every rank has rows and all of
                them are mid-chunk prefill rows (an idle rank's dummy row is a decode row:
                it drafts every step, so the others must too)
@@ -74,7 +76,9 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 # One row of the per-step plan table, in this order (ints).
-PLAN_FIELDS = ("has_rows", "mixed", "bs", "rows", "mid_chunk", "eager", "has_work")
+PLAN_FIELDS = ("has_rows", "mixed", "bs", "rows", "mid_chunk", "has_work")
+# ... then `replay_mask` in words of 63 bits (int64 without the sign bit), low sizes first.
+_WORD = 63
 
 
 @dataclass
@@ -242,49 +246,53 @@ def _pad(schedule: Sequence[int], bs: int) -> int:
 
 
 def local_plan(schedule: Sequence[int], n_row: int, *, prefill_lens: Sequence[int],
-               num_decodes: int, mid_chunk: bool, would_replay: bool, has_work: bool) -> list[int]:
+               num_decodes: int, mid_chunk: bool, replay: int, has_work: bool) -> list[int]:
     """This rank's row of the plan table (`PLAN_FIELDS`).
 
     prefill_lens: tokens of each prefill row; num_decodes: decode rows (an idle rank: 0,
     it will run the one-row dummy); mid_chunk: every row is a mid-chunk prefill row;
-    would_replay: this rank's decode cycle would replay a graph at its own padded size."""
+    replay: `replay_mask` of this rank's decode forwards."""
     ne = len(prefill_lens)
     bs = ne + num_decodes
     if ne:  # mixed path: target over every token; drafter rows up to its padded bs
         need = max(sum(prefill_lens) + num_decodes * n_row, _pad(schedule, bs))
     else:   # decode-only rank inside a mixed step: verify at its padded bs (the dummy: 1 row)
         need = _pad(schedule, max(bs, 1)) * n_row
-    return [int(bs > 0), int(ne > 0), bs, need, int(bs > 0 and mid_chunk),
-            int(not would_replay), int(has_work)]
+    words = [(replay >> (_WORD * w)) & ((1 << _WORD) - 1)
+             for w in range(max(1, -(-len(schedule) // _WORD)))]
+    return [int(bs > 0), int(ne > 0), bs, need, int(bs > 0 and mid_chunk), int(has_work)] + words
 
 
 def lockstep_plan(table: Sequence[Sequence[int]], schedule: Sequence[int]) -> StepPlan:
     """The step's plan from every rank's `local_plan` row (a pure function: every rank
     computes the same plan from the same gathered table)."""
-    if not table or any(len(r) != len(PLAN_FIELDS) for r in table):
-        raise ValueError(f"table: expected one row of {len(PLAN_FIELDS)} ints "
-                         f"{PLAN_FIELDS} per rank, got {table!r}")
+    width = len(PLAN_FIELDS) + max(1, -(-len(schedule) // _WORD))
+    if not table or any(len(r) != width for r in table):
+        raise ValueError(f"table: expected one row of {width} ints ({PLAN_FIELDS} + replay "
+                         f"mask words) per rank, got {table!r}")
     col = {f: [r[i] for r in table] for i, f in enumerate(PLAN_FIELDS)}
+    col["replay_mask"] = [sum(w << (_WORD * k) for k, w in enumerate(r[len(PLAN_FIELDS):]))
+                          for r in table]
     any_rows = any(col["has_rows"])
     mixed = any(col["mixed"])
     padded = _pad(schedule, max(max(col["bs"]), 1))
+    bit = list(schedule).index(padded) if padded in schedule else None
+    replay = bit is not None and all(m >> bit & 1 for m in col["replay_mask"])
     return StepPlan(any_rows=any_rows, mixed=mixed, padded_bs=padded,
                     rows=max(col["rows"]) if mixed else None,
                     all_mid_chunk=all(col["mid_chunk"]),
-                    eager=mixed or any(col["eager"]), any_work=any(col["has_work"]),
+                    eager=mixed or not replay, any_work=any(col["has_work"]),
                     table=tuple(tuple(r) for r in table))
 
 
-def graph_decision(padded_bs: int, captured: Sequence[Sequence[int]], eager_votes: Sequence[bool]
-                   ) -> int | str:
-    """The graph-or-eager rule of a decode cycle, for all ranks: the captured size to replay
-    (the smallest >= padded_bs that every rank captured), or "eager" when a rank votes eager
-    or no common captured size holds the batch. `captured`: each rank's captured sizes."""
-    if any(eager_votes):
-        return "eager"
-    common = set(captured[0]).intersection(*map(set, captured[1:])) if captured else set()
-    size = padded_batch_size(sorted(common), padded_bs)
-    return "eager" if size is None else size
+def replay_mask(forwards: Sequence, schedule: Sequence[int]) -> int:
+    """Bit i set when every one of `forwards` (`CapturedForward`s) would replay a graph of
+    exactly `schedule[i]` now (captured, enabled, no GRAPHDRAFT_EAGER)."""
+    mask = 0
+    for i, bs in enumerate(schedule):
+        if all(f._decide(bs) == bs for f in forwards):
+            mask |= 1 << i
+    return mask
 
 
 def agree_sizes(dp: DataParallel, sizes: Sequence[int], max_size: int) -> list[int]:
@@ -316,14 +324,12 @@ def _idle_request():
                    finish_reason="idle")
 
 
-def _would_replay(engine, bs: int) -> bool:
-    pbs = _pad(engine.schedule, max(bs, 1))
+def _decode_forwards(engine) -> list:
+    """The captured forwards a decode cycle replays (the cycle, or verify + draft decode)."""
     if engine._own_drafter and engine.cfg.cycle_graph:
-        forwards = [engine.cycle_graphs]
-    else:
-        forwards = [f for f in engine._captured_forwards() if f is not engine.cycle_graphs
-                    and f.name != "draft_multi_step"]
-    return all(isinstance(f._decide(pbs), int) for f in forwards)
+        return [engine.cycle_graphs]
+    return [f for f in engine._captured_forwards() if f is not engine.cycle_graphs
+            and f.name != "draft_multi_step"]
 
 
 def lockstep_step(engine) -> list:
@@ -338,7 +344,7 @@ def lockstep_step(engine) -> list:
                                            for r in rows)
     mine = local_plan(engine.schedule, engine.n_row, prefill_lens=[len(r.input_ids) for r in rows],
                       num_decodes=len(dreqs), mid_chunk=mid,
-                      would_replay=_would_replay(engine, len(rows) + len(dreqs)),
+                      replay=replay_mask(_decode_forwards(engine), engine.schedule),
                       has_work=engine.has_work)
     plan = lockstep_plan(dp.all_gather_ints(mine), engine.schedule)
     engine._lockstep, engine._lockstep_work = plan, plan.any_work

@@ -25,9 +25,9 @@ from graphdraft.data_parallel import (
     DataParallel,
     agree_sizes,
     gather_outputs,
-    graph_decision,
     local_plan,
     lockstep_plan,
+    replay_mask,
     shard_dense_,
     spread,
 )
@@ -36,7 +36,7 @@ from graphdraft.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
 TIMEOUT_S = 30
-LAST_JOIN = 16  # the last step any rank admits a request at (`_joins`)
+LAST_JOIN = 12  # the last step any rank admits a request at (`_joins`)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -50,15 +50,15 @@ def _joins(rank: int, world: int) -> dict[int, list[tuple[list[int], int]]]:
     rank 0: a 20-token prompt at step 0 (chunks of 16: mid-chunk), a short one at step 1
             that decodes for many steps;
     rank 1: a 24-token prompt at step 0 (both ranks mid-chunk: the global multi-step skip)
-            that leaves after 2 tokens; idle for several steps; a 40-token prompt joins at
-            step 9 (mid-chunk for 2 steps while rank 0 decodes); another at step 16;
+            that leaves after 2 tokens; idle for 3 steps; a 40-token prompt joins at
+            step 6 (mid-chunk for 2 steps while rank 0 decodes); another at step 12;
     rank 2: two requests at once, different lengths and budgets;
     rank 3: idle all along (the dummy row every step).
     """
     if rank == 0:
-        return {0: [(_prompt(1, 20), 6)], 1: [(_prompt(2, 3), 24)]}
+        return {0: [(_prompt(1, 20), 6)], 1: [(_prompt(2, 3), 16)]}
     if rank == 1:
-        return {0: [(_prompt(7, 24), 2)], 9: [(_prompt(3, 40), 5)], 16: [(_prompt(4, 5), 4)]}
+        return {0: [(_prompt(7, 24), 2)], 6: [(_prompt(3, 40), 5)], 12: [(_prompt(4, 5), 4)]}
     if rank == 2:
         return {0: [(_prompt(5, 7), 3), (_prompt(6, 11), 8)]}
     return {}
@@ -197,7 +197,7 @@ def test_every_rank_issued_the_same_collectives_and_plans(world, request):
                                          if world == 2 else [])
     for key in keys:
         first = ranks[0][key]
-        assert len(first) > 20
+        assert len(first) > 10
         for got in ranks[1:]:
             assert got[key] == first, key
     plans = ranks[0]["spec_plans"]
@@ -241,15 +241,16 @@ def test_capture_sizes_agreed_after_an_oom_drop(two):
 # The decision functions (no processes)
 # ---------------------------------------------------------------------------
 SCHED = [1, 2, 4, 8, 16]
+FULL = (1 << len(SCHED)) - 1  # every size would replay
 
 
 def test_lockstep_plan_pads_to_the_largest_rank_and_mixes_all():
     decode = local_plan(SCHED, 4, prefill_lens=[], num_decodes=3, mid_chunk=False,
-                        would_replay=True, has_work=True)
+                        replay=FULL, has_work=True)
     idle = local_plan(SCHED, 4, prefill_lens=[], num_decodes=0, mid_chunk=False,
-                      would_replay=True, has_work=False)
+                      replay=FULL, has_work=False)
     prefill = local_plan(SCHED, 4, prefill_lens=[10, 3], num_decodes=1, mid_chunk=False,
-                         would_replay=True, has_work=True)
+                         replay=FULL, has_work=True)
     p = lockstep_plan([decode, idle], SCHED)
     assert (p.any_rows, p.mixed, p.padded_bs, p.rows, p.eager, p.any_work) == (
         True, False, 4, None, False, True)
@@ -263,24 +264,67 @@ def test_lockstep_plan_pads_to_the_largest_rank_and_mixes_all():
 
 def test_lockstep_plan_mid_chunk_skip_needs_every_rank():
     mid = local_plan(SCHED, 4, prefill_lens=[16], num_decodes=0, mid_chunk=True,
-                     would_replay=True, has_work=True)
+                     replay=FULL, has_work=True)
     last = local_plan(SCHED, 4, prefill_lens=[16], num_decodes=0, mid_chunk=False,
-                      would_replay=True, has_work=True)
+                      replay=FULL, has_work=True)
     assert lockstep_plan([mid, mid], SCHED).all_mid_chunk
     assert not lockstep_plan([mid, last], SCHED).all_mid_chunk
 
 
-def test_graph_or_eager_decision_is_the_same_for_every_rank():
-    # one rank would run eagerly (its own graph missing, or GRAPHDRAFT_EAGER): all eager
-    rows = [local_plan(SCHED, 4, prefill_lens=[], num_decodes=2, mid_chunk=False,
-                       would_replay=ok, has_work=True) for ok in (True, False)]
-    assert lockstep_plan(rows, SCHED).eager
-    # captured sets differ per rank (an OOM drop): the common sizes decide, for everyone
-    captured = [[1, 2, 4, 8], [1, 2, 8], [1, 2, 4, 8]]
-    assert graph_decision(3, captured, [False] * 3) == 8
-    assert graph_decision(2, captured, [False] * 3) == 2
-    assert graph_decision(9, captured, [False] * 3) == "eager"
-    assert graph_decision(1, captured, [False, True, False]) == "eager"
+def _rank_forward(captured: list[int]) -> CapturedForward:
+    """A rank's forward as a CUDA machine would hold it: enabled, `captured` graphs present
+    (placeholders: only the decision is under test on CPU)."""
+    cf = CapturedForward("f", lambda bs: torch.zeros(bs), SCHED, enabled=False)
+    cf._enabled = True
+    for bs in captured:
+        cf._graphs[bs] = _Graph(None, None)
+    cf._reindex()
+    return cf
+
+
+def test_graph_or_eager_decision_is_the_same_for_every_rank(monkeypatch):
+    monkeypatch.delenv("GRAPHDRAFT_EAGER", raising=False)
+    # per-rank captured sets differ (an OOM drop of 4 on rank 1)
+    ranks = [_rank_forward(c) for c in ([1, 2, 4, 8, 16], [1, 2, 8, 16], [1, 2, 4, 8, 16])]
+    masks = [replay_mask([f], SCHED) for f in ranks]
+    assert masks == [FULL, FULL & ~(1 << 2), FULL]
+
+    def plan(bs_per_rank):
+        return lockstep_plan([local_plan(SCHED, 4, prefill_lens=[], num_decodes=b,
+                                         mid_chunk=False, replay=m, has_work=True)
+                              for b, m in zip(bs_per_rank, masks, strict=True)], SCHED)
+
+    # rank 1 alone lacks the graph of 4: a batch padded to 4 runs eagerly on every rank
+    assert plan([3, 1, 0]).padded_bs == 4 and plan([3, 1, 0]).eager
+    assert plan([1, 2, 0]).padded_bs == 2 and not plan([1, 2, 0]).eager
+    assert not plan([5, 0, 0]).eager and plan([5, 0, 0]).padded_bs == 8
+    # above the schedule: eager everywhere
+    big = lockstep_plan([local_plan(SCHED, 4, prefill_lens=[], num_decodes=17, mid_chunk=False,
+                                    replay=FULL, has_work=True)] * 2, SCHED)
+    assert big.eager and big.padded_bs == 17
+    # GRAPHDRAFT_EAGER on one rank only: its mask is empty, so all run eagerly
+    monkeypatch.setenv("GRAPHDRAFT_EAGER", "1")
+    assert replay_mask([ranks[0]], SCHED) == 0
+    monkeypatch.delenv("GRAPHDRAFT_EAGER")
+    # after the capture agreement (restrict_to the intersection) every rank decides alike
+    common = sorted(set.intersection(*(set(f.captured_sizes) for f in ranks)))
+    for f in ranks:
+        f.restrict_to(common)
+    assert len({replay_mask([f], SCHED) for f in ranks}) == 1
+    assert {f._decide(3) for f in ranks} == {8}
+
+
+def test_replay_mask_words_cover_long_schedules():
+    sched = list(range(1, 131))  # 130 sizes: 3 words of 63 bits
+    row = local_plan(sched, 1, prefill_lens=[], num_decodes=129, mid_chunk=False,
+                     replay=1 << 128, has_work=True)
+    assert len(row) == len(PLAN_FIELDS) + 3
+    assert not lockstep_plan([row, row], sched).eager  # 129 -> bit 128 set on both
+    other = local_plan(sched, 1, prefill_lens=[], num_decodes=1, mid_chunk=False,
+                       replay=(1 << 128) - 1, has_work=True)
+    assert lockstep_plan([row, other], sched).eager
+    with pytest.raises(ValueError, match="table"):
+        lockstep_plan([row[:-1], row[:-1]], sched)
 
 
 def test_forced_eager_runs_eagerly_and_counts_it():
