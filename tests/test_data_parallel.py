@@ -377,3 +377,57 @@ def test_bad_arguments():
     dp.rows = 1
     with pytest.raises(ValueError, match="rows"):
         dp.dense(torch.zeros(2, 4), lambda x: x)
+
+
+# ---------------------------------------------------------------------------
+# The CLI: torchrun-style environment, `graphdraft generate --dp-size 2`
+# ---------------------------------------------------------------------------
+CLI_ARGS = ["generate", "--device", "cpu", "--prompt", "def foo", "--prompt", "import os",
+            "--prompt", "class A", "--max-new-tokens", "10", "--json", "--quiet"]
+
+
+def _cli_worker(rank: int, port: int, out_dir: str) -> None:
+    import contextlib
+    import io
+
+    from graphdraft.cli import main
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(CLI_ARGS + ["--dp-size", "2"])
+    with open(os.path.join(out_dir, f"cli{rank}.txt"), "w") as f:
+        f.write(f"{code}\n{buf.getvalue()}")
+
+
+def test_cli_dp_size_serves_over_ranks_and_prints_on_rank_0(tmp_path, capsys):
+    import json
+    import socket
+
+    from graphdraft.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_cli_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    code0, out0 = (tmp_path / "cli0.txt").read_text().split("\n", 1)
+    code1, out1 = (tmp_path / "cli1.txt").read_text().split("\n", 1)
+    assert code0 == code1 == "0" and out1 == ""  # rank 1 prints nothing
+    got = json.loads(out0)
+    assert main(CLI_ARGS) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert got["dp_size"] == 2
+    assert [o["token_ids"] for o in got["outputs"]] == [o["token_ids"] for o in ref["outputs"]]
+    assert [o["index"] for o in got["outputs"]] == [0, 1, 2]
+
+
+def test_cli_dp_size_needs_a_launcher(monkeypatch, capsys):
+    from graphdraft.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(CLI_ARGS + ["--dp-size", "2"]) == 2
+    assert "dp_size" in capsys.readouterr().err
+    assert main(["demo", "--dp-size", "2", "--device", "cpu"]) == 2
+    assert "--dp-size" in capsys.readouterr().err
