@@ -431,3 +431,73 @@ def test_cli_dp_size_needs_a_launcher(monkeypatch, capsys):
     assert "dp_size" in capsys.readouterr().err
     assert main(["demo", "--dp-size", "2", "--device", "cpu"]) == 2
     assert "--dp-size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# GPU (`make test-gpu`): forced_eager on real graphs (1 GPU); NCCL ranks (>= 2 GPUs)
+# ---------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_forced_eager_runs_eagerly_over_captured_graphs():
+    from capture import GraphPool
+
+    x = torch.randn(8, 16, device="cuda")
+    w = torch.randn(16, 16, device="cuda")
+    cf = CapturedForward("f", lambda bs: x[:bs] @ w, [2, 8], pool=GraphPool())
+    cf.capture(progress=False)
+    assert cf.captured_sizes == [2, 8]
+    ref = (x[:2] @ w).clone()
+    with cf.forced_eager():
+        assert cf._decide(2) == "lockstep"
+        out = cf.run(2)
+    assert torch.equal(out, ref) and cf.stats.eager["lockstep"] == 1
+    assert cf.stats.total_replays == 0
+    assert torch.equal(cf.run(2)[:2], ref) and cf.stats.total_replays == 1
+    # sizes agreed after a drop: the restricted set pads alike on every rank
+    assert cf.restrict_to([8]) == [8] and cf._decide(2) == 8
+
+
+def _gpu_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank))
+    try:
+        dp = DataParallel.from_group()
+        dp.cpu_group = dist.new_group(backend="gloo")
+        dp.warmup(f"cuda:{rank}")
+        target, head = make_models(3, dtype=torch.float32, draft_vocab=40)
+        shard_dense_(target, dp)
+        shard_dense_(head, dp)
+        target, head = target.to(f"cuda:{rank}"), head.to(f"cuda:{rank}")
+        cfg = _cfg(dp_size=world, device=f"cuda:{rank}", dtype="float32")
+        eng = Engine(target, cfg, head)
+        eng.capture_graphs(progress=False)
+        dp.decisions = []
+        outs = _drive(eng, _joins(rank, world))
+        torch.save({"out": outs, "plans": dp.decisions, "graphs": eng.graph_summary(),
+                    "captured": eng.cycle_graphs.captured_sizes},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_ranks_with_graphs_match_one_gpu(tmp_path):
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs >= 2 GPUs (the multi-GPU data-parallel run is tracked separately)")
+    torch.multiprocessing.spawn(_gpu_worker, args=(world, str(tmp_path / "store"), str(tmp_path)),
+                                nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert all(r["plans"] == ranks[0]["plans"] for r in ranks)
+    assert any(not p.eager for p in ranks[0]["plans"])  # some decode cycles replayed graphs
+    assert all(r["captured"] == ranks[0]["captured"] for r in ranks)
+    for rank, got in enumerate(ranks):
+        target, head = make_models(3, dtype=torch.float32, draft_vocab=40)
+        cfg = _cfg(device="cuda:0", dtype="float32", enforce_eager=True)
+        eng = Engine(target.to("cuda:0"), cfg, head.to("cuda:0"))
+        joins = _joins(rank, world)
+        ref = [eng.generate([p], SamplingParams(max_new_tokens=n))[0]
+               for k in sorted(joins) for p, n in joins[k]]
+        assert got["out"] == ref, f"rank {rank}"
+        assert got["graphs"]["spec_cycle"][0] > 0  # replays
