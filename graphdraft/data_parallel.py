@@ -41,8 +41,9 @@ models carry a `DataParallel`): every rank plans its step, then ONE all-gather o
                stepping until no rank has (ranks stop together)
 
 An idle rank (no row this step) runs one inert decode row of the reserved slot 0
-(`IDLE_ROW`) through the same forwards: its prepare marks it inert (dummy page, accept 0),
-so it writes no request's KV and commits nothing. After `Engine.capture_graphs` every
+(`_idle_request`: a Request already finished, so it never emits) through the same forwards:
+the prepare marks it inert (dummy page, accept 0), so it writes no request's KV and commits
+nothing. After `Engine.capture_graphs` every
 rank keeps only the sizes every rank captured (`agree_captured`: an all-gather of the
 captured sizes, then `CapturedForward.restrict_to` the intersection), so a size dropped to
 out-of-memory on one rank falls back on all.
@@ -53,7 +54,10 @@ parallelism of attention inside each rank (tp_size > 1 and dp_size > 1 together)
 supported: `shard_dense_` refuses a tensor-parallel model.
 
 Collectives are plain `torch.distributed` calls on the current stream (gloo on CPU,
-NCCL on GPU; capturable with NCCL once the communicator exists: `warmup`). `log`, when a
+NCCL on GPU; capturable with NCCL once the communicator exists: `warmup`). An exception
+on one rank only (a deferred validation error raised by its `step`, an out-of-memory in a
+warm-up forward before capture) leaves the others waiting in their next collective until
+the process group's timeout: data-parallel ranks fail together, not alone. `log`, when a
 list, records every collective `(name, shape)` this rank issues (tests compare ranks).
 """
 
@@ -88,8 +92,8 @@ class DataParallel:
     `rows`: the gather size of the current step's MLPs (None: each call's own row count;
     set by `lockstep_step` for a mixed step). `cpu_group`: a gloo group over the same ranks
     for the host-side agreements (the plan table, captured sizes, outputs) when `group` is
-    NCCL (None: `group` itself, gloo on CPU): no device sync for the plan. `log`: None, or a list that records every
-    collective as `(name, shape)`. `decisions`: None, or a list
+    NCCL (None: `group` itself, gloo on CPU): no device sync for the plan. `log`: None, or
+    a list that records every collective as `(name, shape)`. `decisions`: None, or a list
     that records every step's `StepPlan`."""
 
     rank: int

@@ -584,7 +584,7 @@ class Engine:
         bs = ne + nd
         plan = self._lockstep  # data-parallel: the step all ranks agreed on (else None)
         if ne == 0 and (plan is None or not plan.mixed):
-            pbs = padded_batch_size(self.schedule, bs) or bs if plan is None else plan.padded_bs
+            pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
             if self._own_drafter and self.cfg.cycle_graph:
                 self.cycle_graphs.run(pbs)

@@ -31,7 +31,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphdraft.config import ModelConfig, RuntimeConfig  # noqa: E402
-from graphdraft.data_parallel import gather_outputs, init_data_parallel, shard_dense_, spread  # noqa: E402
+from graphdraft.data_parallel import (  # noqa: E402
+    gather_outputs,
+    init_data_parallel,
+    shard_dense_,
+    spread,
+)
 from graphdraft.eagle3 import Eagle3DraftHead  # noqa: E402
 from graphdraft.engine import Engine  # noqa: E402
 from graphdraft.layers import init_random_  # noqa: E402
