@@ -243,6 +243,9 @@ class Engine:
         """Compile the Triton kernels each size bucket needs (`precompile_engine`), then capture
         the target's verify forward, the drafter's forwards and the cycle (largest
         bs first). Warm-up and capture run inert rows only (slot 0); every table is neutral after."""
+        if self.dp is not None and parallel_precompile:
+            raise ValueError("parallel_precompile: expected False under data parallelism (two "
+                             "threads would interleave the ranks' collectives)")
         self.drain()
         self._reset_neutral()
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).

@@ -364,6 +364,9 @@ def test_bad_arguments():
     shard_dense_(target, DataParallel(0, 2))  # slicing needs no group
     with pytest.raises(ValueError, match="dp_size"):
         Engine(target, _cfg(), head)
+    eng = Engine(target, _cfg(dp_size=2), head)  # a whole head is fine (no collective)
+    with pytest.raises(ValueError, match="parallel_precompile"):
+        eng.capture_graphs(parallel_precompile=True)
     with pytest.raises(ValueError, match="already sharded"):
         shard_dense_(target, DataParallel(0, 2))
     t3, _ = make_models(0)
