@@ -17,6 +17,10 @@ Decision rule of ``run(bs, padded_bs=None)``, first match wins (see ``_decide``)
 5. ``not_captured`` -- anything else (``capture()`` not called, skipped, or the
    size was dropped on out-of-memory): eager.
 
+Inside ``with forced_eager():`` an enabled forward runs eagerly before rule 2 (reason
+``lockstep``, counted in ``stats.eager`` from its first use): ranks that agreed to run a
+step eagerly (data-parallel lock-step) all do so, whatever their own graphs are.
+
 Multi-rank safety: the decision depends only on ``(bs, padded_bs, enabled, env
 var, captured sizes)``, so ranks with equal inputs decide identically. Captured
 sizes can differ between ranks only if an out-of-memory drop hit one rank and
@@ -304,6 +308,7 @@ class CapturedForward(Generic[T]):
         self._lookup: list[int] = [0]  # _lookup[bs]: captured size a bs replays on
         self._stats = GraphStats(name)
         self._logged: set[str] = set()
+        self._forced = False  # `forced_eager()`: every run is eager ("lockstep")
 
     # ----------------------------------------------------------------- properties
     @property
@@ -519,6 +524,15 @@ class CapturedForward(Generic[T]):
         self._reindex()
         return self.captured_sizes
 
+    @contextlib.contextmanager
+    def forced_eager(self):
+        """Every ``run`` inside the block is eager (reason ``lockstep``); nests."""
+        before, self._forced = self._forced, True
+        try:
+            yield self
+        finally:
+            self._forced = before
+
     # ------------------------------------------------------------------------ run
     def _decide(self, bs: int, padded_bs: int | None = None) -> int | str:
         """The captured size to replay, or the reason to run eagerly (module docstring)."""
@@ -526,6 +540,8 @@ class CapturedForward(Generic[T]):
             raise ValueError(f"{self.name}: batch size must be >= 1, got {bs}")
         if not self._enabled:
             return "disabled"
+        if self._forced:
+            return "lockstep"
         if self._env_at_init or ((v := self._env_read()) and v.strip().lower() in _TRUTHY):
             return "env"
         if padded_bs is not None:
@@ -550,7 +566,7 @@ class CapturedForward(Generic[T]):
             g.graph.replay()
             self._stats.replays[d] += 1
             return g.outputs
-        self._stats.eager[d] += 1
+        self._stats.eager[d] = self._stats.eager.get(d, 0) + 1
         if d not in self._logged:
             self._logged.add(d)
             if d == "above_max":

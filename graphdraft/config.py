@@ -82,6 +82,11 @@ class RuntimeConfig:
     the split mode (verify graph, eager accept, draft graph), bit-identical."""
     stop_table_width: int = 4
     """Stop token ids per request held on the device (EOS included); more are rejected."""
+    dp_size: int = 1
+    """Data-parallel attention ranks (`graphdraft.data_parallel`): each rank serves its own
+    requests, the MLPs are split over the ranks. 1: no data parallelism (today's code path);
+    > 1: the models' dense layers must be split with `data_parallel.shard_dense_` over a
+    group of this size (the Engine checks)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +192,8 @@ class RuntimeConfig:
         need(isinstance(self.cycle_graph, bool), "cycle_graph", "a bool")
         need(isinstance(self.stop_table_width, int) and self.stop_table_width >= 1,
              "stop_table_width", "an int >= 1")
+        need(isinstance(self.dp_size, int) and not isinstance(self.dp_size, bool)
+             and self.dp_size >= 1, "dp_size", "an int >= 1")
 
     @property
     def validation_mode(self) -> str:

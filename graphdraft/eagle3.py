@@ -28,6 +28,9 @@ Tensor parallelism, two ways (see `graphdraft.parallel`):
               replicated); `config` becomes rank-local, so the drafter's KV pool holds
               this rank's KV heads. Costs 2 all-reduces + 1 embedding all-reduce + 1
               logits all-gather per draft step.
+  data-parallel  `data_parallel.shard_dense_(head, dp)`: only the MLP is split; it runs over
+              the rows of every data-parallel rank (all-gather + reduce-scatter, 2 collectives
+              per draft step); attention, embedding and LM head stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Eagle3DraftHead(nn.Module):
         self.config, self.dtype = cfg, dtype
         self.global_config = cfg
         self.tp: TensorParallel | None = None
+        self.dp = None  # a data_parallel.DataParallel after data_parallel.shard_dense_
         h, k = cfg.hidden_size, cfg.num_aux_hidden_states
         if embed_tokens is not None and tuple(embed_tokens.shape) != (cfg.vocab_size, h):
             raise ValueError(f"embed_tokens: expected shape ({cfg.vocab_size}, {h}) (a full "
@@ -180,7 +184,7 @@ class Eagle3DraftHead(nn.Module):
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
-        if tp is None:  # o_proj and down_proj fused with the residual add + RMSNorm after them
+        if tp is None and mlp.dp is None:  # o_proj and down_proj fused with residual + RMSNorm
             post, final = layer.post_attention_layernorm, self.norm
             normed, residual = linear_residual_rms_norm(  # residual: hidden's gathered rows
                 attn, attn_layer.o_proj, hidden, post.weight, post.eps, residual_index=gather_ids,
@@ -192,6 +196,12 @@ class Eagle3DraftHead(nn.Module):
             residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
             normed, prenorm = self.norm(layer.mlp(normed), residual)
+            if tp is None:  # data-parallel dense layers (MLP over every rank's rows); LM head whole
+                if hidden_out is not None:
+                    prenorm = hidden_out.copy_(prenorm)
+                out = self.logits_processor(normed, self.lm_head, ids_out=ids_out,
+                                            tokens_out=tokens_out)
+                return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)
             logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),
                                      self.config.output_vocab_size)
             ids = argmax_with_map(logits, self.hot_token_ids, out=ids_out, tokens_out=tokens_out,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from graphdraft import data_parallel
 from graphdraft.attention import PagedAttentionBackend
 from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
 from graphdraft.buffers import CycleBuffers, InputBuffers, RuntimeStates
@@ -179,6 +180,11 @@ class Engine:
         self._cycle_drafter: CycleDrafter | None = (
             self.drafter if self.drafter is not None and self.drafter.supports_cycle else None)
         self._own_drafter = self.drafter is None or self._cycle_drafter is not None
+        # Data-parallel attention (graphdraft.data_parallel): None unless a model's dense
+        # layers were split with shard_dense_ (dp_size > 1); then `step` runs in lock-step.
+        self.dp = self._data_parallel(target, head, cfg)
+        self._lockstep = None      # this step's data_parallel.StepPlan (inside `_launch`)
+        self._lockstep_work = True  # some rank had work at the last step's agreement
         self.cycle_graphs = CapturedForward("spec_cycle", self._spec_cycle, self.schedule,
                                             pool=self.graph_pool, on_oom=on_oom,
                                             enabled=enabled and self._own_drafter and cfg.cycle_graph)
@@ -200,6 +206,22 @@ class Engine:
         self._events = [torch.cuda.Event(blocking=True) if pin else None for _ in range(2)]
         self.stats = EngineStats()
         self.metrics = ServingMetrics()
+
+    def _data_parallel(self, target, head, cfg: RuntimeConfig):
+        """The models' `DataParallel` (None: dp_size 1, today's code path); ValueError when
+        it disagrees with `cfg.dp_size`, between the models, or with a caller's drafter."""
+        dps = {id(d): d for d in (getattr(target, "dp", None), getattr(head, "dp", None))
+               if d is not None}
+        if len(dps) > 1:
+            raise ValueError("head: expected the target's DataParallel group (or none)")
+        dp = next(iter(dps.values()), None)
+        size = 1 if dp is None else dp.world_size
+        if cfg.dp_size != size:
+            raise ValueError(f"dp_size: expected the models' data-parallel size ({size}: "
+                             f"data_parallel.shard_dense_), got {cfg.dp_size}")
+        if dp is not None and not self._own_drafter:
+            raise ValueError("drafter: data parallelism needs the built-in EAGLE drafter (head)")
+        return dp
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """Clones of the per-slot device state a cycle commits (valid_cache_lengths and the
@@ -229,6 +251,9 @@ class Engine:
         """Compile the Triton kernels each size bucket needs (`precompile_engine`), then capture
         the target's verify forward, the drafter's forwards and the cycle (largest
         bs first). Warm-up and capture run inert rows only (slot 0); every table is neutral after."""
+        if self.dp is not None and parallel_precompile:
+            raise ValueError("parallel_precompile: expected False under data parallelism (two "
+                             "threads would interleave the ranks' collectives)")
         self.drain()
         self._reset_neutral()
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
@@ -240,6 +265,8 @@ class Engine:
         self._reset_neutral()
         self.cycle_graphs.capture(progress=progress)
         self._reset_neutral()
+        if self.dp is not None:  # every rank keeps the sizes every rank captured
+            data_parallel.agree_captured(self)
 
     def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)
@@ -344,6 +371,13 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)
+
+    @property
+    def keep_stepping(self) -> bool:
+        """Whether a serving loop should call `step()` again: `has_work`; data-parallel, whether
+        any rank had work at the last step's agreement (ranks stop together; True before the
+        first step, so a rank without requests joins its peers' steps)."""
+        return self.has_work if self.dp is None else self._lockstep_work
 
     # ------------------------------------------------------------------
     # Target forwards
@@ -533,6 +567,8 @@ class Engine:
         """Plan and launch one step, then retire the previous one; returns the requests that
         finished (as read back: one step late). With `validation="sync"` the launched step is
         retired at once (a sync per step; immediate errors)."""
+        if self.dp is not None:  # data-parallel: the ranks agree on the step first
+            return data_parallel.lockstep_step(self)
         self._admit()
         rows, preqs, dreqs = self._schedule()
         launched = False
@@ -556,8 +592,9 @@ class Engine:
     def _launch(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
         ne, nd = len(rows), len(dreqs)
         bs = ne + nd
-        if ne == 0:
-            pbs = padded_batch_size(self.schedule, bs) or bs
+        plan = self._lockstep  # data-parallel: the step all ranks agreed on (else None)
+        if ne == 0 and (plan is None or not plan.mixed):
+            pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
             if self._own_drafter and self.cfg.cycle_graph:
                 self.cycle_graphs.run(pbs)
@@ -599,6 +636,8 @@ class Engine:
             self._prepare(ne, npt, nd)
         ctx = ForwardContext(bs=bs, num_extends=ne, input_num_tokens=npt + nd * n,
                              all_extends_mid_chunk=pctx.all_extends_mid_chunk and nd == 0)
+        if self._lockstep is not None:  # data-parallel: the multi-step skip is decided globally
+            ctx.all_extends_mid_chunk = self._lockstep.all_mid_chunk
         all_rows = rows + [BatchRow(r.slot, 0, [0] * n, False) for r in dreqs]
         out = self._target_forward(ctx, all_rows)
         # prefill rows: one token after a request's last chunk (slot 0 for the others)
@@ -703,7 +742,8 @@ class Engine:
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=sum(r.params.max_new_tokens for r in reqs), desc="tokens", unit="tok")
-        while self.has_work:
+        self._lockstep_work = True
+        while self.keep_stepping:
             before = self.stats.emitted_tokens
             self.step()
             if bar is not None:

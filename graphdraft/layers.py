@@ -109,7 +109,9 @@ class MLP(nn.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`, `[M, H] -> [M, H]`.
 
     Tensor-parallel (`tp` set by `parallel.shard_mlp_`): intermediate_size is this rank's
-    slice; the down_proj partial sums are all-reduced."""
+    slice; the down_proj partial sums are all-reduced.
+    Data-parallel (`dp` set by `data_parallel.shard_dense_`): the same slices, run over the
+    rows of every rank (`DataParallel.dense`: all-gather, local MLP, reduce-scatter)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -118,10 +120,17 @@ class MLP(nn.Module):
         self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
         self.use_triton = False
         self.tp: TensorParallel | None = None
+        self.dp = None  # a data_parallel.DataParallel after shard_dense_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            return self.dp.dense(x, self._local)
         out = ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", use_triton=self.use_triton)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum `[M, H]` (no collective)."""
+        return ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", use_triton=self.use_triton)
 
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """`[M, H] -> [M, 2F]` `[gate ; up]` (the down projection's `act="silu_mul"` input)."""

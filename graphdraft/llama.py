@@ -53,6 +53,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.dtype = cfg, dtype
         self.global_config = cfg
         self.tp: TensorParallel | None = None
+        self.dp = None  # a data_parallel.DataParallel after data_parallel.shard_dense_
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

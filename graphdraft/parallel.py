@@ -222,6 +222,8 @@ def shard_(model: nn.Module, tp: TensorParallel | None, *, memo: dict | None = N
         return model
     if getattr(model, "tp", None) is not None:
         raise ValueError("model: already sharded")
+    if getattr(model, "dp", None) is not None:
+        raise ValueError("model: data-parallel (shard_dense_); tp and dp together are not supported")
     shard = getattr(model, "shard_", None)
     if shard is None:
         raise ValueError(f"model: expected a LlamaForCausalLM or Eagle3DraftHead, got "

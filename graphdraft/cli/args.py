@@ -149,6 +149,9 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="'cpu', 'cuda' or 'cuda:N'")
     g.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="Triton kernels, plain torch, or auto (Triton on CUDA)")
+    g.add_argument("--dp-size", type=int_at_least(1), default=d["dp_size"].default,
+                   help="data-parallel attention ranks (generate; start one process per rank "
+                        "with torchrun --nproc-per-node N: gloo on CPU, NCCL on CUDA)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -195,6 +198,8 @@ def check_conflicts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if bool(a.target) != bool(a.draft):
         given, missing = ("--target", "--draft") if a.target else ("--draft", "--target")
         p.error(f"argument {missing}: expected with {given} (a target and its EAGLE-3 head)")
+    if getattr(a, "dp_size", 1) > 1 and getattr(a, "command", None) == "demo":
+        p.error("argument --dp-size: expected 1 for demo (generate serves data-parallel)")
     if getattr(a, "temperature", None) == 0:
         if a.top_p != 1.0:
             p.error("argument --top-p: has no effect when greedy; expected --temperature > 0")

@@ -4,6 +4,11 @@ After every `engine.step()` the new tokens of each request are decoded with the 
 tokenizer and printed (one prompt: the text as it comes; several: `[i] ` before each
 piece). `--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is
 kept); `--json` prints one JSON object at the end instead (outputs and metrics).
+
+`--dp-size N` (data-parallel attention, `graphdraft.data_parallel`): start N processes with
+`torchrun --nproc-per-node N -m graphdraft generate --dp-size N ...`; prompt i is served by
+rank i % N, the ranks step in lock-step, and rank 0 prints every request's text once all
+finished (no streaming) with its own engine's metrics.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def run_streams(engine: Engine, tokenizer, streams: list[Stream], emit) -> None:
 
     Stop strings: a request whose text contains one is aborted (when the engine has
     `abort`; else it runs on and its text is cut) and its text ends before the stop."""
-    while engine.has_work:
+    while engine.keep_stepping if hasattr(engine, "keep_stepping") else engine.has_work:
         engine.step()
         for s in streams:
             if s.stopped:
@@ -94,7 +99,18 @@ def run_streams(engine: Engine, tokenizer, streams: list[Stream], emit) -> None:
 
 def generate(a: argparse.Namespace) -> int:
     specs = gather(a.prompt, a.prompt_file)
+    dp = None
+    if getattr(a, "dp_size", 1) > 1:  # one process per rank (torchrun): join the group first
+        from graphdraft.data_parallel import init_data_parallel
+        try:
+            dp, a.device = init_data_parallel(a.dp_size, device=a.device)
+        except ValueError as e:
+            raise CliError(translate(str(e))) from None
     m = models.load(a)
+    if dp is not None:
+        from graphdraft.data_parallel import shard_dense_
+        shard_dense_(m.target, dp)
+        shard_dense_(m.head, dp)
     if m.tokenizer is None:
         raise CliError("--prompt: the model pair has no tokenizer (--random-models has none; a "
                        "--target needs tokenizer.json and the `tokenizers` package)")
@@ -113,12 +129,15 @@ def generate(a: argparse.Namespace) -> int:
         prompts.append(ids)
         plist.append(params)
         stops.append(st)
+    from graphdraft.data_parallel import spread
+    mine = set(spread(specs, dp))  # every prompt was checked on every rank: same errors
     streams = [Stream(i, engine.add_request(p, sp), st)
-               for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True))]
-    many = len(streams) > 1
+               for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True))
+               if i in mine]
+    many = len(specs) > 1
 
     def emit(i: int, text: str) -> None:
-        if a.json:
+        if a.json or dp is not None:  # data-parallel: rank 0 prints everything at the end
             return
         if many:
             text = "".join(f"[{i}] {line}\n" for line in text.splitlines())
@@ -126,22 +145,38 @@ def generate(a: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     run_streams(engine, m.tokenizer, streams, emit)
-    if not a.json and not many:
-        sys.stdout.write("\n")
     snap = engine.metrics_snapshot()
     on_gpu = cfg.device.startswith("cuda")
     outputs = [{"index": s.index, "prompt": specs[s.index].text, "text": s.shown,
                 "token_ids": list(s.req.output), "finish_reason": s.req.finish_reason,
                 "params": dataclasses.asdict(s.req.params) | {"stop": list(s.stops)}}
                for s in streams]
+    if dp is not None:
+        import torch.distributed as dist
+
+        from graphdraft.data_parallel import gather_outputs
+        outputs = gather_outputs(outputs, [s.index for s in streams], len(specs), dp)
+        dist.barrier(group=dp.host_group)
+        dist.destroy_process_group()
+        if dp.rank != 0:
+            return 0
+        if not a.json:
+            for o in outputs:
+                emit_text = o["text"]
+                sys.stdout.write("".join(f"[{o['index']}] {line}\n" for line in
+                                         emit_text.splitlines()) if many else emit_text)
+    if not a.json and not many:
+        sys.stdout.write("\n")
     payload = {"device": cfg.device, "timings_are_performance": on_gpu, "metrics": snap}
+    if dp is not None:
+        payload["dp_size"] = dp.world_size  # metrics: rank 0's engine
     if a.metrics_json:
         write_json(a.metrics_json, payload)
     if a.json:
         print(json.dumps({"outputs": outputs, **payload}))
         return 0
-    for s in streams:
-        print(f"[{s.index}] finished: {s.req.finish_reason}, {len(s.req.output)} tokens",
+    for o in outputs:
+        print(f"[{o['index']}] finished: {o['finish_reason']}, {len(o['token_ids'])} tokens",
               file=sys.stderr)
     for line in metrics_lines(snap, timings=on_gpu):
         print(line, file=sys.stderr)
