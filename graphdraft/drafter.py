@@ -268,7 +268,7 @@ class EagleDrafter:
         if decode:
             self.stats.decode_calls += 1
             with nvtx_range("draft_decode"):
-                self.decode_graphs.run(pbs)
+                self.decode_graphs.run(pbs, padded_bs=pbs)
             return self._output(bs, copy_output)
 
         self.stats.mixed_calls += 1
@@ -278,7 +278,7 @@ class EagleDrafter:
             with nvtx_range("draft_multi_step"):
                 ib.pad_rows(bs, pbs)  # the first step ran at bs: neutral rows up to pbs
                 self._pad_draft_rows(bs, pbs)
-                self.multi_step_graphs.run(pbs)
+                self.multi_step_graphs.run(pbs, padded_bs=pbs)
         elif self.S > 1:
             self.stats.skipped_multi_step += 1
             b.next_tokens[:bs, 2:] = b.next_tokens[:bs, :1]

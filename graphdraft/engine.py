@@ -400,7 +400,7 @@ class Engine:
             pbs = padded_batch_size(self.schedule, bs) or bs
             ib.pad_rows(bs, pbs)
             ib.pad_tokens(bs * self.n_row, pbs * self.n_row)
-            out = self.verify_graphs.run(pbs)
+            out = self.verify_graphs.run(pbs, padded_bs=pbs)
             t = bs * self.n_row
             aux = out.aux_hidden[:t] if out.aux_hidden is not None else None
             return TargetOutput(out.logits[:t], aux)
@@ -506,13 +506,13 @@ class Engine:
         """The same cycle as verify graph, eager accept, draft graph (or any drafter's run),
         eager commit and pack."""
         self._prepare(0, 0, pbs)
-        out = self.verify_graphs.run(pbs)
+        out = self.verify_graphs.run(pbs, padded_bs=pbs)
         tokens = self._tokens_buffer(pbs)
         self._accept(0, 0, pbs, self.n_row, out.logits, self.inputs.req_pool_indices[:pbs],
                      tokens)
         nxt = None
         if self._cycle_drafter is not None:
-            nxt = self._cycle_drafter.decode_graphs.run(pbs)
+            nxt = self._cycle_drafter.decode_graphs.run(pbs, padded_bs=pbs)
         elif self.drafter is not None:
             ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * self.n_row)
             aux = out.aux_hidden[: bs * self.n_row] if out.aux_hidden is not None else None
@@ -597,7 +597,7 @@ class Engine:
             pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
             if self._own_drafter and self.cfg.cycle_graph:
-                self.cycle_graphs.run(pbs)
+                self.cycle_graphs.run(pbs, padded_bs=pbs)
             else:
                 self._split_cycle(bs, pbs)
             if self._cycle_drafter is not None:  # it drafted once, inside the cycle

@@ -265,3 +265,25 @@ def test_state_snapshot_restore_replays_a_cycle_identically():
     assert torch.equal(first, again)
     assert all(torch.equal(after[k], v) for k, v in eng.state_snapshot().items())
     assert not torch.equal(after["valid_cache_lengths"], snap["valid_cache_lengths"])
+
+
+@pytest.mark.parametrize("cycle_graph", [True, False])
+def test_every_forward_runs_at_exactly_the_staged_padded_size(cycle_graph):
+    """The engine and the drafter stage rows up to the schedule's padded size and ask for that
+    size exactly (`run(pbs, padded_bs=pbs)`): a size dropped at capture (OOM) then runs eagerly
+    instead of replaying a larger graph over rows nobody staged (stale slots, stale KV targets)."""
+    target, head = make_models(3)
+    eng = Engine(target, runtime(cycle_graph=cycle_graph, cuda_graph_bs=(2, 4, 6)), head)
+    calls = []
+    forwards = [eng.cycle_graphs, eng.verify_graphs, eng.drafter.decode_graphs,
+                eng.drafter.multi_step_graphs]
+    for f in forwards:
+        def record(bs, padded_bs=None, _run=f.run, _name=f.name):
+            calls.append((_name, bs, padded_bs))
+            return _run(bs, padded_bs)
+        f.run = record
+    eng.generate(prompts(11, 5), SamplingParams(max_new_tokens=9))
+    names = {name for name, _, _ in calls}
+    assert ({"spec_cycle"} if cycle_graph else {"target_verify", "draft_decode"}) <= names
+    assert "draft_multi_step" in names
+    assert calls and all(p == bs and bs in (2, 4, 6) for _, bs, p in calls), calls
