@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from capture import padded_batch_size
+from graphdraft.parallel import check_rank
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
@@ -105,10 +106,7 @@ class DataParallel:
     decisions: list | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size: expected an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {self.rank!r}")
+        check_rank(self.rank, self.world_size)
 
     @classmethod
     def from_group(cls, group: Any = None) -> DataParallel:

@@ -59,6 +59,14 @@ from torch import nn
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def check_rank(rank: object, world_size: object) -> None:
+    """ValueError naming `world_size` / `rank` unless 0 <= rank < world_size (ints)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group.
@@ -72,10 +80,7 @@ class TensorParallel:
     group: Any = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size: expected an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {self.rank!r}")
+        check_rank(self.rank, self.world_size)
 
     @classmethod
     def from_group(cls, group: Any = None) -> TensorParallel:

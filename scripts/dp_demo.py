@@ -37,10 +37,8 @@ from graphdraft.data_parallel import (  # noqa: E402
     shard_dense_,
     spread,
 )
-from graphdraft.eagle3 import Eagle3DraftHead  # noqa: E402
 from graphdraft.engine import Engine  # noqa: E402
-from graphdraft.layers import init_random_  # noqa: E402
-from graphdraft.llama import LlamaForCausalLM  # noqa: E402
+from graphdraft.random_models import random_model_pair  # noqa: E402
 from graphdraft.verify import SamplingParams  # noqa: E402
 
 
@@ -49,12 +47,7 @@ def random_pair(dtype: torch.dtype, seed: int):
     tc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
                      intermediate_size=688, num_hidden_layers=6, vocab_size=1000,
                      max_position_embeddings=2048, rope_theta=10000.0)
-    target = LlamaForCausalLM(tc, dtype)
-    init_random_(target, seed, std=0.1)
-    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), dtype)
-    init_random_(head, seed + 1, std=0.1)
-    head.embed_tokens = target.embed_tokens
-    return target, head
+    return random_model_pair(tc, tc.replace(num_hidden_layers=1), dtype, seed, std=0.1)
 
 
 def main() -> None:

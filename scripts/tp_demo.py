@@ -28,11 +28,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphdraft.config import ModelConfig, RuntimeConfig  # noqa: E402
-from graphdraft.eagle3 import Eagle3DraftHead  # noqa: E402
 from graphdraft.engine import Engine  # noqa: E402
-from graphdraft.layers import init_random_  # noqa: E402
-from graphdraft.llama import LlamaForCausalLM  # noqa: E402
 from graphdraft.parallel import init_tensor_parallel, shard_  # noqa: E402
+from graphdraft.random_models import random_model_pair  # noqa: E402
 from graphdraft.verify import SamplingParams  # noqa: E402
 
 
@@ -41,12 +39,7 @@ def random_pair(dtype: torch.dtype, seed: int):
     tc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
                      intermediate_size=688, num_hidden_layers=6, vocab_size=1000,
                      max_position_embeddings=2048, rope_theta=10000.0)
-    target = LlamaForCausalLM(tc, dtype)
-    init_random_(target, seed, std=0.1)
-    head = Eagle3DraftHead(tc.replace(num_hidden_layers=1), dtype)
-    init_random_(head, seed + 1, std=0.1)  # its own table, dropped below: the target's stays as drawn
-    head.embed_tokens = target.embed_tokens
-    return target, head
+    return random_model_pair(tc, tc.replace(num_hidden_layers=1), dtype, seed, std=0.1)
 
 
 def build(args, tp, dtype: torch.dtype):
