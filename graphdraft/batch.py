@@ -29,14 +29,6 @@ class ForwardMode(enum.Enum):
         return cls.EXTEND if num_extends == bs else cls.MIXED
 
 
-class CaptureHiddenMode(enum.Enum):
-    """Which hidden states a forward returns: none, the gathered rows, or every token."""
-
-    NONE = "none"
-    LAST = "last"
-    FULL = "full"
-
-
 @dataclass
 class ForwardContext:
     """The target's batch as the drafter sees it, after the engine filled `InputBuffers`.
@@ -51,7 +43,6 @@ class ForwardContext:
     num_extends: int
     input_num_tokens: int
     forward_mode: ForwardMode | None = None
-    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.FULL
     all_extends_mid_chunk: bool = False
 
     def __post_init__(self) -> None:
