@@ -22,6 +22,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 LAYOUTS = ("contiguous", "rows")
+INDEX_DTYPES = (torch.int32, torch.int64)  # row indices, slots, positions
 
 _Dim = int | str | None
 

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.checks import expect_tensor
 from graphdraft.config import ModelConfig
 from graphdraft.kernels.argmax import check_ids_out
-from graphdraft.kernels.fused_inputs import check_rows_out
 from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
 from graphdraft.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
@@ -162,8 +162,8 @@ class Eagle3DraftHead(nn.Module):
         rows = input_ids.shape[0] if gather_ids is None else gather_ids.shape[0]
         check_ids_out(ids_out, tokens_out, rows, input_ids.device)  # before anything is written
         if hidden_out is not None:
-            check_rows_out("hidden_out", hidden_out, rows, self.config.hidden_size, self.dtype,
-                           input_ids.device)
+            expect_tensor("hidden_out", hidden_out, shape=(rows, self.config.hidden_size),
+                          dtypes=self.dtype, device=input_ids.device, layout="rows")
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
-from graphdraft.kernels.fused_inputs import check_row_index
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kv_cache import kv_slot
 
@@ -210,8 +210,9 @@ def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_siz
         raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last dim, got {tuple(q.shape)} {q.dtype}")
     T, Hq, D = q.shape
     if q_index is not None:
-        T = q_index.shape[0] if q_index.dim() == 1 else -1
-        check_row_index("q_index", q_index, T, q.device)
+        expect_tensor("q_index", q_index, shape=("T",), dtypes=INDEX_DTYPES, device=q.device,
+                      layout="contiguous")
+        T = q_index.shape[0]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device or c.stride(2) != 1:
             raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous last dim, got {c.dtype} {tuple(c.shape)}")

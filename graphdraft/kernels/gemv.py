@@ -43,8 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
-from graphdraft.kernels.fused_inputs import check_row_index, check_rows_out, sum_partials
+from graphdraft.kernels.fused_inputs import sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
@@ -450,7 +451,8 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                          f"{x.dtype} with unit column stride, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
     if residual_index is not None:
-        check_row_index("residual_index", residual_index, m, x.device)
+        expect_tensor("residual_index", residual_index, shape=(m,), dtypes=INDEX_DTYPES,
+                      device=x.device, layout="contiguous")
     if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
@@ -458,7 +460,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
         raise ValueError(f"w: expected at most {MAX_NORM_N} rows (the norm holds a row in "
                          f"registers), got {n}")
     if h_out is not None:
-        check_rows_out("h_out", h_out, m, n, x.dtype, x.device)
+        expect_tensor("h_out", h_out, shape=(m, n), dtypes=x.dtype, device=x.device, layout="rows")
     cfg = config or gemv_config(m, n, _k_of(x, act))
     x, act = _act_input(x, act)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.kernels.fused_inputs import check_partials, check_row_index, sum_partials
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.fused_inputs import check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
@@ -129,7 +130,8 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
         if b_rows.shape[1] != N or b_rows.dtype != a.dtype or b_rows.device != a.device:
             raise ValueError(f"b: expected {a.dtype} [M, {N}] on {a.device} like a's rows, "
                              f"got {b.dtype} {tuple(b.shape)} on {b.device}")
-        check_row_index("a_index", a_index, M, a.device)
+        expect_tensor("a_index", a_index, shape=(M,), dtypes=INDEX_DTYPES, device=a.device,
+                      layout="contiguous")
     out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
     if M > 0:
         block = triton.next_power_of_2(N)
