@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["argmax_with_map", "argmax_with_map_ref", "check_ids_out", "num_sms"]
@@ -147,37 +148,29 @@ def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Ten
 
 
 def _check(logits: torch.Tensor, hot_token_ids: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
-        raise ValueError(f"logits: expected [B, V] float32/float16/bfloat16, got {tuple(logits.shape)} {logits.dtype}")
-    if logits.shape[1] == 0 or (logits.shape[0] > 0 and logits.stride(1) != 1):
-        raise ValueError("logits: need V >= 1 and unit column stride")
-    if logits.shape[1] >= _BIG_INT:
-        raise ValueError("logits: V must fit in int32")
-    if hot_token_ids is not None and (
-        hot_token_ids.dtype != torch.int64
-        or hot_token_ids.shape != (logits.shape[1],)
-        or not hot_token_ids.is_contiguous()
-        or hot_token_ids.device != logits.device
-    ):
-        raise ValueError(f"hot_token_ids: expected contiguous int64 [{logits.shape[1]}] on {logits.device}")
-    if out is not None and (
-        out.dtype != torch.int64 or out.shape != (logits.shape[0],) or not out.is_contiguous() or out.device != logits.device
-    ):
-        raise ValueError(f"out: expected contiguous int64 [{logits.shape[0]}] on {logits.device}")
+    expect_tensor("logits", logits, shape=("B", "V"), dtypes=_LOGIT_DTYPES)
+    B, V = logits.shape
+    # the column stride is read only when there is a row (B == 0 launches nothing)
+    expect_tensor("logits", logits, layout="rows" if B > 0 else None)
+    if not 1 <= V < _BIG_INT:
+        raise ValueError(f"logits: expected V in [1, {_BIG_INT}) (fits in int32), got {V}")
+    if hot_token_ids is not None:
+        expect_tensor("hot_token_ids", hot_token_ids, shape=(V,), dtypes=torch.int64,
+                      device=logits.device, layout="contiguous")
+    if out is not None:
+        expect_tensor("out", out, shape=(B,), dtypes=torch.int64, device=logits.device,
+                      layout="contiguous")
 
 
 def check_ids_out(ids_out: torch.Tensor | None, tokens_out: torch.Tensor | None, m: int,
                   device: torch.device) -> None:
     """Destinations of `m` greedy ids: `ids_out` int64 `[m]` contiguous, `tokens_out`
     int32/int64 `[m]` any stride; both optional, on `device`."""
-    if ids_out is not None and (ids_out.shape != (m,) or ids_out.dtype != torch.int64
-                                or not ids_out.is_contiguous() or ids_out.device != device):
-        raise ValueError(f"ids_out: expected contiguous int64 [{m}] on {device}, got "
-                         f"{ids_out.dtype} {tuple(ids_out.shape)} on {ids_out.device}")
-    if tokens_out is not None and (tokens_out.shape != (m,) or tokens_out.device != device
-                                   or tokens_out.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"tokens_out: expected int32/int64 [{m}] on {device}, got "
-                         f"{tokens_out.dtype} {tuple(tokens_out.shape)} on {tokens_out.device}")
+    if ids_out is not None:
+        expect_tensor("ids_out", ids_out, shape=(m,), dtypes=torch.int64, device=device,
+                      layout="contiguous")
+    if tokens_out is not None:
+        expect_tensor("tokens_out", tokens_out, shape=(m,), dtypes=INDEX_DTYPES, device=device)
 
 
 def _pick_splits(B: int, V: int, block: int, device: torch.device) -> int:
