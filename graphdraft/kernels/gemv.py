@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.checks import INDEX_DTYPES, expect_one_of, expect_tensor
 from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
 from graphdraft.kernels.fused_inputs import sum_partials
 from graphdraft.kernels.norm import rms_norm_row
@@ -55,6 +55,7 @@ MAX_M = 64
 MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
 TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 FINISH_NORM_MAX_M = 4
 """Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
@@ -269,26 +270,17 @@ def _k_of(x: torch.Tensor, act: str | None) -> int:
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str | None) -> None:
-    if act not in ACTS:
-        raise ValueError(f"act: expected one of {ACTS}, got {act!r}")
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x: expected a 2-D tensor with unit column stride, got shape "
-                         f"{tuple(x.shape)} strides {x.stride()}")
+    expect_one_of("act", act, ACTS)
+    expect_tensor("x", x, shape=("M", "K"), layout="rows")
     if not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"x: expected 1..{MAX_M} rows, got {x.shape[0]}")
     k = _k_of(x, act)
     if act == "silu_mul" and x.shape[1] % 2:
         raise ValueError(f"x: expected an even width [gate ; up] for act='silu_mul', got {x.shape[1]}")
-    if w.dim() != 2 or not w.is_contiguous() or w.shape[1] != k:
-        raise ValueError(f"w: expected a contiguous [N, {k}] tensor, got {tuple(w.shape)}")
-    if w.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"w: expected dtype {x.dtype} (bf16/fp16/fp32), got {w.dtype}")
-    if w.device != x.device:
-        raise ValueError(f"w: expected device {x.device}, got {w.device}")
-    if out is not None and (tuple(out.shape) != (x.shape[0], w.shape[0]) or out.dtype != x.dtype
-                            or out.stride(-1) != 1):
-        raise ValueError(f"out: expected [{x.shape[0]}, {w.shape[0]}] {x.dtype} with unit column "
-                         f"stride, got {tuple(out.shape)} {out.dtype}")
+    expect_tensor("w", w, shape=("N", k), dtypes=x.dtype, device=x.device, layout="contiguous")
+    expect_tensor("x", x, dtypes=_DTYPES)
+    if out is not None:
+        expect_tensor("out", out, shape=(x.shape[0], w.shape[0]), dtypes=x.dtype, layout="rows")
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -418,10 +410,8 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     cfg = config or gemv_config(m, n, k, max_split=1)
     if cfg.split != 1:
         raise ValueError(f"config: the argmax epilogue needs split == 1, got {cfg.split}")
-    if hot_token_ids is not None and (hot_token_ids.dtype != torch.int64
-                                      or hot_token_ids.shape != (n,)):
-        raise ValueError(f"hot_token_ids: expected int64 [{n}], got {hot_token_ids.dtype} "
-                         f"{tuple(hot_token_ids.shape)}")
+    if hot_token_ids is not None:
+        expect_tensor("hot_token_ids", hot_token_ids, shape=(n,), dtypes=torch.int64)
     logits = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ids = ids_out if ids_out is not None else torch.empty(m, dtype=torch.int64, device=x.device)
     n_blocks = triton.cdiv(n, cfg.block_n)
@@ -444,18 +434,12 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     for M <= FINISH_NORM_MAX_M inside the GEMV launch (its last program), else in a second one."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
-    rows = m if residual_index is None else residual.shape[0]
-    if (residual.dim() != 2 or tuple(residual.shape) != (rows, n) or residual.dtype != x.dtype
-            or residual.stride(-1) != 1):
-        raise ValueError(f"residual: expected [{'R' if residual_index is not None else m}, {n}] "
-                         f"{x.dtype} with unit column stride, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
+    expect_tensor("residual", residual, shape=("R" if residual_index is not None else m, n),
+                  dtypes=x.dtype, layout="rows")
     if residual_index is not None:
         expect_tensor("residual_index", residual_index, shape=(m,), dtypes=INDEX_DTYPES,
                       device=x.device, layout="contiguous")
-    if norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight: expected contiguous {x.dtype} [{n}], got "
-                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    expect_tensor("norm_weight", norm_weight, shape=(n,), dtypes=x.dtype, layout="contiguous")
     if n > MAX_NORM_N:
         raise ValueError(f"w: expected at most {MAX_NORM_N} rows (the norm holds a row in "
                          f"registers), got {n}")
