@@ -111,11 +111,9 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
     if b.dim() == 3:
         M = b.shape[1]
         check_partials("b", b, M, N, a.device)
-        if (b_out is None or b_out.shape != (M, N) or b_out.dtype != a.dtype
-                or b_out.device != a.device or (M > 0 and N > 1 and b_out.stride(1) != 1)):
-            got = "None" if b_out is None else f"{b_out.dtype} {tuple(b_out.shape)} on {b_out.device}"
-            raise ValueError(f"b_out: expected {a.dtype} [{M}, {N}] on {a.device} with unit column "
-                             f"stride (for the sum of b's split partials), got {got}")
+        # required: the sum of b's split partials lands there
+        expect_tensor("b_out", b_out, shape=(M, N), dtypes=a.dtype, device=a.device,
+                      layout=_rows_if_read(b_out))
         _check(b_out, weight_b, None, None, None)
         b_rows = b_out
     else:
@@ -146,24 +144,23 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
     return out
 
 
-def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(f"{name}: expected {like.dtype} {tuple(like.shape)} on {like.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if t.shape[0] > 0 and t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name}: rows must be contiguous (unit column stride)")
+def _rows_if_read(t: object) -> str | None:
+    """"rows" (unit column stride) for a `[M, N]` tensor the kernel reads by column: not when
+    it is empty or has a single column (that stride is then never used)."""
+    read = isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 1
+    return "rows" if read else None
 
 
 def _check(x, weight, residual, out, residual_out) -> None:
-    if x.dim() != 2 or x.dtype not in _DTYPES:
-        raise ValueError(f"x: expected [M, N] float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
+    expect_tensor("x", x, shape=("M", "N"), dtypes=_DTYPES, layout=_rows_if_read(x))
     if not 1 <= x.shape[1] <= _MAX_N:
         raise ValueError(f"x: N must be in [1, {_MAX_N}], got {x.shape[1]}")
-    _check_2d("x", x, x)
-    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
-        raise ValueError(f"weight: expected contiguous {x.dtype} [{x.shape[1]}], got {weight.dtype} {tuple(weight.shape)}")
+    expect_tensor("weight", weight, shape=(x.shape[1],), dtypes=x.dtype, device=x.device,
+                  layout="contiguous")
     for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
         if t is not None:
-            _check_2d(name, t, x)
+            expect_tensor(name, t, shape=tuple(x.shape), dtypes=x.dtype, device=x.device,
+                          layout=_rows_if_read(t))
     if residual is None and residual_out is not None:
         raise ValueError("residual_out: only valid together with residual")
 
