@@ -19,13 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.fused_inputs import check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -109,38 +109,29 @@ def _rope_store_kernel(
 
 
 def _check_q(name, q) -> None:
-    if q.dim() != 3 or q.dtype not in _DTYPES:
-        raise ValueError(f"{name}: expected [T, Hq, D] float32/float16/bfloat16, got {tuple(q.shape)} {q.dtype}")
-    if q.shape[2] % 2 or q.stride(2) != 1:
-        raise ValueError(f"{name}: head_dim must be even and the last dim contiguous")
+    expect_tensor(name, q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
+    if q.shape[2] % 2:
+        raise ValueError(f"{name}: expected an even head_dim D, got {q.shape[2]}")
 
 
 def _check_targets(q, hkv, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
     """The caches, rows and table around q `[T, Hq, D]` (which fixes T, D, dtype and device)."""
     T, _, D = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[1:] != (hkv, D) or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} [num_slots, {hkv}, {D}], got {t.dtype} {tuple(t.shape)}")
-        if t.stride(2) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
+        expect_tensor(name, t, shape=("num_slots", hkv, D), dtypes=q.dtype, device=q.device,
+                      layout="rows")
     for name, t in (("positions", positions), ("out_cache_loc", out_cache_loc)):
-        if t.shape != (T,) or t.dtype not in _INDEX_DTYPES or not t.is_contiguous() or t.device != q.device:
-            raise ValueError(f"{name}: expected contiguous int64 (or int32) [{T}], got {t.dtype} {tuple(t.shape)}")
-    cs = cos_sin_cache
-    if cs.dim() != 2 or cs.shape[1] != D or cs.dtype != torch.float32 or cs.stride(1) != 1 or cs.device != q.device:
-        raise ValueError(f"cos_sin_cache: expected float32 [max_pos, {D}] with a contiguous last dim, got {cs.dtype} {tuple(cs.shape)}")
+        expect_tensor(name, t, shape=(T,), dtypes=INDEX_DTYPES, device=q.device, layout="contiguous")
+    expect_tensor("cos_sin_cache", cos_sin_cache, shape=("max_pos", D), dtypes=torch.float32,
+                  device=q.device, layout="rows")
 
 
 def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -> None:
     _check_q("q", q)
     T, _, D = q.shape
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3 or t.shape[0] != T or t.shape[2] != D or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} [{T}, Hkv, {D}], got {t.dtype} {tuple(t.shape)}")
-        if t.stride(2) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        expect_tensor(name, t, shape=(T, "Hkv", D), dtypes=q.dtype, device=q.device, layout="rows")
+    expect_tensor("v", v, shape=tuple(k.shape))  # the shape of k
     _check_targets(q, k.shape[1], positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
 
 
@@ -205,8 +196,7 @@ def rope_and_store_kv_partials(
     would have written. Rotated q goes to ``q_out`` ``[T, Hq, D]`` (cache dtype, last dim
     contiguous; allocated when None), which is returned; k and v go to the cache as there.
     """
-    if k_cache.dim() != 3:
-        raise ValueError(f"k_cache: expected [num_slots, Hkv, D], got {tuple(k_cache.shape)}")
+    expect_tensor("k_cache", k_cache, shape=("num_slots", "Hkv", "D"))
     hkv, D = k_cache.shape[1], k_cache.shape[2]
     width = qkv.shape[-1] if qkv.dim() == 3 else 0
     if width % D or width // D <= 2 * hkv:
@@ -217,9 +207,7 @@ def rope_and_store_kv_partials(
     if q_out is None:
         q_out = torch.empty((T, Hq, D), dtype=k_cache.dtype, device=k_cache.device)
     _check_q("q_out", q_out)
-    if q_out.shape != (T, Hq, D) or q_out.dtype != k_cache.dtype or q_out.device != k_cache.device:
-        raise ValueError(f"q_out: expected {k_cache.dtype} [{T}, {Hq}, {D}] on {k_cache.device}, "
-                         f"got {q_out.dtype} {tuple(q_out.shape)} on {q_out.device}")
+    expect_tensor("q_out", q_out, shape=(T, Hq, D), dtypes=k_cache.dtype, device=k_cache.device)
     _check_targets(q_out, hkv, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
     if T > 0:
         q, k, v = qkv.view(qkv.shape[0], T, Hq + 2 * hkv, D).split([Hq, hkv, hkv], dim=2)
