@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
 from graphdraft.kernels.buckets import rows_block
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
@@ -41,9 +42,6 @@ __all__ = [
 ]
 
 _MAX_TOKEN_BLOCK = 128  # tokens per loop iteration, uniform kernel (upper bound)
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
 
 # --------------------------------------------------------------------------- kernels
 
@@ -150,52 +148,17 @@ def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delt
 # --------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be a python int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_req_to_page(req_to_page: object) -> torch.Tensor:
-    if not isinstance(req_to_page, torch.Tensor):
-        raise ValueError(f"req_to_page must be a torch.Tensor, got {type(req_to_page).__name__}")
-    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32:
-        raise ValueError(
-            "req_to_page must be a 2-D int32 tensor [max_reqs, max_pages], got "
-            f"shape {tuple(req_to_page.shape)} dtype {req_to_page.dtype}"
-        )
-    return req_to_page
-
-
-def _check_index(name: str, t: object, device: torch.device, bs: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
-        raise ValueError(
-            f"{name} must be a 1-D int32/int64 tensor [bs], got shape {tuple(t.shape)} dtype {t.dtype}"
-        )
-    if bs is not None and t.shape[0] != bs:
-        raise ValueError(f"{name} must have shape [{bs}] (bs), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (req_to_page's device), got {t.device}")
-    return t
-
-
-def _check_out(name: str, t: object, device: torch.device, min_numel: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous int64 tensor, got dtype {t.dtype}, strides {t.stride()}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (req_to_page's device), got {t.device}")
+def _check_out(t: object, device: torch.device, min_numel: int) -> torch.Tensor:
+    """`out`: contiguous int64 on `device` holding at least `min_numel` elements."""
+    expect_tensor("out", t, dtypes=torch.int64, device=device, layout="contiguous")
     if t.numel() < min_numel:
-        raise ValueError(f"{name} must hold at least {min_numel} elements, got {t.numel()}")
+        raise ValueError(f"out: expected at least {min_numel} elements, got {t.numel()}")
     return t
 
 
 def _uniform_strides(length: int, stride_req: int | None, stride_tok: int | None) -> tuple[int, int]:
-    stride_req = length if stride_req is None else _check_int("out_stride_req", stride_req, 0)
-    stride_tok = 1 if stride_tok is None else _check_int("out_stride_tok", stride_tok, 0)
+    stride_req = length if stride_req is None else expect_int("out_stride_req", stride_req, 0)
+    stride_tok = 1 if stride_tok is None else expect_int("out_stride_tok", stride_tok, 0)
     return stride_req, stride_tok
 
 
@@ -233,15 +196,16 @@ def compute_out_cache_loc_uniform(
             receive ``cache_start[r]`` and ``cache_start[r] + 1`` (the first draft decode
             step's position and KV length), in the same launch.
     """
-    req_to_page = _check_req_to_page(req_to_page)
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
     dev = req_to_page.device
-    bs = _check_index("req_pool_indices", req_pool_indices, dev).shape[0]
-    _check_index("cache_start", cache_start, dev, bs)
-    page_size = _check_int("page_size", page_size, 1)
-    length = _check_int("length", length, 0)
+    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
+                       device=dev).shape[0]
+    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
+    page_size = expect_int("page_size", page_size, 1)
+    length = expect_int("length", length, 0)
     s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
     need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
-    _check_out("out", out, dev, need)
+    _check_out(out, dev, need)
     first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
     if bs == 0 or (need == 0 and not first):
         return
@@ -265,10 +229,7 @@ def check_first_step_outputs(positions_out: torch.Tensor | None, seq_lens_out: t
         return False
     for name, t, dtype in (("positions_out", positions_out, torch.int64),
                            ("seq_lens_out", seq_lens_out, torch.int32)):
-        if (not isinstance(t, torch.Tensor) or t.shape != (bs,) or t.dtype != dtype
-                or not t.is_contiguous() or t.device != device):
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor [{bs}] on {device}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        expect_tensor(name, t, shape=(bs,), dtypes=dtype, device=device, layout="contiguous")
     return True
 
 
@@ -280,16 +241,10 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
         positions: ``[bs]`` int64 (any stride), same device.
         delta: python int, baked into a captured graph.
     """
-    for name, t, dtype in (("seq_lens", seq_lens, torch.int32), ("positions", positions, torch.int64)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != dtype:
-            got = f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 1-D {dtype} tensor [bs], got {got}")
-    if positions.shape != seq_lens.shape:
-        raise ValueError(f"positions must have seq_lens' shape {tuple(seq_lens.shape)}, got {tuple(positions.shape)}")
-    if positions.device != seq_lens.device:
-        raise ValueError(f"positions must be on seq_lens' device {seq_lens.device}, got {positions.device}")
-    if isinstance(delta, bool) or not isinstance(delta, int):
-        raise ValueError(f"delta must be a python int, got {delta!r}")
+    expect_tensor("seq_lens", seq_lens, shape=("bs",), dtypes=torch.int32)
+    expect_tensor("positions", positions, shape=tuple(seq_lens.shape), dtypes=torch.int64,
+                  device=seq_lens.device)  # seq_lens' shape and device
+    expect_int("delta", delta)
     bs = seq_lens.shape[0]
     if bs == 0:
         return
