@@ -206,30 +206,26 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device
 def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out,
            q_index) -> int:
     """Returns T, the number of query rows."""
-    if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
-        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last dim, got {tuple(q.shape)} {q.dtype}")
+    expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
     T, Hq, D = q.shape
     if q_index is not None:
         expect_tensor("q_index", q_index, shape=("T",), dtypes=INDEX_DTYPES, device=q.device,
                       layout="contiguous")
         T = q_index.shape[0]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device or c.stride(2) != 1:
-            raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous last dim, got {c.dtype} {tuple(c.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        expect_tensor(name, c, shape=("num_slots", "Hkv", D), dtypes=q.dtype, device=q.device,
+                      layout="rows")
+    expect_tensor("v_cache", v_cache, shape=tuple(k_cache.shape))  # the shape of k_cache
     if Hq % k_cache.shape[1]:
         raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
-    if req_pool_indices.shape != (T,) or req_pool_indices.dtype not in (torch.int32, torch.int64) or req_pool_indices.device != q.device or not req_pool_indices.is_contiguous():
-        raise ValueError(f"req_pool_indices: expected contiguous int32/int64 [{T}], got {req_pool_indices.dtype} {tuple(req_pool_indices.shape)}")
-    if kv_lens.shape != (T,) or kv_lens.dtype not in (torch.int32, torch.int64) or kv_lens.device != q.device or not kv_lens.is_contiguous():
-        raise ValueError(f"kv_lens: expected contiguous int32 [{T}], got {kv_lens.dtype} {tuple(kv_lens.shape)}")
-    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32 or req_to_page.device != q.device:
-        raise ValueError(f"req_to_page: expected int32 [max_reqs, max_pages], got {req_to_page.dtype} {tuple(req_to_page.shape)}")
+    for name, t in (("req_pool_indices", req_pool_indices), ("kv_lens", kv_lens)):
+        expect_tensor(name, t, shape=(T,), dtypes=INDEX_DTYPES, device=q.device, layout="contiguous")
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32,
+                  device=q.device)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-    if out is not None and (out.shape != (T, Hq, D) or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1):
-        raise ValueError(f"out: expected {q.dtype} {(T, Hq, D)} with a contiguous last dim")
+    if out is not None:
+        expect_tensor("out", out, shape=(T, Hq, D), dtypes=q.dtype, device=q.device, layout="rows")
     return T
 
 

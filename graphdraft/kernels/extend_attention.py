@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kv_cache import kv_slot
@@ -46,7 +47,6 @@ __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_s
            "tile_config"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 MAX_MASK_TOKENS = 64
 """mask_bits words are int64: at most 64 new tokens per row with a mask."""
@@ -248,28 +248,18 @@ def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torc
 def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
            page_size, max_extend, uniform_n, mask_bits, out) -> int:
     """Returns R, the number of rows. ValueError naming the argument; nothing is written."""
-    if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
-        raise ValueError(f"q: expected [T, Hq, D] float32/float16/bfloat16 with a contiguous last "
-                         f"dim, got {tuple(q.shape)} {q.dtype}")
+    expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
     T, Hq, D = q.shape
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (c.dim() != 3 or c.shape[2] != D or c.dtype != q.dtype or c.device != q.device
-                or c.stride(2) != 1):
-            raise ValueError(f"{name}: expected {q.dtype} [num_slots, Hkv, {D}] with a contiguous "
-                             f"last dim, got {c.dtype} {tuple(c.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got "
-                         f"{tuple(v_cache.shape)}")
+        expect_tensor(name, c, shape=("num_slots", "Hkv", D), dtypes=q.dtype, device=q.device,
+                      layout="rows")
+    expect_tensor("v_cache", v_cache, shape=tuple(k_cache.shape))  # the shape of k_cache
     if Hq % k_cache.shape[1]:
         raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
-    if (req_pool_indices.dim() != 1 or req_pool_indices.dtype not in _INDEX
-            or req_pool_indices.device != q.device or not req_pool_indices.is_contiguous()):
-        raise ValueError(f"req_pool_indices: expected contiguous int32/int64 [R], got "
-                         f"{req_pool_indices.dtype} {tuple(req_pool_indices.shape)}")
+    expect_tensor("req_pool_indices", req_pool_indices, shape=("R",), dtypes=INDEX_DTYPES,
+                  device=q.device, layout="contiguous")
     R = req_pool_indices.shape[0]
-    if seq_lens.shape != (R,) or seq_lens.dtype not in _INDEX or seq_lens.device != q.device:
-        raise ValueError(f"seq_lens: expected int32/int64 [{R}], got {seq_lens.dtype} "
-                         f"{tuple(seq_lens.shape)}")
+    expect_tensor("seq_lens", seq_lens, shape=(R,), dtypes=INDEX_DTYPES, device=q.device)
     if not isinstance(uniform_n, int) or uniform_n < 0:
         raise ValueError(f"uniform_n: expected an int >= 0, got {uniform_n!r}")
     if uniform_n:
@@ -278,30 +268,24 @@ def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_start
         max_extend = uniform_n
     else:
         for name, x in (("extend_lens", extend_lens), ("q_starts", q_starts)):
-            if (x is None or x.shape != (R,) or x.dtype not in _INDEX or x.device != q.device
-                    or not x.is_contiguous()):
-                raise ValueError(f"{name}: expected contiguous int32/int64 [{R}] (rows of "
-                                 f"different lengths need it), got "
-                                 f"{None if x is None else (x.dtype, tuple(x.shape))}")
+            # required (None rejected): rows of different lengths need it
+            expect_tensor(name, x, shape=(R,), dtypes=INDEX_DTYPES, device=q.device,
+                          layout="contiguous")
     if not isinstance(max_extend, int) or max_extend < 1:
         raise ValueError(f"max_extend: expected a positive int (an upper bound of extend_lens), "
                          f"got {max_extend!r}")
     if mask_bits is not None:
-        if (mask_bits.shape != (T,) or mask_bits.dtype != torch.int64
-                or mask_bits.device != q.device or not mask_bits.is_contiguous()):
-            raise ValueError(f"mask_bits: expected contiguous int64 [{T}], got {mask_bits.dtype} "
-                             f"{tuple(mask_bits.shape)}")
+        expect_tensor("mask_bits", mask_bits, shape=(T,), dtypes=torch.int64, device=q.device,
+                      layout="contiguous")
         if max_extend > MAX_MASK_TOKENS:
             raise ValueError(f"max_extend: at most {MAX_MASK_TOKENS} tokens per row with "
                              f"mask_bits, got {max_extend}")
-    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32 or req_to_page.device != q.device:
-        raise ValueError(f"req_to_page: expected int32 [max_reqs, max_pages], got "
-                         f"{req_to_page.dtype} {tuple(req_to_page.shape)}")
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32,
+                  device=q.device)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-    if out is not None and (out.shape != (T, Hq, D) or out.dtype != q.dtype
-                            or out.device != q.device or out.stride(2) != 1):
-        raise ValueError(f"out: expected {q.dtype} {(T, Hq, D)} with a contiguous last dim")
+    if out is not None:
+        expect_tensor("out", out, shape=(T, Hq, D), dtypes=q.dtype, device=q.device, layout="rows")
     return R
 
 
