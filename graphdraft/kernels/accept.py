@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import expect_tensor
+
 __all__ = ["ERR_TOKEN", "FINISH_LENGTH", "FINISH_STOP", "SALT_TARGET", "accept_ref",
            "accept_tokens", "philox_uniform_ref"]
 
@@ -227,17 +229,15 @@ def _accept_kernel(tokens, stride_t, cand, stride_c, slots, stop_ids, max_new, e
 
 
 def _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n):
-    if logits.dim() != 2 or logits.shape[0] < rows * n or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected [>= {rows * n}, V] with unit column stride, "
-                         f"got {tuple(logits.shape)}")
-    for name, t, shape in (("cand", cand, (rows, n)), ("tokens", tokens, (rows, n))):
-        if t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1:
-            raise ValueError(f"{name}: expected {list(shape)} with unit column stride, "
-                             f"got {tuple(t.shape)}")
+    expect_tensor("logits", logits, shape=("rows", "V"), layout="rows")
+    if logits.shape[0] < rows * n:
+        raise ValueError(f"logits: expected at least {rows * n} rows (rows * n), "
+                         f"got {logits.shape[0]}")
+    for name, t in (("cand", cand), ("tokens", tokens)):
+        expect_tensor(name, t, shape=(rows, n), layout="rows")
     for name, t in (("slots", slots), ("seq_lens", seq_lens), ("accept", accept),
                     ("draft_accept", draft_accept), ("finish", finish), ("err", err)):
-        if t.shape != (rows,) or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous [{rows}], got {tuple(t.shape)}")
+        expect_tensor(name, t, shape=(rows,), layout="contiguous")
 
 
 def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
