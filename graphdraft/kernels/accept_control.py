@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
+
 __all__ = ["accept_control", "accept_control_ref", "philox4x32_ref"]
 
 _M32 = 0xFFFFFFFF
@@ -75,34 +77,26 @@ def _accept_control_kernel(tok_ptr, stride_tr, stride_tc, slot_ptr, pos_ptr, ora
 
 def _check(next_tokens, slots, positions, oracle, p, seed, vocab_size) -> tuple[int | None, int]:
     """-> (threshold, or None for a tensor p; S); raises ValueError naming the argument."""
-    if next_tokens.dim() != 2 or next_tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"next_tokens: expected int32/int64 [bs, S + 1], got {next_tokens.dtype} "
-                         f"{tuple(next_tokens.shape)}")
-    bs = next_tokens.shape[0]
+    expect_tensor("next_tokens", next_tokens, shape=("bs", "S + 1"), dtypes=INDEX_DTYPES)
+    bs, dev = next_tokens.shape[0], next_tokens.device
     for name, t in (("slots", slots), ("positions", positions)):
-        if t.shape != (bs,) or t.dtype not in (torch.int32, torch.int64) or (bs and t.stride(0) != 1):
-            raise ValueError(f"{name}: expected contiguous int32/int64 [{bs}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
-    if oracle.dim() != 2 or oracle.dtype != torch.int32:
-        raise ValueError(f"oracle: expected int32 [max_reqs + 1, max_context_len], got "
-                         f"{oracle.dtype} {tuple(oracle.shape)}")
+        # unit stride whenever there is a row (strictly: also a single row)
+        expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES, device=dev,
+                      layout="rows" if bs else None)
+    expect_tensor("oracle", oracle, shape=("max_reqs + 1", "max_context_len"), dtypes=torch.int32,
+                  device=dev)
     rows, ctx = oracle.shape
     if rows * ctx >= 2**31:
         raise ValueError(f"oracle: expected (max_reqs + 1) * max_context_len < 2^31 (the noise "
                          f"counter is int32), got {rows} x {ctx}")
-    for name, t in (("slots", slots), ("positions", positions), ("oracle", oracle)):
-        if t.device != next_tokens.device:
-            raise ValueError(f"{name}: expected on {next_tokens.device}, got {t.device}")
     if isinstance(p, torch.Tensor):
         if p.numel() != 1 or p.dtype != torch.float32 or p.device != next_tokens.device:
             raise ValueError(f"p: expected a number in [0, 1] or a one-element float32 tensor on "
                              f"{next_tokens.device}, got {p.dtype} {tuple(p.shape)} on {p.device}")
     elif isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         raise ValueError(f"p: expected a number in [0, 1], got {p!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
-        raise ValueError(f"seed: expected an int in [0, 2^31), got {seed!r}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size < 2**31:
-        raise ValueError(f"vocab_size: expected an int in [2, 2^31), got {vocab_size!r}")
+    expect_int("seed", seed, 0, 2**31 - 1)
+    expect_int("vocab_size", vocab_size, 2, 2**31 - 1)
     # from p's float32 value, as the kernel computes it from a tensor p: both paths agree
     threshold = None if isinstance(p, torch.Tensor) else int(np.float32(p) * np.float32(1 << 24))
     return threshold, next_tokens.shape[1] - 1
