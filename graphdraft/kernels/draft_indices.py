@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.buckets import rows_block
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
@@ -51,26 +52,23 @@ def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather
 def _check(accept, target_seq_lens, req, gather_ids, seq_lens, write_start, n, token_offset,
            tokens, last_token) -> None:
     bs = accept.shape[0]
-    for name, t, dtypes in (("accept", accept, (torch.int32, torch.int64)),
-                            ("target_seq_lens", target_seq_lens, (torch.int32, torch.int64)),
-                            ("req", req, (torch.int32, torch.int64)),
-                            ("gather_ids", gather_ids, (torch.int64,)),
-                            ("seq_lens", seq_lens, (torch.int32,)),
-                            ("write_start", write_start, (torch.int64,))):
-        if t.shape != (bs,) or t.dtype not in dtypes or (bs and t.stride(0) != 1):
-            raise ValueError(f"{name}: expected contiguous [{bs}] of {dtypes}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    for name, t, dtypes in (("accept", accept, INDEX_DTYPES),
+                            ("target_seq_lens", target_seq_lens, INDEX_DTYPES),
+                            ("req", req, INDEX_DTYPES),
+                            ("gather_ids", gather_ids, torch.int64),
+                            ("seq_lens", seq_lens, torch.int32),
+                            ("write_start", write_start, torch.int64)):
+        # unit stride whenever there is a row (strictly: also a single row)
+        expect_tensor(name, t, shape=(bs,), dtypes=dtypes, layout="rows" if bs else None)
     if (tokens is None) != (last_token is None):
         raise ValueError("tokens, last_token: expected both or neither")
     if tokens is not None:
         need = token_offset + bs * n
-        if (tokens.dim() != 1 or tokens.shape[0] < need or tokens.dtype not in (torch.int32, torch.int64)
-                or tokens.stride(0) != 1):
-            raise ValueError(f"tokens: expected contiguous int32/int64 [>= {need}], got "
-                             f"{tokens.dtype} {tuple(tokens.shape)}")
-        if last_token.shape != (bs,) or last_token.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"last_token: expected int32/int64 [{bs}], got {last_token.dtype} "
-                             f"{tuple(last_token.shape)}")
+        expect_tensor("tokens", tokens, shape=("len",), dtypes=INDEX_DTYPES, layout="rows")
+        if tokens.shape[0] < need:
+            raise ValueError(f"tokens: expected at least {need} elements (token_offset + bs * n), "
+                             f"got {tokens.shape[0]}")
+        expect_tensor("last_token", last_token, shape=(bs,), dtypes=INDEX_DTYPES)
 
 
 def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,
