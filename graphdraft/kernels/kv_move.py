@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kv_cache import kv_slot
 
 __all__ = ["move_accepted_kv", "move_accepted_kv_ref", "gather_accepted_hidden",
@@ -37,14 +38,11 @@ __all__ = ["move_accepted_kv", "move_accepted_kv_ref", "gather_accepted_hidden",
 
 
 def _check_rows(req, prefix_len, accept_index, accept_len) -> tuple[int, int]:
-    if accept_index.dim() != 2 or accept_index.dtype != torch.int64 or not accept_index.is_contiguous():
-        raise ValueError(f"accept_index: expected contiguous int64 [B, P], got "
-                         f"{accept_index.dtype} {tuple(accept_index.shape)}")
+    expect_tensor("accept_index", accept_index, shape=("B", "P"), dtypes=torch.int64,
+                  layout="contiguous")
     bs, p = accept_index.shape
     for name, t in (("req", req), ("prefix_len", prefix_len), ("accept_len", accept_len)):
-        if tuple(t.shape) != (bs,) or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous int32/int64 [{bs}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+        expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES, layout="contiguous")
     return bs, p
 
 
@@ -52,17 +50,17 @@ def _check_kv(k_layers, v_layers, req_to_page, page_size) -> None:
     if len(k_layers) != len(v_layers) or not k_layers:
         raise ValueError(f"k_layers, v_layers: expected the same number (>= 1) of layers, got "
                          f"{len(k_layers)} and {len(v_layers)}")
+    expect_tensor("k_layers[0]", k_layers[0], shape=("slots", "Hkv", "D"))
     shape, dtype = k_layers[0].shape, k_layers[0].dtype
     for name, layers in (("k_layers", k_layers), ("v_layers", v_layers)):
         for i, t in enumerate(layers):
-            if t.dim() != 3 or t.shape != shape or t.dtype != dtype or t.stride(2) != 1 \
-                    or t.stride(1) != t.shape[2]:
-                raise ValueError(f"{name}[{i}]: expected [slots, Hkv, D] like k_layers[0] "
-                                 f"{tuple(shape)} {dtype} with each slot contiguous, got "
-                                 f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
-    if req_to_page.dim() != 2 or req_to_page.dtype != torch.int32 or req_to_page.stride(1) != 1:
-        raise ValueError(f"req_to_page: expected int32 [max_reqs + 1, max_pages], got "
-                         f"{req_to_page.dtype} {tuple(req_to_page.shape)}")
+            # like k_layers[0]
+            expect_tensor(f"{name}[{i}]", t, shape=tuple(shape), dtypes=dtype, layout="rows")
+            if t.stride(1) != t.shape[2]:
+                raise ValueError(f"{name}[{i}]: expected each slot [Hkv, D] contiguous, got "
+                                 f"strides {t.stride()}")
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs + 1", "max_pages"),
+                  dtypes=torch.int32, layout="rows")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
 
@@ -142,13 +140,9 @@ def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
 
 
 def _check_hidden(aux_hidden, hid_c, bs, p, n):
-    if aux_hidden.dim() != 2 or aux_hidden.shape[0] != bs * n or aux_hidden.stride(1) != 1:
-        raise ValueError(f"aux_hidden: expected [B*n = {bs * n}, kH] with unit column stride, "
-                         f"got {tuple(aux_hidden.shape)}")
-    if (tuple(hid_c.shape) != (bs * p, aux_hidden.shape[1]) or hid_c.dtype != aux_hidden.dtype
-            or not hid_c.is_contiguous()):
-        raise ValueError(f"hid_c: expected contiguous {aux_hidden.dtype} [B*P = {bs * p}, "
-                         f"{aux_hidden.shape[1]}], got {hid_c.dtype} {tuple(hid_c.shape)}")
+    expect_tensor("aux_hidden", aux_hidden, shape=(bs * n, "kH"), layout="rows")  # [B*n, kH]
+    expect_tensor("hid_c", hid_c, shape=(bs * p, aux_hidden.shape[1]), dtypes=aux_hidden.dtype,
+                  layout="contiguous")  # [B*P, kH]
 
 
 def _hidden_rows_ref(accept_index, accept_len, n):
