@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import expect_tensor
 from graphdraft.tree import TreeSpec
 
 __all__ = ["tree_accept", "tree_accept_ref", "clamp_coins", "COIN_MAX"]
@@ -57,33 +58,20 @@ def _check(spec: TreeSpec, tokens, first_child, next_sibling, target, probs, coi
     bs = tokens.shape[0]
     n, p = spec.n, spec.P
     for name, t in (("tokens", tokens), ("first_child", first_child), ("next_sibling", next_sibling)):
-        if tuple(t.shape) != (bs, n) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous int64 [{bs}, n={n}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+        expect_tensor(name, t, shape=(bs, n), dtypes=torch.int64, layout="contiguous")
     if (target is None) == (probs is None):
         raise ValueError("target, probs: expected exactly one (greedy: target; sampled: probs)")
-    if target is not None and (tuple(target.shape) != (bs * n,) or target.dtype != torch.int64
-                               or not target.is_contiguous()):
-        raise ValueError(f"target: expected contiguous int64 [{bs * n}], got {target.dtype} "
-                         f"{tuple(target.shape)}")
+    if target is not None:
+        expect_tensor("target", target, shape=(bs * n,), dtypes=torch.int64, layout="contiguous")
     if probs is not None:
-        if (probs.dim() != 2 or probs.shape[0] != bs * n or probs.dtype != torch.float32
-                or probs.stride(1) != 1):
-            raise ValueError(f"probs: expected float32 [{bs * n}, V] with unit column stride, got "
-                             f"{probs.dtype} {tuple(probs.shape)}")
-        if tuple(coins.shape) != (bs, n) or coins.dtype != torch.float32 or not coins.is_contiguous():
-            raise ValueError(f"coins: expected contiguous float32 [{bs}, {n}], got {coins.dtype} "
-                             f"{tuple(coins.shape)}")
-        if tuple(final_coin.shape) != (bs,) or final_coin.dtype != torch.float32:
-            raise ValueError(f"final_coin: expected float32 [{bs}], got {final_coin.dtype} "
-                             f"{tuple(final_coin.shape)}")
+        expect_tensor("probs", probs, shape=(bs * n, "V"), dtypes=torch.float32, layout="rows")
+        expect_tensor("coins", coins, shape=(bs, n), dtypes=torch.float32, layout="contiguous")
+        expect_tensor("final_coin", final_coin, shape=(bs,), dtypes=torch.float32)
     for name, t, shape, dt in (("accept_len", accept_len, (bs,), torch.int32),
                                ("accept_index", accept_index, (bs, p), torch.int64),
                                ("out_tokens", out_tokens, (bs, p), torch.int64),
                                ("bonus", bonus, (bs,), torch.int64)):
-        if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {dt} {list(shape)} (P={p}), got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        expect_tensor(name, t, shape=shape, dtypes=dt, layout="contiguous")  # P = spec.P
     return bs
 
 
