@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.tree import TreeSpec, score_key
 
 __all__ = ["TreeBuffers", "build_tree", "build_tree_ref"]
@@ -61,23 +62,15 @@ class TreeBuffers:
 
 
 def _check(spec: TreeSpec, cand_score, cand_tok, cand_parent, root, prefix_len, out) -> int:
-    bs = root.shape[0] if root.dim() == 1 else -1
-    if bs < 0 or root.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"root: expected int32/int64 [B], got {root.dtype} {tuple(root.shape)}")
+    bs = expect_tensor("root", root, shape=("B",), dtypes=INDEX_DTYPES).shape[0]
     for name, t, dt in (("cand_score", cand_score, torch.float32), ("cand_tok", cand_tok, torch.int64),
                         ("cand_parent", cand_parent, torch.int64)):
-        if tuple(t.shape) != (bs, spec.M) or t.dtype != dt or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {dt} [{bs}, M={spec.M}], got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    if tuple(prefix_len.shape) != (bs,) or prefix_len.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"prefix_len: expected int32/int64 [{bs}], got {prefix_len.dtype} "
-                         f"{tuple(prefix_len.shape)}")
+        expect_tensor(name, t, shape=(bs, spec.M), dtypes=dt, layout="contiguous")  # [B, M]
+    expect_tensor("prefix_len", prefix_len, shape=(bs,), dtypes=INDEX_DTYPES)
     for f in fields(out):
         t = getattr(out, f.name)
         width = spec.M if f.name == "cand_node" else spec.n
-        if tuple(t.shape) != (bs, width) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"out.{f.name}: expected contiguous int64 [{bs}, {width}], got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        expect_tensor(f"out.{f.name}", t, shape=(bs, width), dtypes=torch.int64, layout="contiguous")
     return bs
 
 
