@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.buffers import NEUTRAL_DRAFT_ROW, NEUTRAL_DRAFT_TOKEN, NEUTRAL_ROW, NEUTRAL_TOKEN
+from graphdraft.checks import expect_tensor
 
 __all__ = ["hidden_in_place", "stage_decode_inputs", "stage_decode_inputs_ref"]
 
@@ -79,17 +80,14 @@ def _check(bs: int, pbs: int, n: int, accept_src, tokens_src, hidden_src, accept
                           ("input_ids", input_ids, pbs * n), ("positions", positions, pbs * n),
                           ("out_cache_loc", out_cache_loc, pbs * n),
                           ("first_hidden", first_hidden, pbs * n)):
-        if t.shape[0] < rows or not t.is_contiguous():
+        if t.shape[0] < rows or not t.is_contiguous():  # a capacity, not a shape
             raise ValueError(f"{name}: expected a contiguous buffer of >= {rows} rows, got "
                              f"{tuple(t.shape)}")
-    if accept_src.shape != (bs,):
-        raise ValueError(f"accept_lengths: expected shape ({bs},), got {tuple(accept_src.shape)}")
-    if tokens_src.shape != (bs * n,):
-        raise ValueError(f"output_tokens: expected shape ({bs * n},), got {tuple(tokens_src.shape)}")
-    if (hidden_src.dim() != 2 or hidden_src.shape != (bs * n, first_hidden.shape[1])
-            or (bs and hidden_src.stride(1) != 1)):
-        raise ValueError(f"hidden_states: expected [{bs * n}, {first_hidden.shape[1]}] with unit "
-                         f"column stride, got {tuple(hidden_src.shape)}")
+    expect_tensor("accept_lengths", accept_src, shape=(bs,))
+    expect_tensor("output_tokens", tokens_src, shape=(bs * n,))
+    # unit column stride whenever there is a row
+    expect_tensor("hidden_states", hidden_src, shape=(bs * n, first_hidden.shape[1]),
+                  layout="rows" if bs else None)
     if (bs and hidden_src.untyped_storage().data_ptr() == first_hidden.untyped_storage().data_ptr()
             and not hidden_in_place(hidden_src, first_hidden)):
         raise ValueError("hidden_states: expected a tensor apart from the drafter's first_hidden "
