@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from graphdraft.checks import expect_tensor
 from graphdraft.kernels.argmax import argmax_with_map_ref
 from graphdraft.tree import TreeSpec, score_key
 
@@ -88,12 +89,9 @@ def _check(spec: TreeSpec, st: BeamState, logits: torch.Tensor, rows_per_req: in
             "cand_tok": (bs, spec.M), "cand_parent": (bs, spec.M)}
     for name, shape in want.items():
         t = getattr(st, name)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected {shape} for {spec}, got {tuple(t.shape)}")
-    if hot_token_ids is not None and (hot_token_ids.dim() != 1
-                                      or hot_token_ids.shape[0] != logits.shape[1]):
-        raise ValueError(f"hot_token_ids: expected [{logits.shape[1]}], got "
-                         f"{tuple(hot_token_ids.shape)}")
+        expect_tensor(name, t, shape=shape)  # fixed by spec
+    if hot_token_ids is not None:
+        expect_tensor("hot_token_ids", hot_token_ids, shape=(logits.shape[1],))
     return bs
 
 
