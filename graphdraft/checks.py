@@ -7,6 +7,8 @@ device, strides) and python ints: never a tensor's values, so they add no device
 
 `expect_tensor`'s ``shape`` is a sequence with one entry per dimension: an int (that size
 exactly), or None / a str (any size; a str is the size's name in the message, such as "split").
+``device``: a device with an index (``cuda:0``, a tensor's ``.device``) must match exactly; one
+without (``"cuda"``, ``"cpu"``) matches any device of that type.
 ``layout``:
 
 - ``"contiguous"``: ``t.is_contiguous()`` (torch's rule: size-1 and empty dims are free).
@@ -87,7 +89,9 @@ def expect_tensor(name: str, t: object, *, shape: Sequence[_Dim] | None = None,
     if ok and dtypes is not None:
         ok = t.dtype in _dtypes(dtypes)
     if ok and device is not None:
-        ok = t.device == torch.device(device)
+        want_dev = torch.device(device)
+        ok = (t.device == want_dev if want_dev.index is not None
+              else t.device.type == want_dev.type)
     if ok and layout == "contiguous":
         ok = t.is_contiguous()
     if ok and layout == "rows":

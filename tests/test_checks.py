@@ -108,3 +108,15 @@ def test_expect_one_of():
     assert expect_one_of("act", None, (None, "silu_mul")) is None
     with pytest.raises(ValueError, match=re.escape("act: expected one of [None, 'silu_mul'], got 'gelu'")):
         expect_one_of("act", "gelu", (None, "silu_mul"))
+
+
+def test_a_device_without_an_index_matches_its_type():
+    t = torch.zeros(2)
+    assert expect_tensor("t", t, device="cpu") is t
+    assert expect_tensor("t", t, device=torch.device("cpu")) is t
+    with pytest.raises(ValueError, match=re.escape("t: expected a tensor on cuda, got float32 [2] on cpu")):
+        expect_tensor("t", t, device="cuda")
+    # an index must match exactly (cuda:0 vs a cuda:1 tensor cannot be built here; meta vs cpu
+    # stands in for "another device")
+    with pytest.raises(ValueError, match="^t: expected a tensor on meta, got"):
+        expect_tensor("t", t, device="meta")
