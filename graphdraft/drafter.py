@@ -44,6 +44,7 @@ from graphdraft import ops
 from graphdraft.attention import PagedAttentionBackend
 from graphdraft.batch import ForwardContext, ForwardMode
 from graphdraft.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.config import RuntimeConfig
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kv_cache import KVPool
@@ -363,21 +364,13 @@ class EagleDrafter:
             raise ValueError(f"ctx.input_num_tokens: expected bs * {n} = {bs * n} for a decode "
                              f"batch, got {ctx.input_num_tokens}")
 
-        def check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
-            if t.dtype not in dtypes:
-                raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
-            if t.device.type != self.device.type:
-                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
-
-        ints = (torch.int32, torch.int64)
-        check("output_tokens", output_tokens, (ne + nd * n,), ints)
-        check("accept_lengths", accept_lengths, (bs,), ints)
-        check("hidden_states", hidden_states, (ctx.input_num_tokens, self.head.target_hidden_width),
-              (self.head.dtype,))
+        dev = torch.device(self.device.type)  # any device of the runtime's type
+        expect_tensor("output_tokens", output_tokens, shape=(ne + nd * n,), dtypes=INDEX_DTYPES,
+                      device=dev)
+        expect_tensor("accept_lengths", accept_lengths, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
+        expect_tensor("hidden_states", hidden_states,
+                      shape=(ctx.input_num_tokens, self.head.target_hidden_width),
+                      dtypes=self.head.dtype, device=dev)
         if not values:
             return
         if output_tokens.numel():
