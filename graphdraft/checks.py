@@ -58,7 +58,7 @@ def expectation(*, shape: Sequence[_Dim] | None = None,
                 device: torch.device | str | None = None, layout: str | None = None) -> str:
     """The "expected ..." half of `expect_tensor`'s message, e.g.
     "a contiguous int32/int64 [4] tensor on cpu"."""
-    words = ["a"]
+    words = []
     if layout == "contiguous":
         words.append("contiguous")
     dts = _dtypes(dtypes)
@@ -71,7 +71,7 @@ def expectation(*, shape: Sequence[_Dim] | None = None,
         words.append(f"on {device}")
     if layout == "rows":
         words.append("with unit column stride")
-    return " ".join(words)
+    return ("an " if words[0][0] in "aeio" else "a ") + " ".join(words)
 
 
 def expect_tensor(name: str, t: object, *, shape: Sequence[_Dim] | None = None,

@@ -39,7 +39,7 @@ def test_expect_tensor_rejects_a_wrong_size_and_names_free_sizes():
 
 def test_expect_tensor_rejects_a_dtype_outside_the_set():
     with pytest.raises(ValueError, match=re.escape(
-            "index: expected a int32/int64 [3] tensor, got float32 [3] on cpu")):
+            "index: expected an int32/int64 [3] tensor, got float32 [3] on cpu")):
         expect_tensor("index", torch.zeros(3), shape=(3,), dtypes=(torch.int32, torch.int64))
 
 
@@ -120,3 +120,58 @@ def test_a_device_without_an_index_matches_its_type():
     # stands in for "another device")
     with pytest.raises(ValueError, match="^t: expected a tensor on meta, got"):
         expect_tensor("t", t, device="meta")
+
+
+def test_expectation_article():
+    assert expectation(dtypes=torch.int64) == "an int64 tensor"
+    assert expectation(dtypes=torch.uint8) == "a uint8 tensor"
+    assert expectation(shape=(2,)) == "a [2] tensor"
+
+
+# The kernel wrappers speak through these helpers: one rejection per family, pinned to the
+# argument's name, the expectation and what was passed (all raise before any launch).
+def _kernel_rejections():
+    from graphdraft.kernels.argmax import argmax_with_map
+    from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform
+    from graphdraft.kernels.decode_attention import paged_decode_attention
+    from graphdraft.kernels.gemv import linear_small_m, linear_small_m_residual_norm
+    from graphdraft.kernels.norm import rms_norm, rms_norm_cat
+    from graphdraft.kernels.rope import rope_and_store_kv_partials
+
+    i32, i64 = torch.int32, torch.int64
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    kv = torch.zeros(16, 2, 4)
+    return [
+        (lambda: linear_small_m(x, w, torch.empty(2, 4)),
+         "out: expected a float32 [2, 3] tensor with unit column stride, got float32 [2, 4] on cpu"),
+        (lambda: linear_small_m_residual_norm(x, w, torch.randn(5, 3), torch.ones(3), 1e-5,
+                                              residual_index=torch.zeros(2)),
+         "residual_index: expected a contiguous int32/int64 [2] tensor on cpu, got float32 [2]"),
+        (lambda: argmax_with_map(torch.randn(4, 10), tokens_out=torch.empty(3, dtype=i32)),
+         "tokens_out: expected an int32/int64 [4] tensor on cpu, got int32 [3] on cpu"),
+        (lambda: rms_norm(x, torch.ones(8), 1e-5, out=torch.empty(8, 2).t()),
+         "out: expected a float32 [2, 8] tensor on cpu with unit column stride, "
+         "got float32 [2, 8] on cpu with strides (1, 2)"),
+        (lambda: rms_norm_cat(x, torch.ones(8), 1e-5, torch.zeros(1, 2, 8), torch.ones(8), 1e-5),
+         "b_out: expected a float32 [2, 8] tensor on cpu, got NoneType"),
+        (lambda: rope_and_store_kv_partials(torch.zeros(1, 2, 24, dtype=torch.float16),
+                                            torch.zeros(2, dtype=i64), torch.zeros(8, 4), kv, kv,
+                                            torch.zeros(2, dtype=i64)),
+         "qkv: expected a contiguous float32 [split, 2, 24] tensor on cpu, got float16 [1, 2, 24]"),
+        (lambda: compute_out_cache_loc_uniform(torch.zeros(4, dtype=i64), torch.zeros(2, dtype=i32),
+                                               torch.zeros(2, dtype=i32),
+                                               torch.ones(3, 4, dtype=i32), 0, 2),
+         "page_size: expected an int >= 1, got 0"),
+        (lambda: paged_decode_attention(torch.zeros(2, 4, 4, dtype=torch.float64), kv, kv,
+                                        torch.zeros(2, dtype=i32), torch.ones(2, dtype=i32),
+                                        torch.ones(3, 4, dtype=i32), 1, 1.0, max_kv_len=4),
+         "q: expected a float32/float16/bfloat16 [T, Hq, D] tensor with unit column stride, "
+         "got float64 [2, 4, 4]"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_kernel_wrappers_use_the_common_wording(case):
+    call, message = _kernel_rejections()[case]
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        call()
