@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdraft.checks import expect_tensor
 from graphdraft.kv_cache import kv_slot
 
 __all__ = ["commit_pack", "prepare_rows"]
@@ -76,8 +77,7 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
                           ("out_cache_loc", out_cache_loc, rows * n), ("req", req, rows),
                           ("seq_lens", seq_lens, rows), ("extend_lens", extend_lens, rows),
                           ("err", err, rows)):
-        if t.shape != (size,) or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous [{size}], got {tuple(t.shape)}")
+        expect_tensor(name, t, shape=(size,), layout="contiguous")
     if rows == 0:
         return
     if use_triton:
