@@ -74,29 +74,49 @@ def expectation(*, shape: Sequence[_Dim] | None = None,
     return ("an " if words[0][0] in "aeio" else "a ") + " ".join(words)
 
 
+_Tensor, _dtype, _device = torch.Tensor, torch.dtype, torch.device  # hot-path lookups
+
+
+def _passes(t: object, shape, dtypes, device, layout) -> bool:
+    """Whether `t` meets every given requirement (the hot path: plain comparisons only)."""
+    if not isinstance(t, _Tensor):
+        return False
+    if shape is not None:
+        ts = t.shape
+        if ts != shape:  # equal when every size is given as an int and matches
+            if len(ts) != len(shape):
+                return False
+            for want, got in zip(shape, ts, strict=True):
+                if type(want) is int and want != got:  # None / a name: any size
+                    return False
+    if dtypes is not None:
+        if dtypes.__class__ is _dtype:
+            if t.dtype != dtypes:
+                return False
+        elif t.dtype not in dtypes:
+            return False
+    if device is not None:
+        if device.__class__ is not _device:
+            device = _device(device)
+        td = t.device
+        if td != device and (device.index is not None or td.type != device.type):
+            return False  # an index must match; a device without one matches its type
+    if layout is None:
+        return True
+    if layout == "rows":
+        return t.dim() >= 1 and t.stride(-1) == 1
+    return t.is_contiguous()
+
+
 def expect_tensor(name: str, t: object, *, shape: Sequence[_Dim] | None = None,
                   dtypes: torch.dtype | Collection[torch.dtype] | None = None,
                   device: torch.device | str | None = None,
                   layout: str | None = None) -> torch.Tensor:
     """`t` if it is a tensor with `shape`, a dtype in `dtypes`, on `device` and in `layout`
     (each None: not checked); else ValueError naming `name`."""
-    if layout is not None and layout not in LAYOUTS:
+    if layout is not None and layout != "rows" and layout != "contiguous":
         raise ValueError(f"layout: expected one of {LAYOUTS} or None, got {layout!r}")
-    ok = isinstance(t, torch.Tensor)
-    if ok and shape is not None:
-        ok = t.dim() == len(shape) and all(
-            not isinstance(d, int) or t.shape[i] == d for i, d in enumerate(shape))
-    if ok and dtypes is not None:
-        ok = t.dtype in _dtypes(dtypes)
-    if ok and device is not None:
-        want_dev = torch.device(device)
-        ok = (t.device == want_dev if want_dev.index is not None
-              else t.device.type == want_dev.type)
-    if ok and layout == "contiguous":
-        ok = t.is_contiguous()
-    if ok and layout == "rows":
-        ok = t.dim() >= 1 and t.stride(-1) == 1
-    if not ok:
+    if not _passes(t, shape, dtypes, device, layout):
         want = expectation(shape=shape, dtypes=dtypes, device=device, layout=layout)
         raise ValueError(f"{name}: expected {want}, got {describe(t)}")
     return t
