@@ -175,3 +175,22 @@ def test_kernel_wrappers_use_the_common_wording(case):
     call, message = _kernel_rejections()[case]
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         call()
+
+
+def test_kernel_wrappers_keep_their_layout_edges():
+    """What was accepted before the move still is: a column stride nobody reads is free."""
+    from graphdraft.kernels.argmax import argmax_with_map
+    from graphdraft.kernels.norm import rms_norm, rms_norm_torch
+
+    # no rows: argmax reads no column, any column stride passes
+    empty = torch.empty_strided((0, 5), (1, 3))
+    assert argmax_with_map(empty).shape == (0,)
+    # one column: RMSNorm never steps along it
+    x = torch.randn(2, 2)[:, :1].t().contiguous().t()  # [2, 1] with strides (1, 2)
+    assert x.stride() == (1, 2)
+    w = torch.ones(1)
+    assert torch.allclose(rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5))
+    # but gemv's x must have unit column stride even for one column (as before)
+    from graphdraft.kernels.gemv import linear_small_m
+    with pytest.raises(ValueError, match=r"^x: expected a \[M, K\] tensor with unit column stride"):
+        linear_small_m(x, torch.randn(3, 1))
