@@ -203,29 +203,43 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device
     return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, BLOCK_N)))
 
 
-def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out,
-           q_index) -> int:
-    """Returns T, the number of query rows."""
+def check_paged_kv(q, k_cache, v_cache, req_to_page, page_size) -> None:
+    """ValueError naming the argument unless q `[T, Hq, D]` (float, unit column stride), the
+    paged caches `[num_slots, Hkv, D]` (q's dtype and device, Hkv dividing Hq), `req_to_page`
+    `[max_reqs, max_pages]` int32 and `page_size` fit together (decode and extend attention)."""
     expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
-    T, Hq, D = q.shape
-    if q_index is not None:
-        expect_tensor("q_index", q_index, shape=("T",), dtypes=INDEX_DTYPES, device=q.device,
-                      layout="contiguous")
-        T = q_index.shape[0]
+    Hq, D = q.shape[1], q.shape[2]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         expect_tensor(name, c, shape=("num_slots", "Hkv", D), dtypes=q.dtype, device=q.device,
                       layout="rows")
     expect_tensor("v_cache", v_cache, shape=tuple(k_cache.shape))  # the shape of k_cache
     if Hq % k_cache.shape[1]:
         raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
-    for name, t in (("req_pool_indices", req_pool_indices), ("kv_lens", kv_lens)):
-        expect_tensor(name, t, shape=(T,), dtypes=INDEX_DTYPES, device=q.device, layout="contiguous")
     expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32,
                   device=q.device)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+
+
+def check_out(out, q, rows: int) -> None:
+    """`out`, when given: `[rows, Hq, D]` in q's dtype on q's device, unit column stride."""
     if out is not None:
-        expect_tensor("out", out, shape=(T, Hq, D), dtypes=q.dtype, device=q.device, layout="rows")
+        expect_tensor("out", out, shape=(rows, q.shape[1], q.shape[2]), dtypes=q.dtype,
+                      device=q.device, layout="rows")
+
+
+def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out,
+           q_index) -> int:
+    """Returns T, the number of query rows."""
+    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size)
+    T = q.shape[0]
+    if q_index is not None:
+        expect_tensor("q_index", q_index, shape=("T",), dtypes=INDEX_DTYPES, device=q.device,
+                      layout="contiguous")
+        T = q_index.shape[0]
+    for name, t in (("req_pool_indices", req_pool_indices), ("kv_lens", kv_lens)):
+        expect_tensor(name, t, shape=(T,), dtypes=INDEX_DTYPES, device=q.device, layout="contiguous")
+    check_out(out, q, T)
     return T
 
 

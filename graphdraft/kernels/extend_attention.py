@@ -40,13 +40,13 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
+from graphdraft.kernels.decode_attention import check_out, check_paged_kv
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kv_cache import kv_slot
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 MAX_MASK_TOKENS = 64
 """mask_bits words are int64: at most 64 new tokens per row with a mask."""
@@ -248,14 +248,8 @@ def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torc
 def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
            page_size, max_extend, uniform_n, mask_bits, out) -> int:
     """Returns R, the number of rows. ValueError naming the argument; nothing is written."""
-    expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
-    T, Hq, D = q.shape
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        expect_tensor(name, c, shape=("num_slots", "Hkv", D), dtypes=q.dtype, device=q.device,
-                      layout="rows")
-    expect_tensor("v_cache", v_cache, shape=tuple(k_cache.shape))  # the shape of k_cache
-    if Hq % k_cache.shape[1]:
-        raise ValueError(f"k_cache: Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
+    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size)
+    T = q.shape[0]
     expect_tensor("req_pool_indices", req_pool_indices, shape=("R",), dtypes=INDEX_DTYPES,
                   device=q.device, layout="contiguous")
     R = req_pool_indices.shape[0]
@@ -280,12 +274,7 @@ def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_start
         if max_extend > MAX_MASK_TOKENS:
             raise ValueError(f"max_extend: at most {MAX_MASK_TOKENS} tokens per row with "
                              f"mask_bits, got {max_extend}")
-    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32,
-                  device=q.device)
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-    if out is not None:
-        expect_tensor("out", out, shape=(T, Hq, D), dtypes=q.dtype, device=q.device, layout="rows")
+    check_out(out, q, T)
     return R
 
 
