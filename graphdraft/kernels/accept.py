@@ -48,7 +48,7 @@ import triton.language as tl
 from graphdraft.checks import expect_tensor
 
 __all__ = ["ERR_TOKEN", "FINISH_LENGTH", "FINISH_STOP", "SALT_TARGET", "accept_ref",
-           "accept_tokens", "philox_uniform_ref"]
+           "accept_tokens", "philox4x32_ref", "philox_uniform_ref"]
 
 SALT_TARGET = 1
 """Stage salt of the target's sampled tokens (high word of the Philox counter)."""
@@ -271,40 +271,44 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
 # Torch reference
 # ----------------------------------------------------------------------------
 _M32 = 0xFFFFFFFF
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """32 x 32 -> (hi, lo) 32-bit words, exact in int64 (b holds values in [0, 2^32))."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    ll = a_lo * b_lo
-    lh = a_lo * b_hi
-    hl = a_hi * b_lo
-    hh = a_hi * b_hi
-    mid = (ll >> 16) + (lh & 0xFFFF) + (hl & 0xFFFF)
-    lo = (ll & 0xFFFF) | ((mid & 0xFFFF) << 16)
-    hi = hh + (lh >> 16) + (hl >> 16) + (mid >> 16)
-    return hi & _M32, lo & _M32
+    """(hi, lo) 32-bit words of a * b for a 32-bit constant a and int64 b in [0, 2^32)."""
+    x = a * (b & 0xFFFF)           # < 2^48
+    y = a * (b >> 16)              # < 2^48
+    lo = (x + ((y & 0xFFFF) << 16)) & _M32
+    hi = (y + (x >> 16)) >> 16
+    return hi, lo
+
+
+def philox4x32_ref(seed: int | torch.Tensor, counter: torch.Tensor, c1: int = 0
+                   ) -> tuple[torch.Tensor, ...]:
+    """Triton's `tl.randint4x(seed, counter)` (`tl.philox` with counter words (counter, c1, 0,
+    0)) in int64 torch arithmetic: Philox-4x32-10 with key (seed lo, seed hi). `seed`: an int
+    or an int64 tensor broadcasting against the int32 `counter`; returns four int64 tensors
+    of 32-bit words, `counter`'s shape."""
+    c0 = counter.to(torch.int64) & _M32
+    c1, c2, c3 = torch.full_like(c0, c1 & _M32), torch.zeros_like(c0), torch.zeros_like(c0)
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(torch.int64)
+        k0, k1 = (seed & _M32).expand_as(c0), ((seed >> 32) & _M32).expand_as(c0)
+    else:
+        k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0, c1, c2, c3
 
 
 def philox_uniform_ref(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """`_uniform` in torch: Philox-4x32-10 of key `seed` (int64) and counter
     (`pos` low word, SALT_TARGET, 0, 0); fp32 (top 24 bits + 0.5) / 2^24."""
-    seed = seed.to(torch.int64)
-    k0 = seed & _M32
-    k1 = (seed >> 32) & _M32
-    c0 = pos.to(torch.int64) & _M32
-    c1 = torch.full_like(c0, SALT_TARGET)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = k0.expand_as(c0).clone(), k1.expand_as(c0).clone()
-    for _ in range(10):
-        hi_b, lo_b = _mulhilo(0xCD9E8D57, c2)
-        hi_a, lo_a = _mulhilo(0xD2511F53, c0)
-        c0, c2 = hi_b ^ c1 ^ k0, hi_a ^ c3 ^ k1
-        c1, c3 = lo_b, lo_a
-        k0 = (k0 + 0x9E3779B9) & _M32
-        k1 = (k1 + 0xBB67AE85) & _M32
+    c0 = philox4x32_ref(seed, pos, SALT_TARGET)[0]
     return ((c0 >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 

@@ -43,12 +43,9 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
+from graphdraft.kernels.accept import philox4x32_ref
 
 __all__ = ["accept_control", "accept_control_ref", "philox4x32_ref"]
-
-_M32 = 0xFFFFFFFF
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 
 
 @triton.jit
@@ -114,31 +111,6 @@ def accept_control(next_tokens: torch.Tensor, slots: torch.Tensor, positions: to
         oracle.stride(0), oracle.stride(1), s, oracle.shape[1], oracle.shape[0],
         0 if threshold is None else threshold, p if threshold is None else oracle, vocab_size,
         seed, BLOCK=triton.next_power_of_2(s), P_TENSOR=threshold is None, num_warps=1)
-
-
-def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of a * b for a 32-bit constant a and int64 b in [0, 2^32)."""
-    x = a * (b & 0xFFFF)           # < 2^48
-    y = a * (b >> 16)              # < 2^48
-    lo = (x + ((y & 0xFFFF) << 16)) & _M32
-    hi = (y + (x >> 16)) >> 16
-    return hi, lo
-
-
-def philox4x32_ref(seed: int, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Triton's `tl.randint4x(seed, counter)` for an int32 counter, in int64 torch arithmetic:
-    Philox-4x32-10 with key (seed lo, seed hi) and counter (counter, 0, 0, 0)."""
-    c0 = counter.to(torch.int64) & _M32
-    c1 = torch.zeros_like(c0)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
-    for _ in range(10):
-        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
-        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0, c1, c2, c3
 
 
 def accept_control_ref(next_tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
