@@ -46,7 +46,13 @@ from graphdraft.drafter import EagleDrafter
 from graphdraft.drafter_protocol import CycleDrafter, Drafter, check_drafter
 from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
-from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS, commit_pack, prepare_rows
+from graphdraft.kernels.cycle_kernels import (
+    ERR_CACHE_LEN,
+    ERR_DRAFTS,
+    commit_pack,
+    neutral_slot0,
+    prepare_rows,
+)
 from graphdraft.kernels.warmup import precompile_engine
 from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.llama import LlamaForCausalLM, TargetOutput
@@ -484,11 +490,8 @@ class Engine:
 
     def _neutral_slot0(self) -> None:
         st = self.slots
-        self.states.valid_cache_lengths[0] = 0
-        st.last_token[0] = 0
-        st.drafts[0] = 0
-        st.emitted[0] = 0
-        st.done[0] = 0
+        neutral_slot0(self.states.valid_cache_lengths, st.last_token, st.drafts, st.emitted,
+                      st.done)
 
     def _spec_cycle(self, bs: int) -> torch.Tensor:
         """One decode cycle over `bs` staged rows (graph-capturable); returns pack[:bs]."""

@@ -25,7 +25,7 @@ import triton.language as tl
 from graphdraft.checks import expect_tensor
 from graphdraft.kv_cache import kv_slot
 
-__all__ = ["commit_pack", "prepare_rows"]
+__all__ = ["commit_pack", "neutral_slot0", "prepare_rows"]
 
 ERR_DRAFTS, ERR_CACHE_LEN = 1, 2
 
@@ -146,6 +146,13 @@ def _commit_pack_kernel(accept, finish, err, req, seq_lens, tokens, stride_t, ne
     tl.store(pack + r64 * stride_pk + NROW + 2 + one, e.to(tl.int32))
 
 
+def neutral_slot0(*tables: torch.Tensor) -> None:
+    """Row 0 (the dummy slot) of each per-slot table back to 0, capturable (a slice's fill:
+    `t[0] = 0` copies a host scalar)."""
+    for t in tables:
+        t[:1].zero_()
+
+
 def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl, last_token,
                 drafts, emitted, done, pack, prefill: bool, use_triton: bool) -> None:
     """The module docstring's commit and pack over `rows = tokens.shape[0]` rows: tokens
@@ -178,9 +185,7 @@ def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl,
         drafts.index_put_((s,), next_tokens[:, 1:].to(drafts.dtype))
     emitted.index_put_((s,), (emitted[s] + a).to(emitted.dtype))
     done.index_put_((s,), done[s] | (finish != 0).to(done.dtype))
-    # slot 0 (inert rows' sink) back to neutral
-    for t in (vcl, last_token, drafts, emitted, done):
-        t[:1].zero_()  # a slice's fill: `t[0] = 0` copies a host scalar (not capturable)
+    neutral_slot0(vcl, last_token, drafts, emitted, done)  # inert rows' sink
     pack[:, :n] = tokens
     if n < nrow:
         pack[:, n:nrow] = 0
