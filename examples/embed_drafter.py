@@ -1,9 +1,9 @@
-"""Embed `graphdraft.drafter.EagleDrafter` in a serving loop of your own.
+"""Embed `graphdraft.runtime.drafter.EagleDrafter` in a serving loop of your own.
 
 The loop below is the smallest one that uses the drafter for real: greedy speculative
 decoding of a few prompts with the shipped byte-level pair (`graphdraft/assets`), the
 target run eagerly over its own paged KV cache, chain verification with
-`graphdraft.verify.verify_greedy`, and the drafter called after every target forward.
+`graphdraft.serving.verify.verify_greedy`, and the drafter called after every target forward.
 It uses only the public modules (config, checkpoint, kv_cache, buffers, batch, attention,
 drafter, verify). Run it: `python examples/embed_drafter.py [--device cpu] [--max-new-tokens 32]`;
 it checks its output against the target alone (greedy: identical) and prints the mean
@@ -12,7 +12,7 @@ accept length.
 What a loop owes the drafter, each step:
   1. write the batch (prefill chunks first, then decode rows of N = S + 1 tokens: the last
      verified token and the S drafts the drafter returned last time) into the shared
-     `InputBuffers` with `graphdraft.batch.write_batch`;
+     `InputBuffers` with `graphdraft.runtime.batch.write_batch`;
   2. run the target over those tokens with `capture_aux=True` (hidden states of every input
      token, `[input_num_tokens, k*H]`);
   3. verify: per prefill row the target's token after its last position, per decode row N
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from graphdraft.attention import PagedAttentionBackend
-from graphdraft.batch import BatchRow, write_batch
-from graphdraft.buffers import InputBuffers, RuntimeStates
-from graphdraft.checkpoint import load_model_pair
 from graphdraft.config import RuntimeConfig
-from graphdraft.drafter import EagleDrafter
-from graphdraft.kv_cache import KVPool, PageTable
-from graphdraft.verify import verify_greedy
+from graphdraft.io.checkpoint import load_model_pair
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.runtime.batch import BatchRow, write_batch
+from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.kv_cache import KVPool, PageTable
+from graphdraft.serving.verify import verify_greedy
 
 ASSETS = Path(__file__).resolve().parent.parent / "graphdraft" / "assets"
 
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = MiniLoop(target, head, cfg)
     spec = loop.generate(prompts, a.max_new_tokens)
 
-    from graphdraft.engine import Engine  # the target alone, for the exactness check
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Engine  # the target alone, for the exactness check
+    from graphdraft.serving.verify import SamplingParams
     alone = Engine(target, cfg).generate(
         prompts, SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True))
     for t, out in zip(texts, spec, strict=True):

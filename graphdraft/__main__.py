@@ -1,11 +1,11 @@
-"""`python -m graphdraft {demo,generate} [flags]`: see `graphdraft.cli`."""
+"""`python -m graphdraft {demo,generate} [flags]`: see `graphdraft.serving.cli`."""
 
 from __future__ import annotations
 
 import sys
 
-from graphdraft.cli import main
-from graphdraft.cli.report import report_greedy_match
+from graphdraft.serving.cli import main
+from graphdraft.serving.cli.report import report_greedy_match
 
 __all__ = ["main", "report_greedy_match"]
 

@@ -83,7 +83,7 @@ class RuntimeConfig:
     stop_table_width: int = 4
     """Stop token ids per request held on the device (EOS included); more are rejected."""
     dp_size: int = 1
-    """Data-parallel attention ranks (`graphdraft.data_parallel`): each rank serves its own
+    """Data-parallel attention ranks (`graphdraft.serving.data_parallel`): each rank serves its own
     requests, the MLPs are split over the ranks. 1: no data parallelism (today's code path);
     > 1: the models' dense layers must be split with `data_parallel.shard_dense_` over a
     group of this size (the Engine checks)."""

@@ -140,7 +140,7 @@ def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, position
              page_size: int) -> torch.Tensor:
     """Slots of `positions` (`kv_cache.kv_slot`); `req_pool_indices` broadcasts against it;
     the dummy slot 0 where unmapped: a negative position, one past the table, a page id <= 0."""
-    from graphdraft.kv_cache import kv_slot
+    from graphdraft.runtime.kv_cache import kv_slot
 
     inside = (positions >= 0) & (positions < req_to_page.shape[1] * page_size)
     slot = kv_slot(req_to_page, req_pool_indices, positions, page_size)

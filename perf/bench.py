@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from graphdraft.drafter import EagleDrafter
+from graphdraft.runtime.drafter import EagleDrafter
 from perf.draft_group import DecodeBatch, DraftGroup, activate
 from perf.launches import profile_launches
 from perf.timing import forced_eager, median_us, sync

@@ -44,8 +44,8 @@ def child(max_bs: int, result: Path, precompile: str = "serial") -> None:
 
     from capture import cache_dir, cache_entries, triton_compiles
     from graphdraft.config import RuntimeConfig
-    from graphdraft.engine import Engine
     from graphdraft.kernels.warmup import captured_forwards
+    from graphdraft.serving.engine import Engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from capture import CapturedForward
-from graphdraft.buffers import InputBuffers
-from graphdraft.drafter import EagleDrafter
+from graphdraft.runtime.buffers import InputBuffers
+from graphdraft.runtime.drafter import EagleDrafter
 from perf.bench import time_forwards
 from perf.draft_group import DecodeBatch, DraftGroup, activate
 from perf.timing import sync

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from graphdraft.batch import BatchRow, ForwardContext, write_batch
-from graphdraft.buffers import InputBuffers, RuntimeStates
 from graphdraft.config import RuntimeConfig
-from graphdraft.drafter import EagleDrafter
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.kv_cache import KVPool
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
+from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.kv_cache import KVPool
 from perf.cases import STEPS, Case, group_batch_sizes
 
 

@@ -38,8 +38,8 @@ import torch
 
 from capture import padded_batch_size
 from graphdraft.config import RuntimeConfig
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from perf.floors import floor_bytes
 from perf.models_8b import build_pair, kv_bytes_per_token, weight_bytes
 from perf.timing import copy_bandwidth, median_us, write_json

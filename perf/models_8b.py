@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from graphdraft.config import ModelConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.models.llama import LlamaForCausalLM
 
 LLAMA31_8B = ModelConfig(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -28,9 +28,9 @@ from typing import TextIO
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.engine import Engine
-from graphdraft.random_models import random_model_pair
-from graphdraft.verify import SamplingParams
+from graphdraft.models.random_models import random_model_pair
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 
 SOAK_TARGET = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
                           intermediate_size=512, num_hidden_layers=4, vocab_size=512,

@@ -3,7 +3,7 @@
 Per tree config `(steps K, topk k, num_draft_tokens n)` and padded batch size, the median replay
 time (us) of:
 
-    beams_step     one decode level's top-k expand + re-rank (`graphdraft.beams.decode_step`)
+    beams_step     one decode level's top-k expand + re-rank (`graphdraft.runtime.beams.decode_step`)
                    from fp32 logits [B*k, 32000] (log_softmax + top-k included)
     build          tree build, Triton (`kernels.tree_build.build_tree`)
     build_torch    tree build, torch (`build_tree_ref`)
@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from graphdraft.beams import BeamState, decode_step, first_step
 from graphdraft.kernels.kv_move import gather_accepted_hidden, move_accepted_kv
 from graphdraft.kernels.tree_accept import tree_accept
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
-from graphdraft.tree import TreeSpec
+from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.tree import TreeSpec
 from perf.timing import time_us, write_json
 
 CONFIGS = [(3, 1, 4), (7, 1, 8), (5, 4, 8), (3, 4, 16)]

@@ -39,11 +39,11 @@ import time
 import torch
 
 from graphdraft import ops
-from graphdraft.attention import PagedAttentionBackend
 from graphdraft.kernels import extend_attention
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
-from graphdraft.kv_cache import KVPool, kv_slot
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.runtime.kv_cache import KVPool, kv_slot
 from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
 from perf.timing import copy_bandwidth, median_us, write_json
 

@@ -5,7 +5,7 @@
   torchrun --nproc-per-node 4 scripts/dp_demo.py --device cuda --check --out $OUT
 
 Every rank builds the same small random pair on the CPU, keeps its slices of the MLPs
-(`graphdraft.data_parallel.shard_dense_`; `--replicated-head`: the head whole), moves them
+(`graphdraft.serving.data_parallel.shard_dense_`; `--replicated-head`: the head whole), moves them
 to its device and serves ITS share of the prompts (prompt i on rank i % world, so ranks
 get different batch sizes, prompt lengths and finishing times); the engines run in
 lock-step (`Engine.step` agrees on every step's plan). Outputs are gathered to rank 0.
@@ -31,15 +31,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphdraft.config import ModelConfig, RuntimeConfig  # noqa: E402
-from graphdraft.data_parallel import (  # noqa: E402
+from graphdraft.models.random_models import random_model_pair  # noqa: E402
+from graphdraft.serving.data_parallel import (  # noqa: E402
     gather_outputs,
     init_data_parallel,
     shard_dense_,
     spread,
 )
-from graphdraft.engine import Engine  # noqa: E402
-from graphdraft.random_models import random_model_pair  # noqa: E402
-from graphdraft.verify import SamplingParams  # noqa: E402
+from graphdraft.serving.engine import Engine  # noqa: E402
+from graphdraft.serving.verify import SamplingParams  # noqa: E402
 
 
 def random_pair(dtype: torch.dtype, seed: int):

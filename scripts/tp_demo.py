@@ -6,7 +6,7 @@
 
 Every rank builds (or loads, on the CPU) the full models, keeps its slices
 (`graphdraft.parallel.shard_`), moves them to its device and serves the same prompts
-through an unchanged `graphdraft.engine.Engine`; the ranks stay in lock-step because they
+through an unchanged `graphdraft.serving.engine.Engine`; the ranks stay in lock-step because they
 see identical requests and every decision depends only on the batch and the config.
 `--check`: rank 0 also serves the prompts with the unsharded models and compares the
 greedy tokens (exact on CPU in float32/float64; in bfloat16 the all-reduce order may
@@ -28,10 +28,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphdraft.config import ModelConfig, RuntimeConfig  # noqa: E402
-from graphdraft.engine import Engine  # noqa: E402
+from graphdraft.models.random_models import random_model_pair  # noqa: E402
 from graphdraft.parallel import init_tensor_parallel, shard_  # noqa: E402
-from graphdraft.random_models import random_model_pair  # noqa: E402
-from graphdraft.verify import SamplingParams  # noqa: E402
+from graphdraft.serving.engine import Engine  # noqa: E402
+from graphdraft.serving.verify import SamplingParams  # noqa: E402
 
 
 def random_pair(dtype: torch.dtype, seed: int):
@@ -45,7 +45,7 @@ def random_pair(dtype: torch.dtype, seed: int):
 def build(args, tp, dtype: torch.dtype):
     """Full models on the CPU, then this rank's shard (tp None: unsharded)."""
     if args.target:
-        from graphdraft.checkpoint import load_model_pair
+        from graphdraft.io.checkpoint import load_model_pair
         target, head, _ = load_model_pair(args.target, args.draft, dtype, "cpu")
     else:
         target, head = random_pair(dtype, args.seed)

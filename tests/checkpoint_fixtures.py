@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
-from graphdraft.kv_cache import KVPool, PageTable, kv_slot
+from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.runtime.kv_cache import KVPool, PageTable, kv_slot
 
 
 @torch.no_grad()

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphdraft.batch import BatchRow, write_batch
-from graphdraft.buffers import InputBuffers, RuntimeStates
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.drafter import EagleDrafter
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.kv_cache import PageTable
-from graphdraft.layers import init_random_
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.runtime.batch import BatchRow, write_batch
+from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.kv_cache import PageTable
 
 TINY = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    intermediate_size=48, vocab_size=97, max_position_embeddings=256,

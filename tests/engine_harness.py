@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.drafter import DrafterStats
-from graphdraft.engine import Engine
-from graphdraft.random_models import random_model_pair
+from graphdraft.models.random_models import random_model_pair
+from graphdraft.runtime.drafter import DrafterStats
+from graphdraft.serving.engine import Engine
 
 TARGET = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=64, num_hidden_layers=4, vocab_size=61,
@@ -50,7 +50,7 @@ class ScriptedDrafter:
         self.steps = engine.cfg.speculative_num_steps
         self.calls = 0
 
-    # the rest of `graphdraft.drafter_protocol.Drafter`: no graphs, no zero-copy hidden buffer
+    # the rest of `graphdraft.runtime.drafter_protocol.Drafter`: no graphs, no zero-copy hidden buffer
     supports_cycle = False
 
     @property

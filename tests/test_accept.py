@@ -16,8 +16,8 @@ from graphdraft.kernels.accept import (
     accept_tokens,
     philox_uniform_ref,
 )
-from graphdraft.slot_state import SlotState, StopTableFullError
-from graphdraft.verify import SamplingParams, request_seed, target_probs, verify_greedy
+from graphdraft.runtime.slot_state import SlotState, StopTableFullError
+from graphdraft.serving.verify import SamplingParams, request_seed, target_probs, verify_greedy
 
 
 def _outs(rows, n):

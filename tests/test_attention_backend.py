@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.attention import AttentionMetadata, PagedAttentionBackend, RowMetadata
-from graphdraft.engine import Engine
 from graphdraft.kernels import extend_attention
-from graphdraft.kv_cache import kv_slot
-from graphdraft.verify import SamplingParams
+from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend, RowMetadata
+from graphdraft.runtime.kv_cache import kv_slot
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
 
@@ -113,8 +113,8 @@ def test_gpu_target_verify_extend_vs_per_token_and_graph(bs):
     """The engine's verify forward (rows of N = 4 through the extend kernel) against the same
     forward with per-token metadata (decode kernel), and its captured replay == eager."""
     from graphdraft.config import ModelConfig
-    from graphdraft.kv_cache import KVPool
-    from graphdraft.llama import LlamaForCausalLM
+    from graphdraft.models.llama import LlamaForCausalLM
+    from graphdraft.runtime.kv_cache import KVPool
 
     mc = ModelConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                      intermediate_size=1024, num_hidden_layers=2, vocab_size=1000,

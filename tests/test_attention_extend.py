@@ -19,7 +19,7 @@ from graphdraft.kernels.extend_attention import (
     paged_extend_attention_ref,
     tile_config,
 )
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 HAS_CUDA = torch.cuda.is_available()
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),

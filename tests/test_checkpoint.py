@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphdraft.checkpoint import (
+from graphdraft.config import RuntimeConfig
+from graphdraft.io.checkpoint import (
     CONVENTION_KEY,
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -32,12 +33,11 @@ from graphdraft.checkpoint import (
     save_eagle3_head,
     save_target,
 )
-from graphdraft.config import RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.engine import Engine
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
-from graphdraft.verify import SamplingParams
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.models.llama import LlamaForCausalLM
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.checkpoint_fixtures import assert_same_state, full_logits, read_all, rewrite
 from tests.engine_harness import HEAD, TARGET, make_models, runtime
 

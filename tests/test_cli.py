@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from graphdraft.__main__ import main, report_greedy_match
-from graphdraft.checkpoint import save_eagle3_head, save_target
-from graphdraft.cli import build_parser
-from graphdraft.cli.args import CliError
-from graphdraft.cli.generate import Stream, run_streams, sampling_for, visible
-from graphdraft.cli.prompts import PromptSpec, gather, read_prompt_file
+from graphdraft.io.checkpoint import save_eagle3_head, save_target
+from graphdraft.serving.cli import build_parser
+from graphdraft.serving.cli.args import CliError
+from graphdraft.serving.cli.generate import Stream, run_streams, sampling_for, visible
+from graphdraft.serving.cli.prompts import PromptSpec, gather, read_prompt_file
 from tests.engine_harness import make_models
 
 
@@ -206,7 +206,7 @@ def test_generate_json_prompt_file_and_per_prompt_params(capsys, tmp_path):
     assert [o["prompt"] for o in outs] == ["def main():\n", "import os\n", "class A:\n"]
     assert [len(o["token_ids"]) for o in outs] == [12, 5, 12]
     assert outs[2]["params"]["temperature"] == 0.8 and outs[2]["params"]["seed"] == 3
-    from graphdraft.bytes_tokenizer import ByteTokenizer
+    from graphdraft.io.bytes_tokenizer import ByteTokenizer
     for o in outs:
         assert o["text"] == ByteTokenizer().decode(o["token_ids"]) and o["finish_reason"] == "length"
     assert res["metrics"]["output_tokens"] == 29 and res["timings_are_performance"] is False
@@ -221,9 +221,9 @@ def test_generate_json_prompt_file_and_per_prompt_params(capsys, tmp_path):
 
 
 def test_generate_streams_every_step():
-    from graphdraft.cli import models
-    from graphdraft.engine import Engine
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.cli import models
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
     a = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
     m = models.load(a)
     engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos)
@@ -262,7 +262,7 @@ def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
 def test_quiet_reaches_capture_graphs_when_the_engine_accepts_progress(capsys):
     from types import SimpleNamespace
 
-    from graphdraft.cli.demo import capture
+    from graphdraft.serving.cli.demo import capture
 
     calls = []
 

@@ -10,9 +10,9 @@ import torch
 
 from graphdraft import config as config_mod
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.ops import rope_cos_sin_cache
 
 LLAMA_8B = ModelConfig(num_hidden_layers=32)  # 8 KV heads x 128
@@ -48,8 +48,8 @@ def test_engine_pool_follows_the_budget_and_requests_wait_for_pages():
     """The Engine sizes its KV pool once from `kv_cache_memory_gb`: a budget of about two
     requests at max context gives a pool of that many pages; more requests queue for pages and
     all finish (none lost)."""
-    from graphdraft.engine import Engine
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
     from tests.engine_harness import make_models, runtime
 
     target, head = make_models(2)

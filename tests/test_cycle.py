@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from capture import padded_batch_size
-from graphdraft.engine import Engine
-from graphdraft.slot_state import StopTableFullError
-from graphdraft.verify import SamplingParams
+from graphdraft.runtime.slot_state import StopTableFullError
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import TARGET, ScriptedDrafter, make_models, runtime
 from tests.test_engine import prompts, target_only
 

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
 pytestmark = [pytest.mark.gpu,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from capture import CapturedForward
 from capture.graphs import _Graph
-from graphdraft.data_parallel import (
+from graphdraft.serving.data_parallel import (
     PLAN_FIELDS,
     DataParallel,
     agree_sizes,
@@ -31,8 +31,8 @@ from graphdraft.data_parallel import (
     shard_dense_,
     spread,
 )
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
 TIMEOUT_S = 30
@@ -393,7 +393,7 @@ def _cli_worker(rank: int, port: int, out_dir: str) -> None:
     import contextlib
     import io
 
-    from graphdraft.cli import main
+    from graphdraft.serving.cli import main
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
@@ -409,7 +409,7 @@ def test_cli_dp_size_serves_over_ranks_and_prints_on_rank_0(tmp_path, capsys):
     import json
     import socket
 
-    from graphdraft.cli import main
+    from graphdraft.serving.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -427,7 +427,7 @@ def test_cli_dp_size_serves_over_ranks_and_prints_on_rank_0(tmp_path, capsys):
 
 
 def test_cli_dp_size_needs_a_launcher(monkeypatch, capsys):
-    from graphdraft.cli import main
+    from graphdraft.serving.cli import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(CLI_ARGS + ["--dp-size", "2"]) == 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.batch import ForwardContext
-from graphdraft.buffers import InputBuffers, RuntimeStates
-from graphdraft.drafter import EagleDrafter
+from graphdraft.runtime.batch import ForwardContext
+from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter import EagleDrafter
 from tests.drafter_harness import FakeServingLoop, make_setup
 from tests.reference_eagle import ReferenceEagle3
 

@@ -1,13 +1,13 @@
-"""The Engine talks to its drafter through `graphdraft.drafter_protocol`, not `isinstance`."""
+"""The Engine talks to its drafter through `graphdraft.runtime.drafter_protocol`, not `isinstance`."""
 
 from __future__ import annotations
 
 import pytest
 
-from graphdraft.drafter import EagleDrafter
-from graphdraft.drafter_protocol import check_drafter
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.drafter_protocol import check_drafter
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import ScriptedDrafter, make_models, runtime
 from tests.test_engine import prompts, target_only
 
@@ -100,7 +100,7 @@ class _HalfCycle(ScriptedDrafter):
 @pytest.mark.parametrize("bad, missing", [
     (_NoRun(), "lacks run"),
     (object(), "lacks run, capture_graphs, decode_hidden_buffer, stats, supports_cycle"),
-    (_HalfCycle.__new__(_HalfCycle), "CycleDrafter protocol (graphdraft.drafter_protocol), "
+    (_HalfCycle.__new__(_HalfCycle), "CycleDrafter protocol (graphdraft.runtime.drafter_protocol), "
      "_HalfCycle lacks cycle_tokens, cycle_accept_lengths, draft_staged, reset_neutral, "
      "decode_graphs, multi_step_graphs"),
 ])

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from graphdraft.engine import Engine
 from graphdraft.ops import rope_cos_sin_cache
-from graphdraft.verify import SamplingParams, verify_sampled
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams, verify_sampled
 from tests.engine_harness import TARGET, ScriptedDrafter, make_models, runtime
 
 
@@ -222,7 +222,7 @@ def test_rejection_sampling_matches_target_distribution():
     v, n, rows = 8, 3, 20000
     logits = torch.randn(n, v) * 1.5
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95)
-    from graphdraft.verify import target_probs
+    from graphdraft.serving.verify import target_probs
     p = target_probs(logits, params)
     drafts = torch.tensor([0, int(p[0].argmax()), int(p[1].argmax())])
     cand = drafts.expand(rows, n).contiguous()

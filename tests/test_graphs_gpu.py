@@ -189,8 +189,8 @@ def test_ten_thousand_replays_no_growth_no_recapture():
 def test_engine_graphs_lossless_float64(steps, page_size, cycle_graph):
     """Speculative greedy through graphs == target-only: the whole-cycle graph, or (cycle_graph
     off) the split graphs (target verify + both draft forwards)."""
-    from graphdraft.engine import Engine
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
 
     target, head = make_models(steps, device="cuda", draft_vocab=40 if steps % 2 else None)
     cfg = runtime(device="cuda", kernel_backend="torch", speculative_num_steps=steps,
@@ -213,8 +213,8 @@ def test_engine_graphs_lossless_float64(steps, page_size, cycle_graph):
 
 
 def test_engine_graphs_equal_enforce_eager_bf16_triton():
-    from graphdraft.engine import Engine
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
 
     target, head = make_models(2, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(2)

@@ -331,7 +331,7 @@ def test_drafter_decode_one_key_set_per_bucket(sizes):
 
 
 def test_engine_verify_one_key_set_per_bucket():
-    from graphdraft.engine import Engine
+    from graphdraft.serving.engine import Engine
     from tests.engine_harness import make_models, runtime
 
     target, head = make_models(dtype=torch.bfloat16, draft_vocab=40)

@@ -24,7 +24,7 @@ from graphdraft.kernels.decode_attention import (
 )
 from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_ref
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.bfloat16]

@@ -18,7 +18,7 @@ from graphdraft.kernels.gemv import (
 )
 from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -350,10 +350,10 @@ def test_gpu_fused_epilogues_at_head_shapes(m):
 
 def _head_setup(dtype, seed):
     """A tiny head on the Triton path, a paged KV cache with history, a backend."""
-    from graphdraft.attention import PagedAttentionBackend
     from graphdraft.config import ModelConfig
-    from graphdraft.eagle3 import Eagle3DraftHead
-    from graphdraft.layers import init_random_
+    from graphdraft.models.attention import PagedAttentionBackend
+    from graphdraft.models.eagle3 import Eagle3DraftHead
+    from graphdraft.models.layers import init_random_
 
     cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=48, vocab_size=97, draft_vocab_size=53,
@@ -433,7 +433,7 @@ def test_head_triton_forward_equals_unfused_ops(dtype, split, bs, monkeypatch):
     """First step (fc, 3 tokens per row, gathered rows) then a later step (M = bs): the fused
     Triton forward writes the same KV and returns the same ids, hidden and logits, byte for byte,
     as the unfused ops; and stays close to the torch path."""
-    from graphdraft.attention import AttentionMetadata
+    from graphdraft.models.attention import AttentionMetadata
 
     _forced_splits(monkeypatch, split)
     head, kv, backend, g = _head_setup(dtype, seed=bs * 10 + split)

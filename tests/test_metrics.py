@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from graphdraft.engine import Engine
-from graphdraft.metrics import ServingMetrics
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.metrics import ServingMetrics
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from triton.runtime import interpreter
 
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.drafter_harness import FakeServingLoop, make_setup
 from tests.engine_harness import make_models, runtime
 

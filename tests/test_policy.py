@@ -1,4 +1,4 @@
-"""The speculation policy: accept-rate estimate, cost table, decisions (graphdraft/policy.py)."""
+"""The speculation policy: accept-rate estimate, cost table, decisions (graphdraft/serving/policy.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphdraft.policy import (
+from graphdraft.serving.policy import (
     AcceptRateEstimator,
     CostTable,
     SpeculationPolicy,

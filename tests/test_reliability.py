@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.drafter_harness import make_setup
 from tests.engine_harness import TARGET, make_models, runtime
 from tests.test_drafter import drive

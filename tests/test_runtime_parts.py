@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
-from graphdraft.buffers import InputBuffers
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
-from graphdraft.logits import LogitsProcessor
+from graphdraft.models.logits import LogitsProcessor
+from graphdraft.runtime.batch import BatchRow, ForwardContext, ForwardMode, write_batch
+from graphdraft.runtime.buffers import InputBuffers
+from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 
 
 @pytest.mark.parametrize("kw,name", [

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from graphdraft.config import ModelConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.engine import Engine
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.parallel import TensorParallel, init_tensor_parallel, shard_, vocab_rows
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import HEAD, TARGET, make_models, runtime
 
 WORLD = 2
@@ -285,7 +285,7 @@ def test_init_without_torchrun_is_single_rank(monkeypatch):
 
 
 def test_sharded_models_cannot_be_saved_or_host_a_head(tmp_path):
-    from graphdraft.checkpoint import load_eagle3_head, save_eagle3_head, save_target
+    from graphdraft.io.checkpoint import load_eagle3_head, save_eagle3_head, save_target
     from graphdraft.parallel import TensorParallel, shard_
     from tests.engine_harness import make_models
 
@@ -305,8 +305,8 @@ def test_tp_demo_pair_keeps_the_targets_embedding():
     import importlib.util
     from pathlib import Path
 
-    from graphdraft.layers import init_random_
-    from graphdraft.llama import LlamaForCausalLM
+    from graphdraft.models.layers import init_random_
+    from graphdraft.models.llama import LlamaForCausalLM
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "tp_demo.py"
     spec = importlib.util.spec_from_file_location("tp_demo", path)

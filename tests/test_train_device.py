@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphdraft.checkpoint import load_model_pair
+from graphdraft.io.checkpoint import load_model_pair
 from graphdraft.train import train as tr
 from graphdraft.train.__main__ import GPU_RECIPE, main, parser, resolve
 from graphdraft.train.data import Corpus, _concat, documents, is_held_out

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.beams import BeamState, decode_step, first_step
 from graphdraft.kernels.tree_accept import COIN_MAX, tree_accept, tree_accept_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree_ref
-from graphdraft.tree import TreeSpec
+from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.tree import TreeSpec
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
 """Tree configuration, beams -> candidate store, and the tree build (TREE.md sections 0-2, 7.5).
 
-Candidate stores come from `graphdraft.beams` fed random draft logits with ties (few distinct
+Candidate stores come from `graphdraft.runtime.beams` fed random draft logits with ties (few distinct
 values), certain tokens (p = 1.0), -inf and NaN, so the invariants are checked on stores the
 drafter can produce. The Triton kernel (interpreter on CPU) must write what the torch version
 writes.
@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphdraft.beams import BeamState, decode_step, first_step
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
-from graphdraft.tree import TreeSpec, score_key, scratch_slots
+from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.tree import TreeSpec, score_key, scratch_slots
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("tokens", "parents", "depths", "positions", "mask", "first_child", "next_sibling",

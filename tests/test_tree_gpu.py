@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.beams import BeamState, decode_step, first_step
 from graphdraft.kernels.kv_move import (
     gather_accepted_hidden,
     gather_accepted_hidden_ref,
@@ -19,7 +18,8 @@ from graphdraft.kernels.kv_move import (
 )
 from graphdraft.kernels.tree_accept import tree_accept, tree_accept_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
-from graphdraft.tree import TreeSpec
+from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.tree import TreeSpec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

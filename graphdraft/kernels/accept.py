@@ -245,7 +245,7 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
                   draft_accept: torch.Tensor, finish: torch.Tensor, err: torch.Tensor,
                   use_triton: bool = True) -> None:
     """The module docstring's writes for `rows = cand.shape[0]` rows. `state`: a
-    `graphdraft.slot_state.SlotState` (temperature, top_p, top_k, seed, stop_ids, max_new,
+    `graphdraft.runtime.slot_state.SlotState` (temperature, top_p, top_k, seed, stop_ids, max_new,
     emitted, done per slot). `err` is ORed into, not overwritten. Graph-capturable."""
     rows, n = cand.shape
     _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["commit_pack", "neutral_slot0", "prepare_rows"]
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 

@@ -42,7 +42,7 @@ from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.decode_attention import check_out, check_paged_kv
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
-from graphdraft.kv_cache import kv_slot
+from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
-from graphdraft.tree import TreeSpec
+from graphdraft.runtime.tree import TreeSpec
 
 __all__ = ["tree_accept", "tree_accept_ref", "clamp_coins", "COIN_MAX"]
 

@@ -6,7 +6,7 @@ root `[B]` int32/int64 (the root token), prefix_len `[B]` int32/int64 (`L`, the 
 Outputs (TreeBuffers, each `[B, n]` int64):
 
     select  the n-1 best candidates: higher score first, ties to the lower flat index, NaN as
-            -inf (`graphdraft.tree.score_key`); the set is closed under ancestors because a
+            -inf (`graphdraft.runtime.tree.score_key`); the set is closed under ancestors because a
             path's cumulative log-prob never increases and a parent has the lower flat index
     sort    selected flat indices ascending -> nodes 1..n-1 (node 0 = root): parents first
     parents parent node id (root: -1)
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
-from graphdraft.tree import TreeSpec, score_key
+from graphdraft.runtime.tree import TreeSpec, score_key
 
 __all__ = ["TreeBuffers", "build_tree", "build_tree_ref"]
 
@@ -122,7 +122,7 @@ _NO_KEY = tl.constexpr(-(2**63) + 1)  # below every score key: padding lanes
 
 @triton.jit
 def _key(s, i, M):
-    """score_key of fp32 scores `s` at flat indices `i` (graphdraft.tree.score_key)."""
+    """score_key of fp32 scores `s` at flat indices `i` (graphdraft.runtime.tree.score_key)."""
     s = tl.where(s != s, float("-inf"), s) + 0.0
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)

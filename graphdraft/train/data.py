@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from graphdraft.bytes_tokenizer import BOS_ID, EOS_ID
+from graphdraft.io.bytes_tokenizer import BOS_ID, EOS_ID
 
 HOLDOUT_MOD = 20
 _TOPICS_SOURCE = "pydoc_data/topics.py"  # its text is in the topic documents already

@@ -4,7 +4,7 @@
   (`graphdraft.train.data`), each `max_position_embeddings + 1` bytes long (257 for the
   shipped pair), the checkpoint's (bf16) weights computed in float32 (`train.eval_target`);
 - the head's mean accept length: greedy, 3 draft steps (N = 4 tokens per verify at most),
-  float32, through `graphdraft.engine.Engine` (torch kernel path), held-out prompts of 96
+  float32, through `graphdraft.serving.engine.Engine` (torch kernel path), held-out prompts of 96
   bytes (`data.heldout_prompts`), 64 new tokens each, all prompts in one batch; for 16
   prompts and for the first 4 of them (the setting of `tests/test_trained_pair.py`, which
   calls `mean_accept_length` and `runtime_config` from here).
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from graphdraft.checkpoint import load_model_pair
 from graphdraft.config import RuntimeConfig
-from graphdraft.verify import SamplingParams
+from graphdraft.io.checkpoint import load_model_pair
+from graphdraft.serving.verify import SamplingParams
 
 EVAL_NAME = "evaluation.json"
 DRAFT_STEPS = 3
@@ -47,7 +47,7 @@ def runtime_config(max_running_requests: int, *, steps: int = DRAFT_STEPS,
 
 def prompt_ids(count: int, length: int = PROMPT_BYTES) -> list[list[int]]:
     """Token ids of the first `count` held-out prompts of `length` bytes."""
-    from graphdraft.bytes_tokenizer import ByteTokenizer
+    from graphdraft.io.bytes_tokenizer import ByteTokenizer
     from graphdraft.train.data import heldout_prompts
 
     tok = ByteTokenizer()
@@ -62,7 +62,7 @@ def mean_accept_length(target, head, prompts: list[list[int]], *, steps: int = D
                        new_tokens: int = NEW_TOKENS, device: str | None = None) -> float:
     """Greedy mean accept length (tokens per verify) of `head` drafting for `target` through
     `Engine`, every prompt in one batch. Models in float32 on `device` (default: theirs)."""
-    from graphdraft.engine import Engine
+    from graphdraft.serving.engine import Engine
 
     device = device or str(target.embed_tokens.device)
     ctx = min(256, target.config.max_position_embeddings)

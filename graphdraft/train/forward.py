@@ -1,7 +1,7 @@
 """Dense training-mode forwards over the runtime modules' own parameters.
 
-`target_forward` runs a `graphdraft.llama.LlamaForCausalLM` and `head_ttt_forward` an
-`graphdraft.eagle3.Eagle3DraftHead` over dense `[B, L]` batches with
+`target_forward` runs a `graphdraft.models.llama.LlamaForCausalLM` and `head_ttt_forward` an
+`graphdraft.models.eagle3.Eagle3DraftHead` over dense `[B, L]` batches with
 `F.scaled_dot_product_attention`, reading exactly the parameters the paged runtime reads
 (fused `qkv_proj` rows [q; k; v], fused `gate_up_proj` rows [gate; up], HF RMSNorm, NeoX
 RoPE from `graphdraft.ops.rope_cos_sin_cache`). Trained weights therefore load into the
@@ -13,7 +13,7 @@ EAGLE-3 training-time test (TTT), for every start position t of a sequence at on
   step k   input (the head's own step k-1 argmax token, its own step k-1 pre-norm hidden)
            at position t+k-1; it attends to the step-1 keys of positions <= t plus the keys
            its own chain wrote at positions t+1 .. t+k-1 (steps 2..k).
-This is what `graphdraft.drafter.EagleDrafter` computes at inference: the first step over
+This is what `graphdraft.runtime.drafter.EagleDrafter` computes at inference: the first step over
 the accepted prefix, then chain steps writing their own KV.
 """
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.norm import rms_norm_torch
 from graphdraft.kernels.rope import rope_rotate_torch
-from graphdraft.layers import MLP, Attention
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import MLP, Attention
+from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.ops import rope_cos_sin_cache
 
 rms_norm = rms_norm_torch

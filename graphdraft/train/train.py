@@ -8,7 +8,7 @@ against the target's soft labels (its softmax at the position the step predicts;
 its greedy token instead), step k weighted `decay ** (k - 1)`. The head shares (and does
 not train) the target's embedding; its LM head and final norm start from the target's.
 
-Both write graphdraft checkpoints (`graphdraft.checkpoint.save_target` / `save_eagle3_head`)
+Both write graphdraft checkpoints (`graphdraft.io.checkpoint.save_target` / `save_eagle3_head`)
 and a `training.json` summary next to the weights.
 
 Devices: `device` "auto" (CUDA when available), "cpu" or "cuda". The master weights and the
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from graphdraft.bytes_tokenizer import BOS_ID, CONFIG_KEY, EOS_ID, VOCAB_SIZE
-from graphdraft.checkpoint import load_eagle3_head, load_target, save_eagle3_head, save_target
 from graphdraft.config import ModelConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.io.bytes_tokenizer import BOS_ID, CONFIG_KEY, EOS_ID, VOCAB_SIZE
+from graphdraft.io.checkpoint import load_eagle3_head, load_target, save_eagle3_head, save_target
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.train.data import Corpus, eval_windows, load_corpus, sample_windows
 from graphdraft.train.forward import head_ttt_forward, target_forward
 
@@ -583,8 +583,8 @@ def generate_pool(target: LlamaForCausalLM, ids: torch.Tensor, count: int, conte
     graphdraft's own `Engine` on the target's device (float32 target: CPU or CUDA, the torch
     kernel path, eager). `chunk` requests run at once (None: 64 on the CPU, 512 on CUDA)."""
     from graphdraft.config import RuntimeConfig
-    from graphdraft.engine import Engine
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
 
     device = target.embed_tokens.device
     cuda = device.type == "cuda"

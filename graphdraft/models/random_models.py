@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from graphdraft.config import ModelConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.layers import init_random_
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.layers import init_random_
+from graphdraft.models.llama import LlamaForCausalLM
 
 
 def random_model_pair(target_cfg: ModelConfig, head_cfg: ModelConfig, dtype: torch.dtype,

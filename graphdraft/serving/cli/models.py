@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from graphdraft.cli.args import DEFAULT_MAX_CONTEXT_LEN, CliError, translate
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.llama import LlamaForCausalLM
-from graphdraft.random_models import random_model_pair
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.llama import LlamaForCausalLM
+from graphdraft.models.random_models import random_model_pair
+from graphdraft.serving.cli.args import DEFAULT_MAX_CONTEXT_LEN, CliError, translate
 
-log = logging.getLogger("graphdraft.cli")
+log = logging.getLogger("graphdraft.serving.cli")
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHIPPED_TARGET, SHIPPED_DRAFT = ASSETS / "target", ASSETS / "eagle3"
 
 
@@ -59,7 +59,7 @@ class ByteTokenizerAdapter:
     """The byte tokenizer behind the `tokenizers` calls the CLI makes (`encode(t).ids`, `decode`)."""
 
     def __init__(self) -> None:
-        from graphdraft.bytes_tokenizer import ByteTokenizer
+        from graphdraft.io.bytes_tokenizer import ByteTokenizer
         self.tok = ByteTokenizer()
 
     def encode(self, text: str):
@@ -72,7 +72,7 @@ class ByteTokenizerAdapter:
 def load_tokenizer(path: str, config: dict | None = None):
     """The byte tokenizer when `config` says `graphdraft_tokenizer: "bytes"`; else a
     `tokenizers` tokenizer from `path/tokenizer.json`; else None."""
-    from graphdraft.bytes_tokenizer import CONFIG_KEY
+    from graphdraft.io.bytes_tokenizer import CONFIG_KEY
     if config is not None and config.get(CONFIG_KEY) == "bytes":
         return ByteTokenizerAdapter()
     file = Path(path) / "tokenizer.json"
@@ -122,7 +122,7 @@ def load(a: argparse.Namespace) -> Loaded:
         target, head = random_pair(cfg, a.seed)
         return Loaded(target, head, cfg, None, None, (), "random weights (acceptance is not "
                       "meaningful for them)")
-    from graphdraft.checkpoint import load_model_pair, read_config
+    from graphdraft.io.checkpoint import load_model_pair, read_config
     flag = "--target/--draft" if a.target else "the shipped pair"
     try:
         tcfg, _ = read_config(target_dir)

@@ -5,7 +5,7 @@ tokenizer and printed (one prompt: the text as it comes; several: `[i] ` before 
 piece). `--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is
 kept); `--json` prints one JSON object at the end instead (outputs and metrics).
 
-`--dp-size N` (data-parallel attention, `graphdraft.data_parallel`): start N processes with
+`--dp-size N` (data-parallel attention, `graphdraft.serving.data_parallel`): start N processes with
 `torchrun --nproc-per-node N -m graphdraft generate --dp-size N ...`; prompt i is served by
 rank i % N, the ranks step in lock-step, and rank 0 prints every request's text once all
 finished (no streaming) with its own engine's metrics.
@@ -21,14 +21,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from graphdraft.cli import models
-from graphdraft.cli.args import CliError, translate
-from graphdraft.cli.prompts import PromptSpec, gather
-from graphdraft.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.cli import models
+from graphdraft.serving.cli.args import CliError, translate
+from graphdraft.serving.cli.prompts import PromptSpec, gather
+from graphdraft.serving.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 
-log = logging.getLogger("graphdraft.cli")
+log = logging.getLogger("graphdraft.serving.cli")
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Stream:
     """One request's text as shown so far."""
 
     index: int
-    req: Any  # graphdraft.engine.Request
+    req: Any  # graphdraft.serving.engine.Request
     stops: tuple[str, ...]
     shown: str = ""
     stopped: bool = False
@@ -101,14 +101,14 @@ def generate(a: argparse.Namespace) -> int:
     specs = gather(a.prompt, a.prompt_file)
     dp = None
     if getattr(a, "dp_size", 1) > 1:  # one process per rank (torchrun): join the group first
-        from graphdraft.data_parallel import init_data_parallel
+        from graphdraft.serving.data_parallel import init_data_parallel
         try:
             dp, a.device = init_data_parallel(a.dp_size, device=a.device)
         except ValueError as e:
             raise CliError(translate(str(e))) from None
     m = models.load(a)
     if dp is not None:
-        from graphdraft.data_parallel import shard_dense_
+        from graphdraft.serving.data_parallel import shard_dense_
         shard_dense_(m.target, dp)
         shard_dense_(m.head, dp)
     if m.tokenizer is None:
@@ -116,7 +116,7 @@ def generate(a: argparse.Namespace) -> int:
                        "--target needs tokenizer.json and the `tokenizers` package)")
     cfg = m.cfg
     engine = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
-    from graphdraft.cli.demo import capture, check_request
+    from graphdraft.serving.cli.demo import capture, check_request
     capture(engine, "speculative", a.quiet)
     prompts, plist, stops = [], [], []
     for spec in specs:
@@ -129,7 +129,7 @@ def generate(a: argparse.Namespace) -> int:
         prompts.append(ids)
         plist.append(params)
         stops.append(st)
-    from graphdraft.data_parallel import spread
+    from graphdraft.serving.data_parallel import spread
     mine = set(spread(specs, dp))  # every prompt was checked on every rank: same errors
     streams = [Stream(i, engine.add_request(p, sp), st)
                for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True))
@@ -154,7 +154,7 @@ def generate(a: argparse.Namespace) -> int:
     if dp is not None:
         import torch.distributed as dist
 
-        from graphdraft.data_parallel import gather_outputs
+        from graphdraft.serving.data_parallel import gather_outputs
         outputs = gather_outputs(outputs, [s.index for s in streams], len(specs), dp)
         dist.barrier(group=dp.host_group)
         dist.destroy_process_group()

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.checks import expect_tensor
 from graphdraft.config import ModelConfig
 from graphdraft.kernels.argmax import check_ids_out
-from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
-from graphdraft.logits import LogitsOutput, LogitsProcessor
+from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.models.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.models.logits import LogitsOutput, LogitsProcessor
 from graphdraft.ops import (
     argmax_with_map,
     linear,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphdraft.buffers import DUMMY_PAGE, DUMMY_REQ_SLOT
+from graphdraft.runtime.buffers import DUMMY_PAGE, DUMMY_REQ_SLOT
 
 
 def kv_slot(req_to_page: torch.Tensor, req: torch.Tensor | int, pos: torch.Tensor,

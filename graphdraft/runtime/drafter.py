@@ -41,14 +41,14 @@ import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
 from graphdraft import ops
-from graphdraft.attention import PagedAttentionBackend
-from graphdraft.batch import ForwardContext, ForwardMode
-from graphdraft.buffers import DraftBuffers, InputBuffers, RuntimeStates
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.config import RuntimeConfig
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.kv_cache import KVPool
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
+from graphdraft.runtime.batch import ForwardContext, ForwardMode
+from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class EagleDrafter:
         return self.bufs.first_hidden[: bs * self.N]
 
     # ------------------------------------------------------------------
-    # The Engine's cycle seam (`graphdraft.drafter_protocol.CycleDrafter`): the cycle graph
+    # The Engine's cycle seam (`graphdraft.runtime.drafter_protocol.CycleDrafter`): the cycle graph
     # writes the accepted tokens and accept lengths straight into this drafter's buffers and
     # runs its decode body in the same graph.
     # ------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphdraft.cli.args import CliError
+from graphdraft.serving.cli.args import CliError
 
 PER_PROMPT_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 

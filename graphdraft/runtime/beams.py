@@ -20,7 +20,7 @@ Decode level j = 1..K-1 (`decode_step`, logits `[B*k, Vd]`, one row per beam, ro
     anc[:, b, :j] = anc_old[:, pb[b], :j]; anc[:, b, j] = scratch(r, b, j+1)
     hidden of beam b (optional) = hid_out[r*k + pb[b]]
 
-"The k best": the order of `graphdraft.tree.score_key` (higher first, ties to the lower index,
+"The k best": the order of `graphdraft.runtime.tree.score_key` (higher first, ties to the lower index,
 NaN as -inf), so the tree build's tie rule and this one agree. With `k = 1` the token is
 chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
 (`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit.
@@ -34,14 +34,14 @@ import torch
 
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.argmax import argmax_with_map_ref
-from graphdraft.tree import TreeSpec, score_key
+from graphdraft.runtime.tree import TreeSpec, score_key
 
 __all__ = ["BeamState", "first_step", "decode_step"]
 
 
 @dataclass
 class BeamState:
-    """Beams and candidate store of `B` rows (shapes: `graphdraft.tree` table).
+    """Beams and candidate store of `B` rows (shapes: `graphdraft.runtime.tree` table).
 
     beam_tok [B, k] int64 (target ids), beam_score [B, k] float32, beam_cand [B, k] int64,
     parent_beam [B, k] int64, anc [B, k, max(K-1, 1)] int64,

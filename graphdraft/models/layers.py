@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from graphdraft import ops
-from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.config import ModelConfig
+from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel

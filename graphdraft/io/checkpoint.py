@@ -65,8 +65,8 @@ from typing import Any
 import torch
 
 from graphdraft.config import ModelConfig, resolve_dtype
-from graphdraft.eagle3 import Eagle3DraftHead
-from graphdraft.llama import LlamaForCausalLM
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

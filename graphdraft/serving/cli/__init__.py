@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from graphdraft.cli.args import (
+from graphdraft.serving.cli.args import (
     CliError,
     Parser,
     add_model_flags,
@@ -59,8 +59,8 @@ def build_parser() -> Parser:
     parser = Parser(prog="graphdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate}",
                                 parser_class=Parser)
-    from graphdraft.cli import demo as demo_mod
-    from graphdraft.cli import generate as generate_mod
+    from graphdraft.serving.cli import demo as demo_mod
+    from graphdraft.serving.cli import generate as generate_mod
     d = sub.add_parser("demo", help="speculative vs target-only on held-out text",
                        description=demo_mod.__doc__)
     add_model_flags(d)
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"graphdraft {a.command}"
     try:
         if a.command == "demo":
-            from graphdraft.cli.demo import demo
+            from graphdraft.serving.cli.demo import demo
             return demo(a)
-        from graphdraft.cli.generate import generate
+        from graphdraft.serving.cli.generate import generate
         return generate(a)
     except CliError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The serving loop: requests in, tokens out, with EAGLE-3 speculative decoding.
 
 Every token decision lives on the device; the host plans and reads results one step late.
-Per-slot state (`graphdraft.slot_state.SlotState` + `RuntimeStates.valid_cache_lengths`)
+Per-slot state (`graphdraft.runtime.slot_state.SlotState` + `RuntimeStates.valid_cache_lengths`)
 holds each request's last verified token, drafts, committed length, sampling parameters,
 stop table, emitted count and done flag; the host writes a slot's row only at admission.
 
@@ -37,14 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
-from graphdraft import data_parallel
-from graphdraft.attention import PagedAttentionBackend
-from graphdraft.batch import BatchRow, ForwardContext, ForwardMode, write_batch
-from graphdraft.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.config import RuntimeConfig
-from graphdraft.drafter import EagleDrafter
-from graphdraft.drafter_protocol import CycleDrafter, Drafter, check_drafter
-from graphdraft.eagle3 import Eagle3DraftHead
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
 from graphdraft.kernels.cycle_kernels import (
     ERR_CACHE_LEN,
@@ -54,12 +47,19 @@ from graphdraft.kernels.cycle_kernels import (
     prepare_rows,
 )
 from graphdraft.kernels.warmup import precompile_engine
-from graphdraft.kv_cache import KVPool, OutOfPagesError, PageTable
-from graphdraft.llama import LlamaForCausalLM, TargetOutput
-from graphdraft.metrics import ServingMetrics
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.llama import LlamaForCausalLM, TargetOutput
 from graphdraft.nvtx import nvtx_range
-from graphdraft.slot_state import SlotState, StopTableFullError
-from graphdraft.verify import SamplingParams, request_seed
+from graphdraft.runtime.batch import BatchRow, ForwardContext, ForwardMode, write_batch
+from graphdraft.runtime.buffers import CycleBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.drafter_protocol import CycleDrafter, Drafter, check_drafter
+from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
+from graphdraft.runtime.slot_state import SlotState, StopTableFullError
+from graphdraft.serving import data_parallel
+from graphdraft.serving.metrics import ServingMetrics
+from graphdraft.serving.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Engine:
                  head: Eagle3DraftHead | None = None, *, drafter=None,
                  eos_token_id: int | None = None, seed: int | None = None) -> None:
         """`head`: an EAGLE-3 head (an `EagleDrafter` is built for it); or `drafter`: any
-        object meeting `graphdraft.drafter_protocol.Drafter` (its `run(ctx, hidden,
+        object meeting `graphdraft.runtime.drafter_protocol.Drafter` (its `run(ctx, hidden,
         output_tokens, accept_lengths)` runs eagerly inside every step, no cycle graph, unless
         it is a `CycleDrafter`; anything else: ValueError naming `drafter`). `seed` seeds
         sampled requests that carry none (pass the same on every tensor-parallel rank so that
@@ -186,7 +186,7 @@ class Engine:
         self._cycle_drafter: CycleDrafter | None = (
             self.drafter if self.drafter is not None and self.drafter.supports_cycle else None)
         self._own_drafter = self.drafter is None or self._cycle_drafter is not None
-        # Data-parallel attention (graphdraft.data_parallel): None unless a model's dense
+        # Data-parallel attention (graphdraft.serving.data_parallel): None unless a model's dense
         # layers were split with shard_dense_ (dp_size > 1); then `step` runs in lock-step.
         self.dp = self._data_parallel(target, head, cfg)
         self._lockstep = None      # this step's data_parallel.StepPlan (inside `_launch`)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from graphdraft.cli import models
-from graphdraft.cli.args import CliError, translate
-from graphdraft.cli.report import (
+from graphdraft.serving.cli import models
+from graphdraft.serving.cli.args import CliError, translate
+from graphdraft.serving.cli.report import (
     CPU_SPEEDUP_NOTE,
     CPU_TIMING_NOTE,
     metrics_lines,
@@ -30,10 +30,10 @@ from graphdraft.cli.report import (
     spread,
     write_json,
 )
-from graphdraft.engine import Engine
-from graphdraft.verify import SamplingParams
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
 
-log = logging.getLogger("graphdraft.cli")
+log = logging.getLogger("graphdraft.serving.cli")
 
 SAMPLE_PROMPTS = [
     "The history of the printing press begins",

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from graphdraft import ops
-from graphdraft.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.config import ModelConfig
-from graphdraft.kv_cache import KVPool
-from graphdraft.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
+from graphdraft.models.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.runtime.kv_cache import KVPool
 
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel

@@ -16,7 +16,7 @@ writes directly: `supports_cycle` is True, and the Engine
   - calls `reset_neutral()` around capture, reports `decode_graphs` / `multi_step_graphs` in
     its metrics, counts each cycle in `stats.calls` / `stats.decode_calls`, and passes
     `copy_output=False` to `run`.
-`graphdraft.drafter.EagleDrafter` is the one cycle drafter; any other drafter is run eagerly.
+`graphdraft.runtime.drafter.EagleDrafter` is the one cycle drafter; any other drafter is run eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphdraft.batch import ForwardContext
+from graphdraft.runtime.batch import ForwardContext
 
 DRAFTER_METHODS = ("run", "capture_graphs", "decode_hidden_buffer")
 DRAFTER_ATTRIBUTES = ("stats", "supports_cycle")
@@ -96,6 +96,6 @@ def check_drafter(drafter: object) -> Drafter:
     if missing:
         kind = "CycleDrafter" if cycle is True else "Drafter"
         raise ValueError(f"drafter: expected an object meeting the {kind} protocol "
-                         f"(graphdraft.drafter_protocol), {type(drafter).__name__} lacks "
+                         f"(graphdraft.runtime.drafter_protocol), {type(drafter).__name__} lacks "
                          f"{', '.join(missing)}")
     return drafter  # type: ignore[return-value]

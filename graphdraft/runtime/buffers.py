@@ -13,7 +13,7 @@ For a decode batch one kernel writes the drafter's inputs and all of these
 for the other paths.
 
 The speculative cycle's per request-slot tables (last token, drafts, sampling parameters,
-stop table, max_new, emitted, done; slot 0 the inert dummy) are `graphdraft.slot_state.SlotState`
+stop table, max_new, emitted, done; slot 0 the inert dummy) are `graphdraft.runtime.slot_state.SlotState`
 (documented there, allocated once by the Engine); its per-row buffers and the packed output
 are `CycleBuffers` below.
 
@@ -130,8 +130,8 @@ class RuntimeStates:
 
 @dataclass
 class CycleBuffers:
-    """The speculative cycle's own buffers (graphdraft.engine; the per-slot tables are
-    `graphdraft.slot_state.SlotState`, documented there).
+    """The speculative cycle's own buffers (graphdraft.serving.engine; the per-slot tables are
+    `graphdraft.runtime.slot_state.SlotState`, documented there).
 
     slot_rows     [max_bs] int64       each row's request slot (host-staged when the rows
                                        change; 0: a padded row)

@@ -14,12 +14,12 @@ shape anywhere):
 
 | buffer | shape | dtype | written by |
 |---|---|---|---|
-| beam_tok, beam_cand | `[B, k]` | int64 | `graphdraft.beams` |
-| beam_score | `[B, k]` | float32 | `graphdraft.beams` (cumulative log-prob) |
-| parent_beam | `[B, k]` | int64 | `graphdraft.beams` (gathers the beams' hidden states) |
-| anc | `[B, k, max(K-1, 1)]` | int64 | `graphdraft.beams` (draft-KV slots of a beam's path) |
-| cand_score | `[B, M]` | float32 | `graphdraft.beams` |
-| cand_tok, cand_parent | `[B, M]` | int64 | `graphdraft.beams` (parent: flat candidate index, -1 = root) |
+| beam_tok, beam_cand | `[B, k]` | int64 | `graphdraft.runtime.beams` |
+| beam_score | `[B, k]` | float32 | `graphdraft.runtime.beams` (cumulative log-prob) |
+| parent_beam | `[B, k]` | int64 | `graphdraft.runtime.beams` (gathers the beams' hidden states) |
+| anc | `[B, k, max(K-1, 1)]` | int64 | `graphdraft.runtime.beams` (draft-KV slots of a beam's path) |
+| cand_score | `[B, M]` | float32 | `graphdraft.runtime.beams` |
+| cand_tok, cand_parent | `[B, M]` | int64 | `graphdraft.runtime.beams` (parent: flat candidate index, -1 = root) |
 | tree_tokens | `[B, n]` | int64 | `kernels.tree_build` (node 0 = root token) |
 | parents | `[B, n]` | int64 | `kernels.tree_build` (node ids; root -1) |
 | depths | `[B, n]` | int64 | `kernels.tree_build` |

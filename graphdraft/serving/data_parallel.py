@@ -200,7 +200,7 @@ def shard_dense_(model: nn.Module, dp: DataParallel | None) -> nn.Module:
     `Eagle3DraftHead`, full HF-layout weights) and route them through `dp.dense`; returns
     `model`. `dp` None or world_size 1: nothing changes. ValueError (nothing changed) when
     the intermediate size does not divide, the model is tensor-parallel or already sharded."""
-    from graphdraft.layers import MLP
+    from graphdraft.models.layers import MLP
     from graphdraft.parallel import TensorParallel, shard_mlp_
 
     if dp is None or dp.world_size == 1:
@@ -319,8 +319,8 @@ def agree_captured(engine) -> None:
 # ---------------------------------------------------------------------------
 def _idle_request():
     """The inert decode row an idle rank runs: slot 0, already finished (never emits)."""
-    from graphdraft.engine import Request
-    from graphdraft.verify import SamplingParams
+    from graphdraft.serving.engine import Request
+    from graphdraft.serving.verify import SamplingParams
 
     return Request(rid=-1, prompt=[0], params=SamplingParams(max_new_tokens=1), slot=0,
                    finish_reason="idle")

@@ -1,0 +1,1 @@
+"""Checkpoints (safetensors, HF layout) and the shipped byte tokenizer."""

@@ -1,0 +1,1 @@
+"""Serving: the engine's cycle, verification, speculation policy, metrics, data parallelism, CLI."""
