@@ -22,11 +22,11 @@ import graphdraft
 from graphdraft.__main__ import main
 from graphdraft.io.bytes_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from graphdraft.io.checkpoint import load_model_pair, read_config
+from graphdraft.io.corpus import documents, heldout_prompts, is_held_out
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.layers import init_random_
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
-from graphdraft.train.data import documents, heldout_prompts, is_held_out
 from graphdraft.train.evaluate import mean_accept_length, prompt_ids, runtime_config
 from graphdraft.train.forward import head_ttt_forward, target_forward
 

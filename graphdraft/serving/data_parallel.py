@@ -75,6 +75,7 @@ from torch import nn
 
 from capture import padded_batch_size
 from graphdraft.parallel import check_rank
+from graphdraft.serving.request import Request
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
@@ -319,7 +320,6 @@ def agree_captured(engine) -> None:
 # ---------------------------------------------------------------------------
 def _idle_request():
     """The inert decode row an idle rank runs: slot 0, already finished (never emits)."""
-    from graphdraft.serving.engine import Request
     from graphdraft.serving.verify import SamplingParams
 
     return Request(rid=-1, prompt=[0], params=SamplingParams(max_new_tokens=1), slot=0,

@@ -32,7 +32,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +59,7 @@ from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.serving import data_parallel
 from graphdraft.serving.metrics import ServingMetrics
+from graphdraft.serving.request import Request
 from graphdraft.serving.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
@@ -81,28 +82,6 @@ def _check_model(name: str, model: torch.nn.Module, cfg: RuntimeConfig,
     if param_device.type != device.type:
         raise ValueError(f"{name}: expected parameters on {device} (RuntimeConfig.device), "
                          f"got {param_device}")
-
-
-@dataclass
-class Request:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    output: list[int] = field(default_factory=list)
-    slot: int | None = None
-    committed: int = 0                   # prompt positions prefilled (decode progress: on device)
-    last_verified: int | None = None     # the last emitted token, as the host has read it
-    finish_reason: str | None = None
-    seed: int = 0                        # Philox key of sampled tokens (verify.request_seed)
-    in_flight: int = 0                   # launched steps that emit for it, not yet retired
-
-    @property
-    def prefilling(self) -> bool:
-        return self.committed < len(self.prompt)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Training text every machine has offline: the Python standard library's own sources.
+"""Training text every machine has offline (the documents: `graphdraft.io.corpus`), as token streams.
 
 Documents: every `*.py` file under `sysconfig.get_paths()["stdlib"]` (minus site-packages,
 the test suites and `__pycache__`), named by their path relative to the stdlib root, plus
@@ -11,49 +11,12 @@ version's file list, and the same rule on every machine. Each document is encode
 
 from __future__ import annotations
 
-import hashlib
-import sysconfig
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from graphdraft.io.bytes_tokenizer import BOS_ID, EOS_ID
-
-HOLDOUT_MOD = 20
-_TOPICS_SOURCE = "pydoc_data/topics.py"  # its text is in the topic documents already
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def is_held_out(name: str) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % HOLDOUT_MOD == 0
-
-
-def documents(select: Callable[[str], bool] | None = None) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every document whose name `select` accepts (all: None), sorted by name."""
-    root = stdlib_root()
-    docs = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        name = rel.as_posix()
-        if (any(part in _SKIP_DIRS for part in rel.parts[:-1]) or name == _TOPICS_SOURCE
-                or (select is not None and not select(name)) or not p.is_file()):
-            continue
-        docs.append((name, p.read_bytes()))
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # a stripped interpreter: sources only
-        topics = {}
-    for k, v in topics.items():
-        name = f"pydoc_data/topics/{k}"
-        if select is None or select(name):
-            docs.append((name, v.encode("utf-8")))
-    return sorted(docs)
+from graphdraft.io.corpus import documents, heldout_prompts, is_held_out  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -101,23 +64,3 @@ def eval_windows(ids: torch.Tensor, count: int, length: int) -> torch.Tensor:
     """`[count, length]` evenly spaced windows of `ids` (deterministic)."""
     step = max(1, (ids.numel() - length) // count)
     return torch.stack([ids[i * step: i * step + length] for i in range(count)])
-
-
-def heldout_prompts(count: int, length: int = 96, *, python_only: bool = True) -> list[bytes]:
-    """`count` prompts of `length` bytes from held-out documents (deterministic).
-
-    From each held-out document (in name order, Python sources first when `python_only`),
-    the bytes starting at the first line start at or after a third of the document.
-    """
-    held = documents(is_held_out)
-    if python_only:
-        held = [x for x in held if x[0].endswith(".py")] or held
-    out = []
-    for _, d in held:
-        start = d.find(b"\n", len(d) // 3) + 1
-        chunk = d[start: start + length]
-        if len(chunk) == length:
-            out.append(chunk)
-        if len(out) == count:
-            break
-    return out

@@ -48,7 +48,7 @@ def runtime_config(max_running_requests: int, *, steps: int = DRAFT_STEPS,
 def prompt_ids(count: int, length: int = PROMPT_BYTES) -> list[list[int]]:
     """Token ids of the first `count` held-out prompts of `length` bytes."""
     from graphdraft.io.bytes_tokenizer import ByteTokenizer
-    from graphdraft.train.data import heldout_prompts
+    from graphdraft.io.corpus import heldout_prompts
 
     tok = ByteTokenizer()
     texts = heldout_prompts(count, length)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from graphdraft.serving.cli import models
+import graphdraft.serving.cli.models as models
 from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.report import (
     CPU_SPEEDUP_NOTE,
@@ -92,7 +92,7 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prog
 
 def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int]], str]:
     if isinstance(m.tokenizer, models.ByteTokenizerAdapter):
-        from graphdraft.train.data import heldout_prompts
+        from graphdraft.io.corpus import heldout_prompts
         texts = heldout_prompts(a.num_prompts, a.prompt_bytes)
         if not texts:
             raise CliError("--num-prompts: no held-out standard-library text found for prompts")

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from graphdraft.serving.cli import models
+import graphdraft.serving.cli.models as models
 from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.prompts import PromptSpec, gather
 from graphdraft.serving.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
@@ -36,7 +36,7 @@ class Stream:
     """One request's text as shown so far."""
 
     index: int
-    req: Any  # graphdraft.serving.engine.Request
+    req: Any  # graphdraft.serving.request.Request
     stops: tuple[str, ...]
     shown: str = ""
     stopped: bool = False

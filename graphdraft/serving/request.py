@@ -1,0 +1,33 @@
+"""One generation request as the Engine tracks it on the host.
+
+The decode progress itself lives on the device (`runtime.slot_state.SlotState`, the KV
+lengths); the host keeps what it has read back one step later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphdraft.serving.verify import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    slot: int | None = None
+    committed: int = 0                   # prompt positions prefilled (decode progress: on device)
+    last_verified: int | None = None     # the last emitted token, as the host has read it
+    finish_reason: str | None = None
+    seed: int = 0                        # Philox key of sampled tokens (verify.request_seed)
+    in_flight: int = 0                   # launched steps that emit for it, not yet retired
+
+    @property
+    def prefilling(self) -> bool:
+        return self.committed < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
