@@ -33,8 +33,10 @@ demo: install
 	$(VPY) -m graphdraft demo
 
 # --- GPU machine: its python3 already has torch, triton, pytest, pytest-benchmark, hypothesis.
+# The `gpu` tests in GPU_SHARDS pytest processes at once (logs under $(OUT)/gpu-tests).
+GPU_SHARDS ?= 3
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rA -m gpu -p no:cacheprovider tests
+	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_tests.py --shards $(GPU_SHARDS) --log-dir $(OUT)/gpu-tests
 
 # Every benchmark; each also runs alone (JSON under $(OUT)).
 perf: perf-draft perf-e2e perf-verify perf-capture perf-tree
