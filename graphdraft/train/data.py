@@ -1,12 +1,6 @@
-"""Training text every machine has offline (the documents: `graphdraft.io.corpus`), as token streams.
-
-Documents: every `*.py` file under `sysconfig.get_paths()["stdlib"]` (minus site-packages,
-the test suites and `__pycache__`), named by their path relative to the stdlib root, plus
-every entry of `pydoc_data.topics.topics` (the language reference's help topics, English
-prose), named `pydoc_data/topics/<key>`. A document is held out for evaluation when the
-SHA-256 of its name is 0 mod 20 (about 5 %): deterministic, independent of the Python
-version's file list, and the same rule on every machine. Each document is encoded as
-`[BOS] + utf-8 bytes + [EOS]` and the documents are concatenated.
+"""Training text as token streams: the documents of `graphdraft.io.corpus` (the Python standard
+library's sources and help topics, every machine has them offline), each encoded as
+`[BOS] + utf-8 bytes + [EOS]` and concatenated; held-out documents kept apart for evaluation.
 """
 
 from __future__ import annotations
