@@ -35,7 +35,7 @@ import torch
 
 from graphdraft.kernels import argmax, cache_loc, draft_indices, gemv, norm, rope, stage_inputs
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.config import resolve
+from graphdraft.kernels.config import resolve as _kc  # kernels or the default; use_triton over it
 from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
@@ -44,9 +44,6 @@ __all__ = ["KernelConfig", "SplitK", "advance_positions_and_seq_lens", "apply_ac
            "linear_residual_rms_norm", "out_cache_loc_uniform", "paged_attention",
            "paged_extend_attention", "rms_norm", "rms_norm_cat", "rope_and_store_kv",
            "rope_and_store_qkv", "rope_cos_sin_cache", "stage_decode_inputs"]
-
-
-_kc = resolve  # `kernels` or the default config; `use_triton` (the ops the drafter calls) over it
 
 
 # ---------------------------------------------------------------------------
