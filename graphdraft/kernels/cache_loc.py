@@ -165,6 +165,24 @@ def _uniform_strides(length: int, stride_req: int | None, stride_tok: int | None
     return stride_req, stride_tok
 
 
+def _check_uniform(out, req_pool_indices, cache_start, req_to_page, page_size, length,
+                   out_stride_req, out_stride_tok, positions_out, seq_lens_out) -> tuple:
+    """The uniform write's argument checks (the kernel's and the reference's): `(device, bs,
+    page_size, length, stride_req, stride_tok, elements of out needed, first-step outputs?)`."""
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
+    dev = req_to_page.device
+    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
+                       device=dev).shape[0]
+    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
+    page_size = expect_int("page_size", page_size, 1)
+    length = expect_int("length", length, 0)
+    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
+    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
+    _check_out(out, dev, need)
+    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    return dev, bs, page_size, length, s_req, s_tok, need, first
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -200,17 +218,9 @@ def compute_out_cache_loc_uniform(
             receive ``cache_start[r]`` and ``cache_start[r] + 1`` (the first draft decode
             step's position and KV length), in the same launch.
     """
-    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
-    dev = req_to_page.device
-    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
-                       device=dev).shape[0]
-    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
-    page_size = expect_int("page_size", page_size, 1)
-    length = expect_int("length", length, 0)
-    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
-    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
-    _check_out(out, dev, need)
-    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    dev, bs, page_size, length, s_req, s_tok, need, first = _check_uniform(
+        out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req,
+        out_stride_tok, positions_out, seq_lens_out)
     if bs == 0 or (need == 0 and not first):
         return
     block = min(triton.next_power_of_2(max(length, 1)), _MAX_TOKEN_BLOCK)
@@ -289,17 +299,9 @@ def compute_out_cache_loc_uniform_ref(
     """Torch reference of :func:`compute_out_cache_loc_uniform` (`ops.out_cache_loc_uniform`'s
     torch path): the same checks and writes, vectorized (no host sync); fills and returns
     ``out``. A request slot outside the table also writes the dummy slot 0."""
-    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
-    dev = req_to_page.device
-    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
-                       device=dev).shape[0]
-    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
-    page_size = expect_int("page_size", page_size, 1)
-    length = expect_int("length", length, 0)
-    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
-    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
-    _check_out(out, dev, need)
-    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    dev, bs, page_size, length, s_req, s_tok, need, first = _check_uniform(
+        out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req,
+        out_stride_tok, positions_out, seq_lens_out)
     if need:
         req = req_pool_indices.long().unsqueeze(1)                                   # [bs, 1]
         pos = cache_start.long().unsqueeze(1) + torch.arange(length, device=dev)     # [bs, length]
