@@ -17,8 +17,8 @@ import torch
 
 from graphdraft import ops
 from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.kernels import gemv, pdl
 from graphdraft.kernels import config as kernel_config
+from graphdraft.kernels import gemv, pdl
 from graphdraft.kernels.config import ENV_VARS, TORCH, TRITON, KernelConfig
 from graphdraft.kernels.gemv import gemv_config
 from graphdraft.kernels.warmup import KeyRecorder

@@ -22,6 +22,7 @@ from graphdraft.kernels.cache_loc import (
     compute_out_cache_loc_uniform_ref,
 )
 from graphdraft.kernels.draft_indices import decode_draft_indices, decode_draft_indices_ref
+from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.gemv import (
     gemv_config,
     linear_small_m,
@@ -29,7 +30,6 @@ from graphdraft.kernels.gemv import (
     linear_small_m_residual_norm,
     m_bucket,
 )
-from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv_partials
 from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphdraft.kernels import pdl
-from graphdraft.kernels.config import TRITON
 from graphdraft.kernels.cache_loc import (
     advance_positions_and_seq_lens,
     advance_positions_and_seq_lens_ref,
     compute_out_cache_loc_uniform,
     compute_out_cache_loc_uniform_ref,
 )
+from graphdraft.kernels.config import TRITON
 
 I32, I64 = torch.int32, torch.int64
 

@@ -16,8 +16,8 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels import decode_attention
-from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.decode_attention import (
     default_num_splits,
     paged_decode_attention,

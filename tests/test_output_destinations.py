@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels.config import TORCH, TRITON
-from graphdraft.kernels.warmup import KeyRecorder
 from graphdraft.kernels.cache_loc import (
     compute_out_cache_loc_uniform,
     compute_out_cache_loc_uniform_ref,
 )
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.gemv import gemv_config, linear_small_m_argmax, linear_small_m_residual_norm
+from graphdraft.kernels.warmup import KeyRecorder
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import default as default_config
 
+
 def interpreting() -> bool:
     """Triton's interpreter is on (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

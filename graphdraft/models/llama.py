@@ -24,9 +24,9 @@ from graphdraft import ops
 from graphdraft.config import ModelConfig
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import default as default_kernels
+from graphdraft.kernels.rope import rope_cos_sin_cache
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.models.layers import MLP, Attention, KernelsMixin, RMSNorm, _param
-from graphdraft.kernels.rope import rope_cos_sin_cache
 from graphdraft.runtime.kv_cache import KVPool
 
 if TYPE_CHECKING:
