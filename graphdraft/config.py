@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from graphdraft.kernels.config import KernelConfig
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -73,6 +75,11 @@ class RuntimeConfig:
     """Check every call's shapes, dtypes and value ranges (a host sync); off on a tuned hot path."""
     kernel_backend: str = "auto"
     """"triton" (Triton kernels), "torch" (plain torch path), or "auto" (triton on CUDA)."""
+    kernels: KernelConfig | None = None
+    """The kernel settings (`graphdraft/kernels/config.py`: GEMV tiles, PDL, thresholds; frozen).
+    None: `KernelConfig.from_env()`, read once here at construction. Its `backend` always
+    follows `kernel_backend` (resolved: "auto" is "triton" on CUDA); `replace()` keeps the
+    rest. The models, the attention backend and the ops run under it."""
     validation: str = "deferred"
     """Value checks of the hot path: "deferred" (device error word, raised one step later as
     the named ValueError; no sync), "sync" (immediate errors, syncs), "off". `validate_inputs=False`
@@ -107,8 +114,8 @@ class RuntimeConfig:
 
     @property
     def use_triton(self) -> bool:
-        return self.kernel_backend == "triton" or (
-            self.kernel_backend == "auto" and str(self.device).startswith("cuda"))
+        """The Triton path (`kernels.use_triton`)."""
+        return self.kernels.use_triton
 
     @property
     def max_pages_per_req(self) -> int:
@@ -188,6 +195,12 @@ class RuntimeConfig:
         need(self.kernel_backend != "triton" or str(self.device).startswith("cuda") or interpreting,
              "kernel_backend", "'torch' or 'auto' on a CPU device (unless TRITON_INTERPRET=1)")
         need(str(self.device).split(":")[0] in ("cpu", "cuda"), "device", "'cpu' or 'cuda[:N]'")
+        need(self.kernels is None or isinstance(self.kernels, KernelConfig), "kernels",
+             "None or a KernelConfig")
+        triton_path = self.kernel_backend == "triton" or (
+            self.kernel_backend == "auto" and str(self.device).startswith("cuda"))
+        kernels = self.kernels if self.kernels is not None else KernelConfig.from_env()
+        self.kernels = kernels.with_backend("triton" if triton_path else "torch")
         need(self.validation in ("deferred", "sync", "off"), "validation", "'deferred', 'sync' or 'off'")
         need(isinstance(self.cycle_graph, bool), "cycle_graph", "a bool")
         need(isinstance(self.stop_table_width, int) and self.stop_table_width >= 1,

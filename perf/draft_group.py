@@ -105,6 +105,7 @@ def build_group(head: Eagle3DraftHead, page_size: int, kv_len: int, batch_sizes:
     gen = torch.Generator(device=device).manual_seed(seed)
     for t in kv.k + kv.v:  # never time on zeros
         t.normal_(generator=gen)
+    head.set_kernels(cfg.kernels)  # the settings (backend, tiles, PDL) this group runs under
     drafter = EagleDrafter(head, cfg, req_to_page=pages.req_to_page, input_buffers=inputs,
                            runtime_states=states, kv_pool=kv)
     if capture:
@@ -144,12 +145,12 @@ def fill_decode_batch(group: DraftGroup, bs: int, *, seed: int = 0) -> DecodeBat
 
 
 def activate(drafter: EagleDrafter) -> None:
-    """Point the (shared) head's layers at this drafter's kernel backend.
+    """Point the (shared) head's layers at this drafter's kernel settings (`cfg.kernels`).
 
-    `EagleDrafter.run` does this itself; the harness also calls the drafters' forwards
-    directly (`decode_graphs.run`, the compiled baseline's warm-up), which do not.
+    `EagleDrafter.run` switches the backend itself; the harness also calls the drafters'
+    forwards directly (`decode_graphs.run`, the compiled baseline's warm-up), which do not.
     """
-    drafter.head.set_use_triton(drafter.cfg.use_triton)
+    drafter.head.set_kernels(drafter.cfg.kernels)
 
 
 

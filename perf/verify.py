@@ -40,6 +40,7 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels import extend_attention
+from graphdraft.kernels.config import TRITON
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.models.attention import PagedAttentionBackend
@@ -110,7 +111,7 @@ class Batch:
 def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str) -> float:
     """Median replay time (ms) of the captured target forward; form "rows" (the engine's
     metadata now) or "tokens" (per-token metadata, the decode kernel for every token)."""
-    backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx, True)
+    backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx, kernels=TRITON)
 
     def fwd():
         if form == "rows":
@@ -143,7 +144,7 @@ def time_matmuls(target, rate: float, device: str) -> list[dict]:
     for m in (256, 512, 1024):
         for name, w in shapes.items():
             x = torch.randn(m, w.shape[1], device=device, dtype=w.dtype)
-            us = median_us(lambda x=x, w=w: ops.linear(x, w, use_triton=True), warmup=3, reps=20,
+            us = median_us(lambda x=x, w=w: ops.linear(x, w, kernels=TRITON), warmup=3, reps=20,
                            device=device)
             flops = 2 * m * w.shape[0] * w.shape[1]
             rows.append({"m": m, "name": name, "n": w.shape[0], "k": w.shape[1], "us": us,
@@ -325,7 +326,7 @@ def main() -> None:
 
     mc = LLAMA31_8B
     target = build_target(device)
-    target.set_use_triton(True)
+    target.set_kernels(TRITON)
     wbytes = weight_bytes(target)
     if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
         wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphdraft.kernels import extend_attention
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend, RowMetadata
 from graphdraft.runtime.kv_cache import kv_slot
 from graphdraft.serving.engine import Engine
@@ -31,7 +32,7 @@ def test_uniform_rows_equal_the_per_token_form():
     """Verify rows (n tokens each) give the bits of the per-token metadata the engine built
     before (clamped kv lens for padded rows, seq len 1 < n)."""
     r2p, kc, vc = _cache()
-    be = PagedAttentionBackend(r2p, 4, 32, use_triton=False)
+    be = PagedAttentionBackend(r2p, 4, 32, kernels=TORCH)
     req = torch.tensor([2, 0, 1])
     seq = torch.tensor([9, 1, 30], dtype=torch.int32)
     n = 4
@@ -48,7 +49,7 @@ def test_uniform_rows_equal_the_per_token_form():
 def test_single_token_rows_bind_the_decode_form():
     """n = 1 (target-only decode): the per-token form over the same buffers, no copies."""
     r2p, _, _ = _cache()
-    be = PagedAttentionBackend(r2p, 4, 32, use_triton=False)
+    be = PagedAttentionBackend(r2p, 4, 32, kernels=TORCH)
     req, seq = torch.tensor([1, 2]), torch.tensor([5, 7], dtype=torch.int32)
     meta = be.uniform_row_metadata(req, seq, 1)
     assert isinstance(meta, AttentionMetadata)
@@ -57,7 +58,7 @@ def test_single_token_rows_bind_the_decode_form():
 
 def test_ragged_rows_equal_token_metadata():
     r2p, kc, vc = _cache(seed=1)
-    be = PagedAttentionBackend(r2p, 4, 32, use_triton=False)
+    be = PagedAttentionBackend(r2p, 4, 32, kernels=TORCH)
     req = torch.tensor([1, 0, 2])
     seq = torch.tensor([12, 4, 20], dtype=torch.int32)
     ext = torch.tensor([7, 4, 1], dtype=torch.int32)
@@ -72,7 +73,7 @@ def test_ragged_rows_equal_token_metadata():
 
 def test_bad_row_metadata():
     r2p, _, _ = _cache()
-    be = PagedAttentionBackend(r2p, 4, 32, use_triton=False)
+    be = PagedAttentionBackend(r2p, 4, 32, kernels=TORCH)
     req, seq = torch.tensor([1]), torch.tensor([5], dtype=torch.int32)
     with pytest.raises(ValueError, match="^n: "):
         be.uniform_row_metadata(req, seq, 0)
@@ -128,7 +129,7 @@ def test_gpu_target_verify_extend_vs_per_token_and_graph(bs):
             else:
                 p.normal_(0, 0.05)
     target.cos_sin = target.cos_sin.cuda()
-    target.set_use_triton(True)
+    target.set_kernels(TRITON)
     n, ps, kv = 4, 16, 700
     per = -(-(kv + n) // ps)
     r2p = torch.zeros(bs + 1, per, dtype=torch.int32)
@@ -143,7 +144,7 @@ def test_gpu_target_verify_extend_vs_per_token_and_graph(bs):
     ids = torch.randint(0, 1000, (bs * n,))
     r2p, seq, pos, loc, ids = (x.cuda() for x in (r2p, seq, pos, loc, ids))
     req = torch.arange(1, bs + 1, device="cuda")
-    be = PagedAttentionBackend(r2p, ps, kv + 64, True)
+    be = PagedAttentionBackend(r2p, ps, kv + 64, kernels=TRITON)
 
     def fwd(form):
         meta = (be.uniform_row_metadata(req, seq, n) if form == "rows" else

@@ -134,6 +134,7 @@ def _kernel_rejections():
     from graphdraft.kernels.argmax import argmax_with_map
     from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform
     from graphdraft.kernels.decode_attention import paged_decode_attention
+    from graphdraft.kernels.fused_inputs import SplitK
     from graphdraft.kernels.gemv import linear_small_m, linear_small_m_residual_norm
     from graphdraft.kernels.norm import rms_norm, rms_norm_cat
     from graphdraft.kernels.rope import rope_and_store_kv_partials
@@ -152,9 +153,11 @@ def _kernel_rejections():
         (lambda: rms_norm(x, torch.ones(8), 1e-5, out=torch.empty(8, 2).t()),
          "out: expected a float32 [2, 8] tensor on cpu with unit column stride, "
          "got float32 [2, 8] on cpu with strides (1, 2)"),
-        (lambda: rms_norm_cat(x, torch.ones(8), 1e-5, torch.zeros(1, 2, 8), torch.ones(8), 1e-5),
+        (lambda: rms_norm_cat(x, torch.ones(8), 1e-5, SplitK(torch.zeros(1, 2, 8), torch.float32),
+                              torch.ones(8), 1e-5),
          "b_out: expected a float32 [2, 8] tensor on cpu, got NoneType"),
-        (lambda: rope_and_store_kv_partials(torch.zeros(1, 2, 24, dtype=torch.float16),
+        (lambda: rope_and_store_kv_partials(SplitK(torch.zeros(1, 2, 24, dtype=torch.float16),
+                                                   torch.float32),
                                             torch.zeros(2, dtype=i64), torch.zeros(8, 4), kv, kv,
                                             torch.zeros(2, dtype=i64)),
          "qkv: expected a contiguous float32 [split, 2, 24] tensor on cpu, got float16 [1, 2, 24]"),

@@ -332,20 +332,18 @@ def test_triton_path_matches_reference_under_interpreter(page_size, hot):
 
 def test_triton_path_with_32_row_gemvs_matches_reference():
     """Six decode rows (padded to 8): the first step's matmuls take 32 rows, which run on the
-    GEMV kernel's 32-row tile (ops.SMALL_M_MAX = 32)."""
-    from graphdraft import ops
-    assert ops.SMALL_M_MAX >= 32
+    GEMV kernel's 32-row tile (`KernelConfig.small_m_max` = 32)."""
     s = make_setup(steps=3, page_size=16, hot=True, seed=22, kernel_backend="triton")
+    assert s.head.kernels.small_m_max >= 32
     drive(s, seed=22, iters=3, prompts=[(3, 16)] * 6)
 
 
 def test_triton_path_above_small_m_matches_reference():
-    """34 rows: every matmul has more than ops.SMALL_M_MAX rows (cuBLAS, with the Triton
-    silu_mul, the norm writing the hidden output and the argmax writing the token column)."""
-    from graphdraft import ops
-    assert 34 > ops.SMALL_M_MAX
+    """34 rows: every matmul has more than `KernelConfig.small_m_max` rows (cuBLAS, with the
+    Triton silu_mul, the norm writing the hidden output and the argmax writing the token column)."""
     s = make_setup(steps=2, page_size=4, seed=23, kernel_backend="triton", max_running_requests=40,
                    max_num_batched_tokens=160)
+    assert 34 > s.head.kernels.small_m_max
     drive(s, seed=23, iters=2, prompts=[(2, 16)] * 34)
 
 

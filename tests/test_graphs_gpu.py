@@ -108,27 +108,28 @@ def _decode_batch_after_prefill(bs, seed):
 @pytest.mark.parametrize("bs", [1, 3, 8])
 def test_pdl_launches_draft_like_plain_launches(bs, monkeypatch):
     """Graphs captured with programmatic dependent launch (the default) vs an eager run whose
-    kernels all launch plainly: identical drafts and KV writes (griddepcontrol.wait guards
-    every read of a previous kernel's output)."""
-    from graphdraft.kernels import gemv, pdl
-
-    assert pdl.ENABLED and gemv.GEMV_PDL
+    head kernels all launch plainly (`KernelConfig(pdl=False, gemv_pdl=False)`): identical
+    drafts and KV writes (griddepcontrol.wait guards every read of a previous kernel's output).
+    The drafter's own index kernels and attention launch under the default config either way
+    (they take no `kernels` from the drafter yet)."""
     s, ctx, hidden, tokens, accept = _decode_batch_after_prefill(bs, seed=bs)
-    with monkeypatch.context() as m:  # the eager half of _run_both launches plainly
-        m.setattr(pdl, "ENABLED", False)
-        m.setattr(gemv, "GEMV_PDL", False)
-        real_run = s.drafter.run
+    head = s.drafter.head
+    with_pdl = head.kernels
+    assert with_pdl.use_triton and with_pdl.pdl and with_pdl.gemv_pdl
+    plain = with_pdl.replace(pdl=False, gemv_pdl=False)
+    real_run = s.drafter.run
 
-        def run(*args):
-            if os.environ.get("GRAPHDRAFT_EAGER") != "1":
-                with monkeypatch.context() as on:  # the replay: graphs keep their PDL edges
-                    on.setattr(pdl, "ENABLED", True)
-                    on.setattr(gemv, "GEMV_PDL", True)
-                    return real_run(*args)
+    def run(*args):
+        if os.environ.get("GRAPHDRAFT_EAGER") != "1":
+            return real_run(*args)  # the replay: graphs keep their PDL edges
+        head.set_kernels(plain)  # the eager half launches plainly
+        try:
             return real_run(*args)
+        finally:
+            head.set_kernels(with_pdl)
 
-        m.setattr(s.drafter, "run", run)
-        _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
+    monkeypatch.setattr(s.drafter, "run", run)
+    _assert_graph_equals_eager(s, ctx, hidden, tokens, accept)
 
 
 @pytest.mark.parametrize("bs", [1, 3, 8])

@@ -22,6 +22,7 @@ from graphdraft.kernels.cache_loc import (
     compute_out_cache_loc_uniform_ref,
 )
 from graphdraft.kernels.draft_indices import decode_draft_indices, decode_draft_indices_ref
+from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.gemv import (
     gemv_config,
     linear_small_m,
@@ -88,7 +89,7 @@ def test_bucket_functions():
     with pytest.raises(ValueError, match="splits"):
         splits_pad(0)
     assert row_bucket(24) == row_bucket(32) != row_bucket(16)
-    assert row_bucket(40) == row_bucket(160)  # above ops.SMALL_M_MAX: cuBLAS, same lanes
+    assert row_bucket(40) == row_bucket(160)  # above small_m_max (32): cuBLAS, same lanes
     sched = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     reps = representative_sizes(sched, (1, 4))
     assert reps == sorted(reps, reverse=True) and set(reps) <= set(sched)
@@ -241,7 +242,7 @@ def test_fused_partials_consumers_one_key():
             qkv = torch.randn(split, rows, width, generator=g).to(DEV)
             pos = torch.randint(0, 32, (rows,), generator=g).to(DEV)
             loc = torch.randperm(64, generator=g)[:rows].to(DEV)
-            q = rope_and_store_kv_partials(qkv, pos, cs, kc, vc, loc)
+            q = rope_and_store_kv_partials(SplitK(qkv, qkv.dtype), pos, cs, kc, vc, loc)
             summed = qkv.sum(0).view(rows, hq + 2 * hkv, d)
             c, s = cs[pos][:, None, : d // 2], cs[pos][:, None, d // 2:]
             q1, q2 = summed[:, :hq, : d // 2], summed[:, :hq, d // 2:]
@@ -250,7 +251,7 @@ def test_fused_partials_consumers_one_key():
             a = torch.randn(rows, nn, generator=g).to(DEV)
             b = torch.randn(split, rows, nn, generator=g).to(DEV)
             b_out = torch.empty(rows, nn).to(DEV)
-            out = rms_norm_cat(a, wa, 1e-6, b, wb, 1e-6, b_out=b_out)
+            out = rms_norm_cat(a, wa, 1e-6, SplitK(b, a.dtype), wb, 1e-6, b_out=b_out)
             torch.testing.assert_close(b_out, b.sum(0))
             ref = torch.cat([rms_norm_ref(a, wa, 1e-6), rms_norm_ref(b_out, wb, 1e-6)], -1)
             torch.testing.assert_close(out, ref)

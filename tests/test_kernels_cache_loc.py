@@ -14,6 +14,7 @@ from graphdraft.kernels.cache_loc import (
     compute_out_cache_loc_uniform,
     compute_out_cache_loc_uniform_ref,
 )
+from graphdraft.kernels.config import TRITON
 
 I32, I64 = torch.int32, torch.int64
 
@@ -297,11 +298,11 @@ def test_one_compiled_kernel_across_table_widths():
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_early_loads_off_and_on(early, monkeypatch):
-    """`pdl.EARLY_LOADS` (the metadata loaded before the PDL wait; under the interpreter it is
-    on by default): the uniform kernel over several blocks with the first-step outputs, and
-    the advance kernel, equal their references both ways."""
-    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+def test_early_loads_off_and_on(early):
+    """`KernelConfig.pdl_early_loads` (the metadata loaded before the PDL wait; under the
+    interpreter it is on by default): the uniform kernel over several blocks with the
+    first-step outputs, and the advance kernel, equal their references both ways."""
+    kernels = TRITON.replace(pdl_early_loads=early)
     gen = torch.Generator().manual_seed(9)
     rtp = _table(gen, 4, 40)
     reqs = torch.tensor([3, 1, 2], dtype=I64)
@@ -310,14 +311,15 @@ def test_early_loads_off_and_on(early, monkeypatch):
         got, exp = (torch.full((3 * length,), -7, dtype=I64) for _ in range(2))
         outs = [(torch.zeros(3, dtype=I64), torch.zeros(3, dtype=I32)) for _ in range(2)]
         compute_out_cache_loc_uniform(got, reqs, starts, rtp, 1, length,
-                                      positions_out=outs[0][0], seq_lens_out=outs[0][1])
+                                      positions_out=outs[0][0], seq_lens_out=outs[0][1],
+                                      kernels=kernels)
         compute_out_cache_loc_uniform_ref(exp, reqs, starts, rtp, 1, length,
                                           positions_out=outs[1][0], seq_lens_out=outs[1][1])
         assert torch.equal(got, exp)
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     seq, pos = torch.arange(5, dtype=I32), torch.arange(5, dtype=I64) * 3
     eseq, epos = advance_positions_and_seq_lens_ref(seq.clone(), pos.clone(), 2)
-    advance_positions_and_seq_lens(seq, pos, 2)
+    advance_positions_and_seq_lens(seq, pos, 2, kernels=kernels)
     assert torch.equal(seq, eseq) and torch.equal(pos, epos)
 
 
@@ -328,5 +330,5 @@ def test_launch_options_early_flag(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(pdl, "EARLY_LOADS", False)
-    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": False}
+    off = TRITON.replace(pdl_early_loads=False)
+    assert pdl.launch_options(cpu, 1, early=True, kernels=off) == {"PDL": False, "EARLY": False}

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import decode_attention, pdl
+from graphdraft.kernels import decode_attention
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.decode_attention import (
     default_num_splits,
     paged_decode_attention,
@@ -141,7 +142,7 @@ def test_decode_attention_gathers_q_rows(dtype, splits, B, monkeypatch):
     _close(out, ref, dtype)
     assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx),
                        ops.paged_attention(q, *args, 80))
-    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx, use_triton=True),
+    assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx, kernels=TRITON),
                        paged_decode_attention(q, *args, max_kv_len=80))
 
 
@@ -224,9 +225,10 @@ def test_rms_norm_cat_gathers_a_rows(dtype, M, index_dtype):
     assert torch.equal(out, rms_norm_cat(table.index_select(0, idx), wa, 1e-6, b, wb, 1e-5))
     ref = torch.cat([rms_norm_ref(table[idx], wa, 1e-6), rms_norm_ref(b, wb, 1e-5)], dim=-1)
     _close(out, ref, dtype)
-    assert torch.equal(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx),
-                       ops.rms_norm_cat(table[idx], wa, 1e-6, b, wb, 1e-5))
-    _close(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx, use_triton=True), ref, dtype)
+    assert torch.equal(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx)[0],
+                       ops.rms_norm_cat(table[idx], wa, 1e-6, b, wb, 1e-5)[0])
+    _close(ops.rms_norm_cat(table, wa, 1e-6, b, wb, 1e-5, a_index=idx, kernels=TRITON)[0], ref,
+           dtype)
 
 
 def test_rms_norm_cat_bad_a_index():
@@ -308,9 +310,10 @@ def test_rope_and_store_kv_matches_reference(dtype, Hq, Hkv, D):
 
 
 def test_early_loads_off_and_on_agree(monkeypatch):
-    """`pdl.EARLY_LOADS` off (metadata loaded after the PDL wait, as before) and on (before it;
-    the interpreter's default): attention over several splits with gathered query rows, its
-    combine, and RoPE + KV store give the same bits."""
+    """`KernelConfig.pdl_early_loads` off (metadata loaded after the PDL wait, as before) and on
+    (before it; the interpreter's default): RoPE + KV store gives the same bits; attention over
+    several splits with gathered query rows and its combine (under the default config: its
+    wrapper takes no `kernels` yet) matches its reference."""
     monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
     q, kc, vc, req, kv_lens, r2p = _paged_setup([70, 3, 41], [1, 0, 4], 4, 2, 16, 4,
                                                 torch.float32, seed=5)
@@ -318,11 +321,11 @@ def test_early_loads_off_and_on_agree(monkeypatch):
     qkv, pos, cs, kc2, vc2, loc = _rope_inputs(4, 4, 2, 16, torch.float32)
     outs = []
     for early in (False, True):
-        monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+        kernels = TRITON.replace(pdl_early_loads=early)
         att = paged_decode_attention(q[idx.argsort()], kc, vc, req, kv_lens, r2p, 4, 0.25,
                                      max_kv_len=80, num_splits=3, q_index=idx)
         x, k_out, v_out = qkv.clone(), kc2.clone(), vc2.clone()
-        rope_and_store_kv(*_split_qkv(x, 4, 2, 16), pos, cs, k_out, v_out, loc)
+        rope_and_store_kv(*_split_qkv(x, 4, 2, 16), pos, cs, k_out, v_out, loc, kernels=kernels)
         outs.append((att, x, k_out, v_out))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
@@ -380,6 +383,33 @@ def test_argmax_nan_and_inf_rows():
         got = argmax_with_map(x, num_splits=splits)
         assert torch.equal(got, argmax_with_map_ref(x))
         assert got.tolist() == [0, 0, 60]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_torch_path_and_kernel_agree_on_nan(dtype):
+    """One semantics for `ops.argmax_with_map` on both paths (`argmax.argmax_with_map_torch`
+    and the kernels): NaN is never the max (plain `torch.argmax` picks it), an all-NaN or
+    NaN/-inf row gives 0, ties give the first index."""
+    x = torch.randn(5, 70, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[0, 5] = float("nan")
+    x[0, 11] = 100.0
+    x[1] = float("nan")
+    x[2] = float("nan")
+    x[2, 40] = float("-inf")
+    x[3, 20] = x[3, 50] = 100.0
+    x[3, 10] = float("nan")
+    x[4, 69] = float("nan")
+    hot = torch.randperm(1000, generator=torch.Generator().manual_seed(4))[:70]
+    want = torch.tensor([11, 0, 0, 20, int(torch.nan_to_num(x[4].float(), nan=-1e9).argmax())])
+    assert int(torch.argmax(x[0])) == 5  # the old torch path: NaN won
+    for kernels in (TORCH, TRITON):
+        for splits_logits in (x, x[:, :64]):  # one and several argmax blocks
+            n = splits_logits.shape[1]
+            w = want if n == 70 else argmax_with_map_ref(splits_logits)
+            got = ops.argmax_with_map(splits_logits, kernels=kernels)
+            assert torch.equal(got, w), kernels.backend
+        assert torch.equal(ops.argmax_with_map(x, hot, kernels=kernels), hot[want])
+    assert torch.equal(ops.argmax_with_map(x.double(), kernels=TORCH), want)  # any float dtype
 
 
 def test_argmax_empty_and_bad_inputs():

@@ -8,6 +8,8 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels.argmax import argmax_with_map_ref
+from graphdraft.kernels.config import TORCH, TRITON
+from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.gemv import (
     gemv_config,
     linear_small_m,
@@ -156,7 +158,7 @@ def test_residual_norm_gathers_residual_rows(dtype, m, act, split):
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the interpreter truncates
     assert _rel(h, ref_h) < tol and _rel(out, ref_out) < tol
     got = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act, residual_index=idx,
-                                       use_triton=True)  # the default config
+                                       kernels=TRITON)  # the default config
     assert _rel(got[0], ref_out) < tol and _rel(got[1], ref_h) < tol
 
 
@@ -190,12 +192,14 @@ def test_partials_sum_to_linear_small_m(dtype, m, split):
     w = torch.randn(80, 384, generator=g).to(dtype).to(DEV)
     cfg = gemv_config(m, 80, 384, block_k=128, split=split)
     assert cfg.split == split
-    ws = linear_small_m_partials(x, w, config=cfg)
+    sk = linear_small_m_partials(x, w, config=cfg)
+    assert isinstance(sk, SplitK) and sk.dtype == dtype and sk.shape == (m, 80)
+    ws = sk.partials
     assert ws.shape == (split, m, 80) and ws.dtype == torch.float32 and ws.is_contiguous()
     y = linear_small_m(x, w, config=cfg)
     if dtype == torch.float32 or DEV == "cuda":  # the interpreter truncates fp32 -> bf16
-        assert torch.equal(ops.sum_partials(ws, dtype), y)
-    assert _rel(ops.sum_partials(ws, dtype), y) < 1e-2
+        assert torch.equal(sk.sum(), y)
+    assert _rel(sk.sum(), y) < 1e-2
     assert _rel(ws.sum(0), linear_small_m_ref(x.float(), w.float())) < 1e-5
 
 
@@ -221,26 +225,33 @@ def test_rms_norm_cat_sums_partials(dtype, m, split, gather):
     assert torch.equal(b_out, b)
     assert torch.equal(out, rms_norm_cat(a, wa, 1e-6, b, wb, 1e-5, a_index=idx))
     b_ref = torch.empty(m, n, dtype=dtype, device=DEV)
-    ref = ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_ref)
+    ref, b_sum = ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_ref,
+                                  kernels=TORCH)
+    assert b_sum is b_ref
     assert _rel(b_out, b_ref) < 1e-2 and _rel(out, ref) < 1e-2
-    assert torch.equal(ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, b_out=b_ref,
-                                        use_triton=True), out)
+    got, b_got = ops.rms_norm_cat(a, wa, 1e-6, ws, wb, 1e-5, a_index=idx, kernels=TRITON)
+    assert torch.equal(got, out) and torch.equal(b_got, b)  # b_out allocated by the op
+    got, b_got = ops.rms_norm_cat(a, wa, 1e-6, b, wb, 1e-5, a_index=idx, kernels=TRITON)
+    assert torch.equal(got, out) and b_got is b  # a plain b comes back as is
 
 
 def test_rms_norm_cat_bad_partials():
-    ws, a, w = torch.randn(2, 3, 16), torch.randn(3, 16), torch.randn(16)
+    ws, a, w = SplitK(torch.randn(2, 3, 16), torch.float32), torch.randn(3, 16), torch.randn(16)
     b_out = torch.full((3, 16), float("nan"))
-    for bad in (ws.bfloat16(), ws.transpose(1, 2).contiguous().transpose(1, 2), ws.to("meta"),
-                ws[:, :, :8]):
+    p = ws.partials
+    for bad in (p.bfloat16(), p.transpose(1, 2).contiguous().transpose(1, 2), p.to("meta"),
+                p[:, :, :8]):
         with pytest.raises(ValueError, match="^b: "):
-            rms_norm_cat(a, w, 1e-6, bad, w, 1e-6, b_out=b_out)
+            rms_norm_cat(a, w, 1e-6, SplitK(bad, torch.float32), w, 1e-6, b_out=b_out)
+    with pytest.raises(ValueError, match="^b: "):  # partials of a product in another dtype
+        rms_norm_cat(a, w, 1e-6, SplitK(p, torch.bfloat16), w, 1e-6, b_out=b_out)
     for bad in (None, b_out.bfloat16(), b_out[:2], b_out.t()):
         with pytest.raises(ValueError, match="^b_out: "):
             rms_norm_cat(a, w, 1e-6, ws, w, 1e-6, b_out=bad)
     with pytest.raises(ValueError, match="^b_out: "):
         rms_norm_cat(a, w, 1e-6, a, w, 1e-6, b_out=b_out)
     with pytest.raises(ValueError, match="^b_out: "):
-        ops.rms_norm_cat(a, w, 1e-6, ws, w, 1e-6)
+        ops.rms_norm_cat(a, w, 1e-6, ws, w, 1e-6, b_out=b_out[:2], kernels=TRITON)
     with pytest.raises(ValueError, match="^b: "):  # b's rows do not match a's
         rms_norm_cat(torch.randn(4, 16), w, 1e-6, ws, w, 1e-6, b_out=b_out)
     with pytest.raises(ValueError, match="^a_index: "):
@@ -285,18 +296,25 @@ def test_rope_sums_qkv_partials(dtype, t, split, hq, hkv, d):
     assert torch.equal(q2, q) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
     kc3, vc3 = (c.clone() for c in caches)
-    q3 = ops.rope_and_store_kv_partials(ws, pos, cos_sin, kc3, vc3, loc)
+    q3 = ops.rope_and_store_qkv(ws, pos, cos_sin, kc3, vc3, loc, kernels=TORCH)
     assert _rel(q2, q3) < 1e-2 and _rel(kc2, kc3) < 1e-2 and _rel(vc2, vc3) < 1e-2
     kc4, vc4 = (c.clone() for c in caches)
-    q4 = ops.rope_and_store_kv_partials(ws, pos, cos_sin, kc4, vc4, loc, use_triton=True)
+    q4 = ops.rope_and_store_qkv(ws, pos, cos_sin, kc4, vc4, loc, kernels=TRITON)
     assert torch.equal(q4, q2) and torch.equal(kc4, kc2) and torch.equal(vc4, vc2)
+    kc5, vc5 = (c.clone() for c in caches)  # a plain qkv: the views' RoPE, q a view of qkv
+    q5 = ops.rope_and_store_qkv(linear_small_m(x, w, config=cfg), pos, cos_sin, kc5, vc5, loc, kernels=TRITON)
+    assert torch.equal(q5, q2) and torch.equal(kc5, kc2) and torch.equal(vc5, vc2)
 
 
 def test_rope_partials_bad_input():
     x, w, cfg, pos, loc, (kc, vc), cos_sin = _qkv_rope_inputs(3, 4, 2, 16, torch.float32, 2, 0)
     ws = linear_small_m_partials(x, w, config=cfg)
     kc0, vc0 = kc.clone(), vc.clone()
-    for bad in (ws.bfloat16(), ws[:, :, :-16], ws[:, :, :-1], ws[0], ws.transpose(0, 1)):
+    p = ws.partials
+    for bad in (p.bfloat16(), p[:, :, :-16], p[:, :, :-1], p[0], p.transpose(0, 1)):
+        with pytest.raises(ValueError, match="^qkv: "):
+            rope_and_store_kv_partials(SplitK(bad, p.dtype), pos, cos_sin, kc, vc, loc)
+    for bad in (p, SplitK(p, torch.bfloat16)):  # a tensor; partials of a bf16 product
         with pytest.raises(ValueError, match="^qkv: "):
             rope_and_store_kv_partials(bad, pos, cos_sin, kc, vc, loc)
     for bad in (torch.empty(3, 4, 16, dtype=torch.bfloat16), torch.empty(3, 3, 16),
@@ -366,7 +384,8 @@ def _head_setup(dtype, seed):
     req_to_page = req_to_page.view(max_reqs, pages_per_req)
     slots = (max_reqs * pages_per_req + 1) * page_size
     kv = tuple(torch.randn(slots, 2, 8, generator=g).to(dtype) for _ in range(2))
-    backend = PagedAttentionBackend(req_to_page, page_size, page_size * pages_per_req, True)
+    backend = PagedAttentionBackend(req_to_page, page_size, page_size * pages_per_req,
+                                    kernels=TRITON)
     return head, kv, backend, g
 
 
@@ -375,9 +394,10 @@ def _slots(backend, reqs, positions):
     return kv_slot(r2p, reqs, positions, ps)
 
 
-def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend, meta, gather):
-    """The head's Triton GEMV-path forward before the launch fusions, op by op: the oracle the
-    fused forward must equal bit for bit."""
+def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend, meta, gather,
+                            kernels):
+    """The head's Triton GEMV-path forward before the launch fusions, op by op (GEMV tiles of
+    `kernels`): the oracle the fused forward must equal bit for bit."""
     from graphdraft.kernels.decode_attention import paged_decode_attention
     from graphdraft.kernels.norm import rms_norm_cat
     from graphdraft.kernels.rope import rope_and_store_kv
@@ -386,10 +406,10 @@ def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend
     attn, mlp = layer.self_attn, layer.mlp
     embeds = head.embed_tokens.index_select(0, input_ids)
     if hidden.shape[-1] != cfg.hidden_size:
-        hidden = linear_small_m(hidden, head.fc)
+        hidden = linear_small_m(hidden, head.fc, kernels=kernels)
     x = rms_norm_cat(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, hidden,
                      layer.hidden_norm.weight, layer.hidden_norm.eps)
-    qkv = linear_small_m(x, attn.qkv_proj)
+    qkv = linear_small_m(x, attn.qkv_proj, kernels=kernels)
     t, hq, hkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
@@ -404,38 +424,38 @@ def _unfused_triton_forward(head, input_ids, positions, hidden, loc, kv, backend
                                max_kv_len=backend.max_context_len)
     post, final = layer.post_attention_layernorm, head.norm
     normed, residual = linear_small_m_residual_norm(o.reshape(b, -1), attn.o_proj, residual,
-                                                    post.weight, post.eps)
-    normed, prenorm = linear_small_m_residual_norm(linear_small_m(normed, mlp.gate_up_proj),
-                                                   mlp.down_proj, residual, final.weight,
-                                                   final.eps, act="silu_mul")
-    logits, ids = linear_small_m_argmax(normed, head.lm_head, head.hot_token_ids)
+                                                    post.weight, post.eps, kernels=kernels)
+    normed, prenorm = linear_small_m_residual_norm(
+        linear_small_m(normed, mlp.gate_up_proj, kernels=kernels), mlp.down_proj, residual,
+        final.weight, final.eps, act="silu_mul", kernels=kernels)
+    logits, ids = linear_small_m_argmax(normed, head.lm_head, head.hot_token_ids, kernels=kernels)
     return ids, prenorm, logits
 
 
-def _forced_splits(monkeypatch, split):
-    """Every GEMV but the argmax one (split 1 by design) split `split` ways over BLOCK_K = 16."""
-    from graphdraft.kernels import gemv
+def _forced_splits(split):
+    """The Triton path with every GEMV but the argmax one (split 1 by design) split `split`
+    ways over BLOCK_K = 16 (`KernelConfig.gemv_split` / `gemv_block_k`)."""
+    return TRITON.replace(gemv_split=split, gemv_block_k=16)
 
-    original = gemv.gemv_config
 
-    def config(m, n, k, **kw):
-        if kw.get("max_split") == 1:
-            return original(m, n, k, **kw)
-        return original(m, n, k, block_k=16, split=split)
-
-    monkeypatch.setattr(gemv, "gemv_config", config)
+def test_forced_splits_reach_every_gemv_but_the_argmax():
+    kc = _forced_splits(3)
+    assert gemv_config(2, 80, 384, kernels=kc).split == 3
+    assert gemv_config(2, 80, 384, kernels=kc).block_k == 16
+    assert gemv_config(2, 80, 384, max_split=1, kernels=kc) == gemv_config(2, 80, 384,
+                                                                            max_split=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("bs", [1, 2])
-def test_head_triton_forward_equals_unfused_ops(dtype, split, bs, monkeypatch):
+def test_head_triton_forward_equals_unfused_ops(dtype, split, bs):
     """First step (fc, 3 tokens per row, gathered rows) then a later step (M = bs): the fused
     Triton forward writes the same KV and returns the same ids, hidden and logits, byte for byte,
     as the unfused ops; and stays close to the torch path."""
-    from graphdraft.models.attention import AttentionMetadata
+    from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 
-    _forced_splits(monkeypatch, split)
+    kc = _forced_splits(split)
     head, kv, backend, g = _head_setup(dtype, seed=bs * 10 + split)
     reqs = torch.tensor([1, 2][:bs])
     starts = torch.tensor([5, 2][:bs])  # history below these positions is random KV
@@ -456,10 +476,11 @@ def test_head_triton_forward_equals_unfused_ops(dtype, split, bs, monkeypatch):
         cache = tuple(c.clone() for c in kv)
         if name == "unfused":
             def step(*args):
-                return _unfused_triton_forward(head, *args)
+                return _unfused_triton_forward(head, *args, kernels=kc)
         else:
-            head.set_use_triton(name == "fused")
-            backend.use_triton = name == "fused"
+            head.set_kernels(kc if name == "fused" else TORCH)
+            backend = PagedAttentionBackend(backend.req_to_page, backend.page_size,
+                                            backend.max_context_len, kernels=head.kernels)
 
             def step(*args):
                 out = head(*args)

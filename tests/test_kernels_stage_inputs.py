@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.kernels.gemv import TILES_ENV, gemv_config
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.gemv import gemv_config
 from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +88,10 @@ def test_bad_shapes_write_nothing():
         assert torch.equal(v, before[k]), k
 
 
-def test_gemv_tiles_env(monkeypatch):
-    wide = gemv_config(1, 4096, 4096)
-    monkeypatch.setenv(TILES_ENV, "uniform")
-    assert gemv_config(1, 4096, 4096) == gemv_config(4, 4096, 4096) != wide
+def test_gemv_tiles_uniform():
+    """`gemv_tiles="uniform"` (env GRAPHDRAFT_GEMV_TILES) gives M == 1 the M > 1 tiles; M > 1
+    keeps them either way."""
+    wide = gemv_config(1, 4096, 4096, kernels=KernelConfig())
+    uniform = KernelConfig.from_env({"GRAPHDRAFT_GEMV_TILES": "uniform"})
+    assert gemv_config(1, 4096, 4096, kernels=uniform) == gemv_config(4, 4096, 4096) != wide
+    assert gemv_config(4, 4096, 4096, kernels=uniform) == gemv_config(4, 4096, 4096)

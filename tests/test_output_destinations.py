@@ -12,7 +12,9 @@ from graphdraft.kernels.cache_loc import (
     compute_out_cache_loc_uniform,
     compute_out_cache_loc_uniform_ref,
 )
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.gemv import gemv_config, linear_small_m_argmax, linear_small_m_residual_norm
+from graphdraft.kernels.warmup import KeyRecorder
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -26,15 +28,15 @@ def _lm_inputs(m: int, seed: int = 0):
     return x, w, hot
 
 
-@pytest.mark.parametrize("m", [1, 3, 40])  # 40: above ops.SMALL_M_MAX (cuBLAS + Triton argmax)
+@pytest.mark.parametrize("m", [1, 3, 40])  # 40: above small_m_max (cuBLAS + Triton argmax)
 @pytest.mark.parametrize("use_triton", [True, False])
 def test_linear_argmax_writes_ids_and_a_strided_token_column(m, use_triton):
     x, w, hot = _lm_inputs(m, seed=m)
-    logits_ref, ids_ref = ops.linear_argmax(x, w, hot, use_triton=use_triton)
+    logits_ref, ids_ref = ops.linear_argmax(x, w, hot, kernels=TRITON if use_triton else TORCH)
     table = torch.full((m, 4), -1, dtype=torch.int32, device=DEV)  # like next_tokens [bs, S + 1]
     ids_out = torch.full((m,), -1, dtype=torch.int64, device=DEV)
     logits, ids = ops.linear_argmax(x, w, hot, ids_out=ids_out, tokens_out=table[:, 2],
-                                    use_triton=use_triton)
+                                    kernels=TRITON if use_triton else TORCH)
     assert ids.data_ptr() == ids_out.data_ptr()
     assert torch.equal(logits, logits_ref) and torch.equal(ids_out, ids_ref)
     assert torch.equal(table[:, 2], ids_ref.to(torch.int32))
@@ -81,7 +83,7 @@ def test_residual_norm_writes_h_out(split, use_triton):
 def test_residual_norm_above_small_m_writes_h_out(act, use_triton):
     """40 rows (cuBLAS; on the Triton path silu_mul and the norm are Triton kernels and the norm
     writes h straight into h_out): the same values as without h_out, nothing past it."""
-    assert 40 > ops.SMALL_M_MAX
+    assert 40 > TRITON.small_m_max
     g = torch.Generator().manual_seed(40)
     m, k, n = 40, 64, 96
     x = torch.randn(m, 2 * k if act else k, generator=g).to(DEV)
@@ -89,10 +91,10 @@ def test_residual_norm_above_small_m_writes_h_out(act, use_triton):
     res = torch.randn(m, n, generator=g).to(DEV)
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV)
     ref_out, ref_h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act,
-                                                  use_triton=use_triton)
+                                                  kernels=TRITON if use_triton else TORCH)
     dst = torch.full((m + 1, n), 7.0, device=DEV)
     out, h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, act=act, h_out=dst[:m],
-                                          use_triton=use_triton)
+                                          kernels=TRITON if use_triton else TORCH)
     assert h.data_ptr() == dst.data_ptr()
     assert torch.equal(out, ref_out) and torch.equal(dst[:m], ref_h)
     assert torch.equal(dst[m], torch.full((n,), 7.0, device=DEV))
@@ -119,7 +121,7 @@ def test_uniform_cache_loc_writes_first_position_and_seq_len(use_triton):
     pos = torch.full((bs,), -1, dtype=torch.int64, device=DEV)
     seq = torch.full((bs,), -1, dtype=torch.int32, device=DEV)
     ops.out_cache_loc_uniform(locs, reqs, starts, rtp, 4, length, positions_out=pos,
-                              seq_lens_out=seq, use_triton=use_triton)
+                              seq_lens_out=seq, kernels=TRITON if use_triton else TORCH)
     expected = compute_out_cache_loc_uniform_ref(torch.zeros_like(locs), reqs, starts, rtp, 4, length,
                                                  out_stride_req=1, out_stride_tok=bs)
     assert torch.equal(locs, expected)
@@ -176,15 +178,21 @@ def _norm_inputs(m: int, rows: int | None = None, seed: int = 0):
 
 
 @pytest.mark.parametrize("m", [1, 3, 6])
-def test_norm_in_the_gemv_launch_equals_its_own_launch(m, monkeypatch):
+def test_norm_in_the_gemv_launch_equals_its_own_launch(m):
     from graphdraft.kernels import gemv
 
     x, w, res, nw, cfg = _norm_inputs(m, seed=m)
-    monkeypatch.setattr(gemv, "FINISH_NORM_MAX_M", 16)  # last program of the GEMV
-    fused = [linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg) for _ in range(2)]
+    last_program = TRITON.replace(finish_norm_max_m=16)  # the GEMV's last program runs it
+    norm_launch = {"norm": gemv._sum_residual_norm_kernel}
+    with KeyRecorder(norm_launch) as rec:
+        fused = [linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg,
+                                              kernels=last_program) for _ in range(2)]
+    assert rec.launches["norm"] == 0
     assert int(gemv._counter(w)) == 0  # reset by the last program, ready for the next launch
-    monkeypatch.setattr(gemv, "FINISH_NORM_MAX_M", 0)  # a second launch
-    separate = linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg)
+    with KeyRecorder(norm_launch) as rec:  # a second launch
+        separate = linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg,
+                                                kernels=TRITON.replace(finish_norm_max_m=0))
+    assert rec.launches["norm"] == 1
     for got in fused:
         assert all(torch.equal(a, b) for a, b in zip(got, separate, strict=True))
 

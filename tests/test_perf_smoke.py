@@ -148,7 +148,7 @@ def test_tiny_case_end_to_end_on_cpu():
     assert res["compile_s"] > 0 and res["compile_group_s"] > 0
     assert res["compile_case_fx_graphs"] == 0 and "compile_cudagraph_skips" not in res
     assert not group.graphs_stale
-    assert group.drafter.head.midlayer.self_attn.use_triton is False
+    assert group.drafter.head.midlayer.self_attn.kernels.use_triton is False
     res1 = measure_case(group, fill_decode_batch(group, 1), warmup=1, reps=2, eager_reps=2)
     assert res1["eager_equals_graph"] is True  # graphs stay valid after compile+graph
 

@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
-__all__ = ["argmax_with_map", "argmax_with_map_ref", "check_ids_out", "num_sms"]
+__all__ = ["argmax_with_map", "argmax_with_map_ref", "argmax_with_map_torch", "check_ids_out",
+           "num_sms"]
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BIG_INT = 2**31 - 1  # "no index yet": larger than any valid column
@@ -132,7 +134,7 @@ def splits_pad(splits: int) -> int:
 
 def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Tensor,
                   hot_token_ids: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
-                  *, num_warps: int = 1) -> None:
+                  *, num_warps: int = 1, kernels: KernelConfig | None = None) -> None:
     """Second stage, one program per row b: the (max, first index) over the partials
     `part_val` fp32 / `part_idx` int32 `[B, splits]` (contiguous), mapped through
     `hot_token_ids` (int64 `[V]`) if given -> `out[b]` (int64 `[B]`); `tokens_out` (int32/int64
@@ -143,7 +145,7 @@ def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Ten
         part_val, part_idx, splits, hot_token_ids if has_map else out, out,
         tokens_out if has_tokens else out, tokens_out.stride(0) if has_tokens else 0,
         SPLITS_PAD=splits_pad(splits), HAS_MAP=has_map, HAS_TOKENS=has_tokens,
-        num_warps=num_warps, **launch_options(out.device, B),
+        num_warps=num_warps, **launch_options(out.device, B, kernels=kernels),
     )
 
 
@@ -185,6 +187,7 @@ def argmax_with_map(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tokens_out: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Row argmax (lowest index on ties, NaN never wins), optionally mapped.
 
@@ -223,7 +226,7 @@ def argmax_with_map(
         logits, logits.stride(0), V, chunk, part_val, part_idx, splits, hot, out,
         BLOCK=block, FINAL=False, HAS_MAP=has_map, num_warps=num_warps,
     )
-    argmax_stage2(part_val, part_idx, out, hot_token_ids, tokens_out)
+    argmax_stage2(part_val, part_idx, out, hot_token_ids, tokens_out, kernels=kernels)
     return out
 
 
@@ -235,18 +238,28 @@ def argmax_with_map_ref(
     num_splits: int | None = None,
     tokens_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: NaN -> -inf, row max, first index equal to it, then map."""
+    """Torch reference: the kernel's argument checks, then :func:`argmax_with_map_torch`."""
     del num_splits
     _check(logits, hot_token_ids, out)
     check_ids_out(None, tokens_out, logits.shape[0], logits.device)
-    x = logits.float()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
-    m = x.max(dim=1, keepdim=True).values if x.shape[0] else x[:, :1]
-    cols = torch.arange(x.shape[1], device=x.device).expand_as(x)
-    idx = torch.where(x == m, cols, torch.full_like(cols, x.shape[1])).min(dim=1).values
+    return argmax_with_map_torch(logits, hot_token_ids, out=out, tokens_out=tokens_out)
+
+
+def argmax_with_map_torch(logits: torch.Tensor, hot_token_ids: torch.Tensor | None = None, *,
+                          out: torch.Tensor | None = None,
+                          tokens_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The op in torch, its one home (`ops.argmax_with_map`'s torch path and
+    :func:`argmax_with_map_ref`): `[B, V]` (any float dtype, any strides) -> int64 `[B]`, the
+    kernel's semantics: NaN is `-inf` (never the max), the first index of the row max
+    (`torch.argmax` returns the first), then mapped by `hot_token_ids`; written into `out`
+    (int64 `[B]`) and copied into `tokens_out` when given. Arguments are not checked."""
+    x = torch.where(torch.isnan(logits), float("-inf"), logits) if logits.is_floating_point() \
+        else logits
+    ids = torch.argmax(x, dim=-1)
     if hot_token_ids is not None:
-        idx = hot_token_ids[idx]
-    out = idx.to(torch.int64) if out is None else out.copy_(idx)
+        ids = hot_token_ids[ids]
+    if out is not None:
+        ids = out.copy_(ids)
     if tokens_out is not None:
-        tokens_out.copy_(out)
-    return out
+        tokens_out.copy_(ids)
+    return ids

@@ -10,12 +10,13 @@ schedule compiles a handful of variants per kernel, not one per size:
 
 * `rows_block(rows)`: the lanes of the per-row metadata kernels (16 up to 16 rows, else 64
   with more programs);
-* `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <= 4, the fused-norm
-  finisher;
-* `pdl.MAX_ROWS`: PDL on (a constexpr) up to 4 rows;
+* `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
+  `KernelConfig.finish_norm_max_m` (4), the fused-norm finisher;
+* `KernelConfig.pdl_max_rows`: PDL on (a constexpr) up to 4 rows;
 * `argmax.splits_pad(splits)`: the second-stage lanes of the split argmax.
 
-`row_bucket(rows)` names the combination; `representative_sizes` picks one batch size of a
+The thresholds come from a `KernelConfig` (`kernels=`; None: the default config): the one the
+launches run under. `row_bucket(rows)` names the combination; `representative_sizes` picks one batch size of a
 schedule per distinct combination (the sizes a warm-up must run to compile what every size
 of the schedule needs: `kernels.warmup`).
 """
@@ -25,6 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import triton
+
+from graphdraft.kernels import argmax, gemv
+from graphdraft.kernels.config import GEMV_MAX_M, KernelConfig
+from graphdraft.kernels.config import default as default_config
 
 __all__ = ["representative_sizes", "row_bucket", "rows_block"]
 
@@ -40,32 +45,31 @@ def rows_block(rows: int) -> int:
     return _ROWS_SMALL if rows <= _ROWS_SMALL else _ROWS_LARGE
 
 
-def row_bucket(rows: int, *, num_sms: int = 132) -> tuple:
-    """The compile-relevant choices of a launch over `rows` rows (equal tuples: the same
-    compiled variants): the GEMV tile and finisher (or cuBLAS above `ops.SMALL_M_MAX`),
-    PDL on or off, `rows_block`, and the split argmax's second-stage lanes (its split count
-    is about `2 * num_sms / rows`)."""
-    from graphdraft import ops  # ops imports the kernels lazily: no cycle
-    from graphdraft.kernels import argmax, gemv, pdl
-
+def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = None) -> tuple:
+    """The compile-relevant choices of a launch over `rows` rows under `kernels` (equal tuples:
+    the same compiled variants): the GEMV tile and finisher (or cuBLAS above
+    `kernels.small_m_max`), PDL on or off, `rows_block`, and the split argmax's second-stage
+    lanes (its split count is about `2 * num_sms / rows`)."""
+    kc = kernels if kernels is not None else default_config()
     if rows < 1:
         raise ValueError(f"rows: expected >= 1, got {rows}")
-    if rows <= min(ops.SMALL_M_MAX, gemv.MAX_M):
-        gemv_key = (gemv.m_bucket(rows), rows <= gemv.FINISH_NORM_MAX_M)
+    if rows <= min(kc.small_m_max, GEMV_MAX_M):
+        gemv_key = (gemv.m_bucket(rows), rows <= kc.finish_norm_max_m)
     else:
         gemv_key = ("cublas",)
     splits = triton.cdiv(2 * num_sms, rows)
-    return (gemv_key, rows <= pdl.MAX_ROWS, rows_block(rows), argmax.splits_pad(splits))
+    return (gemv_key, rows <= kc.pdl_max_rows, rows_block(rows), argmax.splits_pad(splits))
 
 
 def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int] = (1,), *,
-                         num_sms: int = 132) -> list[int]:
+                         num_sms: int = 132, kernels: KernelConfig | None = None) -> list[int]:
     """One batch size per bucket of `schedule` (the largest of each), descending.
 
     A forward at batch size bs launches kernels over `bs * r` rows for each r of
     `row_multipliers` (e.g. 1 for per-request kernels and N for the N tokens a request
     carries into a decode step); two sizes share a bucket when every such row count does
-    (`row_bucket`). Warming up these sizes compiles every variant the schedule needs.
+    (`row_bucket` under `kernels`). Warming up these sizes compiles every variant the schedule
+    needs.
     """
     sizes = sorted(set(schedule))
     if not sizes or sizes[0] < 1:
@@ -75,5 +79,5 @@ def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int]
         raise ValueError(f"row_multipliers: expected ints >= 1, got {list(row_multipliers)!r}")
     best: dict[tuple, int] = {}
     for bs in sizes:
-        best[tuple(row_bucket(bs * r, num_sms=num_sms) for r in mults)] = bs  # largest wins
+        best[tuple(row_bucket(bs * r, num_sms=num_sms, kernels=kernels) for r in mults)] = bs
     return sorted(best.values(), reverse=True)

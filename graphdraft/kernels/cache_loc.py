@@ -20,8 +20,8 @@ Layouts (all tensors on one device; index inputs may be int32 or int64):
 The launch wrappers are CUDA-graph capturable: they never sync with the device,
 never allocate, and size the grid from host shapes only. ``max_pages``, the
 page-table strides and ``page_size`` are run-time kernel arguments, so one
-compiled kernel serves every page-table size. The ``*_ref`` functions are plain
-torch/python references with the same signatures, for tests.
+compiled kernel serves every page-table size. The ``*_ref`` functions are the plain torch
+references with the same signatures: `ops`' torch path and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
 from graphdraft.kernels.buckets import rows_block
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = [
     "compute_out_cache_loc_uniform",
     "compute_out_cache_loc_uniform_ref",
     "advance_positions_and_seq_lens",
     "advance_positions_and_seq_lens_ref",
+    "kv_slots",
 ]
 
 _MAX_TOKEN_BLOCK = 128  # tokens per loop iteration, uniform kernel (upper bound)
@@ -162,6 +165,24 @@ def _uniform_strides(length: int, stride_req: int | None, stride_tok: int | None
     return stride_req, stride_tok
 
 
+def _check_uniform(out, req_pool_indices, cache_start, req_to_page, page_size, length,
+                   out_stride_req, out_stride_tok, positions_out, seq_lens_out) -> tuple:
+    """The uniform write's argument checks (the kernel's and the reference's): `(device, bs,
+    page_size, length, stride_req, stride_tok, elements of out needed, first-step outputs?)`."""
+    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
+    dev = req_to_page.device
+    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
+                       device=dev).shape[0]
+    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
+    page_size = expect_int("page_size", page_size, 1)
+    length = expect_int("length", length, 0)
+    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
+    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
+    _check_out(out, dev, need)
+    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    return dev, bs, page_size, length, s_req, s_tok, need, first
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -177,6 +198,7 @@ def compute_out_cache_loc_uniform(
     out_stride_tok: int | None = None,
     positions_out: torch.Tensor | None = None,
     seq_lens_out: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """Fill ``out`` with the KV slots of ``length`` consecutive positions per request.
 
@@ -196,17 +218,9 @@ def compute_out_cache_loc_uniform(
             receive ``cache_start[r]`` and ``cache_start[r] + 1`` (the first draft decode
             step's position and KV length), in the same launch.
     """
-    expect_tensor("req_to_page", req_to_page, shape=("max_reqs", "max_pages"), dtypes=torch.int32)
-    dev = req_to_page.device
-    bs = expect_tensor("req_pool_indices", req_pool_indices, shape=("bs",), dtypes=INDEX_DTYPES,
-                       device=dev).shape[0]
-    expect_tensor("cache_start", cache_start, shape=(bs,), dtypes=INDEX_DTYPES, device=dev)
-    page_size = expect_int("page_size", page_size, 1)
-    length = expect_int("length", length, 0)
-    s_req, s_tok = _uniform_strides(length, out_stride_req, out_stride_tok)
-    need = 0 if bs == 0 or length == 0 else (bs - 1) * s_req + (length - 1) * s_tok + 1
-    _check_out(out, dev, need)
-    first = check_first_step_outputs(positions_out, seq_lens_out, dev, bs)
+    dev, bs, page_size, length, s_req, s_tok, need, first = _check_uniform(
+        out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req,
+        out_stride_tok, positions_out, seq_lens_out)
     if bs == 0 or (need == 0 and not first):
         return
     block = min(triton.next_power_of_2(max(length, 1)), _MAX_TOKEN_BLOCK)
@@ -217,7 +231,7 @@ def compute_out_cache_loc_uniform(
         req_to_page.shape[0], req_to_page.shape[1], req_to_page.stride(0), req_to_page.stride(1),
         page_size,
         positions_out if first else out, seq_lens_out if first else out,
-        BLOCK=block, FIRST=first, **launch_options(dev, bs, early=True),
+        BLOCK=block, FIRST=first, **launch_options(dev, bs, early=True, kernels=kernels),
     )
 
 
@@ -233,7 +247,8 @@ def check_first_step_outputs(positions_out: torch.Tensor | None, seq_lens_out: t
     return True
 
 
-def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1) -> None:
+def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
+                                   *, kernels: KernelConfig | None = None) -> None:
     """In place, one launch: ``seq_lens[:] += delta; positions[:] += delta``.
 
     Args:
@@ -251,24 +266,21 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
     block = rows_block(bs)
     _advance_kernel[(triton.cdiv(bs, block),)](
         seq_lens, positions, bs, seq_lens.stride(0), positions.stride(0), delta, BLOCK=block,
-        **launch_options(seq_lens.device, bs, early=True),
+        **launch_options(seq_lens.device, bs, early=True, kernels=kernels),
     )
 
 
 # --------------------------------------------------------------------------- references
 
 
-def _slot_ref(table: list[list[int]], page_size: int, r: int, p: int) -> int:
-    if not 0 <= r < len(table) or p < 0 or p // page_size >= len(table[r]):
-        return 0
-    page = table[r][p // page_size]
-    return page * page_size + p % page_size if page > 0 else 0
-
-
-def _scatter_ref(dst: torch.Tensor, idx: list[int], vals: list[int]) -> None:
-    if idx:
-        flat = dst.view(-1)
-        flat[torch.tensor(idx, device=dst.device)] = torch.tensor(vals, dtype=dst.dtype, device=dst.device)
+def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
+             page_size: int) -> torch.Tensor:
+    """Slots of `positions` in torch (`kv_cache.kv_slot`, the formula's one home);
+    `req_pool_indices` broadcasts against it; the dummy slot 0 where unmapped: a negative
+    position, one past the table, a page id <= 0 (the kernels' `_slot` rules)."""
+    inside = (positions >= 0) & (positions < req_to_page.shape[1] * page_size)
+    slot = kv_slot(req_to_page, req_pool_indices, positions, page_size)
+    return torch.where(inside & (slot >= page_size), slot, torch.zeros_like(slot))  # page > 0
 
 
 def compute_out_cache_loc_uniform_ref(
@@ -284,20 +296,27 @@ def compute_out_cache_loc_uniform_ref(
     positions_out: torch.Tensor | None = None,
     seq_lens_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for :func:`compute_out_cache_loc_uniform`; fills and returns ``out``."""
-    if check_first_step_outputs(positions_out, seq_lens_out, req_to_page.device,
-                            req_pool_indices.shape[0]):
+    """Torch reference of :func:`compute_out_cache_loc_uniform` (`ops.out_cache_loc_uniform`'s
+    torch path): the same checks and writes, vectorized (no host sync); fills and returns
+    ``out``. A request slot outside the table also writes the dummy slot 0."""
+    dev, bs, page_size, length, s_req, s_tok, need, first = _check_uniform(
+        out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req,
+        out_stride_tok, positions_out, seq_lens_out)
+    if need:
+        req = req_pool_indices.long().unsqueeze(1)                                   # [bs, 1]
+        pos = cache_start.long().unsqueeze(1) + torch.arange(length, device=dev)     # [bs, length]
+        known = (req >= 0) & (req < req_to_page.shape[0])
+        slots = kv_slots(req_to_page, req.clamp(0, req_to_page.shape[0] - 1), pos, page_size)
+        slots = torch.where(known, slots, torch.zeros_like(slots))
+        if s_req == 1 and s_tok == bs:  # [length, bs]: the drafter's layout, one copy
+            out[: length * bs].view(length, bs).copy_(slots.t())
+        else:
+            idx = (torch.arange(bs, device=dev).unsqueeze(1) * s_req
+                   + torch.arange(length, device=dev) * s_tok)
+            out.view(-1).index_copy_(0, idx.reshape(-1), slots.reshape(-1).to(out.dtype))
+    if first:
         positions_out.copy_(cache_start)
         seq_lens_out.copy_(cache_start + 1)
-    s_req = length if out_stride_req is None else out_stride_req
-    s_tok = 1 if out_stride_tok is None else out_stride_tok
-    table = req_to_page.tolist()
-    idx, vals = [], []
-    for row, (r, start) in enumerate(zip(req_pool_indices.tolist(), cache_start.tolist(), strict=True)):
-        for j in range(length):
-            idx.append(row * s_req + j * s_tok)
-            vals.append(_slot_ref(table, page_size, r, start + j))
-    _scatter_ref(out, idx, vals)
     return out
 
 

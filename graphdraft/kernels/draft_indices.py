@@ -22,6 +22,7 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.buckets import rows_block
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
@@ -75,9 +76,10 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
                          valid_cache_lengths: torch.Tensor, n: int, token_offset: int,
                          gather_ids: torch.Tensor, seq_lens: torch.Tensor,
                          write_start: torch.Tensor, tokens: torch.Tensor | None = None,
-                         last_token: torch.Tensor | None = None) -> None:
+                         last_token: torch.Tensor | None = None, *,
+                         kernels: KernelConfig | None = None) -> None:
     """Write `gather_ids`, `seq_lens`, `write_start` (and with `tokens`, `last_token`) of `bs`
-    decode rows (module docstring)."""
+    decode rows (module docstring); `kernels`: the launch settings (None: the default)."""
     _check(accept, target_seq_lens, req, gather_ids, seq_lens, write_start, n, token_offset,
            tokens, last_token)
     bs = accept.shape[0]
@@ -89,7 +91,7 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
         accept, target_seq_lens, req, valid_cache_lengths, gather_ids, seq_lens, write_start,
         tokens if last else gather_ids, last_token if last else gather_ids,
         last_token.stride(0) if last else 0, bs, n, token_offset, BLOCK=block, LAST=last,
-        num_warps=1 if block <= 128 else 4, **launch_options(accept.device, bs))
+        num_warps=1 if block <= 128 else 4, **launch_options(accept.device, bs, kernels=kernels))
 
 
 def decode_draft_indices_ref(accept: torch.Tensor, target_seq_lens: torch.Tensor, req: torch.Tensor,

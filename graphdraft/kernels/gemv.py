@@ -32,52 +32,57 @@ order, so results do not depend on which program is last.
 
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
 rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
+
+Settings (`kernels/config.KernelConfig`, each wrapper's `kernels=`; None: the default config):
+  gemv_pdl            launch with programmatic dependent launch (CUDA): the programs start while
+                      the previous kernel finishes and wait (`gdc_wait`) for its writes before
+                      reading x; each lets the next launch start once its K loop is done.
+                      Measured 1.5-4 us per call faster at bs 1, neutral at bs 8; prefetching the
+                      first weight tiles into L2 before the wait measured 35-300 us slower
+                      (perf/RESULTS.md, third session): not done.
+  stream_evict_first  load weights `evict_first`: each is read once per draft step, so keeping
+                      it in L2 only pushes out what the small kernels between the GEMVs reuse
+                      (8.6 us per call faster at bs 1, neutral at bs 8; marking the 32 MiB
+                      o_proj `evict_last` to keep it in L2 across steps measured no faster).
+  finish_maxnreg      register cap of M == 1 launches that carry a finisher (None: the
+                      compiler's choice).
+  finish_norm_max_m   rows up to which the residual + RMSNorm runs in the GEMV's last program.
+  gemv_tiles          "uniform": M == 1 takes the M > 1 tiles (`gemv_config`).
+  gemv_split / gemv_block_k  forced K split / BLOCK_K of the GEMVs that may split.
+
+The torch reference lives here too: `linear_ref` (`F.linear` of the activated input,
+`silu_mul_ref`), the torch path of `ops.linear` and the tests' oracle (`linear_small_m_ref`
+is it with `linear_small_m`'s signature).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_one_of, expect_tensor
 from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
-from graphdraft.kernels.fused_inputs import sum_partials
+from graphdraft.kernels.config import GEMV_MAX_M, KernelConfig
+from graphdraft.kernels.config import default as default_config
+from graphdraft.kernels.fused_inputs import SplitK, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
 
-MAX_M = 64
-"""Most rows a launch takes (`ops.SMALL_M_MAX` decides which matmuls come here)."""
+MAX_M = GEMV_MAX_M
+"""Most rows a launch takes (`KernelConfig.small_m_max` decides which matmuls come here)."""
 MAX_NORM_N = 16384  # widest row the residual + RMSNorm pass holds in registers
-TILES_ENV = "GRAPHDRAFT_GEMV_TILES"
 ACTS = (None, "silu_mul")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
-FINISH_NORM_MAX_M = 4
-"""Rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch)."""
-GEMV_PDL = True
-"""Launch the GEMV with programmatic dependent launch (CUDA): its programs start while the
-previous kernel finishes and wait (`gdc_wait`) for its writes before reading x; each program
-lets the next launch start once its K loop is done. Measured 1.5-4 us per call faster at bs 1,
-neutral at bs 8; prefetching the first weight tiles into L2 before the wait measured 35-300 us
-slower (perf/RESULTS.md, third session): not done."""
-STREAM_EVICT_FIRST = True
-"""Load weights `evict_first`: each is read once per draft step, so keeping it in L2 only
-pushes out what the small kernels between the GEMVs reuse (measured 8.6 us per call faster at
-bs 1, neutral at bs 8; marking the 32 MiB o_proj `evict_last` to keep it in L2 across steps
-measured no faster)."""
-FINISH_MAXNREG: int | None = 128
-"""Register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice)."""
-
-
 def m_bucket(m: int) -> int:
     """The row tile (BLOCK_M) of an M-row launch: 1 for M == 1 (CUDA-core dot products), else
     16, 32 or 64 (`tl.dot` on the next power of two, at least 16). The GEMV compiles once per
-    bucket (M itself is not specialized); with `FINISH_NORM_MAX_M` (the fused-norm finisher,
+    bucket (M itself is not specialized); with `finish_norm_max_m` (the fused-norm finisher,
     a constexpr that stays: M <= 4 runs it in the launch) the buckets are 1 | 2-4 | 5-16 |
     17-32 | 33-64."""
     if not 1 <= m <= MAX_M:
@@ -99,15 +104,21 @@ class GemvConfig:
 
 def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
                 target_programs: int | None = None, max_split: int = 16, split: int | None = None,
-                num_warps: int = 4, num_stages: int | None = None) -> GemvConfig:
+                num_warps: int = 4, num_stages: int | None = None,
+                kernels: KernelConfig | None = None) -> GemvConfig:
     """Tiles for a `[m, k] x [n, k]^T` product, from the H200 sweep (`perf/studies/gemv_sweep.py`,
     perf/RESULTS.md): M == 1 streams `[32|64, 256]` slabs with about 528 programs in flight,
     M > 1 `[64|128, 128]` slabs with about 264; K is split to reach that count (the nearest
     whole number of slices, at least 4 * BLOCK_K long, at most `max_split`); `split` forces
     the number of K slices. The keyword overrides are for tuning and tests.
-    `GRAPHDRAFT_GEMV_TILES=uniform` gives M == 1 the M > 1 tiles (read at every call:
-    graphs keep the tiles they were captured with)."""
-    wide = m == 1 and os.environ.get(TILES_ENV, "").strip() != "uniform"
+    `kernels.gemv_tiles == "uniform"` gives M == 1 the M > 1 tiles; `kernels.gemv_split` /
+    `gemv_block_k` force the split / BLOCK_K where `max_split > 1` (None `kernels`: the
+    default config)."""
+    kc = kernels if kernels is not None else default_config()
+    wide = m == 1 and kc.gemv_tiles != "uniform"
+    if max_split > 1:
+        block_k = block_k or kc.gemv_block_k
+        split = split if split is not None else kc.gemv_split
     if block_n is None:
         block_n = (32 if n <= 8192 else 64) if wide else (64 if n <= 8192 else 128)
     block_k = block_k or (256 if wide else 128)
@@ -283,24 +294,26 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, act: str 
         expect_tensor("out", out, shape=(x.shape[0], w.shape[0]), dtypes=x.dtype, layout="rows")
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, *, kernels: KernelConfig | None = None) -> torch.Tensor:
     """`[gate ; up]` `[M, 2K]` (unit column stride) -> `silu(gate) * up` `[M, K]`, each op
-    rounded like torch's; one launch."""
+    rounded like torch's (`silu_mul_ref`); one launch."""
     m, k = x.shape[0], x.shape[1] // 2
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m:
         block = 1024
         _silu_mul_kernel[(m, triton.cdiv(k, block))](x, out, k, x.stride(0), out.stride(0),
-                                                      BLOCK=block, **launch_options(x.device, m))
+                                                      BLOCK=block,
+                                                      **launch_options(x.device, m, kernels=kernels))
     return out
 
 
-def _act_input(x: torch.Tensor, act: str | None) -> tuple[torch.Tensor, str | None]:
+def _act_input(x: torch.Tensor, act: str | None,
+               kernels: KernelConfig | None) -> tuple[torch.Tensor, str | None]:
     """M == 1 computes silu_mul while loading x; M > 1 (the `tl.dot` path, where that measured
     slower than cuBLAS) materialises `silu(gate) * up` `[M, K]` first, one small launch."""
     if act != "silu_mul" or x.shape[0] == 1:
         return x, act
-    return silu_mul(x), None
+    return silu_mul(x, kernels=kernels), None
 
 
 @dataclass
@@ -329,8 +342,9 @@ def _counter(w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
-            cfg: GemvConfig, *, to_ws: bool, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
-            n_blocks: int = 1, norm: _NormFinish | None = None) -> None:
+            cfg: GemvConfig, kc: KernelConfig, *, to_ws: bool,
+            amax: tuple[torch.Tensor, torch.Tensor] | None = None, n_blocks: int = 1,
+            norm: _NormFinish | None = None) -> None:
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
     block_m = m_bucket(m)
     fp32_dot = x.dtype == torch.float32 or interpreting()
@@ -340,9 +354,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
     res_idx = norm.residual_index if norm and norm.residual_index is not None else counter
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
-    capped = norm is not None and block_m == 1 and FINISH_MAXNREG and not interpreting()
-    extra = {"maxnreg": FINISH_MAXNREG} if capped else {}
-    pdl = bool(GEMV_PDL) and pdl_supported(x.device)
+    capped = norm is not None and block_m == 1 and kc.finish_maxnreg and not interpreting()
+    extra = {"maxnreg": kc.finish_maxnreg} if capped else {}
+    pdl = kc.gemv_pdl and pdl_supported(x.device)
     if pdl:
         extra["launch_pdl"] = True
     kernel = _gemv_kernel_m1 if m == 1 else _gemv_kernel
@@ -357,48 +371,57 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         FINISH=norm is not None, SPLIT=cfg.split,
         HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
         NORM_BLOCK=triton.next_power_of_2(n),
-        PDL=pdl, W_EVICT="evict_first" if STREAM_EVICT_FIRST else "",
+        PDL=pdl, W_EVICT="evict_first" if kc.stream_evict_first else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-                   act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+                   act: str | None = None, config: GemvConfig | None = None,
+                   kernels: KernelConfig | None = None) -> torch.Tensor:
     """`act(x) [M, K] @ w [N, K]^T -> [M, N]` for 1 <= M <= MAX_M (graph-capturable; an fp32
-    workspace `[split, M, N]` is allocated when K is split)."""
+    workspace `[split, M, N]` is allocated when K is split). `config`: the tiles (default:
+    `gemv_config` under `kernels`, which also holds the launch settings; None: the default
+    config)."""
     _check(x, w, out, act)
+    kc = kernels if kernels is not None else default_config()
     m, n = x.shape[0], w.shape[0]
-    cfg = config or gemv_config(m, n, _k_of(x, act))
+    cfg = config or gemv_config(m, n, _k_of(x, act), kernels=kc)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.split > 1:  # the partials, summed by a second launch
-        ws = linear_small_m_partials(x, w, act=act, config=cfg)
+        ws = linear_small_m_partials(x, w, act=act, config=cfg, kernels=kc).partials
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
                                                           SPLIT=cfg.split, BLOCK=block,
-                                                          **launch_options(x.device, m))
+                                                          **launch_options(x.device, m, kernels=kc))
         return out
-    x, act = _act_input(x, act)
-    _launch(x, w, out, out, act, cfg, to_ws=False)
+    x, act = _act_input(x, act, kc)
+    _launch(x, w, out, out, act, cfg, kc, to_ws=False)
     return out
 
 
 def linear_small_m_partials(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None,
-                            config: GemvConfig | None = None) -> torch.Tensor:
-    """The unsummed fp32 split-K partials `[split, M, N]` (split >= 1, contiguous) of
-    `act(x) [M, K] @ w [N, K]^T`, 1 <= M <= MAX_M, for a consumer kernel that sums them itself
-    (`fused_inputs.sum_partials`, then rounded to x.dtype: `linear_small_m`'s bits)."""
+                            config: GemvConfig | None = None,
+                            kernels: KernelConfig | None = None) -> SplitK:
+    """`act(x) [M, K] @ w [N, K]^T`, 1 <= M <= MAX_M, as a `SplitK`: its unsummed fp32 split-K
+    partials `[split, M, N]` (split >= 1, contiguous) and x.dtype, for a consumer kernel that
+    sums them itself (`fused_inputs.sum_partials`, then rounded to x.dtype: `linear_small_m`'s
+    bits)."""
     _check(x, w, None, act)
+    kc = kernels if kernels is not None else default_config()
     m, n = x.shape[0], w.shape[0]
-    cfg = config or gemv_config(m, n, _k_of(x, act))
-    x, act = _act_input(x, act)
+    cfg = config or gemv_config(m, n, _k_of(x, act), kernels=kc)
+    dtype = x.dtype
+    x, act = _act_input(x, act, kc)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, w, ws, ws, act, cfg, to_ws=True)
-    return ws
+    _launch(x, w, ws, ws, act, cfg, kc, to_ws=True)
+    return SplitK(ws, dtype)
 
 
 def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch.Tensor | None = None,
                           *, ids_out: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
-                          config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          config: GemvConfig | None = None,
+                          kernels: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head and greedy pick: `logits = x @ w^T [M, N]` and int64 `ids [M]`, the row argmax
     (lowest index on ties, NaN never wins, as `argmax_with_map`) mapped by `hot_token_ids`.
     `ids_out` (int64 `[M]`, contiguous) receives the ids instead of a new tensor; `tokens_out`
@@ -407,7 +430,8 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     m, k = x.shape
     n = w.shape[0]
     check_ids_out(ids_out, tokens_out, m, x.device)
-    cfg = config or gemv_config(m, n, k, max_split=1)
+    kc = kernels if kernels is not None else default_config()
+    cfg = config or gemv_config(m, n, k, max_split=1, kernels=kc)
     if cfg.split != 1:
         raise ValueError(f"config: the argmax epilogue needs split == 1, got {cfg.split}")
     if hot_token_ids is not None:
@@ -417,8 +441,9 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
-    _launch(x, w, logits, logits, None, cfg, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
-    argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, num_warps=4 if n_blocks >= 256 else 1)
+    _launch(x, w, logits, logits, None, cfg, kc, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
+    argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, num_warps=4 if n_blocks >= 256 else 1,
+                  kernels=kc)
     return logits, ids
 
 
@@ -426,12 +451,15 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                  norm_weight: torch.Tensor, eps: float, *, act: str | None = None,
                                  h_out: torch.Tensor | None = None,
                                  residual_index: torch.Tensor | None = None,
-                                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 config: GemvConfig | None = None,
+                                 kernels: KernelConfig | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = act(x) @ w^T + residual` (rounded like the unfused ops), returns `(RMSNorm(h), h)`,
     both `[M, N]`. `residual` is `[M, N]`, or `[R, N]` read at rows `residual_index` (int32/int64
     `[M]`, values in [0, R): not checked, a device sync). `h` is written into `h_out` (`[M, N]`,
     unit column stride) when given. The matmul's split partials are summed by the RMSNorm pass:
-    for M <= FINISH_NORM_MAX_M inside the GEMV launch (its last program), else in a second one."""
+    for M <= `kernels.finish_norm_max_m` inside the GEMV launch (its last program), else in a
+    second one."""
     _check(x, w, None, act)
     m, n = x.shape[0], w.shape[0]
     expect_tensor("residual", residual, shape=("R" if residual_index is not None else m, n),
@@ -445,37 +473,48 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                          f"registers), got {n}")
     if h_out is not None:
         expect_tensor("h_out", h_out, shape=(m, n), dtypes=x.dtype, device=x.device, layout="rows")
-    cfg = config or gemv_config(m, n, _k_of(x, act))
-    x, act = _act_input(x, act)
+    kc = kernels if kernels is not None else default_config()
+    cfg = config or gemv_config(m, n, _k_of(x, act), kernels=kc)
+    x, act = _act_input(x, act, kc)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     h = h_out if h_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm = _NormFinish(residual, residual_index, norm_weight, out, h, eps)
-    if m <= FINISH_NORM_MAX_M:
-        _launch(x, w, ws, ws, act, cfg, to_ws=True, norm=norm)
+    if m <= kc.finish_norm_max_m:
+        _launch(x, w, ws, ws, act, cfg, kc, to_ws=True, norm=norm)
         return out, h
-    _launch(x, w, ws, ws, act, cfg, to_ws=True)
+    _launch(x, w, ws, ws, act, cfg, kc, to_ws=True)
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),
                                     residual_index if residual_index is not None else ws,
                                     norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
                                     SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
                                     BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
-                                    **launch_options(x.device, m))
+                                    **launch_options(x.device, m, kernels=kc))
     return out, h
 
 
 # ---------------------------------------------------------------------------
-# fp32 references (the tests' oracles)
+# Torch references: the torch path of `ops.apply_act` / `ops.linear`, and the tests' fp32 oracle
 # ---------------------------------------------------------------------------
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """`[gate ; up]` `[..., 2K]` -> `silu(gate) * up` `[..., K]` in torch (each op rounded in
+    x.dtype, as `silu_mul` and the fused load round)."""
+    k = x.shape[-1] // 2
+    return F.silu(x[..., :k]) * x[..., k:]
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, *, act: str | None = None) -> torch.Tensor:
+    """`act(x) [M, K] @ w [N, K]^T -> [M, N]` in torch (cuBLAS on CUDA): `ops.linear`'s path
+    outside the GEMV's rows."""
+    expect_one_of("act", act, ACTS)
+    return F.linear(x if act is None else silu_mul_ref(x), w)
+
+
 def linear_small_m_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                        act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """fp32-accumulated reference of `linear_small_m`."""
-    from graphdraft.ops import apply_act  # the torch path's activation
-
+    """`linear_small_m`'s signature over the one torch reference, `linear_ref` (fp32
+    accumulation, rounded once), written into `out` when given."""
     del config
-    y = (apply_act(x, act).float() @ w.float().T).to(x.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    y = linear_ref(x, w, act=act)
+    return y if out is None else out.copy_(y)

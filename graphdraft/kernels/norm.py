@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
-from graphdraft.kernels.fused_inputs import check_partials, sum_partials
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.fused_inputs import SplitK, check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
@@ -93,24 +94,31 @@ def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, str
     tl.store(out_ptr + row * stride_out + half * N + cols, rms_norm_row(x, w, N, eps), mask=mask)
 
 
-def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor,
+def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor | SplitK,
                  weight_b: torch.Tensor, eps_b: float, *, a_index: torch.Tensor | None = None,
-                 b_out: torch.Tensor | None = None) -> torch.Tensor:
+                 b_out: torch.Tensor | None = None,
+                 kernels: KernelConfig | None = None) -> torch.Tensor:
     """`cat([RMSNorm(a), RMSNorm(b)], -1)`: a, b `[M, N]` -> `[M, 2N]`, one launch.
 
     With `a_index` `[M]` (int32/int64, contiguous) row m of the first input is `a[a_index[m]]`
     (a is then any `[R, N]` table, such as an embedding: the lookup is fused; the index values
     must lie in `[0, R)`).
-    b may instead be the fp32 split-K partials `[split, M, N]` of the matmul that makes it
-    (`gemv.linear_small_m_partials`): the kernel sums them and rounds to a's dtype exactly as
+    b may instead be a `SplitK` (fp32 split-K partials `[split, M, N]` of the matmul that makes
+    it, `gemv.linear_small_m_partials`): the kernel sums them and rounds to a's dtype exactly as
     `gemv.linear_small_m` would (`fused_inputs`), normalises that, and writes it to `b_out`
-    `[M, N]` (required then, a's dtype, unit column stride).
+    `[M, N]` (required then, a's dtype, unit column stride). `kernels`: the launch settings
+    (None: the default config).
     """
     _check(a, weight_a, None, None, None)
     N = a.shape[1]
-    if b.dim() == 3:
-        M = b.shape[1]
+    split_k = isinstance(b, SplitK)
+    if split_k:
+        M = b.shape[0]
         check_partials("b", b, M, N, a.device)
+        if b.dtype != a.dtype:
+            raise ValueError(f"b: expected split-K partials of a {a.dtype} product (like a), "
+                             f"got {b.dtype}")
+        b = b.partials
         # required: the sum of b's split partials lands there
         expect_tensor("b_out", b_out, shape=(M, N), dtypes=a.dtype, device=a.device,
                       layout=_rows_if_read(b_out))
@@ -133,14 +141,14 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
     out = torch.empty((M, 2 * N), dtype=a.dtype, device=a.device)
     if M > 0:
         block = triton.next_power_of_2(N)
-        b_split = b.shape[0] if b.dim() == 3 else 0
+        b_split = b.shape[0] if split_k else 0
         b_stride = b.stride(1) if b_split else b.stride(0)
         _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), a if a_index is None else a_index, weight_a,
                                      float(eps_a), b, b_stride, b.stride(0), weight_b, float(eps_b),
                                      b_rows, b_rows.stride(0), out, out.stride(0), N, BLOCK=block,
                                      A_INDEX=a_index is not None, B_SPLIT=b_split,
                                      num_warps=min(16, max(1, block // 512)),
-                                     **launch_options(out.device, M))
+                                     **launch_options(out.device, M, kernels=kernels))
     return out
 
 
@@ -207,6 +215,36 @@ def rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
 
+def rms_norm_residual_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None = None, *,
+                            residual_out: torch.Tensor | None = None):
+    """`ops.rms_norm`'s torch path (any float dtype, no checks): `[M, N] -> [M, N]`; with
+    `residual`: `h = x + residual` (written into `residual_out` when given), returns
+    `(norm(h), h)`."""
+    if residual is not None:
+        x = x + residual
+        if residual_out is not None:
+            x = residual_out.copy_(x)
+    normed = rms_norm_torch(x, weight, eps)
+    return (normed, x) if residual is not None else normed
+
+
+def rms_norm_cat_torch(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float,
+                       b: torch.Tensor | SplitK, weight_b: torch.Tensor, eps_b: float, *,
+                       a_index: torch.Tensor | None = None,
+                       b_out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rms_norm_cat` in torch (`ops.rms_norm_cat`'s torch path, any float dtype): b a
+    `SplitK` is summed (`SplitK.sum`) into `b_out` (required then)."""
+    if a_index is not None:
+        a = a.index_select(0, a_index)
+    if isinstance(b, SplitK):
+        if b_out is None:
+            raise ValueError("b_out: expected an [M, N] tensor for the sum of b's split partials")
+        b = b_out.copy_(b.sum())
+    return torch.cat([rms_norm_torch(a, weight_a, eps_a), rms_norm_torch(b, weight_b, eps_b)],
+                     dim=-1)
+
+
 def rms_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -218,14 +256,8 @@ def rms_norm_ref(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Torch reference (HF LlamaRMSNorm); same signature and outputs as :func:`rms_norm`."""
     _check(x, weight, residual, out, residual_out)
-    h = x if residual is None else x + residual
-    y = rms_norm_torch(h, weight, eps)
+    res = rms_norm_residual_torch(x, weight, eps, residual, residual_out=residual_out)
+    y, h = res if residual is not None else (res, None)
     if out is not None:
-        out.copy_(y)
-        y = out
-    if residual is None:
-        return y
-    if residual_out is not None:
-        residual_out.copy_(h)
-        h = residual_out
-    return y, h
+        y = out.copy_(y)
+    return y if residual is None else (y, h)

@@ -16,6 +16,13 @@ and the rope table, which every caller writes at least two launches earlier (a f
 metadata is written before its first layer runs; the drafter's refresh kernels run at least
 two launches before the next RoPE and attention). Stores always come after `pdl_enter`.
 `tests/test_pdl_order.py` traces the drafter's and the engine's launches and checks the rule.
+
+Settings (`kernels/config.KernelConfig`, passed as `kernels=`; a launch without one uses
+`kernel_config.default()`): `pdl` (off: the small kernels launch plainly; the GEMV has its own
+switch, `gemv_pdl`), `pdl_max_rows` (small kernels over more rows launch plainly: 4, measured
+on an H200, perf/RESULTS.md third session run 8: PDL on every small kernel took a draft call
+from 642 to 633 us at bs 1, but from 685 to 710 us at bs 8; the cause at bs 8 is not known)
+and `pdl_early_loads` (kernels that take `EARLY` load their metadata before waiting; off: after).
 """
 
 from __future__ import annotations
@@ -26,12 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
-"""Off: the small kernels launch plainly (the GEMV has its own switch, `gemv.GEMV_PDL`)."""
-MAX_ROWS = 4
-"""Small kernels over more rows launch plainly. Measured on an H200 (perf/RESULTS.md, third
-session run 8): PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but
-from 685 to 710 us at bs 8; the cause at bs 8 is not known (bs 2-4 not measured apart)."""
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.config import default as default_config
 
 
 def interpreting() -> bool:
@@ -44,18 +47,17 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting()
 
 
-EARLY_LOADS = True
-"""Kernels that take `EARLY` load their metadata before waiting (module doc); off: after."""
-
-
-def launch_options(device: torch.device, rows: int, *, early: bool = False) -> dict:
-    """Keyword arguments of a launch over `rows` rows: `PDL` (the constexpr) and `launch_pdl`;
-    with `early` (a kernel that takes the `EARLY` constexpr) also `EARLY`: on with PDL, and
-    under Triton's interpreter (where the wait is a no-op)."""
-    on = ENABLED and rows <= MAX_ROWS and supported(device)
+def launch_options(device: torch.device, rows: int, *, early: bool = False,
+                   kernels: KernelConfig | None = None) -> dict:
+    """Keyword arguments of a launch over `rows` rows under `kernels` (None: the default
+    config): `PDL` (the constexpr) and `launch_pdl`; with `early` (a kernel that takes the
+    `EARLY` constexpr) also `EARLY`: on with PDL, and under Triton's interpreter (where the
+    wait is a no-op)."""
+    kc = kernels if kernels is not None else default_config()
+    on = kc.pdl and rows <= kc.pdl_max_rows and supported(device)
     opts = {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
     if early:  # under the interpreter too: the CPU tests run the code small GPU batches run
-        opts["EARLY"] = bool(EARLY_LOADS) and (on or interpreting())
+        opts["EARLY"] = kc.pdl_early_loads and (on or interpreting())
     return opts
 
 

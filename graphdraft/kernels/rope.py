@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
-from graphdraft.kernels.fused_inputs import check_partials, sum_partials
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.fused_inputs import SplitK, check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
-__all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref"]
+__all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref",
+           "rope_and_store_kv_torch", "rope_cos_sin_cache", "rope_rotate_torch"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -136,7 +138,7 @@ def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -
 
 
 def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
-            out_cache_loc) -> None:
+            out_cache_loc, kernels: KernelConfig | None) -> None:
     """q/k/v `[T, H, D]` views (split 0) or `[split, T, H, D]` views of fp32 partials."""
     T, Hq, D = q_out.shape
     Hkv, half = k_cache.shape[1], D // 2
@@ -153,7 +155,7 @@ def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
         HQ=Hq, HKV=Hkv, HALF=half,
         HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
         HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
-        num_warps=4, **launch_options(k_cache.device, T, early=True),
+        num_warps=4, **launch_options(k_cache.device, T, early=True, kernels=kernels),
     )
 
 
@@ -166,6 +168,8 @@ def rope_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out_cache_loc: torch.Tensor,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """Rotate q ``[T, Hq, D]`` in place; store rotated k and raw v ``[T, Hkv, D]`` into
     ``k_cache``/``v_cache`` ``[num_slots, Hkv, D]`` at slots ``out_cache_loc`` ``[T]``.
@@ -177,11 +181,11 @@ def rope_and_store_kv(
     """
     _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
     if q.shape[0] > 0:
-        _launch(q, k, v, 0, q, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+        _launch(q, k, v, 0, q, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc, kernels)
 
 
 def rope_and_store_kv_partials(
-    qkv: torch.Tensor,
+    qkv: SplitK,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
@@ -189,30 +193,37 @@ def rope_and_store_kv_partials(
     out_cache_loc: torch.Tensor,
     *,
     q_out: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """:func:`rope_and_store_kv` of a fused qkv given as the qkv GEMV's fp32 split-K partials
-    ``[split, T, (Hq + 2 Hkv) * D]`` (contiguous; Hkv and D are the cache's): each value is
+    """:func:`rope_and_store_kv` of a fused qkv given as a `SplitK`: the qkv GEMV's fp32 split-K
+    partials ``[split, T, (Hq + 2 Hkv) * D]`` (contiguous; Hkv and D are the cache's): each value is
     summed and rounded to the cache dtype while loading, the bits ``gemv.linear_small_m``
     would have written. Rotated q goes to ``q_out`` ``[T, Hq, D]`` (cache dtype, last dim
     contiguous; allocated when None), which is returned; k and v go to the cache as there.
     """
     expect_tensor("k_cache", k_cache, shape=("num_slots", "Hkv", "D"))
     hkv, D = k_cache.shape[1], k_cache.shape[2]
-    width = qkv.shape[-1] if qkv.dim() == 3 else 0
+    if not isinstance(qkv, SplitK):
+        raise ValueError(f"qkv: expected split-K partials (a SplitK), got {type(qkv).__name__}")
+    ws = qkv.partials
+    width = ws.shape[-1] if ws.dim() == 3 else 0
     if width % D or width // D <= 2 * hkv:
         raise ValueError(f"qkv: expected float32 split-K partials [split, T, (Hq + 2*{hkv}) * {D}], "
-                         f"got {qkv.dtype} {tuple(qkv.shape)}")
-    check_partials("qkv", qkv, qkv.shape[1], width, k_cache.device)
-    T, Hq = qkv.shape[1], width // D - 2 * hkv
+                         f"got {ws.dtype} {tuple(ws.shape)}")
+    check_partials("qkv", qkv, ws.shape[1], width, k_cache.device)
+    if qkv.dtype != k_cache.dtype:
+        raise ValueError(f"qkv: expected split-K partials of a {k_cache.dtype} product (the "
+                         f"cache's dtype), got {qkv.dtype}")
+    T, Hq = ws.shape[1], width // D - 2 * hkv
     if q_out is None:
         q_out = torch.empty((T, Hq, D), dtype=k_cache.dtype, device=k_cache.device)
     _check_q("q_out", q_out)
     expect_tensor("q_out", q_out, shape=(T, Hq, D), dtypes=k_cache.dtype, device=k_cache.device)
     _check_targets(q_out, hkv, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
     if T > 0:
-        q, k, v = qkv.view(qkv.shape[0], T, Hq + 2 * hkv, D).split([Hq, hkv, hkv], dim=2)
-        _launch(q, k, v, qkv.shape[0], q_out, positions, cos_sin_cache, k_cache, v_cache,
-                out_cache_loc)
+        q, k, v = ws.view(ws.shape[0], T, Hq + 2 * hkv, D).split([Hq, hkv, hkv], dim=2)
+        _launch(q, k, v, ws.shape[0], q_out, positions, cos_sin_cache, k_cache, v_cache,
+                out_cache_loc, kernels)
     return q_out
 
 
@@ -236,8 +247,19 @@ def rope_and_store_kv_ref(
     v_cache: torch.Tensor,
     out_cache_loc: torch.Tensor,
 ) -> None:
-    """Torch reference (HF ``apply_rotary_pos_emb`` in fp32, then cast); same effects."""
+    """Torch reference (HF ``apply_rotary_pos_emb`` in fp32, then cast); same checks and
+    effects (:func:`rope_and_store_kv_torch`)."""
     _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+    rope_and_store_kv_torch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
+
+
+def rope_and_store_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out_cache_loc: torch.Tensor) -> None:
+    """The op in torch, its one home (`ops.rope_and_store_qkv`'s torch path and
+    :func:`rope_and_store_kv_ref`; any float dtype, no checks): q rotated in place, rotated k
+    and v written at `out_cache_loc`."""
     D = q.shape[2]
     cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, None, : D // 2], cs[:, None, D // 2 :]
@@ -245,3 +267,38 @@ def rope_and_store_kv_ref(
     loc = out_cache_loc.long()
     k_cache[loc] = rope_rotate_torch(k, cos, sin)
     v_cache[loc] = v
+
+
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+                       scaling: dict | None = None, device: str | torch.device | None = None
+                       ) -> torch.Tensor:
+    """The rope table `[max_positions, head_dim]` fp32: cos in the first half of the columns,
+    sin in the second (the `cos_sin_cache` every RoPE path reads).
+
+    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`). `device` None: the
+    current default device (`torch.get_default_device()`), so a model built under
+    `with torch.device("cuda"):` gets its table there. Computed in float64 on the host either
+    way (the same values on every device).
+    """
+    if device is None:
+        device = torch.get_default_device()
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
+                                / head_dim))
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            factor = scaling["factor"]
+            low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+            old_ctx = scaling.get("original_max_position_embeddings", 8192)
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            wavelen = 2 * torch.pi / inv_freq
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+            inv_freq = torch.where(is_mid, mid, scaled)
+        elif kind not in (None, "default"):
+            raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (expected 'llama3')")
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=cpu), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)

@@ -187,6 +187,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) 
     index buffer is written by the other owner's forwards. Only compiling is the point.
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
+    kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
     owners = list(_forwards_of(engine))
     resets = [getattr(o, "_reset_neutral", None) for o, _ in owners if o is not engine]
     resets = [r for r in resets if r is not None]
@@ -198,7 +199,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) 
         out = {}
         with torch.inference_mode():  # per thread too
             for f in forwards.values():
-                sizes = representative_sizes(f.batch_sizes, (1, n))
+                sizes = representative_sizes(f.batch_sizes, (1, n), kernels=kc)
                 out[f.name] = f.precompile(sizes, progress=progress)
         return out
 

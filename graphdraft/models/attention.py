@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from graphdraft import ops
+from graphdraft.kernels.config import KernelConfig, resolve
 
 
 @dataclass
@@ -53,15 +54,24 @@ class RowMetadata:
 
 
 class PagedAttentionBackend:
-    """Paged attention over `req_to_page`; torch path everywhere, Triton path on CUDA."""
+    """Paged attention over `req_to_page`; torch path everywhere, Triton path on CUDA.
+
+    `kernels`: the kernel settings (`RuntimeConfig.kernels`; None: the default config);
+    `use_triton` (None: `kernels`' backend) picks the backend over it, for callers that pass
+    a flag."""
 
     def __init__(self, req_to_page: torch.Tensor, page_size: int, max_context_len: int,
-                 use_triton: bool) -> None:
+                 use_triton: bool | None = None, *, kernels: KernelConfig | None = None) -> None:
         self.req_to_page = req_to_page
         self.page_size = page_size
         self.max_context_len = max_context_len
-        self.use_triton = use_triton
+        self.kernels = resolve(kernels, use_triton)
         self.metadata: AttentionMetadata | RowMetadata | None = None
+
+    @property
+    def use_triton(self) -> bool:
+        """The Triton path (`kernels.use_triton`)."""
+        return self.kernels.use_triton
 
     # --- metadata -----------------------------------------------------------
     def bind_metadata(self, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor) -> AttentionMetadata:
@@ -132,9 +142,9 @@ class PagedAttentionBackend:
                 q, k_cache, v_cache, meta.req_pool_indices, meta.seq_lens, meta.extend_lens,
                 meta.q_starts, self.req_to_page, self.page_size, sm_scale, self.max_context_len,
                 max_extend=meta.max_extend, uniform_n=meta.uniform_n, mask_bits=meta.mask_bits,
-                use_triton=self.use_triton)
+                kernels=self.kernels)
         t = q.shape[0] if q_index is None else q_index.shape[0]
         return ops.paged_attention(q, k_cache, v_cache, meta.req_pool_indices[:t], meta.kv_lens[:t],
                                    self.req_to_page, self.page_size, sm_scale,
                                    self.max_context_len, q_index=q_index,
-                                   use_triton=self.use_triton)
+                                   kernels=self.kernels)

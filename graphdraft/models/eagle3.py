@@ -41,20 +41,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphdraft import ops
 from graphdraft.checks import expect_tensor
 from graphdraft.config import ModelConfig
 from graphdraft.kernels.argmax import check_ids_out
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.config import default as default_kernels
+from graphdraft.kernels.rope import rope_cos_sin_cache
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
-from graphdraft.models.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.models.layers import MLP, Attention, KernelsMixin, RMSNorm, _param, set_kernels
 from graphdraft.models.logits import LogitsOutput, LogitsProcessor
-from graphdraft.ops import (
-    argmax_with_map,
-    linear,
-    linear_partials,
-    linear_residual_rms_norm,
-    rms_norm_cat,
-    rope_cos_sin_cache,
-)
 
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel
@@ -80,10 +76,15 @@ class DraftStepOutput:
     logits: torch.Tensor
 
 
-class Eagle3DraftHead(nn.Module):
+class Eagle3DraftHead(KernelsMixin, nn.Module):
+    """The head. `kernels`: the kernel settings its layers and LM head run under (None: the
+    default config, the torch path); `set_kernels(cfg.kernels)` sets them once after
+    construction."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                  embed_tokens: torch.Tensor | None = None,
-                 hot_token_ids: torch.Tensor | None = None) -> None:
+                 hot_token_ids: torch.Tensor | None = None, *,
+                 kernels: KernelConfig | None = None) -> None:
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.global_config = cfg
@@ -110,12 +111,14 @@ class Eagle3DraftHead(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
             persistent=False)
-        self.logits_processor = LogitsProcessor(self.hot_token_ids)
-        self.use_triton = False
+        self.kernels: KernelConfig = kernels if kernels is not None else default_kernels()
+        self.logits_processor = LogitsProcessor(self.hot_token_ids, kernels=self.kernels)
+        self.set_kernels(self.kernels)
 
-    def set_use_triton(self, use_triton: bool) -> None:
-        set_use_triton(self, use_triton)
-        self.logits_processor.use_triton = use_triton
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Run every layer and the LM head under `kernels` (once, at construction)."""
+        set_kernels(self, kernels)
+        self.logits_processor.kernels = kernels
 
     def _apply(self, fn, recurse=True):  # keep the logits processor's map on the module's device
         out = super()._apply(fn, recurse)
@@ -171,27 +174,25 @@ class Eagle3DraftHead(nn.Module):
             embeds, embed_index = self.embed_tokens, input_ids
         else:
             embeds, embed_index = tp.embed(input_ids, self.embed_tokens), None
-        b, fc_sum = hidden, None
+        kc = self.kernels
+        b = hidden
         if hidden.shape[-1] != self.config.hidden_size:
-            # fc; on the GEMV path its split-K partials, which the norm kernel sums into fc_sum
-            b = linear_partials(hidden, self.fc, use_triton=self.use_triton)
-            if b.dim() == 3:
-                fc_sum = torch.empty(b.shape[1:], dtype=hidden.dtype, device=hidden.device)
-            hidden = b if fc_sum is None else fc_sum
+            # fc; on the GEMV path a SplitK, which the norm kernel sums (hidden: that sum)
+            b = ops.linear_partials(hidden, self.fc, kernels=kc)
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
-        x = rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight, norm_h.eps,
-                         a_index=embed_index, b_out=fc_sum, use_triton=self.use_triton)
+        x, hidden = ops.rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight,
+                                     norm_h.eps, a_index=embed_index, kernels=kc)
         qkv = attn_layer.qkv(x)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
         if tp is None and mlp.dp is None:  # o_proj and down_proj fused with residual + RMSNorm
             post, final = layer.post_attention_layernorm, self.norm
-            normed, residual = linear_residual_rms_norm(  # residual: hidden's gathered rows
+            normed, residual = ops.linear_residual_rms_norm(  # residual: hidden's gathered rows
                 attn, attn_layer.o_proj, hidden, post.weight, post.eps, residual_index=gather_ids,
-                use_triton=self.use_triton)
-            normed, prenorm = linear_residual_rms_norm(
+                kernels=kc)
+            normed, prenorm = ops.linear_residual_rms_norm(
                 mlp.gate_up(normed), mlp.down_proj, residual, final.weight, final.eps,
-                act="silu_mul", h_out=hidden_out, use_triton=self.use_triton)
+                act="silu_mul", h_out=hidden_out, kernels=kc)
         else:  # row-parallel outputs all-reduced before the residual add; vocab-parallel LM head
             residual = hidden if gather_ids is None else hidden.index_select(0, gather_ids)
             normed, residual = layer.post_attention_layernorm(layer.self_attn.project(attn), residual)
@@ -202,10 +203,10 @@ class Eagle3DraftHead(nn.Module):
                 out = self.logits_processor(normed, self.lm_head, ids_out=ids_out,
                                             tokens_out=tokens_out)
                 return DraftStepOutput(out.next_token_ids, prenorm, out.next_token_logits)
-            logits = tp.gather_vocab(linear(normed, self.lm_head, use_triton=self.use_triton),
+            logits = tp.gather_vocab(ops.linear(normed, self.lm_head, kernels=kc),
                                      self.config.output_vocab_size)
-            ids = argmax_with_map(logits, self.hot_token_ids, out=ids_out, tokens_out=tokens_out,
-                                  use_triton=self.logits_processor.use_triton)
+            ids = ops.argmax_with_map(logits, self.hot_token_ids, out=ids_out,
+                                      tokens_out=tokens_out, kernels=kc)
             if hidden_out is not None:
                 prenorm = hidden_out.copy_(prenorm)
             return DraftStepOutput(ids, prenorm, logits)

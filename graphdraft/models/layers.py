@@ -2,8 +2,9 @@
 
 Weights are plain `nn.Parameter`s in HF layout (`[out_features, in_features]`),
 with q/k/v and gate/up fused: `qkv_proj [(Hq + 2 Hkv) * D, in]`,
-`gate_up_proj [2 F, H]`. Each layer calls `graphdraft.ops`, which runs the
-torch path or the Triton path (`use_triton`).
+`gate_up_proj [2 F, H]`. Each layer calls `graphdraft.ops` with the `KernelConfig` its model
+holds (`kernels`: the Triton or torch path, tiles, PDL, thresholds), set once for the whole
+model by `set_kernels` (the models' `set_kernels`, called at construction).
 
 Tensor parallelism (`graphdraft.parallel`): `Attention` and `MLP` hold `tp = None`
 (single device: no collective, today's code path) or, after `parallel.shard_`, their
@@ -21,6 +22,8 @@ from torch import nn
 
 from graphdraft import ops
 from graphdraft.config import ModelConfig
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.config import default as default_kernels
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 
 if TYPE_CHECKING:
@@ -36,11 +39,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.use_triton = False
+        self.kernels: KernelConfig = default_kernels()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """`[M, H]`; with residual: `(norm(x + residual), x + residual)`."""
-        return ops.rms_norm(x, self.weight, self.eps, residual, use_triton=self.use_triton)
+        return ops.rms_norm(x, self.weight, self.eps, residual, kernels=self.kernels)
 
 
 class Attention(nn.Module):
@@ -61,7 +64,7 @@ class Attention(nn.Module):
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, input_size, dtype=dtype)
         self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.sm_scale = self.head_dim ** -0.5
-        self.use_triton = False
+        self.kernels: KernelConfig = default_kernels()
         self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -73,34 +76,25 @@ class Attention(nn.Module):
 
     def project(self, attn: torch.Tensor) -> torch.Tensor:
         """o_proj of `attend`'s output `[B, Hq * D] -> [B, H]`, all-reduced when tensor-parallel."""
-        out = ops.linear(attn, self.o_proj, use_triton=self.use_triton)
+        out = ops.linear(attn, self.o_proj, kernels=self.kernels)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> torch.Tensor | ops.SplitK:
         """`[T, input_size] -> [T, (Hq + 2 Hkv) * D]` (`attend`'s input); where the Triton path
-        runs the GEMV, its fp32 split-K partials `[split, T, (Hq + 2 Hkv) * D]` instead, which
-        `attend`'s RoPE kernel sums (`ops.linear_partials`: the same bits, one launch fewer)."""
-        return ops.linear_partials(x, self.qkv_proj, use_triton=self.use_triton)
+        runs the GEMV, the same product as an `ops.SplitK`, which `attend`'s RoPE kernel sums
+        (`ops.linear_partials`: the same bits, one launch fewer). Pass it to `attend` as is."""
+        return ops.linear_partials(x, self.qkv_proj, kernels=self.kernels)
 
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+    def attend(self, qkv: torch.Tensor | ops.SplitK, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                kv: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                backend: PagedAttentionBackend, metadata: AttentionMetadata,
                gather_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Between qkv and o_proj: RoPE, KV write of all T tokens, attention of the gathered
-        rows -> `[B, Hq * D]`. qkv is `qkv`'s output: `[T, (Hq + 2 Hkv) * D]` or its split
-        partials `[split, T, (Hq + 2 Hkv) * D]`."""
+        rows -> `[B, Hq * D]`. qkv is `qkv`'s output (`[T, (Hq + 2 Hkv) * D]` or its
+        `SplitK`)."""
         k_cache, v_cache = kv
-        if qkv.dim() == 3:
-            q = ops.rope_and_store_kv_partials(qkv, positions, cos_sin, k_cache, v_cache,
-                                               out_cache_loc, use_triton=self.use_triton)
-        else:
-            t = qkv.shape[0]
-            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads,
-                                                                      self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-            ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
-                                  use_triton=self.use_triton)
+        q = ops.rope_and_store_qkv(qkv, positions, cos_sin, k_cache, v_cache, out_cache_loc,
+                                   kernels=self.kernels)
         out = backend.attend(q, k_cache, v_cache, self.sm_scale, metadata, q_index=gather_ids)
         return out.reshape(out.shape[0], self.q_size)
 
@@ -118,30 +112,56 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
-        self.use_triton = False
+        self.kernels: KernelConfig = default_kernels()
         self.tp: TensorParallel | None = None
         self.dp = None  # a data_parallel.DataParallel after shard_dense_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp is not None:
             return self.dp.dense(x, self._local)
-        out = ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", use_triton=self.use_triton)
+        out = ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", kernels=self.kernels)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum `[M, H]` (no collective)."""
-        return ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", use_triton=self.use_triton)
+        return ops.linear(self.gate_up(x), self.down_proj, act="silu_mul", kernels=self.kernels)
 
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """`[M, H] -> [M, 2F]` `[gate ; up]` (the down projection's `act="silu_mul"` input)."""
-        return ops.linear(x, self.gate_up_proj, use_triton=self.use_triton)
+        return ops.linear(x, self.gate_up_proj, kernels=self.kernels)
 
 
-def set_use_triton(module: nn.Module, use_triton: bool) -> None:
-    """Route every layer of `module` to the Triton (True) or torch (False) path."""
+def set_kernels(module: nn.Module, kernels: KernelConfig) -> None:
+    """Run `module` and every layer in it (each module with a `kernels` attribute) under
+    `kernels`; ValueError naming `kernels` unless it is a `KernelConfig`. Once, at
+    construction: the config is frozen, the layers hold a reference to it."""
+    if not isinstance(kernels, KernelConfig):
+        raise ValueError(f"kernels: expected a KernelConfig, got {type(kernels).__name__}")
     for m in module.modules():
-        if hasattr(m, "use_triton"):
-            m.use_triton = use_triton
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+
+
+class KernelsMixin:
+    """`set_kernels` / `use_triton` / `set_use_triton` of a model (`LlamaForCausalLM`,
+    `Eagle3DraftHead`) whose layers run under `self.kernels`."""
+
+    kernels: KernelConfig
+
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Run every layer under `kernels` (`RuntimeConfig.kernels`; once, at construction)."""
+        set_kernels(self, kernels)
+
+    @property
+    def use_triton(self) -> bool:
+        """The Triton path (`kernels.use_triton`)."""
+        return self.kernels.use_triton
+
+    def set_use_triton(self, use_triton: bool) -> None:
+        """`set_kernels` of this model's config with the Triton (True) or torch (False) backend:
+        kept for callers that pass a flag (the Engine and drafter, until they pass
+        `cfg.kernels`)."""
+        self.set_kernels(self.kernels.with_backend("triton" if use_triton else "torch"))
 
 
 @torch.no_grad()

@@ -22,8 +22,11 @@ from torch import nn
 
 from graphdraft import ops
 from graphdraft.config import ModelConfig
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.config import default as default_kernels
+from graphdraft.kernels.rope import rope_cos_sin_cache
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
-from graphdraft.models.layers import MLP, Attention, RMSNorm, _param, set_use_triton
+from graphdraft.models.layers import MLP, Attention, KernelsMixin, RMSNorm, _param
 from graphdraft.runtime.kv_cache import KVPool
 
 if TYPE_CHECKING:
@@ -47,8 +50,12 @@ class TargetOutput:
     aux_hidden: torch.Tensor | None
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+class LlamaForCausalLM(KernelsMixin, nn.Module):
+    """The target. `kernels`: the kernel settings its layers run under (None: the default
+    config, the torch path); `set_kernels(cfg.kernels)` sets them once after construction."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, *,
+                 kernels: KernelConfig | None = None) -> None:
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.global_config = cfg
@@ -61,16 +68,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.register_buffer("cos_sin", ops.rope_cos_sin_cache(
+        self.register_buffer("cos_sin", rope_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
             persistent=False)
         self.aux_layer_ids = cfg.aux_layer_ids()
         if not all(0 <= i < cfg.num_hidden_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_hidden_state_layer_ids: expected ids in [0, "
                              f"{cfg.num_hidden_layers}), got {self.aux_layer_ids}")
-
-    def set_use_triton(self, use_triton: bool) -> None:
-        set_use_triton(self, use_triton)
+        self.kernels: KernelConfig = default_kernels()
+        self.set_kernels(kernels if kernels is not None else self.kernels)
 
     @property
     def aux_hidden_width(self) -> int:
@@ -128,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.norm(hidden, residual)
         if logits_rows is not None:
             normed = normed.index_select(0, logits_rows)
-        logits = ops.linear(normed, self.lm_head)
+        # the target's LM head runs on cuBLAS on either path (as it always has: not the GEMV)
+        logits = ops.linear(normed, self.lm_head, kernels=self.kernels.with_backend("torch"))
         if tp is not None:
             logits = tp.gather_vocab(logits, self.config.vocab_size)
         aux_hidden = (torch.cat([aux[i] for i in self.aux_layer_ids], -1, out=aux_out)

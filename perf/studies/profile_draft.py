@@ -3,11 +3,12 @@
 `python3 -m perf.studies.profile_draft --out DIR [--bs 1,8] [--kv 512]`
 
 For each bs: the 8B-shaped head (page size 16), one drafter per variant (`--variants`,
-default all; `name:KNOB=V+mod.KNOB=V` also sets module knobs of `kernels.gemv` / `kernels.mod`
-for that variant, e.g. `gemv:GEMV_PDL=0+pdl.ENABLED=0`), each with its graphs captured: "cublas" (`ops.SMALL_M_MAX = 0`: cuBLAS for
-every matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s
-swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
-`GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
+default all; `name:field=V+field=V` also sets `KernelConfig` fields for that variant, values
+as their environment variables take them, e.g. `gemv:gemv_pdl=0+pdl=0`), each with its graphs
+captured under its own `RuntimeConfig.kernels`: "cublas" (`small_m_max=0`: cuBLAS for every
+matmul), "gemv" (the Triton GEMV kernels with their fused epilogues, `gemv_config`'s swept
+tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 tiles:
+`gemv_tiles="uniform"`, env `GRAPHDRAFT_GEMV_TILES=uniform`). Prints and writes (`profile_draft.json`):
   - the graph-replay time of a whole `run` (CUDA events, median) against the floor;
   - a torch.profiler kernel table of the eager path (same kernels as the graphs:
     name, launches and GPU us per call), with the sum of kernel time, and the same
@@ -17,8 +18,6 @@ swept tiles) and "gemv-uniform-tiles" (the same kernels, M = 1 given the M > 1 t
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import statistics
 from collections import defaultdict
 
@@ -26,8 +25,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from graphdraft import ops
-from graphdraft.kernels import gemv
+from graphdraft.kernels.config import ENV_VARS, KernelConfig
 from perf.bench import refresh_info, time_forwards
 from perf.draft_group import build_group, fill_decode_batch
 from perf.floors import floor_info
@@ -72,20 +70,18 @@ def after_l2_flush_us(fn, reps: int = 20, flush_bytes: int = 512 << 20) -> float
 
 
 def kernel_knobs(spec: str) -> dict:
-    """`"GEMV_PDL=0+pdl.ENABLED=0"` -> `{(module, name): value}`: module-level knobs of
-    `graphdraft.kernels.gemv` (bare names), `graphdraft.kernels.<module>` or `graphdraft.ops`
-    (`ops.NAME`); ints, 0 / "none" for a False / None knob."""
+    """`"gemv_pdl=0+pdl=0"` -> `{"gemv_pdl": False, "pdl": False}`: `KernelConfig` fields,
+    each value parsed as its environment variable's (`kernels/config.ENV_VARS`)."""
     out = {}
     for item in filter(None, spec.split("+")):
         k, _, v = item.partition("=")
-        mod_name, _, name = k.rpartition(".")
-        mod = importlib.import_module("graphdraft.ops" if mod_name == "ops"
-                                      else f"graphdraft.kernels.{mod_name or 'gemv'}")
-        if not name.isupper() or not hasattr(mod, name):
-            raise SystemExit(f"--variants: {k!r} is not a knob of {mod.__name__}")
-        cur = getattr(mod, name)
-        out[(mod, name)] = (None if v.lower() == "none" else bool(int(v)) if isinstance(cur, bool)
-                            else int(v))
+        if k not in ENV_VARS:
+            raise SystemExit(f"--variants: {k!r} is not a KernelConfig field ({sorted(ENV_VARS)})")
+        var, parse = ENV_VARS[k]
+        try:
+            out[k] = parse(v)
+        except ValueError:
+            raise SystemExit(f"--variants: {k}={v!r} does not parse (as {var} would)") from None
     return out
 
 
@@ -113,68 +109,55 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted({lb.partition(":")[0] for lb in labels} - {"cublas", "gemv", "gemv-uniform-tiles"})
     if bad:
         p.error(f"--variants: expected names from cublas, gemv, gemv-uniform-tiles; got {bad}")
-    saved_tiles = os.environ.get(gemv.TILES_ENV)
+    base = KernelConfig.from_env()
     for label in labels:
         name = label.partition(":")[0]
-        small_m = 0 if name == "cublas" else ops.SMALL_M_MAX
-        tiles = "uniform" if name == "gemv-uniform-tiles" else ""
-        saved, ops.SMALL_M_MAX = ops.SMALL_M_MAX, small_m
-        saved_knobs = {k: getattr(*k) for k in knobs[label]}
-        for (mod, name), v in knobs[label].items():
-            setattr(mod, name, v)
-        os.environ[gemv.TILES_ENV] = tiles  # read at every call: the graphs capture it
-        try:
-            group = build_group(head, 16, a.kv, sizes)
-            d = group.drafter
-            for bs in sizes:
-                batch = fill_decode_batch(group, bs)
-                fl = floor_info(LLAMA31_8B_HEAD, bs, a.kv, bw)
-                with torch.inference_mode():
-                    def run(d=d, batch=batch):
-                        return d.run(*batch.args)
-                    times = time_forwards("graph", d, batch, warmup=5, reps=30)
-                    graph_us = times["graph_run_us"]
-                    after_flush_us = after_l2_flush_us(run)
-                    drafts = run().tolist()
-                    refresh = refresh_info(d, batch, reps=30)
-                    graph_rows = kernel_table(run)
-                    with forced_eager():
-                        eager_rows = kernel_table(run)
-                key = f"{label}-bs{bs}"
-                report["runs"][key] = {"drafts": drafts, "graph_run_us": graph_us,
-                                       "after_l2_flush_us": after_flush_us,
-                                       **{k: times[k] for k in ("graph_decode_us",
-                                                                "graph_first_us",
-                                                                "graph_multi_us")},
-                                       **{k: refresh.get(k) for k in (
-                                           "refresh_events_us", "refresh_gpu_us",
-                                           "refresh_timeline", "refresh_gpu_in_place_us",
-                                           "refresh_in_place_timeline")},
-                                       **fl,
-                                       "eager_kernels": eager_rows, "graph_kernels": graph_rows}
-                print(f"\n[profile] {key}: after an L2 flush {after_flush_us:.1f} us")
-                print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay "
-                      f"{times['graph_decode_us']:.1f}: multi {times['graph_multi_us']:.1f}; refresh "
-                      f"{refresh.get('refresh_gpu_us') or 0:.1f} on the GPU "
-                      f"({refresh.get('refresh_gpu_in_place_us') or 0:.1f} in place), "
-                      f"{refresh['refresh_events_us']:.1f} with host), floor {fl['floor_us']:.1f} us "
-                      f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
-                for name, tl in (("copy", refresh.get("refresh_timeline", [])),
-                                 ("in place", refresh.get("refresh_in_place_timeline", []))):
-                    print(f"[profile] {key} timeline ({name}): "
-                          + ", ".join(f"{n[:24]} {t0:.1f}-{t1:.1f}" for n, t0, t1 in tl))
-                print_table(f"{key} eager kernels", eager_rows)
-                print_table(f"{key} graph-replay kernels", graph_rows, top=12)
-            group = d = None
-            torch.cuda.empty_cache()
-        finally:
-            ops.SMALL_M_MAX = saved
-            for (mod, name), v in saved_knobs.items():
-                setattr(mod, name, v)
-            if saved_tiles is None:
-                os.environ.pop(gemv.TILES_ENV, None)
-            else:
-                os.environ[gemv.TILES_ENV] = saved_tiles
+        variant = {"cublas": {"small_m_max": 0}, "gemv-uniform-tiles": {"gemv_tiles": "uniform"}}
+        kernels = base.replace(**(variant.get(name, {}) | knobs[label]))
+        # one drafter (and its graphs) per variant, under its own kernel settings
+        group = build_group(head, 16, a.kv, sizes, kernels=kernels)
+        d = group.drafter
+        for bs in sizes:
+            batch = fill_decode_batch(group, bs)
+            fl = floor_info(LLAMA31_8B_HEAD, bs, a.kv, bw)
+            with torch.inference_mode():
+                def run(d=d, batch=batch):
+                    return d.run(*batch.args)
+                times = time_forwards("graph", d, batch, warmup=5, reps=30)
+                graph_us = times["graph_run_us"]
+                after_flush_us = after_l2_flush_us(run)
+                drafts = run().tolist()
+                refresh = refresh_info(d, batch, reps=30)
+                graph_rows = kernel_table(run)
+                with forced_eager():
+                    eager_rows = kernel_table(run)
+            key = f"{label}-bs{bs}"
+            report["runs"][key] = {"drafts": drafts, "graph_run_us": graph_us,
+                                   "after_l2_flush_us": after_flush_us,
+                                   **{k: times[k] for k in ("graph_decode_us",
+                                                            "graph_first_us",
+                                                            "graph_multi_us")},
+                                   **{k: refresh.get(k) for k in (
+                                       "refresh_events_us", "refresh_gpu_us",
+                                       "refresh_timeline", "refresh_gpu_in_place_us",
+                                       "refresh_in_place_timeline")},
+                                   **fl,
+                                   "eager_kernels": eager_rows, "graph_kernels": graph_rows}
+            print(f"\n[profile] {key}: after an L2 flush {after_flush_us:.1f} us")
+            print(f"[profile] {key}: graph run {graph_us:.1f} us (decode replay "
+                  f"{times['graph_decode_us']:.1f}: multi {times['graph_multi_us']:.1f}; refresh "
+                  f"{refresh.get('refresh_gpu_us') or 0:.1f} on the GPU "
+                  f"({refresh.get('refresh_gpu_in_place_us') or 0:.1f} in place), "
+                  f"{refresh['refresh_events_us']:.1f} with host), floor {fl['floor_us']:.1f} us "
+                  f"-> {graph_us / fl['floor_us']:.2f}x", flush=True)
+            for name, tl in (("copy", refresh.get("refresh_timeline", [])),
+                             ("in place", refresh.get("refresh_in_place_timeline", []))):
+                print(f"[profile] {key} timeline ({name}): "
+                      + ", ".join(f"{n[:24]} {t0:.1f}-{t1:.1f}" for n, t0, t1 in tl))
+            print_table(f"{key} eager kernels", eager_rows)
+            print_table(f"{key} graph-replay kernels", graph_rows, top=12)
+        group = d = None
+        torch.cuda.empty_cache()
     for bs in sizes:  # the variants compute the same function: report any draft that differs
         runs = {k: r["drafts"] for k, r in report["runs"].items() if k.endswith(f"-bs{bs}")}
         first = next(iter(runs.values()))

@@ -1,0 +1,218 @@
+"""Kernel settings: one frozen `KernelConfig`, built once, passed down.
+
+`RuntimeConfig.kernels` holds the one a runtime uses (its `backend` follows
+`RuntimeConfig.kernel_backend`); the models hold the config they were built with
+(`set_kernels`), `graphdraft.ops` takes it (`kernels=`) and hands it to the kernel wrappers
+(`kernels/gemv.py`, `kernels/pdl.launch_options`, ...). A wrapper or op called without one uses
+`default()`: a config built once, on first use, from the environment (backend "torch", as the
+ops' default path). Nothing here is read again after construction: changing an environment
+variable later changes no config already built (tests: `tests/test_kernel_config.py`).
+
+Settings, their environment variables (read by `KernelConfig.from_env()`; unset or empty: the
+default) and defaults. A value that does not parse raises ValueError naming the variable.
+
+| field | env var | values | default | what it does |
+|---|---|---|---|---|
+| `backend` | (`RuntimeConfig.kernel_backend`) | "triton", "torch" | "torch" | Triton kernels or the plain torch path (each op's torch reference) |
+| `gemv_tiles` | `GRAPHDRAFT_GEMV_TILES` | "wide", "uniform" | "wide" | "uniform": single-row GEMVs take the multi-row tiles (`gemv.gemv_config`; a tuning aid) |
+| `gemv_split` | `GRAPHDRAFT_GEMV_SPLIT` | int >= 1, or unset | unset (None) | force the K split of every GEMV that may split (not the LM head's argmax one); None: the tile heuristic. Tuning and tests |
+| `gemv_block_k` | `GRAPHDRAFT_GEMV_BLOCK_K` | power of two in [16, 1024], or unset | unset (None) | force BLOCK_K of the same GEMVs; None: the tile heuristic |
+| `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
+| `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
+| `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
+| `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
+| `finish_norm_max_m` | `GRAPHDRAFT_FINISH_NORM_MAX_M` | 0..64 | 4 | rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch) |
+| `pdl` | `GRAPHDRAFT_PDL` | bool | on | small chain kernels launch with PDL (`kernels/pdl.py`) |
+| `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows launch plainly |
+| `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
+
+Bools: "1", "true", "yes", "on" / "0", "false", "no", "off" (any case). The measurements behind
+the defaults are in the docstrings of `gemv.py` / `pdl.py` and in perf/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ENV_VARS", "KernelConfig", "TORCH", "TRITON", "default", "resolve"]
+
+GEMV_MAX_M = 64
+"""Most rows one GEMV launch takes (`gemv.MAX_M`): the bound of the row thresholds."""
+BACKENDS = ("triton", "torch")
+GEMV_TILES = ("wide", "uniform")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Every kernel setting (the module docstring's table); frozen and hashable. Bad values
+    raise ValueError naming the field."""
+
+    backend: str = "torch"
+    gemv_tiles: str = "wide"
+    gemv_split: int | None = None
+    gemv_block_k: int | None = None
+    small_m_max: int = 32
+    """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
+    of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
+    gemv_pdl: bool = True
+    """Measured 1.5-4 us per call faster at bs 1, neutral at bs 8 (perf/RESULTS.md, third session)."""
+    stream_evict_first: bool = True
+    """Measured 8.6 us per call faster at bs 1, neutral at bs 8."""
+    finish_maxnreg: int | None = 128
+    finish_norm_max_m: int = 4
+    pdl: bool = True
+    pdl_max_rows: int = 4
+    """PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but from 685 to
+    710 us at bs 8 (perf/RESULTS.md, third session run 8)."""
+    pdl_early_loads: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        need(self.backend in BACKENDS, "backend", "'triton' or 'torch'")
+        need(self.gemv_tiles in GEMV_TILES, "gemv_tiles", "'wide' or 'uniform'")
+        need(self.gemv_split is None or (_is_int(self.gemv_split) and self.gemv_split >= 1),
+             "gemv_split", "None or an int >= 1")
+        need(self.gemv_block_k is None or (_is_int(self.gemv_block_k) and 16 <= self.gemv_block_k
+                                           <= 1024 and self.gemv_block_k & (self.gemv_block_k - 1) == 0),
+             "gemv_block_k", "None or a power of two in [16, 1024]")
+        need(_is_int(self.small_m_max) and 0 <= self.small_m_max <= GEMV_MAX_M, "small_m_max",
+             f"an int in [0, {GEMV_MAX_M}]")
+        for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads"):
+            need(isinstance(getattr(self, name), bool), name, "a bool")
+        need(self.finish_maxnreg is None or (_is_int(self.finish_maxnreg) and self.finish_maxnreg >= 1),
+             "finish_maxnreg", "None or an int >= 1")
+        need(_is_int(self.finish_norm_max_m) and 0 <= self.finish_norm_max_m <= GEMV_MAX_M,
+             "finish_norm_max_m", f"an int in [0, {GEMV_MAX_M}]")
+        need(_is_int(self.pdl_max_rows) and self.pdl_max_rows >= 0, "pdl_max_rows", "an int >= 0")
+
+    @property
+    def use_triton(self) -> bool:
+        """The Triton path (`backend == "triton"`)."""
+        return self.backend == "triton"
+
+    def replace(self, **changes: Any) -> KernelConfig:
+        """A copy with `changes` (validated)."""
+        return _replace(self, tuple(sorted(changes.items())))
+
+    def with_backend(self, backend: str) -> KernelConfig:
+        """This config with `backend` (the same object when it already has it)."""
+        return self if backend == self.backend else self.replace(backend=backend)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> KernelConfig:
+        """The config named by the environment variables of the module table (`environ`:
+        default `os.environ`), read once here; `overrides` (field=value) win over them.
+        ValueError naming the variable for a value that does not parse or is out of range."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (var, parse) in ENV_VARS.items():
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            try:
+                values[name] = parse(raw)
+                cls(**{name: values[name]})  # range checks, reported under the variable's name
+            except ValueError as e:
+                raise ValueError(f"{var}: expected {_EXPECTED[name]}, got {raw!r} ({e})") from None
+        values.update(overrides)
+        return cls(**values)
+
+
+@functools.lru_cache(maxsize=64)
+def _replace(cfg: KernelConfig, changes: tuple) -> KernelConfig:
+    return dataclasses.replace(cfg, **dict(changes))
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("not a bool")
+
+
+def _int(raw: str) -> int:
+    return int(raw, 10)
+
+
+def _maxnreg(raw: str) -> int | None:
+    if raw.lower() == "none":
+        return None
+    v = _int(raw)
+    return None if v == 0 else v
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.lower() not in options:
+            raise ValueError(f"not one of {options}")
+        return raw.lower()
+    return parse
+
+
+ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "gemv_tiles": ("GRAPHDRAFT_GEMV_TILES", _choice(*GEMV_TILES)),
+    "gemv_split": ("GRAPHDRAFT_GEMV_SPLIT", _int),
+    "gemv_block_k": ("GRAPHDRAFT_GEMV_BLOCK_K", _int),
+    "small_m_max": ("GRAPHDRAFT_SMALL_M_MAX", _int),
+    "gemv_pdl": ("GRAPHDRAFT_GEMV_PDL", _bool),
+    "stream_evict_first": ("GRAPHDRAFT_STREAM_EVICT_FIRST", _bool),
+    "finish_maxnreg": ("GRAPHDRAFT_FINISH_MAXNREG", _maxnreg),
+    "finish_norm_max_m": ("GRAPHDRAFT_FINISH_NORM_MAX_M", _int),
+    "pdl": ("GRAPHDRAFT_PDL", _bool),
+    "pdl_max_rows": ("GRAPHDRAFT_PDL_MAX_ROWS", _int),
+    "pdl_early_loads": ("GRAPHDRAFT_PDL_EARLY_LOADS", _bool),
+}
+"""field -> (environment variable, parser): the module table."""
+
+_BOOL = "1/true/yes/on or 0/false/no/off"
+_EXPECTED = {
+    "gemv_tiles": "'wide' or 'uniform'",
+    "gemv_split": "an int >= 1",
+    "gemv_block_k": "a power of two in [16, 1024]",
+    "small_m_max": f"an int in [0, {GEMV_MAX_M}]",
+    "gemv_pdl": _BOOL,
+    "stream_evict_first": _BOOL,
+    "finish_maxnreg": "an int >= 1, or 0 / 'none'",
+    "finish_norm_max_m": f"an int in [0, {GEMV_MAX_M}]",
+    "pdl": _BOOL,
+    "pdl_max_rows": "an int >= 0",
+    "pdl_early_loads": _BOOL,
+}
+
+TRITON = KernelConfig(backend="triton")
+"""The defaults on the Triton path (tests and benchmarks: no environment read)."""
+TORCH = KernelConfig()
+"""The defaults on the torch path (no environment read)."""
+
+
+@functools.cache
+def default() -> KernelConfig:
+    """The config of a wrapper or op called without one: `KernelConfig.from_env()`, built once
+    (the first call) and kept for the process."""
+    return KernelConfig.from_env()
+
+
+def resolve(kernels: KernelConfig | None = None, use_triton: bool | None = None) -> KernelConfig:
+    """`kernels`, or `default()` when None; a `use_triton` flag (None: none given) picks the
+    backend over it (for callers that still pass a flag)."""
+    kc = kernels if kernels is not None else default()
+    if use_triton is None:
+        return kc
+    return kc.with_backend("triton" if use_triton else "torch")
