@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "SpeculationPolicy",
-           "check_speculative_policy", "expected_tokens", "measure_replay_ms"]
+           "analytic_cost_table", "check_speculative_policy", "expected_tokens",
+           "measure_replay_ms"]
 
 POLICY_MODES = ("adaptive", "fixed")
 
@@ -419,6 +420,58 @@ class SpeculationPolicy:
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
         }
+
+
+ANALYTIC_BANDWIDTH = 4.0e12
+"""Bytes/s of the analytic cost model (about an H200's measured copy bandwidth)."""
+ANALYTIC_FLOPS = 6.0e14
+"""Matmul flop/s of the analytic cost model (dense bf16, well below an H200's peak)."""
+ANALYTIC_FORWARD_MS = 0.02
+"""Fixed ms per forward of the analytic cost model (launch gaps, small kernels)."""
+
+
+def _forward_ms(weight_bytes: float, params: float, tokens: int) -> float:
+    """One forward over `tokens` tokens: weights read once or matmul flops, whichever binds."""
+    return max(weight_bytes / ANALYTIC_BANDWIDTH, 2.0 * params * tokens / ANALYTIC_FLOPS) * 1e3 \
+        + ANALYTIC_FORWARD_MS
+
+
+def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
+                        steps: Iterable[int]) -> dict[tuple[int, int], float]:
+    """The documented fallback cost `{(padded_bs, k): ms}` where nothing can be timed (CPU,
+    enforce-eager, graphs off): a roofline of the cycle's forwards from the models' parameter
+    counts (`target`, `head`: modules; head None: no draft work),
+      verify       one target forward over bs * (k + 1) tokens
+      first step   one head forward over bs * (k + 1) tokens (k = 0 too: it keeps the draft
+                   KV complete)
+      multi-step   k - 1 head forwards over bs tokens
+    each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
+    ANALYTIC_FORWARD_MS. Attention and KV reads are left out (the same for every k to first
+    order), and so are embedding tables. Nominal H200-like constants: the decisions it gives on a CPU are what such a
+    machine would roughly prefer, not measurements."""
+    def size(m: Any) -> tuple[float, float]:
+        seen, nbytes, params = set(), 0, 0
+        for name, p in m.named_parameters():
+            if "embed" in name:  # a lookup reads a few rows, not the table
+                continue
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                nbytes += p.numel() * p.element_size()
+                params += p.numel()
+        return float(nbytes), float(params)
+
+    tb, tp = size(target)
+    hb, hp = size(head) if head is not None else (0.0, 0.0)
+    out = {}
+    for bs in batch_sizes:
+        bs = _check_int("batch_sizes", bs, 1)
+        for k in steps:
+            k = _check_int("steps", k, 0)
+            ms = _forward_ms(tb, tp, bs * (k + 1))
+            if head is not None:
+                ms += _forward_ms(hb, hp, bs * (k + 1)) + max(k - 1, 0) * _forward_ms(hb, hp, bs)
+            out[(bs, k)] = ms
+    return out
 
 
 def measure_replay_ms(replay: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
