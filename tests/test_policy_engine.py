@@ -328,3 +328,17 @@ def test_bad_policy_object_and_bad_decision_rejected():
     eng.step()  # prefill: no decision
     with pytest.raises(ValueError, match=r"policy: decide\(1\) returned 2"):
         eng.step()
+
+
+def test_forced_switches_on_the_triton_kernels_interpreted():
+    """The Triton path (prepare, verify attention of k + 1 tokens a row, accept, first draft
+    step of k + 1 tokens, commit) under the interpreter: greedy == target-only through k = 0,
+    1 and 3."""
+    target, head = make_models(3, dtype=torch.float32, draft_vocab=40)
+    ps = prompts(5, 2, lo=3, hi=8)
+    cfg = _adaptive(dtype="float32", kernel_backend="triton", cuda_graph_bs=(1, 2))
+    expected = target_only(target, cfg.replace(kernel_backend="torch"), ps, 7)
+    eng = Engine(target, cfg, head)
+    eng.set_policy(ForcedPolicy([0, 3, 1, 0, 1, 3]))
+    assert eng.generate(ps, SamplingParams(max_new_tokens=7)) == expected
+    assert {k for _, k in eng.policy.decided} == {0, 1, 3}
