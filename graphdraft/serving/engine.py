@@ -19,6 +19,27 @@ replay; the same functions run eagerly under `enforce_eager` / GRAPHDRAFT_EAGER=
 eager commit (bit-identical). Prefill / mixed steps run eagerly over the same state (prefill
 rows written by the host, decode rows prepared on device), so no step needs a sync.
 
+Speculation policy (`graphdraft.serving.policy`, `RuntimeConfig.speculative_policy`): a decode
+cycle drafts k tokens for k in the captured set `steps` (adaptive, the default: 0, 1 and S;
+fixed: S alone), one cycle graph per (padded bs, k) (`spec_cycle` for k = S,
+`spec_cycle_k{k}` for the others). `_launch` asks `policy.decide(padded bs)` for k (host
+arithmetic: no sync, no re-capture); `_retire` feeds `policy.observe(accept lengths, k)` from
+the pack it reads one step later anyway. A cycle of k drafts verifies k + 1 tokens a row
+(last_token and drafts[:k]) and drafts d = max(k, 1) tokens; the drafts table's columns past d
+repeat the last one (filler). A row whose stored drafts are fewer than this cycle's k verifies
+filler: the verify compares against the target, so it stays exact, and the policy counts only
+the drafts really drafted for the row (`Request.drafts_ready`). k = 0 is target-only decode
+plus the drafter's first step over the one accepted token: that step writes the draft KV of
+the committed position (skipping the drafter would leave holes in the draft KV cache at every
+position accepted meanwhile, and later drafts would attend over them) and drafts one token for
+the next cycle; the multi-step is skipped. Its extra cost over a target-only step (one draft
+forward) is what perf/policy.py's `k0_tps` measures. Without a drafter k is 0 and nothing is
+drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel engines keep S.
+`capture_graphs` times every captured (padded bs, k) cycle with CUDA events for the adaptive
+policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
+(`policy.analytic_cost_table`). The split-mode `target_verify` / `draft_decode` graphs (per k)
+are captured only with `cycle_graph=False` (the cycle graph never replays them).
+
 `step()` keeps one step in flight: it plans (retire nothing yet; drop finished rows, admit,
 schedule prefill chunks), launches step k, enqueues one non-blocking copy of the pack buffer
 into a pinned slot (two slots, each with its own event), then retires step k-1: appends its
