@@ -228,6 +228,9 @@ class Engine:
             functools.partial(self._spec_cycle, k=k), self.schedule, pool=self.graph_pool,
             on_oom=on_oom, enabled=cycle_on) for k in self.steps}
         self.cycle_graphs = self._cycle_by_k[max(self.steps)]
+        for k, f in self._cycle_by_k.items():  # attributes: `precompile_engine` finds them
+            if f is not self.cycle_graphs:
+                setattr(self, f"cycle_graphs_k{k}", f)
         self.policy = self._build_policy(cfg)
         self.cost_source = "analytic"
         self.policy_history: deque[tuple[int, int]] = deque(maxlen=1024)  # (padded bs, k)
