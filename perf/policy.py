@@ -215,8 +215,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                   f"(accept {fx['accept']:.2f}) adaptive {ad['tps']:.0f} (k {ad['k']}) "
                   f"k0 {k0['tps']:.0f} tok/s", flush=True)
         spec.drain()
-        departed = sum(r.output != t[prompt_len: prompt_len + len(r.output)]
-                       for r, t in zip(sreqs, text, strict=True))
+        departed = 0
+        for r, t in zip(sreqs, text, strict=True):
+            m = min(len(r.output), len(t) - prompt_len)
+            departed += r.output[:m] != t[prompt_len: prompt_len + m]
         for cell in rows[-len(regimes):]:
             cell["departed_from_oracle"] = departed
         if departed:

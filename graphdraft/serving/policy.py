@@ -426,14 +426,16 @@ ANALYTIC_BANDWIDTH = 4.0e12
 """Bytes/s of the analytic cost model (about an H200's measured copy bandwidth)."""
 ANALYTIC_FLOPS = 6.0e14
 """Matmul flop/s of the analytic cost model (dense bf16, well below an H200's peak)."""
-ANALYTIC_FORWARD_MS = 0.02
-"""Fixed ms per forward of the analytic cost model (launch gaps, small kernels)."""
+ANALYTIC_LAYER_MS = 0.01
+"""Fixed ms per decoder layer per forward of the analytic cost model (the launch gaps and small
+kernels of a layer: a 32-layer target pays 32 of them, a one-layer draft step one)."""
 
 
-def _forward_ms(weight_bytes: float, params: float, tokens: int) -> float:
-    """One forward over `tokens` tokens: weights read once or matmul flops, whichever binds."""
+def _forward_ms(weight_bytes: float, params: float, layers: int, tokens: int) -> float:
+    """One forward over `tokens` tokens: weights read once or matmul flops, whichever binds,
+    plus the layers' fixed cost."""
     return max(weight_bytes / ANALYTIC_BANDWIDTH, 2.0 * params * tokens / ANALYTIC_FLOPS) * 1e3 \
-        + ANALYTIC_FORWARD_MS
+        + layers * ANALYTIC_LAYER_MS
 
 
 def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
@@ -446,9 +448,12 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
                    KV complete)
       multi-step   k - 1 head forwards over bs tokens
     each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
-    ANALYTIC_FORWARD_MS. Attention and KV reads are left out (the same for every k to first
+    layers * ANALYTIC_LAYER_MS (`config.num_hidden_layers`, 1 without a config). Attention and KV reads are left out (the same for every k to first
     order), and so are embedding tables. Nominal H200-like constants: the decisions it gives on a CPU are what such a
     machine would roughly prefer, not measurements."""
+    def layers(m: Any) -> int:
+        return int(getattr(getattr(m, "config", None), "num_hidden_layers", 1) or 1)
+
     def size(m: Any) -> tuple[float, float]:
         seen, nbytes, params = set(), 0, 0
         for name, p in m.named_parameters():
@@ -462,14 +467,16 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
 
     tb, tp = size(target)
     hb, hp = size(head) if head is not None else (0.0, 0.0)
+    tl, hl = layers(target), (layers(head) if head is not None else 0)
     out = {}
     for bs in batch_sizes:
         bs = _check_int("batch_sizes", bs, 1)
         for k in steps:
             k = _check_int("steps", k, 0)
-            ms = _forward_ms(tb, tp, bs * (k + 1))
+            ms = _forward_ms(tb, tp, tl, bs * (k + 1))
             if head is not None:
-                ms += _forward_ms(hb, hp, bs * (k + 1)) + max(k - 1, 0) * _forward_ms(hb, hp, bs)
+                ms += _forward_ms(hb, hp, hl, bs * (k + 1)) \
+                    + max(k - 1, 0) * _forward_ms(hb, hp, hl, bs)
             out[(bs, k)] = ms
     return out
 
