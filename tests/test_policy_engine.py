@@ -342,3 +342,21 @@ def test_forced_switches_on_the_triton_kernels_interpreted():
     eng.set_policy(ForcedPolicy([0, 3, 1, 0, 1, 3]))
     assert eng.generate(ps, SamplingParams(max_new_tokens=7)) == expected
     assert {k for _, k in eng.policy.decided} == {0, 1, 3}
+
+
+def test_extra_ms_shifts_the_choice_toward_longer_drafts():
+    """Work the cost table leaves out but every k pays (the KV reads of long contexts) makes
+    the relative cost of more drafts smaller: the engine passes it as `extra_ms`."""
+    costs = {(1, 0): 1.0, (1, 1): 1.1, (1, 3): 2.0}
+    pol = SpeculationPolicy("adaptive", 3, costs, steps=[0, 1, 3])
+    assert pol.best(1) == 1 and pol.best(1, extra_ms=10.0) == 3
+    with pytest.raises(ValueError, match="extra_ms"):
+        pol.decide(1, extra_ms=-1.0)
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    seen = []
+    real = eng.policy.decide
+    eng.policy.decide = lambda bs, extra_ms=0.0: seen.append(extra_ms) or real(bs, extra_ms)
+    eng.generate(prompts(5, 2), SamplingParams(max_new_tokens=6))
+    per_tok = target.config.kv_bytes_per_token(target.dtype) / 4.0e12 * 1e3
+    assert seen and all(x > 0 and abs(x / per_tok - round(x / per_tok)) < 1e-6 for x in seen)

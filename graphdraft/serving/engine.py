@@ -90,6 +90,7 @@ from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.serving import data_parallel
 from graphdraft.serving.metrics import ServingMetrics
 from graphdraft.serving.policy import (
+    ANALYTIC_BANDWIDTH,
     CostTable,
     SpeculationPolicy,
     analytic_cost_table,
@@ -232,6 +233,8 @@ class Engine:
             if f is not self.cycle_graphs:
                 setattr(self, f"cycle_graphs_k{k}", f)
         self.policy = self._build_policy(cfg)
+        # ms of reading one context token's target KV (the policy's extra_ms, see `_decide`)
+        self._kv_ms_per_token = tc.kv_bytes_per_token(target.dtype) / ANALYTIC_BANDWIDTH * 1e3
         self.cost_source = "analytic"
         self.policy_history: deque[tuple[int, int]] = deque(maxlen=1024)  # (padded bs, k)
         self.draft_hook = None  # benchmark only (see `_spec_cycle`); None: off
@@ -316,9 +319,16 @@ class Engine:
                              f"{type(policy).__name__} lacks {', '.join(missing)}")
         self.policy = policy
 
-    def _decide(self, pbs: int) -> int:
-        """The draft length of the next decode cycle at padded bs `pbs` (host only)."""
-        k = self.policy.decide(pbs)
+    def _decide(self, pbs: int, reqs: list[Request]) -> int:
+        """The draft length of the next decode cycle at padded bs `pbs` over `reqs` (host
+        only). The adaptive policy's costs leave out the KV reads of the rows' contexts (timed
+        on length-N rows; the same for every k): they are added as
+        `extra_ms` = context tokens x the target's KV bytes a token / ANALYTIC_BANDWIDTH."""
+        if isinstance(self.policy, SpeculationPolicy) and self.policy.mode == "adaptive":
+            ctx = sum(len(r.prompt) + len(r.output) for r in reqs)
+            k = self.policy.decide(pbs, extra_ms=ctx * self._kv_ms_per_token)
+        else:
+            k = self.policy.decide(pbs)
         if k not in self._cycle_by_k:
             raise ValueError(f"policy: decide({pbs}) returned {k!r}, expected one of the "
                              f"captured draft lengths {list(self.steps)}")
@@ -334,7 +344,7 @@ class Engine:
             self._split_cycle(bs, pbs, k)
 
     @torch.inference_mode()
-    def measure_costs(self, warmup: int = 2, iters: int = 5) -> dict[tuple[int, int], float]:
+    def measure_costs(self, warmup: int = 1, iters: int = 3) -> dict[tuple[int, int], float]:
         """Time each captured (padded bs, k) cycle with CUDA events (`policy.measure_replay_ms`,
         inert rows: every row the dummy slot, so nothing is committed) and give the adaptive
         policy this cost table; the state is snapshotted and restored around it. Returns the
@@ -826,7 +836,7 @@ class Engine:
         plan = self._lockstep  # data-parallel: the step all ranks agreed on (else None)
         if ne == 0 and (plan is None or not plan.mixed):
             pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
-            k = self._decide(pbs)
+            k = self._decide(pbs, dreqs)
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
             self._run_cycle(bs, pbs, k)
             if self._cycle_drafter is not None:  # it drafted once, inside the cycle

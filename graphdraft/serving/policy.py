@@ -346,30 +346,38 @@ class SpeculationPolicy:
         self._since_info = 0
 
     # ------------------------------------------------------------------
-    def scores(self, padded_bs: int, alpha: float | None = None) -> dict[int, float]:
-        """Expected tokens per ms per row for every k of `steps` at this bs (alpha: the estimate)."""
+    def scores(self, padded_bs: int, alpha: float | None = None,
+               extra_ms: float = 0.0) -> dict[int, float]:
+        """Expected tokens per ms per row for every k of `steps` at this bs (alpha: the
+        estimate; `extra_ms` added to every k's cost: work the table leaves out that is the
+        same for every k, e.g. the KV reads of the batch's contexts)."""
         a = self.estimator.alpha if alpha is None else alpha
-        return {k: expected_tokens(a, k) / self.costs.cost(padded_bs, k) for k in self.steps}
+        return {k: expected_tokens(a, k) / (self.costs.cost(padded_bs, k) + extra_ms)
+                for k in self.steps}
 
-    def best(self, padded_bs: int) -> int:
+    def best(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """The adaptive choice without hysteresis or probing: the smallest k of maximal score,
         0 when no k > 0 beats k = 0 even at alpha's upper bound."""
-        point = self.scores(padded_bs)
-        upper = self.scores(padded_bs, self.estimator.upper_bound())
+        point = self.scores(padded_bs, extra_ms=extra_ms)
+        upper = self.scores(padded_bs, self.estimator.upper_bound(), extra_ms)
         allowed = [k for k in self.steps if k == 0 or upper[k] > upper[0]]
         return max(allowed, key=lambda k: (point[k], -k))
 
-    def decide(self, padded_bs: int) -> int:
-        """Draft steps for the next cycle at this padded bs (recorded in `stats()`)."""
+    def decide(self, padded_bs: int, extra_ms: float = 0.0) -> int:
+        """Draft steps for the next cycle at this padded bs (recorded in `stats()`);
+        `extra_ms` >= 0: see `scores`."""
         bs = _check_int("padded_bs", padded_bs, 1)
+        if isinstance(extra_ms, bool) or not isinstance(extra_ms, (int, float)) \
+                or not math.isfinite(extra_ms) or extra_ms < 0:
+            raise ValueError(f"extra_ms: expected a finite number >= 0, got {extra_ms!r}")
         if self.mode == "fixed":
             k = self.num_steps
         else:
-            k = self.best(bs)
+            k = self.best(bs, extra_ms)
             cur = self._current.get(bs)
             if cur is not None and cur != k:
-                point = self.scores(bs)
-                upper = self.scores(bs, self.estimator.upper_bound())
+                point = self.scores(bs, extra_ms=extra_ms)
+                upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
                 cur_safe = cur == 0 or upper[cur] > upper[0]
                 if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
                     k = cur  # not better by the margin: stay
