@@ -140,9 +140,13 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             *, seed: int = 0, pair: tuple | None = None, device: str = "cuda",
             dtype: str = "bfloat16", prompt_len: int = PROMPT_LEN,
             oracle_new: int = ORACLE_NEW, warmup: int = WARMUP, block: int = BLOCK,
-            reps: int = REPS) -> dict[str, Any]:
+            reps: int = REPS, budget_s: float | None = None,
+            on_progress=None) -> dict[str, Any]:
     """The rows of the module docstring. `pair`: (target, head) instead of the 8B-shaped pair
-    (the CPU smoke test passes tiny models; its timings mean nothing)."""
+    (the CPU smoke test passes tiny models; its timings mean nothing). `budget_s`: a batch
+    size is skipped (listed in `skipped_bs`) once this many seconds have passed since the
+    start; `on_progress(data)`: called with the result so far after each batch size (the
+    caller writes it, so a run cut short still leaves its rows)."""
     t_start = time.perf_counter()
     dev = torch.device(device)
     if pair is None:
@@ -172,8 +176,27 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
     steps = list(spec.steps)
     vocab = target.config.vocab_size
     rng = random.Random(seed)
-    rows = []
+    rows, skipped = [], []
+
+    def result() -> dict[str, Any]:
+        measured = {}
+        for (b, k), ms in sorted(costs.measured().items()):
+            measured.setdefault(k, {})[b] = ms
+        goals = {"adaptive_ge_0.98_target_only": all(r["adaptive_over_target_only"] >= 0.98
+                                                     for r in rows),
+                 "adaptive_ge_0.97_fixed": all(r["adaptive_over_fixed"] >= 0.97 for r in rows)}
+        gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (timings meaningless)"
+        return {"gpu": gpu, "torch": torch.__version__, "prompt_len": prompt_len,
+                "steps": STEPS, "captured_steps": steps, "cost_source": spec.cost_source,
+                "cost_ms": measured, "regimes": list(regimes), "warmup": warmup,
+                "block": block, "reps": reps, **timing, "rows": list(rows), "goals": goals,
+                "skipped_bs": list(skipped), "wall_s": time.perf_counter() - t_start}
+
     for bs in batch_sizes:
+        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+            skipped.append(bs)
+            print(f"[policy] bs {bs}: skipped (time budget {budget_s:.0f}s spent)", flush=True)
+            continue
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
         # target-only: its timing, then the rest of its greedy continuation (the oracle)
         reqs = [base.add_request(p, SamplingParams(max_new_tokens=oracle_new, ignore_eos=True))
@@ -225,17 +248,9 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             print(f"[policy] bs {bs}: {departed}/{bs} requests' greedy text departed from the "
                   "target-only oracle (bf16 near ties); their later drafts mostly rejected")
         _abort_all(spec)
-    measured = {}
-    for (b, k), ms in sorted(costs.measured().items()):
-        measured.setdefault(k, {})[b] = ms
-    goals = {"adaptive_ge_0.98_target_only": all(r["adaptive_over_target_only"] >= 0.98 for r in rows),
-             "adaptive_ge_0.97_fixed": all(r["adaptive_over_fixed"] >= 0.97 for r in rows)}
-    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (timings meaningless)"
-    return {"gpu": gpu, "torch": torch.__version__, "prompt_len": prompt_len, "steps": STEPS,
-            "captured_steps": steps, "cost_source": spec.cost_source, "cost_ms": measured,
-            "regimes": list(regimes), "warmup": warmup, "block": block, "reps": reps,
-            **timing, "rows": rows, "goals": goals,
-            "wall_s": time.perf_counter() - t_start}
+        if on_progress is not None:
+            on_progress(result())
+    return result()
 
 
 def table(data: dict[str, Any]) -> str:
@@ -263,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated batch sizes")
     p.add_argument("--regimes", default=",".join(map(str, REGIMES)),
                    help="comma-separated draft match probabilities p")
+    p.add_argument("--budget-s", type=float, default=180.0,
+                   help="skip the remaining batch sizes after this many seconds (the run must "
+                        "end within 4 minutes on one H200)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("perf.policy needs a CUDA GPU")
         return 2
+    name = output_name(torch.cuda.get_device_name())
     data = measure(tuple(int(x) for x in a.bs.split(",")),
-                   tuple(float(x) for x in a.regimes.split(",")))
-    path = write_json(a.out, output_name(data["gpu"]), data)
+                   tuple(float(x) for x in a.regimes.split(",")), budget_s=a.budget_s,
+                   on_progress=lambda d: write_json(a.out, name, d))
+    path = write_json(a.out, name, data)
     print(table(data))
     print(f"goals: {data['goals']}  wall {data['wall_s']:.0f}s")
     print(f"wrote {path}")

@@ -11,9 +11,11 @@ from tests.engine_harness import make_models
 
 def test_policy_benchmark_rows_and_accept_control_on_cpu():
     target, head = make_models(3)
+    progress = []
     data = perf_policy.measure((2, 1), (0.9, 0.1), pair=(target, head), device="cpu",
                                dtype="float64", prompt_len=5, oracle_new=40, warmup=1, block=3,
-                               reps=1)
+                               reps=1, on_progress=progress.append)
+    assert [len(d["rows"]) for d in progress] == [2, 4] and data["skipped_bs"] == []
     rows = data["rows"]
     assert [(r["bs"], r["p"]) for r in rows] == [(2, 0.9), (2, 0.1), (1, 0.9), (1, 0.1)]
     keys = {"bs", "regime", "target_only_tps", "fixed_tps", "adaptive_tps", "adaptive_k",
@@ -32,3 +34,11 @@ def test_output_name():
     assert perf_policy.output_name("NVIDIA H200").endswith("-h200-policy.json")
     assert perf_policy.output_name("Some GPU 9").endswith("-some-gpu-9-policy.json")
     assert torch.__version__  # the module imports without CUDA
+
+
+def test_policy_benchmark_time_budget_skips_batch_sizes():
+    target, head = make_models(3)
+    data = perf_policy.measure((2, 1), (0.5,), pair=(target, head), device="cpu",
+                               dtype="float64", prompt_len=5, oracle_new=20, warmup=1, block=2,
+                               reps=1, budget_s=0.0)
+    assert data["rows"] == [] and data["skipped_bs"] == [2, 1]
