@@ -51,7 +51,7 @@ def _state(eng: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_every_captured_bs_and_k_graph_equals_eager_and_split(dtype):
     target, head = make_models(2, dtype=getattr(torch, dtype), device="cuda")
     ps = _prompts(3, 10)
