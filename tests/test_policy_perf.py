@@ -42,3 +42,12 @@ def test_policy_benchmark_time_budget_skips_batch_sizes():
                                dtype="float64", prompt_len=5, oracle_new=20, warmup=1, block=2,
                                reps=1, budget_s=0.0)
     assert data["rows"] == [] and data["skipped_bs"] == [2, 1]
+
+
+def test_damp_residual_branches_scales_only_the_branch_outputs():
+    target, _ = make_models(3)
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    perf_policy.damp_residual_branches_(target, 0.5)
+    for n, p in target.named_parameters():
+        want = before[n] * 0.5 if n.endswith(("o_proj", "down_proj")) else before[n]
+        assert torch.equal(p, want), n
