@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e perf-verify perf-capture perf-tree soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,7 +39,7 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_tests.py --shards $(GPU_SHARDS) --log-dir $(OUT)/gpu-tests
 
 # Every benchmark; each also runs alone (JSON under $(OUT)).
-perf: perf-draft perf-e2e perf-verify perf-capture perf-tree
+perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree
 
 perf-draft:
 	mkdir -p $(OUT)
@@ -51,6 +51,12 @@ perf-draft:
 perf-e2e:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.e2e --out $(OUT)
+
+# Speculation policy at the 8B shape: target-only vs fixed S=3 vs adaptive per bs and accept
+# regime, under 4 minutes on one H200 ($(OUT)/<date>-h200-policy.json).
+perf-policy:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.policy --out $(OUT)
 
 # The verify forward's attention against its floors and SDPA ($(OUT)/verify.json).
 perf-verify:

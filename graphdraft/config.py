@@ -94,6 +94,15 @@ class RuntimeConfig:
     requests, the MLPs are split over the ranks. 1: no data parallelism (today's code path);
     > 1: the models' dense layers must be split with `data_parallel.shard_dense_` over a
     group of this size (the Engine checks)."""
+    # --- speculation policy (graphdraft.serving.policy; README "Speculation policy") ---------
+    speculative_policy: str = "adaptive"
+    """Draft steps per cycle (`--speculative-policy`): "adaptive" picks k in
+    `speculative_policy_steps` per padded batch size from the measured cycle costs and the
+    running accept rate (0 = target-only decode); "fixed" always drafts
+    `speculative_num_steps` (only that cycle graph is captured)."""
+    speculative_policy_steps: tuple[int, ...] | None = None
+    """Draft lengths the adaptive policy may pick (one cycle graph per padded bs each):
+    distinct ints in 0..speculative_num_steps including 0; None: (0, 1, speculative_num_steps)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -207,6 +216,27 @@ class RuntimeConfig:
              "stop_table_width", "an int >= 1")
         need(isinstance(self.dp_size, int) and not isinstance(self.dp_size, bool)
              and self.dp_size >= 1, "dp_size", "an int >= 1")
+        # speculation policy
+        need(self.speculative_policy in ("adaptive", "fixed"), "speculative_policy",
+             "'adaptive' or 'fixed'")
+        if self.speculative_policy_steps is not None:
+            ks = self.speculative_policy_steps
+            ok = isinstance(ks, (tuple, list)) and all(
+                isinstance(k, int) and not isinstance(k, bool) for k in ks)
+            need(ok and 0 in ks and len(set(ks)) == len(ks)
+                 and all(0 <= k <= self.speculative_num_steps for k in ks),
+                 "speculative_policy_steps", f"None or distinct ints in "
+                 f"0..speculative_num_steps ({self.speculative_num_steps}) including 0")
+            self.speculative_policy_steps = tuple(sorted(ks))
+
+    @property
+    def policy_steps(self) -> tuple[int, ...]:
+        """The draft lengths whose cycle graphs are captured: fixed (S,); adaptive
+        `speculative_policy_steps` or (0, 1, S)."""
+        s = self.speculative_num_steps
+        if self.speculative_policy == "fixed":
+            return (s,)
+        return self.speculative_policy_steps or tuple(sorted({0, 1, s}))
 
     @property
     def validation_mode(self) -> str:

@@ -9,7 +9,11 @@ captured for the measured batch sizes. Per bs, two Engines over the same weights
                        (every row decoding; the host loop, syncs and copies included)
   verify_ms            one replay of the speculative engine's captured verify forward (N tokens/row)
   draft_ms             one replay of the drafter's captured decode graph (first step + multi-step)
+                       (verify_ms, draft_ms: None where the cycle graph serves: the split-mode
+                       graphs are not captured then, issue #19)
   cycle_replay_ms      one replay of the whole cycle graph, where the engine has one
+  target_only_replay_ms  one replay of the target-only engine's cycle (prepare, decode, accept,
+                       commit)
   host_ms              cycle_ms minus the GPU work of a cycle (the cycle graph's replay where it
                        exists, else verify + draft replays): what the GPU idles per cycle
   floor_ms             the cycle's HBM floor: target weights + target KV once + draft weights per
@@ -22,7 +26,8 @@ captured for the measured batch sizes. Per bs, two Engines over the same weights
 `Engine.generate`; `mixed_draft_share` is the share of that run's wall time spent in the
 drafter's eager calls of prefill / mixed steps (the draft work no graph covers).
 
-Wall times are medians over blocks of steps after warm-up (synchronized at block ends);
+Both engines run the fixed policy (`speculative_policy="fixed"`: S drafts every cycle; the
+adaptive policy is measured by perf/policy.py). Wall times are medians over blocks of steps after warm-up (synchronized at block ends);
 replays are medians of CUDA-event timings. Writes `DIR/e2e.json` and prints a table.
 """
 
@@ -55,7 +60,7 @@ def runtime(max_bs: int, sizes: tuple[int, ...], prompt_len: int = PROMPT_LEN,
     cfg = RuntimeConfig(speculative_num_steps=STEPS, page_size=16, max_running_requests=max_bs,
                         max_context_len=prompt_len + 256, max_num_batched_tokens=8192,
                         cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, dtype=dtype,
-                        device=device)
+                        device=device, speculative_policy="fixed")
     # every slot at max context: no request waits for pages (over kv_cache_memory_gb's default)
     return cfg.replace(num_kv_pages=cfg.max_running_requests * cfg.max_pages_per_req)
 
@@ -195,7 +200,7 @@ def measure(batch_sizes: tuple[int, ...], *, seed: int = 0, pair: tuple | None =
     rng = random.Random(seed)
     for bs in batch_sizes:
         base_ms = steady_step_ms(base, bs, rng, prompt_len=prompt_len)
-        decode_replay = replay_ms(base.verify_graphs, bs)
+        decode_replay = cycle_replay_ms(base, bs)
         base_kv = prompt_len + 20  # about where the timed steps decode
         _drain(base)
         cycle_ms = steady_step_ms(spec, bs, rng, prompt_len=prompt_len)

@@ -29,8 +29,11 @@ def make_models(seed: int = 0, dtype: torch.dtype = torch.float64, device: str =
 
 
 def runtime(**kw) -> RuntimeConfig:
+    # the fixed policy unless asked: tests comparing engines step by step need the same k in
+    # each (an adaptive policy decides from costs and accept rates; tests/test_policy_engine.py)
     base = dict(speculative_num_steps=3, page_size=4, max_running_requests=6, max_context_len=160,
-                max_num_batched_tokens=48, cuda_graph_max_bs=6, dtype="float64", device="cpu")
+                max_num_batched_tokens=48, cuda_graph_max_bs=6, dtype="float64", device="cpu",
+                speculative_policy="fixed")
     base.update(kw)
     return RuntimeConfig(**base)
 

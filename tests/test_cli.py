@@ -64,6 +64,8 @@ def test_every_flag_has_help_and_its_default_shown():
     (["demo", "--device", "tpu"], ["--device", "'cpu', 'cuda' or 'cuda:N'"]),
     (["demo", "--log-level", "loud"], ["--log-level"]),
     (["demo", "--kv-cache-memory-gb", "0"], ["--kv-cache-memory-gb", "> 0"]),
+    (["demo", "--speculative-policy", "sometimes"],
+     ["--speculative-policy", "['adaptive', 'fixed']", "'sometimes'"]),
 ])
 def test_bad_flags_are_one_line_errors_naming_the_flag(capsys, argv, needles):
     _one_line_error(capsys, argv, *needles)
@@ -82,6 +84,14 @@ def test_config_errors_name_the_flag_not_the_field(capsys):
     line = _one_line_error(capsys, ["demo", "--max-context-len", "512", "--quiet"],
                            "--max-context-len", "(256)", "got 512")
     assert "max_context_len" not in line
+
+
+@pytest.mark.parametrize("flag", [None, "fixed", "adaptive"])
+def test_speculative_policy_flag_reaches_the_config(flag):
+    from graphdraft.serving.cli.models import runtime_from_args
+    argv = ["demo", "--device", "cpu"] + (["--speculative-policy", flag] if flag else [])
+    a = build_parser().parse_args(argv)
+    assert runtime_from_args(a).speculative_policy == (flag or "adaptive")
 
 
 def test_checkpoint_errors_are_one_line(capsys, tmp_path):

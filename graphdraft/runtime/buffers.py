@@ -189,7 +189,9 @@ class DraftBuffers:
     ids               [max_bs] int64          current draft token per row (target vocab ids)
     hidden            [max_bs, H] dtype       current draft hidden (pre-norm) per row
     next_tokens       [max_bs, S + 1] int32   column 0: last verified token; 1..S: draft tokens
-                                              (`run(copy_output=False)` returns `[:bs]` of it)
+                                              (`run(copy_output=False)` returns `[:bs]` of it;
+                                              a cycle of k < S drafts: columns past max(k, 1)
+                                              repeat that column, filler)
     err               [1] int32               deferred validation's error word (bits: EagleDrafter.ERR_BITS)
     """
 

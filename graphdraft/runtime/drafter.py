@@ -34,6 +34,7 @@ reproduces graph numerics exactly.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -91,9 +92,11 @@ class EagleDrafter:
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
         self.graph_pool = graph_pool or GraphPool()
+        self._graphs_enabled, self._on_oom = enabled, on_oom
         self.decode_graphs = CapturedForward(
             "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
             enabled=enabled, on_oom=on_oom)
+        self._decode_by_k = {self.S: self.decode_graphs}  # split mode's k -> decode forward
         self.multi_step_graphs = CapturedForward(
             "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
             enabled=enabled and self.S > 1, on_oom=on_oom)
@@ -118,7 +121,8 @@ class EagleDrafter:
         """
         self._use_head_kernels()
         self._reset_neutral()
-        self.decode_graphs.capture(progress=progress)
+        for f in self._decode_by_k.values():
+            f.capture(progress=progress)
         self.multi_step_graphs.capture(progress=progress)
         self._reset_neutral()
 
@@ -135,9 +139,12 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     # The two forwards (run eagerly or captured; identical code)
     # ------------------------------------------------------------------
-    def _first_step(self, bs: int, num_tokens: int, num_extends: int, hidden: torch.Tensor):
-        """One draft forward over `num_tokens` tokens; writes ids/hidden/write_start/next_tokens[:, :2]."""
-        b, ib, n = self.bufs, self.inputs, self.N
+    def _first_step(self, bs: int, num_tokens: int, num_extends: int, hidden: torch.Tensor,
+                    n: int | None = None):
+        """One draft forward over `num_tokens` tokens (decode rows of `n` tokens each, default
+        N); writes ids/hidden/write_start/next_tokens[:, :2]."""
+        b, ib = self.bufs, self.inputs
+        n = self.N if n is None else n
         ne = num_extends
         npt = num_tokens - (bs - ne) * n  # prefill tokens
         req = ib.req_pool_indices[:bs]
@@ -160,16 +167,35 @@ class EagleDrafter:
                   ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1], hidden_out=b.hidden[:bs])
         return b.next_tokens[:bs]
 
-    def _decode(self, bs: int):
-        """A decode batch's whole draft over `bs` staged rows; writes next_tokens[:bs] `[bs, S + 1]`."""
-        self._first_step(bs, bs * self.N, 0, self.bufs.first_hidden[: bs * self.N])
-        if self.S > 1:
-            self._multi_step(bs)
+    def _decode(self, bs: int, k: int | None = None):
+        """A decode batch's whole draft over `bs` staged rows of k + 1 tokens (the verify of
+        k drafts; default k = S); writes next_tokens[:bs] `[bs, S + 1]`.
+
+        k drafts: the first step over the rows' k + 1 tokens, then k - 1 multi-steps. k = 0
+        still runs the first step (one token per row: it writes the draft KV of the accepted
+        token, so the draft cache has no hole, and drafts one token). The d = max(k, 1) real
+        drafts fill columns 1..d; columns d + 1..S repeat column d (filler: a later cycle
+        with more drafts verifies them against the target, which keeps it exact)."""
+        k = self.S if k is None else k
+        if not 0 <= k <= self.S:
+            raise ValueError(f"k: expected draft steps in 0..{self.S}, got {k}")
+        w = k + 1
+        hidden = self.bufs.first_hidden[: bs * w]
+        if k == self.S:
+            self._first_step(bs, bs * w, 0, hidden)
+        else:
+            self._first_step(bs, bs * w, 0, hidden, n=w)
+        if k > 1:
+            self._multi_step(bs, k)
+        d = max(k, 1)
+        if d < self.S:
+            nt = self.bufs.next_tokens[:bs]
+            nt[:, d + 1:].copy_(nt[:, d: d + 1].expand(bs, self.S - d))
         return self.bufs.next_tokens[:bs]
 
-    def _multi_step(self, bs: int):
-        """Draft steps 2..S for `bs` rows; writes next_tokens[:bs, 2:]."""
-        b, steps = self.bufs, self.S
+    def _multi_step(self, bs: int, k: int | None = None):
+        """Draft steps 2..k (default S) for `bs` rows; writes next_tokens[:bs, 2:k + 1]."""
+        b, steps = self.bufs, (self.S if k is None else k)
         req = self.inputs.req_pool_indices[:bs]
         write_start = b.write_start[:bs]
         locs = b.out_cache_loc[: (steps - 1) * bs]
@@ -189,13 +215,17 @@ class EagleDrafter:
                                                    use_triton=self.cfg.use_triton)
         return b.next_tokens[:bs]
 
-    def decode_hidden_buffer(self, bs: int) -> torch.Tensor:
-        """The view `[bs * N, kH]` that a decode `run` at `bs` reads the target's hidden states
-        from. A target that writes its captured hidden states here (and passes this view as
+    def decode_hidden_buffer(self, bs: int, n: int | None = None) -> torch.Tensor:
+        """The view `[bs * n, kH]` (n tokens per row, default N) that a decode `run` at `bs`
+        (or the cycle's draft of n - 1 steps) reads the target's hidden states from. A target
+        that writes its captured hidden states here (and passes this view as
         `hidden_states`) saves `run` their copy; valid until the next `run`."""
         if not 0 <= bs <= self.cfg.max_bs:
             raise ValueError(f"bs: expected 0..{self.cfg.max_bs}, got {bs}")
-        return self.bufs.first_hidden[: bs * self.N]
+        n = self.N if n is None else n
+        if not 1 <= n <= self.N:
+            raise ValueError(f"n: expected tokens per row in 1..{self.N}, got {n}")
+        return self.bufs.first_hidden[: bs * n]
 
     # ------------------------------------------------------------------
     # The Engine's cycle seam (`graphdraft.runtime.drafter_protocol.CycleDrafter`): the cycle graph
@@ -204,17 +234,51 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     supports_cycle = True
 
-    def cycle_tokens(self, rows: int) -> torch.Tensor:
-        """`[rows, N]` view of `DraftBuffers.first_input_ids`: the first step's ids."""
-        return self.bufs.first_input_ids[: rows * self.N].view(rows, self.N)
+    def cycle_tokens(self, rows: int, n: int | None = None) -> torch.Tensor:
+        """`[rows, n]` view (default n = N) of `DraftBuffers.first_input_ids`: the first
+        step's ids."""
+        n = self.N if n is None else n
+        return self.bufs.first_input_ids[: rows * n].view(rows, n)
 
     def cycle_accept_lengths(self) -> torch.Tensor:
         """`DraftBuffers.accept_lengths` `[max_bs]` int32."""
         return self.bufs.accept_lengths
 
-    def draft_staged(self, bs: int) -> torch.Tensor:
-        """`_decode(bs)`: the decode draft over staged buffers -> next_tokens[:bs] `[bs, S + 1]`."""
-        return self._decode(bs)
+    def draft_staged(self, bs: int, k: int | None = None) -> torch.Tensor:
+        """`_decode(bs, k)`: the decode draft of k steps (default S) over staged buffers ->
+        next_tokens[:bs] `[bs, S + 1]`."""
+        return self._decode(bs, k)
+
+    def decode_graphs_for(self, k: int) -> CapturedForward:
+        """The split mode's decode-draft graphs of k steps (`draft_decode` for k = S, else
+        `draft_decode_k{k}`; built by `use_draft_lengths`)."""
+        try:
+            return self._decode_by_k[k]
+        except KeyError:
+            raise ValueError(f"k: expected a draft length with decode graphs "
+                             f"{sorted(self._decode_by_k)}, got {k}") from None
+
+    def use_draft_lengths(self, steps, *, capture_decode: bool = True) -> None:
+        """Build the split mode's decode-draft forwards for every k of `steps` (0..S) before
+        `capture_graphs`. `capture_decode=False`: no decode-draft graph is captured at all
+        (the Engine's cycle graph runs the decode body; the forwards stay, eager)."""
+        ks = sorted(set(int(k) for k in steps))
+        if not ks or ks[0] < 0 or ks[-1] > self.S:
+            raise ValueError(f"steps: expected draft lengths in 0..{self.S}, got {list(steps)}")
+        enabled = self._graphs_enabled and capture_decode
+        self.decode_graphs = CapturedForward(
+            "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
+            enabled=enabled, on_oom=self._on_oom)
+        self._decode_by_k = {self.S: self.decode_graphs}
+        for k in ks:
+            if k != self.S:
+                self._decode_by_k[k] = CapturedForward(
+                    f"draft_decode_k{k}", functools.partial(self._decode, k=k), self.schedule,
+                    pool=self.graph_pool, enabled=enabled, on_oom=self._on_oom)
+
+    def decode_forwards(self) -> list[CapturedForward]:
+        """Every decode-draft forward (k = S first)."""
+        return list(self._decode_by_k.values())
 
     def reset_neutral(self) -> None:
         """`_reset_neutral()`: input, draft and next_tokens buffers back to neutral values."""

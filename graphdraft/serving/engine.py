@@ -19,6 +19,27 @@ replay; the same functions run eagerly under `enforce_eager` / GRAPHDRAFT_EAGER=
 eager commit (bit-identical). Prefill / mixed steps run eagerly over the same state (prefill
 rows written by the host, decode rows prepared on device), so no step needs a sync.
 
+Speculation policy (`graphdraft.serving.policy`, `RuntimeConfig.speculative_policy`): a decode
+cycle drafts k tokens for k in the captured set `steps` (adaptive, the default: 0, 1 and S;
+fixed: S alone), one cycle graph per (padded bs, k) (`spec_cycle` for k = S,
+`spec_cycle_k{k}` for the others). `_launch` asks `policy.decide(padded bs)` for k (host
+arithmetic: no sync, no re-capture); `_retire` feeds `policy.observe(accept lengths, k)` from
+the pack it reads one step later anyway. A cycle of k drafts verifies k + 1 tokens a row
+(last_token and drafts[:k]) and drafts d = max(k, 1) tokens; the drafts table's columns past d
+repeat the last one (filler). A row whose stored drafts are fewer than this cycle's k verifies
+filler: the verify compares against the target, so it stays exact, and the policy counts only
+the drafts really drafted for the row (`Request.drafts_ready`). k = 0 is target-only decode
+plus the drafter's first step over the one accepted token: that step writes the draft KV of
+the committed position (skipping the drafter would leave holes in the draft KV cache at every
+position accepted meanwhile, and later drafts would attend over them) and drafts one token for
+the next cycle; the multi-step is skipped. Its extra cost over a target-only step (one draft
+forward) is what perf/policy.py's `k0_tps` measures. Without a drafter k is 0 and nothing is
+drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel engines keep S.
+`capture_graphs` times every captured (padded bs, k) cycle with CUDA events for the adaptive
+policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
+(`policy.analytic_cost_table`). The split-mode `target_verify` / `draft_decode` graphs (per k)
+are captured only with `cycle_graph=False` (the cycle graph never replays them).
+
 `step()` keeps one step in flight: it plans (retire nothing yet; drop finished rows, admit,
 schedule prefill chunks), launches step k, enqueues one non-blocking copy of the pack buffer
 into a pinned slot (two slots, each with its own event), then retires step k-1: appends its
@@ -28,15 +49,24 @@ Without a draft head the same loop decodes one token per row (target-only).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from capture import (
+    CapturedForward,
+    GraphPool,
+    GraphStats,
+    batch_size_schedule,
+    eager_forced,
+    padded_batch_size,
+)
 from graphdraft.config import RuntimeConfig
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
 from graphdraft.kernels.cycle_kernels import (
@@ -59,6 +89,13 @@ from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.serving import data_parallel
 from graphdraft.serving.metrics import ServingMetrics
+from graphdraft.serving.policy import (
+    ANALYTIC_BANDWIDTH,
+    CostTable,
+    SpeculationPolicy,
+    analytic_cost_table,
+    measure_replay_ms,
+)
 from graphdraft.serving.request import Request
 from graphdraft.serving.verify import SamplingParams, request_seed
 
@@ -106,6 +143,8 @@ class _Launched:
     emits: list[bool]                    # the row counts in its request's `in_flight`
     ring: int                            # pinned slot holding its pack
     event: object | None
+    k: int | None = None                 # a decode cycle's draft length (None: a mixed step)
+    real_drafts: list[int] | None = None  # per row: drafts it verified that were drafted for it
 
 
 class Engine:
@@ -151,8 +190,6 @@ class Engine:
         # Under tensor parallelism a size dropped on one rank alone would desynchronise the
         # ranks' collectives: raise instead of dropping.
         on_oom = "raise" if getattr(target, "tp", None) is not None else "drop"
-        self.verify_graphs = CapturedForward("target_verify", self._target_decode, self.schedule,
-                                             pool=self.graph_pool, enabled=enabled, on_oom=on_oom)
         self.drafter: Drafter | None = drafter
         if head is not None:
             if head.config.num_aux_hidden_states * head.config.hidden_size != target.aux_hidden_width:
@@ -170,9 +207,37 @@ class Engine:
         self.dp = self._data_parallel(target, head, cfg)
         self._lockstep = None      # this step's data_parallel.StepPlan (inside `_launch`)
         self._lockstep_work = True  # some rank had work at the last step's agreement
-        self.cycle_graphs = CapturedForward("spec_cycle", self._spec_cycle, self.schedule,
-                                            pool=self.graph_pool, on_oom=on_oom,
-                                            enabled=enabled and self._own_drafter and cfg.cycle_graph)
+        # Draft lengths: one cycle per (padded bs, k) for k in `self.steps`, the policy picks k
+        # per decode cycle (class docstring, "Speculation policy").
+        self._cycle_mode = self._own_drafter and cfg.cycle_graph
+        self.steps = self._draft_lengths(cfg)
+        k_top = self.n_row - 1
+        if self._variable_k:
+            self.drafter.use_draft_lengths(self.steps,
+                                           capture_decode=not self._cycle_mode or self.dp is not None)
+        # the split mode's verify forwards (k + 1 tokens a row), captured only without the cycle
+        # graph (and under data parallelism, whose agreed mixed steps may replay them)
+        verify_on = enabled and (not self._cycle_mode or self.dp is not None)
+        self._verify_by_k = {k: CapturedForward(
+            "target_verify" if k == k_top else f"target_verify_k{k}",
+            functools.partial(self._target_decode, n=k + 1), self.schedule, pool=self.graph_pool,
+            enabled=verify_on, on_oom=on_oom) for k in sorted(set(self.steps) | {k_top})}
+        self.verify_graphs = self._verify_by_k[k_top]
+        cycle_on = enabled and self._cycle_mode
+        self._cycle_by_k = {k: CapturedForward(
+            "spec_cycle" if k == k_top else f"spec_cycle_k{k}",
+            functools.partial(self._spec_cycle, k=k), self.schedule, pool=self.graph_pool,
+            on_oom=on_oom, enabled=cycle_on) for k in self.steps}
+        self.cycle_graphs = self._cycle_by_k[max(self.steps)]
+        for k, f in self._cycle_by_k.items():  # attributes: `precompile_engine` finds them
+            if f is not self.cycle_graphs:
+                setattr(self, f"cycle_graphs_k{k}", f)
+        self.policy = self._build_policy(cfg)
+        # ms of reading one context token's target KV (the policy's extra_ms, see `_decide`)
+        self._kv_ms_per_token = tc.kv_bytes_per_token(target.dtype) / ANALYTIC_BANDWIDTH * 1e3
+        self.cost_source = "analytic"
+        self.policy_history: deque[tuple[int, int]] = deque(maxlen=1024)  # (padded bs, k)
+        self.draft_hook = None  # benchmark only (see `_spec_cycle`); None: off
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rids = itertools.count()
@@ -208,6 +273,104 @@ class Engine:
             raise ValueError("drafter: data parallelism needs the built-in EAGLE drafter (head)")
         return dp
 
+    # ------------------------------------------------------------------
+    # Speculation policy
+    # ------------------------------------------------------------------
+    @property
+    def _variable_k(self) -> bool:
+        """The drafter drafts any k in 0..S inside the cycle (`EagleDrafter`)."""
+        d = self._cycle_drafter
+        return d is not None and callable(getattr(d, "use_draft_lengths", None))
+
+    def _draft_lengths(self, cfg: RuntimeConfig) -> tuple[int, ...]:
+        """The captured draft lengths: (0,) without a drafter (n_row 1); (S,) for a drafter
+        that runs outside the cycle or cannot vary k, and under data parallelism (the ranks
+        would need to agree on k: not done); else `cfg.policy_steps`."""
+        if self.drafter is None:
+            return (0,)
+        s = cfg.speculative_num_steps
+        if not self._variable_k or self.dp is not None:
+            if cfg.speculative_policy == "adaptive":
+                log.info("speculative_policy: fixed (%d steps): the drafter cannot vary its "
+                         "draft length in the cycle, or data parallelism is on", s)
+            return (s,)
+        return cfg.policy_steps
+
+    def _build_policy(self, cfg: RuntimeConfig) -> SpeculationPolicy:
+        """Fixed when one draft length is captured; adaptive over `self.steps` with the
+        analytic cost table until `capture_graphs` measures the cycles."""
+        if len(self.steps) == 1:
+            return SpeculationPolicy("fixed", self.steps[0], steps=self.steps)
+        return SpeculationPolicy("adaptive", cfg.speculative_num_steps, self._analytic_costs(),
+                                 steps=self.steps)
+
+    def _analytic_costs(self) -> dict[tuple[int, int], float]:
+        """`policy.analytic_cost_table` for this engine's models over its schedule."""
+        head = getattr(self.drafter, "head", None)
+        return analytic_cost_table(self.target, head, self.schedule, self.steps)
+
+    def set_policy(self, policy) -> None:
+        """Replace the speculation policy: any object with `decide(padded_bs) -> k` (k in
+        `self.steps`), `observe(accept_lengths, k)` and `stats() -> dict` (tests force k
+        sequences this way). ValueError naming `policy` otherwise."""
+        missing = [m for m in ("decide", "observe", "stats") if not callable(getattr(policy, m, None))]
+        if missing:
+            raise ValueError(f"policy: expected an object with decide, observe and stats, "
+                             f"{type(policy).__name__} lacks {', '.join(missing)}")
+        self.policy = policy
+
+    def _decide(self, pbs: int, reqs: list[Request]) -> int:
+        """The draft length of the next decode cycle at padded bs `pbs` over `reqs` (host
+        only). The adaptive policy's costs leave out the KV reads of the rows' contexts (timed
+        on length-N rows; the same for every k): they are added as
+        `extra_ms` = context tokens x the target's KV bytes a token / ANALYTIC_BANDWIDTH."""
+        if isinstance(self.policy, SpeculationPolicy) and self.policy.mode == "adaptive":
+            ctx = sum(len(r.prompt) + len(r.output) for r in reqs)
+            k = self.policy.decide(pbs, extra_ms=ctx * self._kv_ms_per_token)
+        else:
+            k = self.policy.decide(pbs)
+        if k not in self._cycle_by_k:
+            raise ValueError(f"policy: decide({pbs}) returned {k!r}, expected one of the "
+                             f"captured draft lengths {list(self.steps)}")
+        self.policy_history.append((pbs, k))
+        return k
+
+    def _run_cycle(self, bs: int, pbs: int, k: int) -> None:
+        """One decode cycle of k drafts over the staged rows: the cycle graph (or its eager
+        run), else the split mode."""
+        if self._cycle_mode:
+            self._cycle_by_k[k].run(pbs, padded_bs=pbs)
+        else:
+            self._split_cycle(bs, pbs, k)
+
+    @torch.inference_mode()
+    def measure_costs(self, warmup: int = 1, iters: int = 3) -> dict[tuple[int, int], float]:
+        """Time each captured (padded bs, k) cycle with CUDA events (`policy.measure_replay_ms`,
+        inert rows: every row the dummy slot, so nothing is committed) and give the adaptive
+        policy this cost table; the state is snapshotted and restored around it. Returns the
+        table ({} and the analytic costs kept: no CUDA, graphs off, or a fixed policy).
+        Called by `capture_graphs`; call it from a drained engine."""
+        if not isinstance(self.policy, SpeculationPolicy) or self.policy.mode != "adaptive":
+            return {}
+        fwd = self._cycle_by_k if self._cycle_mode else self._verify_by_k
+        sizes = sorted(set.intersection(*(set(fwd[k].captured_sizes) for k in self.steps)))
+        if self.device.type != "cuda" or not sizes:
+            return {}
+        self.drain()
+        snap = self.state_snapshot()
+        self._reset_neutral()
+        table = {}
+        for pbs in sizes:
+            self._stage_rows([0] * pbs)
+            for k in self.steps:
+                table[(pbs, k)] = measure_replay_ms(
+                    functools.partial(self._run_cycle, pbs, pbs, k), warmup=warmup, iters=iters)
+        self.restore_state(snap)
+        self._reset_neutral()
+        self.policy.costs = CostTable(table)
+        self.cost_source = "measured"
+        return table
+
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """Clones of the per-slot device state a cycle commits (valid_cache_lengths and the
         `SlotState` tables). A benchmark that replays `cycle_graphs` alone advances the
@@ -234,8 +397,11 @@ class Engine:
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False) -> None:
         """Compile the Triton kernels each size bucket needs (`precompile_engine`), then capture
-        the target's verify forward, the drafter's forwards and the cycle (largest
-        bs first). Warm-up and capture run inert rows only (slot 0); every table is neutral after."""
+        the cycle per captured draft length k (`self.steps`), or in the split mode
+        (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
+        k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
+        policy's costs: `measure_costs`. Warm-up and capture run inert rows only (slot 0);
+        every table is neutral after."""
         if self.dp is not None and parallel_precompile:
             raise ValueError("parallel_precompile: expected False under data parallelism (two "
                              "threads would interleave the ranks' collectives)")
@@ -244,14 +410,17 @@ class Engine:
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
         precompile_engine(self, progress=progress, parallel=parallel_precompile)
         self._reset_neutral()
-        self.verify_graphs.capture(progress=progress)
+        for k in sorted(self._verify_by_k, reverse=True):  # split mode only (else disabled)
+            self._verify_by_k[k].capture(progress=progress)
         if self.drafter is not None:
             self.drafter.capture_graphs(progress=progress)
         self._reset_neutral()
-        self.cycle_graphs.capture(progress=progress)
+        for k in sorted(self._cycle_by_k, reverse=True):  # the widest cycle first (pool reuse)
+            self._cycle_by_k[k].capture(progress=progress)
         self._reset_neutral()
         if self.dp is not None:  # every rank keeps the sizes every rank captured
             data_parallel.agree_captured(self)
+        self.measure_costs()
 
     def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)
@@ -263,19 +432,79 @@ class Engine:
         self._neutral_slot0()
 
     def _captured_forwards(self) -> list[CapturedForward]:
-        forwards = [self.cycle_graphs, self.verify_graphs]
+        forwards = list(self._cycle_by_k.values()) + list(self._verify_by_k.values())
         if self._cycle_drafter is not None:
-            forwards += [self._cycle_drafter.decode_graphs, self._cycle_drafter.multi_step_graphs]
+            d = self._cycle_drafter
+            dec = d.decode_forwards() if callable(getattr(d, "decode_forwards", None)) \
+                else [d.decode_graphs]
+            forwards += dec + [d.multi_step_graphs]
         return forwards
 
+    def _forward_groups(self) -> dict[str, dict[int | None, CapturedForward]]:
+        """Captured forwards by family (`spec_cycle`, `target_verify`, `draft_decode`, ...),
+        each by draft length k (None: a forward with no k, the multi-step)."""
+        groups: dict[str, dict[int | None, CapturedForward]] = {}
+        for f in self._captured_forwards():
+            m = re.fullmatch(r"(.*)_k(\d+)", f.name)
+            base, k = (m.group(1), int(m.group(2))) if m else (f.name, None)
+            if k is None and base in ("spec_cycle", "target_verify", "draft_decode"):
+                k = self.n_row - 1
+            groups.setdefault(base, {})[k] = f
+        return groups
+
+    def _merged_stats(self) -> list[GraphStats]:
+        """One `GraphStats` per family: the per-k forwards' statistics summed."""
+        out = []
+        for base, by_k in self._forward_groups().items():
+            if len(by_k) == 1:
+                out.append(next(iter(by_k.values())).stats)
+                continue
+            m = GraphStats(base)
+            for f in by_k.values():
+                st = f.stats
+                m.replays.update(st.replays)
+                m.compiles.update(st.compiles)
+                for key, v in st.eager.items():
+                    m.eager[key] = m.eager.get(key, 0) + v
+                for name in ("capture_seconds", "pool_bytes", "eager_seconds",
+                             "precompile_seconds"):
+                    mine = getattr(m, name)
+                    for bs, v in getattr(st, name).items():
+                        mine[bs] = mine.get(bs, 0) + v
+                m.dropped = sorted(set(m.dropped) | set(st.dropped))
+            out.append(m)
+        return out
+
     def graph_summary(self) -> dict[str, tuple[int, int]]:
-        """Per captured forward: (graph replays, eager runs)."""
-        return {f.name: (f.stats.total_replays, f.stats.total_eager)
-                for f in self._captured_forwards()}
+        """Per captured forward family (the per-k forwards of `spec_cycle`, `target_verify`,
+        `draft_decode` summed): (graph replays, eager runs)."""
+        return {st.name: (st.total_replays, st.total_eager) for st in self._merged_stats()}
 
     def metrics_snapshot(self) -> dict:
-        """`ServingMetrics.snapshot()` with every captured forward's graph statistics."""
-        return self.metrics.snapshot([f.stats for f in self._captured_forwards()])
+        """`ServingMetrics.snapshot()` with every captured forward family's graph statistics
+        (per draft length under `graphs[family]["by_k"]`) and the policy's decisions under
+        `speculation`: mode, captured steps, steps chosen per padded bs, switches, probes,
+        the accept-rate estimate, the cost table (ms by k, then padded bs; `cost_source`
+        "measured" or "analytic") and the last decisions (padded bs, k) in launch order."""
+        snap = self.metrics.snapshot(self._merged_stats())
+        for base, by_k in self._forward_groups().items():
+            if len(by_k) > 1:
+                snap["graphs"][base]["by_k"] = {
+                    k: {"replays": f.stats.total_replays, "eager": f.stats.total_eager,
+                        "capture_s": round(f.stats.total_capture_seconds, 4)}
+                    for k, f in sorted(by_k.items())}
+        spec = dict(self.policy.stats())
+        spec["steps_captured"] = list(self.steps)
+        costs = getattr(self.policy, "costs", None)
+        if isinstance(costs, CostTable):
+            table: dict[int, dict[int, float]] = {}
+            for (bs, k), ms in sorted(costs.measured().items()):
+                table.setdefault(k, {})[bs] = round(ms, 5)
+            spec["cost_ms"] = dict(sorted(table.items()))
+            spec["cost_source"] = self.cost_source
+        spec["decisions"] = [list(d) for d in self.policy_history]
+        snap["speculation"] = spec
+        return snap
 
     # ------------------------------------------------------------------
     # Requests
@@ -367,12 +596,19 @@ class Engine:
     # ------------------------------------------------------------------
     # Target forwards
     # ------------------------------------------------------------------
-    def _target_decode(self, bs: int) -> TargetOutput:
-        """Target forward over a decode batch of `bs` rows x n_row tokens (graph-capturable)."""
-        t, n, ib = bs * self.n_row, self.n_row, self.inputs
+    def _target_decode(self, bs: int, n: int | None = None) -> TargetOutput:
+        """Target forward over a decode batch of `bs` rows x n tokens (default n_row; a cycle
+        of k drafts: k + 1) (graph-capturable)."""
+        n = self.n_row if n is None else n
+        t, ib = bs * n, self.inputs
         meta = self.backend.uniform_row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs], n)
         # the aux hidden states go straight into the drafter's input buffer (no copy in its run)
-        aux_out = self.drafter.decode_hidden_buffer(bs) if self.drafter is not None else None
+        if self.drafter is None:
+            aux_out = None
+        elif n == self.n_row:
+            aux_out = self.drafter.decode_hidden_buffer(bs)
+        else:
+            aux_out = self._cycle_drafter.decode_hidden_buffer(bs, n)
         if aux_out is not None and aux_out.dtype != self.target.embed_tokens.dtype:
             aux_out = None
         return self.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], self.kv,
@@ -408,13 +644,14 @@ class Engine:
     # ------------------------------------------------------------------
     # The cycle's device functions (run eagerly or captured; identical code)
     # ------------------------------------------------------------------
-    def _prepare(self, row0: int, tok0: int, rows: int) -> None:
-        """Decode rows [row0, row0 + rows) from `slot_rows` into `InputBuffers` (N tokens each
-        from token tok0): ids from last_token / drafts, positions and KV slots from
-        valid_cache_lengths and the page table. Padded (slot 0), done and bad rows are inert:
-        the dummy slot 0 at positions 0..N-1. Sets `err` of these rows (fresh each step).
-        (`graphdraft.kernels.cycle_kernels.prepare_rows`: one launch on the Triton path.)"""
-        n, ib, st, cb = self.n_row, self.inputs, self.slots, self.cycle
+    def _prepare(self, row0: int, tok0: int, rows: int, n: int | None = None) -> None:
+        """Decode rows [row0, row0 + rows) from `slot_rows` into `InputBuffers` (n tokens each,
+        default N, from token tok0): ids from last_token / drafts[:n - 1], positions and KV
+        slots from valid_cache_lengths and the page table. Padded (slot 0), done and bad rows
+        are inert: the dummy slot 0 at positions 0..n-1. Sets `err` of these rows (fresh each
+        step). (`graphdraft.kernels.cycle_kernels.prepare_rows`: one launch on the Triton path.)"""
+        ib, st, cb = self.inputs, self.slots, self.cycle
+        n = self.n_row if n is None else n
         t = rows * n
         prepare_rows(cb.slot_rows[row0: row0 + rows], n, done=st.done,
                      vcl=self.states.valid_cache_lengths, last_token=st.last_token,
@@ -428,12 +665,14 @@ class Engine:
                      extend_lens=ib.extend_lens[row0: row0 + rows], err=cb.err[row0: row0 + rows],
                      use_triton=self.cfg.use_triton)
 
-    def _tokens_buffer(self, rows: int) -> torch.Tensor:
-        """Where a decode cycle's accepted tokens go `[rows, N]`: the drafter's first-step ids
-        (no staging copy) or the engine's own buffer."""
+    def _tokens_buffer(self, rows: int, n: int | None = None) -> torch.Tensor:
+        """Where a decode cycle's accepted tokens go `[rows, n]` (default N): the drafter's
+        first-step ids (no staging copy) or the engine's own buffer."""
+        n = self.n_row if n is None else n
         if self._cycle_drafter is not None:
-            return self._cycle_drafter.cycle_tokens(rows)
-        return self.cycle.tokens[: rows * self.n_row].view(rows, self.n_row)
+            d = self._cycle_drafter
+            return d.cycle_tokens(rows) if n == self.n_row else d.cycle_tokens(rows, n)
+        return self.cycle.tokens[: rows * n].view(rows, n)
 
     def _draft_accept_buffer(self) -> torch.Tensor:
         if self._cycle_drafter is not None:
@@ -472,29 +711,49 @@ class Engine:
         neutral_slot0(self.states.valid_cache_lengths, st.last_token, st.drafts, st.emitted,
                       st.done)
 
-    def _spec_cycle(self, bs: int) -> torch.Tensor:
-        """One decode cycle over `bs` staged rows (graph-capturable); returns pack[:bs]."""
-        self._prepare(0, 0, bs)
-        out = self._target_decode(bs)
-        tokens = self._tokens_buffer(bs)
-        self._accept(0, 0, bs, self.n_row, out.logits, self.inputs.req_pool_indices[:bs], tokens)
+    def _draft(self, bs: int, k: int) -> torch.Tensor:
+        d = self._cycle_drafter
+        return d.draft_staged(bs) if k == self.n_row - 1 else d.draft_staged(bs, k)
+
+    def _spec_cycle(self, bs: int, k: int | None = None) -> torch.Tensor:
+        """One decode cycle of k drafts (default: the largest captured) over `bs` staged rows
+        (graph-capturable): verify width k + 1; returns pack[:bs] (`[bs, N + 3]` whatever k:
+        token columns past k + 1 are 0).
+
+        `draft_hook` (benchmark only, e.g. `perf/policy.py`'s accept-rate control): when set
+        (before `capture_graphs`: a captured graph holds what was set then), called as
+        `draft_hook(bs, next_tokens [bs, S + 1])` after drafting and before the commit; it may
+        overwrite the drafts in place and must be capturable."""
+        k = max(self.steps) if k is None else k
+        w = k + 1
+        self._prepare(0, 0, bs, w)
+        out = self._target_decode(bs, w)
+        tokens = self._tokens_buffer(bs, w)
+        self._accept(0, 0, bs, w, out.logits, self.inputs.req_pool_indices[:bs], tokens)
         nxt = None
         if self._cycle_drafter is not None:
-            nxt = self._cycle_drafter.draft_staged(bs)
+            nxt = self._draft(bs, k)
+            if self.draft_hook is not None:
+                self.draft_hook(bs, nxt)
         self._commit(0, bs, tokens, nxt, prefill=False)
         return self.cycle.pack[:bs]
 
-    def _split_cycle(self, bs: int, pbs: int) -> None:
+    def _split_cycle(self, bs: int, pbs: int, k: int | None = None) -> None:
         """The same cycle as verify graph, eager accept, draft graph (or any drafter's run),
         eager commit and pack."""
-        self._prepare(0, 0, pbs)
-        out = self.verify_graphs.run(pbs, padded_bs=pbs)
-        tokens = self._tokens_buffer(pbs)
-        self._accept(0, 0, pbs, self.n_row, out.logits, self.inputs.req_pool_indices[:pbs],
-                     tokens)
+        k = max(self.steps) if k is None else k
+        w = k + 1
+        self._prepare(0, 0, pbs, w)
+        out = self._verify_by_k[k].run(pbs, padded_bs=pbs)
+        tokens = self._tokens_buffer(pbs, w)
+        self._accept(0, 0, pbs, w, out.logits, self.inputs.req_pool_indices[:pbs], tokens)
         nxt = None
         if self._cycle_drafter is not None:
-            nxt = self._cycle_drafter.decode_graphs.run(pbs, padded_bs=pbs)
+            d = self._cycle_drafter
+            fwd = d.decode_graphs_for(k) if self._variable_k else d.decode_graphs
+            nxt = fwd.run(pbs, padded_bs=pbs)
+            if self.draft_hook is not None:
+                self.draft_hook(pbs, nxt)
         elif self.drafter is not None:
             ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * self.n_row)
             aux = out.aux_hidden[: bs * self.n_row] if out.aux_hidden is not None else None
@@ -577,16 +836,24 @@ class Engine:
         plan = self._lockstep  # data-parallel: the step all ranks agreed on (else None)
         if ne == 0 and (plan is None or not plan.mixed):
             pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
+            k = self._decide(pbs, dreqs)
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
-            if self._own_drafter and self.cfg.cycle_graph:
-                self.cycle_graphs.run(pbs, padded_bs=pbs)
-            else:
-                self._split_cycle(bs, pbs)
+            self._run_cycle(bs, pbs, k)
             if self._cycle_drafter is not None:  # it drafted once, inside the cycle
                 self._cycle_drafter.stats.calls += 1
                 self._cycle_drafter.stats.decode_calls += 1
+            real = [min(k, r.drafts_ready) for r in dreqs]
+            made = max(k, 1) if self._variable_k else self.n_row - 1
+            for r in dreqs:
+                r.drafts_ready = made
         else:
+            k, real = None, None
             self._mixed_step(rows, preqs, dreqs)
+            for r in dreqs:
+                r.drafts_ready = self.n_row - 1
+            for row, r in zip(rows, preqs, strict=True):
+                if row.end == len(r.prompt):
+                    r.drafts_ready = self.n_row - 1
         ring = self._ring
         self._ring ^= 1
         pinned = self._pinned[ring]
@@ -603,7 +870,7 @@ class Engine:
         self.stats.steps += 1
         emits = [row.end == len(r.prompt) for row, r in zip(rows, preqs, strict=True)] + [True] * nd
         self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, emits, ring,
-                                         event))
+                                         event, k, real))
 
     def _mixed_step(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
         """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
@@ -650,7 +917,10 @@ class Engine:
         data = self._pinned[step.ring][: len(step.reqs)].tolist()
         n = self.n_row
         finished, errors = [], []
-        for r, decode, emits, row in zip(step.reqs, step.decode, step.emits, data, strict=True):
+        observed: dict[int, list[int]] = {}  # real drafts verified -> accept lengths
+        real = step.real_drafts
+        for i, (r, decode, emits, row) in enumerate(zip(step.reqs, step.decode, step.emits, data,
+                                                        strict=True)):
             r.in_flight -= emits
             if r.finished:
                 continue  # aborted (or failed) after this step was launched
@@ -658,6 +928,9 @@ class Engine:
             if err and self.cfg.validation_mode != "off":
                 errors.append((r, err))
                 continue
+            if real is not None and a > 0 and not fin:  # a stop cut says nothing of the drafts
+                # filler drafts (past the drafts made for this row) do not count
+                observed.setdefault(real[i], []).append(min(a, real[i] + 1))
             new = row[:a]
             if decode:
                 self.stats.decode_rows += 1
@@ -672,6 +945,8 @@ class Engine:
                 r.finish_reason = "stop" if fin == FINISH_STOP else "length"
                 assert fin in (FINISH_STOP, FINISH_LENGTH)
                 finished.append(r)
+        for kr, accepts in observed.items():
+            self.policy.observe(accepts, kr)
         for r in finished:
             self._release(r)
         if errors:

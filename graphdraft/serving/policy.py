@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "SpeculationPolicy",
-           "check_speculative_policy", "expected_tokens", "measure_replay_ms"]
+           "analytic_cost_table", "check_speculative_policy", "expected_tokens",
+           "measure_replay_ms"]
 
 POLICY_MODES = ("adaptive", "fixed")
 
@@ -345,30 +346,38 @@ class SpeculationPolicy:
         self._since_info = 0
 
     # ------------------------------------------------------------------
-    def scores(self, padded_bs: int, alpha: float | None = None) -> dict[int, float]:
-        """Expected tokens per ms per row for every k of `steps` at this bs (alpha: the estimate)."""
+    def scores(self, padded_bs: int, alpha: float | None = None,
+               extra_ms: float = 0.0) -> dict[int, float]:
+        """Expected tokens per ms per row for every k of `steps` at this bs (alpha: the
+        estimate; `extra_ms` added to every k's cost: work the table leaves out that is the
+        same for every k, e.g. the KV reads of the batch's contexts)."""
         a = self.estimator.alpha if alpha is None else alpha
-        return {k: expected_tokens(a, k) / self.costs.cost(padded_bs, k) for k in self.steps}
+        return {k: expected_tokens(a, k) / (self.costs.cost(padded_bs, k) + extra_ms)
+                for k in self.steps}
 
-    def best(self, padded_bs: int) -> int:
+    def best(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """The adaptive choice without hysteresis or probing: the smallest k of maximal score,
         0 when no k > 0 beats k = 0 even at alpha's upper bound."""
-        point = self.scores(padded_bs)
-        upper = self.scores(padded_bs, self.estimator.upper_bound())
+        point = self.scores(padded_bs, extra_ms=extra_ms)
+        upper = self.scores(padded_bs, self.estimator.upper_bound(), extra_ms)
         allowed = [k for k in self.steps if k == 0 or upper[k] > upper[0]]
         return max(allowed, key=lambda k: (point[k], -k))
 
-    def decide(self, padded_bs: int) -> int:
-        """Draft steps for the next cycle at this padded bs (recorded in `stats()`)."""
+    def decide(self, padded_bs: int, extra_ms: float = 0.0) -> int:
+        """Draft steps for the next cycle at this padded bs (recorded in `stats()`);
+        `extra_ms` >= 0: see `scores`."""
         bs = _check_int("padded_bs", padded_bs, 1)
+        if isinstance(extra_ms, bool) or not isinstance(extra_ms, (int, float)) \
+                or not math.isfinite(extra_ms) or extra_ms < 0:
+            raise ValueError(f"extra_ms: expected a finite number >= 0, got {extra_ms!r}")
         if self.mode == "fixed":
             k = self.num_steps
         else:
-            k = self.best(bs)
+            k = self.best(bs, extra_ms)
             cur = self._current.get(bs)
             if cur is not None and cur != k:
-                point = self.scores(bs)
-                upper = self.scores(bs, self.estimator.upper_bound())
+                point = self.scores(bs, extra_ms=extra_ms)
+                upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
                 cur_safe = cur == 0 or upper[cur] > upper[0]
                 if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
                     k = cur  # not better by the margin: stay
@@ -419,6 +428,65 @@ class SpeculationPolicy:
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
         }
+
+
+ANALYTIC_BANDWIDTH = 4.0e12
+"""Bytes/s of the analytic cost model (about an H200's measured copy bandwidth)."""
+ANALYTIC_FLOPS = 6.0e14
+"""Matmul flop/s of the analytic cost model (dense bf16, well below an H200's peak)."""
+ANALYTIC_LAYER_MS = 0.01
+"""Fixed ms per decoder layer per forward of the analytic cost model (the launch gaps and small
+kernels of a layer: a 32-layer target pays 32 of them, a one-layer draft step one)."""
+
+
+def _forward_ms(weight_bytes: float, params: float, layers: int, tokens: int) -> float:
+    """One forward over `tokens` tokens: weights read once or matmul flops, whichever binds,
+    plus the layers' fixed cost."""
+    return max(weight_bytes / ANALYTIC_BANDWIDTH, 2.0 * params * tokens / ANALYTIC_FLOPS) * 1e3 \
+        + layers * ANALYTIC_LAYER_MS
+
+
+def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
+                        steps: Iterable[int]) -> dict[tuple[int, int], float]:
+    """The documented fallback cost `{(padded_bs, k): ms}` where nothing can be timed (CPU,
+    enforce-eager, graphs off): a roofline of the cycle's forwards from the models' parameter
+    counts (`target`, `head`: modules; head None: no draft work),
+      verify       one target forward over bs * (k + 1) tokens
+      first step   one head forward over bs * (k + 1) tokens (k = 0 too: it keeps the draft
+                   KV complete)
+      multi-step   k - 1 head forwards over bs tokens
+    each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
+    layers * ANALYTIC_LAYER_MS (`config.num_hidden_layers`, 1 without a config). Attention and KV reads are left out (the same for every k to first
+    order), and so are embedding tables. Nominal H200-like constants: the decisions it gives on a CPU are what such a
+    machine would roughly prefer, not measurements."""
+    def layers(m: Any) -> int:
+        return int(getattr(getattr(m, "config", None), "num_hidden_layers", 1) or 1)
+
+    def size(m: Any) -> tuple[float, float]:
+        seen, nbytes, params = set(), 0, 0
+        for name, p in m.named_parameters():
+            if "embed" in name:  # a lookup reads a few rows, not the table
+                continue
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                nbytes += p.numel() * p.element_size()
+                params += p.numel()
+        return float(nbytes), float(params)
+
+    tb, tp = size(target)
+    hb, hp = size(head) if head is not None else (0.0, 0.0)
+    tl, hl = layers(target), (layers(head) if head is not None else 0)
+    out = {}
+    for bs in batch_sizes:
+        bs = _check_int("batch_sizes", bs, 1)
+        for k in steps:
+            k = _check_int("steps", k, 0)
+            ms = _forward_ms(tb, tp, tl, bs * (k + 1))
+            if head is not None:
+                ms += _forward_ms(hb, hp, hl, bs * (k + 1)) \
+                    + max(k - 1, 0) * _forward_ms(hb, hp, hl, bs)
+            out[(bs, k)] = ms
+    return out
 
 
 def measure_replay_ms(replay: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:

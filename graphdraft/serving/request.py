@@ -23,6 +23,8 @@ class Request:
     finish_reason: str | None = None
     seed: int = 0                        # Philox key of sampled tokens (verify.request_seed)
     in_flight: int = 0                   # launched steps that emit for it, not yet retired
+    drafts_ready: int = 0                # drafts its slot holds that were drafted for it (the
+                                         # rest: filler), as of the last launched step
 
     @property
     def prefilling(self) -> bool:

@@ -55,6 +55,18 @@ def int_at_least(lo: int):
     return parse
 
 
+def policy_arg(text: str) -> str:
+    """`--speculative-policy`: 'adaptive' or 'fixed' (`policy.check_speculative_policy`)."""
+    from graphdraft.serving.policy import POLICY_MODES
+
+    if text not in POLICY_MODES:
+        raise argparse.ArgumentTypeError(f"expected one of {list(POLICY_MODES)}, got {text!r}")
+    return text
+
+
+policy_arg.__name__ = "speculative policy"
+
+
 def float_in(lo: float, hi: float, *, lo_open: bool = False, what: str = ""):
     def parse(text: str) -> float:
         try:
@@ -93,6 +105,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 FIELD_FLAGS = {
     "speculative_num_steps": "--speculative-num-steps",
+    "speculative_policy": "--speculative-policy",
     "page_size": "--page-size",
     "max_running_requests": "--max-running-requests",
     "max_context_len": "--max-context-len",
@@ -123,6 +136,10 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-num-steps", type=int_at_least(1),
                    default=d["speculative_num_steps"].default,
                    help="draft tokens proposed per verify (chain length S; N = S + 1 verified)")
+    g.add_argument("--speculative-policy", type=policy_arg, default=d["speculative_policy"].default,
+                   help="draft steps per cycle: 'adaptive' picks 0 (target-only), 1 or S per "
+                        "batch size from measured cycle costs and the running accept rate; "
+                        "'fixed' always drafts S")
     g.add_argument("--page-size", type=int_at_least(1), default=d["page_size"].default,
                    help="tokens per KV-cache page")
     g.add_argument("--max-running-requests", type=int_at_least(1), default=16,

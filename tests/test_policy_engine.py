@@ -1,0 +1,362 @@
+"""The speculation policy inside the Engine (CPU, eager functions, float64 / float32).
+
+Whatever k sequence the policy picks (forced switches every step, random sequences, k = 0
+stretches), with joins and leaves: greedy output == target-only, cycle == split mode on every
+state tensor, seeded sampled rows == target-only sampled rows; k = 0 cycles keep the draft
+KV complete; accept lengths reach the policy one step late with filler drafts not counted;
+metrics; bad configuration rejected naming the field / flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphdraft.config import RuntimeConfig
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.policy import SpeculationPolicy, analytic_cost_table
+from graphdraft.serving.verify import SamplingParams
+from tests.engine_harness import make_models, runtime
+from tests.test_engine import prompts, target_only
+
+
+class ForcedPolicy:
+    """Decides k from a fixed sequence (cycled); records every decision and observation."""
+
+    def __init__(self, ks) -> None:
+        self.ks, self.i = list(ks), 0
+        self.decided: list[tuple[int, int]] = []
+        self.observed: list[tuple[list[int], int]] = []
+
+    def decide(self, padded_bs: int) -> int:
+        k = self.ks[self.i % len(self.ks)]
+        self.i += 1
+        self.decided.append((padded_bs, k))
+        return k
+
+    def observe(self, accept_lengths, k: int) -> None:
+        self.observed.append((list(accept_lengths), k))
+
+    def stats(self) -> dict:
+        return {"mode": "forced", "decisions": len(self.decided)}
+
+
+def _adaptive(**kw) -> RuntimeConfig:
+    return runtime(speculative_policy="adaptive", **kw)
+
+
+def _state(eng: Engine) -> dict[str, torch.Tensor]:
+    out = {f"slots.{k}": v.clone() for k, v in vars(eng.slots).items()}
+    out["valid_cache_lengths"] = eng.states.valid_cache_lengths.clone()
+    out["pack"] = eng.cycle.pack.clone()
+    for i, (k, v) in enumerate(zip(eng.kv.k, eng.kv.v, strict=True)):
+        out[f"kv{i}"] = torch.cat([k, v])
+    out["draft_kv"] = torch.cat([eng.drafter.kv_pool.k[0], eng.drafter.kv_pool.v[0]])
+    out["next_tokens"] = eng.drafter.bufs.next_tokens.clone()
+    return out
+
+
+JOINS = {0: [0, 1, 2], 2: [3, 4], 5: [5, 6]}  # joins at steps 0, 2, 5; leaves as they finish
+
+
+def _run_lockstep(engines, ps, params, joins=JOINS, compare=True):
+    reqs = [[] for _ in engines]
+    step = 0
+    while step in joins or any(e.has_work for e in engines):
+        for i, e in enumerate(engines):
+            for j in joins.get(step, []):
+                reqs[i].append(e.add_request(ps[j], params[j]))
+            e.step()
+        if compare:
+            a = _state(engines[0])
+            for e in engines[1:]:
+                b = _state(e)
+                for k in a:
+                    assert torch.equal(a[k], b[k]), (step, k)
+        step += 1
+    return [[r.output for r in rs] for rs in reqs]
+
+
+# ---------------------------------------------------------------- exactness
+def test_default_captured_steps_and_policy_modes():
+    target, head = make_models(2)
+    assert Engine(target, _adaptive(), head).steps == (0, 1, 3)
+    assert Engine(target, runtime(), head).steps == (3,)  # fixed
+    assert Engine(target, _adaptive(speculative_num_steps=1), head).steps == (0, 1)
+    eng = Engine(target, _adaptive(speculative_policy_steps=(0, 2, 3)), head)
+    assert eng.steps == (0, 2, 3) and eng.policy.mode == "adaptive"
+    assert [f.name for f in eng._cycle_by_k.values()] == ["spec_cycle_k0", "spec_cycle_k2",
+                                                          "spec_cycle"]
+    assert eng.cycle_graphs is eng._cycle_by_k[3]
+    base = Engine(target, _adaptive())  # target-only: one cycle of width 1, k = 0
+    assert base.steps == (0,) and base.policy.mode == "fixed"
+
+
+def test_forced_switches_every_step_greedy_equals_target_only_cycle_equals_split():
+    """k cycles through 0, 3, 1, 3, 0, 0, 1 every step while requests join and leave: the
+    cycle and the split mode agree on every state tensor after every step, and the greedy
+    output is target-only's."""
+    target, head = make_models(4, draft_vocab=40)
+    ps = prompts(41, 7)
+    params = [SamplingParams(max_new_tokens=m) for m in (9, 14, 6, 12, 11, 8, 10)]
+    engines = []
+    for flag in (True, False):
+        e = Engine(target, _adaptive(cycle_graph=flag, cuda_graph_bs=(1, 2, 4, 6)), head)
+        e.set_policy(ForcedPolicy([0, 3, 1, 3, 0, 0, 1]))
+        engines.append(e)
+    outs = _run_lockstep(engines, ps, params)
+    assert outs[0] == outs[1]
+    expected = [target_only(target, runtime(), [p], m.max_new_tokens)[0]
+                for p, m in zip(ps, params, strict=True)]
+    assert outs[0] == expected
+    ks = {k for _, k in engines[0].policy.decided}
+    assert ks == {0, 1, 3}
+    g = engines[0].metrics_snapshot()["graphs"]
+    assert all(g["spec_cycle"]["by_k"][k]["eager"] > 0 for k in (0, 1, 3))
+    s = engines[1].metrics_snapshot()["graphs"]
+    assert all(s["target_verify"]["by_k"][k]["eager"] > 0 for k in (0, 1, 3))
+    assert all(s["draft_decode"]["by_k"][k]["eager"] > 0 for k in (0, 1, 3))
+
+
+@settings(max_examples=6, deadline=None)
+@given(ks=st.lists(st.sampled_from([0, 1, 2, 3]), min_size=1, max_size=9),
+       seed=st.integers(0, 1000))
+def test_any_k_sequence_greedy_equals_target_only_float32(ks, seed):
+    target, head = make_models(5, dtype=torch.float32)
+    ps = prompts(seed, 4)
+    cfg = _adaptive(dtype="float32", speculative_policy_steps=(0, 1, 2, 3))
+    expected = target_only(target, cfg, ps, 10)
+    eng = Engine(target, cfg, head)
+    eng.set_policy(ForcedPolicy(ks))
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in ps[:2]]
+    eng.step()
+    eng.step()
+    reqs += [eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in ps[2:]]
+    while eng.has_work:
+        eng.step()
+    assert [r.output for r in reqs] == expected
+
+
+def test_sampled_rows_reproducible_whatever_k():
+    """Sampled tokens are keyed by (seed, position): forced switches give the target-only
+    engine's sampled stream, and the same forced run twice gives the same tokens."""
+    target, head = make_models(6)
+    ps = prompts(6, 3)
+    params = [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.95, seed=s)
+              for s in (7, 8, 9)]
+    base = Engine(target, runtime()).generate(ps, params)
+    outs = []
+    for _ in range(2):
+        eng = Engine(target, _adaptive(), head)
+        eng.set_policy(ForcedPolicy([3, 0, 1, 0, 3, 3, 1]))
+        outs.append(eng.generate(ps, params))
+    assert outs[0] == outs[1] == base
+
+
+def test_adaptive_policy_end_to_end_greedy_equals_target_only():
+    target, head = make_models(3, draft_vocab=40)
+    ps = prompts(9, 5)
+    expected = target_only(target, runtime(), ps, 16)
+    eng = Engine(target, _adaptive(), head)
+    assert eng.generate(ps, SamplingParams(max_new_tokens=16)) == expected
+    snap = eng.metrics_snapshot()["speculation"]
+    cycles = eng.graph_summary()["spec_cycle"][1]
+    assert sum(sum(c.values()) for c in snap["steps_chosen"].values()) == cycles > 0
+    assert snap["observed_rows"] > 0 and snap["cost_source"] == "analytic"
+
+
+# ---------------------------------------------------------------- k = 0 and the draft KV
+def _draft_kv_rows(eng: Engine, slot: int, length: int) -> torch.Tensor:
+    """The draft KV (K and V) of positions 0..length-1 of `slot`, through the page table."""
+    ps = eng.cfg.page_size
+    pos = torch.arange(length)
+    locs = eng.pages.req_to_page[slot, pos // ps] * ps + pos % ps
+    pool = eng.drafter.kv_pool
+    return torch.stack([pool.k[0][locs], pool.v[0][locs]])
+
+
+def _decode_until(eng: Engine, reqs, committed: int) -> None:
+    while any(r.slot is None or int(eng.states.valid_cache_lengths[r.slot]) < committed
+              for r in reqs):
+        eng.step()
+    eng.drain()
+
+
+def test_k0_stretch_keeps_draft_kv_complete():
+    """After a stretch of k = 0 cycles the draft KV of every committed position equals that
+    of a run that never used k = 0 (the first draft step still writes the accepted token's
+    draft KV); drafts made right after the stretch are the same too."""
+    target, head = make_models(7)
+    ps = prompts(17, 3, lo=5, hi=12)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    runs = {}
+    for name, ks in (("never0", [3]), ("stretch0", [3, 3] + [0] * 8 + [3] * 1000)):
+        eng = Engine(target, _adaptive(max_context_len=160), head)
+        pol = ForcedPolicy(ks)
+        eng.set_policy(pol)
+        reqs = [eng.add_request(p, params) for p in ps]
+        _decode_until(eng, reqs, max(len(p) for p in ps) + 30)
+        runs[name] = (eng, reqs, pol)
+    (a, ra, _), (b, rb, pol) = runs["never0"], runs["stretch0"]
+    assert sum(k == 0 for _, k in pol.decided) == 8
+    for x, y in zip(ra, rb, strict=True):
+        n = min(int(a.states.valid_cache_lengths[x.slot]), int(b.states.valid_cache_lengths[y.slot]))
+        assert n > len(x.prompt) + 20
+        kv_a, kv_b = _draft_kv_rows(a, x.slot, n), _draft_kv_rows(b, y.slot, n)
+        assert kv_a.abs().sum(-1).min() > 0  # every position written
+        torch.testing.assert_close(kv_a, kv_b, rtol=1e-9, atol=1e-9)
+        m = min(len(x.output), len(y.output))
+        assert x.output[:m] == y.output[:m]
+
+
+def test_k0_cycle_writes_one_draft_and_filler():
+    """A k = 0 cycle drafts one token (column 1) and fills the other draft columns with it;
+    its verify is one token per row (the pack's other token columns are 0)."""
+    target, head = make_models(8)
+    eng = Engine(target, _adaptive(), head)
+    eng.set_policy(ForcedPolicy([0]))
+    r = eng.add_request(prompts(3, 1)[0], SamplingParams(max_new_tokens=20))
+    for _ in range(3):
+        eng.step()
+    eng.drain()
+    d = eng.slots.drafts[r.slot]
+    assert torch.equal(d, d[:1].expand_as(d))
+    assert torch.equal(eng.cycle.pack[0, 1: eng.n_row], torch.zeros(eng.n_row - 1, dtype=torch.int32))
+    assert int(eng.cycle.pack[0, eng.n_row]) == 1  # accept length 1
+
+
+# ---------------------------------------------------------------- observations
+def test_accept_lengths_observed_one_step_late_without_filler():
+    """Each retired decode cycle reports its row's accept length with the number of drafts
+    really drafted for it: after a k = 0 cycle (one draft made) a k = 3 cycle counts as
+    k = 1; a k = 0 cycle reports k = 0 (nothing learnt); lengths never exceed that k + 1."""
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    pol = ForcedPolicy([3, 0, 3, 3, 1, 3, 0, 0, 3])
+    eng.set_policy(pol)
+    eng.generate(prompts(21, 1), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    made, expect = 3, []  # the prefill drafted S
+    for _, k in pol.decided:
+        expect.append(min(k, made))
+        made = max(k, 1)
+    got = [k for _, k in pol.observed]
+    assert len(got) >= len(expect) - 1  # the last cycle may end in the length cut
+    assert got == expect[: len(got)]
+    assert 1 in got and 0 in got
+    for accepts, k in pol.observed:
+        assert len(accepts) == 1 and 1 <= accepts[0] <= k + 1
+
+
+def test_observe_feeds_the_adaptive_estimator():
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    assert isinstance(eng.policy, SpeculationPolicy) and eng.policy.estimator.observed_rows == 0
+    eng.generate(prompts(4, 3), SamplingParams(max_new_tokens=12))
+    assert eng.policy.estimator.observed_rows > 0
+    assert eng.metrics.accept_hist  # the same packs feed both
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_snapshot_speculation_section():
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    pol = ForcedPolicy([1, 3, 0])
+    eng.set_policy(pol)
+    eng.generate(prompts(5, 2), SamplingParams(max_new_tokens=10))
+    snap = eng.metrics_snapshot()
+    assert set(snap["graphs"]) == {"spec_cycle", "target_verify", "draft_decode",
+                                   "draft_multi_step"}
+    by_k = snap["graphs"]["spec_cycle"]["by_k"]
+    assert sum(v["eager"] for v in by_k.values()) == snap["graphs"]["spec_cycle"]["eager"]["disabled"]
+    assert [by_k[k]["eager"] for k in (0, 1, 3)] == [sum(1 for _, k2 in pol.decided if k2 == k)
+                                                     for k in (0, 1, 3)]
+    spec = snap["speculation"]
+    assert spec["mode"] == "forced" and spec["steps_captured"] == [0, 1, 3]
+    assert [tuple(d) for d in spec["decisions"]] == pol.decided
+    # the adaptive policy's own stats
+    eng2 = Engine(target, _adaptive(), head)
+    eng2.generate(prompts(5, 2), SamplingParams(max_new_tokens=10))
+    s2 = eng2.metrics_snapshot()["speculation"]
+    assert s2["mode"] == "adaptive" and {"steps_chosen", "switches", "alpha", "probes",
+                                         "cost_ms", "cost_source"} <= set(s2)
+    assert set(s2["cost_ms"]) == {0, 1, 3}
+    import json
+    json.dumps(eng2.metrics_snapshot())  # plain JSON
+
+
+def test_analytic_costs_order_and_cover_the_schedule():
+    target, head = make_models(3)
+    sched, steps = (1, 2, 4, 6), (0, 1, 3)
+    t = analytic_cost_table(target, head, sched, steps)
+    assert set(t) == {(b, k) for b in sched for k in steps}
+    assert all(t[(b, 0)] <= t[(b, 1)] < t[(b, 3)] for b in sched)
+    assert all(v > 0 for v in analytic_cost_table(target, None, sched, (0,)).values())
+
+
+def test_measure_costs_is_a_noop_without_cuda():
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    assert eng.measure_costs() == {} and eng.cost_source == "analytic"
+    eng.capture_graphs(progress=False)
+    assert eng.cost_source == "analytic"
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kw, match", [
+    ({"speculative_policy": "sometimes"}, "speculative_policy: expected 'adaptive' or 'fixed'"),
+    ({"speculative_policy": None}, "speculative_policy"),
+    ({"speculative_policy_steps": (1, 3)}, "speculative_policy_steps: expected"),
+    ({"speculative_policy_steps": (0, 4)}, "speculative_policy_steps"),
+    ({"speculative_policy_steps": (0, 1, 1)}, "speculative_policy_steps"),
+    ({"speculative_policy_steps": (0, True)}, "speculative_policy_steps"),
+])
+def test_bad_policy_config_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        runtime(**kw)
+
+
+def test_bad_policy_object_and_bad_decision_rejected():
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    before = eng.policy
+    with pytest.raises(ValueError, match="policy: expected an object with decide"):
+        eng.set_policy(object())
+    assert eng.policy is before
+    eng.set_policy(ForcedPolicy([2]))  # 2 is not captured (0, 1, 3)
+    eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=8))
+    eng.step()  # prefill: no decision
+    with pytest.raises(ValueError, match=r"policy: decide\(1\) returned 2"):
+        eng.step()
+
+
+def test_forced_switches_on_the_triton_kernels_interpreted():
+    """The Triton path (prepare, verify attention of k + 1 tokens a row, accept, first draft
+    step of k + 1 tokens, commit) under the interpreter: greedy == target-only through k = 0,
+    1 and 3."""
+    target, head = make_models(3, dtype=torch.float32, draft_vocab=40)
+    ps = prompts(5, 2, lo=3, hi=8)
+    cfg = _adaptive(dtype="float32", kernel_backend="triton", cuda_graph_bs=(1, 2))
+    expected = target_only(target, cfg.replace(kernel_backend="torch"), ps, 7)
+    eng = Engine(target, cfg, head)
+    eng.set_policy(ForcedPolicy([0, 3, 1, 0, 1, 3]))
+    assert eng.generate(ps, SamplingParams(max_new_tokens=7)) == expected
+    assert {k for _, k in eng.policy.decided} == {0, 1, 3}
+
+
+def test_extra_ms_shifts_the_choice_toward_longer_drafts():
+    """Work the cost table leaves out but every k pays (the KV reads of long contexts) makes
+    the relative cost of more drafts smaller: the engine passes it as `extra_ms`."""
+    costs = {(1, 0): 1.0, (1, 1): 1.1, (1, 3): 2.0}
+    pol = SpeculationPolicy("adaptive", 3, costs, steps=[0, 1, 3])
+    assert pol.best(1) == 1 and pol.best(1, extra_ms=10.0) == 3
+    with pytest.raises(ValueError, match="extra_ms"):
+        pol.decide(1, extra_ms=-1.0)
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    seen = []
+    real = eng.policy.decide
+    eng.policy.decide = lambda bs, extra_ms=0.0: seen.append(extra_ms) or real(bs, extra_ms)
+    eng.generate(prompts(5, 2), SamplingParams(max_new_tokens=6))
+    per_tok = target.config.kv_bytes_per_token(target.dtype) / 4.0e12 * 1e3
+    assert seen and all(x > 0 and abs(x / per_tok - round(x / per_tok)) < 1e-6 for x in seen)

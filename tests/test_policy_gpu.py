@@ -1,0 +1,158 @@
+"""The speculation policy on the GPU: for every captured (padded bs, k) the cycle graph equals
+the eager cycle (and the split mode) bit for bit on every state tensor under forced k switches
+with joins and leaves; greedy speculative output equals target-only in float32 under forced
+switches and under the adaptive policy with its measured cost table.
+
+Run on the GPU machine with `make test-gpu` (or `pytest -m gpu tests/test_policy_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.verify import SamplingParams
+from tests.engine_harness import make_models, runtime
+from tests.test_policy_engine import ForcedPolicy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SIZES = (1, 2, 4, 8)
+KS = [0, 3, 1, 3, 3, 0, 1, 1, 0]  # every k after every other k
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(61) for _ in range(rng.randint(3, 30))] for _ in range(count)]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 3 == 1:
+        return SamplingParams(max_new_tokens=12 + i % 7, temperature=0.9, top_k=12, top_p=0.9,
+                              seed=i)
+    return SamplingParams(max_new_tokens=14 + i % 4)
+
+
+def _state(eng: Engine) -> dict[str, torch.Tensor]:
+    out = {f"slots.{k}": v.clone() for k, v in vars(eng.slots).items()}
+    out["valid_cache_lengths"] = eng.states.valid_cache_lengths.clone()
+    out["pack"] = eng.cycle.pack.clone()
+    p = eng.kv.page_size  # page 0: the dummy page inert rows write (not compared)
+    out["kv"] = torch.stack([torch.stack([k[p:], v[p:]])
+                             for k, v in zip(eng.kv.k, eng.kv.v, strict=True)])
+    dkv = eng.drafter.kv_pool
+    out["draft_kv"] = torch.stack([dkv.k[0][dkv.page_size:], dkv.v[0][dkv.page_size:]])
+    live = eng.cycle.pack[:, eng.n_row] > 0
+    out["next_tokens"] = eng.drafter.bufs.next_tokens[: live.shape[0]][live]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_every_captured_bs_and_k_graph_equals_eager_and_split(dtype):
+    target, head = make_models(2, dtype=getattr(torch, dtype), device="cuda")
+    ps = _prompts(3, 10)
+    engines = []
+    for kw in ({}, {"enforce_eager": True}, {"cycle_graph": False}):
+        cfg = runtime(device="cuda", dtype=dtype, cuda_graph_bs=SIZES, cuda_graph_max_bs=8,
+                      max_running_requests=8, speculative_policy="adaptive", **kw)
+        e = Engine(target, cfg, head, seed=7)
+        e.capture_graphs(progress=False)
+        e.set_policy(ForcedPolicy(KS))
+        engines.append(e)
+    joins = {0: [0], 3: [1], 5: [2, 3], 8: [4, 5, 6, 7], 12: [8], 14: [9]}
+    reqs = [[] for _ in engines]
+    step = 0
+    while step in joins or any(e.has_work for e in engines):
+        for i, e in enumerate(engines):
+            for j in joins.get(step, []):
+                reqs[i].append(e.add_request(ps[j], _params(j)))
+            e.step()
+        torch.cuda.synchronize()
+        ref = _state(engines[0])
+        for e in engines[1:]:
+            got = _state(e)
+            for k in ref:
+                assert torch.equal(ref[k], got[k]), (step, k)
+        step += 1
+    outs = [[r.output for r in rs] for rs in reqs]
+    assert outs[0] == outs[1] == outs[2]
+    g = engines[0]
+    for k, f in g._cycle_by_k.items():  # every k replayed, no cycle of the graph engine eager
+        assert f.stats.total_replays > 0 and f.stats.total_eager == 0, k
+    # cycle mode captured no split-mode graphs; the split engine captured them per k
+    assert all(not f.captured_sizes for f in g._verify_by_k.values())
+    assert all(not f.captured_sizes for f in g.drafter.decode_forwards())
+    s = engines[2]
+    assert all(f.stats.total_replays > 0 for f in s._verify_by_k.values())
+    assert all(f.stats.total_replays > 0 for f in s.drafter.decode_forwards())
+
+
+def test_graph_equals_eager_at_each_captured_bs_for_each_k():
+    """For each captured size, exactly that many requests decode through the whole k cycle
+    (each k at least twice): graph == eager on every state tensor after every step."""
+    target, head = make_models(3, dtype=torch.bfloat16, device="cuda")
+    engines = []
+    for kw in ({}, {"enforce_eager": True}):
+        cfg = runtime(device="cuda", dtype="bfloat16", cuda_graph_bs=SIZES, cuda_graph_max_bs=8,
+                      max_running_requests=8, max_num_batched_tokens=64,
+                      speculative_policy="adaptive", **kw)
+        e = Engine(target, cfg, head, seed=3)
+        e.capture_graphs(progress=False)
+        e.set_policy(ForcedPolicy(KS))
+        engines.append(e)
+    rng = random.Random(5)
+    for bs in SIZES:
+        ps = [[rng.randrange(61) for _ in range(6)] for _ in range(bs)]
+        p = SamplingParams(max_new_tokens=2 * len(KS) * 4 + 4, ignore_eos=True)
+        outs = []
+        for e in engines:
+            outs.append([e.add_request(x, p) for x in ps])
+        while any(e.has_work for e in engines):
+            for e in engines:
+                e.step()
+            torch.cuda.synchronize()
+            ref, got = _state(engines[0]), _state(engines[1])
+            for k in ref:
+                assert torch.equal(ref[k], got[k]), (bs, k)
+        assert [r.output for r in outs[0]] == [r.output for r in outs[1]]
+    for k, f in engines[0]._cycle_by_k.items():
+        assert set(f.stats.replays) >= set(SIZES), (k, dict(f.stats.replays))
+
+
+def test_measured_costs_cover_every_captured_bs_and_k():
+    target, head = make_models(2, dtype=torch.bfloat16, device="cuda")
+    cfg = runtime(device="cuda", dtype="bfloat16", cuda_graph_bs=SIZES, cuda_graph_max_bs=8,
+                  max_running_requests=8, speculative_policy="adaptive")
+    eng = Engine(target, cfg, head)
+    eng.capture_graphs(progress=False)
+    assert eng.cost_source == "measured"
+    table = eng.policy.costs.measured()
+    assert set(table) == {(b, k) for b in SIZES for k in eng.steps}
+    assert all(v > 0 for v in table.values())
+    # the tables are neutral after timing: a run is still exact
+    ps = _prompts(9, 4)
+    base = Engine(target, cfg.replace(speculative_policy="fixed"))
+    base.capture_graphs(progress=False)
+    p = SamplingParams(max_new_tokens=12)
+    assert eng.generate(ps, p) == base.generate(ps, p)
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_greedy_speculative_equals_target_greedy_float32(forced):
+    target, head = make_models(5, dtype=torch.float32, device="cuda")
+    ps = _prompts(4, 6)
+    cfg = runtime(device="cuda", dtype="float32", kernel_backend="torch",
+                  speculative_policy="adaptive")
+    base = Engine(target, cfg)
+    base.capture_graphs(progress=False)
+    spec = Engine(target, cfg, head)
+    spec.capture_graphs(progress=False)
+    if forced:
+        spec.set_policy(ForcedPolicy(KS))
+    params = SamplingParams(max_new_tokens=20)
+    assert spec.generate(ps, params) == base.generate(ps, params)
+    assert spec.graph_summary()["spec_cycle"][0] > 0
