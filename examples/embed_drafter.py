@@ -72,8 +72,8 @@ class MiniLoop:
                          tc.num_key_value_heads, tc.head_dim, target.dtype, dev)
         self.inputs, self.states = InputBuffers.allocate(cfg), RuntimeStates.allocate(cfg)
         self.backend = PagedAttentionBackend(self.pages.req_to_page, cfg.page_size,
-                                             cfg.max_context_len, cfg.use_triton)
-        target.set_use_triton(cfg.use_triton)
+                                             cfg.max_context_len, kernels=cfg.kernels)
+        target.set_kernels(cfg.kernels)
         # scratch the target's per-token attention metadata is written into
         self.tok_req = torch.zeros(cfg.max_num_tokens, dtype=torch.int64, device=dev)
         self.tok_kv = torch.ones(cfg.max_num_tokens, dtype=torch.int32, device=dev)

@@ -89,7 +89,7 @@ def build(device: str, dtype: str, seed: int = 0, **runtime) -> Engine:
     cfg = RuntimeConfig(**{"speculative_num_steps": 3, "page_size": 16, "max_running_requests": 32,
                            "max_context_len": 512, "max_num_batched_tokens": 512,
                            "cuda_graph_max_bs": 32, "dtype": dtype, "device": device,
-                           "validate_inputs": False, **runtime})
+                           "validate_inputs": False, "speculative_policy": "fixed", **runtime})
     target, head = random_model_pair(SOAK_TARGET, SOAK_TARGET.replace(num_hidden_layers=1),
                                      cfg.torch_dtype, seed, std=0.3)
     engine = Engine(target.to(device), cfg, head.to(device))

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from graphdraft.kernels.config import TORCH
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.runtime.kv_cache import KVPool, PageTable, kv_slot
 
@@ -24,8 +25,8 @@ def full_logits(target, ids: list[int], page_size: int = 4) -> torch.Tensor:
     table.reserve(slot, n)
     kv = KVPool(cfg.num_hidden_layers, pages + 1, page_size, cfg.num_key_value_heads,
                 cfg.head_dim, target.dtype, dev)
-    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size, False)
-    target.set_use_triton(False)
+    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size, kernels=TORCH)
+    target.set_kernels(TORCH)
     pos = torch.arange(n, device=dev)
     loc = kv_slot(table.req_to_page, slot, pos, page_size)
     meta = AttentionMetadata(torch.full((n,), slot, dtype=torch.int64, device=dev),

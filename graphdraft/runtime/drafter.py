@@ -86,7 +86,7 @@ class EagleDrafter:
         self.kv_pool = kv_pool or KVPool(1, cfg.total_kv_pages, cfg.page_size, mc.num_key_value_heads,
                                          mc.head_dim, head.dtype, self.device)
         self.backend = PagedAttentionBackend(req_to_page, cfg.page_size, cfg.max_context_len,
-                                             cfg.use_triton)
+                                             kernels=cfg.kernels)
         self._use_head_kernels()
         self.bufs = DraftBuffers.allocate(cfg, mc.hidden_size, head.target_hidden_width, head.dtype)
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
@@ -105,8 +105,8 @@ class EagleDrafter:
     def _use_head_kernels(self) -> None:
         """Point the head's layers at this drafter's kernel path (a head shared by two drafters
         with different `kernel_backend` is switched back before each eager forward)."""
-        if self.head.use_triton != self.cfg.use_triton:
-            self.head.set_use_triton(self.cfg.use_triton)
+        if self.head.kernels != self.cfg.kernels:
+            self.head.set_kernels(self.cfg.kernels)
 
     # ------------------------------------------------------------------
     # Graphs
@@ -155,7 +155,7 @@ class EagleDrafter:
             ops.decode_draft_indices(acc[ne:], seq[ne:], req[ne:], self.states.valid_cache_lengths,
                                      n, npt, b.gather_ids[ne:bs], b.seq_lens[ne:bs],
                                      b.write_start[ne:bs], ids, b.next_tokens[ne:bs, 0],
-                                     use_triton=self.cfg.use_triton)
+                                     kernels=self.cfg.kernels)
         if ne > 0:  # prefill rows
             torch.sub(torch.cumsum(ib.extend_lens[:ne], 0), 1, out=b.gather_ids[:ne])
             b.seq_lens[:ne].copy_(seq[:ne])
@@ -202,7 +202,7 @@ class EagleDrafter:
         seq_lens, positions = b.seq_lens[:bs], b.positions[:bs]
         ops.out_cache_loc_uniform(locs, req, write_start, self.req_to_page, self.cfg.page_size,
                                   steps - 1, positions_out=positions, seq_lens_out=seq_lens,
-                                  use_triton=self.cfg.use_triton)
+                                  kernels=self.cfg.kernels)
         locs = locs.view(steps - 1, bs)
         metadata = self.backend.bind_metadata(req, seq_lens)
         ids, hidden = b.ids[:bs], b.hidden[:bs]
@@ -212,7 +212,7 @@ class EagleDrafter:
             ids, hidden = out.ids, out.hidden
             if i + 1 < steps:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,
-                                                   use_triton=self.cfg.use_triton)
+                                                   kernels=self.cfg.kernels)
         return b.next_tokens[:bs]
 
     def decode_hidden_buffer(self, bs: int, n: int | None = None) -> torch.Tensor:
@@ -323,7 +323,7 @@ class EagleDrafter:
                     accept=b.accept_lengths, first_ids=b.first_input_ids, first_hidden=b.first_hidden,
                     seq_lens=ib.seq_lens, req=ib.req_pool_indices, extend_lens=ib.extend_lens,
                     input_ids=ib.input_ids, positions=ib.positions, out_cache_loc=ib.out_cache_loc,
-                    use_triton=self.cfg.use_triton)
+                    kernels=self.cfg.kernels)
             else:
                 b.accept_lengths[:bs].copy_(accept_lengths)
                 self._prepare_mixed_ids(ctx, output_tokens)

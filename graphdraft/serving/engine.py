@@ -182,8 +182,8 @@ class Engine:
                                         cfg.stop_table_width, self.device)
         self.cycle = CycleBuffers.allocate(cfg, self.n_row)
         self.backend = PagedAttentionBackend(self.pages.req_to_page, cfg.page_size,
-                                             cfg.max_context_len, cfg.use_triton)
-        target.set_use_triton(cfg.use_triton)
+                                             cfg.max_context_len, kernels=cfg.kernels)
+        target.set_kernels(cfg.kernels)
         self.graph_pool = GraphPool()
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"

@@ -38,11 +38,13 @@ HELDOUT_WINDOWS = 64
 
 def runtime_config(max_running_requests: int, *, steps: int = DRAFT_STEPS,
                    max_context_len: int = 256, device: str = "cpu") -> RuntimeConfig:
-    """The evaluation's (and the trained-pair test's) runtime: float32, torch kernel path."""
+    """The evaluation's (and the trained-pair test's) runtime: float32, torch kernel path, a
+    fixed draft length (the accept length measured is the head's at `steps`)."""
     return RuntimeConfig(speculative_num_steps=steps, page_size=16,
                          max_running_requests=max_running_requests, max_context_len=max_context_len,
                          max_num_batched_tokens=512, cuda_graph_max_bs=max_running_requests,
-                         dtype="float32", device=device, kernel_backend="torch")
+                         dtype="float32", device=device, kernel_backend="torch",
+                         speculative_policy="fixed")
 
 
 def prompt_ids(count: int, length: int = PROMPT_BYTES) -> list[list[int]]:
