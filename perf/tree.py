@@ -2,7 +2,8 @@
 
 (a) Mean accept length (tokens per verify: accepted drafts + bonus) of the shipped byte-level
     pair (graphdraft/assets, float32) on held-out prompts (`graphdraft.io.corpus`), greedy and
-    temperature 0.7, through `TreeRunner` (eager: the pair is tiny), for chain configs
+    temperature 0.7, through `TreeRunner` (eager, torch kernel path: the pair is tiny and
+    needs no Triton compile), for chain configs
     (steps 3 / n 4, steps 7 / n 8) and tree configs (topk 4 with n 8 and n 16).
 (b) The whole tree cycle (verify + accept + KV move + first draft step + beam steps + tree
     build + commit) as one CUDA graph replay at the Llama-3.1-8B shape (random bf16 target
@@ -49,7 +50,7 @@ def accept_lengths(target, head, prompts, configs, *, new_tokens: int, device) -
         for temp in (0.0, 0.7):
             r = TreeRunner(target, head, spec, max_bs=len(prompts), page_size=16,
                            max_context_len=min(256, target.config.max_position_embeddings),
-                           enforce_eager=True, sampling=temp > 0, seed=0)
+                           enforce_eager=True, use_triton=False, sampling=temp > 0, seed=0)
             _, acc = r.generate(prompts, new_tokens, temperature=temp)
             rows.append({"config": {"steps": steps, "topk": topk, "num_draft_tokens": n},
                          "temperature": temp, "accept_mean": round(sum(acc) / len(acc), 4),
@@ -75,9 +76,11 @@ def cycle_times(target, head, configs, batches, *, prompt_len: int, device, reps
         r.capture_graphs()
         cap = time.perf_counter() - t0
         r.add(prompts, ctx - prompt_len - n - spec.P - 2)
+        snap = r.state_snapshot()
         for bs in batches:
             def one(bs=bs):
                 r.graphs.run(bs, padded_bs=bs)
+            r.restore_state(snap)  # every bs starts from the prefilled state
             ms = statistics.median(time_us(one, warmup=3, reps=reps, device=device)) / 1e3
             rows.append({"config": {"steps": steps, "topk": topk, "num_draft_tokens": n},
                          "bs": bs, "cycle_ms": round(ms, 4), "capture_s": round(cap, 2)})

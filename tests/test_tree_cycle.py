@@ -337,3 +337,15 @@ def test_bad_configs_rejected(tiny):
                                    torch.ones(2, dtype=torch.int32),
                                    torch.zeros(1, 2, dtype=torch.int32), 4, 1.0, max_kv_len=8,
                                    extra_slots=torch.zeros(2, 1, dtype=torch.int64), num_extra=2)
+
+
+def test_state_snapshot_restores_a_step(tiny):
+    target, head = tiny
+    r = TreeRunner(target, head, TreeSpec(3, 2, 6), max_bs=4, page_size=4, max_context_len=256)
+    r.add(PROMPTS, 12)
+    snap = r.state_snapshot()
+    first = r.step()
+    r.step()
+    r.restore_state(snap)
+    again = r.step()
+    assert (first.tokens, first.accept) == (again.tokens, again.accept)

@@ -265,6 +265,24 @@ class TreeRunner:
         self.graphs.capture(progress=progress)
         self.cycle.neutral_rows(0, self.max_bs)
 
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of the per-row state a step reads and commits (request slots, L,
+        temperatures, the drafter's tree). A benchmark replaying `graphs` alone advances the
+        requests at every replay; `restore_state` puts them back (KV past L is never read)."""
+        c, tree = self.cycle, self.drafter.tree
+        snap = {"req": c.req.clone(), "prefix_len": c.prefix_len.clone(),
+                "temperature": c.temperature.clone()}
+        snap.update({f"tree.{f}": getattr(tree, f).clone() for f in vars(tree)})
+        return snap
+
+    def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
+        """Copy a `state_snapshot` back in place (stream-ordered; no sync)."""
+        c, tree = self.cycle, self.drafter.tree
+        for name in ("req", "prefix_len", "temperature"):
+            getattr(c, name).copy_(snap[name])
+        for f in vars(tree):
+            getattr(tree, f).copy_(snap[f"tree.{f}"])
+
     def reset(self) -> None:
         """Free every request; all rows inert."""
         for s in self.slots:
