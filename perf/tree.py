@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import statistics
 import time
@@ -78,8 +79,7 @@ def cycle_times(target, head, configs, batches, *, prompt_len: int, device, reps
         r.add(prompts, ctx - prompt_len - n - spec.P - 2)
         snap = r.state_snapshot()
         for bs in batches:
-            def one(bs=bs):
-                r.graphs.run(bs, padded_bs=bs)
+            one = functools.partial(r.graphs.run, bs, padded_bs=bs)
             r.restore_state(snap)  # every bs starts from the prefilled state
             ms = statistics.median(time_us(one, warmup=3, reps=reps, device=device)) / 1e3
             rows.append({"config": {"steps": steps, "topk": topk, "num_draft_tokens": n},
@@ -91,6 +91,11 @@ def cycle_times(target, head, configs, batches, *, prompt_len: int, device, reps
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _tokens_per_s(row: dict, accept: float | None) -> float | None:
+    """bs * accept / cycle time: tokens per second of the batch."""
+    return None if accept is None else round(row["bs"] * accept / row["cycle_ms"] * 1e3, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in cyc:
         key = tuple(c["config"].values())
         a0, a7 = by_cfg.get(key, {}).get(0.0), by_cfg.get(key, {}).get(0.7)
-        tps = lambda a: round(c["bs"] * a / c["cycle_ms"] * 1e3, 1) if a is not None else None
-        rows.append({**c, "accept_mean": a0, "accept_mean_t07": a7, "tokens_per_s": tps(a0),
-                     "tokens_per_s_t07": tps(a7)})
+        rows.append({**c, "accept_mean": a0, "accept_mean_t07": a7,
+                     "tokens_per_s": _tokens_per_s(c, a0), "tokens_per_s_t07": _tokens_per_s(c, a7)})
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = write_json(args.out, f"{date}-h200-tree.json",

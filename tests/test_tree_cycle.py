@@ -349,3 +349,21 @@ def test_state_snapshot_restores_a_step(tiny):
     r.restore_state(snap)
     again = r.step()
     assert (first.tokens, first.accept) == (again.tokens, again.accept)
+
+
+def test_finished_row_writes_nothing(tiny):
+    target, head = tiny
+    r = TreeRunner(target, head, TreeSpec(3, 2, 6), max_bs=4, page_size=4, max_context_len=256)
+    r.add(PROMPTS, 12)
+    r.step()
+    r.finish(1)
+    pages = torch.tensor(r.pages.pages_of(r.slots[1]))
+    before = [k.view(-1, 4, *k.shape[1:])[pages].clone() for k in r.kv.k]
+    L = int(r.cycle.prefix_len[1])
+    for _ in range(2):
+        r.step()
+    after = [k.view(-1, 4, *k.shape[1:])[pages] for k in r.kv.k]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(r.cycle.prefix_len[1]) == 0 and L > 0   # inert: the dummy row's state
+    with pytest.raises(ValueError, match="row"):
+        r.finish(3)

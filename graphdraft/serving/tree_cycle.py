@@ -248,6 +248,7 @@ class TreeRunner:
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.host_gen = torch.Generator().manual_seed(seed)
         self.slots: list[int] = []
+        self.done: list[bool] = []     # rows that reached max_new_tokens: inert from then on
         self.cycle.neutral_rows(0, max_bs)
 
     @property
@@ -288,7 +289,16 @@ class TreeRunner:
         for s in self.slots:
             self.pages.free(s)
         self.slots = []
+        self.done = []
         self.cycle.neutral_rows(0, self.max_bs)
+
+    def finish(self, row: int) -> None:
+        """Row `row` is done: from the next step on it is inert (the dummy slot, a root-only
+        tree: it writes no page of its request and its output is to be ignored), so no row
+        ever grows past the pages `add` reserved for it."""
+        if not 0 <= row < self.bs:
+            raise ValueError(f"row: expected 0..{self.bs - 1}, got {row}")
+        self.done[row] = True
 
     @torch.inference_mode()
     def add(self, prompts: list[list[int]], max_new_tokens: int,
@@ -320,6 +330,7 @@ class TreeRunner:
             slot = self.pages.alloc_slot()
             self.pages.reserve(slot, len(p) + max_new_tokens + self.spec.n + self.spec.P + 1)
             self.slots.append(slot)
+            self.done.append(False)
             root, lg, h, did = self._prefill(slot, p, float(temps[i]))
             roots.append(root)
             logits1.append(lg)
@@ -368,6 +379,9 @@ class TreeRunner:
             raise ValueError("step: expected active requests (add() first)")
         pbs = padded_batch_size(self.schedule, bs) or bs
         self.cycle.neutral_rows(bs, pbs)
+        for row, done in enumerate(self.done):
+            if done:
+                self.cycle.neutral_rows(row, row + 1)
         if self.cycle.sampling:
             self.cycle.coins[:pbs].uniform_(0.0, 1.0, generator=self.gen)
             self.cycle.final_coin[:pbs].uniform_(0.0, 1.0, generator=self.gen)
@@ -379,16 +393,21 @@ class TreeRunner:
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float | list[float] = 0.0) -> tuple[list[list[int]], list[int]]:
         """Serve `prompts` to `max_new_tokens` each (the batch steps together; a finished row
-        keeps stepping, its extra tokens dropped). Returns (outputs, accept lengths of every
-        (row, step) that counted); the runner is reset after."""
+        turns inert, `finish`). Returns (outputs, accept lengths of every (row, step) of a
+        live row); the runner is reset after."""
         firsts = self.add(prompts, max_new_tokens, temperature)
         outs = [[t] for t in firsts]
         accepts: list[int] = []
-        while any(len(o) < max_new_tokens for o in outs):
+        for row, o in enumerate(outs):
+            if len(o) >= max_new_tokens:
+                self.finish(row)
+        while not all(self.done):
             res = self.step()
-            for o, toks, a in zip(outs, res.tokens, res.accept, strict=True):
-                if len(o) < max_new_tokens:
+            for row, (o, toks, a) in enumerate(zip(outs, res.tokens, res.accept, strict=True)):
+                if not self.done[row]:
                     o.extend(toks)
                     accepts.append(a)
+                    if len(o) >= max_new_tokens:
+                        self.finish(row)
         self.reset()
         return [o[:max_new_tokens] for o in outs], accepts
