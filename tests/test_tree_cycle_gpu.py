@@ -76,8 +76,7 @@ def test_graph_equals_eager_bit_exact(spec, page_size):
 def test_greedy_tree_equals_target_greedy_fp32(spec):
     target, head = make_models(seed=2, dtype=torch.float32, device="cuda")
     prompts = _prompts(5, 6)
-    eng = Engine(target, runtime(dtype="float32", device="cuda", max_running_requests=6,
-                                 cuda_graph_max_bs=8, max_context_len=160))
+    eng = Engine(target, runtime(dtype="float32", device="cuda", max_context_len=160))
     ref = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     r = TreeRunner(target, head, spec, max_bs=8, page_size=4, max_context_len=160,
                    cuda_graph_bs=SIZES)
