@@ -367,3 +367,31 @@ def test_finished_row_writes_nothing(tiny):
     assert int(r.cycle.req[1]) == 0 and L >= len(PROMPTS[1]) + 1   # inert: the dummy slot
     with pytest.raises(ValueError, match="row"):
         r.finish(3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_kernel_second_segment_matches_reference(num_splits, page_size):
+    """The decode kernel's explicit-slot segment (Triton, interpreter) == the torch reference
+    and == beam_attention_torch, every num_extra, with and without splits."""
+    from graphdraft.kernels.decode_attention import paged_decode_attention
+    g = torch.Generator().manual_seed(1)
+    T, Hq, Hkv, D = 6, 4, 2, 16
+    slots = 64 * 4
+    k = torch.randn(slots, Hkv, D, generator=g)
+    v = torch.randn(slots, Hkv, D, generator=g)
+    q = torch.randn(T, Hq, D, generator=g)
+    r2p = torch.arange(1, 1 + 3 * 16, dtype=torch.int32).view(3, 16)
+    req = torch.tensor([0, 0, 1, 1, 2, 2])
+    lens = torch.tensor([5, 5, 33, 33, 1, 1], dtype=torch.int32)
+    extra = torch.randint(page_size, 48 * page_size, (T, 3), generator=g)
+    for ne in (0, 1, 3):
+        a = paged_decode_attention(q, k, v, req, lens, r2p, page_size, 0.3, max_kv_len=40,
+                                   num_splits=num_splits, extra_slots=extra, num_extra=ne)
+        b = paged_decode_attention_ref(q, k, v, req, lens, r2p, page_size, 0.3, max_kv_len=40,
+                                       extra_slots=extra, num_extra=ne)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        if ne:
+            c = beam_attention_torch(q, k, v, BeamMetadata(req, lens, extra, ne), r2p, page_size,
+                                     0.3, 40)
+            torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)

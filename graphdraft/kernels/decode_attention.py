@@ -357,7 +357,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         Q_INDEX=q_index is not None,
         PDL=pdl, EARLY=early,
-        extra_ptr=extra_slots if extra else req_pool_indices,
+        extra_ptr=extra_slots if extra else q,  # unread without EXTRA (q: no early-read alias)
         s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
         XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
