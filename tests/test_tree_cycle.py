@@ -377,14 +377,14 @@ def test_decode_kernel_second_segment_matches_reference(num_splits, page_size):
     from graphdraft.kernels.decode_attention import paged_decode_attention
     g = torch.Generator().manual_seed(1)
     T, Hq, Hkv, D = 6, 4, 2, 16
-    slots = 64 * 4
+    r2p = torch.arange(1, 1 + 3 * 40, dtype=torch.int32).view(3, 40)   # 40 pages per request
+    slots = 121 * page_size
     k = torch.randn(slots, Hkv, D, generator=g)
     v = torch.randn(slots, Hkv, D, generator=g)
     q = torch.randn(T, Hq, D, generator=g)
-    r2p = torch.arange(1, 1 + 3 * 16, dtype=torch.int32).view(3, 16)
     req = torch.tensor([0, 0, 1, 1, 2, 2])
     lens = torch.tensor([5, 5, 33, 33, 1, 1], dtype=torch.int32)
-    extra = torch.randint(page_size, 48 * page_size, (T, 3), generator=g)
+    extra = torch.randint(page_size, slots, (T, 3), generator=g)
     for ne in (0, 1, 3):
         a = paged_decode_attention(q, k, v, req, lens, r2p, page_size, 0.3, max_kv_len=40,
                                    num_splits=num_splits, extra_slots=extra, num_extra=ne)
