@@ -395,3 +395,44 @@ def test_decode_kernel_second_segment_matches_reference(num_splits, page_size):
             c = beam_attention_torch(q, k, v, BeamMetadata(req, lens, extra, ne), r2p, page_size,
                                      0.3, 40)
             torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)
+
+
+def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Chi-square goodness of fit; bins with expected count < 5 pooled into one."""
+    counts, p = counts.double(), p.double()
+    exp = counts.sum() * p
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    ex = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = ex > 0
+    chi2 = ((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))
+
+
+def test_sampled_tree_step_emits_the_target_distribution(tiny):
+    """End to end at T = 1: the first token a tree step emits follows the target's softmax at
+    the root (whatever the drafts), over 768 steps replayed from one state (fresh coins)."""
+    target, head = tiny
+    spec, bs, reps = TreeSpec(3, 4, 8), 32, 24
+    prompt = [3, 14, 15, 9, 26, 5]
+    r = TreeRunner(target, head, spec, max_bs=bs, page_size=4, max_context_len=64,
+                   sampling=True, seed=3)
+    (root, *_) = r.add([prompt] * bs, 8)               # greedy root: every row the same
+    r.cycle.temperature[:bs] = 1.0
+    snap = r.state_snapshot()
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+    drafts = r.drafter.tree.tokens[0, 1:].clone()
+    accepted = 0
+    for _ in range(reps):
+        r.restore_state(snap)
+        res = r.step()
+        for toks, a in zip(res.tokens, res.accept, strict=True):
+            counts[toks[0]] += 1
+            accepted += a > 1
+    logits, _ = _Dense(target).target_all(prompt + [root])
+    p = torch.softmax(logits[-1].double(), -1)
+    assert _chi2_pvalue(counts, p) > 1e-4
+    # a draft is accepted exactly when the first token is one of the root's children
+    assert int(r.drafter.tree.first_child[0, 0]) >= 0 and accepted > 0
+    assert torch.equal(drafts, snap["tree.tokens"][0, 1:])
