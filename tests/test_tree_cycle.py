@@ -436,3 +436,31 @@ def test_sampled_tree_step_emits_the_target_distribution(tiny):
     # a draft is accepted exactly when the first token is one of the root's children
     assert int(r.drafter.tree.first_child[0, 0]) >= 0 and accepted > 0
     assert torch.equal(drafts, snap["tree.tokens"][0, 1:])
+
+
+def test_slot_trees_store_and_load(tiny):
+    """Per-slot tree tables: a tree stored by slot comes back in any row order; slot 0 rows
+    never overwrite anything and load the neutral root-only tree."""
+    from graphdraft.serving.tree_cycle import SlotTrees
+    target, head = tiny
+    spec = TreeSpec(3, 2, 6)
+    r = TreeRunner(target, head, spec, max_bs=4, page_size=4, max_context_len=256)
+    r.add(PROMPTS, 8)
+    tree = r.drafter.tree.rows(3)
+    want = {f: getattr(tree, f).clone() for f in SlotTrees.TREE_FIELDS + ("positions",)}
+    table = SlotTrees(spec, 6, "cpu")
+    neutral = {f: getattr(table, f)[0].clone() for f in SlotTrees.TREE_FIELDS}
+    slots = torch.tensor(r.slots)
+    table.store(tree, torch.cat([slots[:2], torch.zeros(1, dtype=torch.int64)]))  # row 2 inert
+    table.store(tree.__class__(**{f: getattr(tree, f)[2:] for f in vars(tree)}), slots[2:])
+    out = r.drafter.tree.rows(4)
+    order = torch.tensor([2, 0, 1])
+    rows = torch.cat([slots[order], torch.zeros(1, dtype=torch.int64)])
+    L = torch.cat([r.cycle.prefix_len[:3][order], torch.zeros(1, dtype=torch.int64)])
+    table.load(out, rows, L)
+    for f in SlotTrees.TREE_FIELDS + ("positions",):
+        assert torch.equal(getattr(out, f)[:3], want[f][order]), f
+    for f in SlotTrees.TREE_FIELDS:
+        assert torch.equal(getattr(out, f)[3], neutral[f]), f
+        assert torch.equal(getattr(table, f)[0], neutral[f]), f
+    assert torch.equal(out.retrieve_index[1], 6 + torch.arange(6))

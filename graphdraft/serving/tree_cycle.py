@@ -48,7 +48,49 @@ from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
 
-__all__ = ["TreeCycle", "TreeRunner", "TreeStepResult"]
+__all__ = ["SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult"]
+
+
+class SlotTrees:
+    """Each request slot's tree between cycles, for a serving loop whose rows change between
+    steps (the Engine keeps per-slot state: `SlotState`): `[num_slots, n]` int64 tables of
+    the `TREE_FIELDS` of `kernels.tree_build.TreeBuffers`. `store` after the draft (rows of
+    slot 0, padded or inert, leave every table as it was: slot 0 keeps the neutral root-only
+    tree), `load` before the verify (positions = `prefix_len + depth`, retrieve_index
+    `r*n + i` recomputed). Fixed shapes, no host sync."""
+
+    TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling")
+
+    def __init__(self, spec: TreeSpec, num_slots: int, device: str | torch.device) -> None:
+        self.spec = spec
+        for f in self.TREE_FIELDS:
+            setattr(self, f, torch.zeros(num_slots, spec.n, dtype=torch.int64, device=device))
+        i = torch.arange(spec.n, device=device)
+        self.tokens.zero_()
+        self.parents.copy_(torch.where(i == 0, -1, 0).expand_as(self.parents))
+        self.depths.copy_((i > 0).long().expand_as(self.depths))
+        self.mask.copy_(((1 << i) | 1).expand_as(self.mask))
+        self.first_child.fill_(-1)
+        self.next_sibling.fill_(-1)
+
+    def store(self, tree, slot_rows: torch.Tensor) -> None:
+        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]`."""
+        live = (slot_rows > 0).unsqueeze(1)
+        idx = slot_rows.long()
+        for f in self.TREE_FIELDS:
+            table = getattr(self, f)
+            src = torch.where(live, getattr(tree, f), table[0].unsqueeze(0))
+            table.index_copy_(0, idx, src)
+
+    def load(self, tree, slot_rows: torch.Tensor, prefix_len: torch.Tensor) -> None:
+        """The tables' rows `slot_rows [bs]` into `tree` (TreeBuffers rows `[bs, n]`)."""
+        idx = slot_rows.long()
+        for f in self.TREE_FIELDS:
+            torch.index_select(getattr(self, f), 0, idx, out=getattr(tree, f))
+        tree.positions.copy_(prefix_len.long().unsqueeze(1) + tree.depths)
+        bs, n = tree.tokens.shape
+        tree.retrieve_index.copy_(torch.arange(bs, device=idx.device).unsqueeze(1) * n
+                                  + torch.arange(n, device=idx.device))
 
 
 class TreeCycle:
