@@ -287,7 +287,7 @@ def test_sampled_rows_beside_greedy_rows(tiny, tiny_ref):
     target, head = tiny
     r = TreeRunner(target, head, TreeSpec(3, 2, 6), max_bs=4, page_size=16, max_context_len=256,
                    sampling=True, seed=1)
-    outs, _ = r.generate(PROMPTS, 16, temperature=[0.0, 0.8, 0.0])
+    outs, _ = r.generate(PROMPTS, 16, temperature=[0.0, 0.8, 0.0], top_k=6, top_p=0.9)
     assert outs[0] == tiny_ref[0] and outs[2] == tiny_ref[2]
     assert all(0 <= t < target.config.vocab_size for t in outs[1]) and len(outs[1]) == 16
     with pytest.raises(ValueError, match="temperature"):
@@ -411,14 +411,16 @@ def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
 
 
 def test_sampled_tree_step_emits_the_target_distribution(tiny):
-    """End to end at T = 1: the first token a tree step emits follows the target's softmax at
-    the root (whatever the drafts), over 768 steps replayed from one state (fresh coins)."""
+    """End to end at T = 1, top-k 8, top-p 0.95: the first token a tree step emits follows the
+    target's filtered softmax at the root (whatever the drafts; never a filtered-out token),
+    over 768 steps replayed from one state (fresh coins)."""
+    from graphdraft.serving.verify import SamplingParams, target_probs
     target, head = tiny
     spec, bs, reps = TreeSpec(3, 4, 8), 32, 24
     prompt = [3, 14, 15, 9, 26, 5]
     r = TreeRunner(target, head, spec, max_bs=bs, page_size=4, max_context_len=64,
                    sampling=True, seed=3)
-    (root, *_) = r.add([prompt] * bs, 8)               # greedy root: every row the same
+    (root, *_) = r.add([prompt] * bs, 8, top_k=8, top_p=0.95)  # greedy root: rows alike
     r.cycle.temperature[:bs] = 1.0
     snap = r.state_snapshot()
     counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
@@ -431,7 +433,8 @@ def test_sampled_tree_step_emits_the_target_distribution(tiny):
             counts[toks[0]] += 1
             accepted += a > 1
     logits, _ = _Dense(target).target_all(prompt + [root])
-    p = torch.softmax(logits[-1].double(), -1)
+    p = target_probs(logits[-1:], SamplingParams(temperature=1.0, top_k=8, top_p=0.95))[0]
+    assert counts[p == 0].sum() == 0, "a filtered-out token was emitted"
     assert _chi2_pvalue(counts, p) > 1e-4
     # a draft is accepted exactly when the first token is one of the root's children
     assert int(r.drafter.tree.first_child[0, 0]) >= 0 and accepted > 0
@@ -464,3 +467,24 @@ def test_slot_trees_store_and_load(tiny):
         assert torch.equal(getattr(out, f)[3], neutral[f]), f
         assert torch.equal(getattr(table, f)[0], neutral[f]), f
     assert torch.equal(out.retrieve_index[1], 6 + torch.arange(6))
+
+
+def test_row_target_probs_is_target_probs_per_row():
+    """Per-row temperature / top-k / top-p == serving.verify.target_probs row by row;
+    temperature 0 rows one-hot at the argmax."""
+    from graphdraft.serving.tree_cycle import row_target_probs
+    from graphdraft.serving.verify import SamplingParams, target_probs
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=g) * 3
+    temp = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.9, 1.0])
+    top_k = torch.tensor([0, 5, 0, 3, 12, 60])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 0.5, 0.6, 0.95])
+    got = row_target_probs(logits, temp, top_k, top_p, logits.argmax(-1))
+    for r in range(6):
+        if temp[r] == 0:
+            assert got[r].argmax() == logits[r].argmax() and got[r].max() == 1.0
+            continue
+        want = target_probs(logits[r:r + 1], SamplingParams(
+            temperature=float(temp[r]), top_k=int(top_k[r]), top_p=float(top_p[r])))[0]
+        torch.testing.assert_close(got[r], want, atol=1e-6, rtol=1e-5)
+        assert (got[r] == 0).sum() >= 50 - (int(top_k[r]) or 50)

@@ -48,7 +48,32 @@ from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
 
-__all__ = ["SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult"]
+__all__ = ["SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult", "row_target_probs"]
+
+
+def row_target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """Per-row `serving.verify.target_probs` in fixed shapes (capturable): logits `[R, V]`,
+    temperature / top_p `[R]` float32, top_k `[R]` int64 (0: off), greedy_ids `[R]` (the
+    argmax) -> fp32 probabilities `[R, V]`: softmax(logits / T) restricted to the top_k
+    largest, then to the smallest prefix (by probability) whose mass before a token stays
+    below top_p, renormalised; a row with temperature 0 is one-hot at `greedy_ids`."""
+    r, v = logits.shape
+    temp = temperature.float().unsqueeze(1)
+    x = logits.float() / temp.clamp(min=1e-6)
+    sx, order = torch.sort(x, dim=-1, descending=True)
+    kk = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
+    kth = sx.gather(1, kk - 1)
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sp = probs.gather(1, order)                              # sorted probabilities
+    before = torch.cumsum(sp, dim=-1) - sp
+    sp = sp.masked_fill(before >= top_p.float().unsqueeze(1), 0.0)
+    nucleus = torch.zeros_like(probs).scatter_(1, order, sp)
+    nucleus = nucleus / nucleus.sum(-1, keepdim=True)
+    probs = torch.where((top_p < 1).unsqueeze(1), nucleus, probs)
+    onehot = torch.zeros_like(probs).scatter_(1, greedy_ids.long().unsqueeze(1), 1.0)
+    return torch.where(temp > 0, probs, onehot)
 
 
 class SlotTrees:
@@ -99,7 +124,8 @@ class TreeCycle:
     | buffer | shape | dtype |
     |---|---|---|
     | req, prefix_len | `[max_bs]` | int64 (request slot; L) |
-    | temperature | `[max_bs]` | float32 (0: greedy row) |
+    | temperature, top_p | `[max_bs]` | float32 (0: greedy row; 1: no nucleus filter) |
+    | top_k | `[max_bs]` | int64 (0: off) |
     | v_loc | `[max_bs*n]` | int64 (verify KV slots of `L + i`) |
     | v_seq | `[max_bs]` | int32 (`L + n`) |
     | aux | `[max_bs*n, kH]` | target dtype (aux hidden states at every node) |
@@ -125,6 +151,8 @@ class TreeCycle:
         self.req = torch.zeros(mb, **i64)
         self.prefix_len = torch.zeros(mb, **i64)
         self.temperature = torch.zeros(mb, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(mb, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(mb, **i64)
         self.v_loc = torch.zeros(mb * n, **i64)
         self.v_seq = torch.ones(mb, dtype=torch.int32, device=dev)
         self.aux = torch.zeros(mb * n, target.aux_hidden_width, dtype=target.dtype, device=dev)
@@ -170,11 +198,9 @@ class TreeCycle:
             fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling,
                target=self.target_ids[: bs * n], **outs)
             return
-        temp = self.temperature[:bs].repeat_interleave(n).unsqueeze(1)       # [bs*n, 1]
-        lg = logits.float()
-        soft = torch.softmax(lg / temp.clamp(min=1e-6), dim=-1)
-        onehot = torch.zeros_like(soft).scatter_(1, self.target_ids[: bs * n].unsqueeze(1), 1.0)
-        probs = torch.where(temp > 0, soft, onehot)
+        rep = lambda t: t[:bs].repeat_interleave(n)                          # [bs*n]
+        probs = row_target_probs(logits, rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                                 self.target_ids[: bs * n])
         fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling, probs=probs,
            coins=self.coins[:bs], final_coin=self.final_coin[:bs], **outs)
 
@@ -217,6 +243,8 @@ class TreeCycle:
         self.req[start:stop] = 0
         self.prefix_len[start:stop] = 0
         self.temperature[start:stop] = 0.0
+        self.top_k[start:stop] = 0
+        self.top_p[start:stop] = 1.0
         i = torch.arange(n, device=self.req.device)
         tree.tokens[start:stop] = 0
         tree.parents[start:stop] = torch.where(i == 0, -1, 0)
@@ -313,15 +341,15 @@ class TreeRunner:
         temperatures, the drafter's tree). A benchmark replaying `graphs` alone advances the
         requests at every replay; `restore_state` puts them back (KV past L is never read)."""
         c, tree = self.cycle, self.drafter.tree
-        snap = {"req": c.req.clone(), "prefix_len": c.prefix_len.clone(),
-                "temperature": c.temperature.clone()}
+        snap = {name: getattr(c, name).clone()
+                for name in ("req", "prefix_len", "temperature", "top_k", "top_p")}
         snap.update({f"tree.{f}": getattr(tree, f).clone() for f in vars(tree)})
         return snap
 
     def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
         """Copy a `state_snapshot` back in place (stream-ordered; no sync)."""
         c, tree = self.cycle, self.drafter.tree
-        for name in ("req", "prefix_len", "temperature"):
+        for name in ("req", "prefix_len", "temperature", "top_k", "top_p"):
             getattr(c, name).copy_(snap[name])
         for f in vars(tree):
             getattr(tree, f).copy_(snap[f"tree.{f}"])
@@ -344,15 +372,24 @@ class TreeRunner:
 
     @torch.inference_mode()
     def add(self, prompts: list[list[int]], max_new_tokens: int,
-            temperature: float | list[float] = 0.0) -> list[int]:
+            temperature: float | list[float] = 0.0, *, top_k: int = 0,
+            top_p: float = 1.0) -> list[int]:
         """Prefill `prompts` as the batch (eager, one request at a time), sample or pick each
-        one's first token, draft its first tree. Returns each request's first token. ValueError (nothing
-        changed) when a prompt is empty, holds ids outside the vocab, does not fit, or the
-        batch would exceed max_bs."""
+        one's first token, draft its first tree. `temperature` per prompt (or one for all);
+        `top_k` (0: off) / `top_p` (1: off) for every sampled row. Returns each request's
+        first token. ValueError (nothing changed) when a prompt is empty, holds ids outside
+        the vocab, does not fit, the batch would exceed max_bs, or a sampling parameter is
+        out of range."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {top_p!r}")
         temps = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
         vocab = self.target.config.vocab_size
         if len(temps) != len(prompts):
             raise ValueError(f"temperature: expected one per prompt ({len(prompts)}), got {len(temps)}")
+        if any(not isinstance(t, (int, float)) or t < 0 for t in temps):
+            raise ValueError(f"temperature: expected numbers >= 0, got {temps!r}")
         if self.slots:
             raise ValueError("prompts: expected no active requests (a batch is added at once; "
                              "reset() first)")
@@ -373,7 +410,7 @@ class TreeRunner:
             self.pages.reserve(slot, len(p) + max_new_tokens + self.spec.n + self.spec.P + 1)
             self.slots.append(slot)
             self.done.append(False)
-            root, lg, h, did = self._prefill(slot, p, float(temps[i]))
+            root, lg, h, did = self._prefill(slot, p, float(temps[i]), top_k, top_p)
             roots.append(root)
             logits1.append(lg)
             hid1.append(h)
@@ -383,12 +420,15 @@ class TreeRunner:
         c.prefix_len[:bs] = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
         c.temperature[:bs] = torch.tensor([float(t) for t in temps], dtype=torch.float32,
                                           device=dev)
+        c.top_k[:bs] = top_k
+        c.top_p[:bs] = top_p
         self.drafter.expand(bs, torch.cat(logits1), torch.cat(hid1), c.req[:bs],
                             c.prefix_len[:bs], torch.tensor(roots, dtype=torch.int64, device=dev),
                             torch.cat(ids1))
         return roots
 
-    def _prefill(self, slot: int, prompt: list[int], temperature: float):
+    def _prefill(self, slot: int, prompt: list[int], temperature: float, top_k: int,
+                 top_p: float):
         """Target + head over the whole prompt (eager) -> (first token, level-1 logits
         `[1, Vd]`, hidden `[1, H]`, greedy ids `[1]`)."""
         dev, L = self.device, len(prompt)
@@ -401,7 +441,10 @@ class TreeRunner:
         last = torch.tensor([L - 1], dtype=torch.int64, device=dev)
         out = self.target(ids, pos, loc, self.kv, self.backend, meta, last, capture_aux=True)
         if temperature > 0:
-            p = torch.softmax(out.logits[0].float().cpu() / temperature, -1)
+            one = lambda v, dt: torch.tensor([v], dtype=dt)
+            p = row_target_probs(out.logits[:1].float().cpu(), one(temperature, torch.float32),
+                                 one(top_k, torch.int64), one(top_p, torch.float32),
+                                 one(0, torch.int64))[0]
             root = int(torch.multinomial(p, 1, generator=self.host_gen))
         else:
             root = int(torch.argmax(out.logits[0]))
@@ -433,11 +476,12 @@ class TreeRunner:
         return TreeStepResult([row[: row[P]] for row in host], [row[P] for row in host])
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 temperature: float | list[float] = 0.0) -> tuple[list[list[int]], list[int]]:
+                 temperature: float | list[float] = 0.0, *, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list[int]]:
         """Serve `prompts` to `max_new_tokens` each (the batch steps together; a finished row
         turns inert, `finish`). Returns (outputs, accept lengths of every (row, step) of a
         live row); the runner is reset after."""
-        firsts = self.add(prompts, max_new_tokens, temperature)
+        firsts = self.add(prompts, max_new_tokens, temperature, top_k=top_k, top_p=top_p)
         outs = [[t] for t in firsts]
         accepts: list[int] = []
         for row, o in enumerate(outs):
