@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree perf-tree-kernels soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,7 +39,7 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_tests.py --shards $(GPU_SHARDS) --log-dir $(OUT)/gpu-tests
 
 # Every benchmark; each also runs alone (JSON under $(OUT)).
-perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree
+perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree-kernels perf-tree
 
 perf-draft:
 	mkdir -p $(OUT)
@@ -71,9 +71,15 @@ perf-capture:
 		--max-bs $(CAPTURE_MAX_BS)
 
 # Tree-drafting kernels as replayed graphs ($(OUT)/tree_kernels.json).
-perf-tree:
+perf-tree-kernels:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.tree_kernels --out $(OUT)
+
+# Tree vs chain: shipped-pair accept length, 8B-shape cycle replay, projected tokens/s
+# ($(OUT)/<date>-h200-tree.json; under 4 minutes on one H200).
+perf-tree:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.tree --out $(OUT)
 
 # 100,000 draft steps, stopped early (exit code 2, "TARGET NOT REACHED") after SOAK_MINUTES.
 SOAK_MINUTES ?= 8

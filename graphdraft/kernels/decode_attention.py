@@ -16,6 +16,12 @@ split, stage 1 writes the output directly.
 
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
+
+Second segment (tree drafting's beams, TREE.md section 1): with ``extra_slots`` ``[T, W]``
+int64 and ``num_extra`` (host int, ``0 <= num_extra <= W``) row t also attends to the cache
+slots ``extra_slots[t, :num_extra]`` (token granular: a beam's ancestors in the draft scratch
+region), in the same online softmax: the split holding the row's last prefix position walks
+them after its chunk, so the combine is unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
     PDL: tl.constexpr, EARLY: tl.constexpr,
+    extra_ptr, s_extra, num_extra, EXTRA: tl.constexpr, XB: tl.constexpr,
 ):
     """EARLY (with PDL): the row's length, request, query row and first block's page ids are
     loaded before waiting for the kernel before (pdl module doc); q and KV after."""
@@ -126,6 +133,31 @@ def _decode_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if EXTRA:  # the second segment: explicit slots, walked by the split of the last position
+        last_split = tl.minimum((kv_len + chunk - 1) // chunk, num_splits) - 1
+        if split == last_split:
+            xi = tl.arange(0, XB)
+            xmask = xi < num_extra
+            slot = tl.load(extra_ptr + t.to(tl.int64) * s_extra + xi, mask=xmask, other=0)
+            kvmask = xmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(xmask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     out = acc / l_i[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -243,6 +275,22 @@ def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_siz
     return T
 
 
+def _check_extra(extra_slots, num_extra, rows: int, device) -> None:
+    """`extra_slots` `[rows, W]` int64 (unit column stride), `0 <= num_extra <= W` (host int)."""
+    if isinstance(num_extra, bool) or not isinstance(num_extra, int) or num_extra < 0:
+        raise ValueError(f"num_extra: expected an int >= 0, got {num_extra!r}")
+    if extra_slots is None:
+        if num_extra:
+            raise ValueError(f"extra_slots: expected a [T, W] int64 tensor with num_extra="
+                             f"{num_extra}, got None")
+        return
+    expect_tensor("extra_slots", extra_slots, shape=(rows, "W"), dtypes=torch.int64,
+                  device=device, layout="rows")
+    if num_extra > extra_slots.shape[1]:
+        raise ValueError(f"num_extra: expected <= extra_slots' width {extra_slots.shape[1]}, "
+                         f"got {num_extra}")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -257,6 +305,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     q_index: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    num_extra: int = 0,
 ) -> torch.Tensor:
     """Decode attention of q ``[T, Hq, D]`` over a paged KV cache; returns ``[T, Hq, D]``.
 
@@ -268,9 +318,11 @@ def paged_decode_attention(
     strides are free. CUDA-graph capturable (with splits it allocates fp32
     work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``). With ``q_index`` ``[T]``
     (int32/int64, contiguous) row t's query is ``q[q_index[t]]`` (q is then any
-    ``[R, Hq, D]``; index values must lie in ``[0, R)``).
+    ``[R, Hq, D]``; index values must lie in ``[0, R)``). ``extra_slots`` ``[T, W]`` int64
+    (unit column stride) and ``num_extra``: the second segment (module doc).
     """
     T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    _check_extra(extra_slots, num_extra, T, q.device)
     _, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -290,6 +342,9 @@ def paged_decode_attention(
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
     # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
     dot_fp32 = q.dtype == torch.float32 or interpreting()
+    extra = extra_slots is not None and num_extra > 0
+    rest = dict(launch_options(q.device, T, early=True))
+    pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1), q if q_index is None else q_index,
         k_cache, k_cache.stride(0), k_cache.stride(1),
@@ -301,7 +356,11 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         Q_INDEX=q_index is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device, T, early=True),
+        PDL=pdl, EARLY=early,
+        extra_ptr=extra_slots if extra else q,  # unread without EXTRA (q: no early-read alias)
+        s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
+        XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
     )
     if not one:
         _decode_combine_kernel[(T, Hq)](
@@ -327,10 +386,14 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     q_index: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    num_extra: int = 0,
 ) -> torch.Tensor:
-    """Torch reference: per row, gather the slots of ``[0, kv_len)``, fp32 softmax."""
+    """Torch reference: per row, gather the slots of ``[0, kv_len)`` (then
+    ``extra_slots[t, :num_extra]``), fp32 softmax."""
     del max_kv_len, num_splits
-    _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    _check_extra(extra_slots, num_extra, T, q.device)
     if q_index is not None:
         q = q.index_select(0, q_index)
     T, Hq, D = q.shape
@@ -341,6 +404,8 @@ def paged_decode_attention_ref(
         req = int(req_pool_indices[t])
         pos = torch.arange(n, device=q.device)
         slots = kv_slot(req_to_page, req, pos, page_size)
+        if extra_slots is not None and num_extra > 0:
+            slots = torch.cat([slots, extra_slots[t, :num_extra].long()])
         k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
         v = v_cache[slots].float().repeat_interleave(G, dim=1)
         s = torch.einsum("hd,nhd->hn", q[t].float(), k) * sm_scale

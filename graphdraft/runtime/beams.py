@@ -23,7 +23,10 @@ Decode level j = 1..K-1 (`decode_step`, logits `[B*k, Vd]`, one row per beam, ro
 "The k best": the order of `graphdraft.runtime.tree.score_key` (higher first, ties to the lower index,
 NaN as -inf), so the tree build's tie rule and this one agree. With `k = 1` the token is
 chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
-(`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit.
+(`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit. With `k = 1` a
+caller may hand the head's own greedy ids (`greedy_ids [R]`, target ids: the fused argmax
+chain drafts with, on either kernel path and for any float dtype); they are then the beams'
+tokens and the row max of the log-probs their scores.
 """
 
 from __future__ import annotations
@@ -110,13 +113,28 @@ def _map(idx: torch.Tensor, hot_token_ids: torch.Tensor | None) -> torch.Tensor:
     return idx if hot_token_ids is None else hot_token_ids[idx].to(torch.int64)
 
 
+def _greedy(spec: TreeSpec, logits: torch.Tensor, greedy_ids: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k = 1 with the caller's greedy ids: (row max of the log-probs `[R, 1]`, ids `[R, 1]`)."""
+    if spec.topk != 1:
+        raise ValueError(f"greedy_ids: expected only with speculative_eagle_topk=1, got "
+                         f"topk={spec.topk}")
+    expect_tensor("greedy_ids", greedy_ids, shape=(logits.shape[0],))
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.amax(dim=-1, keepdim=True), greedy_ids.to(torch.int64).unsqueeze(1)
+
+
 def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
-               hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0) -> None:
+               hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
+               greedy_ids: torch.Tensor | None = None) -> None:
     """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`."""
     bs = _check(spec, st, logits, 1, "B", hot_token_ids)
     k = spec.topk
-    s, idx = _top(spec, logits)
-    tok = _map(idx, hot_token_ids)
+    if greedy_ids is not None:
+        s, tok = _greedy(spec, logits, greedy_ids)
+    else:
+        s, idx = _top(spec, logits)
+        tok = _map(idx, hot_token_ids)
     st.beam_tok.copy_(tok)
     st.beam_score.copy_(s)
     st.beam_cand.copy_(torch.arange(k, device=logits.device).expand(bs, k))
@@ -132,7 +150,8 @@ def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
 
 def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
                 hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
-                hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None) -> None:
+                hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None,
+                greedy_ids: torch.Tensor | None = None) -> None:
     """Decode level `j` (1..K-1) from `logits [B*k, Vd]` (row `r*k + b` = beam b of row r);
     writes `st` (module doc). With `hid_out [B*k, H]` and `hid_next [B*k, H]` also gathers the
     next step's hidden input `hid_next[r*k + b] = hid_out[r*k + parent_beam[r, b]]`
@@ -149,8 +168,12 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
     if hid_out is not None and hid_out.data_ptr() == hid_next.data_ptr():
         raise ValueError("hid_next: expected a buffer apart from hid_out")
     k, dev = spec.topk, logits.device
-    lp, idx = _top(spec, logits)                                   # [B*k, k]
-    lp, ct = lp.view(bs, k, k), _map(idx, hot_token_ids).view(bs, k, k)
+    if greedy_ids is not None:
+        lp, tok = _greedy(spec, logits, greedy_ids)
+    else:
+        lp, idx = _top(spec, logits)                               # [B*k, k]
+        tok = _map(idx, hot_token_ids)
+    lp, ct = lp.view(bs, k, k), tok.view(bs, k, k)
     cum = st.beam_score.unsqueeze(2) + lp                          # [B, k, k]
     off = spec.level_offset(j + 1)
     st.cand_score[:, off:off + k * k].copy_(cum.view(bs, k * k))

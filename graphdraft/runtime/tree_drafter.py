@@ -1,0 +1,187 @@
+"""Tree drafting with `k` beams (TREE.md section 1): an EAGLE-3 head's first step, its `K-1`
+beam-expanding decode steps, and the tree build, over fixed-shape buffers (no host sync, the
+same code eagerly and inside a captured CUDA graph).
+
+Symbols: `graphdraft.runtime.tree` (K steps, k beams, n verified nodes, P = min(K+1, n),
+M candidates). A batch of `B` rows; row r is request slot `req[r]`.
+
+First step (`first_step`, chain's layout of width P): ids `[B*P]` (the target's tokens at the
+accepted path's nodes, then the bonus: `out_tokens` of tree acceptance), hidden `[B*P, kH]`
+(the target's aux hidden states at those nodes: `hid_c`), positions `L + d`, KV written
+through the page table at `L .. L+P-1` (only `< Ld = L + accept_len` is ever read), the LM
+head on row `r*P + accept_len - 1`, attending over `[0, Ld)`. A prefill hands the same
+level-1 inputs (`expand`: logits `[B, Vd]`, hidden `[B, H]`) from its own first step.
+
+Decode step j = 1 .. K-1 (`expand`), one query per beam (row `r*k + b`): token `beam_tok`,
+hidden = the parent beam's output hidden (level 1: the first step's), rope position
+`Ld + j - 1` (chain's step-j position), KV written to the scratch slot `scratch(r, b, j)`,
+attending to the committed draft prefix `[0, Ld)` plus exactly its `j` ancestor-or-self
+scratch slots `anc[r, b, :j]` (`models.attention.BeamMetadata`): never a cousin's KV.
+`graphdraft.runtime.beams` keeps the beams, the candidate store and the ancestor table.
+
+Scratch region: the draft KV pool holds `num_pages` pages the page table can address, then
+`ceil(max_bs*k*(K-1) / page_size)` more that no page table ever points at (beam KV never lands
+in a request's pages); `scratch_base = num_pages * page_size`.
+
+k = 1 is chain, bit for bit: the decode steps write through the page table at `Ld + j - 1`
+and attend over `[0, Ld + j)` (the chain drafter's multi-step exactly), the selection is the
+argmax (`beams`), so tokens and KV equal `EagleDrafter`'s on the same inputs.
+
+Tree build (`kernels.tree_build`): root = the bonus token, `L = Ld`; writes `tree`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphdraft import ops
+from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
+from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.kv_cache import KVPool
+from graphdraft.runtime.tree import TreeSpec, scratch_slots
+
+__all__ = ["TreeDrafter"]
+
+
+class TreeDrafter:
+    """Beam drafting for one `Eagle3DraftHead` over a shared page table.
+
+    Buffers (allocated once for `max_bs` rows; a batch of B uses the first rows):
+
+    | buffer | shape | dtype |
+    |---|---|---|
+    | first_ids, first_pos, first_loc | `[max_bs*P]` | int64 (first step's ids, rope positions, KV slots) |
+    | first_hidden | `[max_bs*P, kH]` | head dtype (`hid_c`) |
+    | gather | `[max_bs]` | int64 (the LM-head row of each request) |
+    | prefix | `[max_bs]` | int32 (`Ld`: the draft prefix every beam sees) |
+    | hid1 | `[max_bs, H]` | head dtype (first step's output hidden) |
+    | beam_ids, beam_pos, beam_loc, beam_req | `[max_bs*k]` | int64 |
+    | beam_lens | `[max_bs*k]` | int32 (Ld per beam; k = 1: Ld + j) |
+    | hid_in, hid_out | `[max_bs*k, H]` | head dtype (a step's hidden input / output) |
+    | beams | `runtime.beams.BeamState` | |
+    | tree | `kernels.tree_build.TreeBuffers` | |
+    """
+
+    def __init__(self, head: Eagle3DraftHead, spec: TreeSpec, *, req_to_page: torch.Tensor,
+                 page_size: int, num_pages: int, max_context_len: int, max_bs: int,
+                 use_triton: bool, device: str | torch.device) -> None:
+        if not isinstance(spec, TreeSpec):
+            raise ValueError(f"spec: expected a TreeSpec, got {type(spec).__name__}")
+        if spec.topk > head.config.output_vocab_size:
+            raise ValueError(f"speculative_eagle_topk: expected <= the draft vocab "
+                             f"{head.config.output_vocab_size}, got {spec.topk}")
+        self.head, self.spec = head, spec
+        self.device = torch.device(device)
+        self.req_to_page, self.page_size = req_to_page, page_size
+        self.max_bs, self.use_triton = max_bs, use_triton
+        mc = head.config
+        extra = -(-scratch_slots(spec, max_bs) // page_size) if spec.steps > 1 else 0
+        self.num_pages = num_pages
+        self.scratch_base = num_pages * page_size
+        self.kv = KVPool(1, num_pages + max(extra, 0), page_size, mc.num_key_value_heads,
+                         mc.head_dim, head.dtype, self.device)
+        self.backend = PagedAttentionBackend(req_to_page, page_size, max_context_len, use_triton)
+        P, k, dev = spec.P, spec.topk, self.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.first_ids = torch.zeros(max_bs * P, **i64)
+        self.first_pos = torch.zeros(max_bs * P, **i64)
+        self.first_loc = torch.zeros(max_bs * P, **i64)
+        self.first_hidden = torch.zeros(max_bs * P, head.target_hidden_width, dtype=head.dtype,
+                                        device=dev)
+        self.gather = torch.zeros(max_bs, **i64)
+        self.prefix = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.hid1 = torch.zeros(max_bs, mc.hidden_size, dtype=head.dtype, device=dev)
+        self.beam_ids = torch.zeros(max_bs * k, **i64)
+        self.beam_pos = torch.zeros(max_bs * k, **i64)
+        self.beam_loc = torch.zeros(max_bs * k, **i64)
+        self.beam_req = torch.zeros(max_bs * k, **i64)
+        self.beam_lens = torch.ones(max_bs * k, dtype=torch.int32, device=dev)
+        self.hid_in = torch.zeros(max_bs * k, mc.hidden_size, dtype=head.dtype, device=dev)
+        self.hid_out = torch.zeros(max_bs * k, mc.hidden_size, dtype=head.dtype, device=dev)
+        self.beams = BeamState.allocate(spec, max_bs, dev)
+        self.tree = TreeBuffers.allocate(spec, max_bs, dev)
+
+    def _use_head_kernels(self) -> None:
+        if self.head.use_triton != self.use_triton:
+            self.head.set_use_triton(self.use_triton)
+
+    # ------------------------------------------------------------------
+    def first_step(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,
+                   accept_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first draft step over `first_ids` / `first_hidden` `[bs*P]` (module doc):
+        `req` `[bs]`, `prefix_len` `[bs]` (`L`, the accepted path's first position),
+        `accept_len` `[bs]` in 1..P. Writes `prefix` = `L + accept_len`; returns the level-1
+        logits `[bs, Vd]` and hidden `[bs, H]` (`expand`'s inputs)."""
+        P = self.spec.P
+        for name, t in (("req", req), ("prefix_len", prefix_len), ("accept_len", accept_len)):
+            expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES)
+        self._use_head_kernels()
+        d = torch.arange(P, device=self.device)
+        acc = accept_len.long().clamp(1, P)
+        pos = self.first_pos[: bs * P].view(bs, P)
+        torch.add(prefix_len.long().unsqueeze(1), d, out=pos)
+        self.first_loc[: bs * P].view(bs, P).copy_(
+            ops.kv_slots(self.req_to_page, req.long().unsqueeze(1), pos, self.page_size))
+        torch.add(torch.arange(bs, device=self.device) * P - 1, acc, out=self.gather[:bs])
+        self.prefix[:bs].copy_(prefix_len.long() + acc)
+        meta = self.backend.bind_metadata(req, self.prefix[:bs])
+        out = self.head(self.first_ids[: bs * P], self.first_pos[: bs * P],
+                        self.first_hidden[: bs * P], self.first_loc[: bs * P], self.kv.layer(0),
+                        self.backend, meta, self.gather[:bs], hidden_out=self.hid1[:bs])
+        return out.logits, self.hid1[:bs], out.ids
+
+    def expand(self, bs: int, logits: torch.Tensor, hidden: torch.Tensor, req: torch.Tensor,
+               prefix: torch.Tensor, root: torch.Tensor,
+               ids: torch.Tensor | None = None) -> TreeBuffers:
+        """Level 1 from `logits [bs, Vd]` / `hidden [bs, H]`, the K-1 beam steps, the tree
+        build (root token `root [bs]`, prefix `prefix [bs]` = Ld, the root's position);
+        returns `tree.rows(bs)`. `ids [bs]`: the head's greedy target ids of `logits` (k = 1:
+        chain's own selection, used as the level-1 tokens)."""
+        spec, k = self.spec, self.spec.topk
+        expect_tensor("hidden", hidden, shape=(bs, self.head.config.hidden_size))
+        for name, t in (("req", req), ("prefix", prefix), ("root", root)):
+            expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES)
+        self._use_head_kernels()
+        st = self.beams.rows(bs)
+        hot = self.head.hot_token_ids
+        chain = k == 1
+        first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
+                   greedy_ids=ids if chain else None)
+        bk = bs * k
+        hid_in, hid_out = self.hid_in[:bk], self.hid_out[:bk]
+        if spec.steps > 1:
+            hid_in.view(bs, k, -1).copy_(hidden.unsqueeze(1).expand(bs, k, hidden.shape[1]))
+            self.beam_req[:bk].view(bs, k).copy_(req.long().unsqueeze(1).expand(bs, k))
+            ld = prefix.long()
+            if k > 1:
+                self.beam_lens[:bk].view(bs, k).copy_(ld.unsqueeze(1).expand(bs, k))
+        for j in range(1, spec.steps):
+            self.beam_ids[:bk].copy_(st.beam_tok.view(bk))
+            pos = self.beam_pos[:bk].view(bs, k)
+            pos.copy_((ld + (j - 1)).unsqueeze(1).expand(bs, k))
+            if k == 1:  # chain: through the page table, attending [0, Ld + j)
+                self.beam_loc[:bk].copy_(ops.kv_slots(self.req_to_page, self.beam_req[:bk],
+                                                      self.beam_pos[:bk], self.page_size))
+                self.beam_lens[:bk].copy_(ld + j)
+                meta = self.backend.bind_metadata(self.beam_req[:bk], self.beam_lens[:bk])
+            else:       # own scratch slot; prefix + the j ancestor-or-self slots
+                self.beam_loc[:bk].view(bs, k).copy_(st.anc[:, :, j - 1])
+                meta = BeamMetadata(self.beam_req[:bk], self.beam_lens[:bk],
+                                    st.anc.view(bk, spec.anc_width), j)
+            out = self.head(self.beam_ids[:bk], self.beam_pos[:bk], hid_in, self.beam_loc[:bk],
+                            self.kv.layer(0), self.backend, meta, hidden_out=hid_out)
+            decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
+                        hid_out=hid_out, hid_next=hid_in, greedy_ids=out.ids if chain else None)
+        tree = self.tree.rows(bs)
+        build = build_tree if self.use_triton else build_tree_ref
+        build(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree)
+        return tree
+
+    def draft(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,
+              accept_len: torch.Tensor, root: torch.Tensor) -> TreeBuffers:
+        """`first_step` then `expand` (root = the bonus token, prefix `L + accept_len`)."""
+        logits, hidden, ids = self.first_step(bs, req, prefix_len, accept_len)
+        return self.expand(bs, logits, hidden, req, self.prefix[:bs], root, ids)

@@ -1,0 +1,499 @@
+"""The tree speculative cycle (TREE.md sections 3-5) and a runner that drives it.
+
+`TreeCycle` holds the cycle's device stages over fixed-shape buffers (first `bs` rows of
+buffers allocated for `max_bs`); every stage is graph-capturable (no host sync, no
+data-dependent shape) and the same code runs eagerly:
+
+  verify   the target over n tree tokens per row: ids = tree tokens `[B*n]`, rope positions
+           `L + depth`, KV written at the page-table slots of `L + i` (the node's logical
+           index, not its depth), `RowMetadata` of uniform rows of n with the ancestor mask
+           bits (`kernels.extend_attention`; page_size 1 and 16 alike)
+  accept   `kernels.tree_accept`: greedy walk (argmax at every node) or, for rows with
+           temperature > 0, sampled tree acceptance (exact: each emitted token follows the
+           target's softmax(logits / T)); greedy rows in a sampled batch are one-hot rows
+  compact  `kernels.kv_move`: the accepted path's target KV moved to `L .. L+acc-1`
+           (overlap-safe), its aux hidden states gathered to `hid_c [B*P, kH]` (the drafter's
+           first-step hidden buffer: no copy), its tokens (`out_tokens`) written by accept
+           straight into the drafter's first-step ids
+  draft    `runtime.tree_drafter.TreeDrafter`: chain's first step of width P (so the next
+           cycle's first step is the chain's), the K-1 beam steps, the tree build
+  commit   L += accept_len; pack `[B, P + 1]` int64 = out_tokens, accept_len
+
+Per row state between cycles: `req` (request slot), `prefix_len` (L: committed target KV
+length = the root's position), the drafter's tree (root = the last bonus token).
+
+`TreeRunner` drives whole speculative steps for a fixed batch of requests (eager prefill,
+then cycles), eagerly or as one captured CUDA graph per padded batch size
+(`capture.CapturedForward`); padded rows are reset to an inert state before every run
+(dummy request slot 0: every KV write lands on the reserved page 0; a root-only tree).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from graphdraft import ops
+from graphdraft.kernels.kv_move import (
+    gather_accepted_hidden,
+    gather_accepted_hidden_ref,
+    move_accepted_kv,
+    move_accepted_kv_ref,
+)
+from graphdraft.kernels.tree_accept import tree_accept, tree_accept_ref
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.llama import LlamaForCausalLM
+from graphdraft.runtime.kv_cache import KVPool, PageTable
+from graphdraft.runtime.tree import TreeSpec
+from graphdraft.runtime.tree_drafter import TreeDrafter
+
+__all__ = ["SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult", "row_target_probs"]
+
+
+def row_target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """Per-row `serving.verify.target_probs` in fixed shapes (capturable): logits `[R, V]`,
+    temperature / top_p `[R]` float32, top_k `[R]` int64 (0: off), greedy_ids `[R]` (the
+    argmax) -> fp32 probabilities `[R, V]`: softmax(logits / T) restricted to the top_k
+    largest, then to the smallest prefix (by probability) whose mass before a token stays
+    below top_p, renormalised; a row with temperature 0 is one-hot at `greedy_ids`."""
+    r, v = logits.shape
+    temp = temperature.float().unsqueeze(1)
+    x = logits.float() / temp.clamp(min=1e-6)
+    sx, order = torch.sort(x, dim=-1, descending=True)
+    kk = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
+    kth = sx.gather(1, kk - 1)
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sp = probs.gather(1, order)                              # sorted probabilities
+    before = torch.cumsum(sp, dim=-1) - sp
+    sp = sp.masked_fill(before >= top_p.float().unsqueeze(1), 0.0)
+    nucleus = torch.zeros_like(probs).scatter_(1, order, sp)
+    nucleus = nucleus / nucleus.sum(-1, keepdim=True)
+    probs = torch.where((top_p < 1).unsqueeze(1), nucleus, probs)
+    onehot = torch.zeros_like(probs).scatter_(1, greedy_ids.long().unsqueeze(1), 1.0)
+    return torch.where(temp > 0, probs, onehot)
+
+
+class SlotTrees:
+    """Each request slot's tree between cycles, for a serving loop whose rows change between
+    steps (the Engine keeps per-slot state: `SlotState`): `[num_slots, n]` int64 tables of
+    the `TREE_FIELDS` of `kernels.tree_build.TreeBuffers`. `store` after the draft (rows of
+    slot 0, padded or inert, leave every table as it was: slot 0 keeps the neutral root-only
+    tree), `load` before the verify (positions = `prefix_len + depth`, retrieve_index
+    `r*n + i` recomputed). Fixed shapes, no host sync."""
+
+    TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling")
+
+    def __init__(self, spec: TreeSpec, num_slots: int, device: str | torch.device) -> None:
+        self.spec = spec
+        for f in self.TREE_FIELDS:
+            setattr(self, f, torch.zeros(num_slots, spec.n, dtype=torch.int64, device=device))
+        i = torch.arange(spec.n, device=device)
+        self.tokens.zero_()
+        self.parents.copy_(torch.where(i == 0, -1, 0).expand_as(self.parents))
+        self.depths.copy_((i > 0).long().expand_as(self.depths))
+        self.mask.copy_(((1 << i) | 1).expand_as(self.mask))
+        self.first_child.fill_(-1)
+        self.next_sibling.fill_(-1)
+
+    def store(self, tree, slot_rows: torch.Tensor) -> None:
+        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]`."""
+        live = (slot_rows > 0).unsqueeze(1)
+        idx = slot_rows.long()
+        for f in self.TREE_FIELDS:
+            table = getattr(self, f)
+            src = torch.where(live, getattr(tree, f), table[0].unsqueeze(0))
+            table.index_copy_(0, idx, src)
+
+    def load(self, tree, slot_rows: torch.Tensor, prefix_len: torch.Tensor) -> None:
+        """The tables' rows `slot_rows [bs]` into `tree` (TreeBuffers rows `[bs, n]`)."""
+        idx = slot_rows.long()
+        for f in self.TREE_FIELDS:
+            torch.index_select(getattr(self, f), 0, idx, out=getattr(tree, f))
+        tree.positions.copy_(prefix_len.long().unsqueeze(1) + tree.depths)
+        bs, n = tree.tokens.shape
+        tree.retrieve_index.copy_(torch.arange(bs, device=idx.device).unsqueeze(1) * n
+                                  + torch.arange(n, device=idx.device))
+
+
+class TreeCycle:
+    """The cycle's stages (module doc) over these buffers (`max_bs` rows):
+
+    | buffer | shape | dtype |
+    |---|---|---|
+    | req, prefix_len | `[max_bs]` | int64 (request slot; L) |
+    | temperature, top_p | `[max_bs]` | float32 (0: greedy row; 1: no nucleus filter) |
+    | top_k | `[max_bs]` | int64 (0: off) |
+    | v_loc | `[max_bs*n]` | int64 (verify KV slots of `L + i`) |
+    | v_seq | `[max_bs]` | int32 (`L + n`) |
+    | aux | `[max_bs*n, kH]` | target dtype (aux hidden states at every node) |
+    | target_ids | `[max_bs*n]` | int64 (argmax at every node) |
+    | coins, final_coin | `[max_bs, n]`, `[max_bs]` | float32 (filled before each run) |
+    | accept_len | `[max_bs]` | int32 |
+    | accept_index | `[max_bs, P]` | int64 |
+    | bonus | `[max_bs]` | int64 |
+    | pack | `[max_bs, P + 1]` | int64 (out_tokens, accept_len) |
+    """
+
+    def __init__(self, target: LlamaForCausalLM, drafter: TreeDrafter, kv: KVPool,
+                 backend: PagedAttentionBackend, *, sampling: bool = False) -> None:
+        spec = drafter.spec
+        if target.aux_hidden_width != drafter.head.target_hidden_width:
+            raise ValueError(f"head: its fc input width ({drafter.head.target_hidden_width}) "
+                             f"does not match the target's aux hidden width "
+                             f"({target.aux_hidden_width})")
+        self.target, self.drafter, self.kv, self.backend = target, drafter, kv, backend
+        self.spec, self.sampling = spec, bool(sampling)
+        mb, n, P, dev = drafter.max_bs, spec.n, spec.P, drafter.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.req = torch.zeros(mb, **i64)
+        self.prefix_len = torch.zeros(mb, **i64)
+        self.temperature = torch.zeros(mb, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(mb, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(mb, **i64)
+        self.v_loc = torch.zeros(mb * n, **i64)
+        self.v_seq = torch.ones(mb, dtype=torch.int32, device=dev)
+        self.aux = torch.zeros(mb * n, target.aux_hidden_width, dtype=target.dtype, device=dev)
+        self.target_ids = torch.zeros(mb * n, **i64)
+        self.coins = torch.full((mb, n), 0.5, dtype=torch.float32, device=dev)
+        self.final_coin = torch.full((mb,), 0.5, dtype=torch.float32, device=dev)
+        self.accept_len = torch.ones(mb, dtype=torch.int32, device=dev)
+        self.accept_index = torch.zeros(mb, P, **i64)
+        self.bonus = torch.zeros(mb, **i64)
+        self.pack = torch.zeros(mb, P + 1, **i64)
+
+    @property
+    def use_triton(self) -> bool:
+        return self.drafter.use_triton
+
+    def out_tokens(self, bs: int) -> torch.Tensor:
+        """`[bs, P]`: tree acceptance's tokens, written into the drafter's first-step ids."""
+        return self.drafter.first_ids[: bs * self.spec.P].view(bs, self.spec.P)
+
+    # --- stages -------------------------------------------------------------
+    def verify(self, bs: int):
+        """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`)."""
+        n, tree = self.spec.n, self.drafter.tree.rows(bs)
+        i = torch.arange(n, device=self.req.device)
+        self.v_loc[: bs * n].view(bs, n).copy_(ops.kv_slots(
+            self.backend.req_to_page, self.req[:bs].unsqueeze(1),
+            self.prefix_len[:bs].unsqueeze(1) + i, self.backend.page_size))
+        self.v_seq[:bs].copy_(self.prefix_len[:bs] + n)
+        meta = self.backend.uniform_row_metadata(self.req[:bs], self.v_seq[:bs], n,
+                                                 mask_bits=tree.mask.view(bs * n))
+        return self.target(tree.tokens.view(bs * n), tree.positions.view(bs * n),
+                           self.v_loc[: bs * n], self.kv, self.backend, meta, None,
+                           capture_aux=True, aux_out=self.aux[: bs * n])
+
+    def accept(self, bs: int, logits: torch.Tensor) -> None:
+        """Tree acceptance over `logits [bs*n, V]` -> accept_len, accept_index, out_tokens, bonus."""
+        n, tree = self.spec.n, self.drafter.tree.rows(bs)
+        self.target_ids[: bs * n].copy_(torch.argmax(logits, dim=-1))
+        outs = dict(accept_len=self.accept_len[:bs], accept_index=self.accept_index[:bs],
+                    out_tokens=self.out_tokens(bs), bonus=self.bonus[:bs])
+        fn = tree_accept if self.use_triton else tree_accept_ref
+        if not self.sampling:
+            fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling,
+               target=self.target_ids[: bs * n], **outs)
+            return
+        rep = lambda t: t[:bs].repeat_interleave(n)                          # [bs*n]
+        probs = row_target_probs(logits, rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                                 self.target_ids[: bs * n])
+        fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling, probs=probs,
+           coins=self.coins[:bs], final_coin=self.final_coin[:bs], **outs)
+
+    def compact(self, bs: int) -> None:
+        """Target KV of the accepted path to `L .. L+acc-1`; its aux hidden to `hid_c`."""
+        n, P = self.spec.n, self.spec.P
+        move = move_accepted_kv if self.use_triton else move_accepted_kv_ref
+        gather = gather_accepted_hidden if self.use_triton else gather_accepted_hidden_ref
+        move(self.kv.k, self.kv.v, self.backend.req_to_page, self.req[:bs], self.prefix_len[:bs],
+             self.accept_index[:bs], self.accept_len[:bs], self.backend.page_size)
+        gather(self.aux[: bs * n], self.accept_index[:bs], self.accept_len[:bs], n,
+               self.drafter.first_hidden[: bs * P])
+
+    def draft_and_commit(self, bs: int) -> torch.Tensor:
+        """The drafter's first step (L, accept_len), L += accept_len, the beam steps and tree
+        build (root = bonus); returns pack[:bs] `[bs, P + 1]`."""
+        d, P = self.drafter, self.spec.P
+        logits, hidden, ids = d.first_step(bs, self.req[:bs], self.prefix_len[:bs],
+                                           self.accept_len[:bs])
+        self.prefix_len[:bs].copy_(d.prefix[:bs])
+        d.expand(bs, logits, hidden, self.req[:bs], self.prefix_len[:bs], self.bonus[:bs], ids)
+        self.pack[:bs, :P].copy_(self.out_tokens(bs))
+        self.pack[:bs, P].copy_(self.accept_len[:bs])
+        return self.pack[:bs]
+
+    def run(self, bs: int) -> torch.Tensor:
+        """One whole cycle over `bs` rows (graph-capturable); returns pack[:bs]."""
+        out = self.verify(bs)
+        self.accept(bs, out.logits)
+        self.compact(bs)
+        return self.draft_and_commit(bs)
+
+    def neutral_rows(self, start: int, stop: int) -> None:
+        """Rows [start, stop) inert: request slot 0 (every write on the dummy page), L = 0,
+        greedy, a root-only tree (no child: accept 1)."""
+        if stop <= start:
+            return
+        tree = self.drafter.tree
+        n = self.spec.n
+        self.req[start:stop] = 0
+        self.prefix_len[start:stop] = 0
+        self.temperature[start:stop] = 0.0
+        self.top_k[start:stop] = 0
+        self.top_p[start:stop] = 1.0
+        i = torch.arange(n, device=self.req.device)
+        tree.tokens[start:stop] = 0
+        tree.parents[start:stop] = torch.where(i == 0, -1, 0)
+        tree.depths[start:stop] = (i > 0).long()
+        tree.positions[start:stop] = (i > 0).long()
+        tree.mask[start:stop] = (1 << i) | 1
+        tree.first_child[start:stop] = -1
+        tree.next_sibling[start:stop] = -1
+
+
+class TreeStepResult:
+    """One step's host copy: `tokens[r]` the tokens row r emitted (accepted drafts + bonus),
+    `accept[r]` their count."""
+
+    def __init__(self, tokens: list[list[int]], accept: list[int]) -> None:
+        self.tokens, self.accept = tokens, accept
+
+
+class TreeRunner:
+    """Whole tree speculative steps for one batch of requests (module doc).
+
+    `target` / `head`: the models (same device and dtype). `spec`: the tree shape
+    (`TreeSpec` validates steps / topk / num_draft_tokens). The runner owns its page table,
+    the target's KV pool, the drafter (its KV pool with the scratch region) and the
+    `TreeCycle`; `capture_graphs()` captures `tree_cycle` per padded batch size of
+    `batch_size_schedule(max_bs, cuda_graph_bs)` (on CUDA, unless `enforce_eager` or
+    GRAPHDRAFT_EAGER=1). `sampling=True` computes the target's probabilities at every node
+    (needed for any row with temperature > 0)."""
+
+    def __init__(self, target: LlamaForCausalLM, head: Eagle3DraftHead, spec: TreeSpec, *,
+                 max_bs: int = 8, page_size: int = 16, max_context_len: int = 512,
+                 cuda_graph_bs: list[int] | None = None, use_triton: bool | None = None,
+                 enforce_eager: bool = False, sampling: bool = False, seed: int = 0,
+                 graph_pool: GraphPool | None = None) -> None:
+        if not isinstance(spec, TreeSpec):
+            raise ValueError(f"spec: expected a TreeSpec, got {type(spec).__name__}")
+        for name, v in (("max_bs", max_bs), ("page_size", page_size),
+                        ("max_context_len", max_context_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        param = next(target.parameters())
+        if next(head.parameters()).dtype != param.dtype or head.dtype != target.dtype:
+            raise ValueError(f"head: expected the target's dtype {target.dtype}, got {head.dtype}")
+        if max_context_len > min(target.config.max_position_embeddings,
+                                 head.config.max_position_embeddings):
+            raise ValueError(f"max_context_len: expected <= the models' max_position_embeddings, "
+                             f"got {max_context_len}")
+        self.device = param.device
+        self.spec, self.max_bs, self.page_size = spec, max_bs, page_size
+        self.max_context_len = max_context_len
+        self.use_triton = self.device.type == "cuda" if use_triton is None else bool(use_triton)
+        self.target, self.head = target, head
+        target.set_use_triton(self.use_triton)
+        tc = target.config
+        max_pages = -(-max_context_len // page_size)
+        num_pages = max_bs * max_pages + 1
+        self.pages = PageTable(max_bs, max_pages, num_pages, page_size, self.device)
+        self.kv = KVPool(tc.num_hidden_layers, num_pages, page_size, tc.num_key_value_heads,
+                         tc.head_dim, target.dtype, self.device)
+        self.backend = PagedAttentionBackend(self.pages.req_to_page, page_size, max_context_len,
+                                             self.use_triton)
+        self.drafter = TreeDrafter(head, spec, req_to_page=self.pages.req_to_page,
+                                   page_size=page_size, num_pages=num_pages,
+                                   max_context_len=max_context_len, max_bs=max_bs,
+                                   use_triton=self.use_triton, device=self.device)
+        self.cycle = TreeCycle(target, self.drafter, self.kv, self.backend, sampling=sampling)
+        self.schedule = batch_size_schedule(max_bs, cuda_graph_bs)
+        enabled = not (enforce_eager or eager_forced()) and self.device.type == "cuda"
+        self.graphs = CapturedForward("tree_cycle", self.cycle.run, self.schedule,
+                                      pool=graph_pool, enabled=enabled)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.host_gen = torch.Generator().manual_seed(seed)
+        self.slots: list[int] = []
+        self.done: list[bool] = []     # rows that reached max_new_tokens: inert from then on
+        self.cycle.neutral_rows(0, max_bs)
+
+    @property
+    def bs(self) -> int:
+        return len(self.slots)
+
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self, progress: bool = False) -> None:
+        """Capture `tree_cycle` for every scheduled size (largest first), before any request
+        is added (warm-up and capture run inert rows only)."""
+        if self.slots:
+            raise ValueError("capture_graphs: expected no active requests (call reset() first)")
+        self.cycle.neutral_rows(0, self.max_bs)
+        self.graphs.capture(progress=progress)
+        self.cycle.neutral_rows(0, self.max_bs)
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of the per-row state a step reads and commits (request slots, L,
+        temperatures, the drafter's tree). A benchmark replaying `graphs` alone advances the
+        requests at every replay; `restore_state` puts them back (KV past L is never read)."""
+        c, tree = self.cycle, self.drafter.tree
+        snap = {name: getattr(c, name).clone()
+                for name in ("req", "prefix_len", "temperature", "top_k", "top_p")}
+        snap.update({f"tree.{f}": getattr(tree, f).clone() for f in vars(tree)})
+        return snap
+
+    def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
+        """Copy a `state_snapshot` back in place (stream-ordered; no sync)."""
+        c, tree = self.cycle, self.drafter.tree
+        for name in ("req", "prefix_len", "temperature", "top_k", "top_p"):
+            getattr(c, name).copy_(snap[name])
+        for f in vars(tree):
+            getattr(tree, f).copy_(snap[f"tree.{f}"])
+
+    def reset(self) -> None:
+        """Free every request; all rows inert."""
+        for s in self.slots:
+            self.pages.free(s)
+        self.slots = []
+        self.done = []
+        self.cycle.neutral_rows(0, self.max_bs)
+
+    def finish(self, row: int) -> None:
+        """Row `row` is done: from the next step on it is inert (the dummy slot, a root-only
+        tree: it writes no page of its request and its output is to be ignored), so no row
+        ever grows past the pages `add` reserved for it."""
+        if not 0 <= row < self.bs:
+            raise ValueError(f"row: expected 0..{self.bs - 1}, got {row}")
+        self.done[row] = True
+
+    @torch.inference_mode()
+    def add(self, prompts: list[list[int]], max_new_tokens: int,
+            temperature: float | list[float] = 0.0, *, top_k: int = 0,
+            top_p: float = 1.0) -> list[int]:
+        """Prefill `prompts` as the batch (eager, one request at a time), sample or pick each
+        one's first token, draft its first tree. `temperature` per prompt (or one for all);
+        `top_k` (0: off) / `top_p` (1: off) for every sampled row. Returns each request's
+        first token. ValueError (nothing changed) when a prompt is empty, holds ids outside
+        the vocab, does not fit, the batch would exceed max_bs, or a sampling parameter is
+        out of range."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {top_p!r}")
+        temps = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+        vocab = self.target.config.vocab_size
+        if len(temps) != len(prompts):
+            raise ValueError(f"temperature: expected one per prompt ({len(prompts)}), got {len(temps)}")
+        if any(not isinstance(t, (int, float)) or t < 0 for t in temps):
+            raise ValueError(f"temperature: expected numbers >= 0, got {temps!r}")
+        if self.slots:
+            raise ValueError("prompts: expected no active requests (a batch is added at once; "
+                             "reset() first)")
+        if not prompts or len(prompts) > self.max_bs:
+            raise ValueError(f"prompts: expected 1..{self.max_bs} prompts, got {len(prompts)}")
+        if any(t > 0 for t in temps) and not self.cycle.sampling:
+            raise ValueError("temperature: expected 0 (greedy) for a runner built with sampling=False")
+        for i, p in enumerate(prompts):
+            if not p or not all(isinstance(t, int) and 0 <= t < vocab for t in p):
+                raise ValueError(f"prompts[{i}]: expected a non-empty list of ids in [0, {vocab})")
+            need = len(p) + max_new_tokens + self.spec.n + self.spec.P + 1
+            if need > self.max_context_len:
+                raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens {max_new_tokens} "
+                                 f"+ look-ahead exceed max_context_len ({self.max_context_len})")
+        roots, logits1, hid1, ids1 = [], [], [], []
+        for i, p in enumerate(prompts):
+            slot = self.pages.alloc_slot()
+            self.pages.reserve(slot, len(p) + max_new_tokens + self.spec.n + self.spec.P + 1)
+            self.slots.append(slot)
+            self.done.append(False)
+            root, lg, h, did = self._prefill(slot, p, float(temps[i]), top_k, top_p)
+            roots.append(root)
+            logits1.append(lg)
+            hid1.append(h)
+            ids1.append(did)
+        bs, c, dev = self.bs, self.cycle, self.device
+        c.req[:bs] = torch.tensor(self.slots, dtype=torch.int64, device=dev)
+        c.prefix_len[:bs] = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
+        c.temperature[:bs] = torch.tensor([float(t) for t in temps], dtype=torch.float32,
+                                          device=dev)
+        c.top_k[:bs] = top_k
+        c.top_p[:bs] = top_p
+        self.drafter.expand(bs, torch.cat(logits1), torch.cat(hid1), c.req[:bs],
+                            c.prefix_len[:bs], torch.tensor(roots, dtype=torch.int64, device=dev),
+                            torch.cat(ids1))
+        return roots
+
+    def _prefill(self, slot: int, prompt: list[int], temperature: float, top_k: int,
+                 top_p: float):
+        """Target + head over the whole prompt (eager) -> (first token, level-1 logits
+        `[1, Vd]`, hidden `[1, H]`, greedy ids `[1]`)."""
+        dev, L = self.device, len(prompt)
+        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        pos = torch.arange(L, device=dev)
+        req = torch.tensor([slot], dtype=torch.int64, device=dev)
+        loc = ops.kv_slots(self.pages.req_to_page, req, pos, self.page_size)
+        seq = torch.tensor([L], dtype=torch.int32, device=dev)
+        meta = self.backend.row_metadata(req, seq, seq.clone(), L)
+        last = torch.tensor([L - 1], dtype=torch.int64, device=dev)
+        out = self.target(ids, pos, loc, self.kv, self.backend, meta, last, capture_aux=True)
+        if temperature > 0:
+            one = lambda v, dt: torch.tensor([v], dtype=dt)
+            p = row_target_probs(out.logits[:1].float().cpu(), one(temperature, torch.float32),
+                                 one(top_k, torch.int64), one(top_p, torch.float32),
+                                 one(0, torch.int64))[0]
+            root = int(torch.multinomial(p, 1, generator=self.host_gen))
+        else:
+            root = int(torch.argmax(out.logits[0]))
+        d = self.drafter
+        d._use_head_kernels()
+        dids = torch.cat([ids[1:], torch.tensor([root], device=dev)])
+        dmeta = d.backend.bind_metadata(req, seq)
+        dout = self.head(dids, pos, out.aux_hidden, loc, d.kv.layer(0), d.backend, dmeta, last)
+        return root, dout.logits, dout.hidden, dout.ids
+
+    @torch.inference_mode()
+    def step(self) -> TreeStepResult:
+        """One speculative step over the active rows (graph replay at the padded size, or the
+        same functions eagerly); one device-to-host copy."""
+        bs = self.bs
+        if bs == 0:
+            raise ValueError("step: expected active requests (add() first)")
+        pbs = padded_batch_size(self.schedule, bs) or bs
+        self.cycle.neutral_rows(bs, pbs)
+        for row, done in enumerate(self.done):
+            if done:
+                self.cycle.neutral_rows(row, row + 1)
+        if self.cycle.sampling:
+            self.cycle.coins[:pbs].uniform_(0.0, 1.0, generator=self.gen)
+            self.cycle.final_coin[:pbs].uniform_(0.0, 1.0, generator=self.gen)
+        pack = self.graphs.run(pbs, padded_bs=pbs)
+        host = pack[:bs].cpu().tolist()
+        P = self.spec.P
+        return TreeStepResult([row[: row[P]] for row in host], [row[P] for row in host])
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float | list[float] = 0.0, *, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list[int]]:
+        """Serve `prompts` to `max_new_tokens` each (the batch steps together; a finished row
+        turns inert, `finish`). Returns (outputs, accept lengths of every (row, step) of a
+        live row); the runner is reset after."""
+        firsts = self.add(prompts, max_new_tokens, temperature, top_k=top_k, top_p=top_p)
+        outs = [[t] for t in firsts]
+        accepts: list[int] = []
+        for row, o in enumerate(outs):
+            if len(o) >= max_new_tokens:
+                self.finish(row)
+        while not all(self.done):
+            res = self.step()
+            for row, (o, toks, a) in enumerate(zip(outs, res.tokens, res.accept, strict=True)):
+                if not self.done[row]:
+                    o.extend(toks)
+                    accepts.append(a)
+                    if len(o) >= max_new_tokens:
+                        self.finish(row)
+        self.reset()
+        return [o[:max_new_tokens] for o in outs], accepts

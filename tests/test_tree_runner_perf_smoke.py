@@ -1,0 +1,21 @@
+"""perf/tree.py runs end to end on tiny models (CPU: a check of the script, not a timing)."""
+
+from __future__ import annotations
+
+import json
+
+from perf import tree
+
+
+def test_tree_perf_smoke(tmp_path, capsys):
+    assert tree.main(["--smoke", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-h200-tree.json")
+    data = json.loads(path.read_text())
+    assert data["smoke"] is True
+    for r in data["rows"]:
+        assert set(r) >= {"config", "bs", "accept_mean", "cycle_ms", "tokens_per_s"}
+        assert set(r["config"]) == {"steps", "topk", "num_draft_tokens"}
+        assert r["cycle_ms"] > 0 and r["accept_mean"] >= 1.0 and r["tokens_per_s"] > 0
+    assert {r["config"]["topk"] for r in data["rows"]} == {1, 4}
+    assert {a["temperature"] for a in data["accept"]} == {0.0, 0.7}
+    assert "projected tokens/s" in capsys.readouterr().out
