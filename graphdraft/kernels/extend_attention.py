@@ -412,8 +412,7 @@ def paged_extend_attention_ref(
                req_to_page, page_size, max_extend, uniform_n, mask_bits, out, REF_DTYPES)
     T, dev = q.shape[0], q.device
     if T == 0 or R == 0:
-        res = out if out is not None else torch.zeros_like(q)
-        return res
+        return out if out is not None else torch.zeros_like(q)
     if uniform_n:
         tok = torch.arange(T, device=dev)
         row, j, covered = tok // uniform_n, tok % uniform_n, None
@@ -422,7 +421,8 @@ def paged_extend_attention_ref(
         ext = extend_lens.long()
         # token -> row: row r names q rows q_starts[r] + j, j < extend_lens[r] (the rest: T, dropped)
         jj = torch.arange(max_extend, device=dev)
-        dest = torch.where(jj < ext[:, None], q_starts.long()[:, None] + jj, T)  # [R, max_extend]
+        dest = q_starts.long()[:, None] + jj                                 # [R, max_extend]
+        dest = torch.where((jj < ext[:, None]) & (dest >= 0) & (dest < T), dest, T)
         owner = torch.full((T + 1,), -1, dtype=torch.int64, device=dev)
         owner.scatter_(0, dest.reshape(-1), torch.arange(R, device=dev).repeat_interleave(max_extend))
         covered = owner[:T] >= 0
