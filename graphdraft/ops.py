@@ -4,9 +4,8 @@ Every op takes `kernels` (a `kernels.config.KernelConfig`; None: `kernel_config.
 torch path with the environment's settings): `kernels.backend == "triton"` runs the op's kernel
 wrapper and hands it `kernels` (its tiles, PDL, thresholds), "torch" runs the op's torch
 reference. Both live in the op's module under `graphdraft/kernels/` (kernel, wrapper and one
-torch reference side by side); this module only chooses, plus the plain torch attention
-(`_paged_attention_torch`), whose kernels' modules are owned apart. The kernel modules never
-import this one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shapes.
+torch reference side by side); this module only chooses. The kernel modules never import this
+one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shapes.
 
 | op | module (Triton wrapper / torch reference) |
 |---|---|
@@ -17,7 +16,8 @@ import this one. Both paths are CUDA-graph capturable: no host sync, no data-dep
 | `out_cache_loc_uniform`, `advance_positions_and_seq_lens` | `kernels/cache_loc.py` (`*_ref`) |
 | `decode_draft_indices` | `kernels/draft_indices.py` (`*_ref`) |
 | `stage_decode_inputs` | `kernels/stage_inputs.py` (`*_ref`) |
-| `paged_attention`, `paged_extend_attention` | `kernels/decode_attention.py`, `kernels/extend_attention.py`; torch here |
+| `paged_attention` | `kernels/decode_attention.py` (`paged_decode_attention_ref`) |
+| `paged_extend_attention` | `kernels/extend_attention.py` (`paged_extend_attention_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
 
@@ -33,9 +33,19 @@ from __future__ import annotations
 
 import torch
 
-from graphdraft.kernels import argmax, cache_loc, draft_indices, gemv, norm, rope, stage_inputs
+from graphdraft.kernels import (
+    argmax,
+    cache_loc,
+    decode_attention,
+    draft_indices,
+    extend_attention,
+    gemv,
+    norm,
+    rope,
+    stage_inputs,
+)
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.config import resolve as _kc  # kernels or the default; use_triton over it
+from graphdraft.kernels.config import resolve as _kc  # kernels, or the default config
 from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
@@ -120,49 +130,22 @@ def rope_and_store_qkv(qkv: torch.Tensor | SplitK, positions: torch.Tensor, cos_
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, req_to_page: torch.Tensor,
                     page_size: int, sm_scale: float, max_kv_len: int, *,
-                    q_index: torch.Tensor | None = None,
-                    kernels: KernelConfig | None = None) -> torch.Tensor:
-    """q `[T, Hq, D]` -> `[T, Hq, D]`; row t reads exactly positions `[0, kv_lens[t])`.
+                    q_index: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
+                    num_extra: int = 0, kernels: KernelConfig | None = None) -> torch.Tensor:
+    """q `[T, Hq, D]` -> `[T, Hq, D]`; row t reads exactly positions `[0, kv_lens[t])`, then
+    (tree drafting's beams) the cache slots `extra_slots[t, :num_extra]` (`[T, W]` int64).
 
     `max_kv_len` is a host upper bound of `kv_lens` (static: the context limit). With `q_index`
     `[T]` (int32/int64) the queries are `q.index_select(0, q_index)` (the Triton path gathers
     inside the attention kernel).
     """
-    if _kc(kernels).use_triton:
-        from graphdraft.kernels.decode_attention import paged_decode_attention
-        return paged_decode_attention(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
-                                      page_size, sm_scale, max_kv_len=max_kv_len, q_index=q_index)
-    if q_index is not None:
-        q = q.index_select(0, q_index)
-    return _paged_attention_torch(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
-                                  page_size, sm_scale, max_kv_len)
-
-
-def _paged_attention_torch(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size,
-                           sm_scale, max_kv_len, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain torch attention: row t over positions `[0, kv_lens[t])` (and, with `seen`
-    `[T, max_kv_len]` bool, only where it is True). It stays here, not beside the attention
-    kernels, until their modules (owned apart) take it."""
-    t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if t == 0:
-        return torch.empty_like(q)
-    pos = torch.arange(max_kv_len, device=q.device)
-    slots = cache_loc.kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0),
-                               page_size)
-    valid = pos.unsqueeze(0) < kv_lens.unsqueeze(1)                  # [T, L]
-    if seen is not None:
-        valid = valid & seen
-    k = k_cache[slots].float()                                        # [T, L, Hkv, D]
-    v = v_cache[slots].float()
-    qg = q.float().view(t, hkv, hq // hkv, d)                         # [T, Hkv, G, D]
-    scores = torch.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(valid[:, None, None, :], probs, torch.zeros_like(probs))  # NaN-safe
-    v = torch.where(valid[:, :, None, None], v, torch.zeros_like(v))  # garbage past kv_lens stays out
-    out = torch.einsum("thgl,tlhd->thgd", probs, v)
-    return out.reshape(t, hq, d).to(q.dtype)
+    kc = _kc(kernels)
+    args = (q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, sm_scale)
+    kw = dict(max_kv_len=max_kv_len, q_index=q_index, extra_slots=extra_slots,
+              num_extra=num_extra)
+    if kc.use_triton:
+        return decode_attention.paged_decode_attention(*args, **kw, kernels=kc)
+    return decode_attention.paged_decode_attention_ref(*args, **kw)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,33 +159,15 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (`graphdraft.kernels.extend_attention` has the semantics). Row r (`[R]` metadata) holds
     `extend_lens[r]` tokens (or `uniform_n` each) at q rows from `q_starts[r]`; token j sees
     `max(seq_lens[r] - extend_lens[r] + j + 1, 1)` positions, and with `mask_bits` `[T]` int64
-    only the row's new tokens whose bit is set. The torch path expands the rows to per-token
-    metadata (rows laid out in order: `q_starts` the exclusive cumsum of `extend_lens`) and runs
-    the same plain attention as `paged_attention`; the Triton path reads each KV block once per
-    (row, query block, kv head)."""
-    if _kc(kernels).use_triton:
-        from graphdraft.kernels.extend_attention import paged_extend_attention as kernel
-        return kernel(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
-                      req_to_page, page_size, sm_scale, max_kv_len=max_kv_len,
-                      max_extend=max_extend, uniform_n=uniform_n, mask_bits=mask_bits)
-    t = q.shape[0]
-    tok = torch.arange(t, device=q.device)
-    if uniform_n:
-        row = tok // uniform_n
-        j = tok % uniform_n
-        prefix = seq_lens.long()[row] - uniform_n
-    else:
-        row = torch.repeat_interleave(torch.arange(extend_lens.shape[0], device=q.device),
-                                      extend_lens.long(), output_size=t)
-        j = tok - q_starts.long()[row]
-        prefix = seq_lens.long()[row] - extend_lens.long()[row]
-    kv_lens = torch.clamp(prefix + j + 1, min=1)
-    seen = None
-    if mask_bits is not None:
-        i = torch.arange(max_kv_len, device=q.device)[None, :] - prefix[:, None]  # [T, L]
-        seen = (i < 0) | (((mask_bits[:, None] >> i.clamp(0, 63)) & 1) != 0)
-    return _paged_attention_torch(q, k_cache, v_cache, req_pool_indices[row], kv_lens,
-                                  req_to_page, page_size, sm_scale, max_kv_len, seen)
+    only the row's new tokens whose bit is set."""
+    kc = _kc(kernels)
+    args = (q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
+            page_size, sm_scale)
+    kw = dict(max_kv_len=max_kv_len, max_extend=max_extend, uniform_n=uniform_n,
+              mask_bits=mask_bits)
+    if kc.use_triton:
+        return extend_attention.paged_extend_attention(*args, **kw, kernels=kc)
+    return extend_attention.paged_extend_attention_ref(*args, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -228,16 +193,14 @@ def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
                           cache_start: torch.Tensor, req_to_page: torch.Tensor, page_size: int,
                           length: int, *, positions_out: torch.Tensor | None = None,
                           seq_lens_out: torch.Tensor | None = None,
-                          kernels: KernelConfig | None = None,
-                          use_triton: bool | None = None) -> None:
+                          kernels: KernelConfig | None = None) -> None:
     """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`; given
     `positions_out` int64 / `seq_lens_out` int32 `[bs]`, also `cache_start` and `cache_start + 1`
-    there (the first decode step's position and KV length). `use_triton` (None: `kernels`'
-    backend) is kept for callers that do not pass `kernels` yet."""
+    there (the first decode step's position and KV length)."""
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
-    kc = _kc(kernels, use_triton)
+    kc = _kc(kernels)
     if kc.use_triton:
         cache_loc.compute_out_cache_loc_uniform(
             out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req=1,
@@ -249,11 +212,10 @@ def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
 
 
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
-                                   *, kernels: KernelConfig | None = None,
-                                   use_triton: bool | None = None) -> None:
+                                   *, kernels: KernelConfig | None = None) -> None:
     """In place: `seq_lens += delta`, `positions += delta` (the seq-len alias refresh between
-    steps). `use_triton`: as `out_cache_loc_uniform`'s."""
-    kc = _kc(kernels, use_triton)
+    steps)."""
+    kc = _kc(kernels)
     if kc.use_triton:
         cache_loc.advance_positions_and_seq_lens(seq_lens, positions, delta, kernels=kc)
         return
@@ -348,12 +310,11 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
                          valid_cache_lengths: torch.Tensor, n: int, token_offset: int,
                          gather_ids: torch.Tensor, seq_lens: torch.Tensor, write_start: torch.Tensor,
                          tokens: torch.Tensor | None = None, last_token: torch.Tensor | None = None,
-                         *, kernels: KernelConfig | None = None,
-                         use_triton: bool | None = None) -> None:
+                         *, kernels: KernelConfig | None = None) -> None:
     """First draft step, decode rows: write `gather_ids`, `seq_lens`, `write_start` `[bs]` and,
     given the step's input ids `tokens`, `last_token = tokens[gather_ids]` (formulas in
-    `graphdraft.kernels.draft_indices`). `use_triton`: as `out_cache_loc_uniform`'s."""
-    kc = _kc(kernels, use_triton)
+    `graphdraft.kernels.draft_indices`)."""
+    kc = _kc(kernels)
     args = (accept, target_seq_lens, req, valid_cache_lengths, n, token_offset, gather_ids,
             seq_lens, write_start, tokens, last_token)
     if kc.use_triton:
@@ -364,10 +325,9 @@ def decode_draft_indices(accept: torch.Tensor, target_seq_lens: torch.Tensor, re
 
 def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tokens_src: torch.Tensor,
                         hidden_src: torch.Tensor, *, kernels: KernelConfig | None = None,
-                        use_triton: bool | None = None, **buffers) -> None:
+                        **buffers) -> None:
     """Copy a decode batch's draft inputs into the persistent buffers and pad rows/tokens up to
-    `pbs` (writes and buffer names in `graphdraft.kernels.stage_inputs`). `use_triton`: as
-    `out_cache_loc_uniform`'s."""
-    fn = (stage_inputs.stage_decode_inputs if _kc(kernels, use_triton).use_triton
+    `pbs` (writes and buffer names in `graphdraft.kernels.stage_inputs`)."""
+    fn = (stage_inputs.stage_decode_inputs if _kc(kernels).use_triton
           else stage_inputs.stage_decode_inputs_ref)
     fn(bs, pbs, n, accept_src, tokens_src, hidden_src, **buffers)

@@ -52,7 +52,8 @@ def accept_lengths(target, head, prompts, configs, *, new_tokens: int, device) -
         for temp in (0.0, 0.7):
             r = TreeRunner(target, head, spec, max_bs=len(prompts), page_size=16,
                            max_context_len=min(256, target.config.max_position_embeddings),
-                           enforce_eager=True, use_triton=False, sampling=temp > 0, seed=0)
+                           enforce_eager=True, kernels=target.kernels.with_backend("torch"),
+                           sampling=temp > 0, seed=0)
             _, acc = r.generate(prompts, new_tokens, temperature=temp)
             rows.append({"config": {"steps": steps, "topk": topk, "num_draft_tokens": n},
                          "temperature": temp, "accept_mean": round(sum(acc) / len(acc), 4),

@@ -32,6 +32,7 @@ it replaces, and the decode kernel at N = 1, against that layer's KV read once.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import time
@@ -40,7 +41,8 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels import extend_attention
-from graphdraft.kernels.config import TRITON
+from graphdraft.kernels.config import TRITON, KernelConfig
+from graphdraft.kernels.config import default as default_config
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.models.attention import PagedAttentionBackend
@@ -216,16 +218,13 @@ VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (64, 8, 4))
 """(BLOCK_N, num_warps, num_stages) tried for the N = 4 verify tile (`attention_alone`)."""
 
 
-def _with_tiles(tiles: dict, stages: int, fn):
-    saved = dict(extend_attention.TILES), extend_attention.NUM_STAGES
-    extend_attention.TILES.update(tiles)
-    extend_attention.NUM_STAGES = stages
-    try:
-        return fn()
-    finally:
-        extend_attention.TILES.clear()
-        extend_attention.TILES.update(saved[0])
-        extend_attention.NUM_STAGES = saved[1]
+def _tiled(case: int, tile: tuple[int, int, int], stages: int) -> KernelConfig:
+    """The default config (environment read once) with the extend attention's BLOCK_M `case`
+    tile replaced by `tile` and `stages` pipeline stages."""
+    kc = default_config()
+    tiles = list(kc.extend_tiles)
+    tiles[extend_attention.TILE_CASES.index(case)] = tile
+    return kc.replace(extend_tiles=tuple(tiles), extend_num_stages=stages)
 
 
 def prefill_tiles(device: str) -> list[dict]:
@@ -242,13 +241,13 @@ def prefill_tiles(device: str) -> list[dict]:
     seq = torch.full((1,), L, dtype=torch.int32, device=device)
     qs = torch.zeros(1, dtype=torch.int64, device=device)
     out = torch.empty_like(q)
-    call = lambda: paged_extend_attention(q, kc, vc, req, seq, seq, qs, r2p, PAGE_SIZE,
-                                          d ** -0.5, max_kv_len=L, max_extend=L, out=out)
     rows = []
     for bm, bn, w, st in PREFILL_TILES:
         try:
-            ms = _with_tiles({128: (bm, bn, w)}, st,
-                             lambda: median_us(call, warmup=2, reps=5, device=device)) / 1e3
+            call = functools.partial(paged_extend_attention, q, kc, vc, req, seq, seq, qs, r2p,
+                                     PAGE_SIZE, d ** -0.5, max_kv_len=L, max_extend=L, out=out,
+                                     kernels=_tiled(128, (bm, bn, w), st))
+            ms = median_us(call, warmup=2, reps=5, device=device) / 1e3
         except Exception as e:  # a config the compiler refuses (shared memory): say so
             rows.append({"tile": [bm, bn, w, st], "error": str(e).splitlines()[0][:200]})
             continue
@@ -281,8 +280,8 @@ def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
     tok_kv = (seq.repeat_interleave(n) - n + torch.arange(bs * n, device=device) % n + 1
               ).to(torch.int32)
     scale, ctx = d ** -0.5, kv + 64
-    ext = lambda: paged_extend_attention(q, kc, vc, req, seq, None, None, r2p, PAGE_SIZE,
-                                         scale, max_kv_len=ctx, uniform_n=n)
+    ext = lambda tiled: paged_extend_attention(q, kc, vc, req, seq, None, None, r2p, PAGE_SIZE,
+                                               scale, max_kv_len=ctx, uniform_n=n, kernels=tiled)
     old = lambda: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p, PAGE_SIZE, scale,
                                          max_kv_len=ctx)
     dec = lambda: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p, PAGE_SIZE, scale,
@@ -292,8 +291,9 @@ def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
            "old_per_token_n4_us": median_us(old, warmup=3, reps=20, device=device)}
     for bn, w, st in VERIFY_TILES:
         try:
-            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = _with_tiles(
-                {16: (16, bn, w)}, st, lambda: median_us(ext, warmup=3, reps=20, device=device))
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = median_us(
+                functools.partial(ext, _tiled(16, (16, bn, w), st)), warmup=3, reps=20,
+                device=device)
         except Exception as e:  # a config the compiler refuses: say so, go on
             row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = str(e).splitlines()[0][:200]
     return row

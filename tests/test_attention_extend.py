@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import extend_attention
+from graphdraft.kernels.config import TORCH, TRITON, KernelConfig
 from graphdraft.kernels.extend_attention import (
     paged_extend_attention,
     paged_extend_attention_ref,
@@ -24,7 +24,8 @@ from graphdraft.runtime.kv_cache import kv_slot
 HAS_CUDA = torch.cuda.is_available()
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
-SMALL_TILES = {bm: (16, 16, 4) for bm in (16, 32, 64, 128)}
+SMALL = TRITON.replace(extend_tiles=((16, 16, 4),) * 4)
+"""Every tile case on BLOCK_M 16, BLOCK_N 16 (`KernelConfig.extend_tiles`)."""
 
 
 def _close(actual, expected, dtype):
@@ -78,34 +79,33 @@ def _tree_bits(ext_lens, seed):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (8, 1)])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_ragged_rows(dtype, page_size, Hq, Hkv, splits, monkeypatch):
+def test_ragged_rows(dtype, page_size, Hq, Hkv, splits):
     """Prefill chunks, verify rows and decode rows in one batch; lengths around the 16-position
     blocks and pages, N = 1..16 tokens per row, a prefix-free prefill (P = 0)."""
-    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
     seq = [17, 33, 16, 5, 64]
     ext = [16, 4, 1, 5, 3]
     reqs = [1, 0, 3, 2, 4]
     args = _setup(seq, ext, reqs, Hq, Hkv, 16, page_size, dtype, seed=page_size + Hq)
     kw = dict(max_kv_len=80, max_extend=16, num_splits=splits)
-    out = paged_extend_attention(*args, page_size, 0.25, **kw)
+    out = paged_extend_attention(*args, page_size, 0.25, **kw, kernels=SMALL)
     _close(out, paged_extend_attention_ref(*args, page_size, 0.25, **kw), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 4, 7])
-def test_uniform_rows_match_ragged(dtype, n, monkeypatch):
+def test_uniform_rows_match_ragged(dtype, n):
     """The verify form (uniform_n, no extend_lens / q_starts) gives the ragged form's bits; a
     padded row (seq len 1 < N) reads position 0 (and 1..) of its request, clamped like the
     per-token metadata it replaces."""
-    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
     seq = [40, 16 + n, 1]
     args = _setup(seq, [n] * 3, [2, 1, 0], 8, 2, 16, 16, dtype, seed=n)
     q, kc, vc, req, sl, ext, qs, r2p = args
     for splits in (None, 2):
         ragged = paged_extend_attention(*args, 16, 0.25, max_kv_len=64, max_extend=n,
-                                        num_splits=splits)
+                                        num_splits=splits, kernels=SMALL)
         uniform = paged_extend_attention(q, kc, vc, req, sl, None, None, r2p, 16, 0.25,
-                                         max_kv_len=64, uniform_n=n, num_splits=splits)
+                                         max_kv_len=64, uniform_n=n, num_splits=splits,
+                                         kernels=SMALL)
         assert torch.equal(ragged, uniform)
     ref = paged_extend_attention_ref(q, kc, vc, req, sl, None, None, r2p, 16, 0.25, max_kv_len=64,
                                      uniform_n=n)
@@ -117,22 +117,21 @@ def test_uniform_rows_match_ragged(dtype, n, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mask_bits(dtype, splits, monkeypatch):
+def test_mask_bits(dtype, splits):
     """Tree masks over the row's new tokens; the prefix stays fully visible."""
-    monkeypatch.setattr(extend_attention, "TILES", SMALL_TILES)
     seq, ext = [30, 20, 9], [8, 3, 9]
     args = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 1, dtype, seed=7)
     bits = _tree_bits(ext, seed=splits)
     kw = dict(max_kv_len=40, max_extend=9, mask_bits=bits)
-    out = paged_extend_attention(*args, 1, 0.25, num_splits=splits, **kw)
+    out = paged_extend_attention(*args, 1, 0.25, num_splits=splits, **kw, kernels=SMALL)
     ref = paged_extend_attention_ref(*args, 1, 0.25, **kw)
     _close(out, ref, dtype)
     causal = paged_extend_attention_ref(*args, 1, 0.25, max_kv_len=40, max_extend=9)
     assert not torch.allclose(ref.float(), causal.float())  # the mask changes the result
     _close(ops.paged_extend_attention(*args, 1, 0.25, 40, max_extend=9, mask_bits=bits), ref, dtype)
     full = torch.full_like(bits, -1)  # every bit: the causal result
-    _close(paged_extend_attention(*args, 1, 0.25, max_kv_len=40, max_extend=9, mask_bits=full),
-           causal, dtype)
+    _close(paged_extend_attention(*args, 1, 0.25, max_kv_len=40, max_extend=9, mask_bits=full,
+                                  kernels=SMALL), causal, dtype)
 
 
 def test_torch_path_matches_per_token_attention():
@@ -148,11 +147,52 @@ def test_torch_path_matches_per_token_attention():
 
 
 def test_tile_config():
-    assert tile_config(4, 4)[0] == 16  # verify N = 4, G = 4: one 16-row tile per row
-    assert tile_config(4, 8)[0] == 32
-    assert tile_config(16, 4)[0] == 64
-    assert tile_config(8192, 4)[0] == 128
-    assert tile_config(1, 1)[0] == 16
+    assert tile_config(4, 4, kernels=TORCH)[0] == 16  # verify N = 4, G = 4: one 16-row tile per row
+    assert tile_config(4, 8, kernels=TORCH)[0] == 32
+    assert tile_config(16, 4, kernels=TORCH)[0] == 64
+    assert tile_config(8192, 4, kernels=TORCH) == (128, 64, 8)
+    assert tile_config(1, 1, kernels=TORCH) == (16, 64, 4)
+
+
+def test_tiles_come_from_the_config():
+    """`KernelConfig.extend_tiles` (one tile per BLOCK_M case) and `extend_num_stages` replace
+    the module globals a benchmark used to patch: the defaults are the shipped tiles, the
+    environment variable is read once, a tile too small for the grouped heads is refused."""
+    assert KernelConfig().extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))
+    assert KernelConfig().extend_num_stages == 3
+    tuned = KernelConfig.from_env({"GRAPHDRAFT_EXTEND_TILES": "16x32x4,32x64x4,64x64x4,64x128x4",
+                                   "GRAPHDRAFT_EXTEND_NUM_STAGES": "2"})
+    assert tile_config(8192, 4, kernels=tuned) == (64, 128, 4)
+    assert tile_config(4, 4, kernels=tuned) == (16, 32, 4) and tuned.extend_num_stages == 2
+    with pytest.raises(ValueError, match="^kernels: "):
+        tile_config(1, 32, kernels=SMALL)  # 32 grouped heads: BLOCK_M 16 holds no token
+    for bad in ("16x64x4", "16x64x4,32x64x4,64x64x4,128x64x3", "a,b,c,d"):
+        with pytest.raises(ValueError, match="^GRAPHDRAFT_EXTEND_TILES: "):
+            KernelConfig.from_env({"GRAPHDRAFT_EXTEND_TILES": bad})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rows_with_gaps(dtype, splits):
+    """Rows that do not cover q in order (a gap, rows out of order): the kernel attends the
+    named rows as the torch reference does; with one split both leave the other rows as they
+    are in `out` (with several the kernel's combine writes every row: its docstring)."""
+    seq, ext = [21, 9, 12], [5, 3, 2]
+    q, kc, vc, req, sl, e, _, r2p = _setup(seq, ext, [0, 1, 2], 4, 2, 16, 4, dtype, seed=3)
+    q = torch.cat([q, torch.randn(5, 4, 16).to(dtype)])        # T = 15: rows at 9, 0 and 5
+    qs = torch.tensor([9, 0, 5])
+    named = torch.zeros(15, dtype=torch.bool)
+    named[[9, 10, 11, 12, 13, 0, 1, 2, 5, 6]] = True
+    out = torch.full_like(q, 7.0)
+    paged_extend_attention(q, kc, vc, req, sl, e, qs, r2p, 4, 0.25, max_kv_len=32, max_extend=5,
+                           out=out, num_splits=splits, kernels=SMALL)
+    ref = torch.full_like(q, 7.0)
+    paged_extend_attention_ref(q, kc, vc, req, sl, e, qs, r2p, 4, 0.25, max_kv_len=32,
+                               max_extend=5, out=ref)
+    _close(out[named], ref[named], dtype)
+    assert (ref[~named] == 7.0).all() and not (ref[named] == 7.0).any()
+    if splits == 1:
+        assert (out[~named] == 7.0).all()
 
 
 def test_bad_input_names_the_argument():

@@ -106,7 +106,7 @@ class _HalfCycle(ScriptedDrafter):
 ])
 def test_an_object_missing_protocol_members_is_rejected_naming_drafter(bad, missing):
     target, _ = make_models(3)
-    target.set_use_triton(True)  # the Engine would switch it to the config's torch path
+    target.set_kernels(target.kernels.with_backend("triton"))  # the Engine would set its own
     with pytest.raises(ValueError, match="^drafter: expected an object meeting the ") as e:
         Engine(target, runtime(), drafter=bad)
     assert missing in str(e.value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -52,7 +53,11 @@ def test_every_env_var_sets_its_field(clean_env):
               "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
               "GRAPHDRAFT_FINISH_MAXNREG": ("none", None), "GRAPHDRAFT_FINISH_NORM_MAX_M": ("16", 16),
               "GRAPHDRAFT_PDL": ("False", False), "GRAPHDRAFT_PDL_MAX_ROWS": ("8", 8),
-              "GRAPHDRAFT_PDL_EARLY_LOADS": ("no", False)}
+              "GRAPHDRAFT_PDL_EARLY_LOADS": ("no", False),
+              "GRAPHDRAFT_DECODE_BLOCK_N": ("16", 16),
+              "GRAPHDRAFT_EXTEND_TILES": ("16x16x4, 32X32x2,64x64x4,128x64x8",
+                                          ((16, 16, 4), (32, 32, 2), (64, 64, 4), (128, 64, 8))),
+              "GRAPHDRAFT_EXTEND_NUM_STAGES": ("2", 2)}
     assert set(values) == {var for var, _ in ENV_VARS.values()}  # the table names them all
     for field, (var, _) in ENV_VARS.items():
         raw, want = values[var]
@@ -73,6 +78,9 @@ def test_every_env_var_sets_its_field(clean_env):
     ("GRAPHDRAFT_STREAM_EVICT_FIRST", "2"), ("GRAPHDRAFT_FINISH_MAXNREG", "-1"),
     ("GRAPHDRAFT_FINISH_NORM_MAX_M", "4.5"), ("GRAPHDRAFT_PDL", "yes please"),
     ("GRAPHDRAFT_PDL_MAX_ROWS", "-3"), ("GRAPHDRAFT_PDL_EARLY_LOADS", "O"),
+    ("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_EXTEND_NUM_STAGES", "0"),
+    ("GRAPHDRAFT_EXTEND_TILES", "16x64x4,32x64x4,64x64x4"),
+    ("GRAPHDRAFT_EXTEND_TILES", "16x64x4,32x64x4,64x64x4,256x64x8"),
 ])
 def test_bad_env_value_raises_naming_the_variable(clean_env, var, raw):
     with pytest.raises(ValueError, match=f"^{var}: expected .*, got {re.escape(repr(raw))}"):
@@ -85,7 +93,9 @@ def test_bad_env_value_raises_naming_the_variable(clean_env, var, raw):
 @pytest.mark.parametrize("field,value", [("backend", "cuda"), ("gemv_tiles", "narrow"),
                                          ("small_m_max", 65), ("small_m_max", True),
                                          ("pdl", 1), ("finish_maxnreg", 0), ("gemv_block_k", 24),
-                                         ("pdl_max_rows", -1), ("gemv_split", 0)])
+                                         ("pdl_max_rows", -1), ("gemv_split", 0),
+                                         ("decode_block_n", 24), ("extend_num_stages", 0),
+                                         ("extend_tiles", ((16, 64, 4),) * 3)])
 def test_bad_field_raises_naming_it(field, value):
     with pytest.raises(ValueError, match=f"^{field}: expected "):
         KernelConfig(**{field: value})
@@ -223,31 +233,60 @@ def test_models_hold_the_config_they_were_built_with():
     assert head.logits_processor.kernels is kc and head.use_triton
     head.set_kernels(TORCH)
     assert all(m.kernels is TORCH for m in holders) and head.logits_processor.kernels is TORCH
-    head.set_use_triton(True)  # the flag form kept for the Engine and drafter
-    assert head.kernels == TORCH.replace(backend="triton") and head.midlayer.mlp.kernels.use_triton
+    assert not hasattr(head, "set_use_triton")  # no flag form left: a config or nothing
     with pytest.raises(ValueError, match="^kernels: expected a KernelConfig"):
         head.set_kernels("triton")
-    assert PagedAttentionBackend(torch.zeros(1, 1, dtype=torch.int32), 1, 1, True).use_triton
     assert PagedAttentionBackend(torch.zeros(1, 1, dtype=torch.int32), 1, 1, kernels=kc).kernels is kc
+    with pytest.raises(ValueError, match="^kernels: expected a KernelConfig"):
+        PagedAttentionBackend(torch.zeros(1, 1, dtype=torch.int32), 1, 1, kernels=True)
+    with pytest.raises(TypeError):  # the positional use_triton flag is gone
+        PagedAttentionBackend(torch.zeros(1, 1, dtype=torch.int32), 1, 1, True)
+    for op in (ops.out_cache_loc_uniform, ops.advance_positions_and_seq_lens,
+               ops.decode_draft_indices, ops.stage_decode_inputs):
+        assert "use_triton" not in inspect.signature(op).parameters, op.__name__
 
 
 _SETTING_NAMES = ("SMALL_M_MAX", "GEMV_PDL", "STREAM_EVICT_FIRST", "FINISH_MAXNREG",
-                  "FINISH_NORM_MAX_M", "ENABLED", "MAX_ROWS", "EARLY_LOADS", "TILES_ENV")
+                  "FINISH_NORM_MAX_M", "ENABLED", "MAX_ROWS", "EARLY_LOADS", "TILES_ENV",
+                  "BLOCK_N", "TILES")
+_KERNEL_MODULES = sorted(p.stem for p in (ROOT / "graphdraft" / "kernels").glob("*.py")) + ["ops"]
 
 
 def test_no_kernel_setting_is_a_module_global():
-    """The settings live in KernelConfig only: no module keeps one, and nothing in the repo
-    assigns one on a module (`setattr` / `module.NAME =`)."""
-    from graphdraft.kernels import buckets
+    """The settings live in KernelConfig only: no module keeps one (the attention kernels'
+    BLOCK_N and tiles included: `decode_block_n`, `extend_tiles`, `extend_num_stages`), and
+    nothing in the repo assigns an upper-case name on a kernel module (`setattr(module,
+    "NAME", ...)`, `monkeypatch.setattr(module, "NAME", ...)`, `module.NAME = / .update(`)."""
+    from graphdraft.kernels import buckets, decode_attention, extend_attention
 
-    for mod in (ops, gemv, pdl, buckets):
+    for mod in (ops, gemv, pdl, buckets, decode_attention, extend_attention):
         assert not [n for n in _SETTING_NAMES if hasattr(mod, n)], mod.__name__
-    names = "|".join(_SETTING_NAMES)
-    pattern = re.compile(rf"setattr\(\s*\w+\s*,\s*[\"']({names})[\"']|\b(ops|gemv|pdl)\.({names})\s*=")
+    assert not hasattr(extend_attention, "NUM_STAGES")  # `extend_num_stages`
+    mods = "|".join(_KERNEL_MODULES)
+    pattern = re.compile(rf"setattr\(\s*({mods})\s*,\s*[\"'][A-Z_]+[\"']"
+                         rf"|\b({mods})\.[A-Z][A-Z_]*\s*(=[^=]|\.(update|clear|pop)\()")
+    assert pattern.search('monkeypatch.setattr(extend_attention, "TILES", {})')  # can fail
+    assert pattern.search("    decode_attention.BLOCK_N = 16")
     hits = [f"{p.relative_to(ROOT)}:{i}" for base in ("graphdraft", "tests", "perf", "scripts")
-            for p in (ROOT / base).rglob("*.py")
+            for p in (ROOT / base).rglob("*.py") if p.name != "test_kernel_config.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
+
+
+def test_attention_settings_default_to_the_shipped_launches():
+    """The attention kernels' settings keep the values the module globals had (every launch
+    compiles the same variants); env vars read once, bad values named."""
+    kc = KernelConfig()
+    assert (kc.decode_block_n, kc.extend_num_stages) == (64, 3)
+    assert kc.extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))
+    env = {"GRAPHDRAFT_DECODE_BLOCK_N": "32", "GRAPHDRAFT_EXTEND_NUM_STAGES": "4"}
+    assert KernelConfig.from_env(env).replace(decode_block_n=64, extend_num_stages=3) == kc
+    for var, bad in (("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_DECODE_BLOCK_N", "8"),
+                     ("GRAPHDRAFT_EXTEND_NUM_STAGES", "0"), ("GRAPHDRAFT_EXTEND_TILES", "16x64")):
+        with pytest.raises(ValueError, match=f"^{var}: expected"):
+            KernelConfig.from_env({var: bad})
+    with pytest.raises(ValueError, match="^extend_tiles: expected"):
+        KernelConfig(extend_tiles=[(16, 64, 4)] * 4)  # a list: not hashable, not frozen
 
 
 def test_kernels_never_import_ops():

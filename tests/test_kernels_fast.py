@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import decode_attention
 from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.decode_attention import (
@@ -69,8 +68,8 @@ def _paged_setup(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_attention_matches_reference(dtype, page_size, group, monkeypatch):
-    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)  # several blocks and splits at lens <= 70
+def test_decode_attention_matches_reference(dtype, page_size, group):
+    small = TRITON.replace(decode_block_n=16)  # several blocks and splits at lens <= 70
     Hkv, D = 2, (16 if group == 4 else 32)
     lens, reqs = [70, 1, 33, 16, 17], [2, 0, 4, 2, 1]  # two rows of one request, page edges
     q, kc, vc, req, kv_lens, r2p = _paged_setup(lens, reqs, group * Hkv, Hkv, D, page_size, dtype)
@@ -78,7 +77,8 @@ def test_decode_attention_matches_reference(dtype, page_size, group, monkeypatch
     ref = paged_decode_attention_ref(q, kc, vc, req, kv_lens, r2p, page_size, scale, max_kv_len=80)
     assert not ref.isnan().any()
     for splits in (None, 1, 3):
-        out = paged_decode_attention(q, kc, vc, req, kv_lens, r2p, page_size, scale, max_kv_len=80, num_splits=splits)
+        out = paged_decode_attention(q, kc, vc, req, kv_lens, r2p, page_size, scale, max_kv_len=80,
+                                     num_splits=splits, kernels=small)
         assert out.shape == q.shape and out.dtype == dtype
         _close(out, ref, dtype)
 
@@ -116,15 +116,17 @@ def test_decode_attention_default_splits():
     assert default_num_splits(1, 8, 100, cpu) == 2  # capped by blocks of max_kv_len
     assert default_num_splits(32, 8, 1 << 17, cpu) == 9  # capped at ~16 programs per SM
     assert default_num_splits(64, 8, 4096, cpu) == 1
+    # BLOCK_N from the config (`decode_block_n`): the cap by blocks of max_kv_len follows it
+    assert default_num_splits(1, 8, 100, cpu, kernels=TRITON.replace(decode_block_n=16)) == 7
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("B", [1, 3, 16])
-def test_decode_attention_gathers_q_rows(dtype, splits, B, monkeypatch):
+def test_decode_attention_gathers_q_rows(dtype, splits, B):
     """q_index: row t's query read from q[q_index[t]] inside the kernel, the same bytes as an
     index_select before it."""
-    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    small = TRITON.replace(decode_block_n=16)
     g = torch.Generator().manual_seed(B)
     lens = torch.randint(1, 71, (B,), generator=g).tolist()
     reqs = torch.randint(0, 5, (B,), generator=g).tolist()
@@ -135,9 +137,11 @@ def test_decode_attention_gathers_q_rows(dtype, splits, B, monkeypatch):
     q_all[idx] = q
     args = (kc, vc, req, kv_lens, r2p, 4, 0.25)
     for index in (idx, idx.to(torch.int32)):
-        out = paged_decode_attention(q_all, *args, max_kv_len=80, num_splits=splits, q_index=index)
+        out = paged_decode_attention(q_all, *args, max_kv_len=80, num_splits=splits, q_index=index,
+                                     kernels=small)
         assert out.shape == q.shape
-        assert torch.equal(out, paged_decode_attention(q, *args, max_kv_len=80, num_splits=splits))
+        assert torch.equal(out, paged_decode_attention(q, *args, max_kv_len=80, num_splits=splits,
+                                                       kernels=small))
     ref = paged_decode_attention_ref(q_all, *args, max_kv_len=80, q_index=idx)
     _close(out, ref, dtype)
     assert torch.equal(ops.paged_attention(q_all, *args, 80, q_index=idx),
@@ -309,21 +313,19 @@ def test_rope_and_store_kv_matches_reference(dtype, Hq, Hkv, D):
     _check_rope(5, Hq, Hkv, D, dtype)
 
 
-def test_early_loads_off_and_on_agree(monkeypatch):
+def test_early_loads_off_and_on_agree():
     """`KernelConfig.pdl_early_loads` off (metadata loaded after the PDL wait, as before) and on
-    (before it; the interpreter's default): RoPE + KV store gives the same bits; attention over
-    several splits with gathered query rows and its combine (under the default config: its
-    wrapper takes no `kernels` yet) matches its reference."""
-    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    (before it; the interpreter's default): RoPE + KV store and attention over several splits
+    with gathered query rows and its combine give the same bits, which match the reference."""
     q, kc, vc, req, kv_lens, r2p = _paged_setup([70, 3, 41], [1, 0, 4], 4, 2, 16, 4,
                                                 torch.float32, seed=5)
     idx = torch.tensor([2, 0, 1])
     qkv, pos, cs, kc2, vc2, loc = _rope_inputs(4, 4, 2, 16, torch.float32)
     outs = []
     for early in (False, True):
-        kernels = TRITON.replace(pdl_early_loads=early)
+        kernels = TRITON.replace(pdl_early_loads=early, decode_block_n=16)
         att = paged_decode_attention(q[idx.argsort()], kc, vc, req, kv_lens, r2p, 4, 0.25,
-                                     max_kv_len=80, num_splits=3, q_index=idx)
+                                     max_kv_len=80, num_splits=3, q_index=idx, kernels=kernels)
         x, k_out, v_out = qkv.clone(), kc2.clone(), vc2.clone()
         rope_and_store_kv(*_split_qkv(x, 4, 2, 16), pos, cs, k_out, v_out, loc, kernels=kernels)
         outs.append((att, x, k_out, v_out))

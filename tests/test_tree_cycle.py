@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import graphdraft
-from graphdraft import ops
+from graphdraft.kernels.cache_loc import kv_slots
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.decode_attention import paged_decode_attention_ref
-from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend, beam_attention_torch
+from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
 from graphdraft.runtime.batch import ForwardContext
-from graphdraft.runtime.kv_cache import KVPool, PageTable
+from graphdraft.runtime.kv_cache import KVPool, PageTable, kv_slot
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
 from graphdraft.serving.tree_cycle import TreeRunner
@@ -42,7 +43,7 @@ class _Dense:
         self.pages = PageTable(1, ctx, ctx + 1, 1, "cpu")
         self.slot = self.pages.alloc_slot()
         self.pages.reserve(self.slot, ctx)
-        self.backend = PagedAttentionBackend(self.pages.req_to_page, 1, ctx, False)
+        self.backend = PagedAttentionBackend(self.pages.req_to_page, 1, ctx, kernels=TORCH)
         tc = target.config
         self.kv = KVPool(tc.num_hidden_layers, ctx + 1, 1, tc.num_key_value_heads, tc.head_dim,
                          target.dtype, "cpu")
@@ -58,7 +59,7 @@ class _Dense:
         pos = torch.arange(start, start + L)
         seq = torch.tensor([start + L], dtype=torch.int32)
         meta = self.backend.row_metadata(req, seq, torch.tensor([L], dtype=torch.int32), L)
-        out = self.target(torch.tensor(ids), pos, ops.kv_slots(self.pages.req_to_page, req, pos, 1),
+        out = self.target(torch.tensor(ids), pos, kv_slots(self.pages.req_to_page, req, pos, 1),
                           self.kv, self.backend, meta, None, capture_aux=True)
         return out.logits, out.aux_hidden
 
@@ -70,7 +71,7 @@ class _Dense:
         ids = torch.tensor(prompt[1:] + [root])
         pos = torch.arange(L)
         be = self.backend
-        out = self.head(ids, pos, aux, ops.kv_slots(self.pages.req_to_page, req, pos, 1),
+        out = self.head(ids, pos, aux, kv_slots(self.pages.req_to_page, req, pos, 1),
                         self.dkv.layer(0), be, be.bind_metadata(req, torch.tensor([L], dtype=torch.int32)),
                         torch.tensor([L - 1]))
         total = 0.0
@@ -79,7 +80,7 @@ class _Dense:
             if i + 1 == len(path):
                 break
             p = torch.tensor([L + i])
-            out = self.head(torch.tensor([tok]), p, out.hidden, ops.kv_slots(
+            out = self.head(torch.tensor([tok]), p, out.hidden, kv_slots(
                 self.pages.req_to_page, req, p, 1), self.dkv.layer(0), be,
                 be.bind_metadata(req, torch.tensor([L + i + 1], dtype=torch.int32)))
         return total
@@ -189,8 +190,24 @@ def test_draft_ancestry_each_candidate_is_its_chain(trained):
             assert float(score[c]) == pytest.approx(want, abs=1e-5), (row, c)
 
 
+def _per_query_attention(q, k, v, req, lens, r2p, ps, scale, extra, num_extra):
+    """Query by query: the slots of `[0, lens[t])` then `extra[t, :num_extra]`, fp32 softmax
+    (written apart from the references it checks)."""
+    G = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        slots = torch.cat([kv_slot(r2p, int(req[t]), torch.arange(int(lens[t])), ps),
+                           extra[t, :num_extra].long()])
+        kt = k[slots].float().repeat_interleave(G, dim=1)             # [n, Hq, D]
+        vt = v[slots].float().repeat_interleave(G, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[t].float(), kt) * scale, dim=-1)
+        out[t] = torch.einsum("hn,nhd->hd", p, vt).to(q.dtype)
+    return out
+
+
 def test_beam_attention_ignores_cousins():
-    """Query t's output depends on the prefix and extra_slots[t, :num_extra] only."""
+    """Query t's output (the backend's torch path for `BeamMetadata`) depends on the prefix
+    and extra_slots[t, :num_extra] only."""
     g = torch.Generator().manual_seed(0)
     T, Hq, Hkv, D, ps = 6, 4, 2, 8, 4
     k = torch.randn(40 * ps, Hkv, D, generator=g)
@@ -200,23 +217,23 @@ def test_beam_attention_ignores_cousins():
     req = torch.tensor([0, 0, 1, 1, 2, 2])
     lens = torch.tensor([5, 5, 9, 9, 1, 1], dtype=torch.int32)
     scratch = 32 * ps + torch.arange(T * 3).view(T, 3)      # each query's own slots
+    backend = PagedAttentionBackend(r2p, ps, 40, kernels=TORCH)
     for j in (1, 2, 3):
         meta = BeamMetadata(req, lens, scratch, j)
-        a = beam_attention_torch(q, k, v, meta, r2p, ps, 0.3, 40)
-        b = paged_decode_attention_ref(q, k, v, req, lens, r2p, ps, 0.3, max_kv_len=40,
-                                       extra_slots=scratch, num_extra=j)
+        a = backend.attend(q, k, v, 0.3, meta)
+        b = _per_query_attention(q, k, v, req, lens, r2p, ps, 0.3, scratch, j)
         torch.testing.assert_close(a, b)
         k2, v2 = k.clone(), v.clone()
         for t in range(T):  # every query's unused slots, and cousins' slots, get garbage
             k2[scratch[t, j:]] = 1e3
             v2[scratch[t, j:]] = -1e3
         k2[33 * ps + 40:] = 7.0
-        c = beam_attention_torch(q, k2, v2, meta, r2p, ps, 0.3, 40)
+        c = backend.attend(q, k2, v2, 0.3, meta)
         torch.testing.assert_close(a, c)
         # a query reads its own slots: changing one of them changes only that query
         k3 = k.clone()
         k3[scratch[1, 0]] += 1.0
-        d = beam_attention_torch(q, k3, v, meta, r2p, ps, 0.3, 40)
+        d = backend.attend(q, k3, v, 0.3, meta)
         assert not torch.allclose(a[1], d[1])
         torch.testing.assert_close(a[[0, 2, 3, 4, 5]], d[[0, 2, 3, 4, 5]])
 
@@ -235,7 +252,7 @@ def test_topk1_is_the_chain_drafter(page_size):
     spec = TreeSpec(3, 1)
     td = TreeDrafter(s.head, spec, req_to_page=s.pages.req_to_page, page_size=page_size,
                      num_pages=s.cfg.total_kv_pages, max_context_len=s.cfg.max_context_len,
-                     max_bs=s.cfg.max_bs, use_triton=False, device="cpu")
+                     max_bs=s.cfg.max_bs, kernels=TORCH, device="cpu")
     slots = s.drafter.kv_pool.num_slots
     td.kv.k[0][:slots].copy_(s.drafter.kv_pool.k[0])
     td.kv.v[0][:slots].copy_(s.drafter.kv_pool.v[0])
@@ -303,7 +320,7 @@ def test_triton_path_matches_torch_path_under_interpreter():
     outs = []
     for tri in (False, True):
         r = TreeRunner(target, head, spec, max_bs=2, page_size=4, max_context_len=32,
-                       use_triton=tri)
+                       kernels=TRITON if tri else TORCH)
         outs.append(r.generate(prompts, 4))
     assert outs[0] == outs[1]
 
@@ -373,7 +390,8 @@ def test_finished_row_writes_nothing(tiny):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_decode_kernel_second_segment_matches_reference(num_splits, page_size):
     """The decode kernel's explicit-slot segment (Triton, interpreter) == the torch reference
-    and == beam_attention_torch, every num_extra, with and without splits."""
+    and == the per-query attention; the backend routes `BeamMetadata` to it on the Triton path;
+    every num_extra, with and without splits."""
     from graphdraft.kernels.decode_attention import paged_decode_attention
     g = torch.Generator().manual_seed(1)
     T, Hq, Hkv, D = 6, 4, 2, 16
@@ -391,10 +409,15 @@ def test_decode_kernel_second_segment_matches_reference(num_splits, page_size):
         b = paged_decode_attention_ref(q, k, v, req, lens, r2p, page_size, 0.3, max_kv_len=40,
                                        extra_slots=extra, num_extra=ne)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            b, _per_query_attention(q, k, v, req, lens, r2p, page_size, 0.3, extra, ne),
+            atol=1e-5, rtol=1e-5)
         if ne:
-            c = beam_attention_torch(q, k, v, BeamMetadata(req, lens, extra, ne), r2p, page_size,
-                                     0.3, 40)
-            torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)
+            backend = PagedAttentionBackend(r2p, page_size, 40, kernels=TRITON)
+            c = backend.attend(q, k, v, 0.3, BeamMetadata(req, lens, extra, ne))
+            assert torch.equal(c, paged_decode_attention(
+                q, k, v, req, lens, r2p, page_size, 0.3, max_kv_len=40, extra_slots=extra,
+                num_extra=ne, kernels=TRITON))
 
 
 def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:

@@ -25,6 +25,9 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `pdl` | `GRAPHDRAFT_PDL` | bool | on | small chain kernels launch with PDL (`kernels/pdl.py`) |
 | `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows launch plainly |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
+| `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
+| `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x8` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
+| `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 3 | software-pipeline stages of the extend attention's split kernel |
 
 Bools: "1", "true", "yes", "on" / "0", "false", "no", "off" (any case). The measurements behind
 the defaults are in the docstrings of `gemv.py` / `pdl.py` and in perf/RESULTS.md.
@@ -50,8 +53,19 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+EXTEND_TILES = ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))
+"""The extend attention's default tiles, (BLOCK_M, BLOCK_N, num_warps) for its 16-, 32-, 64-
+and 128-row cases."""
+_EXTEND_TILES_EXPECTED = ("4 tiles (BLOCK_M, BLOCK_N, num_warps): BLOCK_M a power of two in "
+                          "[16, 128], BLOCK_N in [16, 256], num_warps in [1, 16]")
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pow2(v: object, lo: int, hi: int) -> bool:
+    return _is_int(v) and lo <= v <= hi and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,11 @@ class KernelConfig:
     """PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but from 685 to
     710 us at bs 8 (perf/RESULTS.md, third session run 8)."""
     pdl_early_loads: bool = True
+    decode_block_n: int = 64
+    extend_tiles: tuple[tuple[int, int, int], ...] = EXTEND_TILES
+    """(BLOCK_M, BLOCK_N, num_warps) for the tile cases BLOCK_M 16, 32, 64, 128, in that order
+    (`extend_attention.tile_config`)."""
+    extend_num_stages: int = 3
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:
@@ -99,6 +118,13 @@ class KernelConfig:
         need(_is_int(self.finish_norm_max_m) and 0 <= self.finish_norm_max_m <= GEMV_MAX_M,
              "finish_norm_max_m", f"an int in [0, {GEMV_MAX_M}]")
         need(_is_int(self.pdl_max_rows) and self.pdl_max_rows >= 0, "pdl_max_rows", "an int >= 0")
+        need(_pow2(self.decode_block_n, 16, 256), "decode_block_n", "a power of two in [16, 256]")
+        need(isinstance(self.extend_tiles, tuple) and len(self.extend_tiles) == len(EXTEND_TILES)
+             and all(isinstance(t, tuple) and len(t) == 3 and _pow2(t[0], 16, 128)
+                     and _pow2(t[1], 16, 256) and _pow2(t[2], 1, 16) for t in self.extend_tiles),
+             "extend_tiles", _EXTEND_TILES_EXPECTED)
+        need(_is_int(self.extend_num_stages) and self.extend_num_stages >= 1, "extend_num_stages",
+             "an int >= 1")
 
     @property
     def use_triton(self) -> bool:
@@ -158,6 +184,16 @@ def _maxnreg(raw: str) -> int | None:
     return None if v == 0 else v
 
 
+def _tiles(raw: str) -> tuple[tuple[int, int, int], ...]:
+    tiles = []
+    for part in raw.split(","):
+        fields = part.strip().lower().split("x")
+        if len(fields) != 3:
+            raise ValueError(f"{part.strip()!r} is not BMxBNxW")
+        tiles.append(tuple(_int(f) for f in fields))
+    return tuple(tiles)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw.lower() not in options:
@@ -178,6 +214,9 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "pdl": ("GRAPHDRAFT_PDL", _bool),
     "pdl_max_rows": ("GRAPHDRAFT_PDL_MAX_ROWS", _int),
     "pdl_early_loads": ("GRAPHDRAFT_PDL_EARLY_LOADS", _bool),
+    "decode_block_n": ("GRAPHDRAFT_DECODE_BLOCK_N", _int),
+    "extend_tiles": ("GRAPHDRAFT_EXTEND_TILES", _tiles),
+    "extend_num_stages": ("GRAPHDRAFT_EXTEND_NUM_STAGES", _int),
 }
 """field -> (environment variable, parser): the module table."""
 
@@ -194,6 +233,9 @@ _EXPECTED = {
     "pdl": _BOOL,
     "pdl_max_rows": "an int >= 0",
     "pdl_early_loads": _BOOL,
+    "decode_block_n": "a power of two in [16, 256]",
+    "extend_tiles": _EXTEND_TILES_EXPECTED + ", as BMxBNxW,BMxBNxW,...",
+    "extend_num_stages": "an int >= 1",
 }
 
 TRITON = KernelConfig(backend="triton")
@@ -209,10 +251,6 @@ def default() -> KernelConfig:
     return KernelConfig.from_env()
 
 
-def resolve(kernels: KernelConfig | None = None, use_triton: bool | None = None) -> KernelConfig:
-    """`kernels`, or `default()` when None; a `use_triton` flag (None: none given) picks the
-    backend over it (for callers that still pass a flag)."""
-    kc = kernels if kernels is not None else default()
-    if use_triton is None:
-        return kc
-    return kc.with_backend("triton" if use_triton else "torch")
+def resolve(kernels: KernelConfig | None = None) -> KernelConfig:
+    """`kernels`, or `default()` when None."""
+    return kernels if kernels is not None else default()

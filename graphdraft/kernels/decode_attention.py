@@ -22,6 +22,11 @@ int64 and ``num_extra`` (host int, ``0 <= num_extra <= W``) row t also attends t
 slots ``extra_slots[t, :num_extra]`` (token granular: a beam's ancestors in the draft scratch
 region), in the same online softmax: the split holding the row's last prefix position walks
 them after its chunk, so the combine is unchanged.
+
+Settings (`kernels.config.KernelConfig`, `kernels=`; None: the default config): `decode_block_n`
+(BLOCK_N, 64) and the PDL switches (`kernels.pdl`). The torch reference
+(`paged_decode_attention_ref`, over `paged_attention_torch`) is the op's torch path
+(`graphdraft.ops.paged_attention`): fixed shapes, no host sync, capturable.
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
+from graphdraft.kernels.cache_loc import kv_slots
+from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
-from graphdraft.runtime.kv_cache import kv_slot
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
+           "default_num_splits"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REF_DTYPES = (*_DTYPES, torch.float64)
+"""The torch references also take float64 (the torch path of float64 models)."""
 _LOG2E = 1.4426950408889634
-# Launch parameters (module-level so a benchmark can override them).
-BLOCK_N = 64  # KV positions per loop step
+# Fixed launch parameters (BLOCK_N is `KernelConfig.decode_block_n`).
 MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -217,29 +225,32 @@ def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h,
     tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
 
 
-def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                       *, kernels: KernelConfig | None = None) -> int:
     """Split count for ``T * Hkv`` (row, kv head) pairs and a ``max_kv_len`` bound.
 
     1 when ``T * Hkv`` alone reaches 2 programs per SM. Otherwise enough splits for
     2 programs per SM, and more if needed to keep chunks <= ``MAX_CHUNK`` positions
     (a program walks its chunk serially, one memory round trip per block, so
     short chunks matter more than exact fill); at most ~16 programs per SM in
-    all, and never more splits than ``BLOCK_N`` blocks in ``max_kv_len``.
+    all, and never more splits than ``kernels.decode_block_n`` blocks in ``max_kv_len``.
     """
+    block_n = resolve(kernels).decode_block_n
     programs = max(1, num_rows * num_kv_heads)
     target = 2 * num_sms(device)
     if programs >= target:
         return 1
     max_kv_len = max(1, max_kv_len)
     want = max(triton.cdiv(target, programs), triton.cdiv(max_kv_len, MAX_CHUNK))
-    return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, BLOCK_N)))
+    return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, block_n)))
 
 
-def check_paged_kv(q, k_cache, v_cache, req_to_page, page_size) -> None:
-    """ValueError naming the argument unless q `[T, Hq, D]` (float, unit column stride), the
-    paged caches `[num_slots, Hkv, D]` (q's dtype and device, Hkv dividing Hq), `req_to_page`
-    `[max_reqs, max_pages]` int32 and `page_size` fit together (decode and extend attention)."""
-    expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=_DTYPES, layout="rows")
+def check_paged_kv(q, k_cache, v_cache, req_to_page, page_size, dtypes=_DTYPES) -> None:
+    """ValueError naming the argument unless q `[T, Hq, D]` (one of `dtypes`, unit column
+    stride), the paged caches `[num_slots, Hkv, D]` (q's dtype and device, Hkv dividing Hq),
+    `req_to_page` `[max_reqs, max_pages]` int32 and `page_size` fit together (decode and extend
+    attention)."""
+    expect_tensor("q", q, shape=("T", "Hq", "D"), dtypes=dtypes, layout="rows")
     Hq, D = q.shape[1], q.shape[2]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         expect_tensor(name, c, shape=("num_slots", "Hkv", D), dtypes=q.dtype, device=q.device,
@@ -261,9 +272,9 @@ def check_out(out, q, rows: int) -> None:
 
 
 def _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out,
-           q_index) -> int:
+           q_index, dtypes=_DTYPES) -> int:
     """Returns T, the number of query rows."""
-    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size)
+    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size, dtypes)
     T = q.shape[0]
     if q_index is not None:
         expect_tensor("q_index", q_index, shape=("T",), dtypes=INDEX_DTYPES, device=q.device,
@@ -307,6 +318,7 @@ def paged_decode_attention(
     q_index: torch.Tensor | None = None,
     extra_slots: torch.Tensor | None = None,
     num_extra: int = 0,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Decode attention of q ``[T, Hq, D]`` over a paged KV cache; returns ``[T, Hq, D]``.
 
@@ -319,8 +331,11 @@ def paged_decode_attention(
     work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``). With ``q_index`` ``[T]``
     (int32/int64, contiguous) row t's query is ``q[q_index[t]]`` (q is then any
     ``[R, Hq, D]``; index values must lie in ``[0, R)``). ``extra_slots`` ``[T, W]`` int64
-    (unit column stride) and ``num_extra``: the second segment (module doc).
+    (unit column stride) and ``num_extra``: the second segment (module doc). ``kernels``:
+    BLOCK_N and PDL (None: the default config).
     """
+    kc = resolve(kernels)
+    block_n = kc.decode_block_n
     T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
     _check_extra(extra_slots, num_extra, T, q.device)
     _, Hq, D = q.shape
@@ -330,8 +345,9 @@ def paged_decode_attention(
         out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    splits = default_num_splits(T, Hkv, max_kv_len, q.device) if num_splits is None else max(1, int(num_splits))
-    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), BLOCK_N) * BLOCK_N
+    splits = (default_num_splits(T, Hkv, max_kv_len, q.device, kernels=kc) if num_splits is None
+              else max(1, int(num_splits)))
+    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
     splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
@@ -343,7 +359,7 @@ def paged_decode_attention(
     # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     extra = extra_slots is not None and num_extra > 0
-    rest = dict(launch_options(q.device, T, early=True))
+    rest = dict(launch_options(q.device, T, early=True, kernels=kc))
     pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1), q if q_index is None else q_index,
@@ -354,7 +370,7 @@ def paged_decode_attention(
         lse,
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
-        PAGE_SIZE=page_size, BLOCK=BLOCK_N, ONE_SPLIT=one, DOT_FP32=dot_fp32,
+        PAGE_SIZE=page_size, BLOCK=block_n, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         Q_INDEX=q_index is not None,
         PDL=pdl, EARLY=early,
         extra_ptr=extra_slots if extra else q,  # unread without EXTRA (q: no early-read alias)
@@ -367,9 +383,46 @@ def paged_decode_attention(
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
-            **launch_options(q.device, T, early=True),
+            **launch_options(q.device, T, early=True, kernels=kc),
         )
     return out
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
+                          req_to_page: torch.Tensor, page_size: int, sm_scale: float,
+                          max_kv_len: int, *, seen: torch.Tensor | None = None,
+                          extra_slots: torch.Tensor | None = None,
+                          num_extra: int = 0) -> torch.Tensor:
+    """The plain torch attention (decode and extend references; fixed shapes, no host sync:
+    CUDA-graph capturable): q ``[T, Hq, D]`` -> ``[T, Hq, D]``, row t over positions
+    ``[0, kv_lens[t])`` of request ``req_pool_indices[t]`` (gathered up to ``max_kv_len``, an
+    upper bound of kv_lens; with ``seen`` ``[T, max_kv_len]`` bool only where it is True), then
+    over the cache slots ``extra_slots[t, :num_extra]``. fp32 scores and softmax; a row that
+    sees nothing gets zeros. No checks (the callers check)."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if t == 0:
+        return torch.empty_like(q)
+    pos = torch.arange(max_kv_len, device=q.device)
+    slots = kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0),
+                     page_size)                                       # [T, L]
+    valid = pos.unsqueeze(0) < kv_lens.long().unsqueeze(1)            # [T, L]
+    if seen is not None:
+        valid = valid & seen
+    if num_extra:
+        slots = torch.cat([slots, extra_slots[:, :num_extra].long()], 1)
+        valid = torch.cat([valid, torch.ones(t, num_extra, dtype=torch.bool, device=q.device)], 1)
+    k = k_cache[slots].float()                                        # [T, L', Hkv, D]
+    v = v_cache[slots].float()
+    qg = q.float().view(t, hkv, hq // hkv, d)                         # [T, Hkv, G, D]
+    scores = torch.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid[:, None, None, :], probs, torch.zeros_like(probs))  # NaN-safe
+    v = torch.where(valid[:, :, None, None], v, torch.zeros_like(v))  # garbage past kv_lens stays out
+    out = torch.einsum("thgl,tlhd->thgd", probs, v)
+    return out.reshape(t, hq, d).to(q.dtype)
 
 
 def paged_decode_attention_ref(
@@ -389,27 +442,19 @@ def paged_decode_attention_ref(
     extra_slots: torch.Tensor | None = None,
     num_extra: int = 0,
 ) -> torch.Tensor:
-    """Torch reference: per row, gather the slots of ``[0, kv_len)`` (then
-    ``extra_slots[t, :num_extra]``), fp32 softmax."""
-    del max_kv_len, num_splits
-    T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index)
+    """The op's torch reference (`paged_decode_attention`'s arguments and checks; the torch
+    path of `graphdraft.ops.paged_attention`): `paged_attention_torch` of the rows, whose
+    kv_lens must not exceed ``max_kv_len`` (the kernel reads past it; this reads up to it).
+    It also takes float64. ``num_splits`` is ignored."""
+    del num_splits
+    T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index,
+               REF_DTYPES)
     _check_extra(extra_slots, num_extra, T, q.device)
     if q_index is not None:
         q = q.index_select(0, q_index)
-    T, Hq, D = q.shape
-    G = Hq // k_cache.shape[1]
-    res = torch.empty_like(q)
-    for t in range(T):
-        n = int(kv_lens[t])
-        req = int(req_pool_indices[t])
-        pos = torch.arange(n, device=q.device)
-        slots = kv_slot(req_to_page, req, pos, page_size)
-        if extra_slots is not None and num_extra > 0:
-            slots = torch.cat([slots, extra_slots[t, :num_extra].long()])
-        k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(G, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[t].float(), k) * sm_scale
-        res[t] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    res = paged_attention_torch(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page,
+                                page_size, sm_scale, max_kv_len, extra_slots=extra_slots,
+                                num_extra=num_extra if extra_slots is not None else 0)
     if out is None:
         return res
     out.copy_(res)

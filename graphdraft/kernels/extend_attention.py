@@ -24,12 +24,19 @@ Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine. E
 program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
 combine reads all splits of every token without knowing its row.
 
-Over at most `pdl.MAX_ROWS` tokens (verify at bs 1) both stages launch with programmatic
-dependent launch (`kernels.pdl`), waiting first thing, as the decode kernel they replace did.
+Over at most `KernelConfig.pdl_max_rows` tokens (verify at bs 1) both stages launch with
+programmatic dependent launch (`kernels.pdl`), waiting first thing, as the decode kernel they
+replace did.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
 config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
 page size and flags, whatever the batch size.
+
+Settings (`kernels.config.KernelConfig`, `kernels=`; None: the default config):
+`extend_tiles` (the tile of each BLOCK_M case), `extend_num_stages` and the PDL switches.
+The torch reference (`paged_extend_attention_ref`) is the op's torch path
+(`graphdraft.ops.paged_extend_attention`): it expands the rows to per-token metadata and runs
+`decode_attention.paged_attention_torch` (fixed shapes, no host sync, capturable).
 """
 
 from __future__ import annotations
@@ -40,9 +47,15 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
-from graphdraft.kernels.decode_attention import check_out, check_paged_kv
+from graphdraft.kernels.config import KernelConfig, resolve
+from graphdraft.kernels.decode_attention import (
+    _DTYPES,
+    REF_DTYPES,
+    check_out,
+    check_paged_kv,
+    paged_attention_torch,
+)
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
-from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]
@@ -52,16 +65,22 @@ MAX_MASK_TOKENS = 64
 """mask_bits words are int64: at most 64 new tokens per row with a mask."""
 MAX_CHUNK = 256
 """Preferred upper bound on positions per split (as the decode kernel's)."""
-NUM_STAGES = 3
-# (BLOCK_M, BLOCK_N, num_warps) by BLOCK_M; module-level so a benchmark can override them.
-TILES = {16: (16, 64, 4), 32: (32, 64, 4), 64: (64, 64, 4), 128: (128, 64, 8)}
+TILE_CASES = (16, 32, 64, 128)
+"""The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 
 
-def tile_config(max_extend: int, g_pad: int) -> tuple[int, int, int]:
+def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None
+                ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of at most `max_extend` tokens and `g_pad`
-    (power of two) grouped heads: BLOCK_M = next_pow2(max_extend * g_pad) within [16, 128]."""
+    (power of two) grouped heads: the case BLOCK_M = next_pow2(max_extend * g_pad) within
+    [16, 128], whose tile `kernels.extend_tiles` gives (None: the default config). ValueError
+    naming `kernels` when that tile's BLOCK_M is below `g_pad` (not one token per program)."""
     bm = min(128, max(16, g_pad, triton.next_power_of_2(max(1, max_extend) * g_pad)))
-    return TILES.get(bm, (bm, 64, 4 if bm <= 64 else 8))
+    tile = resolve(kernels).extend_tiles[TILE_CASES.index(bm)]
+    if tile[0] < g_pad:
+        raise ValueError(f"kernels: expected extend_tiles' BLOCK_M >= the {g_pad} grouped heads "
+                         f"(case {bm}), got {tile}")
+    return tile
 
 
 @triton.jit(do_not_specialize=["seq_stride", "uniform_n", "chunk", "num_splits", "num_q_blocks",
@@ -246,9 +265,9 @@ def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torc
 
 
 def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
-           page_size, max_extend, uniform_n, mask_bits, out) -> int:
+           page_size, max_extend, uniform_n, mask_bits, out, dtypes=_DTYPES) -> int:
     """Returns R, the number of rows. ValueError naming the argument; nothing is written."""
-    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size)
+    check_paged_kv(q, k_cache, v_cache, req_to_page, page_size, dtypes)
     T = q.shape[0]
     expect_tensor("req_pool_indices", req_pool_indices, shape=("R",), dtypes=INDEX_DTYPES,
                   device=q.device, layout="contiguous")
@@ -296,6 +315,7 @@ def paged_extend_attention(
     mask_bits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of the rows' tokens q ``[T, Hq, D]`` over a paged KV cache -> ``[T, Hq, D]``.
 
@@ -304,9 +324,12 @@ def paged_extend_attention(
     extend_lens / q_starts may be None and ``R * uniform_n == T``). ``max_extend`` (host int)
     bounds extend_lens (sizes the grid and picks the tile); ``max_kv_len`` bounds seq_lens
     (sizes the splits). ``mask_bits`` ``[T]`` int64: module doc. Rows must cover the tokens
-    they name; query rows of q no row names are left as they are in ``out``.
-    CUDA-graph capturable (with splits it allocates fp32 work buffers).
+    they name; query rows of q no row names are left as they are in ``out`` with one split
+    (with several, the combine writes every query row: garbage where no row names it).
+    CUDA-graph capturable (with splits it allocates fp32 work buffers). ``kernels``: tiles,
+    stages and PDL (None: the default config).
     """
+    kc = resolve(kernels)
     R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
                req_to_page, page_size, max_extend, uniform_n, mask_bits, out)
     T, Hq, D = q.shape
@@ -318,7 +341,7 @@ def paged_extend_attention(
         return out
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
-    block_m, block_n, warps = tile_config(max_extend, g_pad)
+    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc)
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
               if num_splits is None else max(1, int(num_splits)))
@@ -346,14 +369,14 @@ def paged_extend_attention(
         float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, UNIFORM=uniform_n > 0, MASK_BITS=mask_bits is not None, ONE_SPLIT=one,
-        DOT_FP32=dot_fp32, num_warps=warps, num_stages=NUM_STAGES,
-        **launch_options(q.device, T),
+        DOT_FP32=dot_fp32, num_warps=warps, num_stages=kc.extend_num_stages,
+        **launch_options(q.device, T, kernels=kc),
     )
     if not one:
         _extend_combine_kernel[(T, Hq)](
             part, lse, out, out.stride(0), out.stride(1), splits,
             D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
-            **launch_options(q.device, T),
+            **launch_options(q.device, T, kernels=kc),
         )
     return out
 
@@ -377,31 +400,45 @@ def paged_extend_attention_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference: per row and token, gather the slots it sees, fp32 softmax."""
-    del max_kv_len, num_splits
+    """The op's torch reference (`paged_extend_attention`'s arguments and checks; the torch
+    path of `graphdraft.ops.paged_extend_attention`): each token's row, index j in it and
+    prefix P found on the device (fixed shapes, no host sync), then
+    `decode_attention.paged_attention_torch` per token over its ``max(P + j + 1, 1)``
+    positions (and the mask bits), which must not exceed ``max_kv_len``. Query rows no row
+    names keep ``out``'s values (zeros without ``out``). It also takes float64. ``num_splits``
+    is ignored."""
+    del num_splits
     R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
-               req_to_page, page_size, max_extend, uniform_n, mask_bits, out)
-    G = q.shape[1] // k_cache.shape[1]
-    res = out.clone() if out is not None else torch.zeros_like(q)
-    for r in range(R):
-        e = uniform_n or int(extend_lens[r])
-        q0 = r * uniform_n if uniform_n else int(q_starts[r])
-        prefix = int(seq_lens[r]) - e
-        req = int(req_pool_indices[r])
-        for j in range(e):
-            n = max(prefix + j + 1, 1)
-            pos = torch.arange(n, device=q.device)
-            seen = torch.ones(n, dtype=torch.bool, device=q.device)
-            if mask_bits is not None:
-                word = mask_bits[q0 + j].cpu()
-                i = (pos - prefix).cpu()
-                seen = ((i < 0) | (((word >> i.clamp(0, 63)) & 1) != 0)).to(q.device)
-            slots = kv_slot(req_to_page, req, pos, page_size)
-            k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
-            v = v_cache[slots].float().repeat_interleave(G, dim=1)
-            s = torch.einsum("hd,nhd->hn", q[q0 + j].float(), k) * sm_scale
-            s = s.masked_fill(~seen[None, :], float("-inf"))
-            res[q0 + j] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+               req_to_page, page_size, max_extend, uniform_n, mask_bits, out, REF_DTYPES)
+    T, dev = q.shape[0], q.device
+    if T == 0 or R == 0:
+        return out if out is not None else torch.zeros_like(q)
+    if uniform_n:
+        tok = torch.arange(T, device=dev)
+        row, j, covered = tok // uniform_n, tok % uniform_n, None
+        ext = torch.full((R,), uniform_n, dtype=torch.int64, device=dev)
+    else:
+        ext = extend_lens.long()
+        # token -> row: row r names q rows q_starts[r] + j, j < extend_lens[r] (the rest: T, dropped)
+        jj = torch.arange(max_extend, device=dev)
+        dest = q_starts.long()[:, None] + jj                                 # [R, max_extend]
+        dest = torch.where((jj < ext[:, None]) & (dest >= 0) & (dest < T), dest, T)
+        owner = torch.full((T + 1,), -1, dtype=torch.int64, device=dev)
+        owner.scatter_(0, dest.reshape(-1), torch.arange(R, device=dev).repeat_interleave(max_extend))
+        covered = owner[:T] >= 0
+        row = owner[:T].clamp(min=0)
+        j = torch.arange(T, device=dev) - q_starts.long()[row]
+    prefix = seq_lens.long()[row] - ext[row]
+    kv_lens = torch.clamp(prefix + j + 1, min=1)
+    seen = None
+    if mask_bits is not None:
+        i = torch.arange(max_kv_len, device=dev)[None, :] - prefix[:, None]  # [T, L]
+        seen = (i < 0) | (((mask_bits[:, None] >> i.clamp(0, 63)) & 1) != 0)
+    res = paged_attention_torch(q, k_cache, v_cache, req_pool_indices[row], kv_lens, req_to_page,
+                                page_size, sm_scale, max_kv_len, seen=seen)
+    if covered is not None:
+        keep = out if out is not None else torch.zeros_like(q)
+        res = torch.where(covered[:, None, None], res, keep)
     if out is None:
         return res
     out.copy_(res)

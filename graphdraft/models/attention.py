@@ -15,8 +15,9 @@ Two forms of metadata:
 Tree drafting's beams (`BeamMetadata`, TREE.md section 1): query t attends to positions
 `[0, kv_lens[t])` of its request (the committed draft prefix, read through the page table)
 and then to the explicit cache slots `extra_slots[t, :num_extra]` (its ancestors' and its
-own KV in the draft scratch region), never to another beam's: the decode kernel's second
-segment on the Triton path, the same plain attention over both segments on the torch path.
+own KV in the draft scratch region), never to another beam's: `ops.paged_attention` with
+`extra_slots` (the decode kernel's second segment on the Triton path, its torch reference over
+both segments on the torch path).
 
 The draft's seq-len alias: the drafter binds a persistent `kv_lens` buffer as
 the metadata once (`bind_metadata`), then advances that buffer in place between draft steps
@@ -71,48 +72,20 @@ class BeamMetadata:
     num_extra: int
 
 
-def beam_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: BeamMetadata, req_to_page: torch.Tensor, page_size: int,
-                         sm_scale: float, max_kv_len: int) -> torch.Tensor:
-    """`BeamMetadata` attention in plain torch (fixed shapes, no host sync: capturable):
-    q `[T, Hq, D]` -> `[T, Hq, D]` over the prefix `[0, kv_lens)` (gathered up to
-    `max_kv_len`, masked) followed by `extra_slots[:, :num_extra]`."""
-    t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if t == 0:
-        return torch.empty_like(q)
-    pos = torch.arange(max_kv_len, device=q.device)
-    slots = ops.kv_slots(req_to_page, meta.req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0),
-                         page_size)
-    valid = pos.unsqueeze(0) < meta.kv_lens.long().unsqueeze(1)               # [T, L]
-    if meta.num_extra:
-        slots = torch.cat([slots, meta.extra_slots[:, :meta.num_extra].long()], 1)
-        valid = torch.cat([valid, torch.ones(t, meta.num_extra, dtype=torch.bool,
-                                             device=q.device)], 1)
-    k = k_cache[slots].float()                                                # [T, L', Hkv, D]
-    v = v_cache[slots].float()
-    qg = q.float().view(t, hkv, hq // hkv, d)
-    scores = torch.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    v = torch.where(valid[:, :, None, None], v, torch.zeros_like(v))
-    out = torch.einsum("thgl,tlhd->thgd", probs, v)
-    return out.reshape(t, hq, d).to(q.dtype)
-
-
 class PagedAttentionBackend:
     """Paged attention over `req_to_page`; torch path everywhere, Triton path on CUDA.
 
-    `kernels`: the kernel settings (`RuntimeConfig.kernels`; None: the default config);
-    `use_triton` (None: `kernels`' backend) picks the backend over it, for callers that pass
-    a flag."""
+    `kernels`: the kernel settings (`RuntimeConfig.kernels`; None: the default config)."""
 
-    def __init__(self, req_to_page: torch.Tensor, page_size: int, max_context_len: int,
-                 use_triton: bool | None = None, *, kernels: KernelConfig | None = None) -> None:
+    def __init__(self, req_to_page: torch.Tensor, page_size: int, max_context_len: int, *,
+                 kernels: KernelConfig | None = None) -> None:
+        if kernels is not None and not isinstance(kernels, KernelConfig):
+            raise ValueError(f"kernels: expected a KernelConfig or None, got "
+                             f"{type(kernels).__name__}")
         self.req_to_page = req_to_page
         self.page_size = page_size
         self.max_context_len = max_context_len
-        self.kernels = resolve(kernels, use_triton)
+        self.kernels = resolve(kernels)
         self.metadata: AttentionMetadata | RowMetadata | None = None
 
     @property
@@ -185,14 +158,10 @@ class PagedAttentionBackend:
         if isinstance(meta, BeamMetadata):
             if q_index is not None:
                 q = q.index_select(0, q_index)
-            if self.use_triton:
-                from graphdraft.kernels.decode_attention import paged_decode_attention
-                return paged_decode_attention(
-                    q, k_cache, v_cache, meta.req_pool_indices, meta.kv_lens, self.req_to_page,
-                    self.page_size, sm_scale, max_kv_len=self.max_context_len,
-                    extra_slots=meta.extra_slots, num_extra=meta.num_extra)
-            return beam_attention_torch(q, k_cache, v_cache, meta, self.req_to_page,
-                                        self.page_size, sm_scale, self.max_context_len)
+            return ops.paged_attention(q, k_cache, v_cache, meta.req_pool_indices, meta.kv_lens,
+                                       self.req_to_page, self.page_size, sm_scale,
+                                       self.max_context_len, extra_slots=meta.extra_slots,
+                                       num_extra=meta.num_extra, kernels=self.kernels)
         if isinstance(meta, RowMetadata):
             if q_index is not None:
                 q = q.index_select(0, q_index)

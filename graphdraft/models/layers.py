@@ -143,7 +143,7 @@ def set_kernels(module: nn.Module, kernels: KernelConfig) -> None:
 
 
 class KernelsMixin:
-    """`set_kernels` / `use_triton` / `set_use_triton` of a model (`LlamaForCausalLM`,
+    """`set_kernels` / `use_triton` (read only) of a model (`LlamaForCausalLM`,
     `Eagle3DraftHead`) whose layers run under `self.kernels`."""
 
     kernels: KernelConfig
@@ -156,12 +156,6 @@ class KernelsMixin:
     def use_triton(self) -> bool:
         """The Triton path (`kernels.use_triton`)."""
         return self.kernels.use_triton
-
-    def set_use_triton(self, use_triton: bool) -> None:
-        """`set_kernels` of this model's config with the Triton (True) or torch (False) backend:
-        kept for callers that pass a flag (the Engine and drafter, until they pass
-        `cfg.kernels`)."""
-        self.set_kernels(self.kernels.with_backend("triton" if use_triton else "torch"))
 
 
 @torch.no_grad()

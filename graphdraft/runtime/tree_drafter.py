@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from graphdraft import ops
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.cache_loc import kv_slots
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
 from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
@@ -48,6 +49,9 @@ __all__ = ["TreeDrafter"]
 
 class TreeDrafter:
     """Beam drafting for one `Eagle3DraftHead` over a shared page table.
+
+    `kernels`: the kernel settings the head, the attention and the tree build run under (the
+    head is set to them before each draft: `set_kernels`).
 
     Buffers (allocated once for `max_bs` rows; a batch of B uses the first rows):
 
@@ -67,23 +71,26 @@ class TreeDrafter:
 
     def __init__(self, head: Eagle3DraftHead, spec: TreeSpec, *, req_to_page: torch.Tensor,
                  page_size: int, num_pages: int, max_context_len: int, max_bs: int,
-                 use_triton: bool, device: str | torch.device) -> None:
+                 kernels: KernelConfig, device: str | torch.device) -> None:
         if not isinstance(spec, TreeSpec):
             raise ValueError(f"spec: expected a TreeSpec, got {type(spec).__name__}")
+        if not isinstance(kernels, KernelConfig):
+            raise ValueError(f"kernels: expected a KernelConfig, got {type(kernels).__name__}")
         if spec.topk > head.config.output_vocab_size:
             raise ValueError(f"speculative_eagle_topk: expected <= the draft vocab "
                              f"{head.config.output_vocab_size}, got {spec.topk}")
         self.head, self.spec = head, spec
         self.device = torch.device(device)
         self.req_to_page, self.page_size = req_to_page, page_size
-        self.max_bs, self.use_triton = max_bs, use_triton
+        self.max_bs, self.kernels = max_bs, kernels
         mc = head.config
         extra = -(-scratch_slots(spec, max_bs) // page_size) if spec.steps > 1 else 0
         self.num_pages = num_pages
         self.scratch_base = num_pages * page_size
         self.kv = KVPool(1, num_pages + max(extra, 0), page_size, mc.num_key_value_heads,
                          mc.head_dim, head.dtype, self.device)
-        self.backend = PagedAttentionBackend(req_to_page, page_size, max_context_len, use_triton)
+        self.backend = PagedAttentionBackend(req_to_page, page_size, max_context_len,
+                                             kernels=kernels)
         P, k, dev = spec.P, spec.topk, self.device
         i64 = dict(dtype=torch.int64, device=dev)
         self.first_ids = torch.zeros(max_bs * P, **i64)
@@ -104,9 +111,14 @@ class TreeDrafter:
         self.beams = BeamState.allocate(spec, max_bs, dev)
         self.tree = TreeBuffers.allocate(spec, max_bs, dev)
 
+    @property
+    def use_triton(self) -> bool:
+        """The Triton path (`kernels.use_triton`): also picks the tree kernels over their refs."""
+        return self.kernels.use_triton
+
     def _use_head_kernels(self) -> None:
-        if self.head.use_triton != self.use_triton:
-            self.head.set_use_triton(self.use_triton)
+        if self.head.kernels != self.kernels:
+            self.head.set_kernels(self.kernels)
 
     # ------------------------------------------------------------------
     def first_step(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,
@@ -124,7 +136,7 @@ class TreeDrafter:
         pos = self.first_pos[: bs * P].view(bs, P)
         torch.add(prefix_len.long().unsqueeze(1), d, out=pos)
         self.first_loc[: bs * P].view(bs, P).copy_(
-            ops.kv_slots(self.req_to_page, req.long().unsqueeze(1), pos, self.page_size))
+            kv_slots(self.req_to_page, req.long().unsqueeze(1), pos, self.page_size))
         torch.add(torch.arange(bs, device=self.device) * P - 1, acc, out=self.gather[:bs])
         self.prefix[:bs].copy_(prefix_len.long() + acc)
         meta = self.backend.bind_metadata(req, self.prefix[:bs])
@@ -163,8 +175,8 @@ class TreeDrafter:
             pos = self.beam_pos[:bk].view(bs, k)
             pos.copy_((ld + (j - 1)).unsqueeze(1).expand(bs, k))
             if k == 1:  # chain: through the page table, attending [0, Ld + j)
-                self.beam_loc[:bk].copy_(ops.kv_slots(self.req_to_page, self.beam_req[:bk],
-                                                      self.beam_pos[:bk], self.page_size))
+                self.beam_loc[:bk].copy_(kv_slots(self.req_to_page, self.beam_req[:bk],
+                                                  self.beam_pos[:bk], self.page_size))
                 self.beam_lens[:bk].copy_(ld + j)
                 meta = self.backend.bind_metadata(self.beam_req[:bk], self.beam_lens[:bk])
             else:       # own scratch slot; prefix + the j ancestor-or-self slots

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
-from graphdraft import ops
+from graphdraft.kernels.cache_loc import kv_slots
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.kv_move import (
     gather_accepted_hidden,
     gather_accepted_hidden_ref,
@@ -177,7 +178,7 @@ class TreeCycle:
         """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`)."""
         n, tree = self.spec.n, self.drafter.tree.rows(bs)
         i = torch.arange(n, device=self.req.device)
-        self.v_loc[: bs * n].view(bs, n).copy_(ops.kv_slots(
+        self.v_loc[: bs * n].view(bs, n).copy_(kv_slots(
             self.backend.req_to_page, self.req[:bs].unsqueeze(1),
             self.prefix_len[:bs].unsqueeze(1) + i, self.backend.page_size))
         self.v_seq[:bs].copy_(self.prefix_len[:bs] + n)
@@ -272,11 +273,13 @@ class TreeRunner:
     `TreeCycle`; `capture_graphs()` captures `tree_cycle` per padded batch size of
     `batch_size_schedule(max_bs, cuda_graph_bs)` (on CUDA, unless `enforce_eager` or
     GRAPHDRAFT_EAGER=1). `sampling=True` computes the target's probabilities at every node
-    (needed for any row with temperature > 0)."""
+    (needed for any row with temperature > 0). `kernels`: the kernel settings of the target,
+    the head, the attention and the tree kernels (None: the target's config with the Triton
+    backend on CUDA, the torch one elsewhere)."""
 
     def __init__(self, target: LlamaForCausalLM, head: Eagle3DraftHead, spec: TreeSpec, *,
                  max_bs: int = 8, page_size: int = 16, max_context_len: int = 512,
-                 cuda_graph_bs: list[int] | None = None, use_triton: bool | None = None,
+                 cuda_graph_bs: list[int] | None = None, kernels: KernelConfig | None = None,
                  enforce_eager: bool = False, sampling: bool = False, seed: int = 0,
                  graph_pool: GraphPool | None = None) -> None:
         if not isinstance(spec, TreeSpec):
@@ -295,9 +298,13 @@ class TreeRunner:
         self.device = param.device
         self.spec, self.max_bs, self.page_size = spec, max_bs, page_size
         self.max_context_len = max_context_len
-        self.use_triton = self.device.type == "cuda" if use_triton is None else bool(use_triton)
+        if kernels is not None and not isinstance(kernels, KernelConfig):
+            raise ValueError(f"kernels: expected a KernelConfig or None, got "
+                             f"{type(kernels).__name__}")
+        self.kernels = (target.kernels.with_backend(
+            "triton" if self.device.type == "cuda" else "torch") if kernels is None else kernels)
         self.target, self.head = target, head
-        target.set_use_triton(self.use_triton)
+        target.set_kernels(self.kernels)
         tc = target.config
         max_pages = -(-max_context_len // page_size)
         num_pages = max_bs * max_pages + 1
@@ -305,11 +312,11 @@ class TreeRunner:
         self.kv = KVPool(tc.num_hidden_layers, num_pages, page_size, tc.num_key_value_heads,
                          tc.head_dim, target.dtype, self.device)
         self.backend = PagedAttentionBackend(self.pages.req_to_page, page_size, max_context_len,
-                                             self.use_triton)
+                                             kernels=self.kernels)
         self.drafter = TreeDrafter(head, spec, req_to_page=self.pages.req_to_page,
                                    page_size=page_size, num_pages=num_pages,
                                    max_context_len=max_context_len, max_bs=max_bs,
-                                   use_triton=self.use_triton, device=self.device)
+                                   kernels=self.kernels, device=self.device)
         self.cycle = TreeCycle(target, self.drafter, self.kv, self.backend, sampling=sampling)
         self.schedule = batch_size_schedule(max_bs, cuda_graph_bs)
         enabled = not (enforce_eager or eager_forced()) and self.device.type == "cuda"
@@ -435,7 +442,7 @@ class TreeRunner:
         ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
         pos = torch.arange(L, device=dev)
         req = torch.tensor([slot], dtype=torch.int64, device=dev)
-        loc = ops.kv_slots(self.pages.req_to_page, req, pos, self.page_size)
+        loc = kv_slots(self.pages.req_to_page, req, pos, self.page_size)
         seq = torch.tensor([L], dtype=torch.int32, device=dev)
         meta = self.backend.row_metadata(req, seq, seq.clone(), L)
         last = torch.tensor([L - 1], dtype=torch.int64, device=dev)
