@@ -332,7 +332,11 @@ def test_analytic_costs_order_and_cover_the_schedule():
     t = analytic_cost_table(target, head, sched, steps)
     assert set(t) == {(b, k) for b in sched for k in steps}
     assert all(t[(b, 0)] <= t[(b, 1)] < t[(b, 3)] for b in sched)
-    assert all(v > 0 for v in analytic_cost_table(target, None, sched, (0,)).values())
+    base = analytic_cost_table(target, None, sched, (0,))
+    assert all(v > 0 for v in base.values())
+    # k = 0: the KV-only draft step (fc, norms, qkv) costs less than a full head forward
+    base2 = analytic_cost_table(target, None, [2 * b for b in sched], (0,))
+    assert all(0 < t[(b, 0)] - base[(b, 0)] < t[(b, 1)] - base2[(2 * b, 0)] for b in sched)
 
 
 def test_measure_costs_is_a_noop_without_cuda():

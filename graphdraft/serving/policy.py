@@ -466,8 +466,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
     enforce-eager, graphs off): a roofline of the cycle's forwards from the models' parameter
     counts (`target`, `head`: modules; head None: no draft work),
       verify       one target forward over bs * (k + 1) tokens
-      first step   one head forward over bs * (k + 1) tokens (k = 0 too: it keeps the draft
-                   KV complete)
+      first step   one head forward over bs * (k + 1) tokens; k = 0: the KV-only step over bs
+                   tokens (`Eagle3DraftHead.store_kv`: fc, the input norms, qkv; it keeps the
+                   draft KV complete)
       multi-step   k - 1 head forwards over bs tokens
     each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
     layers * ANALYTIC_LAYER_MS (`config.num_hidden_layers`, 1 without a config). Attention and KV reads are left out (the same for every k to first
@@ -476,10 +477,12 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
     def layers(m: Any) -> int:
         return int(getattr(getattr(m, "config", None), "num_hidden_layers", 1) or 1)
 
-    def size(m: Any) -> tuple[float, float]:
+    def size(m: Any, only: tuple[str, ...] | None = None) -> tuple[float, float]:
         seen, nbytes, params = set(), 0, 0
         for name, p in m.named_parameters():
             if "embed" in name:  # a lookup reads a few rows, not the table
+                continue
+            if only is not None and not name.startswith(only):
                 continue
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
@@ -489,6 +492,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
 
     tb, tp = size(target)
     hb, hp = size(head) if head is not None else (0.0, 0.0)
+    kv_only = ("fc", "midlayer.input_layernorm", "midlayer.hidden_norm",
+               "midlayer.self_attn.qkv_proj")
+    kb, kp = size(head, kv_only) if head is not None else (0.0, 0.0)
     tl, hl = layers(target), (layers(head) if head is not None else 0)
     out = {}
     for bs in batch_sizes:
@@ -496,7 +502,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
         for k in steps:
             k = _check_int("steps", k, 0)
             ms = _forward_ms(tb, tp, tl, bs * (k + 1))
-            if head is not None:
+            if head is not None and k == 0:
+                ms += _forward_ms(kb, kp, hl, bs)
+            elif head is not None:
                 ms += _forward_ms(hb, hp, hl, bs * (k + 1)) \
                     + max(k - 1, 0) * _forward_ms(hb, hp, hl, bs)
             out[(bs, k)] = ms
