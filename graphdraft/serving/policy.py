@@ -117,12 +117,14 @@ def _as_int_array(name: str, x: Any) -> np.ndarray:
 class AcceptRateEstimator:
     """Running estimate of the per-draft match rate alpha (module docstring).
 
-    `prior_alpha` in (0, 1], `prior_weight` > 0 pseudo-trials, `decay` in (0, 1] per observed
+    `prior_alpha` in (0, 1], `prior_weight` > 0 pseudo-trials (2: a cold start speculates,
+    and at bs 1, one row a cycle, the prior is outweighed after a few cycles; 8 kept a p = 0.2
+    regime at alpha ~ 0.45 after perf/policy.py's warm-up), `decay` in (0, 1] per observed
     step (1: plain running totals), `z` the Wilson bound's normal quantile, `max_slots`: keep
     per-request-slot estimates for slots 0..max_slots-1 (None: batch only).
     """
 
-    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 8.0, decay: float = 0.99,
+    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 2.0, decay: float = 0.99,
                  z: float = 1.64, max_slots: int | None = None) -> None:
         self.prior_alpha = _check_prob("prior_alpha", prior_alpha, open_low=True)
         if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
