@@ -314,7 +314,7 @@ def _rises(rows: list[dict[str, Any]], bs: int) -> bool:
     """fixed_accept strictly rises with p over this bs's cells."""
     acc = [r["fixed_accept"] for r in sorted((r for r in rows if r["bs"] == bs),
                                              key=lambda r: r["p"])]
-    return all(a < b for a, b in zip(acc, acc[1:]))
+    return all(a < b for a, b in zip(acc, acc[1:], strict=False))
 
 
 def table(data: dict[str, Any]) -> str:

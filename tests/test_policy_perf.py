@@ -78,7 +78,7 @@ def test_peaked_target_greedy_follows_the_permutation():
     ps = prompts(12, 4)
     for p, out in zip(ps, target_only(target, runtime(), ps, 24), strict=True):
         text = p + out
-        assert all(int(perm[a]) == b for a, b in zip(text[len(p) - 1:], text[len(p):]))
+        assert all(int(perm[a]) == b for a, b in zip(text[len(p) - 1:-1], text[len(p):], strict=True))
 
 
 def test_make_peaked_bad_input_changes_nothing():
