@@ -187,7 +187,7 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             damp_residual_branches_(pair[0], residual_scale)
     target, head = pair
     if peak:
-        perm = make_peaked_(target, seed=seed + 17).cpu()
+        perm = make_peaked_(target, seed=seed + 17).tolist()
     sizes = tuple(sorted(batch_sizes))
     max_bs = max(sizes)
     # the oracle covers what a request is expected to emit over its cells (+15%)
@@ -254,7 +254,7 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         follows = None
         if perm is not None:  # the peaked target's greedy text: t -> perm[t]
             pairs = [(t[i], t[i + 1]) for t in text for i in range(prompt_len - 1, len(t) - 1)]
-            follows = sum(int(perm[a]) == b for a, b in pairs) / max(len(pairs), 1)
+            follows = sum(perm[a] == b for a, b in pairs) / max(len(pairs), 1)
         # the speculative engine over the same prompts; oracle rows by slot
         budget = cfg.max_context_len - prompt_len - 2 * (STEPS + 1) - 1
         sreqs = [spec.add_request(p, SamplingParams(max_new_tokens=budget, ignore_eos=True))
