@@ -3,6 +3,10 @@
 For the end-to-end, verify and capture benchmarks: 32 layers, hidden 4096, 32/8 heads of 128,
 ffn 14336, vocab 128256 (16.1 GB of bf16 weights). Weights are drawn on the device
 (N(0, std), norm weights 1 + N(0, 0.1)): host initialisation of 8 G values takes minutes.
+
+`make_peaked_` turns the random target into one with a robust greedy continuation (for the
+benchmarks that need the speculative text to equal a target-only oracle): same shapes, same
+bytes, same work per token.
 """
 
 from __future__ import annotations
@@ -96,3 +100,43 @@ def build_pair(device: str | torch.device = "cuda", *, seed: int = 0
     head = build_head(LLAMA31_8B_HEAD, device, seed=seed + 1)
     head.embed_tokens = target.embed_tokens
     return target, head
+
+
+@torch.no_grad()
+def damp_residual_branches_(target: torch.nn.Module, scale: float) -> None:
+    """Scale every layer's o_proj and down_proj weights in place (the residual branches)."""
+    for name, p in target.named_parameters():
+        if name.endswith(("self_attn.o_proj", "mlp.down_proj")):
+            p.mul_(scale)
+
+
+PEAK_SCALE = 4.0
+"""lm_head row perm(t) = PEAK_SCALE * embedding row t (`make_peaked_`)."""
+PEAK_RESIDUAL_SCALE = 1e-3
+"""o_proj / down_proj scale of the peaked target (`make_peaked_`)."""
+
+
+@torch.no_grad()
+def make_peaked_(target: LlamaForCausalLM, *, seed: int = 0, scale: float = PEAK_SCALE,
+                 residual_scale: float = PEAK_RESIDUAL_SCALE) -> torch.Tensor:
+    """Give a random-weight target a peaked, deterministic next token, in place: the LM head's
+    rows become a fixed permutation of the embedding rows times `scale`
+    (`lm_head[perm[t]] = scale * embed[t]`) and the residual branches (o_proj, down_proj) are
+    scaled by `residual_scale`, so the last hidden state is the input token's embedding plus
+    a small perturbation and argmax(logits after token t) = perm[t] by a wide margin (the
+    embedding row's squared norm, ~ H * std^2, against cross products ~ sqrt(H) * std^2: about
+    13x at H = 4096 with 128256 rows). Greedy text then follows t -> perm[t] whatever the
+    verify width's bf16 rounding. Same shapes and bytes as before (the cost is the weights'
+    bytes, not their values). Returns perm `[V]` int64 (on the target's device).
+    ValueError for a tied LM head (its rows are the embedding) or a bad scale."""
+    if target.lm_head is target.embed_tokens:
+        raise ValueError("target: expected an untied lm_head (tie_word_embeddings=False)")
+    for name, x in (("scale", scale), ("residual_scale", residual_scale)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):
+            raise ValueError(f"{name}: expected a finite number > 0, got {x!r}")
+    emb = target.embed_tokens
+    gen = torch.Generator(device=emb.device).manual_seed(seed)
+    perm = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
+    target.lm_head.index_copy_(0, perm, emb * scale)
+    damp_residual_branches_(target, residual_scale)
+    return perm

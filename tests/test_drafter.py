@@ -356,3 +356,51 @@ def test_head_shared_by_drafters_of_two_kernel_paths():
     assert s.head.use_triton  # the newest drafter set the head's layers to its path
     drive(s, seed=31, iters=2, prompts=[(6, 8), (3, 4)])  # checked against the reference
     assert not s.head.use_triton  # the first drafter's runs switched it back
+
+
+# --- the KV-only step (k = 0 cycles) -----------------------------------------------------
+@pytest.mark.parametrize("kernel_backend,tokens,wide", [
+    ("torch", 5, True), ("torch", 3, False),      # fp32 torch path; fc input and H-wide hidden
+    ("triton", 4, True), ("triton", 3, False),    # Triton path (interpreter): SplitK GEMVs
+    ("triton", 34, True)])                        # above small_m: the plain matmul
+def test_store_kv_writes_the_full_steps_kv(kernel_backend, tokens, wide):
+    """`Eagle3DraftHead.store_kv` writes bit for bit the KV the full step writes (and nothing
+    else: every other cache slot untouched)."""
+    s = make_setup(steps=3, seed=41, kernel_backend=kernel_backend, max_running_requests=40,
+                   max_num_batched_tokens=160)
+    head, d = s.head, s.drafter
+    g = torch.Generator().manual_seed(41 + tokens)
+    width = head.target_hidden_width if wide else head.config.hidden_size
+    ids = torch.randint(0, head.config.vocab_size, (tokens,), generator=g)
+    hidden = torch.randn(tokens, width, generator=g).to(head.dtype)
+    positions = torch.randint(0, 150, (tokens,), generator=g)
+    k, v = d.kv_pool.layer(0)
+    k.normal_(generator=g)
+    v.normal_(generator=g)
+    locs = 1 + torch.randperm(k.shape[0] - 1, generator=g)[:tokens]
+    start = (k.clone(), v.clone())
+    meta = d.backend.bind_metadata(torch.zeros(tokens, dtype=torch.int64),
+                                   torch.full((tokens,), 7, dtype=torch.int32))
+    head(ids, positions, hidden, locs, (k, v), d.backend, meta)
+    full = (k.clone(), v.clone())
+    assert not torch.equal(full[0], start[0]) and not torch.equal(full[1], start[1])
+    k.copy_(start[0])
+    v.copy_(start[1])
+    head.store_kv(ids, positions, hidden, locs, (k, v))
+    assert torch.equal(k, full[0]) and torch.equal(v, full[1])
+
+
+def test_store_kv_bad_input_raises_and_writes_nothing():
+    s = make_setup(steps=3, seed=42)
+    head, d = s.head, s.drafter
+    k, v = d.kv_pool.layer(0)
+    before = (k.clone(), v.clone())
+    ids, pos, locs = torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, 4])
+    hid = torch.zeros(2, head.target_hidden_width)
+    with pytest.raises(ValueError, match="^positions: expected shape \\(2,\\)"):
+        head.store_kv(ids, pos[:1], hid, locs, (k, v))
+    with pytest.raises(ValueError, match="^out_cache_loc: expected shape \\(2,\\)"):
+        head.store_kv(ids, pos, hid, locs[:1], (k, v))
+    with pytest.raises(ValueError, match="^hidden: expected shape"):
+        head.store_kv(ids, pos, hid[:, :5], locs, (k, v))
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])

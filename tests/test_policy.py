@@ -239,8 +239,9 @@ def test_probe_refreshes_the_estimate_at_target_only():
                             probe_budget=0)
     for _ in range(20):  # a regime where nothing matches
         pol.observe([1] * 16, 1)
-    ks = [pol.decide(1) for _ in range(17)]
-    assert ks[:16] == [0] * 16 and ks[16] == 1 and pol.stats()["probes"] == 1
+    ks = [pol.decide(1) for _ in range(18)]
+    # one probe = two k = 1 cycles (the first verifies the filler a k = 0 cycle left)
+    assert ks[:16] == [0] * 16 and ks[16:] == [1, 1] and pol.stats()["probes"] == 1
     assert pol.stats()["current"][1] == 0  # a probe is not a switch
     assert est.alpha < 0.05 and est.trials < 0.2 * 16 / 0.1  # aged while at k = 0
     pol.observe([2] * 16, 1)  # the regime changed: the probe saw full accepts
@@ -256,12 +257,16 @@ def test_probe_refreshes_the_estimate_at_target_only():
 def test_probe_interval_stretched_by_its_cost():
     costs = {(1, 0): 10.0, (1, 1): 10.5, (256, 0): 10.0, (256, 1): 14.7, (1, 3): 12.0, (256, 3): 30.0}
     pol = SpeculationPolicy("adaptive", 3, costs, probe_every=16, probe_budget=0.005)
-    assert pol.probe_interval(1) == 16  # a 5% probe every 16 decisions: 0.3% < 0.5%
-    assert pol.probe_interval(256) == 94  # a 47% probe: at most 0.5% of the time
+    assert pol.probe_interval(1) == 20  # two 5% cycles: 10% every 20 decisions = 0.5%
+    assert pol.probe_interval(256) == 188  # two 47% cycles: at most 0.5% of the time
+    one = SpeculationPolicy("adaptive", 3, costs, probe_every=16, probe_budget=0.005,
+                            probe_cycles=1)
+    assert one.probe_interval(1) == 16 and one.probe_interval(256) == 94
     est = pol.estimator
     est.successes, est.trials = 0.0, 1e6  # alpha 0: target-only, probing on schedule
-    ks = [pol.decide(256) for _ in range(95)]
-    assert ks.count(1) == 1 and ks[94] == 1 and set(ks[:94]) == {0}
+    ks = [pol.decide(256) for _ in range(191)]
+    assert ks.count(1) == 2 and ks[188:190] == [1, 1] and set(ks[:188]) == {0} and ks[190] == 0
+    assert pol.stats()["probes"] == 1
 
 
 def test_policy_bad_input():
@@ -284,6 +289,8 @@ def test_policy_bad_input():
         SpeculationPolicy("adaptive", 3, costs, probe_every=-1)
     with pytest.raises(ValueError, match="probe_budget"):
         SpeculationPolicy("adaptive", 3, costs, probe_budget=float("inf"))
+    with pytest.raises(ValueError, match="probe_cycles"):
+        SpeculationPolicy("adaptive", 3, costs, probe_cycles=0)
     pol = SpeculationPolicy("adaptive", 3, costs)
     with pytest.raises(ValueError, match="padded_bs"):
         pol.decide(0)

@@ -119,10 +119,33 @@ def test_forced_switches_every_step_greedy_equals_target_only_cycle_equals_split
     assert all(s["draft_decode"]["by_k"][k]["eager"] > 0 for k in (0, 1, 3))
 
 
+def test_long_k0_stretches_greedy_equals_target_only_cycle_equals_split():
+    """Long stretches of k = 0 (the KV-only draft step, nothing drafted) between short k > 0
+    runs, with joins and leaves: cycle == split mode on every state tensor (draft KV
+    included) after every step, greedy == target-only."""
+    target, head = make_models(9, draft_vocab=40)
+    ps = prompts(43, 7)
+    params = [SamplingParams(max_new_tokens=m) for m in (22, 30, 17, 26, 24, 19, 21)]
+    ks = [0] * 7 + [3, 3] + [0] * 11 + [1] + [0] * 5 + [1, 3, 3]
+    engines = []
+    for flag in (True, False):
+        e = Engine(target, _adaptive(cycle_graph=flag, cuda_graph_bs=(1, 2, 4, 6)), head)
+        e.set_policy(ForcedPolicy(ks))
+        engines.append(e)
+    outs = _run_lockstep(engines, ps, params)
+    assert outs[0] == outs[1]
+    expected = [target_only(target, runtime(), [p], m.max_new_tokens)[0]
+                for p, m in zip(ps, params, strict=True)]
+    assert outs[0] == expected
+    decided = [k for _, k in engines[0].policy.decided]
+    assert decided.count(0) > 20 and {0, 1, 3} <= set(decided)
+
+
 @settings(max_examples=6, deadline=None)
 @given(ks=st.lists(st.sampled_from([0, 1, 2, 3]), min_size=1, max_size=9),
-       seed=st.integers(0, 1000))
-def test_any_k_sequence_greedy_equals_target_only_float32(ks, seed):
+       stretch=st.integers(0, 12), seed=st.integers(0, 1000))
+def test_any_k_sequence_greedy_equals_target_only_float32(ks, stretch, seed):
+    ks = ks + [0] * stretch  # a k = 0 stretch closes each cycle of the forced sequence
     target, head = make_models(5, dtype=torch.float32)
     ps = prompts(seed, 4)
     cfg = _adaptive(dtype="float32", speculative_policy_steps=(0, 1, 2, 3))
@@ -184,14 +207,15 @@ def _decode_until(eng: Engine, reqs, committed: int) -> None:
 
 
 def test_k0_stretch_keeps_draft_kv_complete():
-    """After a stretch of k = 0 cycles the draft KV of every committed position equals that
-    of a run that never used k = 0 (the first draft step still writes the accepted token's
-    draft KV); drafts made right after the stretch are the same too."""
+    """After stretches of k = 0 cycles the draft KV of every committed position equals that
+    of a run that never used k = 0 (the KV-only draft step writes the accepted token's
+    draft KV); drafts made after the stretches are the same too."""
     target, head = make_models(7)
     ps = prompts(17, 3, lo=5, hi=12)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     runs = {}
-    for name, ks in (("never0", [3]), ("stretch0", [3, 3] + [0] * 8 + [3] * 1000)):
+    stretched = [3, 3] + [0] * 8 + [3] * 2 + [0] * 12 + [1] + [0] * 3 + [3] * 1000
+    for name, ks in (("never0", [3]), ("stretch0", stretched)):
         eng = Engine(target, _adaptive(max_context_len=160), head)
         pol = ForcedPolicy(ks)
         eng.set_policy(pol)
@@ -199,7 +223,7 @@ def test_k0_stretch_keeps_draft_kv_complete():
         _decode_until(eng, reqs, max(len(p) for p in ps) + 30)
         runs[name] = (eng, reqs, pol)
     (a, ra, _), (b, rb, pol) = runs["never0"], runs["stretch0"]
-    assert sum(k == 0 for _, k in pol.decided) == 8
+    assert sum(k == 0 for _, k in pol.decided) == 23
     for x, y in zip(ra, rb, strict=True):
         n = min(int(a.states.valid_cache_lengths[x.slot]), int(b.states.valid_cache_lengths[y.slot]))
         assert n > len(x.prompt) + 20
@@ -210,18 +234,34 @@ def test_k0_stretch_keeps_draft_kv_complete():
         assert x.output[:m] == y.output[:m]
 
 
-def test_k0_cycle_writes_one_draft_and_filler():
-    """A k = 0 cycle drafts one token (column 1) and fills the other draft columns with it;
-    its verify is one token per row (the pack's other token columns are 0)."""
+def test_k0_cycle_drafts_nothing_and_runs_the_kv_only_step():
+    """A k = 0 cycle runs the head's KV-only step (`store_kv`), never its full forward, and
+    drafts nothing: every draft column is filler (the last verified token); its verify is
+    one token per row (the pack's other token columns are 0)."""
     target, head = make_models(8)
     eng = Engine(target, _adaptive(), head)
     eng.set_policy(ForcedPolicy([0]))
     r = eng.add_request(prompts(3, 1)[0], SamplingParams(max_new_tokens=20))
-    for _ in range(3):
-        eng.step()
-    eng.drain()
+    eng.step()  # prefill (the full first step and multi-step)
+    calls = {"forward": 0, "store_kv": 0}
+    fwd, skv = head.forward, head.store_kv
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    head.forward, head.store_kv = counting("forward", fwd), counting("store_kv", skv)
+    try:
+        for _ in range(3):
+            eng.step()
+        eng.drain()
+    finally:
+        del head.forward, head.store_kv
+    assert calls == {"forward": 0, "store_kv": 3}
     d = eng.slots.drafts[r.slot]
-    assert torch.equal(d, d[:1].expand_as(d))
+    assert torch.equal(d, eng.slots.last_token[r.slot].expand_as(d).to(d.dtype))
     assert torch.equal(eng.cycle.pack[0, 1: eng.n_row], torch.zeros(eng.n_row - 1, dtype=torch.int32))
     assert int(eng.cycle.pack[0, eng.n_row]) == 1  # accept length 1
 
@@ -229,8 +269,9 @@ def test_k0_cycle_writes_one_draft_and_filler():
 # ---------------------------------------------------------------- observations
 def test_accept_lengths_observed_one_step_late_without_filler():
     """Each retired decode cycle reports its row's accept length with the number of drafts
-    really drafted for it: after a k = 0 cycle (one draft made) a k = 3 cycle counts as
-    k = 1; a k = 0 cycle reports k = 0 (nothing learnt); lengths never exceed that k + 1."""
+    really drafted for it: after a k = 0 cycle (nothing drafted) a k = 3 cycle counts as
+    k = 0, after a k = 1 cycle as k = 1; a k = 0 cycle reports k = 0 (nothing learnt);
+    lengths never exceed that k + 1."""
     target, head = make_models(3)
     eng = Engine(target, _adaptive(), head)
     pol = ForcedPolicy([3, 0, 3, 3, 1, 3, 0, 0, 3])
@@ -239,7 +280,7 @@ def test_accept_lengths_observed_one_step_late_without_filler():
     made, expect = 3, []  # the prefill drafted S
     for _, k in pol.decided:
         expect.append(min(k, made))
-        made = max(k, 1)
+        made = k
     got = [k for _, k in pol.observed]
     assert len(got) >= len(expect) - 1  # the last cycle may end in the length cut
     assert got == expect[: len(got)]
@@ -291,7 +332,11 @@ def test_analytic_costs_order_and_cover_the_schedule():
     t = analytic_cost_table(target, head, sched, steps)
     assert set(t) == {(b, k) for b in sched for k in steps}
     assert all(t[(b, 0)] <= t[(b, 1)] < t[(b, 3)] for b in sched)
-    assert all(v > 0 for v in analytic_cost_table(target, None, sched, (0,)).values())
+    base = analytic_cost_table(target, None, sched, (0,))
+    assert all(v > 0 for v in base.values())
+    # k = 0: the KV-only draft step (fc, norms, qkv) costs less than a full head forward
+    base2 = analytic_cost_table(target, None, [2 * b for b in sched], (0,))
+    assert all(0 < t[(b, 0)] - base[(b, 0)] < t[(b, 1)] - base2[(2 * b, 0)] for b in sched)
 
 
 def test_measure_costs_is_a_noop_without_cuda():

@@ -1,7 +1,8 @@
 """The speculation policy on the GPU: for every captured (padded bs, k) the cycle graph equals
 the eager cycle (and the split mode) bit for bit on every state tensor under forced k switches
-with joins and leaves; greedy speculative output equals target-only in float32 under forced
-switches and under the adaptive policy with its measured cost table.
+(k = 0 stretches included) with joins and leaves; greedy speculative output equals target-only
+in float32 under forced switches and under the adaptive policy with its measured cost table;
+the head's KV-only step (k = 0) writes the full step's KV bit for bit in bf16 on the kernels.
 
 Run on the GPU machine with `make test-gpu` (or `pytest -m gpu tests/test_policy_gpu.py`).
 """
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SIZES = (1, 2, 4, 8)
-KS = [0, 3, 1, 3, 3, 0, 1, 1, 0]  # every k after every other k
+KS = [0, 3, 1, 3, 3, 0, 1, 1, 0, 0, 0, 0, 0, 0, 3, 1]  # every k after every other k; a k = 0 stretch
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
@@ -156,3 +157,32 @@ def test_greedy_speculative_equals_target_greedy_float32(forced):
     params = SamplingParams(max_new_tokens=20)
     assert spec.generate(ps, params) == base.generate(ps, params)
     assert spec.graph_summary()["spec_cycle"][0] > 0
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 32, 256])
+def test_store_kv_equals_the_full_steps_kv_bf16(tokens):
+    """`Eagle3DraftHead.store_kv` (the k = 0 cycle's KV-only step) writes the KV the full
+    first step writes, bit for bit, on the GPU kernels in bf16 (GEMV SplitK path up to
+    small_m rows, cuBLAS above)."""
+    from tests.drafter_harness import make_setup
+
+    s = make_setup(steps=3, seed=43, dtype="bfloat16", device="cuda", kernel_backend="auto",
+                   max_running_requests=256, max_num_batched_tokens=1024, cuda_graph_max_bs=8)
+    head, d = s.head, s.drafter
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.randint(0, head.config.vocab_size, (tokens,), generator=g, device="cuda")
+    hidden = torch.randn(tokens, head.target_hidden_width, generator=g, device="cuda").to(head.dtype)
+    positions = torch.randint(0, 150, (tokens,), generator=g, device="cuda")
+    k, v = d.kv_pool.layer(0)
+    locs = 1 + torch.randperm(k.shape[0] - 1, generator=g, device="cuda")[:tokens]
+    meta = d.backend.bind_metadata(torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+                                   torch.full((tokens,), 7, dtype=torch.int32, device="cuda"))
+    start = (k.clone(), v.clone())
+    head(ids, positions, hidden, locs, (k, v), d.backend, meta)
+    full = (k.clone(), v.clone())
+    k.copy_(start[0])
+    v.copy_(start[1])
+    head.store_kv(ids, positions, hidden, locs, (k, v))
+    torch.cuda.synchronize()
+    assert torch.equal(k, full[0]) and torch.equal(v, full[1])
+    assert not torch.equal(full[0], start[0])

@@ -3,10 +3,16 @@ Engine's draft hook, the output name. Timings on a CPU mean nothing (not checked
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
+from graphdraft.serving.policy import AcceptRateEstimator, SpeculationPolicy
 from perf import policy as perf_policy
-from tests.engine_harness import make_models
+from perf.models_8b import make_peaked_
+from tests.engine_harness import make_models, runtime
+from tests.test_engine import prompts, target_only
 
 
 def test_policy_benchmark_rows_and_accept_control_on_cpu():
@@ -28,6 +34,14 @@ def test_policy_benchmark_rows_and_accept_control_on_cpu():
     assert min(hi) > max(lo) + 1.0, (hi, lo)
     assert data["captured_steps"] == [0, 1, 3] and data["cost_source"] == "analytic"
     assert "| bs | regime |" in perf_policy.table(data)
+    # the peaked target (made in place): its greedy text is t -> perm[t]; the control held
+    assert data["target"] == "peaked" and all(r["oracle_follows_perm"] == 1.0 for r in rows)
+    assert data["goals"]["no_departures"] and data["goals"]["accept_rises_with_p"]
+    assert all(r["oracle_exhausted"] == 0 for r in rows)
+    for r in rows:  # draft lengths of the timed cycles only: one decision per timed step
+        assert sum(r["adaptive_k"].values()) == 3 and sum(r["adaptive_k_warmup"].values()) == 1
+        assert r["best_k_at_p"] in (0, 1, 3) and 0 <= r["adaptive_alpha"] <= 1
+        assert abs(r["expected_accept"] - (1 - r["p"] ** 4) / (1 - r["p"])) < 1e-12
 
 
 def test_output_name():
@@ -51,3 +65,90 @@ def test_damp_residual_branches_scales_only_the_branch_outputs():
     for n, p in target.named_parameters():
         want = before[n] * 0.5 if n.endswith(("o_proj", "down_proj")) else before[n]
         assert torch.equal(p, want), n
+
+
+def test_peaked_target_greedy_follows_the_permutation():
+    """`make_peaked_`: argmax after token t is perm[t], whatever the context (greedy text of a
+    target-only engine), and the LM head's rows are the permuted embedding rows x scale."""
+    target, _ = make_models(11)
+    emb = target.embed_tokens.detach().clone()
+    perm = make_peaked_(target, seed=3, scale=4.0)
+    assert sorted(perm.tolist()) == list(range(target.config.vocab_size))
+    assert torch.equal(target.lm_head[perm], emb * 4.0)
+    ps = prompts(12, 4)
+    for p, out in zip(ps, target_only(target, runtime(), ps, 24), strict=True):
+        text = p + out
+        assert all(int(perm[a]) == b for a, b in zip(text[len(p) - 1:-1], text[len(p):], strict=True))
+
+
+def test_make_peaked_bad_input_changes_nothing():
+    target, _ = make_models(11)
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    with pytest.raises(ValueError, match="^scale: expected a finite number > 0"):
+        make_peaked_(target, scale=0.0)
+    with pytest.raises(ValueError, match="^residual_scale: expected a finite number > 0"):
+        make_peaked_(target, residual_scale=float("inf"))
+    target.lm_head = target.embed_tokens
+    with pytest.raises(ValueError, match="^target: expected an untied lm_head"):
+        make_peaked_(target)
+    for n, p in target.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+# H200-like costs (ms) of one cycle, target-only k = 0 ~ 1.01 x (the KV-only draft step)
+COSTS = {}
+for _bs, _t in {1: 6.0, 8: 6.3, 64: 7.0, 256: 7.97}.items():
+    COSTS[(_bs, 0)] = 1.01 * _t
+    COSTS[(_bs, 1)] = _t * {1: 1.04, 8: 1.05, 64: 1.25, 256: 1.6}[_bs]
+    COSTS[(_bs, 3)] = _t * {1: 1.12, 8: 1.15, 64: 1.7, 256: 2.8}[_bs]
+
+
+def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int], float]:
+    """The default adaptive policy fed as the Engine feeds it: truncated geometric accept
+    lengths at match rate p, observed one step late, drafts made after a k = 0 cycle: none."""
+    rng = random.Random(seed)
+    pol = SpeculationPolicy("adaptive", 3, COSTS, steps=[0, 1, 3],
+                            estimator=AcceptRateEstimator(**est))
+    made, pending, ks = 3, None, []
+    for _ in range(steps):
+        k = pol.decide(bs)
+        ks.append(k)
+        if pending is not None:
+            pol.observe(*pending)
+        real, made = min(k, made), k
+        acc = []
+        for _ in range(bs):
+            a = 1
+            while a <= k and rng.random() < p:
+                a += 1
+            acc.append(min(a, real + 1))
+        pending = (acc, real)
+    return ks, pol.estimator.alpha
+
+
+@pytest.mark.parametrize("bs,p", [(8, 0.2), (64, 0.2), (256, 0.2), (256, 0.6), (8, 0.9),
+                                  (1, 0.9)])
+def test_adaptive_settles_within_the_benchmark_warmup(bs, p):
+    """With the default estimator (prior alpha 0.7, weight 2, decay 0.99) the adaptive policy
+    picks the best k for the true rate in every timed cycle after perf/policy.py's WARMUP."""
+    best = perf_policy.best_k_at(COSTS, [0, 1, 3], bs, p)
+    timed = perf_policy.WARMUP + perf_policy.BLOCK * perf_policy.REPS
+    for seed in range(3):
+        ks, _ = _simulate(p, bs, timed, seed)
+        assert set(ks[perf_policy.WARMUP:]) == {best}, (seed, ks, best)
+
+
+def test_bs1_low_rate_estimate_settles_with_the_default_prior():
+    """bs 1, p = 0.2: one row a cycle. By the end of the warm-up the default prior (weight 2)
+    has the estimate near p (the old weight 8 kept it near 0.45); the k it picks over the
+    timed cycles is mostly the best one (k = 1 and k = 3 are within 3% of each other there)."""
+    alphas, old, picks = [], [], []
+    best = perf_policy.best_k_at(COSTS, [0, 1, 3], 1, 0.2)
+    for seed in range(8):
+        ks, a = _simulate(0.2, 1, perf_policy.WARMUP, seed)
+        alphas.append(a)
+        old.append(_simulate(0.2, 1, perf_policy.WARMUP, seed, prior_weight=8.0)[1])
+        ks, _ = _simulate(0.2, 1, perf_policy.WARMUP + 15, seed)
+        picks += ks[perf_policy.WARMUP:]
+    assert sum(alphas) / 8 < 0.33 < sum(old) / 8
+    assert best == 1 and picks.count(best) > len(picks) / 2

@@ -16,6 +16,8 @@ One step over T tokens (positions `[T]`, KV slots `[T]`):
   -> pre-norm hidden `[B, H]` (the next step's hidden input) and logits of norm(pre-norm) `[B, Vd]`.
 Because the head has a single layer, the non-gathered rows only feed the KV cache,
 so only the gathered rows run attention, MLP and LM head.
+`store_kv` is the KV-only step (the drafter's k = 0 cycle): the same prefix up to and
+including the KV write (same code, bit-identical cache), then nothing.
 
 Tensor parallelism, two ways (see `graphdraft.parallel`):
   replicated  (the default) every rank runs the full head on its full weights: its inputs,
@@ -150,6 +152,46 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
         """Draft-vocab ids -> target-vocab ids."""
         return self.hot_token_ids[draft_ids] if self.hot_token_ids is not None else draft_ids
 
+    def _qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor):
+        """The step's prefix shared by `forward` and `store_kv`: embedding, fc (when hidden is
+        k*H wide), the two input norms and the qkv projection over all T tokens.
+        -> (qkv `[T, (Hq + 2 Hkv) * D]` or its `ops.SplitK`, hidden `[T, H]` (fc's output))."""
+        layer = self.midlayer
+        if self.tp is None:  # the embedding lookup happens inside the norm kernel
+            embeds, embed_index = self.embed_tokens, input_ids
+        else:
+            embeds, embed_index = self.tp.embed(input_ids, self.embed_tokens), None
+        kc = self.kernels
+        b = hidden
+        if hidden.shape[-1] != self.config.hidden_size:
+            # fc; on the GEMV path a SplitK, which the norm kernel sums (hidden: that sum)
+            b = ops.linear_partials(hidden, self.fc, kernels=kc)
+        norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
+        x, hidden = ops.rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight,
+                                     norm_h.eps, a_index=embed_index, kernels=kc)
+        return layer.self_attn.qkv(x), hidden
+
+    def store_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The KV-only step: writes the draft KV of the T tokens exactly as `forward` does
+        (the same `_qkv` prefix, the same RoPE + KV-store op: bit-identical cache entries) and
+        stops there: no attention, o_proj, MLP, final norm or LM head, no draft token.
+        input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
+        out_cache_loc `[T]`. The drafter's k = 0 cycle (nothing drafted, the KV kept whole)."""
+        t = input_ids.shape[0]
+        for name, x in (("positions", positions), ("out_cache_loc", out_cache_loc)):
+            if x.shape != (t,):
+                raise ValueError(f"{name}: expected shape ({t},) (one per input id), got "
+                                 f"{tuple(x.shape)}")
+        if hidden.shape[0] != t or hidden.shape[-1] not in (self.config.hidden_size,
+                                                            self.target_hidden_width):
+            raise ValueError(f"hidden: expected shape ({t}, {self.target_hidden_width}) or "
+                             f"({t}, {self.config.hidden_size}), got {tuple(hidden.shape)}")
+        qkv, _ = self._qkv(input_ids, hidden)
+        k_cache, v_cache = kv
+        ops.rope_and_store_qkv(qkv, positions, self.cos_sin, k_cache, v_cache, out_cache_loc,
+                               kernels=self.midlayer.self_attn.kernels)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: PagedAttentionBackend, metadata: AttentionMetadata,
@@ -170,19 +212,8 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
         layer = self.midlayer
         tp = self.tp
         attn_layer, mlp = layer.self_attn, layer.mlp
-        if tp is None:  # the embedding lookup happens inside the norm kernel
-            embeds, embed_index = self.embed_tokens, input_ids
-        else:
-            embeds, embed_index = tp.embed(input_ids, self.embed_tokens), None
         kc = self.kernels
-        b = hidden
-        if hidden.shape[-1] != self.config.hidden_size:
-            # fc; on the GEMV path a SplitK, which the norm kernel sums (hidden: that sum)
-            b = ops.linear_partials(hidden, self.fc, kernels=kc)
-        norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
-        x, hidden = ops.rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight,
-                                     norm_h.eps, a_index=embed_index, kernels=kc)
-        qkv = attn_layer.qkv(x)
+        qkv, hidden = self._qkv(input_ids, hidden)
         attn = attn_layer.attend(qkv, positions, out_cache_loc, kv, self.cos_sin, backend,
                                  metadata, gather_ids)
         if tp is None and mlp.dp is None:  # o_proj and down_proj fused with residual + RMSNorm

@@ -140,9 +140,11 @@ class EagleDrafter:
     # The two forwards (run eagerly or captured; identical code)
     # ------------------------------------------------------------------
     def _first_step(self, bs: int, num_tokens: int, num_extends: int, hidden: torch.Tensor,
-                    n: int | None = None):
+                    n: int | None = None, *, kv_only: bool = False):
         """One draft forward over `num_tokens` tokens (decode rows of `n` tokens each, default
-        N); writes ids/hidden/write_start/next_tokens[:, :2]."""
+        N); writes ids/hidden/write_start/next_tokens[:, :2]. `kv_only`: the head's
+        `store_kv` instead (the same indices and the same KV written, nothing drafted: writes
+        write_start/seq_lens/gather_ids and next_tokens[:, 0] only)."""
         b, ib = self.bufs, self.inputs
         n = self.N if n is None else n
         ne = num_extends
@@ -161,6 +163,10 @@ class EagleDrafter:
             b.seq_lens[:ne].copy_(seq[:ne])
             b.write_start[:ne].copy_(seq[:ne])
             b.next_tokens[:ne, 0].copy_(ids.index_select(0, b.gather_ids[:ne]))
+        if kv_only:
+            self.head.store_kv(ids, ib.positions[:num_tokens], hidden,
+                               ib.out_cache_loc[:num_tokens], self.kv_pool.layer(0))
+            return b.next_tokens[:bs]
         metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
         self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
                   self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
@@ -171,11 +177,12 @@ class EagleDrafter:
         """A decode batch's whole draft over `bs` staged rows of k + 1 tokens (the verify of
         k drafts; default k = S); writes next_tokens[:bs] `[bs, S + 1]`.
 
-        k drafts: the first step over the rows' k + 1 tokens, then k - 1 multi-steps. k = 0
-        still runs the first step (one token per row: it writes the draft KV of the accepted
-        token, so the draft cache has no hole, and drafts one token). The d = max(k, 1) real
-        drafts fill columns 1..d; columns d + 1..S repeat column d (filler: a later cycle
-        with more drafts verifies them against the target, which keeps it exact)."""
+        k drafts: the first step over the rows' k + 1 tokens, then k - 1 multi-steps; the k
+        drafts fill columns 1..k, columns k + 1..S repeat column k (filler: a later cycle with
+        more drafts verifies them against the target, which keeps it exact). k = 0 runs the
+        KV-only first step (`Eagle3DraftHead.store_kv` over the one accepted token a row: the
+        draft KV of that position, so the draft cache has no hole; no attention, MLP or LM
+        head) and drafts nothing: columns 1..S repeat column 0 (all filler)."""
         k = self.S if k is None else k
         if not 0 <= k <= self.S:
             raise ValueError(f"k: expected draft steps in 0..{self.S}, got {k}")
@@ -184,13 +191,12 @@ class EagleDrafter:
         if k == self.S:
             self._first_step(bs, bs * w, 0, hidden)
         else:
-            self._first_step(bs, bs * w, 0, hidden, n=w)
+            self._first_step(bs, bs * w, 0, hidden, n=w, kv_only=k == 0)
         if k > 1:
             self._multi_step(bs, k)
-        d = max(k, 1)
-        if d < self.S:
+        if k < self.S:
             nt = self.bufs.next_tokens[:bs]
-            nt[:, d + 1:].copy_(nt[:, d: d + 1].expand(bs, self.S - d))
+            nt[:, k + 1:].copy_(nt[:, k: k + 1].expand(bs, self.S - k))
         return self.bufs.next_tokens[:bs]
 
     def _multi_step(self, bs: int, k: int | None = None):

@@ -25,15 +25,17 @@ fixed: S alone), one cycle graph per (padded bs, k) (`spec_cycle` for k = S,
 `spec_cycle_k{k}` for the others). `_launch` asks `policy.decide(padded bs)` for k (host
 arithmetic: no sync, no re-capture); `_retire` feeds `policy.observe(accept lengths, k)` from
 the pack it reads one step later anyway. A cycle of k drafts verifies k + 1 tokens a row
-(last_token and drafts[:k]) and drafts d = max(k, 1) tokens; the drafts table's columns past d
-repeat the last one (filler). A row whose stored drafts are fewer than this cycle's k verifies
-filler: the verify compares against the target, so it stays exact, and the policy counts only
-the drafts really drafted for the row (`Request.drafts_ready`). k = 0 is target-only decode
-plus the drafter's first step over the one accepted token: that step writes the draft KV of
-the committed position (skipping the drafter would leave holes in the draft KV cache at every
-position accepted meanwhile, and later drafts would attend over them) and drafts one token for
-the next cycle; the multi-step is skipped. Its extra cost over a target-only step (one draft
-forward) is what perf/policy.py's `k0_tps` measures. Without a drafter k is 0 and nothing is
+(last_token and drafts[:k]) and drafts k tokens; the drafts table's columns past k repeat the
+last one (filler; k = 0: last_token). A row whose stored drafts are fewer than this cycle's k
+verifies filler: the verify compares against the target, so it stays exact, and the policy
+counts only the drafts really drafted for the row (`Request.drafts_ready`; after a k = 0 cycle
+none, so the first k > 0 cycle after a stretch of k = 0 is no observation). k = 0 is
+target-only decode plus the drafter's KV-only first step over the one accepted token
+(`Eagle3DraftHead.store_kv`: embedding, fc, norms, qkv, RoPE and the KV write of the
+committed position; skipping the drafter would leave holes in the draft KV cache at every
+position accepted meanwhile, and later drafts would attend over them); no attention, MLP or
+LM head, nothing drafted. Its extra cost over a target-only step is what perf/policy.py's
+`k0_tps` measures. Without a drafter k is 0 and nothing is
 drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel engines keep S.
 `capture_graphs` times every captured (padded bs, k) cycle with CUDA events for the adaptive
 policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
@@ -843,7 +845,7 @@ class Engine:
                 self._cycle_drafter.stats.calls += 1
                 self._cycle_drafter.stats.decode_calls += 1
             real = [min(k, r.drafts_ready) for r in dreqs]
-            made = max(k, 1) if self._variable_k else self.n_row - 1
+            made = k if self._variable_k else self.n_row - 1  # k = 0 drafts nothing
             for r in dreqs:
                 r.drafts_ready = made
         else:

@@ -34,9 +34,11 @@ bs for a k that has entries, and linearly in k otherwise.
                 `hysteresis` (relative) above it;
               - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
                 decisions with no observation of a k > 0 step (`probe_every`, stretched so that
-                probes cost at most `probe_budget` of the target-only time), one decision
-                returns the smallest k > 0 of `steps` (counted as a probe), so a regime change
-                is noticed.
+                probes cost at most `probe_budget` of the target-only time), `probe_cycles`
+                consecutive decisions (default 2) return the smallest k > 0 of `steps` (counted
+                as one probe), so a regime change is noticed. Two, because a k = 0 cycle drafts
+                nothing (the drafter's KV-only step): the first probe cycle verifies filler (no
+                observation) and drafts; the second verifies those drafts.
 """
 
 from __future__ import annotations
@@ -115,12 +117,14 @@ def _as_int_array(name: str, x: Any) -> np.ndarray:
 class AcceptRateEstimator:
     """Running estimate of the per-draft match rate alpha (module docstring).
 
-    `prior_alpha` in (0, 1], `prior_weight` > 0 pseudo-trials, `decay` in (0, 1] per observed
+    `prior_alpha` in (0, 1], `prior_weight` > 0 pseudo-trials (2: a cold start speculates,
+    and at bs 1, one row a cycle, the prior is outweighed after a few cycles; 8 kept a p = 0.2
+    regime at alpha ~ 0.45 after perf/policy.py's warm-up), `decay` in (0, 1] per observed
     step (1: plain running totals), `z` the Wilson bound's normal quantile, `max_slots`: keep
     per-request-slot estimates for slots 0..max_slots-1 (None: batch only).
     """
 
-    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 8.0, decay: float = 0.99,
+    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 2.0, decay: float = 0.99,
                  z: float = 1.64, max_slots: int | None = None) -> None:
         self.prior_alpha = _check_prob("prior_alpha", prior_alpha, open_low=True)
         if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
@@ -296,13 +300,14 @@ class SpeculationPolicy:
     `steps` the captured draft lengths the adaptive mode may pick (default 0..S; must hold 0 and
     lie in 0..S); `costs` a `CostTable` or mapping (adaptive mode needs one covering `steps`);
     `hysteresis` relative margin >= 0; `probe_every` decisions (0: never probe); `probe_budget`
-    the fraction of target-only time probes may cost.
+    the fraction of target-only time probes may cost; `probe_cycles` >= 1 consecutive k > 0
+    decisions per probe (2: the first verifies the filler a k = 0 cycle left).
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
                  hysteresis: float = 0.03, probe_every: int = 16,
-                 probe_budget: float = 0.005) -> None:
+                 probe_budget: float = 0.005, probe_cycles: int = 2) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -336,6 +341,7 @@ class SpeculationPolicy:
                 or not math.isfinite(probe_budget) or probe_budget < 0:
             raise ValueError(f"probe_budget: expected a finite number >= 0, got {probe_budget!r}")
         self.probe_budget = float(probe_budget)
+        self.probe_cycles = _check_int("probe_cycles", probe_cycles, 1)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -344,6 +350,7 @@ class SpeculationPolicy:
         self._switches: Counter[int] = Counter()
         self._probes = 0
         self._since_info = 0
+        self._probe_left: dict[int, int] = {}  # bs -> probe decisions still to return
 
     # ------------------------------------------------------------------
     def scores(self, padded_bs: int, alpha: float | None = None,
@@ -381,11 +388,18 @@ class SpeculationPolicy:
                 cur_safe = cur == 0 or upper[cur] > upper[0]
                 if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
                     k = cur  # not better by the margin: stay
+            if k == 0 and self._probe_left.get(bs, 0) > 0:  # the probe's later cycles
+                self._probe_left[bs] -= 1
+                k = self.steps[1]
+                self._chosen[bs][k] += 1
+                return k
+            self._probe_left.pop(bs, None)  # k > 0 chosen: no probe needed
             if k == 0 and self.probe_every and len(self.steps) > 1 \
                     and self._since_info >= self.probe_interval(bs):
                 k = self.steps[1]
                 self._probes += 1
                 self._since_info = 0
+                self._probe_left[bs] = self.probe_cycles - 1
                 self._chosen[bs][k] += 1
                 return k  # a probe does not move the bs's current choice
             self._since_info += 1
@@ -401,13 +415,15 @@ class SpeculationPolicy:
     def probe_interval(self, padded_bs: int) -> int:
         """Decisions without information before a probe at this bs: `probe_every`, stretched so
         that probing costs at most `probe_budget` of the target-only time (a probe of the
-        smallest k > 0 costs cost(bs, k) - cost(bs, 0) and, at alpha ~ 0, gains nothing)."""
+        smallest k > 0 costs `probe_cycles` x (cost(bs, k) - cost(bs, 0)) and, at alpha ~ 0,
+        gains nothing)."""
         if len(self.steps) < 2 or self.costs is None:
             return self.probe_every
-        extra = self.costs.cost(padded_bs, self.steps[1]) / self.costs.cost(padded_bs, 0) - 1.0
+        extra = self.probe_cycles * (self.costs.cost(padded_bs, self.steps[1])
+                                     / self.costs.cost(padded_bs, 0) - 1.0)
         if self.probe_budget <= 0 or extra <= 0:
             return self.probe_every
-        return max(self.probe_every, math.ceil(extra / self.probe_budget))
+        return max(self.probe_every, math.ceil(extra / self.probe_budget - 1e-9))  # fp slack
 
     def observe(self, accept_lengths: Any, k: int, slots: Any = None) -> None:
         """Accept lengths `[rows]` of one verify with k drafts (the k that verify ran with,
@@ -452,8 +468,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
     enforce-eager, graphs off): a roofline of the cycle's forwards from the models' parameter
     counts (`target`, `head`: modules; head None: no draft work),
       verify       one target forward over bs * (k + 1) tokens
-      first step   one head forward over bs * (k + 1) tokens (k = 0 too: it keeps the draft
-                   KV complete)
+      first step   one head forward over bs * (k + 1) tokens; k = 0: the KV-only step over bs
+                   tokens (`Eagle3DraftHead.store_kv`: fc, the input norms, qkv; it keeps the
+                   draft KV complete)
       multi-step   k - 1 head forwards over bs tokens
     each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
     layers * ANALYTIC_LAYER_MS (`config.num_hidden_layers`, 1 without a config). Attention and KV reads are left out (the same for every k to first
@@ -462,10 +479,12 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
     def layers(m: Any) -> int:
         return int(getattr(getattr(m, "config", None), "num_hidden_layers", 1) or 1)
 
-    def size(m: Any) -> tuple[float, float]:
+    def size(m: Any, only: tuple[str, ...] | None = None) -> tuple[float, float]:
         seen, nbytes, params = set(), 0, 0
         for name, p in m.named_parameters():
             if "embed" in name:  # a lookup reads a few rows, not the table
+                continue
+            if only is not None and not name.startswith(only):
                 continue
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
@@ -475,6 +494,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
 
     tb, tp = size(target)
     hb, hp = size(head) if head is not None else (0.0, 0.0)
+    kv_only = ("fc", "midlayer.input_layernorm", "midlayer.hidden_norm",
+               "midlayer.self_attn.qkv_proj")
+    kb, kp = size(head, kv_only) if head is not None else (0.0, 0.0)
     tl, hl = layers(target), (layers(head) if head is not None else 0)
     out = {}
     for bs in batch_sizes:
@@ -482,7 +504,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
         for k in steps:
             k = _check_int("steps", k, 0)
             ms = _forward_ms(tb, tp, tl, bs * (k + 1))
-            if head is not None:
+            if head is not None and k == 0:
+                ms += _forward_ms(kb, kp, hl, bs)
+            elif head is not None:
                 ms += _forward_ms(hb, hp, hl, bs * (k + 1)) \
                     + max(k - 1, 0) * _forward_ms(hb, hp, hl, bs)
             out[(bs, k)] = ms
