@@ -20,7 +20,7 @@ writes directly: `supports_cycle` is True, and the Engine
 
 Draft lengths below S (the Engine's speculation policy, `graphdraft.serving.policy`): a cycle
 drafter that also has `use_draft_lengths(steps, capture_decode=...)` drafts any k of `steps`
-inside the cycle: `draft_staged(bs, k)`, `cycle_tokens(rows, k + 1)`,
+inside the cycle: `draft_staged(bs, k)` (k = 0: the KV-only step, nothing drafted), `cycle_tokens(rows, k + 1)`,
 `decode_hidden_buffer(bs, k + 1)`, `decode_graphs_for(k)` (split mode) and
 `decode_forwards()` (metrics). Without it the Engine keeps k = S (the calls above, no k).
 """

@@ -26,7 +26,7 @@ def kv_slot(req_to_page: torch.Tensor, req: torch.Tensor | int, pos: torch.Tenso
     `req_to_page[req, pos // page_size] * page_size + pos % page_size` (`req` and `pos`
     broadcast; the page index is clamped into the table, so a position past it reads the
     last column: callers that can see such positions, or page ids <= 0, mask the result to
-    the dummy slot 0 themselves, as `ops.kv_slots` does). The Triton kernels compute the
+    the dummy slot 0 themselves, as `kernels.cache_loc.kv_slots` does). The Triton kernels compute the
     same in their own bodies (`kernels.cache_loc._slot`)."""
     page_idx = torch.div(pos, page_size, rounding_mode="floor").clamp(0, req_to_page.shape[1] - 1)
     return req_to_page[req, page_idx].long() * page_size + torch.remainder(pos, page_size)

@@ -9,7 +9,7 @@ max_new) and the commit (last_token, drafts, emitted, done). Slot 0 keeps neutra
 Tables (R = max_running_requests + 1, S = speculative_num_steps, W = stop_table_width):
   last_token   [R] int64     the last verified token of each slot (the next cycle's first input)
   drafts       [R, S] int64  the drafter's tokens after it (the next cycle's other N - 1 inputs;
-                             after a cycle of k < S drafts, columns past max(k, 1) are filler)
+                             after a cycle of k < S drafts, columns past k are filler; k = 0: all)
   temperature  [R] float32   0: greedy
   top_p        [R] float32   1: off
   top_k        [R] int32     0: off
