@@ -144,6 +144,27 @@ def timed_tps(engine: Engine, *, warmup: int = WARMUP, block: int = BLOCK,
             "k": dict(sorted(ks.items())), "k_warmup": dict(sorted(warm.items()))}
 
 
+def _snapshot(engine: Engine, reqs: list) -> tuple:
+    """The engine's decode state now (nothing in flight): device tables and the host's
+    output lengths, last tokens and drafts ready of `reqs`."""
+    engine.drain()
+    _sync(engine.device)
+    return engine.state_snapshot(), [(len(r.output), r.last_verified, r.drafts_ready)
+                                     for r in reqs]
+
+
+def _restore(engine: Engine, reqs: list, snap: tuple) -> None:
+    """Put `reqs` back where `_snapshot` saw them (device state, and the host's outputs cut
+    back), so the next timed cell starts at the same context lengths."""
+    engine.drain()
+    device_state, host = snap
+    engine.restore_state(device_state)
+    for r, (n, last, ready) in zip(reqs, host, strict=True):
+        del r.output[n:]
+        r.last_verified, r.drafts_ready = last, ready
+    _sync(engine.device)
+
+
 def best_k_at(costs, steps: list[int], bs: int, p: float) -> int:
     """The k the adaptive policy's cost table prefers at a known match rate p (its `best`
     with an estimate pinned at p; the KV-read term the Engine adds is left out)."""
@@ -264,19 +285,25 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         for r, t in zip(sreqs, text, strict=True):
             oracle[r.slot, : len(t)] = torch.tensor(t, dtype=torch.int32)
         _reach_decode(spec, bs)
+        # every cell starts from the same decode state (the contexts target-only was timed
+        # at): device state by `state_snapshot`, the host's outputs cut back to it
+        start = _snapshot(spec, sreqs)
         k0 = None
         for p in regimes:
             p_dev.fill_(p)
             cell = {"bs": bs, "regime": f"p={p}", "p": p, "target_only_tps": tgt["tps"],
                     "expected_accept": expected_tokens(min(max(p, 0.0), 1.0), STEPS)}
+            if k0 is None:  # k = 0 cycles: the same at every p (nothing verified)
+                _restore(spec, sreqs, start)
+                spec.set_policy(SpeculationPolicy("fixed", 0, steps=[0]))
+                k0 = timed_tps(spec, warmup=2, block=block, reps=reps)
+            _restore(spec, sreqs, start)
             spec.set_policy(SpeculationPolicy("fixed", STEPS, steps=steps))
             fx = timed_tps(spec, warmup=warmup, block=block, reps=reps)
+            _restore(spec, sreqs, start)
             spec.set_policy(SpeculationPolicy("adaptive", STEPS, costs, steps=steps))
             ad = timed_tps(spec, warmup=warmup, block=block, reps=reps)
             alpha = spec.policy.estimator.alpha
-            if k0 is None:  # k = 0 cycles: the same at every p (nothing verified)
-                spec.set_policy(SpeculationPolicy("fixed", 0, steps=[0]))
-                k0 = timed_tps(spec, warmup=2, block=block, reps=reps)
             cell.update({
                 "fixed_tps": fx["tps"], "adaptive_tps": ad["tps"], "adaptive_k": ad["k"],
                 "adaptive_k_warmup": ad["k_warmup"], "adaptive_alpha": alpha,
