@@ -55,6 +55,36 @@ NUM_STAGES = 3
 
 
 @triton.jit
+def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constexpr,
+                 MASKED: tl.constexpr, SAFE: tl.constexpr):
+    """One KV block of an online softmax: scores `q @ k^T` scaled (positions where `valid` is
+    False -> -inf when MASKED), then the running max `m_i`, sum `l_i` and output `acc`
+    updated with the block's `p @ v`. SAFE: a row that has seen nothing yet (max -inf) keeps
+    finite weights. Shared by the decode and extend kernels (inlined by Triton)."""
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(valid, s * scale_log2, float("-inf"))
+    else:
+        s = s * scale_log2
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, sq_t, sq_h, q_index_ptr,
     k_ptr, sk_s, sk_h,
@@ -126,21 +156,8 @@ def _decode_split_kernel(
         kvmask = pmask[:, None] & dmask[None, :]
         k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(pmask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, pmask[None, :], m_i, l_i, acc, scale_log2,
+                                     DOT_FP32, True, False)
 
     if EXTRA:  # the second segment: explicit slots, walked by the split of the last position
         last_split = tl.minimum((kv_len + chunk - 1) // chunk, num_splits) - 1
@@ -151,21 +168,8 @@ def _decode_split_kernel(
             kvmask = xmask[:, None] & dmask[None, :]
             k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(xmask[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, v, xmask[None, :], m_i, l_i, acc, scale_log2,
+                                         DOT_FP32, True, False)
 
     out = acc / l_i[:, None]
     omask = gmask[:, None] & dmask[None, :]

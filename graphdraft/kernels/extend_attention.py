@@ -51,6 +51,7 @@ from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.decode_attention import (
     _DTYPES,
     REF_DTYPES,
+    attend_block,
     check_out,
     check_paged_kv,
     paged_attention_torch,
@@ -160,21 +161,8 @@ def _extend_split_kernel(
             slot = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
             k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=dmask[None, :], other=0.0)
             v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=dmask[None, :], other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, v, 0, m_i, l_i, acc, scale_log2, DOT_FP32,
+                                         False, False)
         # 2) the rest: causal limit per token, mask bits over the row's new tokens
         for off in range(full, end, BLOCK_N):
             pos = off + n
@@ -185,27 +173,14 @@ def _extend_split_kernel(
             kvmask = pmask[:, None] & dmask[None, :]
             k = tl.load(k_base + slot[:, None] * sk_s + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_base + slot[:, None] * sv_s + d[None, :], mask=kvmask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
             seen = pos[None, :] < tok_len[:, None]
             if MASK_BITS:
                 i = pos[None, :] - prefix  # new-token index of the position
                 bit = (bits[:, None] >> tl.minimum(tl.maximum(i, 0), 63).to(tl.int64)) & 1
                 seen = seen & ((i < 0) | (bit != 0))
-            s = tl.where(seen, s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            # SAFE: a token row with nothing seen yet keeps finite weights
+            m_i, l_i, acc = attend_block(q, k, v, seen, m_i, l_i, acc, scale_log2, DOT_FP32,
+                                         True, True)
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
