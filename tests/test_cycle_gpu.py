@@ -53,15 +53,16 @@ def _state(eng: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _lockstep(engines, prompts, joins):
-    """Step the engines in lockstep, adding prompts per `joins[step]`; compare every state
-    tensor after each step. Returns the outputs."""
+def _lockstep(engines, prompts, joins, params=_params):
+    """Step the engines in lockstep, adding prompts per `joins[step]` (sampling parameters
+    `params(i)` for prompt i); compare every state tensor after each step. Returns the
+    outputs."""
     reqs = [[] for _ in engines]
     step = 0
     while step in joins or any(e.has_work for e in engines):
         for i, e in enumerate(engines):
             for j in joins.get(step, []):
-                reqs[i].append(e.add_request(prompts[j], _params(j)))
+                reqs[i].append(e.add_request(prompts[j], params(j)))
             e.step()
         torch.cuda.synchronize()
         ref = _state(engines[0])

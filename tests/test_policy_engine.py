@@ -18,6 +18,7 @@ from graphdraft.serving.engine import Engine
 from graphdraft.serving.policy import SpeculationPolicy, analytic_cost_table
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
+from tests.test_cycle import _state
 from tests.test_engine import prompts, target_only
 
 
@@ -44,17 +45,6 @@ class ForcedPolicy:
 
 def _adaptive(**kw) -> RuntimeConfig:
     return runtime(speculative_policy="adaptive", **kw)
-
-
-def _state(eng: Engine) -> dict[str, torch.Tensor]:
-    out = {f"slots.{k}": v.clone() for k, v in vars(eng.slots).items()}
-    out["valid_cache_lengths"] = eng.states.valid_cache_lengths.clone()
-    out["pack"] = eng.cycle.pack.clone()
-    for i, (k, v) in enumerate(zip(eng.kv.k, eng.kv.v, strict=True)):
-        out[f"kv{i}"] = torch.cat([k, v])
-    out["draft_kv"] = torch.cat([eng.drafter.kv_pool.k[0], eng.drafter.kv_pool.v[0]])
-    out["next_tokens"] = eng.drafter.bufs.next_tokens.clone()
-    return out
 
 
 JOINS = {0: [0, 1, 2], 2: [3, 4], 5: [5, 6]}  # joins at steps 0, 2, 5; leaves as they finish

@@ -17,6 +17,7 @@ import torch
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
+from tests.test_cycle_gpu import _lockstep, _state
 from tests.test_policy_engine import ForcedPolicy
 
 pytestmark = [pytest.mark.gpu,
@@ -38,20 +39,6 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=14 + i % 4)
 
 
-def _state(eng: Engine) -> dict[str, torch.Tensor]:
-    out = {f"slots.{k}": v.clone() for k, v in vars(eng.slots).items()}
-    out["valid_cache_lengths"] = eng.states.valid_cache_lengths.clone()
-    out["pack"] = eng.cycle.pack.clone()
-    p = eng.kv.page_size  # page 0: the dummy page inert rows write (not compared)
-    out["kv"] = torch.stack([torch.stack([k[p:], v[p:]])
-                             for k, v in zip(eng.kv.k, eng.kv.v, strict=True)])
-    dkv = eng.drafter.kv_pool
-    out["draft_kv"] = torch.stack([dkv.k[0][dkv.page_size:], dkv.v[0][dkv.page_size:]])
-    live = eng.cycle.pack[:, eng.n_row] > 0
-    out["next_tokens"] = eng.drafter.bufs.next_tokens[: live.shape[0]][live]
-    return out
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_every_captured_bs_and_k_graph_equals_eager_and_split(dtype):
     target, head = make_models(2, dtype=getattr(torch, dtype), device="cuda")
@@ -65,21 +52,7 @@ def test_every_captured_bs_and_k_graph_equals_eager_and_split(dtype):
         e.set_policy(ForcedPolicy(KS))
         engines.append(e)
     joins = {0: [0], 3: [1], 5: [2, 3], 8: [4, 5, 6, 7], 12: [8], 14: [9]}
-    reqs = [[] for _ in engines]
-    step = 0
-    while step in joins or any(e.has_work for e in engines):
-        for i, e in enumerate(engines):
-            for j in joins.get(step, []):
-                reqs[i].append(e.add_request(ps[j], _params(j)))
-            e.step()
-        torch.cuda.synchronize()
-        ref = _state(engines[0])
-        for e in engines[1:]:
-            got = _state(e)
-            for k in ref:
-                assert torch.equal(ref[k], got[k]), (step, k)
-        step += 1
-    outs = [[r.output for r in rs] for rs in reqs]
+    outs = _lockstep(engines, ps, joins, _params)
     assert outs[0] == outs[1] == outs[2]
     g = engines[0]
     for k, f in g._cycle_by_k.items():  # every k replayed, no cycle of the graph engine eager
