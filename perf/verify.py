@@ -16,7 +16,14 @@ every row's KV read once) / the copy bandwidth
 measured in this run; `compute_floor_ms` = the forward's FLOPs (2 x matmul parameters x
 tokens + attention 4 x Hq x D x sum of positions seen, every layer) / the bf16 rate of an
 8192^3 cuBLAS GEMM timed in this run. `matmuls`: the verify forward's projections at
-M = 256, 512, 1024 (`ops.linear`, as the model calls them) as a fraction of that rate.
+M = 256, 512, 1024 (`ops.linear`, as the model calls them) as a fraction of that rate, GPU time
+per call from a CUDA graph of back-to-back calls over rotating weight copies (an event pair
+around one call measures the host's launch cost at these sizes: the 2026-12-04c figures of
+0.30-0.38 at M = 256 were that). Per row, `matmul_ms` / `attention_ms` / `other_ms`: the
+verify forward's kernel time by category (torch profiler, one eager call), against
+`matmul_floor_ms` (max(matmul FLOPs / GEMM rate, weight bytes / bandwidth)) and
+`attention_floor_ms` (KV read once); `sum_floor_ms` is their sum (the kernels of one layer
+run one after another: the attention cannot hide under the matmuls).
 
 Prefill: the extend kernel alone (`kernels.extend_attention.paged_extend_attention`) over one
 8192-token prompt in a paged cache (page 16, shuffled pages), one layer's attention (32 q
@@ -48,7 +55,7 @@ from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.runtime.kv_cache import KVPool, kv_slot
 from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
-from perf.timing import copy_bandwidth, median_us, write_json
+from perf.timing import copy_bandwidth, graph_time_us, median_us, write_json
 
 BATCH_SIZES = (1, 8, 64, 128, 256)
 KV_LENS = (512, 4096)
@@ -110,9 +117,9 @@ class Batch:
         self.max_ctx = kv + 64
 
 
-def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str) -> float:
-    """Median replay time (ms) of the captured target forward; form "rows" (the engine's
-    metadata now) or "tokens" (per-token metadata, the decode kernel for every token)."""
+def target_forward(target, pool: KVPool, batch: Batch, n: int, form: str):
+    """The target forward over `batch` as `Engine._target_decode` runs it; form "rows" (the
+    engine's metadata now) or "tokens" (per-token metadata, the decode kernel for every token)."""
     backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx, kernels=TRITON)
 
     def fwd():
@@ -122,7 +129,12 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
             meta = backend.bind_metadata(batch.tok_req, batch.tok_kv)
         return target(batch.input_ids, batch.positions, batch.out_cache_loc, pool, backend, meta,
                       None, capture_aux=True)
+    return fwd
 
+
+def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str) -> float:
+    """Median replay time (ms) of the captured `target_forward`."""
+    fwd = target_forward(target, pool, batch, n, form)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -137,21 +149,55 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
     return ms
 
 
-def time_matmuls(target, rate: float, device: str) -> list[dict]:
+def time_matmuls(target, rate: float, bw: float, device: str) -> list[dict]:
+    """The verify forward's projections at M = 256, 512, 1024 (`ops.linear`, as the model
+    calls them): GPU time per call from a CUDA graph of back-to-back calls over rotating weight
+    copies (more bytes than L2 holds), so neither launch overhead nor L2 hits count."""
     layer = target.layers[0]
     shapes = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
               "lm_head": target.lm_head}
     rows = []
-    for m in (256, 512, 1024):
-        for name, w in shapes.items():
+    for name, w in shapes.items():
+        copies = [w] + [w.clone() for _ in range(max(0, math.ceil(256e6 / w.nbytes) - 1))]
+        for m in (256, 512, 1024):
             x = torch.randn(m, w.shape[1], device=device, dtype=w.dtype)
-            us = median_us(lambda x=x, w=w: ops.linear(x, w, kernels=TRITON), warmup=3, reps=20,
-                           device=device)
+            us = graph_time_us(lambda i, x=x, c=copies: ops.linear(x, c[i % len(c)],
+                                                                   kernels=TRITON),
+                               calls=2 * len(copies))
             flops = 2 * m * w.shape[0] * w.shape[1]
             rows.append({"m": m, "name": name, "n": w.shape[0], "k": w.shape[1], "us": us,
-                         "tflops": flops / us / 1e6, "of_gemm_rate": flops / (us * 1e-6) / rate})
+                         "tflops": flops / us / 1e6, "of_gemm_rate": flops / (us * 1e-6) / rate,
+                         "floor_us": max(flops / rate, w.nbytes / bw) * 1e6})
+        del copies
     return rows
+
+
+MATMUL_KERNELS = ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "sm90_xmma", "_linear")
+ATTENTION_KERNELS = ("attention", "_extend_", "_decode_split", "_combine")
+
+
+def kernel_breakdown(fwd) -> dict[str, float]:
+    """GPU ms per category (matmul / attention / other) of one call of `fwd`, from the torch
+    profiler's kernel records (an eager call: the same kernels the graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd()
+        torch.cuda.synchronize()
+    out = {"matmul_ms": 0.0, "attention_ms": 0.0, "other_ms": 0.0}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        cat = ("matmul" if any(k in name for k in MATMUL_KERNELS) else
+               "attention" if any(k in name for k in ATTENTION_KERNELS) else "other")
+        out[f"{cat}_ms"] += us / 1e3
+    return out
 
 
 def prefill(device: str) -> dict:
@@ -211,10 +257,11 @@ def prefill(device: str) -> dict:
             "max_abs_diff_vs_sdpa": err, "measured": "kernel alone, one layer"}
 
 
-PREFILL_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                 (128, 32, 4, 4))
+PREFILL_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 2),
+                 (64, 64, 4, 3), (128, 32, 4, 4))
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) tried for the 8k prefill (`prefill_tiles`)."""
-VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (64, 8, 4))
+VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 2), (128, 4, 2),
+                (64, 8, 4))
 """(BLOCK_N, num_warps, num_stages) tried for the N = 4 verify tile (`attention_alone`)."""
 
 
@@ -257,21 +304,31 @@ def prefill_tiles(device: str) -> list[dict]:
 
 def attention_alone(bw: float, device: str) -> list[dict]:
     """One layer's verify attention (N = 4, extend kernel; the per-token decode kernel it
-    replaces) and decode attention (N = 1) at kv 4096, against one layer's KV read once."""
+    replaces) and decode attention (N = 1) at kv 512 and 4096, against one layer's KV read
+    once. GPU time per call: a CUDA graph of back-to-back calls over rotating copies of the
+    KV (page tables onto distinct pages, more bytes than L2 holds)."""
     rows = []
-    for bs in (1, 8, 64, 256):
-        rows.append(_attention_alone_row(bs, bw, device))
-        torch.cuda.empty_cache()
+    for kv in (512, 4096):
+        for bs in (1, 8, 64, 256):
+            rows.append(_attention_alone_row(bs, kv, bw, device))
+            torch.cuda.empty_cache()
     return rows
 
 
-def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
-    mc, kv, n = LLAMA31_8B, 4096, N_VERIFY
+def _attention_alone_row(bs: int, kv: int, bw: float, device: str) -> dict:
+    mc, n = LLAMA31_8B, N_VERIFY
     hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     per = math.ceil((kv + n) / PAGE_SIZE)
-    r2p = torch.zeros(bs + 1, per, dtype=torch.int32, device=device)
-    r2p[1:] = (torch.randperm(bs * per, device=device) + 1).view(bs, per).to(torch.int32)
-    kc = torch.randn((bs * per + 1) * PAGE_SIZE, hkv, d, device=device, dtype=torch.bfloat16)
+    kv_bytes = bs * (kv + n) * hkv * d * 2 * 2
+    copies = max(2, min(16, math.ceil(256e6 / kv_bytes)))
+    pages = torch.randperm(copies * bs * per, device=device) + 1
+    r2p = []
+    for c in range(copies):
+        t = torch.zeros(bs + 1, per, dtype=torch.int32, device=device)
+        t[1:] = pages[c * bs * per:(c + 1) * bs * per].view(bs, per).to(torch.int32)
+        r2p.append(t)
+    kc = torch.randn((copies * bs * per + 1) * PAGE_SIZE, hkv, d, device=device,
+                     dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     q = torch.randn(bs * n, hq, d, device=device, dtype=torch.bfloat16)
     req = torch.arange(1, bs + 1, device=device)
@@ -280,20 +337,22 @@ def _attention_alone_row(bs: int, bw: float, device: str) -> dict:
     tok_kv = (seq.repeat_interleave(n) - n + torch.arange(bs * n, device=device) % n + 1
               ).to(torch.int32)
     scale, ctx = d ** -0.5, kv + 64
-    ext = lambda tiled: paged_extend_attention(q, kc, vc, req, seq, None, None, r2p, PAGE_SIZE,
-                                               scale, max_kv_len=ctx, uniform_n=n, kernels=tiled)
-    old = lambda: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p, PAGE_SIZE, scale,
-                                         max_kv_len=ctx)
-    dec = lambda: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p, PAGE_SIZE, scale,
-                                         max_kv_len=ctx)
-    row = {"bs": bs, "kv": kv, "kv_floor_us": bs * (kv + n) * hkv * d * 2 * 2 / bw * 1e6,
-           "decode_kernel_n1_us": median_us(dec, warmup=3, reps=20, device=device),
-           "old_per_token_n4_us": median_us(old, warmup=3, reps=20, device=device)}
+    ext = lambda tiled, i: paged_extend_attention(
+        q, kc, vc, req, seq, None, None, r2p[i % copies], PAGE_SIZE, scale, max_kv_len=ctx,
+        uniform_n=n, kernels=tiled)
+    old = lambda i: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p[i % copies],
+                                           PAGE_SIZE, scale, max_kv_len=ctx)
+    dec = lambda i: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p[i % copies], PAGE_SIZE,
+                                           scale, max_kv_len=ctx)
+    calls = 2 * copies
+    row = {"bs": bs, "kv": kv, "kv_floor_us": kv_bytes / bw * 1e6,
+           "decode_kernel_n1_us": graph_time_us(dec, calls),
+           "old_per_token_n4_us": graph_time_us(old, calls),
+           "extend_n4_us[default]": graph_time_us(functools.partial(ext, default_config()), calls)}
     for bn, w, st in VERIFY_TILES:
         try:
-            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = median_us(
-                functools.partial(ext, _tiled(16, (16, bn, w), st)), warmup=3, reps=20,
-                device=device)
+            row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = graph_time_us(
+                functools.partial(ext, _tiled(16, (16, bn, w), st)), calls)
         except Exception as e:  # a config the compiler refuses: say so, go on
             row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = str(e).splitlines()[0][:200]
     return row
@@ -330,7 +389,7 @@ def main() -> None:
     wbytes = weight_bytes(target)
     if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
         wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
-    matmuls = time_matmuls(target, rate, device)
+    matmuls = time_matmuls(target, rate, bw, device)
     per_tok = kv_bytes_per_token(mc)
     cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
     fit = [(bs, kv) for bs, kv in cases
@@ -361,6 +420,14 @@ def main() -> None:
             row["compute_floor_ms"] = forward_flops(mc, bs, kv, N_VERIFY) / rate * 1e3
             row["verify_over_floor"] = row["verify_ms"] / max(row["hbm_floor_ms"],
                                                               row["compute_floor_ms"])
+            # where the time goes: kernel categories against their own floors (matmuls:
+            # max(FLOPs / GEMM rate, weight bytes / bandwidth); attention: KV read once)
+            parts = kernel_breakdown(target_forward(target, pool, vb, N_VERIFY, "rows"))
+            mm_floor = max(2 * matmul_params(mc) * bs * N_VERIFY / rate, wbytes / bw) * 1e3
+            attn_floor = kv_read / bw * 1e3
+            row.update(parts, matmul_floor_ms=mm_floor, attention_floor_ms=attn_floor,
+                       sum_floor_ms=mm_floor + attn_floor,
+                       verify_over_sum_floor=row["verify_ms"] / (mm_floor + attn_floor))
             rows.append(row)
             print(row, flush=True)
             del vb, db
@@ -374,12 +441,15 @@ def main() -> None:
     path = write_json(args.out, "verify.json", data)
 
     print(f"\n{'bs':>4} {'kv':>5} {'verify':>8} {'old':>8} {'decode':>8} {'hbm':>7} {'flops':>7} "
-          f"{'v/floor':>7}")
+          f"{'v/floor':>7} {'matmul':>7} {'mm flr':>7} {'attn':>6} {'at flr':>6} {'other':>6} "
+          f"{'v/sum':>6}")
     for r in rows:
         if "bs" in r:
             print(f"{r['bs']:>4} {r['kv']:>5} {r['verify_ms']:>8.2f} {r.get('verify_old_ms', 0):>8.2f} "
                   f"{r['decode_ms']:>8.2f} {r['hbm_floor_ms']:>7.2f} {r['compute_floor_ms']:>7.2f} "
-                  f"{r['verify_over_floor']:>7.2f}")
+                  f"{r['verify_over_floor']:>7.2f} {r['matmul_ms']:>7.2f} {r['matmul_floor_ms']:>7.2f} "
+                  f"{r['attention_ms']:>6.2f} {r['attention_floor_ms']:>6.2f} {r['other_ms']:>6.2f} "
+                  f"{r['verify_over_sum_floor']:>6.2f}")
     print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
           f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
     worst = sorted(matmuls, key=lambda r: r["of_gemm_rate"])[:5]

@@ -150,7 +150,7 @@ def test_tile_config():
     assert tile_config(4, 4, kernels=TORCH)[0] == 16  # verify N = 4, G = 4: one 16-row tile per row
     assert tile_config(4, 8, kernels=TORCH)[0] == 32
     assert tile_config(16, 4, kernels=TORCH)[0] == 64
-    assert tile_config(8192, 4, kernels=TORCH) == (128, 64, 8)
+    assert tile_config(8192, 4, kernels=TORCH) == (128, 64, 4)
     assert tile_config(1, 1, kernels=TORCH) == (16, 64, 4)
 
 
@@ -158,12 +158,12 @@ def test_tiles_come_from_the_config():
     """`KernelConfig.extend_tiles` (one tile per BLOCK_M case) and `extend_num_stages` replace
     the module globals a benchmark used to patch: the defaults are the shipped tiles, the
     environment variable is read once, a tile too small for the grouped heads is refused."""
-    assert KernelConfig().extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))
-    assert KernelConfig().extend_num_stages == 3
+    assert KernelConfig().extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4))
+    assert KernelConfig().extend_num_stages == 2
     tuned = KernelConfig.from_env({"GRAPHDRAFT_EXTEND_TILES": "16x32x4,32x64x4,64x64x4,64x128x4",
-                                   "GRAPHDRAFT_EXTEND_NUM_STAGES": "2"})
+                                   "GRAPHDRAFT_EXTEND_NUM_STAGES": "4"})
     assert tile_config(8192, 4, kernels=tuned) == (64, 128, 4)
-    assert tile_config(4, 4, kernels=tuned) == (16, 32, 4) and tuned.extend_num_stages == 2
+    assert tile_config(4, 4, kernels=tuned) == (16, 32, 4) and tuned.extend_num_stages == 4
     with pytest.raises(ValueError, match="^kernels: "):
         tile_config(1, 32, kernels=SMALL)  # 32 grouped heads: BLOCK_M 16 holds no token
     for bad in ("16x64x4", "16x64x4,32x64x4,64x64x4,128x64x3", "a,b,c,d"):

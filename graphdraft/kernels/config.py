@@ -26,8 +26,8 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows launch plainly |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
 | `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
-| `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x8` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
-| `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 3 | software-pipeline stages of the extend attention's split kernel |
+| `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x4` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
+| `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 2 | software-pipeline stages of the extend attention's split kernel |
 
 Bools: "1", "true", "yes", "on" / "0", "false", "no", "off" (any case). The measurements behind
 the defaults are in the docstrings of `gemv.py` / `pdl.py` and in perf/RESULTS.md.
@@ -53,7 +53,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-EXTEND_TILES = ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))
+EXTEND_TILES = ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4))
 """The extend attention's default tiles, (BLOCK_M, BLOCK_N, num_warps) for its 16-, 32-, 64-
 and 128-row cases."""
 _EXTEND_TILES_EXPECTED = ("4 tiles (BLOCK_M, BLOCK_N, num_warps): BLOCK_M a power of two in "
@@ -94,8 +94,11 @@ class KernelConfig:
     decode_block_n: int = 64
     extend_tiles: tuple[tuple[int, int, int], ...] = EXTEND_TILES
     """(BLOCK_M, BLOCK_N, num_warps) for the tile cases BLOCK_M 16, 32, 64, 128, in that order
-    (`extend_attention.tile_config`)."""
-    extend_num_stages: int = 3
+    (`extend_attention.tile_config`). The 128-row case (prefill chunks) at 4 warps: an 8k
+    prefill in 1.43 ms instead of 1.82 at 8 warps (H200, perf/RESULTS.md 2026-12-04c)."""
+    extend_num_stages: int = 2
+    """2 stages: one layer's N = 4 verify attention at kv 4096 took 116 / 256 / 991 us at bs 8 /
+    64 / 256 against 127 / 332 / 1057 us with 3 (H200, perf/RESULTS.md 2026-12-04c)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:
