@@ -389,7 +389,8 @@ def main() -> None:
     wbytes = weight_bytes(target)
     if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
         wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
-    matmuls = time_matmuls(target, rate, bw, device)
+    with torch.inference_mode():
+        matmuls = time_matmuls(target, rate, bw, device)
     per_tok = kv_bytes_per_token(mc)
     cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
     fit = [(bs, kv) for bs, kv in cases
