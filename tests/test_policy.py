@@ -321,7 +321,9 @@ def test_stats_is_plain():
     pol = SpeculationPolicy("adaptive", 3, {(1, k): 1.0 + 0.1 * k for k in range(4)})
     pol.decide(1)
     pol.observe([1, 4], 3)
+    pol.observe_cost(1, 3, 1.5)
     json.dumps(pol.stats())  # plain types only
+    assert pol.stats()["cost_ms_online"] == {3: {1: 1.5}}
 
 
 # ---------------------------------------------------------------- capture-time timing

@@ -527,7 +527,16 @@ class SpeculationPolicy:
             "current": dict(sorted(self._current.items())),
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
+            "cost_ms_online": self._online_costs(),
         }
+
+    def _online_costs(self) -> dict[int, dict[int, float]]:
+        """The cost table's online EMA as {k: {padded bs: ms}} ({} without a table)."""
+        out: dict[int, dict[int, float]] = {}
+        if self.costs is not None:
+            for (bs, k), ms in sorted(self.costs.online().items()):
+                out.setdefault(k, {})[bs] = round(ms, 5)
+        return dict(sorted(out.items()))
 
 
 def _check_margin(name: str, x: Any) -> float:
