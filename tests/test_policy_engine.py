@@ -350,7 +350,7 @@ class TimedForcedPolicy(ForcedPolicy):
         self.retired_when.append(len(self.decided))
 
 
-def test_cycle_times_reach_the_policy_one_step_late_without_a_sync():
+def test_cycle_times_reach_the_policy_one_step_late_without_a_sync(monkeypatch):
     """With a cycle timer (CUDA events on a GPU; an injected host clock here) every retired
     decode cycle's device time reaches `policy.observe_cost` with its (padded bs, k), one step
     after its launch; mixed (prefill) steps are not timed; nothing waits on the events."""
@@ -367,10 +367,23 @@ def test_cycle_times_reach_the_policy_one_step_late_without_a_sync():
     assert all(ms == 1.0 and extra == 0.0 for _, _, ms, extra in pol.costs)
     # cycle i is retired after decision i + 1 was taken (or at the final drain)
     assert pol.retired_when[:-1] == list(range(2, len(pol.decided) + 1))
-    # the adaptive policy: its online costs replace the analytic ones, the KV term taken out
+    # the adaptive policy: its online costs replace the analytic ones, the KV term taken out;
+    # decode steps (decide, launch, retire, observe, observe_cost) never read a device scalar
     eng2 = Engine(target, _adaptive(), head)
     eng2.cycle_timer = CycleTimer(2, event_factory=lambda: _TickEvent(clock))
-    eng2.generate(prompts(9, 2), SamplingParams(max_new_tokens=14, ignore_eos=True))
+    for p in prompts(9, 2):
+        eng2.add_request(p, SamplingParams(max_new_tokens=14, ignore_eos=True))
+    while any(r.prefilling for r in eng2.running) or eng2.waiting:
+        eng2.step()
+
+    def no_sync(*a, **kw):
+        raise AssertionError("a host sync in the decode path")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    while eng2.has_work:
+        eng2.step()
+    monkeypatch.undo()
     online = eng2.policy.costs.online()
     assert online and all(0 < ms <= 1.0 for ms in online.values())
     assert all(eng2.policy.costs.cost(b, k) == ms for (b, k), ms in online.items())
