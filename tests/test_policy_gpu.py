@@ -113,6 +113,15 @@ def test_measured_costs_cover_every_captured_bs_and_k():
     base.capture_graphs(progress=False)
     p = SamplingParams(max_new_tokens=12)
     assert eng.generate(ps, p) == base.generate(ps, p)
+    # every decode cycle was timed by its CUDA events, read at retirement: the online costs
+    # cover the (padded bs, k) the policy ran, and replace the capture-time figures there
+    assert eng.cycle_timer is not None
+    online = eng.policy.costs.online()
+    ran = {(b, k) for b, k in eng.policy_history}
+    assert online and set(online) == ran
+    for key, ms in online.items():
+        assert 0 < ms < 1000 and eng.policy.costs.cost(*key) == ms
+    assert eng.metrics_snapshot()["speculation"]["cost_ms_online"]
 
 
 @pytest.mark.parametrize("forced", [True, False])
