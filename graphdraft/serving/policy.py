@@ -251,7 +251,7 @@ class CostTable:
                  ema: float = 0.2) -> None:
         self._by_k: dict[int, dict[int, float]] = defaultdict(dict)
         self._cache: dict[tuple[int, int], float] = {}  # interpolated lookups (decide's hot path)
-        self._online: dict[tuple[int, int], float] = {}  # EMA of real cycles
+        self._online: dict[int, dict[int, float]] = defaultdict(dict)  # bs -> k -> EMA
         self._online_n: Counter[tuple[int, int]] = Counter()
         self.ema = _check_prob("ema", ema, open_low=True)
         if costs is not None:
@@ -284,14 +284,14 @@ class CostTable:
         """One real cycle's device time at (padded_bs, k): the online EMA (class docstring).
         Bad input raises ValueError and changes nothing."""
         bs, k, ms = self._checked((padded_bs, k), ms)
-        key = (bs, k)
-        old = self._online.get(key)
-        self._online[key] = ms if old is None else old + self.ema * (ms - old)
-        self._online_n[key] += 1
+        row = self._online[bs]
+        old = row.get(k)
+        row[k] = ms if old is None else old + self.ema * (ms - old)
+        self._online_n[(bs, k)] += 1
 
     def online(self) -> dict[tuple[int, int], float]:
         """The online EMA per (padded_bs, k) observed so far."""
-        return dict(self._online)
+        return {(bs, k): ms for bs, row in self._online.items() for k, ms in row.items()}
 
     def online_counts(self) -> dict[tuple[int, int], int]:
         """Real cycles observed per (padded_bs, k)."""
@@ -318,21 +318,20 @@ class CostTable:
     def cost(self, padded_bs: int, k: int) -> float:
         """ms of one cycle at this padded bs with k drafts: the online EMA of real cycles
         where observed, else the capture-time entry (measured or interpolated)."""
-        hit = self._online.get((padded_bs, k))
-        if hit is not None:
-            return hit
+        row = self._online.get(padded_bs)
+        if row:
+            hit = row.get(k)
+            if hit is not None:
+                return hit
         base = self._cache.get((padded_bs, k))
         if base is None:
             bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
             self._cache[(bs, k)] = base = self._interpolate(bs, k)
-        if k == 0 or not self._online:
+        if k == 0 or not row:
             return base
-        seen = [j for (b, j) in self._online if b == padded_bs]
-        if not seen:
-            return base
-        pos = [j for j in seen if j > 0]
+        pos = [j for j in row if j > 0]
         ref = min(pos, key=lambda j: (abs(j - k), j)) if pos else 0
-        return base * self._online[(padded_bs, ref)] / self.cost_at_capture(padded_bs, ref)
+        return base * row[ref] / self.cost_at_capture(padded_bs, ref)
 
     def cost_at_capture(self, padded_bs: int, k: int) -> float:
         """The capture-time figure (measured or interpolated), ignoring the online EMA."""
