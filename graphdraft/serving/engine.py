@@ -41,8 +41,9 @@ drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel 
 policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
 (`policy.analytic_cost_table`). On CUDA every launched decode cycle is timed too (`cycle_timer`,
 a pair of timing events per pinned ring slot, read when the cycle is retired: no sync) and fed
-to `policy.observe_cost`, whose online EMA replaces the capture-time figure. The split-mode `target_verify` / `draft_decode` graphs (per k)
-are captured only with `cycle_graph=False` (the cycle graph never replays them).
+to `policy.observe_cost`, whose online EMA replaces the capture-time figure. The split-mode
+`target_verify` / `draft_decode` graphs (per k) are captured only with `cycle_graph=False` (the
+cycle graph never replays them).
 
 `step()` keeps one step in flight: it plans (retire nothing yet; drop finished rows, admit,
 schedule prefill chunks), launches step k, enqueues one non-blocking copy of the pack buffer
@@ -966,8 +967,8 @@ class Engine:
                 finished.append(r)
         for kr, accepts in observed.items():
             self.policy.observe(accepts, kr)
-        if step.cost is not None:  # the cycle's device time (completed: its pack was read)
-            ms = self.cycle_timer.elapsed_ms(step.ring)
+        if step.cost is not None and self.cycle_timer is not None:  # the cycle's device time
+            ms = self.cycle_timer.elapsed_ms(step.ring)  # (completed: its pack was read)
             observe_cost = getattr(self.policy, "observe_cost", None)
             if ms is not None and callable(observe_cost):
                 observe_cost(step.cost[0], step.cost[1], ms, step.cost[2])
