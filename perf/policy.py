@@ -4,17 +4,31 @@ One process, one H200 (issue #21, "Measured"): the 8B-shaped target with random 
 and its EAGLE-3 head (perf/models_8b.py), S = 3, greedy, prompts of PROMPT_LEN random tokens.
 Two Engines over the same weights: target-only (no drafter: the baseline), and speculative
 with the adaptive policy's captured draft lengths K = {0, 1, 3} (one cycle graph per
-(padded bs, k); its cost table measured after capture). The speculative engine serves three
-policies over the same requests, one after the other: `fixed` (always 3 drafts: the policy
-swapped for `SpeculationPolicy("fixed", 3)`, the same k = 3 graphs), `adaptive` (a fresh
-adaptive policy per cell over the measured costs) and `k0` (always k = 0: target-only decode
-plus the draft's KV-only step, what the adaptive policy pays when it stops speculating).
+(padded bs, k); its cost table measured after capture). The speculative engine serves these
+cells over the same requests: `k0` (always k = 0: target-only decode plus the draft's KV-only
+step, what the adaptive policy pays when it stops speculating), and per regime p `fixed`
+(always 3 drafts: `SpeculationPolicy("fixed", 3)`, the same k = 3 graphs) and `adaptive` (its
+own adaptive policy over its own copy of the capture-time costs, corrected online from its own
+cycles, and its own estimator).
+
+Method (drift cancels): the cells are measured INTERLEAVED. Per round (REPS rounds), for each
+group of cells (k0; fixed@p and adaptive@p for each p) one timed block of the target-only
+engine, then one block of each cell of the group. Each speculative cell continues from its own
+saved state between its blocks (`Engine.state_snapshot` / `restore_state` and the host's
+outputs: `_snapshot` / `_restore`), and its policy object carries over, so its estimator and
+online costs keep learning across its blocks; the target-only engine keeps one state per
+group the same way (so its contexts grow one token a step, as the k = 0 cells' do). Each
+ratio is the median over rounds of the ratio of adjacent blocks (adaptive / the target-only
+block before its group; adaptive / fixed of the same round), so a slow GPU clock or thermal
+drift (3-6 % between two measurements minutes apart on the H200) cancels. A block is
+`block_steps(bs)` steps: ROWS_PER_BLOCK decode rows (bs 1: 64 cycles, 320 timed cycles a
+cell), at least MIN_BLOCK, so that the realized accept is near its expectation.
 
 Accept-rate regimes: random weights accept nothing, so the benchmark mixes the drafts
 (`graphdraft.kernels.accept_control`, inside the cycle graph through `Engine.draft_hook`, after
 drafting and before the commit): each draft equals the target's own greedy token at its position
 with probability p, else another token. The oracle is the greedy continuation a target-only run
-of the same prompts emitted (that run is also the target-only measurement). The control only
+of the same prompts emitted (then put back to the decode start for its timed blocks). The control only
 holds while the speculative engine's greedy text equals the oracle: a random-weight target
 has bf16 near ties everywhere (a k + 1 token verify rounds differently and flips them; the
 first H200 run departed on every request, and every regime measured accept ~1). So the 8B
@@ -27,16 +41,19 @@ token t is perm[t] by a wide margin; same shapes, bytes and work. Each batch siz
 `--no-peak` runs the plain random target with its residual branches x `--residual-scale`.
 
 The adaptive policy starts fresh in each cell (prior alpha 0.7) and has WARMUP steps to
-settle: `adaptive_k` counts the draft lengths of the timed cycles only (`adaptive_k_warmup`
-those of the warm-up), `adaptive_alpha` its estimate at the end, `best_k_at_p` the k its
-cost table prefers at the true rate p (the KV-read term left out).
+settle before its first block: `adaptive_k` counts the draft lengths of the timed cycles only
+(`adaptive_k_warmup` those of the warm-up), `adaptive_alpha` its estimate at the end,
+`adaptive_online_cost_ms` its online costs, `best_k_at_p` / `best_k_at_p_online` the k the
+capture-time / its online costs prefer at the true rate p (the KV-read term left out). The
+cells' common start state marks no draft ready (`start_state`: the prefill's drafts were
+drafted outside the accept control).
 
 Per (bs, regime): tokens/s = tokens emitted over the CUDA-event span of a block of `step()`
 calls in steady decode (every row decoding; host loop and copies included; nothing in flight
-before or after the block), median of REPS blocks after WARMUP steps. Writes
-`DIR/<date>-h200-policy.json` (rows `bs`, `regime`, `p`, `target_only_tps`, `fixed_tps`,
-`adaptive_tps`, `adaptive_k` {k: timed cycles}, `k0_tps`, accept means, the checks above,
-ratios) and prints a table.
+before or after the block), median of the REPS blocks. Writes `DIR/<date>-h200-policy.json`
+(rows `bs`, `regime`, `p`, `target_only_tps`, `fixed_tps`, `adaptive_tps`, `adaptive_k`
+{k: timed cycles}, `k0_tps`, accept means, the checks above, the ratios and their per-round
+values), the same as `DIR/policy.json`, and prints a table.
 Goals (issue #21): adaptive >= 0.98 x target-only and >= 0.97 x fixed in every cell.
 """
 
@@ -56,7 +73,12 @@ import torch
 from graphdraft.config import RuntimeConfig
 from graphdraft.kernels.accept_control import accept_control
 from graphdraft.serving.engine import Engine
-from graphdraft.serving.policy import AcceptRateEstimator, SpeculationPolicy, expected_tokens
+from graphdraft.serving.policy import (
+    AcceptRateEstimator,
+    CostTable,
+    SpeculationPolicy,
+    expected_tokens,
+)
 from graphdraft.serving.verify import SamplingParams
 from perf.models_8b import damp_residual_branches_, make_peaked_
 from perf.timing import write_json
@@ -66,25 +88,34 @@ __all__ = ["damp_residual_branches_", "main", "measure", "table"]
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 REGIMES = (0.9, 0.6, 0.2)
 PROMPT_LEN = 32
-ORACLE_NEW = 480       # greedy tokens the target-only run records per request (the cells
-                       # emit about 390 at WARMUP 12; `oracle_exhausted` counts overruns)
+ORACLE_NEW = 64        # at least this many greedy tokens of oracle per request (more where the
+                       # cells need it: `_plan`)
 STEPS = 3
-WARMUP = 12            # steps before each cell's timed blocks (the adaptive estimate settles:
-                       # at bs 1 one row a step; tests/test_policy_perf.py checks it)
-BLOCK = 5              # steps per timed block
-REPS = 3               # timed blocks per cell (median)
+WARMUP = 12            # steps before each cell's first timed block (the adaptive estimate
+                       # settles: at bs 1 one row a step; tests/test_policy_perf.py checks it)
+BLOCK = None           # steps per timed block; None: `block_steps(bs)`
+ROWS_PER_BLOCK = 64    # block_steps: enough decode rows a block that the realized accept is
+MIN_BLOCK = 6          # near its expectation (bs 1: 64 cycles, 320 timed cycles a cell)
+REPS = 5               # rounds of blocks (each ratio: the median of its REPS per-round ratios)
 SEED = 1234            # accept_control's Philox key
 RESIDUAL_SCALE = 0.01  # --no-peak: o_proj / down_proj of the 8B target scaled (module docstring)
 
 
+def block_steps(bs: int) -> int:
+    """Steps per timed block at this bs: ROWS_PER_BLOCK decode rows, at least MIN_BLOCK."""
+    return max(MIN_BLOCK, -(-ROWS_PER_BLOCK // bs))
+
+
 def runtime(max_bs: int, sizes: tuple[int, ...], ctx: int, *, policy: str = "adaptive",
-            device: str = "cuda", dtype: str = "bfloat16") -> RuntimeConfig:
-    """Every slot holds `ctx` tokens (no request waits for pages)."""
+            device: str = "cuda", dtype: str = "bfloat16", pages: int | None = None
+            ) -> RuntimeConfig:
+    """Slots of up to `ctx` tokens; `pages` KV pages in all (None: every slot full)."""
     cfg = RuntimeConfig(speculative_num_steps=STEPS, page_size=16, max_running_requests=max_bs,
                         max_context_len=-(-ctx // 16) * 16, max_num_batched_tokens=8192,
                         cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, dtype=dtype,
                         device=device, speculative_policy=policy)
-    return cfg.replace(num_kv_pages=cfg.max_running_requests * cfg.max_pages_per_req)
+    full = cfg.max_running_requests * cfg.max_pages_per_req
+    return cfg.replace(num_kv_pages=full if pages is None else min(pages, full))
 
 
 def _sync(device: torch.device) -> None:
@@ -111,58 +142,62 @@ def _abort_all(engine: Engine) -> None:
     _sync(engine.device)
 
 
-def timed_tps(engine: Engine, *, warmup: int = WARMUP, block: int = BLOCK,
-              reps: int = REPS) -> dict[str, Any]:
-    """Median tokens/s over `reps` blocks of `block` steps after `warmup` steps, with the
-    mean accept length and the draft lengths chosen during the blocks."""
-    for _ in range(warmup):
-        engine.step()
-    warm = Counter(k for _, k in list(engine.policy_history)[-warmup:]) if warmup else Counter()
-    tps, acc_tok, acc_rows, ks = [], 0, 0, Counter()
+def timed_block(engine: Engine, steps: int) -> dict[str, Any]:
+    """One timed block: `steps` calls of `step()` from an empty pipeline, drained after.
+    tokens/s = tokens emitted over the CUDA-event span of the block (host loop and copies
+    included), the accepted tokens and decode rows, and the draft lengths of its cycles."""
+    engine.drain()
+    _sync(engine.device)
     cuda = engine.device.type == "cuda"
-    for _ in range(reps):
-        engine.drain()
-        _sync(engine.device)
-        emitted0, tok0, rows0 = (engine.stats.emitted_tokens, engine.stats.accepted_tokens,
-                                 engine.stats.decode_rows)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(block):
-            engine.step()
-        if cuda:
-            end.record()
-        engine.drain()
-        _sync(engine.device)
-        ms = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
-        tps.append((engine.stats.emitted_tokens - emitted0) / ms * 1e3)
-        acc_tok += engine.stats.accepted_tokens - tok0
-        acc_rows += engine.stats.decode_rows - rows0
-        ks.update(k for _, k in list(engine.policy_history)[-block:])  # this block's cycles
-    return {"tps": statistics.median(tps), "accept": acc_tok / acc_rows if acc_rows else 0.0,
-            "k": dict(sorted(ks.items())), "k_warmup": dict(sorted(warm.items()))}
+    emitted0, tok0, rows0 = (engine.stats.emitted_tokens, engine.stats.accepted_tokens,
+                             engine.stats.decode_rows)
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        end.record()
+    engine.drain()
+    _sync(engine.device)
+    ms = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
+    return {"tps": (engine.stats.emitted_tokens - emitted0) / ms * 1e3,
+            "acc_tok": engine.stats.accepted_tokens - tok0,
+            "acc_rows": engine.stats.decode_rows - rows0,
+            "k": Counter(k for _, k in list(engine.policy_history)[-steps:])}
 
 
 def _snapshot(engine: Engine, reqs: list) -> tuple:
     """The engine's decode state now (nothing in flight): device tables and the host's
-    output lengths, last tokens and drafts ready of `reqs`."""
+    outputs, last tokens and drafts ready of `reqs`."""
     engine.drain()
     _sync(engine.device)
-    return engine.state_snapshot(), [(len(r.output), r.last_verified, r.drafts_ready)
+    return engine.state_snapshot(), [(list(r.output), r.last_verified, r.drafts_ready)
                                      for r in reqs]
 
 
 def _restore(engine: Engine, reqs: list, snap: tuple) -> None:
-    """Put `reqs` back where `_snapshot` saw them (device state, and the host's outputs cut
-    back), so the next timed cell starts at the same context lengths."""
+    """Put `reqs` back where `_snapshot` saw them (device state, and the host's outputs), so
+    each cell continues from its own state whatever the other cells did in between."""
     engine.drain()
     device_state, host = snap
     engine.restore_state(device_state)
-    for r, (n, last, ready) in zip(reqs, host, strict=True):
-        del r.output[n:]
+    for r, (out, last, ready) in zip(reqs, host, strict=True):
+        r.output[:] = out
         r.last_verified, r.drafts_ready = last, ready
     _sync(engine.device)
+
+
+def start_state(spec: Engine, reqs: list) -> tuple:
+    """The speculative cells' common start: every request decoding, no drafts counted. The
+    prefill step drafts with `drafter.run` outside the cycle graph, where `Engine.draft_hook`
+    (the accept control) does not reach: those drafts are the head's own, not the regime's,
+    and the first cycle of each cell verifies them. With `drafts_ready` 0 that verify is no
+    observation (before: counted, it dragged the adaptive estimate at bs 128 p = 0.6 from
+    0.6 to 0.28 with a whole batch of rejections)."""
+    snap = _snapshot(spec, reqs)
+    return snap[0], [(out, last, 0) for out, last, _ in snap[1]]
 
 
 def best_k_at(costs, steps: list[int], bs: int, p: float) -> int:
@@ -184,20 +219,38 @@ def make_hook(engine: Engine, oracle: torch.Tensor, p: torch.Tensor):
     return hook
 
 
+def _plan(batch_sizes, regimes, prompt_len, oracle_new, warmup, block, reps):
+    """Per bs: steps per block, the oracle length (what the fastest regime's cells emit,
+    +15%) and the context a request needs (every step emitting S + 1 tokens); and the KV
+    pages of the largest bs x context."""
+    plan = {}
+    for bs in batch_sizes:
+        blk = block if block is not None else block_steps(bs)
+        steps = warmup + blk * reps + 2
+        fast = max(expected_tokens(min(max(p, 0.0), 1.0), STEPS) for p in regimes)
+        oracle = max(oracle_new, int(1.15 * steps * fast) + 8)
+        # target-only: one token a step, per group of cells its own state (`measure`)
+        base_new = max(oracle, warmup + reps * blk) + 8
+        ctx = prompt_len + max(steps * (STEPS + 1), base_new) + 2 * (STEPS + 1) + 8
+        plan[bs] = {"block": blk, "oracle_new": oracle, "base_new": base_new, "ctx": ctx}
+    return plan
+
+
 def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ...] = REGIMES,
             *, seed: int = 0, pair: tuple | None = None, device: str = "cuda",
             dtype: str = "bfloat16", prompt_len: int = PROMPT_LEN,
-            oracle_new: int = ORACLE_NEW, warmup: int = WARMUP, block: int = BLOCK,
+            oracle_new: int = ORACLE_NEW, warmup: int = WARMUP, block: int | None = BLOCK,
             reps: int = REPS, budget_s: float | None = None,
             on_progress=None, residual_scale: float = RESIDUAL_SCALE,
             peak: bool = True) -> dict[str, Any]:
     """The rows of the module docstring. `pair`: (target, head) instead of the 8B-shaped pair
     (the CPU smoke test passes tiny models; its timings mean nothing). `peak`: make the target
     peaked in place (`make_peaked_`, whichever pair); False: the 8B target's residual
-    branches scaled by `residual_scale` (a given pair is left alone). `budget_s`: a batch
-    size is skipped (listed in `skipped_bs`) once this many seconds have passed since the
-    start; `on_progress(data)`: called with the result so far after each batch size (the
-    caller writes it, so a run cut short still leaves its rows)."""
+    branches scaled by `residual_scale` (a given pair is left alone). `block`: steps per
+    timed block (None: `block_steps(bs)`). `budget_s`: a batch size is skipped (listed in
+    `skipped_bs`) once this many seconds have passed since the start; `on_progress(data)`:
+    called with the result so far after each batch size (the caller writes it, so a run cut
+    short still leaves its rows)."""
     t_start = time.perf_counter()
     dev = torch.device(device)
     perm = None
@@ -211,14 +264,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         perm = make_peaked_(target, seed=seed + 17).tolist()
     sizes = tuple(sorted(batch_sizes))
     max_bs = max(sizes)
-    # the oracle covers what a request is expected to emit over its cells (+15%)
-    need = sum(2 * (warmup + block * reps) * expected_tokens(min(max(p, 0.0), 1.0), STEPS)
-               for p in regimes) + 2 + block * reps + 2
-    oracle_new = max(oracle_new, int(1.15 * need) + 1)
-    # what one request can emit over every cell (at most S + 1 tokens a step), or the oracle
-    cells = len(regimes) * 2 * (warmup + block * reps) * (STEPS + 1) + (2 + block * reps) + 8
-    ctx = prompt_len + max(cells, oracle_new) + 2 * (STEPS + 1) + 8
-    cfg = runtime(max_bs, sizes, ctx, device=device, dtype=dtype)
+    plan = _plan(batch_sizes, regimes, prompt_len, oracle_new, warmup, block, reps)
+    ctx = max(c["ctx"] for c in plan.values())
+    pages = max(bs * -(-c["ctx"] // 16) for bs, c in plan.items()) + 2 * max_bs + 8
+    cfg = runtime(max_bs, sizes, ctx, device=device, dtype=dtype, pages=pages)
     timing = {}
     t0 = time.perf_counter()
     base = Engine(target, cfg.replace(speculative_policy="fixed"))
@@ -233,6 +282,7 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
     spec.capture_graphs(progress=False)
     timing["capture_spec_s"] = time.perf_counter() - t0
     costs = spec.policy.costs
+    capture_costs = costs.measured()
     steps = list(spec.steps)
     vocab = target.config.vocab_size
     rng = random.Random(seed)
@@ -240,7 +290,7 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
 
     def result() -> dict[str, Any]:
         measured = {}
-        for (b, k), ms in sorted(costs.measured().items()):
+        for (b, k), ms in sorted(capture_costs.items()):
             measured.setdefault(k, {})[b] = ms
         goals = {"adaptive_ge_0.98_target_only": all(r["adaptive_over_target_only"] >= 0.98
                                                      for r in rows),
@@ -253,7 +303,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         return {"gpu": gpu, "torch": torch.__version__, "prompt_len": prompt_len,
                 "steps": STEPS, "captured_steps": steps, "cost_source": spec.cost_source,
                 "cost_ms": measured, "regimes": list(regimes), "warmup": warmup,
-                "block": block, "reps": reps, "target": "peaked" if peak else "random",
+                "block": {bs: c["block"] for bs, c in plan.items()}, "reps": reps,
+                "method": "interleaved blocks, ratios = median of per-round ratios of adjacent "
+                          "blocks",
+                "target": "peaked" if peak else "random",
                 "residual_scale": residual_scale if not peak else None, **timing,
                 "rows": list(rows), "goals": goals,
                 "skipped_bs": list(skipped), "wall_s": time.perf_counter() - t_start}
@@ -263,75 +316,134 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             skipped.append(bs)
             print(f"[policy] bs {bs}: skipped (time budget {budget_s:.0f}s spent)", flush=True)
             continue
+        blk, onew = plan[bs]["block"], plan[bs]["oracle_new"]
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
-        # target-only: its timing, then the rest of its greedy continuation (the oracle)
-        reqs = [base.add_request(p, SamplingParams(max_new_tokens=oracle_new, ignore_eos=True))
-                for p in prompts]
+        # target-only: its greedy continuation (the oracle), then back to the decode start
+        reqs = [base.add_request(p, SamplingParams(max_new_tokens=plan[bs]["base_new"],
+                                                   ignore_eos=True)) for p in prompts]
         _reach_decode(base, bs)
-        tgt = timed_tps(base, warmup=warmup, block=block, reps=reps)
-        while base.has_work:
+        base_start = _snapshot(base, reqs)
+        while min(len(r.output) for r in reqs) < onew:
             base.step()
+        base.drain()
         text = [p + r.output for p, r in zip(prompts, reqs, strict=True)]
+        _restore(base, reqs, base_start)
         follows = None
         if perm is not None:  # the peaked target's greedy text: t -> perm[t]
             pairs = [(t[i], t[i + 1]) for t in text for i in range(prompt_len - 1, len(t) - 1)]
             follows = sum(perm[a] == b for a, b in pairs) / max(len(pairs), 1)
         # the speculative engine over the same prompts; oracle rows by slot
-        budget = cfg.max_context_len - prompt_len - 2 * (STEPS + 1) - 1
+        budget = plan[bs]["ctx"] - prompt_len - 2 * (STEPS + 1) - 1
         sreqs = [spec.add_request(p, SamplingParams(max_new_tokens=budget, ignore_eos=True))
                  for p in prompts]
+        spec.set_policy(SpeculationPolicy("fixed", STEPS, steps=steps))
         spec.step()  # admits every request (slots known), prefills; no decode cycle yet
         oracle.fill_(-1)
         for r, t in zip(sreqs, text, strict=True):
             oracle[r.slot, : len(t)] = torch.tensor(t, dtype=torch.int32)
         _reach_decode(spec, bs)
-        # every cell starts from the same decode state (the contexts target-only was timed
-        # at): device state by `state_snapshot`, the host's outputs cut back to it
-        start = _snapshot(spec, sreqs)
-        k0 = None
+        start = start_state(spec, sreqs)
+        # the cells: (name, p, policy); each continues from its own state between its blocks
+        cells = [("k0", None, SpeculationPolicy("fixed", 0, steps=[0]))]
         for p in regimes:
-            p_dev.fill_(p)
-            cell = {"bs": bs, "regime": f"p={p}", "p": p, "target_only_tps": tgt["tps"],
-                    "expected_accept": expected_tokens(min(max(p, 0.0), 1.0), STEPS)}
-            if k0 is None:  # k = 0 cycles: the same at every p (nothing verified)
-                _restore(spec, sreqs, start)
-                spec.set_policy(SpeculationPolicy("fixed", 0, steps=[0]))
-                k0 = timed_tps(spec, warmup=2, block=block, reps=reps)
-            _restore(spec, sreqs, start)
-            spec.set_policy(SpeculationPolicy("fixed", STEPS, steps=steps))
-            fx = timed_tps(spec, warmup=warmup, block=block, reps=reps)
-            _restore(spec, sreqs, start)
-            spec.set_policy(SpeculationPolicy("adaptive", STEPS, costs, steps=steps))
-            ad = timed_tps(spec, warmup=warmup, block=block, reps=reps)
-            alpha = spec.policy.estimator.alpha
-            cell.update({
-                "fixed_tps": fx["tps"], "adaptive_tps": ad["tps"], "adaptive_k": ad["k"],
-                "adaptive_k_warmup": ad["k_warmup"], "adaptive_alpha": alpha,
-                "best_k_at_p": best_k_at(costs, steps, bs, p), "oracle_follows_perm": follows,
-                "k0_tps": k0["tps"], "fixed_accept": fx["accept"],
-                "adaptive_accept": ad["accept"],
-                "adaptive_over_target_only": ad["tps"] / tgt["tps"],
-                "adaptive_over_fixed": ad["tps"] / fx["tps"],
-                "k0_over_target_only": k0["tps"] / tgt["tps"]})
+            cells.append((f"fixed@{p}", p, SpeculationPolicy("fixed", STEPS, steps=steps)))
+            cells.append((f"adaptive@{p}", p, SpeculationPolicy(
+                "adaptive", STEPS, CostTable(capture_costs), steps=steps)))
+        state = {name: start for name, _, _ in cells}
+        groups = [["k0"]] + [[f"fixed@{p}", f"adaptive@{p}"] for p in regimes]
+        policy_of = {name: (p, pol) for name, p, pol in cells}
+        blocks: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cells}
+        tgt_before: dict[str, list[float]] = {g[0]: [] for g in groups}  # per group, per round
+        warm_k: dict[str, Counter] = {}
+        for _ in range(warmup):
+            base.step()
+        # target-only: per group its own state, which advances one token a step as the k = 0
+        # cells do (one shared state would run 4x as far, at longer contexts)
+        base_state = {g[0]: _snapshot(base, reqs) for g in groups}
+        for rep in range(reps):
+            for g in groups:
+                # a target-only block right before each group: its ratios use adjacent blocks
+                _restore(base, reqs, base_state[g[0]])
+                tgt_before[g[0]].append(timed_block(base, blk)["tps"])
+                base_state[g[0]] = _snapshot(base, reqs)
+                for name in g:
+                    p, pol = policy_of[name]
+                    _restore(spec, sreqs, state[name])
+                    p_dev.fill_(1.0 if p is None else p)
+                    spec.set_policy(pol)
+                    if rep == 0:
+                        for _ in range(warmup if name != "k0" else 2):
+                            spec.step()
+                        spec.drain()
+                        warm_k[name] = Counter(k for _, k in list(spec.policy_history)[
+                            -(warmup if name != "k0" else 2):])
+                    blocks[name].append(timed_block(spec, blk))
+                    state[name] = _snapshot(spec, sreqs)
+
+        def tps(bl: list[dict[str, Any]]) -> float:
+            return statistics.median(b["tps"] for b in bl)
+
+        def ratio(bl: list[dict[str, Any]], den: list[float]) -> tuple[float, list[float]]:
+            rs = [b["tps"] / d for b, d in zip(bl, den, strict=True)]
+            return statistics.median(rs), rs
+
+        def accept(bl: list[dict[str, Any]]) -> float:
+            rows_ = sum(b["acc_rows"] for b in bl)
+            return sum(b["acc_tok"] for b in bl) / rows_ if rows_ else 0.0
+
+        all_tgt = [t for g in groups for t in tgt_before[g[0]]]
+        k0_ratio, k0_rs = ratio(blocks["k0"], tgt_before["k0"])
+        for p in regimes:
+            fx, ad = f"fixed@{p}", f"adaptive@{p}"
+            pol = policy_of[ad][1]
+            ad_t, ad_rs = ratio(blocks[ad], tgt_before[fx])
+            ad_f = statistics.median(a["tps"] / f["tps"] for a, f in
+                                     zip(blocks[ad], blocks[fx], strict=True))
+            ks = Counter()
+            for b in blocks[ad]:
+                ks.update(b["k"])
+            online = {}
+            for (b_, k), ms in sorted(pol.costs.online().items()):
+                online.setdefault(k, {})[b_] = round(ms, 4)
+            cell = {"bs": bs, "regime": f"p={p}", "p": p,
+                    "target_only_tps": statistics.median(all_tgt),
+                    "expected_accept": expected_tokens(min(max(p, 0.0), 1.0), STEPS),
+                    "fixed_tps": tps(blocks[fx]), "adaptive_tps": tps(blocks[ad]),
+                    "adaptive_k": dict(sorted(ks.items())),
+                    "adaptive_k_warmup": dict(sorted(warm_k[ad].items())),
+                    "adaptive_alpha": pol.estimator.alpha, "adaptive_probes": pol.stats()["probes"],
+                    "adaptive_online_cost_ms": online,
+                    "best_k_at_p": best_k_at(CostTable(capture_costs), steps, bs, p),
+                    "best_k_at_p_online": best_k_at(pol.costs, steps, bs, p),
+                    "oracle_follows_perm": follows, "k0_tps": tps(blocks["k0"]),
+                    "fixed_accept": accept(blocks[fx]), "adaptive_accept": accept(blocks[ad]),
+                    "adaptive_over_target_only": ad_t, "adaptive_over_fixed": ad_f,
+                    "k0_over_target_only": k0_ratio,
+                    "adaptive_over_target_only_reps": ad_rs, "k0_over_target_only_reps": k0_rs,
+                    "cycles_per_cell": blk * reps, "block": blk}
             rows.append(cell)
-            print(f"[policy] bs {bs:>3} p {p}: target-only {tgt['tps']:.0f} fixed {fx['tps']:.0f} "
-                  f"(accept {fx['accept']:.2f} of {cell['expected_accept']:.2f}) adaptive "
-                  f"{ad['tps']:.0f} (k {ad['k']}, alpha {alpha:.2f}, best k {cell['best_k_at_p']}) "
-                  f"k0 {k0['tps']:.0f} tok/s", flush=True)
+            print(f"[policy] bs {bs:>3} p {p}: target-only {cell['target_only_tps']:.0f} fixed "
+                  f"{cell['fixed_tps']:.0f} (accept {cell['fixed_accept']:.2f} of "
+                  f"{cell['expected_accept']:.2f}) adaptive {cell['adaptive_tps']:.0f} (k {dict(ks)}, "
+                  f"alpha {pol.estimator.alpha:.2f}, best k {cell['best_k_at_p']}/"
+                  f"{cell['best_k_at_p_online']}) k0 {cell['k0_tps']:.0f} tok/s; ad/target "
+                  f"{ad_t:.3f} ad/fixed {ad_f:.3f} k0/target {k0_ratio:.3f}", flush=True)
         spec.drain()
         departed = exhausted = 0
-        for r, t in zip(sreqs, text, strict=True):
-            m = min(len(r.output), len(t) - prompt_len)
-            departed += r.output[:m] != t[prompt_len: prompt_len + m]
-            exhausted += len(r.output) > len(t) - prompt_len
+        for name, _, _ in cells:  # every cell's text against the oracle
+            for out, t in zip((h[0] for h in state[name][1]), text, strict=True):
+                m = min(len(out), len(t) - prompt_len)
+                departed += out[:m] != t[prompt_len: prompt_len + m]
+                exhausted += len(out) > len(t) - prompt_len
         for cell in rows[-len(regimes):]:
-            cell["departed_from_oracle"] = departed
-            cell["oracle_exhausted"] = exhausted  # requests that outran the oracle (raise
-            # ORACLE_NEW: their later drafts were the head's own, mostly rejected)
+            cell["departed_from_oracle"] = departed  # (request, cell) pairs that departed
+            cell["oracle_exhausted"] = exhausted  # (request, cell) pairs that outran the
+            # oracle (raise ORACLE_NEW: their later drafts were the head's own, mostly rejected)
         if departed:
-            print(f"[policy] bs {bs}: {departed}/{bs} requests' greedy text departed from the "
+            print(f"[policy] bs {bs}: {departed} (request, cell) greedy texts departed from the "
                   "target-only oracle (bf16 near ties); their later drafts mostly rejected")
         _abort_all(spec)
+        _abort_all(base)
         if on_progress is not None:
             on_progress(result())
     return result()
@@ -346,13 +458,14 @@ def _rises(rows: list[dict[str, Any]], bs: int) -> bool:
 
 def table(data: dict[str, Any]) -> str:
     out = ["| bs | regime | target-only tok/s | fixed S=3 | adaptive | adaptive k (timed) | "
-           "best k | k0 | ad/target | ad/fixed | fixed accept (expected) | departed |",
-           "|" + "---|" * 12]
+           "best k | k0 | ad/target | ad/fixed | k0/target | fixed accept (expected) | departed |",
+           "|" + "---|" * 13]
     for r in data["rows"]:
         out.append(f"| {r['bs']} | {r['regime']} | {r['target_only_tps']:.0f} | "
                    f"{r['fixed_tps']:.0f} | {r['adaptive_tps']:.0f} | {r['adaptive_k']} | "
                    f"{r['best_k_at_p']} | {r['k0_tps']:.0f} | {r['adaptive_over_target_only']:.3f} | "
-                   f"{r['adaptive_over_fixed']:.3f} | {r['fixed_accept']:.2f} "
+                   f"{r['adaptive_over_fixed']:.3f} | {r['k0_over_target_only']:.3f} | "
+                   f"{r['fixed_accept']:.2f} "
                    f"({r['expected_accept']:.2f}) | {r.get('departed_from_oracle', '-')} |")
     return "\n".join(out)
 
@@ -371,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated batch sizes")
     p.add_argument("--regimes", default=",".join(map(str, REGIMES)),
                    help="comma-separated draft match probabilities p")
-    p.add_argument("--budget-s", type=float, default=180.0,
+    p.add_argument("--budget-s", type=float, default=150.0,
                    help="skip the remaining batch sizes after this many seconds (the run must "
-                        "end within 4 minutes on one H200)")
+                        "end within 3 minutes on one H200; about 90 s expected)")
     p.add_argument("--no-peak", action="store_true",
                    help="the plain random target (not made peaked: its greedy text departs "
                         "from the oracle on bf16 near ties)")
@@ -389,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                    residual_scale=a.residual_scale, peak=not a.no_peak,
                    on_progress=lambda d: write_json(a.out, name, d))
     path = write_json(a.out, name, data)
+    write_json(a.out, "policy.json", data)  # the same rows under a fixed name
     print(table(data))
     print(f"goals: {data['goals']}  wall {data['wall_s']:.0f}s")
     print(f"wrote {path}")

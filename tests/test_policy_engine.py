@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from graphdraft.config import RuntimeConfig
 from graphdraft.serving.engine import Engine
-from graphdraft.serving.policy import SpeculationPolicy, analytic_cost_table
+from graphdraft.serving.policy import CycleTimer, SpeculationPolicy, analytic_cost_table
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 from tests.test_cycle import _state
@@ -314,6 +314,79 @@ def test_metrics_snapshot_speculation_section():
     assert set(s2["cost_ms"]) == {0, 1, 3}
     import json
     json.dumps(eng2.metrics_snapshot())  # plain JSON
+
+
+class _TickEvent:
+    """A host stand-in for a CUDA timing event: `record` reads a tick clock and advances it by
+    one, so each launched cycle's begin -> end spans 1.0 ms; waiting on it raises."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.t = clock, None
+
+    def record(self) -> None:
+        self.t = self.clock[0]
+        self.clock[0] += 1.0
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return other.t - self.t
+
+    def synchronize(self) -> None:
+        raise AssertionError("the engine must not wait for a timing event")
+
+    wait = synchronize
+
+
+class TimedForcedPolicy(ForcedPolicy):
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self.costs: list[tuple[int, int, float, float]] = []
+        self.retired_when: list[int] = []
+
+    def observe_cost(self, padded_bs: int, k: int, ms: float, extra_ms: float) -> None:
+        self.costs.append((padded_bs, k, ms, extra_ms))
+        self.retired_when.append(len(self.decided))
+
+
+def test_cycle_times_reach_the_policy_one_step_late_without_a_sync(monkeypatch):
+    """With a cycle timer (CUDA events on a GPU; an injected host clock here) every retired
+    decode cycle's device time reaches `policy.observe_cost` with its (padded bs, k), one step
+    after its launch; mixed (prefill) steps are not timed; nothing waits on the events."""
+    target, head = make_models(3)
+    eng = Engine(target, _adaptive(), head)
+    assert eng.cycle_timer is None  # CPU: no CUDA events, no online costs
+    clock = [0.0]
+    eng.cycle_timer = CycleTimer(2, event_factory=lambda: _TickEvent(clock))
+    pol = TimedForcedPolicy([3, 0, 1, 3, 0])
+    eng.set_policy(pol)
+    eng.generate(prompts(9, 2), SamplingParams(max_new_tokens=14, ignore_eos=True))
+    assert len(pol.costs) == len(pol.decided) >= 5
+    assert [(b, k) for b, k, _, _ in pol.costs] == pol.decided
+    assert all(ms == 1.0 and extra == 0.0 for _, _, ms, extra in pol.costs)
+    # cycle i is retired after decision i + 1 was taken (or at the final drain)
+    assert pol.retired_when[:-1] == list(range(2, len(pol.decided) + 1))
+    # the adaptive policy: its online costs replace the analytic ones, the KV term taken out;
+    # decode steps (decide, launch, retire, observe, observe_cost) never read a device scalar
+    eng2 = Engine(target, _adaptive(), head)
+    eng2.cycle_timer = CycleTimer(2, event_factory=lambda: _TickEvent(clock))
+    for p in prompts(9, 2):
+        eng2.add_request(p, SamplingParams(max_new_tokens=14, ignore_eos=True))
+    while any(r.prefilling for r in eng2.running) or eng2.waiting:
+        eng2.step()
+
+    def no_sync(*a, **kw):
+        raise AssertionError("a host sync in the decode path")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    while eng2.has_work:
+        eng2.step()
+    monkeypatch.undo()
+    online = eng2.policy.costs.online()
+    assert online and all(0 < ms <= 1.0 for ms in online.values())
+    assert all(eng2.policy.costs.cost(b, k) == ms for (b, k), ms in online.items())
 
 
 def test_analytic_costs_order_and_cover_the_schedule():

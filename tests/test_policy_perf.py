@@ -44,6 +44,20 @@ def test_policy_benchmark_rows_and_accept_control_on_cpu():
         assert abs(r["expected_accept"] - (1 - r["p"] ** 4) / (1 - r["p"])) < 1e-12
 
 
+def test_start_drafts_outside_the_accept_control_are_not_observed():
+    """The prefill step drafts outside the cycle graph (no accept control): the cells' common
+    start state marks no draft ready, so the first cycle's verify of those drafts is no
+    observation. At p = 1 every observed draft matches and the adaptive estimate ends near 1;
+    counting the start drafts (the old start state) dragged it to 0.89 here."""
+    target, head = make_models(3)
+    data = perf_policy.measure((4,), (1.0,), pair=(target, head), device="cpu",
+                               dtype="float64", prompt_len=5, oracle_new=20, warmup=2, block=2,
+                               reps=1)
+    r = data["rows"][0]
+    assert r["fixed_accept"] == 4.0 and r["departed_from_oracle"] == 0
+    assert r["adaptive_alpha"] > 0.95, r["adaptive_alpha"]
+
+
 def test_output_name():
     assert perf_policy.output_name("NVIDIA H200").endswith("-h200-policy.json")
     assert perf_policy.output_name("Some GPU 9").endswith("-some-gpu-9-policy.json")
@@ -132,7 +146,7 @@ def test_adaptive_settles_within_the_benchmark_warmup(bs, p):
     """With the default estimator (prior alpha 0.7, weight 2, decay 0.99) the adaptive policy
     picks the best k for the true rate in every timed cycle after perf/policy.py's WARMUP."""
     best = perf_policy.best_k_at(COSTS, [0, 1, 3], bs, p)
-    timed = perf_policy.WARMUP + perf_policy.BLOCK * perf_policy.REPS
+    timed = perf_policy.WARMUP + perf_policy.block_steps(bs) * perf_policy.REPS
     for seed in range(3):
         ks, _ = _simulate(p, bs, timed, seed)
         assert set(ks[perf_policy.WARMUP:]) == {best}, (seed, ks, best)

@@ -17,7 +17,8 @@ One step over T tokens (positions `[T]`, KV slots `[T]`):
 Because the head has a single layer, the non-gathered rows only feed the KV cache,
 so only the gathered rows run attention, MLP and LM head.
 `store_kv` is the KV-only step (the drafter's k = 0 cycle): the same prefix up to and
-including the KV write (same code, bit-identical cache), then nothing.
+including the KV write (same code, the qkv projection over the k / v rows only: the same cache
+entries), then nothing.
 
 Tensor parallelism, two ways (see `graphdraft.parallel`):
   replicated  (the default) every rank runs the full head on its full weights: its inputs,
@@ -46,6 +47,7 @@ from torch import nn
 from graphdraft import ops
 from graphdraft.checks import expect_tensor
 from graphdraft.config import ModelConfig
+from graphdraft.kernels import gemv
 from graphdraft.kernels.argmax import check_ids_out
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import default as default_kernels
@@ -114,6 +116,7 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
             persistent=False)
         self.kernels: KernelConfig = kernels if kernels is not None else default_kernels()
+        self._kv_rows_cache: dict = {}  # (T, kernel settings, qkv shape) -> (row start, settings)
         self.logits_processor = LogitsProcessor(self.hot_token_ids, kernels=self.kernels)
         self.set_kernels(self.kernels)
 
@@ -152,10 +155,11 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
         """Draft-vocab ids -> target-vocab ids."""
         return self.hot_token_ids[draft_ids] if self.hot_token_ids is not None else draft_ids
 
-    def _qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor):
+    def _qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, *, kv_only: bool = False):
         """The step's prefix shared by `forward` and `store_kv`: embedding, fc (when hidden is
         k*H wide), the two input norms and the qkv projection over all T tokens.
-        -> (qkv `[T, (Hq + 2 Hkv) * D]` or its `ops.SplitK`, hidden `[T, H]` (fc's output))."""
+        -> (qkv `[T, (Hq + 2 Hkv) * D]` or its `ops.SplitK`, hidden `[T, H]` (fc's output)).
+        `kv_only`: the projection over `_kv_rows` only (`[T, (1 + 2 Hkv) * D]`)."""
         layer = self.midlayer
         if self.tp is None:  # the embedding lookup happens inside the norm kernel
             embeds, embed_index = self.embed_tokens, input_ids
@@ -169,13 +173,47 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
         norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
         x, hidden = ops.rms_norm_cat(embeds, norm_e.weight, norm_e.eps, b, norm_h.weight,
                                      norm_h.eps, a_index=embed_index, kernels=kc)
+        if kv_only:
+            w, akc = self._kv_rows(x.shape[0])
+            return ops.linear_partials(x, w, kernels=akc), hidden
         return layer.self_attn.qkv(x), hidden
+
+    def _kv_rows(self, t: int) -> tuple[torch.Tensor, KernelConfig]:
+        """The KV-only step's projection for T = t tokens: the rows of qkv_proj that the KV
+        write reads, the last q head then the k and v heads (`[(1 + 2 Hkv) * D, 2H]`, a
+        contiguous row slice: `rope_and_store_qkv` needs one q head, which it rotates and the
+        step drops), about a third of the weight for the 8B head; and the kernel settings
+        under which their product has the bits of the same columns of the full qkv product:
+        where the Triton GEMV runs (t <= small_m_max) its K split depends on N, so the split
+        and BLOCK_K of the full product are forced (when that gives the full product's tiles;
+        else the full rows, still exact). cuBLAS (larger t) may pick another kernel for the
+        narrower product: the same values up to its rounding (tests/test_eagle3_store_kv.py)."""
+        attn = self.midlayer.self_attn
+        kc, w = attn.kernels, attn.qkv_proj
+        key = (t, kc, w.shape)
+        hit = self._kv_rows_cache.get(key)
+        if hit is not None:
+            return w[hit[0]:], hit[1]
+        hkv, d = self.config.num_key_value_heads, self.config.head_dim
+        start = w.shape[0] - (2 * hkv + 1) * d
+        akc = kc
+        if kc.use_triton and 1 <= t <= kc.small_m_max:
+            full = gemv.gemv_config(t, w.shape[0], w.shape[1], kernels=kc)
+            forced = kc.replace(gemv_split=full.split, gemv_block_k=full.block_k)
+            if gemv.gemv_config(t, w.shape[0] - start, w.shape[1], kernels=forced) == full:
+                akc = forced
+            else:
+                start = 0
+        self._kv_rows_cache[key] = (start, akc)
+        return w[start:], akc
 
     def store_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                  out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The KV-only step: writes the draft KV of the T tokens exactly as `forward` does
-        (the same `_qkv` prefix, the same RoPE + KV-store op: bit-identical cache entries) and
-        stops there: no attention, o_proj, MLP, final norm or LM head, no draft token.
+        """The KV-only step: writes the draft KV of the T tokens as `forward` does (the same
+        `_qkv` prefix, projected over the k / v rows of qkv_proj only (`_kv_rows`), the same
+        RoPE + KV-store op: bit-identical cache entries on the torch path and the Triton GEMV
+        path) and stops there: no q, attention, o_proj, MLP, final norm or LM head, no draft
+        token.
         input_ids `[T]` (target vocab), positions `[T]`, hidden `[T, k*H]` or `[T, H]`,
         out_cache_loc `[T]`. The drafter's k = 0 cycle (nothing drafted, the KV kept whole)."""
         t = input_ids.shape[0]
@@ -187,7 +225,7 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
                                                             self.target_hidden_width):
             raise ValueError(f"hidden: expected shape ({t}, {self.target_hidden_width}) or "
                              f"({t}, {self.config.hidden_size}), got {tuple(hidden.shape)}")
-        qkv, _ = self._qkv(input_ids, hidden)
+        qkv, _ = self._qkv(input_ids, hidden, kv_only=True)
         k_cache, v_cache = kv
         ops.rope_and_store_qkv(qkv, positions, self.cos_sin, k_cache, v_cache, out_cache_loc,
                                kernels=self.midlayer.self_attn.kernels)

@@ -39,8 +39,11 @@ LM head, nothing drafted. Its extra cost over a target-only step is what perf/po
 drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel engines keep S.
 `capture_graphs` times every captured (padded bs, k) cycle with CUDA events for the adaptive
 policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
-(`policy.analytic_cost_table`). The split-mode `target_verify` / `draft_decode` graphs (per k)
-are captured only with `cycle_graph=False` (the cycle graph never replays them).
+(`policy.analytic_cost_table`). On CUDA every launched decode cycle is timed too (`cycle_timer`,
+a pair of timing events per pinned ring slot, read when the cycle is retired: no sync) and fed
+to `policy.observe_cost`, whose online EMA replaces the capture-time figure. The split-mode
+`target_verify` / `draft_decode` graphs (per k) are captured only with `cycle_graph=False` (the
+cycle graph never replays them).
 
 `step()` keeps one step in flight: it plans (retire nothing yet; drop finished rows, admit,
 schedule prefill chunks), launches step k, enqueues one non-blocking copy of the pack buffer
@@ -94,6 +97,7 @@ from graphdraft.serving.metrics import ServingMetrics
 from graphdraft.serving.policy import (
     ANALYTIC_BANDWIDTH,
     CostTable,
+    CycleTimer,
     SpeculationPolicy,
     analytic_cost_table,
     measure_replay_ms,
@@ -147,6 +151,7 @@ class _Launched:
     event: object | None
     k: int | None = None                 # a decode cycle's draft length (None: a mixed step)
     real_drafts: list[int] | None = None  # per row: drafts it verified that were drafted for it
+    cost: tuple[int, int, float] | None = None  # a timed cycle: (padded bs, k, its extra_ms)
 
 
 class Engine:
@@ -256,6 +261,10 @@ class Engine:
         shape = self.cycle.pack.shape
         self._pinned = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._events = [torch.cuda.Event(blocking=True) if pin else None for _ in range(2)]
+        # timing events around each decode cycle, one per ring slot, read at its retirement
+        # (the policy's online costs: `policy.CycleTimer`, `SpeculationPolicy.observe_cost`)
+        self.cycle_timer: CycleTimer | None = CycleTimer(2) if pin else None
+        self._decided_extra_ms = 0.0
         self.stats = EngineStats()
         self.metrics = ServingMetrics()
 
@@ -314,7 +323,9 @@ class Engine:
     def set_policy(self, policy) -> None:
         """Replace the speculation policy: any object with `decide(padded_bs) -> k` (k in
         `self.steps`), `observe(accept_lengths, k)` and `stats() -> dict` (tests force k
-        sequences this way). ValueError naming `policy` otherwise."""
+        sequences this way), and optionally `observe_cost(padded_bs, k, ms, extra_ms)` (each
+        retired decode cycle's device time, when `cycle_timer` is set). ValueError naming
+        `policy` otherwise."""
         missing = [m for m in ("decide", "observe", "stats") if not callable(getattr(policy, m, None))]
         if missing:
             raise ValueError(f"policy: expected an object with decide, observe and stats, "
@@ -326,9 +337,11 @@ class Engine:
         only). The adaptive policy's costs leave out the KV reads of the rows' contexts (timed
         on length-N rows; the same for every k): they are added as
         `extra_ms` = context tokens x the target's KV bytes a token / ANALYTIC_BANDWIDTH."""
+        self._decided_extra_ms = 0.0
         if isinstance(self.policy, SpeculationPolicy) and self.policy.mode == "adaptive":
             ctx = sum(len(r.prompt) + len(r.output) for r in reqs)
-            k = self.policy.decide(pbs, extra_ms=ctx * self._kv_ms_per_token)
+            self._decided_extra_ms = ctx * self._kv_ms_per_token
+            k = self.policy.decide(pbs, extra_ms=self._decided_extra_ms)
         else:
             k = self.policy.decide(pbs)
         if k not in self._cycle_by_k:
@@ -840,6 +853,9 @@ class Engine:
             pbs = (padded_batch_size(self.schedule, bs) or bs) if plan is None else plan.padded_bs
             k = self._decide(pbs, dreqs)
             self._stage_rows([r.slot for r in dreqs] + [0] * (pbs - bs))
+            cost = (pbs, k, self._decided_extra_ms) if self.cycle_timer is not None else None
+            if cost is not None:  # read at its retirement (`_retire`), never waited for
+                self.cycle_timer.begin(self._ring)
             self._run_cycle(bs, pbs, k)
             if self._cycle_drafter is not None:  # it drafted once, inside the cycle
                 self._cycle_drafter.stats.calls += 1
@@ -849,7 +865,7 @@ class Engine:
             for r in dreqs:
                 r.drafts_ready = made
         else:
-            k, real = None, None
+            k, real, cost = None, None, None
             self._mixed_step(rows, preqs, dreqs)
             for r in dreqs:
                 r.drafts_ready = self.n_row - 1
@@ -860,6 +876,8 @@ class Engine:
         self._ring ^= 1
         pinned = self._pinned[ring]
         pinned[:bs].copy_(self.cycle.pack[:bs], non_blocking=True)
+        if cost is not None:
+            self.cycle_timer.end(ring)
         event = self._events[ring]
         if event is not None:
             event.record()
@@ -872,7 +890,7 @@ class Engine:
         self.stats.steps += 1
         emits = [row.end == len(r.prompt) for row, r in zip(rows, preqs, strict=True)] + [True] * nd
         self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, emits, ring,
-                                         event, k, real))
+                                         event, k, real, cost))
 
     def _mixed_step(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
         """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
@@ -949,6 +967,11 @@ class Engine:
                 finished.append(r)
         for kr, accepts in observed.items():
             self.policy.observe(accepts, kr)
+        if step.cost is not None and self.cycle_timer is not None:  # the cycle's device time
+            ms = self.cycle_timer.elapsed_ms(step.ring)  # (completed: its pack was read)
+            observe_cost = getattr(self.policy, "observe_cost", None)
+            if ms is not None and callable(observe_cost):
+                observe_cost(step.cost[0], step.cost[1], ms, step.cost[2])
         for r in finished:
             self._release(r)
         if errors:

@@ -23,22 +23,35 @@ the effective trial count.
 
 `CostTable` holds `cost_ms[(padded_bs, k)]` (k = 0: the target-only decode step) measured on the
 device at capture (`measure_replay_ms` times a replay with CUDA events), interpolating linearly in
-bs for a k that has entries, and linearly in k otherwise.
+bs for a k that has entries, and linearly in k otherwise; corrected online: the Engine records a
+pair of CUDA timing events around every decode cycle it launches and reads them when it retires
+that cycle (one step later, completed by then: `CycleTimer`, no sync), and `observe_cost` keeps
+an EMA per (padded bs, k) that replaces the capture-time figure once measured. (The capture-time
+replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x a target-only step,
+real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
 
 `SpeculationPolicy`:
   "fixed"     always `num_steps` drafts;
-  "adaptive"  the k in `steps` (the captured set, 0 included) maximising E(k) / cost(bs, k), with
-              - safety: k > 0 only when E(k) at alpha's upper bound beats k = 0 (otherwise 0,
-                whatever the hysteresis says);
-              - hysteresis: the current k of that bs stays unless the best scores more than
-                `hysteresis` (relative) above it;
+  "adaptive"  the k in `steps` (the captured set, 0 included) maximising the score
+              E(k) / (cost(bs, k) + extra_ms) at the point estimate of alpha (the measured
+              accepts: the prior is a few pseudo-trials, outweighed after a few cycles), over
+              the eligible k:
+              - safety: k > 0 only when its score at alpha's upper bound beats k = 0;
+              - margin: k > 0 only when its score beats k = 0's by `spec_margin` (2 %): where
+                speculation breaks even, k = 0 (deterministic cost) beats a bet whose
+                realized accept and cost estimate both carry noise;
+              - hysteresis: a current k > 0 of that bs stays (while eligible) unless another
+                k > 0 scores more than `hysteresis` (3 %) above it, so k = 1 and k = S near
+                their crossover do not flap (between k = 0 and k > 0 the margin alone: k = 0
+                is sticky anyway, the estimate moves only when a probe observes);
               - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
                 decisions with no observation of a k > 0 step (`probe_every`, stretched so that
-                probes cost at most `probe_budget` of the target-only time), `probe_cycles`
-                consecutive decisions (default 2) return the smallest k > 0 of `steps` (counted
-                as one probe), so a regime change is noticed. Two, because a k = 0 cycle drafts
-                nothing (the drafter's KV-only step): the first probe cycle verifies filler (no
-                observation) and drafts; the second verifies those drafts.
+                the expected loss of probes is at most `probe_budget` (0.3 %) of the target-only
+                time: the lower the estimate, the rarer), `probe_cycles` consecutive decisions
+                (default 2) return the smallest k > 0 of `steps` (counted as one probe), so a
+                regime change is noticed. Two, because a k = 0 cycle drafts nothing (the
+                drafter's KV-only step): the first probe cycle verifies filler (no observation)
+                and drafts; the second verifies those drafts.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "SpeculationPolicy",
+__all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "CycleTimer", "SpeculationPolicy",
            "analytic_cost_table", "check_speculative_policy", "expected_tokens",
            "measure_replay_ms"]
 
@@ -222,11 +235,25 @@ class CostTable:
     the target-only decode step), from capture-time timings. Missing entries interpolate:
     linearly in bs over the entries of the same k (beyond the ends: the nearest two, at least
     the nearest measured value's 1/1000); a k with no entry at all interpolates linearly in k
-    between the nearest k below and above with entries (beyond them: ValueError)."""
+    between the nearest k below and above with entries (beyond them: ValueError).
 
-    def __init__(self, costs: Mapping[tuple[int, int], float] | None = None) -> None:
+    Online correction (`observe`): the device time of real cycles (the Engine's CUDA events
+    around each launched cycle, read when the cycle is retired) kept as an EMA per
+    (padded_bs, k) with weight `ema` (the first observation replaces the capture-time figure
+    outright); `cost` returns the online EMA where there is one, else the capture-time figure
+    scaled by the online / capture-time ratio of the nearest k' > 0 observed at that bs (for a
+    k > 0 with none: k = 0's ratio; k = 0 itself is left unscaled), so that one real k = 1
+    cycle also reprices k = S. The capture-time replays run inert rows; a real cycle also pays
+    what they leave out (context-dependent attention, the verify's extend kernel at small bs,
+    copies), and more so the more tokens it verifies and drafts."""
+
+    def __init__(self, costs: Mapping[tuple[int, int], float] | None = None, *,
+                 ema: float = 0.2) -> None:
         self._by_k: dict[int, dict[int, float]] = defaultdict(dict)
         self._cache: dict[tuple[int, int], float] = {}  # interpolated lookups (decide's hot path)
+        self._online: dict[int, dict[int, float]] = defaultdict(dict)  # bs -> k -> EMA
+        self._online_n: Counter[tuple[int, int]] = Counter()
+        self.ema = _check_prob("ema", ema, open_low=True)
         if costs is not None:
             if not isinstance(costs, Mapping):
                 raise ValueError(f"costs: expected a mapping {{(padded_bs, k): ms}}, got "
@@ -250,7 +277,25 @@ class CostTable:
         self._cache.clear()
 
     def measured(self) -> dict[tuple[int, int], float]:
+        """The capture-time entries (not the online EMA: `online`)."""
         return {(bs, k): ms for k, row in self._by_k.items() for bs, ms in row.items()}
+
+    def observe(self, padded_bs: int, k: int, ms: float) -> None:
+        """One real cycle's device time at (padded_bs, k): the online EMA (class docstring).
+        Bad input raises ValueError and changes nothing."""
+        bs, k, ms = self._checked((padded_bs, k), ms)
+        row = self._online[bs]
+        old = row.get(k)
+        row[k] = ms if old is None else old + self.ema * (ms - old)
+        self._online_n[(bs, k)] += 1
+
+    def online(self) -> dict[tuple[int, int], float]:
+        """The online EMA per (padded_bs, k) observed so far."""
+        return {(bs, k): ms for bs, row in self._online.items() for k, ms in row.items()}
+
+    def online_counts(self) -> dict[tuple[int, int], int]:
+        """Real cycles observed per (padded_bs, k)."""
+        return dict(self._online_n)
 
     def _in_bs(self, row: dict[int, float], bs: int) -> float:
         if bs in row:
@@ -271,13 +316,30 @@ class CostTable:
         return max(y, nearest / 1000.0)
 
     def cost(self, padded_bs: int, k: int) -> float:
-        """ms of one cycle at this padded bs with k drafts (measured or interpolated)."""
+        """ms of one cycle at this padded bs with k drafts: the online EMA of real cycles
+        where observed, else the capture-time entry (measured or interpolated)."""
+        row = self._online.get(padded_bs)
+        if row:
+            hit = row.get(k)
+            if hit is not None:
+                return hit
+        base = self._cache.get((padded_bs, k))
+        if base is None:
+            bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
+            self._cache[(bs, k)] = base = self._interpolate(bs, k)
+        if k == 0 or not row:
+            return base
+        pos = [j for j in row if j > 0]
+        ref = min(pos, key=lambda j: (abs(j - k), j)) if pos else 0
+        return base * row[ref] / self.cost_at_capture(padded_bs, ref)
+
+    def cost_at_capture(self, padded_bs: int, k: int) -> float:
+        """The capture-time figure (measured or interpolated), ignoring the online EMA."""
         hit = self._cache.get((padded_bs, k))
-        if hit is not None:
-            return hit
-        bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
-        self._cache[(bs, k)] = c = self._interpolate(bs, k)
-        return c
+        if hit is None:
+            bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
+            self._cache[(bs, k)] = hit = self._interpolate(bs, k)
+        return hit
 
     def _interpolate(self, bs: int, k: int) -> float:
         if k in self._by_k:
@@ -299,15 +361,17 @@ class SpeculationPolicy:
     `mode` "fixed" | "adaptive"; `num_steps` S (fixed mode's k, and the largest draft length);
     `steps` the captured draft lengths the adaptive mode may pick (default 0..S; must hold 0 and
     lie in 0..S); `costs` a `CostTable` or mapping (adaptive mode needs one covering `steps`);
-    `hysteresis` relative margin >= 0; `probe_every` decisions (0: never probe); `probe_budget`
-    the fraction of target-only time probes may cost; `probe_cycles` >= 1 consecutive k > 0
-    decisions per probe (2: the first verifies the filler a k = 0 cycle left).
+    `hysteresis` relative margin >= 0 between two k > 0; `spec_margin` >= 0 the relative
+    margin by which a k > 0 must beat k = 0 to be picked or kept; `probe_every` decisions (0:
+    never probe); `probe_budget` the fraction of target-only time probes may cost;
+    `probe_cycles` >= 1 consecutive k > 0 decisions per probe (2: the first verifies the
+    filler a k = 0 cycle left).
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
-                 hysteresis: float = 0.03, probe_every: int = 16,
-                 probe_budget: float = 0.005, probe_cycles: int = 2) -> None:
+                 hysteresis: float = 0.03, spec_margin: float = 0.02, probe_every: int = 16,
+                 probe_budget: float = 0.003, probe_cycles: int = 2) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -327,20 +391,15 @@ class SpeculationPolicy:
                 raise ValueError("costs: expected at least one measured (padded_bs, k) entry")
             for k in self.steps:  # every captured k must be priceable (raises naming k)
                 costs.cost(1, k)
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) \
-                or not math.isfinite(hysteresis) or hysteresis < 0:
-            raise ValueError(f"hysteresis: expected a finite number >= 0, got {hysteresis!r}")
+        self.hysteresis = _check_margin("hysteresis", hysteresis)
+        self.spec_margin = _check_margin("spec_margin", spec_margin)
         self.costs = costs
         self.estimator = estimator if estimator is not None else AcceptRateEstimator()
         if not isinstance(self.estimator, AcceptRateEstimator):
             raise ValueError(f"estimator: expected an AcceptRateEstimator, got "
                              f"{type(self.estimator).__name__}")
-        self.hysteresis = float(hysteresis)
         self.probe_every = _check_int("probe_every", probe_every, 0)
-        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) \
-                or not math.isfinite(probe_budget) or probe_budget < 0:
-            raise ValueError(f"probe_budget: expected a finite number >= 0, got {probe_budget!r}")
-        self.probe_budget = float(probe_budget)
+        self.probe_budget = _check_margin("probe_budget", probe_budget)
         self.probe_cycles = _check_int("probe_cycles", probe_cycles, 1)
         self.reset_stats()
 
@@ -362,13 +421,18 @@ class SpeculationPolicy:
         return {k: expected_tokens(a, k) / (self.costs.cost(padded_bs, k) + extra_ms)
                 for k in self.steps}
 
+    def _eligible(self, point: dict[int, float], upper: dict[int, float]) -> list[int]:
+        """k = 0, and each k > 0 that (safety) beats k = 0 at alpha's upper bound and (margin)
+        beats it by `spec_margin` at the point estimate."""
+        return [k for k in self.steps if k == 0 or (
+            upper[k] > upper[0] and point[k] >= point[0] * (1.0 + self.spec_margin))]
+
     def best(self, padded_bs: int, extra_ms: float = 0.0) -> int:
-        """The adaptive choice without hysteresis or probing: the smallest k of maximal score,
-        0 when no k > 0 beats k = 0 even at alpha's upper bound."""
+        """The adaptive choice without hysteresis or probing: the eligible k (`_eligible`) of
+        maximal score (the smallest on ties); 0 when no k > 0 is eligible."""
         point = self.scores(padded_bs, extra_ms=extra_ms)
         upper = self.scores(padded_bs, self.estimator.upper_bound(), extra_ms)
-        allowed = [k for k in self.steps if k == 0 or upper[k] > upper[0]]
-        return max(allowed, key=lambda k: (point[k], -k))
+        return max(self._eligible(point, upper), key=lambda k: (point[k], -k))
 
     def decide(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """Draft steps for the next cycle at this padded bs (recorded in `stats()`);
@@ -380,14 +444,14 @@ class SpeculationPolicy:
         if self.mode == "fixed":
             k = self.num_steps
         else:
-            k = self.best(bs, extra_ms)
+            point = self.scores(bs, extra_ms=extra_ms)
+            upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
+            eligible = self._eligible(point, upper)
+            k = max(eligible, key=lambda j: (point[j], -j))
             cur = self._current.get(bs)
-            if cur is not None and cur != k:
-                point = self.scores(bs, extra_ms=extra_ms)
-                upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
-                cur_safe = cur == 0 or upper[cur] > upper[0]
-                if cur_safe and point[k] <= point[cur] * (1.0 + self.hysteresis):
-                    k = cur  # not better by the margin: stay
+            if cur and k and cur != k and cur in eligible \
+                    and point[k] <= point[cur] * (1.0 + self.hysteresis):
+                k = cur  # between two k > 0, not better by the margin: stay
             if k == 0 and self._probe_left.get(bs, 0) > 0:  # the probe's later cycles
                 self._probe_left[bs] -= 1
                 k = self.steps[1]
@@ -395,7 +459,7 @@ class SpeculationPolicy:
                 return k
             self._probe_left.pop(bs, None)  # k > 0 chosen: no probe needed
             if k == 0 and self.probe_every and len(self.steps) > 1 \
-                    and self._since_info >= self.probe_interval(bs):
+                    and self._since_info >= self.probe_interval(bs, extra_ms):
                 k = self.steps[1]
                 self._probes += 1
                 self._since_info = 0
@@ -412,18 +476,22 @@ class SpeculationPolicy:
         self._chosen[bs][k] += 1
         return k
 
-    def probe_interval(self, padded_bs: int) -> int:
+    def probe_interval(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """Decisions without information before a probe at this bs: `probe_every`, stretched so
-        that probing costs at most `probe_budget` of the target-only time (a probe of the
-        smallest k > 0 costs `probe_cycles` x (cost(bs, k) - cost(bs, 0)) and, at alpha ~ 0,
-        gains nothing)."""
+        that probing costs at most `probe_budget` of the target-only time. A probe of the
+        smallest k1 > 0 (cost ratio r = cost(bs, k1) / cost(bs, 0), `extra_ms` added to both)
+        loses, in k = 0 cycles, r - 1 on its first cycle (it verifies filler: one token a row)
+        and max(r - E(alpha, k1), 0) on each later one: the further the estimate lies below
+        break-even, the rarer the probes."""
         if len(self.steps) < 2 or self.costs is None:
             return self.probe_every
-        extra = self.probe_cycles * (self.costs.cost(padded_bs, self.steps[1])
-                                     / self.costs.cost(padded_bs, 0) - 1.0)
-        if self.probe_budget <= 0 or extra <= 0:
+        k1 = self.steps[1]
+        r = (self.costs.cost(padded_bs, k1) + extra_ms) / (self.costs.cost(padded_bs, 0) + extra_ms)
+        gain = expected_tokens(min(max(self.estimator.alpha, 0.0), 1.0), k1)
+        loss = max(r - 1.0, 0.0) + (self.probe_cycles - 1) * max(r - gain, 0.0)
+        if self.probe_budget <= 0 or loss <= 0:
             return self.probe_every
-        return max(self.probe_every, math.ceil(extra / self.probe_budget - 1e-9))  # fp slack
+        return max(self.probe_every, math.ceil(loss / self.probe_budget - 1e-9))  # fp slack
 
     def observe(self, accept_lengths: Any, k: int, slots: Any = None) -> None:
         """Accept lengths `[rows]` of one verify with k drafts (the k that verify ran with,
@@ -431,6 +499,21 @@ class SpeculationPolicy:
         self.estimator.observe(accept_lengths, k, slots)
         if k > 0 and len(accept_lengths):
             self._since_info = 0
+
+    def observe_cost(self, padded_bs: int, k: int, ms: float, extra_ms: float = 0.0) -> None:
+        """The device time `ms` of one real cycle at (padded_bs, k), read when it was retired
+        (host floats, no sync); `extra_ms` the KV-read term `decide` was given for it, taken
+        out so that the online cost stays comparable with the capture-time table (the term
+        is added back to every k at decision time). Feeds `CostTable.observe`; a policy
+        without a cost table (fixed) ignores it. ValueError on a bad value."""
+        bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
+        for name, x in (("ms", ms), ("extra_ms", extra_ms)):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) \
+                    or x < 0:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {x!r}")
+        if self.costs is None or ms <= 0:
+            return
+        self.costs.observe(bs, k, max(float(ms) - float(extra_ms), float(ms) * 0.05))
 
     def stats(self) -> dict[str, Any]:
         """Decisions for metrics, as a plain dict."""
@@ -443,7 +526,22 @@ class SpeculationPolicy:
             "current": dict(sorted(self._current.items())),
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
+            "cost_ms_online": self._online_costs(),
         }
+
+    def _online_costs(self) -> dict[int, dict[int, float]]:
+        """The cost table's online EMA as {k: {padded bs: ms}} ({} without a table)."""
+        out: dict[int, dict[int, float]] = {}
+        if self.costs is not None:
+            for (bs, k), ms in sorted(self.costs.online().items()):
+                out.setdefault(k, {})[bs] = round(ms, 5)
+        return dict(sorted(out.items()))
+
+
+def _check_margin(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{name}: expected a finite number >= 0, got {x!r}")
+    return float(x)
 
 
 ANALYTIC_BANDWIDTH = 4.0e12
@@ -532,3 +630,53 @@ def measure_replay_ms(replay: Callable[[], Any], warmup: int = 3, iters: int = 2
         end.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
+
+
+class CycleTimer:
+    """Device time of launched cycles, read one step late without a sync.
+
+    `begin(slot)` / `end(slot)` record a pair of timing events on the current stream around one
+    launch; `elapsed_ms(slot)` returns the ms between them once the end event has completed
+    (`event.query()`, which never waits), else None, and disarms the slot (each launch is read
+    once). Slots are the Engine's two pinned-pack ring slots: a slot is reused only after the
+    step that used it was retired, so the events are never re-recorded before they are read.
+    `event_factory()` makes one timing event (default `torch.cuda.Event(enable_timing=True)`;
+    CPU tests inject host fakes with `record`, `query` and `elapsed_time`)."""
+
+    def __init__(self, slots: int = 2, event_factory: Callable[[], Any] | None = None) -> None:
+        slots = _check_int("slots", slots, 1)
+        if event_factory is None:
+            import torch
+
+            def event_factory() -> Any:
+                return torch.cuda.Event(enable_timing=True)
+        self._events = [(event_factory(), event_factory()) for _ in range(slots)]
+        self._armed = [False] * slots
+
+    def _slot(self, slot: Any) -> int:
+        slot = _check_int("slot", slot, 0)
+        if slot >= len(self._events):
+            raise ValueError(f"slot: expected < {len(self._events)}, got {slot}")
+        return slot
+
+    def begin(self, slot: int) -> None:
+        slot = self._slot(slot)
+        self._armed[slot] = False
+        self._events[slot][0].record()
+
+    def end(self, slot: int) -> None:
+        slot = self._slot(slot)
+        self._events[slot][1].record()
+        self._armed[slot] = True
+
+    def elapsed_ms(self, slot: int) -> float | None:
+        """ms from `begin` to `end` of the last launch in this slot, or None (not armed, or
+        not completed yet: nothing waits)."""
+        slot = self._slot(slot)
+        if not self._armed[slot]:
+            return None
+        start, end = self._events[slot]
+        if not end.query():
+            return None
+        self._armed[slot] = False
+        return float(start.elapsed_time(end))
