@@ -199,10 +199,10 @@ def test_triton_path_under_the_interpreter_equals_target_only():
     """The tree Engine on the Triton kernels (interpreter; float32): tree build / accept,
     KV move, commit_pack, beam attention; `capture_graphs` is a no-op off CUDA."""
     target, head = make_models(seed=0, dtype=torch.float32)
-    prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    ref = Engine(target, runtime(dtype="float32"), None).generate(prompts, None)
+    prompts, params = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=5)
+    ref = Engine(target, runtime(dtype="float32"), None).generate(prompts, params)
     e = Engine(target, runtime(speculative_eagle_topk=2, speculative_num_draft_tokens=5,
                                kernel_backend="triton", dtype="float32"), head)
     e.capture_graphs(progress=False)
-    assert e.generate(prompts, None) == ref
+    assert e.generate(prompts, params) == ref
     assert e._tree.drafter.use_triton
