@@ -142,10 +142,13 @@ def test_adaptive_policy_falls_back_to_fixed_under_trees(trained, caplog):
 
 
 def test_tree_engine_rejects_what_it_cannot_serve():
+    from tests.engine_harness import ScriptedDrafter
     target, head = make_models(seed=0)
     cfg = runtime(**TREE)
-    with pytest.raises(ValueError, match="speculative_eagle_topk: expected 1 without an EAGLE-3"):
-        Engine(target, cfg, None)
+    with pytest.raises(ValueError, match="speculative_eagle_topk: expected 1 with a caller's"):
+        Engine._check_tree(cfg, None, ScriptedDrafter.__new__(ScriptedDrafter))
+    plain = Engine(target, cfg, None)  # target-only: the tree fields are unused
+    assert plain.tree_spec is None and plain.n_row == 1
     with pytest.raises(ValueError, match="speculative_eagle_topk: expected 1 with dp_size"):
         Engine._check_tree(cfg.replace(dp_size=2), head, None)
 

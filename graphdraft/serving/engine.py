@@ -796,14 +796,15 @@ class Engine:
     # ------------------------------------------------------------------
     @staticmethod
     def _check_tree(cfg: RuntimeConfig, head, drafter) -> TreeSpec | None:
-        """The tree shape when `speculative_eagle_topk > 1` (None: chain); ValueError naming
-        the field when trees cannot be served: they need the built-in EAGLE-3 drafter (`head`),
-        no data parallelism."""
-        if cfg.speculative_eagle_topk == 1:
+        """The tree shape when `speculative_eagle_topk > 1` (None: chain, or target-only: no
+        head and no drafter, the tree fields unused); ValueError naming the field when trees
+        cannot be served: they need the built-in EAGLE-3 drafter (`head`, not `drafter`), no
+        data parallelism."""
+        if cfg.speculative_eagle_topk == 1 or (head is None and drafter is None):
             return None
         if head is None:
-            raise ValueError("speculative_eagle_topk: expected 1 without an EAGLE-3 head (tree "
-                             f"drafting needs `head`), got {cfg.speculative_eagle_topk}")
+            raise ValueError("speculative_eagle_topk: expected 1 with a caller's drafter (tree "
+                             f"drafting needs the EAGLE-3 `head`), got {cfg.speculative_eagle_topk}")
         if cfg.dp_size != 1:
             raise ValueError(f"speculative_eagle_topk: expected 1 with dp_size > 1 (trees are "
                              f"not served data-parallel), got {cfg.speculative_eagle_topk}")
