@@ -35,8 +35,8 @@ import functools
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
-from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, philox4x32_ref
+from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.cycle_kernels import commit_pack
 from graphdraft.kernels.kv_move import (
