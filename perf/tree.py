@@ -50,8 +50,8 @@ CYCLE_CONFIGS = [(3, 1, 4), (5, 4, 8), (7, 1, 8), (3, 4, 16), (7, 4, 8)]
 BATCHES = [1, 8, 32, 64]
 WEAK_HEAD_STEPS = 240
 """Head steps of the weak head, chosen on the CPU (fp32, 4 held-out prompts, 32 new tokens;
-chain 3/1/4 greedy accept: 30 steps 1.76, 80 steps 2.06, 160 steps 2.49; the shipped head
-3.57): about 2.5-3 of 4."""
+chain 3/1/4 greedy accept: 30 steps 1.76, 80 steps 2.06, 160 steps 2.49, 240 steps 2.61
+(T 0.7: 2.42; tree 5/4/8 3.28); the shipped head 3.57): about 2.5-3 of 4."""
 WEAK_HEAD_BATCH = 16
 PROMPT_LEN = 512
 ASSETS = Path(graphdraft.__file__).resolve().parent / "assets"
