@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from graphdraft.kernels.config import KernelConfig
+from graphdraft.runtime.tree import TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,15 @@ class RuntimeConfig:
     speculative_policy_steps: tuple[int, ...] | None = None
     """Draft lengths the adaptive policy may pick (one cycle graph per padded bs each):
     distinct ints in 0..speculative_num_steps including 0; None: (0, 1, speculative_num_steps)."""
+    # --- tree drafting (graphdraft.runtime.tree; README "Tree drafting") -----------------------
+    speculative_eagle_topk: int = 1
+    """Beams per draft step (`--speculative-eagle-topk`): 1 drafts a chain (today's cycle, bit
+    for bit); k > 1 drafts a tree of `speculative_num_draft_tokens` nodes verified at once
+    (the fixed policy: adaptive falls back to fixed with a log line)."""
+    speculative_num_draft_tokens: int | None = None
+    """Tree nodes verified per request, root included (`--speculative-num-draft-tokens`):
+    2 <= n <= 1 + k + (steps-1)*k^2 and n <= 64; with topk 1 it must be steps + 1. None:
+    steps + 1 (`tree_spec.n`; kept None so that `replace(speculative_num_steps=...)` follows)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -228,6 +238,13 @@ class RuntimeConfig:
                  "speculative_policy_steps", f"None or distinct ints in "
                  f"0..speculative_num_steps ({self.speculative_num_steps}) including 0")
             self.speculative_policy_steps = tuple(sorted(ks))
+        # tree drafting: the shape checks of runtime.tree.TreeSpec (ValueErrors naming the flag)
+        for name in ("speculative_eagle_topk", "speculative_num_draft_tokens"):
+            v = getattr(self, name)
+            need(v is None and name == "speculative_num_draft_tokens"
+                 or isinstance(v, int) and not isinstance(v, bool), name,
+                 "an int" + (" or None" if name == "speculative_num_draft_tokens" else ""))
+        self.tree_spec  # noqa: B018 - TreeSpec raises on a combination that cannot be drafted
 
     @property
     def policy_steps(self) -> tuple[int, ...]:
@@ -237,6 +254,12 @@ class RuntimeConfig:
         if self.speculative_policy == "fixed":
             return (s,)
         return self.speculative_policy_steps or tuple(sorted({0, 1, s}))
+
+    @property
+    def tree_spec(self) -> TreeSpec:
+        """The validated draft shape (`runtime.tree.TreeSpec`: steps, topk, n; chain when topk 1)."""
+        return TreeSpec(self.speculative_num_steps, self.speculative_eagle_topk,
+                        self.speculative_num_draft_tokens)
 
     @property
     def validation_mode(self) -> str:

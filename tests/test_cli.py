@@ -298,3 +298,31 @@ def test_help_exits_zero_and_lists_both_commands(capsys):
     assert main(["generate", "--help"]) == 0
     assert "--prompt-file PATH" in capsys.readouterr().out
     assert main([]) == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_tree_flags_reach_the_config_and_bad_ones_name_the_flag(capsys):
+    from graphdraft.serving.cli.models import runtime_from_args
+    a = build_parser().parse_args(["demo", "--device", "cpu", "--speculative-eagle-topk", "4",
+                                   "--speculative-num-draft-tokens", "8"])
+    cfg = runtime_from_args(a)
+    assert (cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens) == (4, 8)
+    a = build_parser().parse_args(["demo", "--device", "cpu"])
+    assert runtime_from_args(a).tree_spec.n == a.speculative_num_steps + 1
+    line = _one_line_error(capsys, ["demo", "--device", "cpu", "--speculative-eagle-topk", "2",
+                                    "--speculative-num-draft-tokens", "20"],
+                           "--speculative-num-draft-tokens", "1 + topk")
+    assert "speculative_num_draft_tokens" not in line
+    _one_line_error(capsys, ["demo", "--speculative-eagle-topk", "0"], "--speculative-eagle-topk")
+
+
+def test_demo_tree_prints_the_drafting_mode_and_stays_exact(capsys, tmp_path):
+    path = tmp_path / "metrics.json"
+    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
+                 "--quiet", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens",
+                 "8", "--metrics-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "drafting: tree (steps 3, topk 4, 8 tokens verified per request)" in out
+    assert "mean accept length" in out and "greedy outputs identical to target-only: True" in out
+    m = json.loads(path.read_text())["metrics"]
+    assert m["accept_length"]["drafting"]["mode"] == "tree"
+    assert {"tree_cycle", "tree_cycle_sampled"} <= set(m["graphs"])

@@ -18,4 +18,7 @@ def test_tree_perf_smoke(tmp_path, capsys):
         assert r["cycle_ms"] > 0 and r["accept_mean"] >= 1.0 and r["tokens_per_s"] > 0
     assert {r["config"]["topk"] for r in data["rows"]} == {1, 4}
     assert {a["temperature"] for a in data["accept"]} == {0.0, 0.7}
+    # (a) for the shipped-config head and a weak head trained in the same run, rows named
+    assert {a["head"] for a in data["accept"]} == {"shipped", "weak (1 steps)"}
+    assert data["weak_head"]["steps"] == 1 and data["weak_head"]["seconds"] > 0
     assert "projected tokens/s" in capsys.readouterr().out

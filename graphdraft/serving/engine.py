@@ -92,6 +92,7 @@ from graphdraft.runtime.drafter import EagleDrafter
 from graphdraft.runtime.drafter_protocol import CycleDrafter, Drafter, check_drafter
 from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
+from graphdraft.runtime.tree import TreeSpec
 from graphdraft.serving import data_parallel
 from graphdraft.serving.metrics import ServingMetrics
 from graphdraft.serving.policy import (
@@ -103,6 +104,7 @@ from graphdraft.serving.policy import (
     measure_replay_ms,
 )
 from graphdraft.serving.request import Request
+from graphdraft.serving.tree_cycle import EngineTrees
 from graphdraft.serving.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,9 @@ class Engine:
         if drafter is not None:
             check_drafter(drafter)  # before anything (the target's kernel path) is changed
         self.n_row = cfg.spec_num_tokens if (head is not None or drafter is not None) else 1
+        self.tree_spec = self._check_tree(cfg, head, drafter)  # None: chain drafting
+        if self.tree_spec is not None:  # decode rows verify the n tree nodes
+            self.n_row = self.tree_spec.n
         self.pages = PageTable(cfg.max_running_requests, cfg.max_pages_per_req, cfg.total_kv_pages,
                                cfg.page_size, self.device)
         self.kv = KVPool(tc.num_hidden_layers, cfg.total_kv_pages, cfg.page_size,
@@ -198,13 +203,15 @@ class Engine:
         # ranks' collectives: raise instead of dropping.
         on_oom = "raise" if getattr(target, "tp", None) is not None else "drop"
         self.drafter: Drafter | None = drafter
+        self._tree = self._build_tree(head, cfg, enabled, on_oom)  # None: chain drafting
         if head is not None:
             if head.config.num_aux_hidden_states * head.config.hidden_size != target.aux_hidden_width:
                 raise ValueError("head: its fc input width (k * H) does not match the target's "
                                  f"aux hidden width ({target.aux_hidden_width})")
             self.drafter = EagleDrafter(head, cfg, req_to_page=self.pages.req_to_page,
                                         input_buffers=self.inputs, runtime_states=self.states,
-                                        graph_pool=self.graph_pool, on_oom=on_oom)
+                                        graph_pool=self.graph_pool, on_oom=on_oom,
+                                        kv_pool=self._tree.chain_kv if self._tree else None)
         # the drafter whose decode draft runs inside the cycle graph (None: `run` eagerly)
         self._cycle_drafter: CycleDrafter | None = (
             self.drafter if self.drafter is not None and self.drafter.supports_cycle else None)
@@ -300,10 +307,11 @@ class Engine:
         if self.drafter is None:
             return (0,)
         s = cfg.speculative_num_steps
-        if not self._variable_k or self.dp is not None:
+        if not self._variable_k or self.dp is not None or self.tree_spec is not None:
             if cfg.speculative_policy == "adaptive":
                 log.info("speculative_policy: fixed (%d steps): the drafter cannot vary its "
-                         "draft length in the cycle, or data parallelism is on", s)
+                         "draft length in the cycle, data parallelism is on, or tree drafting "
+                         "(speculative_eagle_topk > 1) is on", s)
             return (s,)
         return cfg.policy_steps
 
@@ -353,7 +361,9 @@ class Engine:
     def _run_cycle(self, bs: int, pbs: int, k: int) -> None:
         """One decode cycle of k drafts over the staged rows: the cycle graph (or its eager
         run), else the split mode."""
-        if self._cycle_mode:
+        if self._tree is not None:  # tree drafting: the tree cycle (`_tree_cycle`)
+            self._tree_cycle(bs, pbs)
+        elif self._cycle_mode:
             self._cycle_by_k[k].run(pbs, padded_bs=pbs)
         else:
             self._split_cycle(bs, pbs, k)
@@ -392,6 +402,9 @@ class Engine:
         requests at every replay (commit); `restore_state` puts them back between replays."""
         snap = {f"slots.{k}": v.clone() for k, v in vars(self.slots).items()}
         snap["valid_cache_lengths"] = self.states.valid_cache_lengths.clone()
+        if self._tree is not None:  # the slots' trees
+            snap.update({f"trees.{f}": getattr(self._tree.trees, f).clone()
+                         for f in self._tree.trees.TREE_FIELDS})
         return snap
 
     def restore_state(self, snap: dict[str, torch.Tensor]) -> None:
@@ -399,6 +412,9 @@ class Engine:
         for k, v in vars(self.slots).items():
             v.copy_(snap[f"slots.{k}"])
         self.states.valid_cache_lengths.copy_(snap["valid_cache_lengths"])
+        if self._tree is not None:
+            for f in self._tree.trees.TREE_FIELDS:
+                getattr(self._tree.trees, f).copy_(snap[f"trees.{f}"])
 
     @property
     def pinned_packs(self) -> list[torch.Tensor]:
@@ -422,6 +438,9 @@ class Engine:
                              "threads would interleave the ranks' collectives)")
         self.drain()
         self._reset_neutral()
+        if self._tree is not None:  # tree drafting: its cycle graphs only
+            self._capture_tree_graphs(progress)
+            return
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
         precompile_engine(self, progress=progress, parallel=parallel_precompile)
         self._reset_neutral()
@@ -444,6 +463,8 @@ class Engine:
         self._staged_rows = None
         if self._cycle_drafter is not None:
             self._cycle_drafter.reset_neutral()
+        if self._tree is not None:
+            self._tree.reset_neutral()
         self._neutral_slot0()
 
     def _captured_forwards(self) -> list[CapturedForward]:
@@ -453,6 +474,8 @@ class Engine:
             dec = d.decode_forwards() if callable(getattr(d, "decode_forwards", None)) \
                 else [d.decode_graphs]
             forwards += dec + [d.multi_step_graphs]
+        if self._tree is not None:
+            forwards += self._tree.forwards()
         return forwards
 
     def _forward_groups(self) -> dict[str, dict[int | None, CapturedForward]]:
@@ -519,6 +542,10 @@ class Engine:
             spec["cost_source"] = self.cost_source
         spec["decisions"] = [list(d) for d in self.policy_history]
         snap["speculation"] = spec
+        ts = self.cfg.tree_spec
+        mode = "tree" if self.tree_spec is not None else "chain" if self.drafter else "none"
+        snap["accept_length"]["drafting"] = {"mode": mode, "steps": ts.steps,
+            "topk": ts.topk, "num_draft_tokens": ts.n}
         return snap
 
     # ------------------------------------------------------------------
@@ -778,6 +805,96 @@ class Engine:
         self._commit(0, pbs, tokens, nxt, prefill=False)
 
     # ------------------------------------------------------------------
+    # Tree drafting (speculative_eagle_topk > 1; `graphdraft.serving.tree_cycle.EngineTrees`)
+    # ------------------------------------------------------------------
+    @staticmethod
+    def _check_tree(cfg: RuntimeConfig, head, drafter) -> TreeSpec | None:
+        """The tree shape when `speculative_eagle_topk > 1` (None: chain, or target-only: no
+        head and no drafter, the tree fields unused); ValueError naming the field when trees
+        cannot be served: they need the built-in EAGLE-3 drafter (`head`, not `drafter`), no
+        data parallelism."""
+        if cfg.speculative_eagle_topk == 1 or (head is None and drafter is None):
+            return None
+        if head is None:
+            raise ValueError("speculative_eagle_topk: expected 1 with a caller's drafter (tree "
+                             f"drafting needs the EAGLE-3 `head`), got {cfg.speculative_eagle_topk}")
+        if cfg.dp_size != 1:
+            raise ValueError(f"speculative_eagle_topk: expected 1 with dp_size > 1 (trees are "
+                             f"not served data-parallel), got {cfg.speculative_eagle_topk}")
+        return cfg.tree_spec
+
+    def _build_tree(self, head, cfg: RuntimeConfig, enabled: bool, on_oom: str):
+        """`EngineTrees` for a tree spec (None for chain drafting)."""
+        if self.tree_spec is None:
+            return None
+        return EngineTrees(self.target, head, self.tree_spec, cfg, req_to_page=self.pages.req_to_page,
+                           kv=self.kv, backend=self.backend, slots=self.slots,
+                           valid_cache_lengths=self.states.valid_cache_lengths,
+                           cycle_buffers=self.cycle, schedule=self.schedule,
+                           graph_pool=self.graph_pool, enabled=enabled, on_oom=on_oom)
+
+    def _tree_sampled(self) -> bool:
+        """Whether the sampled tree cycle runs (any running request samples; greedy rows are
+        one-hot rows there, so exact either way)."""
+        return any(not r.params.greedy for r in self.running)
+
+    def _tree_cycle(self, bs: int, pbs: int) -> None:
+        """One tree decode cycle over the staged rows: the graph at padded bs `pbs` (or the
+        same function eagerly)."""
+        self._tree.graphs[self._tree_sampled()].run(pbs, padded_bs=pbs)
+
+    def _capture_tree_graphs(self, progress: bool) -> None:
+        """Capture the greedy and the sampled tree cycle per padded bs (largest first; inert
+        rows only); every table neutral after."""
+        for sampled in (False, True):
+            self._tree.graphs[sampled].capture(progress=progress)
+            self._reset_neutral()
+
+    def _tree_mixed_step(self, rows: list[BatchRow], preqs: list[Request],
+                         dreqs: list[Request]) -> None:
+        """A prefill / mixed step under tree drafting (eager): the decode rows run the tree
+        cycle (its graph at their padded size), then the prefill rows the chain's prefill
+        (target over the chunks, first-token accept, the chain drafter's first step writing
+        the draft KV; its multi-step skipped: chain drafts are not verified here) and
+        `EngineTrees.expand_prefilled` for prompts whose last chunk ran. Pack rows: prefill
+        rows first, then decode rows (the order `_launch` records)."""
+        ne, nd = len(rows), len(dreqs)
+        cb = self.cycle
+        dec_pack = None
+        if nd:
+            pnd = padded_batch_size(self.schedule, nd) or nd
+            self._stage_rows([r.slot for r in dreqs] + [0] * (pnd - nd))
+            self._tree_cycle(nd, pnd)
+            dec_pack = cb.pack[:nd].clone()
+        if ne:
+            ib = self.inputs
+            pctx = write_batch(ib, self.pages, rows)
+            ctx = ForwardContext(bs=ne, num_extends=ne, input_num_tokens=pctx.input_num_tokens,
+                                 all_extends_mid_chunk=pctx.all_extends_mid_chunk)
+            out = self._target_forward(ctx, rows)
+            final = [r.slot if row.end == len(r.prompt) else 0
+                     for row, r in zip(rows, preqs, strict=True)]
+            p_tok = cb.tokens[:ne].view(ne, 1)
+            cb.err[:ne] = 0
+            self._accept(0, 0, ne, 1, out.logits[:ne], self._host_tensor(final), p_tok)
+            accept = self._draft_accept_buffer()[:ne].clone()
+            accept[:] = 1
+            dctx = ForwardContext(bs=ne, num_extends=ne, input_num_tokens=ctx.input_num_tokens,
+                                  all_extends_mid_chunk=True)  # first step only (draft KV)
+            nxt = self.drafter.run(dctx, out.aux_hidden, cb.tokens[:ne], accept, copy_output=False)
+            self._commit(0, ne, p_tok, nxt[:ne], prefill=True)
+            last = [i for i, s in enumerate(final) if s]
+            if last:
+                idx = self._host_tensor(last)
+                self._tree.expand_prefilled(
+                    self._host_tensor([final[i] for i in last]),
+                    self._host_tensor([len(preqs[i].prompt) for i in last]),
+                    p_tok[:, 0].index_select(0, idx),
+                    self.drafter.bufs.hidden.index_select(0, idx))
+        if nd:
+            cb.pack[ne: ne + nd].copy_(dec_pack)
+
+    # ------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------
     def _schedule(self) -> tuple[list[BatchRow], list[Request], list[Request]]:
@@ -895,6 +1012,9 @@ class Engine:
     def _mixed_step(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request]) -> None:
         """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
         device from the same state as the cycle; the same accept, commit and pack."""
+        if self._tree is not None:  # tree drafting: `_tree_mixed_step`
+            self._tree_mixed_step(rows, preqs, dreqs)
+            return
         n, ne, nd = self.n_row, len(rows), len(dreqs)
         bs = ne + nd
         ib, cb = self.inputs, self.cycle

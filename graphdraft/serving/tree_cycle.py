@@ -30,11 +30,15 @@ then cycles), eagerly or as one captured CUDA graph per padded batch size
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, philox4x32_ref
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.cycle_kernels import commit_pack
 from graphdraft.kernels.kv_move import (
     gather_accepted_hidden,
     gather_accepted_hidden_ref,
@@ -49,7 +53,8 @@ from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
 
-__all__ = ["SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult", "row_target_probs"]
+__all__ = ["EngineTrees", "SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult",
+           "chain_pool_view", "row_target_probs"]
 
 
 def row_target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -504,3 +509,154 @@ class TreeRunner:
                         self.finish(row)
         self.reset()
         return [o[:max_new_tokens] for o in outs], accepts
+
+
+def chain_pool_view(pool: KVPool, num_pages: int) -> KVPool:
+    """A `KVPool` over the first `num_pages` pages of `pool` (views, no copy): the chain
+    drafter's pool inside the tree drafter's (whose scratch pages follow), so the KV the
+    chain drafter writes during prefill is the prefix the beams attend to."""
+    if not 2 <= num_pages <= pool.num_pages:
+        raise ValueError(f"num_pages: expected 2..{pool.num_pages}, got {num_pages}")
+    view = KVPool.__new__(KVPool)
+    view.num_pages, view.page_size = num_pages, pool.page_size
+    slots = num_pages * pool.page_size
+    view.k = [t[:slots] for t in pool.k]
+    view.v = [t[:slots] for t in pool.v]
+    return view
+
+
+SALT_TREE = 2
+"""Philox counter word of the tree acceptance coins (the target's sampled chain tokens use
+`kernels.accept.SALT_TARGET` = 1)."""
+
+
+class EngineTrees:
+    """Tree drafting inside `serving.engine.Engine` (`RuntimeConfig.speculative_eagle_topk > 1`).
+
+    Holds the `TreeDrafter` (its KV pool = the chain drafter's pool + the beam scratch pages:
+    `chain_kv` is the view the Engine's `EagleDrafter` gets), two `TreeCycle`s over it
+    (greedy, and sampled: target probabilities at every node, used when any running request
+    samples) and the per-slot trees (`SlotTrees`). The Engine's state stays where the chain
+    keeps it: `SlotState` (sampling parameters, stop table, emitted, max_new, done, seed),
+    `valid_cache_lengths` (L) and `CycleBuffers` (slot_rows in; accept, finish, err, pack out).
+
+    `run(bs, sampled)` is the Engine's decode cycle over `slot_rows[:bs]` (graph-capturable,
+    one graph per padded bs and kind: `graphs[sampled]`):
+      rows      live = slot > 0 and not done; dead rows use slot 0 (L = 0, greedy, root-only)
+      load      TreeCycle.req / prefix_len / sampling tables from SlotState, the slot's tree
+      coins     sampled: Philox of (the slot's seed; counter (L + 1) * 64 + node, SALT_TREE)
+      verify, accept (TreeCycle)
+      cut       stop ids / max_new_tokens cut of the accept length (`stop_cut`: the chain's
+                accept kernel rules, a stop token winning over the length limit at one position)
+      compact, draft_and_commit (TreeCycle), SlotTrees.store
+      commit    `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
+                last_token, emitted, done; pack `[bs, n + 3]`)
+    `expand_prefilled` drafts the first tree of requests whose last prefill chunk ran (from
+    the chain drafter's first-step hidden state at the prompt's last token).
+    """
+
+    def __init__(self, target: LlamaForCausalLM, head: Eagle3DraftHead, spec: TreeSpec, cfg, *,
+                 req_to_page: torch.Tensor, kv: KVPool, backend: PagedAttentionBackend,
+                 slots, valid_cache_lengths: torch.Tensor, cycle_buffers, schedule: list[int],
+                 graph_pool: GraphPool, enabled: bool, on_oom: str = "drop") -> None:
+        if spec.is_chain:
+            raise ValueError("speculative_eagle_topk: expected > 1 for tree drafting, got 1")
+        self.spec, self.cfg = spec, cfg
+        self.drafter = TreeDrafter(head, spec, req_to_page=req_to_page, page_size=cfg.page_size,
+                                   num_pages=cfg.total_kv_pages,
+                                   max_context_len=cfg.max_context_len, max_bs=cfg.max_bs,
+                                   kernels=cfg.kernels, device=cfg.device)
+        self.chain_kv = chain_pool_view(self.drafter.kv, cfg.total_kv_pages)
+        self.cycles = {False: TreeCycle(target, self.drafter, kv, backend, sampling=False),
+                       True: TreeCycle(target, self.drafter, kv, backend, sampling=True)}
+        self.trees = SlotTrees(spec, slots.done.shape[0], self.drafter.device)
+        self.slots, self.vcl, self.cb = slots, valid_cache_lengths, cycle_buffers
+        self.graphs = {s: CapturedForward("tree_cycle_sampled" if s else "tree_cycle",
+                                          functools.partial(self.run, sampled=s), schedule,
+                                          pool=graph_pool, enabled=enabled, on_oom=on_oom)
+                       for s in (False, True)}
+        self.reset_neutral()
+
+    def reset_neutral(self) -> None:
+        for c in self.cycles.values():
+            c.neutral_rows(0, self.drafter.max_bs)
+
+    # --- the decode cycle ------------------------------------------------------------
+    def run(self, bs: int, sampled: bool = False) -> torch.Tensor:
+        """The module's decode cycle over `cycle_buffers.slot_rows[:bs]` (graph-capturable);
+        returns `pack[:bs]` `[bs, n + 3]` int32."""
+        c, st, cb = self.cycles[sampled], self.slots, self.cb
+        slots = cb.slot_rows[:bs]
+        live = (slots > 0) & (st.done.index_select(0, slots) == 0)
+        req = torch.where(live, slots, torch.zeros_like(slots))
+        c.req[:bs].copy_(req)
+        c.prefix_len[:bs].copy_(torch.where(live, self.vcl.index_select(0, req).long(), 0))
+        c.temperature[:bs].copy_(st.temperature.index_select(0, req))
+        c.top_k[:bs].copy_(st.top_k.index_select(0, req))
+        c.top_p[:bs].copy_(st.top_p.index_select(0, req))
+        tree = self.drafter.tree.rows(bs)
+        self.trees.load(tree, c.req[:bs], c.prefix_len[:bs])
+        if sampled:
+            self.coins(bs, c)
+        out = c.verify(bs)
+        c.accept(bs, out.logits)
+        self.stop_cut(bs, c, live)
+        c.compact(bs)
+        c.draft_and_commit(bs)
+        self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
+        commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
+                    err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
+                    last_token=st.last_token, drafts=st.drafts, emitted=st.emitted, done=st.done,
+                    pack=cb.pack[:bs], prefill=False, use_triton=self.drafter.use_triton)
+        return cb.pack[:bs]
+
+    def coins(self, bs: int, c: TreeCycle) -> None:
+        """`c.coins[:bs]` `[bs, n]` and `c.final_coin[:bs]` from Philox-4x32-10 keyed by the
+        rows' seeds, counter `(L + 1) * 64 + node` (L grows every cycle: fresh coins; a row's
+        coins depend only on its seed and L, not on the batch)."""
+        n = self.spec.n
+        seed = self.slots.seed.index_select(0, c.req[:bs]).unsqueeze(1)
+        cnt = (c.prefix_len[:bs] + 1).unsqueeze(1) * 64 + torch.arange(n, device=seed.device)
+        w0, w1, _, _ = philox4x32_ref(seed, cnt, SALT_TREE)
+        c.coins[:bs].copy_(((w0 >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0))
+        c.final_coin[:bs].copy_(((w1[:, 0] >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0))
+
+    def stop_cut(self, bs: int, c: TreeCycle, live: torch.Tensor) -> None:
+        """Cut `c.accept_len[:bs]` at the first emitted stop id (finish 1) or where emitted
+        reaches max_new (finish 2; a stop wins at the same position); writes the Engine's
+        accept (0 on dead rows), finish and err (0) of rows [0, bs)."""
+        st, cb, P = self.slots, self.cb, self.spec.P
+        req = c.req[:bs]
+        out = c.out_tokens(bs)                                           # [bs, P]
+        acc = c.accept_len[:bs].long()
+        j = torch.arange(P, device=out.device)
+        valid = j < acc.unsqueeze(1)
+        stops = st.stop_ids.index_select(0, req)                        # [bs, W]
+        is_stop = (out.unsqueeze(2) == stops.unsqueeze(1)).any(-1) & valid
+        room = (st.max_new.index_select(0, req) - st.emitted.index_select(0, req)).long()
+        is_len = (j + 1 >= room.unsqueeze(1)) & valid
+        js = torch.where(is_stop, j, P).amin(1)
+        jl = torch.where(is_len, j, P).amin(1)
+        cut = torch.minimum(acc, torch.minimum(js, jl) + 1)
+        fin = torch.where((js < P) & (js <= jl), FINISH_STOP, torch.where(jl < P, FINISH_LENGTH, 0))
+        cb.accept[:bs].copy_(torch.where(live, cut, 0))
+        cb.finish[:bs].copy_(torch.where(live, fin, 0))
+        cb.err[:bs].zero_()
+        c.accept_len[:bs].copy_(torch.where(live, cut, acc))
+
+    # --- after a prompt's last prefill chunk (eager) ---------------------------------
+    def expand_prefilled(self, req: torch.Tensor, prefix: torch.Tensor, root: torch.Tensor,
+                         hidden: torch.Tensor) -> None:
+        """First trees of `m` requests: `req [m]` slots, `prefix [m]` their prompt lengths
+        (L, the root's position), `root [m]` the first token, `hidden [m, H]` the chain
+        drafter's first-step (pre-norm) hidden at the prompt's last token; the level-1
+        logits are the head's LM head over it. Stores the trees into the slots' rows."""
+        m, head = req.shape[0], self.drafter.head
+        if m == 0:
+            return
+        logits = head.logits_processor(head.norm(hidden), head.lm_head).next_token_logits
+        tree = self.drafter.expand(m, logits, hidden, req, prefix, root)
+        self.trees.store(tree, req)
+
+    def forwards(self) -> list[CapturedForward]:
+        return list(self.graphs.values())

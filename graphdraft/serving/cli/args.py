@@ -106,6 +106,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 FIELD_FLAGS = {
     "speculative_num_steps": "--speculative-num-steps",
     "speculative_policy": "--speculative-policy",
+    "speculative_eagle_topk": "--speculative-eagle-topk",
+    "speculative_num_draft_tokens": "--speculative-num-draft-tokens",
     "page_size": "--page-size",
     "max_running_requests": "--max-running-requests",
     "max_context_len": "--max-context-len",
@@ -140,6 +142,13 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="draft steps per cycle: 'adaptive' picks 0 (target-only), 1 or S per "
                         "batch size from measured cycle costs and the running accept rate; "
                         "'fixed' always drafts S")
+    g.add_argument("--speculative-eagle-topk", type=int_at_least(1),
+                   default=d["speculative_eagle_topk"].default,
+                   help="beams per draft step: 1 drafts a chain; k > 1 drafts a tree of "
+                        "--speculative-num-draft-tokens nodes verified at once (fixed policy)")
+    g.add_argument("--speculative-num-draft-tokens", type=int_at_least(2), default=None,
+                   help="tree nodes verified per request, root included (None: S + 1); "
+                        "2..1 + k + (S-1)*k^2 and <= 64; with topk 1 only S + 1")
     g.add_argument("--page-size", type=int_at_least(1), default=d["page_size"].default,
                    help="tokens per KV-cache page")
     g.add_argument("--max-running-requests", type=int_at_least(1), default=16,

@@ -29,6 +29,11 @@ def metrics_lines(snap: dict[str, Any], *, timings: bool) -> list[str]:
     lines = [f"requests: {snap['requests']}, output tokens: {snap['output_tokens']}",
              f"mean accept length: {acc['mean']:.2f} tokens per verify "
              f"(histogram, length: decode rows: {hist})"]
+    dr = acc.get("drafting")
+    if dr:
+        shape = (f"steps {dr['steps']}, topk {dr['topk']}, {dr['num_draft_tokens']} tokens "
+                 "verified per request")
+        lines.append(f"drafting: {dr['mode']}" + (f" ({shape})" if dr["mode"] != "none" else ""))
     if timings:
         t, i = snap["ttft_s"], snap["itl_s"]
         lines += [f"time to first token: p50 {_ms(t['p50'])}, p99 {_ms(t['p99'])}",
