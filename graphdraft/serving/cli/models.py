@@ -51,7 +51,8 @@ def runtime_from_args(a: argparse.Namespace, max_context_len: int | None = None)
             cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
             enforce_eager=a.enforce_eager, dtype=dtype, device=a.device,
             kernel_backend=a.kernel_backend, dp_size=getattr(a, "dp_size", 1),
-            speculative_policy=getattr(a, "speculative_policy", "adaptive"))
+            speculative_policy=getattr(a, "speculative_policy", "adaptive"),
+            precompile_workers=getattr(a, "precompile_workers", None))
     except ValueError as e:
         raise CliError(translate(str(e))) from e
 
