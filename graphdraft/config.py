@@ -97,7 +97,8 @@ class RuntimeConfig:
     precompile_workers: int | None = None
     """Worker processes that compile the schedule's Triton kernels into Triton's on-disk cache
     before `capture_graphs` (`graphdraft.kernels.precompile_workers`); 0: compile in this
-    process only; None: min(8, CPU count) on CUDA without data parallelism, else 0."""
+    process only; None: env GRAPHDRAFT_PRECOMPILE_WORKERS if set, else min(8, CPU count), on
+    CUDA without data parallelism (else 0)."""
     # --- speculation policy (graphdraft.serving.policy; README "Speculation policy") ---------
     speculative_policy: str = "adaptive"
     """Draft steps per cycle (`--speculative-policy`): "adaptive" picks k in

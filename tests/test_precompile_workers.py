@@ -219,14 +219,18 @@ def test_worker_process_builds_the_engine_and_reports(tmp_path):
     assert data["wall_s"] >= data["startup_s"] > 0
 
 
-def _fake_active(monkeypatch, engine):
-    """Make the engine's forwards look capturable on the CPU (tasks to hand out) and its own
-    precompile a plain call."""
+def _fake_active(monkeypatch, engine, builds: int = 1):
+    """Make the engine's forwards look capturable on the CPU (tasks to hand out) and their
+    precompile count `builds` Triton builds per size (0: a warm cache)."""
     from capture import CapturedForward
 
+    def precompile(self, sizes, stream=None, progress=True):
+        for bs in sizes:
+            self.stats.built[bs] += builds
+        return 0
+
     monkeypatch.setattr(CapturedForward, "active", property(lambda self: True))
-    monkeypatch.setattr(CapturedForward, "precompile",
-                        lambda self, sizes, stream=None, progress=True: 0)
+    monkeypatch.setattr(CapturedForward, "precompile", precompile)
 
 
 def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, tmp_path, caplog):
@@ -328,3 +332,90 @@ def test_counters_tell_builds_from_loads():
     comp = getattr(getattr(triton, "knobs", None), "compilation", None)
     if comp is not None and hasattr(comp, "listener"):
         assert compiles.builds_counted() and comp.listener is compiles._on_build
+
+
+def test_warm_cache_probe_stops_the_workers(monkeypatch, tmp_path):
+    """This process's first task builds nothing (every kernel came from the cache): the
+    workers are stopped, nothing else runs in the phase, no marker is written."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
+    _fake_active(monkeypatch, e, builds=0)
+    started = []
+
+    def launch(spec_path, out_path, log_path, env):
+        with open(log_path, "wb") as log:
+            p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 stdout=log, stderr=subprocess.STDOUT)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    rep = pw.run_workers(e, 3, progress=False)
+    assert "warm" in rep.skipped and rep.workers == 0 and len(rep.main_tasks) == 1
+    assert started and all(p.poll() is not None for p in started)
+    assert not list((tmp_path / "cache").glob("graphdraft-precompiled-*"))
+
+
+def test_env_var_sets_the_default(monkeypatch):
+    cuda_like = SimpleNamespace(precompile_workers=None, device="cuda", dp_size=1)
+    monkeypatch.setenv(pw.ENV, "3")
+    assert pw.default_workers(cuda_like) == 3
+    monkeypatch.setenv(pw.ENV, "0")
+    assert pw.default_workers(cuda_like) == 0
+    assert pw.default_workers(SimpleNamespace(precompile_workers=2, device="cuda",
+                                              dp_size=1)) == 2  # the field wins
+    monkeypatch.setenv(pw.ENV, "many")
+    with pytest.raises(ValueError, match=pw.ENV):
+        pw.default_workers(cuda_like)
+
+
+# ------------------------------------------------------------------ on the GPU
+_GPU_TARGET = ModelConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                          head_dim=16, intermediate_size=160, num_hidden_layers=5,
+                          vocab_size=203, max_position_embeddings=512, rope_theta=10000.0)
+"""A shape no other test uses: its kernels are new to this process's JIT (nothing in memory)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch, tmp_path):
+    """A fresh Triton cache, `capture_graphs(precompile_workers=2)`: workers built kernels,
+    the in-process pass after them built none (every kernel the workers' reduced engines
+    compiled is the one the full engine launches: the premise, on the GPU), graphs replay
+    exactly as eager; a second engine of the same shape skips the workers (marker)."""
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=128,
+                                   num_aux_hidden_states=3, draft_vocab_size=100)
+    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(0))[:100]
+
+    def engine():
+        target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 0, std=0.5,
+                                         hot_token_ids=hot, device="cuda")
+        cfg = RuntimeConfig(speculative_num_steps=3, page_size=16, max_running_requests=16,
+                            max_context_len=256, cuda_graph_max_bs=16, dtype="bfloat16",
+                            device="cuda")
+        return Engine(target, cfg, head, seed=0)
+
+    e = engine()
+    e.capture_graphs(progress=False, precompile_workers=2)
+    rep = warmup.worker_report(e)
+    assert rep is not None and rep.skipped is None, rep
+    assert rep.workers == 2 and rep.total_built > 0 and rep.pass_built == 0, rep
+    forwards = warmup.captured_forwards(e, e.drafter)
+    assert sum(f.stats.total_worker_built for f in forwards.values()) == rep.total_built
+    assert all(f.captured_sizes == e.schedule for f in forwards.values() if f.active)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    from graphdraft.serving.verify import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    graph_out = e.generate(prompts, params)
+    monkeypatch.setenv("GRAPHDRAFT_EAGER", "1")
+    eager_out = e.generate(prompts, params)
+    monkeypatch.delenv("GRAPHDRAFT_EAGER")
+    assert graph_out == eager_out and all(len(o) == 12 for o in graph_out)
+    e2 = engine()
+    e2.capture_graphs(progress=False, precompile_workers=2)
+    assert "warm" in warmup.worker_report(e2).skipped

@@ -29,7 +29,9 @@ A worker that fails (exit status, timeout) raises `PrecompileWorkerError` with i
 a temporary folder and renames it into place, the group file (what a lookup reads first) last,
 so a killed worker leaves no entry that a later lookup would load half-written.
 
-Warm caches: once a precompile of an engine shape finished, a marker file
+Warm caches: the main process runs the first task of its share before anything else; when
+that built nothing (Triton's compilation listener saw only cache hits) the cache is warm and
+the workers, still starting up, are stopped. Once a precompile with workers finished, a marker file
 `graphdraft-precompiled-<fingerprint>.json` in the cache folder (the fingerprint covers the
 spec, the tasks, torch / triton versions, the GPU, the kernel sources and the TRITON_* /
 GRAPHDRAFT_* environment) makes later runs skip the workers (their start-up would cost more
@@ -56,6 +58,7 @@ from pathlib import Path
 import torch
 
 from capture import cache_dir
+from capture.compiles import builds_counted
 from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "default_workers",
@@ -65,6 +68,7 @@ __all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "defau
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_WORKERS = 8
+ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600.0
 _MARKER = "graphdraft-precompiled-{}.json"
 
@@ -97,13 +101,18 @@ class WorkerSpec:
 class WorkerReport:
     """What the worker phase did: worker processes, tasks (the main process's share included),
     `built`: kernels Triton's compiler built in the workers per (owner, attribute, bs),
-    `main_tasks`: the share this process ran meanwhile (its builds are in the forwards'
-    `GraphStats.built`), wall seconds of the phase and of each worker, why none ran if so."""
+    `main_tasks`: the share this process ran meanwhile (its builds, `main_built`, are also in
+    the forwards' `GraphStats.built`), wall seconds of the phase and of each worker, why none ran if so."""
 
     workers: int = 0
     tasks: int = 0
     built: dict[Task, int] = field(default_factory=dict)
     main_tasks: list[Task] = field(default_factory=list)
+    main_built: int = 0
+    """Kernels this process built in its share, while the workers ran."""
+    pass_built: int | None = None
+    """Kernels this process built in `precompile_engine`'s pass after the workers (~0: the
+    workers built the rest; set by `precompile_engine`)."""
     wall_s: float = 0.0
     worker_wall_s: list[float] = field(default_factory=list)
     skipped: str | None = None
@@ -114,13 +123,19 @@ class WorkerReport:
 
 
 def default_workers(cfg: RuntimeConfig) -> int:
-    """`cfg.precompile_workers`, or for None: min(8, CPU count) on CUDA without data
-    parallelism, else 0."""
+    """`cfg.precompile_workers`, or for None: the env var GRAPHDRAFT_PRECOMPILE_WORKERS (an int
+    >= 0; anything else: ValueError naming it) if set, else min(8, CPU count) on CUDA; 0 on a
+    CPU or under data parallelism."""
     n = getattr(cfg, "precompile_workers", None)
     if n is not None:
         return n
     if not str(cfg.device).startswith("cuda") or cfg.dp_size > 1:
         return 0
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise ValueError(f"{ENV}: expected an int >= 0, got {env!r}")
+        return int(env)
     return min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
 
 
@@ -368,7 +383,8 @@ def run_workers(engine, workers: int, *, progress: bool = True,
     """Compile `engine`'s schedule kernels into Triton's cache with `workers` processes plus
     this one (module docstring); return what they did. No processes (`report.skipped` says
     why) when `workers` is 0, nothing is to be captured, the engine cannot be rebuilt, there
-    is one share only, or the marker says the cache is warm. Raises PrecompileWorkerError
+    is one share only, or the marker says the cache is warm; stopped early when this process's
+    first task built nothing (`report.skipped` then says so). Raises PrecompileWorkerError
     when a worker fails (the others are stopped); ValueError for `workers < 0`."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"precompile_workers: expected an int >= 0, got {workers!r}")
@@ -434,7 +450,18 @@ def run_workers(engine, workers: int, *, progress: bool = True,
             logger.info("precompile: %d tasks over %d worker processes and this one",
                         len(tasks), len(theirs))
             report.main_tasks = list(mine)
-            main_built = precompile_tasks(engine, mine, on_done=bump)
+            # The probe: this process's first task built nothing (every kernel it needs was
+            # in the cache), so the cache is warm: stop the workers (still starting up).
+            main_built = precompile_tasks(engine, mine[:1], on_done=bump)
+            if builds_counted() and sum(main_built.values()) == 0:
+                report.skipped = "Triton cache warm (this process's first task built nothing)"
+                report.workers = 0
+                report.main_tasks = list(mine[:1])
+                report.main_built = 0
+                logger.info("precompile workers: stopped (%s)", report.skipped)
+                return report
+            main_built.update(precompile_tasks(engine, mine[1:], on_done=bump))
+            report.main_built = sum(main_built.values())
             deadline = time.monotonic() + timeout_s
             pending = list(range(len(procs)))
             while pending:

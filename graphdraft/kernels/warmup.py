@@ -261,6 +261,9 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         return out
 
     report = _run_workers(engine, workers, progress) if workers else None
+    from capture.compiles import triton_builds
+
+    b0 = triton_builds()
     for r in resets:
         r()
     counts: dict[str, int] = {}
@@ -277,6 +280,8 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         torch.cuda.synchronize()
     for r in resets:
         r()
+    if report is not None:
+        report.pass_built = triton_builds() - b0
     for _, fw in owners:
         for f in fw.values():
             f.warmup_iters = min(f.warmup_iters, 1)
