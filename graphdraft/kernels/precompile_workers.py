@@ -328,7 +328,9 @@ def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
         dev = f"{torch.cuda.get_device_name(d)} {torch.cuda.get_device_capability(d)}"
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(("TRITON_", "GRAPHDRAFT_")))
-    parts = [repr(dataclasses.replace(spec, cache_dir="", device="", tasks=())), repr(sorted(tasks)),
+    shape = dataclasses.replace(spec, cache_dir="", device="", tasks=(),
+                                runtime=spec.runtime.replace(precompile_workers=None))
+    parts = [repr(shape), repr(sorted(tasks)),
              torch.__version__, triton.__version__, dev, src.hexdigest(), repr(env)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
