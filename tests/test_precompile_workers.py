@@ -396,7 +396,7 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
                                          hot_token_ids=hot, device="cuda")
         cfg = RuntimeConfig(speculative_num_steps=3, page_size=16, max_running_requests=16,
                             max_context_len=256, cuda_graph_max_bs=16, dtype="bfloat16",
-                            device="cuda")
+                            device="cuda", speculative_policy="fixed")  # one k: exact replay
         return Engine(target, cfg, head, seed=0)
 
     e = engine()

@@ -115,6 +115,8 @@ class WorkerReport:
     workers built the rest; set by `precompile_engine`)."""
     wall_s: float = 0.0
     worker_wall_s: list[float] = field(default_factory=list)
+    worker_startup_s: list[float] = field(default_factory=list)
+    """Per worker: seconds to start (imports, CUDA, building its engine) before its tasks."""
     skipped: str | None = None
 
     @property
@@ -460,6 +462,7 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                 report.workers = 0
                 report.main_tasks = list(mine[:1])
                 report.main_built = 0
+                report.wall_s = time.perf_counter() - t0
                 logger.info("precompile workers: stopped (%s)", report.skipped)
                 return report
             main_built.update(precompile_tasks(engine, mine[1:], on_done=bump))
@@ -481,6 +484,7 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                     for owner, attr, bs, n in data["built"]:
                         report.built[(owner, attr, int(bs))] = int(n)
                     report.worker_wall_s.append(float(data["wall_s"]))
+                    report.worker_startup_s.append(float(data["startup_s"]))
                 update()
                 if pending and time.monotonic() > deadline:
                     raise PrecompileWorkerError(
