@@ -298,6 +298,8 @@ def worker_main(spec_path: Path, out_path: Path) -> int:
 
     install_triton_counter()
     engine = build_engine(spec)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the fp32 draws of the random init: not kept reserved
     t_built = time.perf_counter()
     progress = Path(str(out_path) + ".progress")
 

@@ -192,8 +192,8 @@ _REPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def worker_report(engine):
-    """The `precompile_workers.WorkerReport` of `engine`'s last `precompile_engine` with
-    workers (None: none asked for, or they failed and the warm-up ran in this process)."""
+    """The `precompile_workers.WorkerReport` of `engine`'s last `precompile_engine` (None:
+    it asked for no workers, or they failed and the warm-up ran in this process)."""
     try:
         return _REPORTS.get(engine)
     except TypeError:  # not weak-referenceable
@@ -205,6 +205,8 @@ def _run_workers(engine, workers: int, progress: bool):
     in-process warm-up compiles the rest. Worker builds land in `GraphStats.worker_built`."""
     from graphdraft.kernels import precompile_workers as pw
 
+    with contextlib.suppress(TypeError):
+        _REPORTS.pop(engine, None)  # this call's report or none
     try:
         report = pw.run_workers(engine, workers, progress=progress)
     except pw.PrecompileWorkerError as e:
@@ -260,6 +262,9 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
                 out[f.name] = f.precompile(sizes, progress=progress)
         return out
 
+    if not workers:
+        with contextlib.suppress(TypeError):
+            _REPORTS.pop(engine, None)
     report = _run_workers(engine, workers, progress) if workers else None
     from capture.compiles import triton_builds
 
