@@ -420,3 +420,24 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     e2 = engine()
     e2.capture_graphs(progress=False, precompile_workers=2)
     assert "warm" in warmup.worker_report(e2).skipped
+
+
+def test_worker_bytes_counts_the_reduced_engine(monkeypatch):
+    """A worker's memory: the target less its dropped layers, the head without the shared
+    embedding, the KV pools at 2 layers, the overhead; the count is capped by free memory."""
+    e = _full_engine()
+    spec, _ = pw.engine_spec(e)
+    layer = pw._param_bytes(e.target.layers[0])
+    head = sum(t.numel() * t.element_size() for t in e.drafter.head.parameters()
+               if t.data_ptr() != e.target.embed_tokens.data_ptr())
+    want = (pw._param_bytes(e.target) - 4 * layer + head + e.drafter.kv_pool.nbytes()
+            + e.kv.nbytes() * 2 // 6 + pw.WORKER_OVERHEAD_BYTES)
+    assert pw.worker_bytes(e, spec) == want
+    assert pw.memory_cap(e, spec, 5) == 5  # no CUDA: unchanged
+    cuda_spec = pw.dataclasses.replace(spec, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda d=None: ((4 << 30) + 2 * want + 1, 80 << 30))
+    assert pw.memory_cap(e, cuda_spec, 5) == 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
+    assert pw.memory_cap(e, cuda_spec, 5) == 0

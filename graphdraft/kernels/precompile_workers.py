@@ -19,6 +19,10 @@ each bucket, `buckets.representative_sizes`; grouped by batch size, since the fo
 size share most row-count-specific kernels). `tests/test_precompile_workers.py` checks on the CPU
 that a reduced engine launches exactly the keys of the full one, kernel by kernel.
 
+Device memory: a worker holds its reduced engine (`worker_bytes` counts about 7 GB at the 8B
+shape, with a 3 GiB margin);
+no more workers start than the free memory holds (`memory_cap`, 4 GiB left to this process).
+
 Processes: `sys.executable -m graphdraft.kernels.precompile_workers SPEC OUT` (a fresh
 interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
 do), with the caller's environment and `TRITON_CACHE_DIR` set to the caller's cache
@@ -62,8 +66,8 @@ from capture.compiles import builds_counted
 from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "default_workers",
-           "engine_spec", "plan", "precompile_tasks", "reduced_target_config", "run_workers",
-           "tasks_of"]
+           "engine_spec", "memory_cap", "plan", "precompile_tasks", "reduced_target_config",
+           "run_workers", "tasks_of", "worker_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +186,48 @@ def engine_spec(engine) -> tuple[WorkerSpec | None, str]:
                       runtime=cfg, dtype=cfg.dtype, device=str(device),
                       cache_dir=str(cache_dir()))
     return spec, ""
+
+
+WORKER_OVERHEAD_BYTES = 3 << 30
+"""A worker's device memory beyond its weights and KV pools: CUDA context, activations, the
+allocator's slack, cuBLAS workspaces (a generous bound)."""
+
+
+def _param_bytes(module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def worker_bytes(engine, spec: WorkerSpec) -> int:
+    """Device memory one worker's engine takes (`spec`'s reduced target: the full target's
+    bytes less the dropped layers; the head without the shared embedding; the KV pools at the
+    reduced layer count; `WORKER_OVERHEAD_BYTES`)."""
+    target = engine.target
+    layers = len(target.layers)
+    per_layer = _param_bytes(target.layers[0]) if layers else 0
+    total = _param_bytes(target) - (layers - spec.target.num_hidden_layers) * per_layer
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:
+        shared = {target.embed_tokens.data_ptr()}
+        total += sum(t.numel() * t.element_size() for t in drafter.head.parameters()
+                     if t.data_ptr() not in shared)
+        total += drafter.kv_pool.nbytes()
+    total += engine.kv.nbytes() * spec.target.num_hidden_layers // max(layers, 1)
+    return total + WORKER_OVERHEAD_BYTES
+
+
+def memory_cap(engine, spec: WorkerSpec, workers: int) -> int:
+    """`workers`, at most as many as the free device memory holds (`worker_bytes` each, 4 GiB
+    left to this process's capture); unchanged without CUDA."""
+    if not torch.cuda.is_available() or not spec.device.startswith("cuda"):
+        return workers
+    free, _ = torch.cuda.mem_get_info(torch.device(spec.device))
+    fits = max(0, (free - (4 << 30)) // worker_bytes(engine, spec))
+    return min(workers, int(fits))
 
 
 def tasks_of(engine) -> list[Task]:
@@ -409,9 +455,15 @@ def run_workers(engine, workers: int, *, progress: bool = True,
     if report.skipped:
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
-    shares = plan(tasks, workers + 1)
+    fit = memory_cap(engine, spec, workers)
+    if fit < workers:
+        logger.info("precompile workers: %d instead of %d (free GPU memory for ~%.1f GiB each)",
+                    fit, workers, worker_bytes(engine, spec) / (1 << 30))
+    shares = plan(tasks, fit + 1)
     if len(shares) < 2:
-        report.skipped = "one share of work only"
+        report.skipped = ("one share of work only" if fit else
+                          "not enough free GPU memory for a worker")
+        logger.info("precompile workers: none (%s)", report.skipped)
         return report
     mine, theirs = shares[0], shares[1:]
     report.workers, report.tasks = len(theirs), len(tasks)
