@@ -115,17 +115,17 @@ def test_the_key_check_sees_a_shape_change():
 
 
 # ------------------------------------------------------------------ the split of the work
-def test_plan_keeps_sizes_together_and_covers_every_task():
+def test_plan_keeps_forwards_together_and_covers_every_task():
     tasks = [("engine", "cycle_graphs", bs) for bs in (64, 32, 16, 8, 4, 1)]
     tasks += [("engine", "cycle_graphs_k0", bs) for bs in (64, 16, 1)]
     tasks += [("drafter", "multi_step_graphs", bs) for bs in (64, 32, 1)]
-    shares = pw.plan(tasks, 4)
-    assert len(shares) == 4
+    shares = pw.plan(tasks, 3)
+    assert len(shares) == 3
     assert sorted(t for s in shares for t in s) == sorted(tasks)
-    for s in shares:  # one batch size's tasks in one share
+    assert shares[0] == tasks[:6]  # the largest group first, in its order
+    for s in shares:  # one forward's tasks in one share
         for t in s:
-            assert all(u in s for u in tasks if u[2] == t[2])
-    assert [t[2] for t in shares[0]] == [64, 64, 64]  # the largest group goes first
+            assert all(u in s for u in tasks if u[:2] == t[:2])
     assert pw.plan([], 3) == []
     one = pw.plan(tasks, 1)
     assert len(one) == 1 and sorted(one[0]) == sorted(tasks)
@@ -133,15 +133,15 @@ def test_plan_keeps_sizes_together_and_covers_every_task():
         pw.plan(tasks, 0)
 
 
-def test_plan_splits_groups_when_shares_outnumber_sizes():
-    """More shares than batch sizes: the largest groups are halved until every share has work
-    (or every unit is one task); never more shares than tasks."""
-    tasks = [(o, a, bs) for bs in (64, 1) for o, a in
-             (("engine", "cycle_graphs"), ("engine", "cycle_graphs_k0"),
-              ("engine", "cycle_graphs_k1"), ("drafter", "multi_step_graphs"))]
+def test_plan_splits_groups_when_shares_outnumber_forwards():
+    """More shares than forwards: the largest groups are halved (neighbouring sizes stay
+    together) until every share has work or every unit is one task."""
+    tasks = [(o, a, bs) for o, a in (("engine", "cycle_graphs"), ("engine", "cycle_graphs_k0"))
+             for bs in (64, 32, 16, 8)]
     shares = pw.plan(tasks, 4)
     assert len(shares) == 4 and all(len(s) == 2 for s in shares)
-    assert all(len({t[2] for t in s}) == 1 for s in shares)  # a half of one size's group
+    assert all(len({t[1] for t in s}) == 1 for s in shares)  # a half of one forward's sizes
+    assert [t[2] for t in shares[0]] == [64, 32]
     assert sorted(t for s in shares for t in s) == sorted(tasks)
     assert len(pw.plan(tasks, 100)) == len(tasks)
 

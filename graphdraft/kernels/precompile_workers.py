@@ -15,8 +15,10 @@ with random weights and only as many target layers as the code paths need
 (`reduced_target_config`: layer 0 runs without a residual input, every later layer with one;
 2 layers, the EAGLE-3 aux ids mapped onto them), and runs the precompile of its share of the
 (forward, batch size) tasks (`plan`: one task per captured forward and representative size of
-each bucket, `buckets.representative_sizes`; grouped by batch size, since the forwards at one
-size share most row-count-specific kernels). `tests/test_precompile_workers.py` checks on the CPU
+each bucket, `buckets.representative_sizes`; grouped by forward, whose sizes share most
+kernels). A process compiles every kernel its tasks need that is not in the cache yet, so
+kernels shared by several shares are compiled in each: one (forward, size) task alone needs
+about half of all the schedule's kernels, which bounds what processes can gain. `tests/test_precompile_workers.py` checks on the CPU
 that a reduced engine launches exactly the keys of the full one, kernel by kernel.
 
 Device memory: a worker holds its reduced engine (`worker_bytes` counts about 7 GB at the 8B
@@ -254,23 +256,25 @@ def tasks_of(engine) -> list[Task]:
 def plan(tasks: Sequence[Task], shares: int) -> list[list[Task]]:
     """Split `tasks` into at most `shares` non-empty lists (share 0: the main process's).
 
-    The tasks of one batch size form a group (their row-count-specific kernels are mostly the
-    same); while there are fewer groups than shares, the largest group is halved (its
-    forwards then compile their own kernels in parallel). Groups go largest first to the
-    share with the fewest tasks (ties: the lower index). Every task lands in exactly one
-    share, in its given order within a group; ValueError for `shares < 1`."""
+    The tasks of one forward form a group (its sizes share most kernels: on the tiny CPU pair,
+    grouping by forward needs 30 distinct kernels in the busiest of 9 processes where grouping
+    by batch size needs 35, of 46 in all; one task alone needs up to 27). While there are
+    fewer groups than shares, the largest group is halved (its sizes in the given order: neighbouring
+    buckets share the most). Groups go largest first to the share with the fewest tasks
+    (ties: the lower index). Every task lands in exactly one share, in its given order
+    within a group; ValueError for `shares < 1`."""
     if not isinstance(shares, int) or isinstance(shares, bool) or shares < 1:
         raise ValueError(f"shares: expected an int >= 1, got {shares!r}")
-    groups: dict[int, list[Task]] = {}
+    groups: dict[tuple[str, str], list[Task]] = {}
     for t in tasks:
-        groups.setdefault(t[2], []).append(t)
-    units = [g for _, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), -kv[0]))]
+        groups.setdefault((t[0], t[1]), []).append(t)
+    units = sorted(groups.values(), key=len, reverse=True)  # stable: discovery order on ties
     while 0 < len(units) < shares and max(len(u) for u in units) > 1:
         big = max(range(len(units)), key=lambda i: len(units[i]))
         u = units.pop(big)
         half = (len(u) + 1) // 2
         units[big:big] = [u[:half], u[half:]]
-    units.sort(key=len, reverse=True)  # stable: ties keep the larger batch size first
+    units.sort(key=len, reverse=True)
     bins: list[list[Task]] = [[] for _ in range(min(shares, len(units)))]
     for unit in units:
         min(bins, key=len).extend(unit)
