@@ -5,7 +5,14 @@ which captures one forward function per padded batch size and replays it, or
 falls back to running it eagerly.
 """
 
-from .compiles import cache_dir, cache_entries, thread_compiles, triton_compiles
+from .compiles import (
+    cache_dir,
+    cache_entries,
+    thread_builds,
+    thread_compiles,
+    triton_builds,
+    triton_compiles,
+)
 from .graphs import (
     EAGER_ENV,
     EAGER_REASONS,
@@ -29,6 +36,8 @@ __all__ = [
     "eager_forced",
     "graphs_available",
     "padded_batch_size",
+    "thread_builds",
     "thread_compiles",
+    "triton_builds",
     "triton_compiles",
 ]

@@ -50,7 +50,7 @@ try:
 except ImportError:  # pragma: no cover - a declared dependency; fall back to log lines
     tqdm = None
 
-from .compiles import thread_compiles
+from .compiles import thread_builds, thread_compiles
 from .schedule import padded_batch_size
 
 __all__ = [
@@ -147,8 +147,11 @@ class GraphStats:
     replay). ``dropped``: scheduled sizes left uncaptured by out-of-memory.
     ``compiles``: JIT compilations (the forward's compile counter, by default Triton's:
     ``capture.compiles``) while precompiling, warming up and capturing that size; a size of
-    an already compiled bucket adds 0. ``precompile_seconds``: wall time of
-    :meth:`CapturedForward.precompile` per size it ran.
+    an already compiled bucket adds 0. ``built``: of those, the ones Triton's compiler built
+    here (misses of its on-disk cache; the rest were loaded from it: ``capture.compiles.
+    thread_builds``). ``worker_built``: kernels that precompile worker processes built for this
+    forward at that size (``graphdraft.kernels.precompile_workers``), before this process loaded
+    them. ``precompile_seconds``: wall time of :meth:`CapturedForward.precompile` per size it ran.
     """
 
     name: str
@@ -159,6 +162,8 @@ class GraphStats:
     dropped: list[int] = field(default_factory=list)
     compiles: Counter[int] = field(default_factory=Counter)
     precompile_seconds: dict[int, float] = field(default_factory=dict)
+    built: Counter[int] = field(default_factory=Counter)
+    worker_built: Counter[int] = field(default_factory=Counter)
     replays: Counter[int] = field(default_factory=Counter)
     eager: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EAGER_REASONS, 0))
 
@@ -169,6 +174,14 @@ class GraphStats:
     @property
     def total_compiles(self) -> int:
         return sum(self.compiles.values())
+
+    @property
+    def total_built(self) -> int:
+        return sum(self.built.values())
+
+    @property
+    def total_worker_built(self) -> int:
+        return sum(self.worker_built.values())
 
     @property
     def total_precompile_seconds(self) -> float:
@@ -205,9 +218,11 @@ class GraphStats:
         drop = f" dropped {self.dropped}" if self.dropped else ""
         pre = (f" (+{self.total_precompile_seconds:.2f}s precompile)" if self.precompile_seconds
                else "")
+        built = (f" (built {self.total_built}, {self.total_worker_built} in workers)"
+                 if self.worker_built else "")
         return (
             f"{self.name}: {len(sizes)} graphs {span} {self.total_capture_seconds:.2f}s{pre} "
-            f"pool {self.total_pool_bytes / _MiB:.1f}MiB compiles {self.total_compiles}"
+            f"pool {self.total_pool_bytes / _MiB:.1f}MiB compiles {self.total_compiles}{built}"
             f"{speed}{drop} | "
             f"replays {self.total_replays} eager {self.total_eager}" + (f" ({why})" if why else "")
         )
@@ -319,6 +334,12 @@ class CapturedForward(Generic[T]):
         return self._pool
 
     @property
+    def active(self) -> bool:
+        """Whether :meth:`capture` / :meth:`precompile` would run (enabled, CUDA available,
+        eager not forced by the env var now or at construction)."""
+        return self._enabled and not self._env_at_init and not eager_forced(env_var=self._env_var)
+
+    @property
     def batch_sizes(self) -> list[int]:
         """The scheduled sizes, ascending."""
         return list(self._sizes)
@@ -363,12 +384,13 @@ class CapturedForward(Generic[T]):
         with torch.no_grad(), contextlib.closing(sizes) if bar else contextlib.nullcontext():
             for bs in sizes:
                 t0 = time.perf_counter()
-                c0 = self._compiles()
+                c0, b0 = self._compiles(), thread_builds()
                 try:
                     eager_s = self._warmup(bs, stream)
                     graph, out, pool_bytes, replay_s = self._record(bs, stream)
                 except Exception as e:
                     st.compiles[bs] += self._compiles() - c0
+                    st.built[bs] += thread_builds() - b0
                     if self._on_oom == "raise" or not _is_oom(e):
                         raise
                     logger.debug("%s: out of memory at bs=%d: %s", self.name, bs, e)
@@ -378,6 +400,7 @@ class CapturedForward(Generic[T]):
                 self._graphs[bs] = _Graph(graph, out)
                 st.capture_seconds[bs] = time.perf_counter() - t0
                 st.compiles[bs] += self._compiles() - c0
+                st.built[bs] += thread_builds() - b0
                 st.pool_bytes[bs] = pool_bytes
                 st.replay_seconds[bs] = replay_s
                 if eager_s is not None:
@@ -424,10 +447,11 @@ class CapturedForward(Generic[T]):
         with torch.no_grad(), contextlib.closing(it) if bar else contextlib.nullcontext():
             for bs in it:
                 t0 = time.perf_counter()
-                c0 = self._compiles()
+                c0, b0 = self._compiles(), thread_builds()
                 self._run_side(bs, stream)
                 n = self._compiles() - c0
                 st.compiles[bs] += n
+                st.built[bs] += thread_builds() - b0
                 st.precompile_seconds[bs] = time.perf_counter() - t0
                 total += n
                 logger.log(level, "%s: precompiled bs=%d in %.3fs, %d compiles", self.name, bs,

@@ -95,6 +95,11 @@ class RuntimeConfig:
     requests, the MLPs are split over the ranks. 1: no data parallelism (today's code path);
     > 1: the models' dense layers must be split with `data_parallel.shard_dense_` over a
     group of this size (the Engine checks)."""
+    precompile_workers: int | None = None
+    """Worker processes that compile the schedule's Triton kernels into Triton's on-disk cache
+    before `capture_graphs` (`graphdraft.kernels.precompile_workers`); 0: compile in this
+    process only; None: env GRAPHDRAFT_PRECOMPILE_WORKERS if set, else min(8, CPU count), on
+    CUDA without data parallelism (else 0)."""
     # --- speculation policy (graphdraft.serving.policy; README "Speculation policy") ---------
     speculative_policy: str = "adaptive"
     """Draft steps per cycle (`--speculative-policy`): "adaptive" picks k in
@@ -226,6 +231,11 @@ class RuntimeConfig:
              "stop_table_width", "an int >= 1")
         need(isinstance(self.dp_size, int) and not isinstance(self.dp_size, bool)
              and self.dp_size >= 1, "dp_size", "an int >= 1")
+        need(self.precompile_workers is None or (
+            isinstance(self.precompile_workers, int) and not isinstance(self.precompile_workers, bool)
+            and self.precompile_workers >= 0), "precompile_workers", "None or an int >= 0")
+        need(not (self.dp_size > 1 and self.precompile_workers), "precompile_workers",
+             "0 or None under data parallelism (dp_size > 1)")
         # speculation policy
         need(self.speculative_policy in ("adaptive", "fixed"), "speculative_policy",
              "'adaptive' or 'fixed'")

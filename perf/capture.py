@@ -1,24 +1,30 @@
 """Start-up cost: capturing the 8B-shaped engine's CUDA graphs on a fresh machine and warm.
 
-    python3 -m perf.capture --out DIR [--max-bs 64,160]
+    python3 -m perf.capture --out DIR [--max-bs 64,160] [--workers N]
 
 For each schedule top (`--max-bs`, default 64 and 160) a fresh subprocess with an empty
 temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE-3 head
 (`perf.models_8b.build_pair`, random weights), an `Engine` (`cuda_graph_max_bs` =
 `max_running_requests` = the top, `max_context_len` 1024: a small KV pool) and times
-`engine.capture_graphs()` (target verify + draft decode + multi-step, the default schedule);
-then a second subprocess does the same with that cache warm. Per run: capture seconds, Triton
-compiles counted in the process (`capture.triton_compiles`: new kernel specializations) and
-new entries of the on-disk cache, and per captured forward of the engine (every
-`CapturedForward` attribute of the engine and its drafter, found generically) its sizes,
-seconds, compiles per size and pool MiB.
+`engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
+draft multi-step, the cost table timed at the end) with the default precompile workers
+(`--workers`, default: `RuntimeConfig.precompile_workers` None, min(8, CPU count)); then a
+second subprocess does the same with that cache warm. For the first top also a cold run with
+`precompile_workers=0` (everything compiled in the one process, in its own empty cache).
 
-Writes `DIR/capture.json`: `cold_s`, `warm_s`, `triton_compiles_cold`, `sizes`, `pool_mib`,
-`per_forward` for the schedule to 64 (the issue's goals: cold <= 5 s, warm <= 2 s,
-<= 30 compiles), and `runs` with every run (`cold-64`, `warm-64`, `cold-160`, `warm-160`,
-and `cold-64-parallel-precompile`: `capture_graphs(parallel_precompile=True)`, the JIT warm-up
-in two threads, in its own empty cache; a failure there is recorded, not fatal).
-Prints a table. Needs CUDA; about a minute per run on an H200.
+Per run: capture seconds, the worker phase (processes, wall seconds, each worker's wall
+seconds), kernels Triton's compiler built in this process (`GraphStats.built`: cache misses)
+and in the workers (`GraphStats.worker_built`), specializations loaded or built in this
+process (`capture.triton_compiles`), new entries of the on-disk cache, and per captured forward
+(every `CapturedForward` attribute of the engine and its drafter) its sizes, seconds, compiles
+and pool MiB.
+
+Writes `DIR/capture.json`: `cold_s`, `warm_s`, `triton_compiles_cold` (kernels built anywhere,
+this process and its workers, for the cold run with workers), `sizes`, `pool_mib`,
+`per_forward` for the schedule to the first top (the issue's goals: cold <= 5 s, warm <= 2 s,
+<= 30 compiles), the in-process cold run's `cold_inprocess_s` / `triton_compiles_cold_inprocess`,
+the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `warm-64`,
+`cold-160`, `warm-160`). Prints a table. Needs CUDA; well under a minute per run on an H200.
 """
 
 from __future__ import annotations
@@ -36,29 +42,30 @@ GOALS = {"cold_s": 5.0, "warm_s": 2.0, "triton_compiles_cold": 30}
 _MiB = float(1 << 20)
 
 
-def child(max_bs: int, result: Path, precompile: str = "serial") -> None:
+def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     """One run in this process (TRITON_CACHE_DIR already set by the parent): times
-    `engine.capture_graphs()` (its JIT warm-up `precompile_engine` included; `precompile`
-    "parallel": that warm-up in two threads)."""
+    `engine.capture_graphs(precompile_workers=workers)` (None: the config's default)."""
     import torch
 
     from capture import cache_dir, cache_entries, triton_compiles
+    from capture.compiles import builds_counted, triton_builds
     from graphdraft.config import RuntimeConfig
-    from graphdraft.kernels.warmup import captured_forwards
+    from graphdraft.kernels.precompile_workers import default_workers
+    from graphdraft.kernels.warmup import captured_forwards, worker_report
     from graphdraft.serving.engine import Engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()
-    triton_compiles()  # install the counting hook before any kernel runs
+    triton_compiles()  # install the counting hooks before any kernel runs
     target, head = build_pair("cuda")
     cfg = RuntimeConfig(cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
-                        max_context_len=1024, device="cuda")
+                        max_context_len=1024, device="cuda", precompile_workers=workers)
     engine = Engine(target, cfg, head)
     torch.cuda.synchronize()
     t_built = time.perf_counter()
-    c0, e0 = triton_compiles(), cache_entries()
+    c0, b0, e0 = triton_compiles(), triton_builds(), cache_entries()
     t0 = time.perf_counter()
-    engine.capture_graphs(parallel_precompile=precompile == "parallel")
+    engine.capture_graphs()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     owners = [engine] + ([engine.drafter] if getattr(engine, "drafter", None) is not None else [])
@@ -71,19 +78,38 @@ def child(max_bs: int, result: Path, precompile: str = "serial") -> None:
             "capture_s": round(st.total_capture_seconds, 4),
             "precompile_s": round(st.total_precompile_seconds, 4),
             "compiles": st.total_compiles,
+            "built": st.total_built,
+            "worker_built": st.total_worker_built,
             "compiles_per_size": {str(bs): n for bs, n in sorted(st.compiles.items())},
             "capture_s_per_size": {str(bs): round(s, 4) for bs, s in sorted(st.capture_seconds.items())},
             "pool_mib": round(st.total_pool_bytes / _MiB, 2),
             "summary": st.summary(),
         }
+    rep = worker_report(engine)
+    built_here = triton_builds() - b0
+    worker_built = rep.total_built if rep is not None else 0
+    new_entries = cache_entries() - e0
     data = {
         "max_bs": max_bs,
-        "precompile": precompile,
+        "workers_asked": default_workers(engine.cfg),
+        "workers": rep.workers if rep is not None else 0,
+        "workers_skipped": rep.skipped if rep is not None else "precompile_workers=0",
+        "worker_phase_s": round(rep.wall_s, 3) if rep is not None else 0.0,
+        "worker_wall_s": rep.worker_wall_s if rep is not None else [],
+        "worker_startup_s": rep.worker_startup_s if rep is not None else [],
+        "worker_tasks": rep.tasks if rep is not None else 0,
+        "main_share_built": rep.main_built if rep is not None else 0,
+        "pass_built": rep.pass_built if rep is not None else None,
         "precompile_s": round(sum(v["precompile_s"] for v in per_forward.values()), 4),
         "capture_s": round(seconds, 4),
         "build_s": round(t_built - t_start, 2),
         "triton_compiles": triton_compiles() - c0,
-        "cache_entries_new": cache_entries() - e0,
+        "built_here": built_here,
+        "built_in_workers": worker_built,
+        "builds_counted": builds_counted(),
+        # kernels Triton compiled anywhere for this capture (without the listener: new entries)
+        "triton_compiles_total": (built_here + worker_built) if builds_counted() else new_entries,
+        "cache_entries_new": new_entries,
         "cache_dir": str(cache_dir()),
         "sizes": sorted({bs for v in per_forward.values() for bs in v["sizes"]}),
         "pool_mib": round(sum(v["pool_mib"] for v in per_forward.values()), 2),
@@ -96,12 +122,14 @@ def child(max_bs: int, result: Path, precompile: str = "serial") -> None:
 
 
 def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
-           precompile: str = "serial") -> dict:
+           workers: int | None = None) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+    env.pop("GRAPHDRAFT_PRECOMPILE_WORKERS", None)  # the run's own count (or the default)
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "perf.capture", "--child", str(max_bs), "--result", str(result),
-           "--precompile", precompile]
+    cmd = [sys.executable, "-m", "perf.capture", "--child", str(max_bs), "--result", str(result)]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=root, timeout=timeout_s, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -113,55 +141,77 @@ def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
     return data
 
 
+def _row(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name:<18} failed (see capture.json)"
+    return (f"{name:<18} {r['workers']:>7} {r['capture_s']:>9.2f} {r['worker_phase_s']:>8.2f} "
+            f"{r['built_here']:>10} {r['built_in_workers']:>9} {r['cache_entries_new']:>7} "
+            f"{r['pool_mib']:>8.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="folder for capture.json")
     ap.add_argument("--max-bs", default="64,160", help="schedule tops, comma-separated (first: the headline)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="precompile workers of the cold runs (default: the config's default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--precompile", default="serial", choices=("serial", "parallel"),
-                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        child(args.child, args.result, args.precompile)
+        child(args.child, args.result, args.workers)
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
+    if args.workers is not None and args.workers < 0:
+        ap.error(f"--workers: expected an int >= 0, got {args.workers}")
     tops = [int(x) for x in args.max_bs.split(",") if x.strip()]
     if not tops or min(tops) < 1:
         ap.error(f"--max-bs: expected positive ints, got {args.max_bs!r}")
     runs: dict[str, dict] = {}
+
+    def run(name: str, top: int, cache: Path, workers: int | None, required: bool) -> None:
+        try:
+            runs[name] = _spawn(top, cache, cache.parent / f"{name}.json", args.timeout, workers)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            if required:
+                raise
+            runs[name] = {"error": str(e)[-4000:]}  # reported, not fatal
+            print(f"{name} failed: {str(e)[:400]}", flush=True)
+            return
+        r = runs[name]
+        print(f"{name}: capture {r['capture_s']:.2f}s ({r['workers']} workers, phase "
+              f"{r['worker_phase_s']:.2f}s), built {r['built_here']} here + "
+              f"{r['built_in_workers']} in workers, {r['cache_entries_new']} new cache entries",
+              flush=True)
+
     with tempfile.TemporaryDirectory(prefix="graphdraft-capture-") as tmp:
         for top in tops:
+            if top == tops[0]:  # everything in one process, in its own empty cache
+                solo = Path(tmp) / f"triton-cache-{top}-inprocess"
+                solo.mkdir()
+                run(f"cold-{top}-inprocess", top, solo, 0, required=False)
             cache = Path(tmp) / f"triton-cache-{top}"
             cache.mkdir()
-            for kind in ("cold", "warm"):
-                runs[f"{kind}-{top}"] = _spawn(top, cache, Path(tmp) / f"{kind}-{top}.json",
-                                               args.timeout)
-                r = runs[f"{kind}-{top}"]
-                print(f"{kind}-{top}: capture {r['capture_s']:.2f}s, {r['triton_compiles']} "
-                      f"compiles, {r['cache_entries_new']} new cache entries", flush=True)
-            if top == tops[0]:  # the threaded precompile, cold, in its own empty cache
-                pcache = Path(tmp) / f"triton-cache-{top}-parallel"
-                pcache.mkdir()
-                try:
-                    r = _spawn(top, pcache, Path(tmp) / f"parallel-{top}.json", args.timeout,
-                               "parallel")
-                    print(f"cold-{top}-parallel-precompile: {r['capture_s']:.2f}s "
-                          f"(precompile {r['precompile_s']:.2f}s), {r['triton_compiles']} compiles",
-                          flush=True)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported, not fatal
-                    r = {"error": str(e)[-4000:]}
-                    print(f"cold-{top}-parallel-precompile failed: {str(e)[:400]}", flush=True)
-                runs[f"cold-{top}-parallel-precompile"] = r
+            run(f"cold-{top}", top, cache, args.workers, required=True)
+            run(f"warm-{top}", top, cache, args.workers, required=True)
     head_cold, head_warm = runs[f"cold-{tops[0]}"], runs[f"warm-{tops[0]}"]
+    solo = runs.get(f"cold-{tops[0]}-inprocess", {})
     out = {
         "max_bs": tops[0],
         "cold_s": head_cold["capture_s"],
         "warm_s": head_warm["capture_s"],
-        "triton_compiles_cold": head_cold["triton_compiles"],
+        "triton_compiles_cold": head_cold["triton_compiles_total"],
+        "triton_compiles_cold_here": head_cold["built_here"],
+        "triton_compiles_cold_workers": head_cold["built_in_workers"],
         "cache_entries_cold": head_cold["cache_entries_new"],
+        "workers": head_cold["workers"],
+        "worker_phase_s": head_cold["worker_phase_s"],
+        "worker_wall_s": head_cold["worker_wall_s"],
+        "worker_startup_s": head_cold.get("worker_startup_s", []),
+        "cold_inprocess_s": solo.get("capture_s"),
+        "triton_compiles_cold_inprocess": solo.get("triton_compiles_total"),
         "sizes": head_cold["sizes"],
         "pool_mib": head_cold["pool_mib"],
         "per_forward": {name: {k: v for k, v in f.items() if k != "summary"}
@@ -172,15 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "capture.json"
     path.write_text(json.dumps(out, indent=1))
-    print(f"\n{'run':<10} {'capture s':>9} {'compiles':>8} {'cache +':>7} {'pool MiB':>8}  per forward "
-          "(capture s / compiles)")
+    print(f"\n{'run':<18} {'workers':>7} {'capture s':>9} {'phase s':>8} {'built here':>10} "
+          f"{'workers +':>9} {'cache +':>7} {'pool MiB':>8}")
     for name, r in runs.items():
-        if "error" in r:
-            print(f"{name:<10} failed (see capture.json)")
-            continue
-        fw = ", ".join(f"{k} {v['capture_s']:.2f}/{v['compiles']}" for k, v in r["per_forward"].items())
-        print(f"{name:<10} {r['capture_s']:>9.2f} {r['triton_compiles']:>8} "
-              f"{r['cache_entries_new']:>7} {r['pool_mib']:>8.1f}  {fw}")
+        print(_row(name, r))
+    print(f"\nper forward (cold, to {tops[0]}): capture s / compiles loaded or built / "
+          "built here / built in workers")
+    for k, v in head_cold["per_forward"].items():
+        print(f"  {k:<20} {v['capture_s']:>6.2f} / {v['compiles']:>3} / {v['built']:>3} / "
+              f"{v['worker_built']:>3}  sizes {v['sizes']}")
     print(f"goals (schedule to {tops[0]}): cold <= {GOALS['cold_s']} s, warm <= {GOALS['warm_s']} s, "
           f"<= {GOALS['triton_compiles_cold']} compiles cold; wrote {path}")
     return 0

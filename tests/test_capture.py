@@ -763,33 +763,57 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 # ------------------------------------------------------------ perf.capture's report
 def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     """The parent's assembly of capture.json from its runs (the subprocess runner replaced:
-    the child needs CUDA): the issue's keys from the first schedule top, every run kept, a
-    failed parallel-precompile run recorded without failing the benchmark."""
+    the child needs CUDA): the issue's keys from the first schedule top's cold run with
+    workers (kernels built anywhere: here and in the workers) and its warm run, the in-process
+    cold run beside them, every run kept, a failed in-process run recorded without failing
+    the benchmark."""
     import json
 
     from perf import capture as perf_capture
 
-    def fake_spawn(max_bs, cache, result, timeout_s, precompile="none"):
+    calls = []
+
+    def fake_spawn(max_bs, cache, result, timeout_s, workers=None):
         assert cache.is_dir() and cache.parent == result.parent
-        if precompile == "parallel":
-            raise RuntimeError("boom")
+        calls.append((max_bs, cache.name, workers))
         warm = any(cache.iterdir())
         (cache / f"k{max_bs}").mkdir(exist_ok=True)
         fw = {"draft_decode": {"attribute": "decode_graphs", "sizes": [1, 2], "capture_s": 0.5,
-                               "compiles": 0 if warm else 3, "pool_mib": 4.0, "summary": "s"}}
-        return {"max_bs": max_bs, "capture_s": 1.0 if warm else 9.0, "precompile_s": None,
-                "triton_compiles": 0 if warm else 3, "cache_entries_new": 0 if warm else 3,
+                               "compiles": 3, "built": 0 if warm else 1,
+                               "worker_built": 0 if warm else 2, "pool_mib": 4.0,
+                               "summary": "s"}}
+        here, there = (0, 0) if warm else ((3, 0) if workers == 0 else (1, 2))
+        return {"max_bs": max_bs, "capture_s": 1.0 if warm else (9.0 if workers == 0 else 4.0),
+                "workers": 0 if warm or workers == 0 else 2, "worker_phase_s": 0 if warm else 2.5,
+                "worker_wall_s": [] if warm else [2.0, 2.1], "precompile_s": None,
+                "triton_compiles": 3, "built_here": here, "built_in_workers": there,
+                "triton_compiles_total": here + there, "cache_entries_new": 0 if warm else 3,
                 "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw}
 
     monkeypatch.setattr(perf_capture, "_spawn", fake_spawn)
     assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64,160"]) == 0
     data = json.loads((tmp_path / "capture.json").read_text())
-    assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (9.0, 1.0, 3)
+    assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (4.0, 1.0, 3)
+    assert (data["triton_compiles_cold_here"], data["triton_compiles_cold_workers"]) == (1, 2)
+    assert (data["cold_inprocess_s"], data["triton_compiles_cold_inprocess"]) == (9.0, 3)
+    assert data["workers"] == 2 and data["worker_wall_s"] == [2.0, 2.1]
     assert data["sizes"] == [1, 2] and data["pool_mib"] == 4.0
-    assert data["per_forward"]["draft_decode"]["compiles"] == 3
-    assert set(data["runs"]) == {"cold-64", "warm-64", "cold-160", "warm-160",
-                                 "cold-64-parallel-precompile"}
-    assert "boom" in data["runs"]["cold-64-parallel-precompile"]["error"]
-    assert "cold-64" in capsys.readouterr().out
+    assert data["per_forward"]["draft_decode"]["worker_built"] == 2
+    assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64", "cold-160",
+                                  "warm-160"]
+    # the in-process cold run has its own empty cache; cold and warm share one
+    assert calls[0] == (64, "triton-cache-64-inprocess", 0)
+    assert calls[1][1] == calls[2][1] == "triton-cache-64" and calls[1][2] is None
+    out = capsys.readouterr().out
+    assert "cold-64-inprocess" in out and "warm-160" in out
+    def solo_fails(max_bs, cache, result, timeout_s, workers=None):
+        if workers == 0:
+            raise RuntimeError("boom")
+        return fake_spawn(max_bs, cache, result, timeout_s, workers)
+
+    monkeypatch.setattr(perf_capture, "_spawn", solo_fails)
+    assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64"]) == 0
+    data = json.loads((tmp_path / "capture.json").read_text())
+    assert "boom" in data["runs"]["cold-64-inprocess"]["error"] and data["cold_inprocess_s"] is None
     with pytest.raises(SystemExit):
         perf_capture.main(["--out", str(tmp_path), "--max-bs", "0"])

@@ -4,7 +4,11 @@
 at one batch size per bucket of compiled variants (`buckets.representative_sizes`), before
 `capture_graphs` warms up and captures each size: the Triton kernels of every bucket are
 compiled there, with a progress bar (`progress=False` or the logger level silences it), and
-capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`.
+capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`
+(and `built`: the ones Triton's compiler built here, not loaded from its cache). With
+`workers=N` the kernels are compiled first by N worker processes (and this one) into Triton's
+on-disk cache (`kernels.precompile_workers`; their builds in `GraphStats.worker_built`, the
+phase in `worker_report(engine)`), so the in-process pass then mostly loads them.
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
@@ -20,8 +24,11 @@ default (`capture.compiles.cache_dir`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
+import pkgutil
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -30,26 +37,36 @@ import torch
 from capture import CapturedForward
 from graphdraft.kernels.buckets import representative_sizes
 
-__all__ = ["KeyRecorder", "captured_forwards", "kernels", "precompile_engine",
-           "specialization_key"]
+__all__ = ["KeyRecorder", "all_kernels", "captured_forwards", "kernels", "precompile_engine",
+           "specialization_key", "worker_report"]
 
 logger = logging.getLogger(__name__)
 
 _KERNEL_MODULES = ("argmax", "cache_loc", "draft_indices", "gemv", "norm", "rope", "stage_inputs")
 
 
-def kernels() -> dict[str, object]:
-    """The launched `@triton.jit` kernels of the draft chain's kernel modules (not attention),
-    by `module.name`."""
-    import importlib
-
+def _module_kernels(mod_names) -> dict[str, object]:
     out = {}
-    for mod_name in _KERNEL_MODULES:
+    for mod_name in mod_names:
         mod = importlib.import_module(f"graphdraft.kernels.{mod_name}")
         for name, obj in vars(mod).items():
             if name.startswith("_") and "_kernel" in name and hasattr(obj, "run") and hasattr(obj, "fn"):
                 out[f"{mod_name}.{name}"] = obj
     return out
+
+
+def kernels() -> dict[str, object]:
+    """The launched `@triton.jit` kernels of the draft chain's kernel modules (not attention),
+    by `module.name`."""
+    return _module_kernels(_KERNEL_MODULES)
+
+
+def all_kernels() -> dict[str, object]:
+    """The launched `@triton.jit` kernels (`_..._kernel`) of every module of
+    `graphdraft.kernels`, attention's included, by `module.name`."""
+    import graphdraft.kernels as pkg
+
+    return _module_kernels(sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)))
 
 
 def _params(kernel) -> list:
@@ -171,7 +188,40 @@ def _forwards_of(engine) -> Iterator[tuple[object, dict[str, CapturedForward]]]:
         yield drafter, captured_forwards(drafter)
 
 
-def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) -> dict[str, int]:
+_REPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def worker_report(engine):
+    """The `precompile_workers.WorkerReport` of `engine`'s last `precompile_engine` (None:
+    it asked for no workers, or they failed and the warm-up ran in this process)."""
+    try:
+        return _REPORTS.get(engine)
+    except TypeError:  # not weak-referenceable
+        return None
+
+
+def _run_workers(engine, workers: int, progress: bool):
+    """The worker phase (`precompile_workers.run_workers`); a failed worker is logged and the
+    in-process warm-up compiles the rest. Worker builds land in `GraphStats.worker_built`."""
+    from graphdraft.kernels import precompile_workers as pw
+
+    with contextlib.suppress(TypeError):
+        _REPORTS.pop(engine, None)  # this call's report or none
+    try:
+        report = pw.run_workers(engine, workers, progress=progress)
+    except pw.PrecompileWorkerError as e:
+        logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
+        return None
+    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+    for (owner, attr, bs), n in report.built.items():
+        getattr(owners[owner], attr).stats.worker_built[bs] += n
+    with contextlib.suppress(TypeError):
+        _REPORTS[engine] = report
+    return report
+
+
+def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
+                      workers: int = 0) -> dict[str, int]:
     """Run each captured forward of `engine` and `engine.drafter` once per size bucket of its
     schedule (`representative_sizes` with rows per request 1 and `engine.cfg.spec_num_tokens`),
     so `capture_graphs` compiles nothing more; return the compiles counted per forward.
@@ -185,6 +235,15 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) 
     passes and in ptxas). Their launches go to each forward's side stream; the draft
     forwards may then read target hidden states mid-write: finite values either way, and no
     index buffer is written by the other owner's forwards. Only compiling is the point.
+
+    `workers`: first compile in that many worker processes plus this one into Triton's on-disk
+    cache (`precompile_workers.run_workers`; 0: not); the pass above then loads what they
+    built. A failed worker is logged and this process compiles the rest. After a worker phase
+    a marker in the cache lets later runs of the same engine shape skip the workers.
+
+    Every forward precompiled here then warms up once per size before its capture
+    (`warmup_iters` at most 1): its kernels are compiled and loaded, the one eager run is what
+    lazy initialisation (cuBLAS heuristics per shape, allocations) needs outside the capture.
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
@@ -203,6 +262,13 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) 
                 out[f.name] = f.precompile(sizes, progress=progress)
         return out
 
+    if not workers:
+        with contextlib.suppress(TypeError):
+            _REPORTS.pop(engine, None)
+    report = _run_workers(engine, workers, progress) if workers else None
+    from capture.compiles import triton_builds
+
+    b0 = triton_builds()
     for r in resets:
         r()
     counts: dict[str, int] = {}
@@ -219,6 +285,15 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False) 
         torch.cuda.synchronize()
     for r in resets:
         r()
+    if report is not None:
+        report.pass_built = triton_builds() - b0
+    for _, fw in owners:
+        for f in fw.values():
+            f.warmup_iters = min(f.warmup_iters, 1)
+    if report is not None and report.skipped is None:
+        from graphdraft.kernels.precompile_workers import mark_warm
+
+        mark_warm(engine)
     logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
     return counts
 

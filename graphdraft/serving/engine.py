@@ -81,6 +81,7 @@ from graphdraft.kernels.cycle_kernels import (
     neutral_slot0,
     prepare_rows,
 )
+from graphdraft.kernels.precompile_workers import default_workers
 from graphdraft.kernels.warmup import precompile_engine
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
@@ -426,8 +427,11 @@ class Engine:
     # Graphs
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False) -> None:
-        """Compile the Triton kernels each size bucket needs (`precompile_engine`), then capture
+    def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False,
+                       precompile_workers: int | None = None) -> None:
+        """Compile the Triton kernels each size bucket needs (`precompile_engine`; first in
+        `precompile_workers` processes, None: `cfg.precompile_workers`, see
+        `graphdraft.kernels.precompile_workers.default_workers`), then capture
         the cycle per captured draft length k (`self.steps`), or in the split mode
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
@@ -442,7 +446,9 @@ class Engine:
             self._capture_tree_graphs(progress)
             return
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
-        precompile_engine(self, progress=progress, parallel=parallel_precompile)
+        workers = (default_workers(self.cfg) if precompile_workers is None else precompile_workers)
+        precompile_engine(self, progress=progress, parallel=parallel_precompile,
+                          workers=0 if self.dp is not None else workers)
         self._reset_neutral()
         for k in sorted(self._verify_by_k, reverse=True):  # split mode only (else disabled)
             self._verify_by_k[k].capture(progress=progress)

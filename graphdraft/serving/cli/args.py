@@ -118,6 +118,7 @@ FIELD_FLAGS = {
     "device": "--device",
     "kernel_backend": "--kernel-backend",
     "kv_cache_memory_gb": "--kv-cache-memory-gb",
+    "precompile_workers": "--precompile-workers",
     "max_new_tokens": "--max-new-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",
@@ -175,6 +176,9 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="'cpu', 'cuda' or 'cuda:N'")
     g.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="Triton kernels, plain torch, or auto (Triton on CUDA)")
+    g.add_argument("--precompile-workers", type=int_at_least(0), default=None,
+                   help="processes compiling the Triton kernels before capture (0: in this "
+                        "process; None: min(8, CPU count) on CUDA)")
     g.add_argument("--dp-size", type=int_at_least(1), default=d["dp_size"].default,
                    help="data-parallel attention ranks (generate; start one process per rank "
                         "with torchrun --nproc-per-node N: gloo on CPU, NCCL on CUDA)")

@@ -53,7 +53,8 @@ def runtime_from_args(a: argparse.Namespace, max_context_len: int | None = None)
             kernel_backend=a.kernel_backend, dp_size=getattr(a, "dp_size", 1),
             speculative_policy=getattr(a, "speculative_policy", "adaptive"),
             speculative_eagle_topk=getattr(a, "speculative_eagle_topk", 1),
-            speculative_num_draft_tokens=getattr(a, "speculative_num_draft_tokens", None))
+            speculative_num_draft_tokens=getattr(a, "speculative_num_draft_tokens", None),
+            precompile_workers=getattr(a, "precompile_workers", None))
     except ValueError as e:
         raise CliError(translate(str(e))) from e
 

@@ -1,0 +1,578 @@
+"""Compiling a schedule's Triton kernels in worker processes, into Triton's on-disk cache.
+
+A cold `Engine.capture_graphs` spends most of its time in Triton's compiler, one kernel after
+another in one process (`kernels.warmup.precompile_engine`: each captured forward once per size
+bucket). Here that work is split over worker processes first; the main process then runs
+`precompile_engine` as before and loads (almost) every kernel from the cache instead of
+compiling it.
+
+How a worker gets the same kernels: a Triton kernel is compiled per specialization key
+(constexprs, launch options, argument dtypes, value / alignment specialization:
+`warmup.specialization_key`), never per layer or weight value. A worker therefore builds an
+engine of the SAME shapes (`WorkerSpec`: the target's and head's `ModelConfig`, dtype,
+`RuntimeConfig` with its `KernelConfig` and the engine's KV page count, the draft vocab's size)
+with random weights and only as many target layers as the code paths need
+(`reduced_target_config`: layer 0 runs without a residual input, every later layer with one;
+2 layers, the EAGLE-3 aux ids mapped onto them), and runs the precompile of its share of the
+(forward, batch size) tasks (`plan`: one task per captured forward and representative size of
+each bucket, `buckets.representative_sizes`; grouped by forward, whose sizes share most
+kernels). A process compiles every kernel its tasks need that is not in the cache yet, so
+kernels shared by several shares are compiled in each: one (forward, size) task alone needs
+about half of all the schedule's kernels, which bounds what processes can gain. `tests/test_precompile_workers.py` checks on the CPU
+that a reduced engine launches exactly the keys of the full one, kernel by kernel.
+
+Device memory: a worker holds its reduced engine (`worker_bytes` counts about 7 GB at the 8B
+shape, with a 3 GiB margin);
+no more workers start than the free memory holds (`memory_cap`, 4 GiB left to this process).
+
+Processes: `sys.executable -m graphdraft.kernels.precompile_workers SPEC OUT` (a fresh
+interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
+do), with the caller's environment and `TRITON_CACHE_DIR` set to the caller's cache
+(`capture.cache_dir()`: the user's `TRITON_CACHE_DIR` or Triton's default). The main process
+runs the largest share itself meanwhile. A tqdm bar counts finished tasks over all processes.
+A worker that fails (exit status, timeout) raises `PrecompileWorkerError` with its log's tail;
+`precompile_engine` logs it and compiles the rest in-process. Triton writes each cache file to
+a temporary folder and renames it into place, the group file (what a lookup reads first) last,
+so a killed worker leaves no entry that a later lookup would load half-written.
+
+Warm caches: the main process runs the first task of its share before anything else; when
+that built nothing (Triton's compilation listener saw only cache hits) the cache is warm and
+the workers, still starting up, are stopped. Once a precompile with workers finished, a marker file
+`graphdraft-precompiled-<fingerprint>.json` in the cache folder (the fingerprint covers the
+spec, the tasks, torch / triton versions, the GPU, the kernel sources and the TRITON_* /
+GRAPHDRAFT_* environment) makes later runs skip the workers (their start-up would cost more
+than loading). A stale marker only costs time: the in-process precompile compiles what is
+missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from capture import cache_dir
+from capture.compiles import builds_counted
+from graphdraft.config import ModelConfig, RuntimeConfig
+
+__all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "default_workers",
+           "engine_spec", "memory_cap", "plan", "precompile_tasks", "reduced_target_config",
+           "run_workers", "tasks_of", "worker_bytes"]
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_WORKERS = 8
+ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
+WORKER_TIMEOUT_S = 600.0
+_MARKER = "graphdraft-precompiled-{}.json"
+
+Task = tuple[str, str, int]
+"""(owner "engine" | "drafter", attribute of its `CapturedForward`, batch size)."""
+
+
+class PrecompileWorkerError(RuntimeError):
+    """A precompile worker process failed (its exit status and log tail are in the message)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to rebuild an engine whose kernels are the main engine's."""
+
+    target: ModelConfig
+    """The target's shape with the fewest layers (`reduced_target_config`)."""
+    head: ModelConfig | None
+    hot_tokens: int | None
+    """Length of the head's draft->target id map (`hot_token_ids`), None without one."""
+    runtime: RuntimeConfig
+    """The engine's config (its `num_kv_pages` fixed: the KV pool keeps the engine's shape)."""
+    dtype: str
+    device: str
+    cache_dir: str
+    tasks: tuple[Task, ...] = ()
+
+
+@dataclass
+class WorkerReport:
+    """What the worker phase did: worker processes, tasks (the main process's share included),
+    `built`: kernels Triton's compiler built in the workers per (owner, attribute, bs),
+    `main_tasks`: the share this process ran meanwhile (its builds, `main_built`, are also in
+    the forwards' `GraphStats.built`), wall seconds of the phase and of each worker, why none ran if so."""
+
+    workers: int = 0
+    tasks: int = 0
+    built: dict[Task, int] = field(default_factory=dict)
+    main_tasks: list[Task] = field(default_factory=list)
+    main_built: int = 0
+    """Kernels this process built in its share, while the workers ran."""
+    pass_built: int | None = None
+    """Kernels this process built in `precompile_engine`'s pass after the workers (~0: the
+    workers built the rest; set by `precompile_engine`)."""
+    wall_s: float = 0.0
+    worker_wall_s: list[float] = field(default_factory=list)
+    worker_startup_s: list[float] = field(default_factory=list)
+    """Per worker: seconds to start (imports, CUDA, building its engine) before its tasks."""
+    skipped: str | None = None
+
+    @property
+    def total_built(self) -> int:
+        return sum(self.built.values())
+
+
+def default_workers(cfg: RuntimeConfig) -> int:
+    """`cfg.precompile_workers`, or for None: the env var GRAPHDRAFT_PRECOMPILE_WORKERS (an int
+    >= 0; anything else: ValueError naming it) if set, else min(8, CPU count) on CUDA; 0 on a
+    CPU or under data parallelism."""
+    n = getattr(cfg, "precompile_workers", None)
+    if n is not None:
+        return n
+    if not str(cfg.device).startswith("cuda") or cfg.dp_size > 1:
+        return 0
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise ValueError(f"{ENV}: expected an int >= 0, got {env!r}")
+        return int(env)
+    return min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
+
+
+def reduced_target_config(mc: ModelConfig) -> ModelConfig:
+    """`mc` with 2 layers (or fewer if it has fewer): layer 0 (no residual input) and one later
+    layer (with one) launch every kernel variant the full stack does. The EAGLE-3 aux ids map
+    onto them (id 0 stays 0, every other id becomes 1), so the aux width `k * H` is unchanged."""
+    n = min(mc.num_hidden_layers, 2)
+    ids = tuple(min(i, n - 1) for i in mc.aux_layer_ids())
+    return dataclasses.replace(mc, num_hidden_layers=n, aux_hidden_state_layer_ids=ids)
+
+
+def engine_spec(engine) -> tuple[WorkerSpec | None, str]:
+    """The worker spec of `engine` (no tasks yet), or None and the reason when a worker cannot
+    rebuild it: a caller's drafter, tensor or data parallelism, a model that is not the
+    built-in Llama target / EAGLE-3 head."""
+    from graphdraft.models.eagle3 import Eagle3DraftHead
+    from graphdraft.models.llama import LlamaForCausalLM
+    from graphdraft.runtime.drafter import EagleDrafter
+
+    target = getattr(engine, "target", None)
+    if type(target) is not LlamaForCausalLM or target.tp is not None or target.dp is not None:
+        return None, "the target is not a plain LlamaForCausalLM (tensor / data parallel?)"
+    if getattr(engine, "dp", None) is not None:
+        return None, "data parallelism"
+    drafter = getattr(engine, "drafter", None)
+    head = None
+    if drafter is not None:
+        if type(drafter) is not EagleDrafter:
+            return None, f"a caller's drafter ({type(drafter).__name__})"
+        head = drafter.head
+        if type(head) is not Eagle3DraftHead or head.tp is not None or head.dp is not None:
+            return None, "the draft head is not a plain Eagle3DraftHead"
+    cfg = engine.cfg
+    hot = getattr(head, "hot_token_ids", None) if head is not None else None
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    spec = WorkerSpec(target=reduced_target_config(target.config),
+                      head=head.config if head is not None else None,
+                      hot_tokens=int(hot.shape[0]) if hot is not None else None,
+                      runtime=cfg, dtype=cfg.dtype, device=str(device),
+                      cache_dir=str(cache_dir()))
+    return spec, ""
+
+
+WORKER_OVERHEAD_BYTES = 3 << 30
+"""A worker's device memory beyond its weights and KV pools: CUDA context, activations, the
+allocator's slack, cuBLAS workspaces (a generous bound)."""
+
+
+def _param_bytes(module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def worker_bytes(engine, spec: WorkerSpec) -> int:
+    """Device memory one worker's engine takes (`spec`'s reduced target: the full target's
+    bytes less the dropped layers; the head without the shared embedding; the KV pools at the
+    reduced layer count; `WORKER_OVERHEAD_BYTES`)."""
+    target = engine.target
+    layers = len(target.layers)
+    per_layer = _param_bytes(target.layers[0]) if layers else 0
+    total = _param_bytes(target) - (layers - spec.target.num_hidden_layers) * per_layer
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:
+        shared = {target.embed_tokens.data_ptr()}
+        total += sum(t.numel() * t.element_size() for t in drafter.head.parameters()
+                     if t.data_ptr() not in shared)
+        total += drafter.kv_pool.nbytes()
+    total += engine.kv.nbytes() * spec.target.num_hidden_layers // max(layers, 1)
+    return total + WORKER_OVERHEAD_BYTES
+
+
+def memory_cap(engine, spec: WorkerSpec, workers: int) -> int:
+    """`workers`, at most as many as the free device memory holds (`worker_bytes` each, 4 GiB
+    left to this process's capture); unchanged without CUDA."""
+    if not torch.cuda.is_available() or not spec.device.startswith("cuda"):
+        return workers
+    free, _ = torch.cuda.mem_get_info(torch.device(spec.device))
+    fits = max(0, (free - (4 << 30)) // worker_bytes(engine, spec))
+    return min(workers, int(fits))
+
+
+def tasks_of(engine) -> list[Task]:
+    """Every (owner, attribute, bs) the engine's precompile runs: each active captured forward
+    of the engine and its drafter at its representative sizes (`precompile_engine`'s choice)."""
+    from graphdraft.kernels.buckets import representative_sizes
+    from graphdraft.kernels.warmup import captured_forwards
+
+    n = int(getattr(engine.cfg, "spec_num_tokens", 1))
+    kc = getattr(engine.cfg, "kernels", None)
+    out: list[Task] = []
+    owners = [("engine", engine)]
+    if getattr(engine, "drafter", None) is not None:
+        owners.append(("drafter", engine.drafter))
+    for owner_name, owner in owners:
+        for attr, f in captured_forwards(owner).items():
+            if not getattr(f, "active", True):
+                continue
+            for bs in representative_sizes(f.batch_sizes, (1, n), kernels=kc):
+                out.append((owner_name, attr, bs))
+    return out
+
+
+def plan(tasks: Sequence[Task], shares: int) -> list[list[Task]]:
+    """Split `tasks` into at most `shares` non-empty lists (share 0: the main process's).
+
+    The tasks of one forward form a group (its sizes share most kernels: on the tiny CPU pair,
+    grouping by forward needs 30 distinct kernels in the busiest of 9 processes where grouping
+    by batch size needs 35, of 46 in all; one task alone needs up to 27). While there are
+    fewer groups than shares, the largest group is halved (its sizes in the given order: neighbouring
+    buckets share the most). Groups go largest first to the share with the fewest tasks
+    (ties: the lower index). Every task lands in exactly one share, in its given order
+    within a group; ValueError for `shares < 1`."""
+    if not isinstance(shares, int) or isinstance(shares, bool) or shares < 1:
+        raise ValueError(f"shares: expected an int >= 1, got {shares!r}")
+    groups: dict[tuple[str, str], list[Task]] = {}
+    for t in tasks:
+        groups.setdefault((t[0], t[1]), []).append(t)
+    units = sorted(groups.values(), key=len, reverse=True)  # stable: discovery order on ties
+    while 0 < len(units) < shares and max(len(u) for u in units) > 1:
+        big = max(range(len(units)), key=lambda i: len(units[i]))
+        u = units.pop(big)
+        half = (len(u) + 1) // 2
+        units[big:big] = [u[:half], u[half:]]
+    units.sort(key=len, reverse=True)
+    bins: list[list[Task]] = [[] for _ in range(min(shares, len(units)))]
+    for unit in units:
+        min(bins, key=len).extend(unit)
+    return [b for b in bins if b]
+
+
+def precompile_tasks(engine, tasks: Sequence[Task], on_done=None) -> dict[Task, int]:
+    """Run each task's forward once at its size (`CapturedForward.precompile`) in this process,
+    the engine's and drafter's buffers reset to neutral rows before and after (as
+    `precompile_engine` does); return the kernels Triton built per task (`GraphStats.built`).
+    `on_done()`: called after each task (progress)."""
+    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+    resets = [getattr(engine, "_reset_neutral", None),
+              getattr(owners["drafter"], "_reset_neutral", None)]
+    resets = [r for r in resets if r is not None]
+    out: dict[Task, int] = {}
+    for r in resets:
+        r()
+    with torch.inference_mode():
+        for task in tasks:
+            owner, attr, bs = task
+            f = getattr(owners[owner], attr)
+            before = f.stats.built[bs]
+            f.precompile([bs], progress=False)
+            out[task] = f.stats.built[bs] - before
+            if on_done is not None:
+                on_done()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for r in resets:
+        r()
+    return out
+
+
+# ------------------------------------------------------------------ the worker process
+def build_engine(spec: WorkerSpec):
+    """The worker's engine: random weights of the spec's shapes on its device."""
+    from graphdraft.config import resolve_dtype
+    from graphdraft.models.layers import init_random_
+    from graphdraft.models.llama import LlamaForCausalLM
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+
+    dtype = resolve_dtype(spec.dtype)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if spec.head is None:
+        with device:
+            target = LlamaForCausalLM(spec.target, dtype)
+            init_random_(target, 0, std=0.02)
+        target.to(device)
+        return Engine(target, spec.runtime)
+    hot = None
+    if spec.hot_tokens is not None:
+        hot = torch.randperm(spec.target.vocab_size,
+                             generator=torch.Generator().manual_seed(0))[: spec.hot_tokens]
+    target, head = random_model_pair(spec.target, spec.head, dtype, 0, std=0.02,
+                                     hot_token_ids=hot, device=device)
+    return Engine(target, spec.runtime, head)
+
+
+def worker_main(spec_path: Path, out_path: Path) -> int:
+    """One worker: build the engine of `spec_path` (a pickled `WorkerSpec`), run its tasks,
+    append a line to `out_path.progress` per finished task, write `out_path` (JSON: builds per
+    task, seconds)."""
+    t0 = time.perf_counter()
+    with open(spec_path, "rb") as fh:
+        spec: WorkerSpec = pickle.load(fh)
+    from capture.compiles import install_triton_counter
+
+    install_triton_counter()
+    engine = build_engine(spec)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the fp32 draws of the random init: not kept reserved
+    t_built = time.perf_counter()
+    progress = Path(str(out_path) + ".progress")
+
+    def done() -> None:
+        with open(progress, "a") as fh:
+            fh.write("1\n")
+
+    built = precompile_tasks(engine, spec.tasks, on_done=done)
+    data = {"built": [[*t, n] for t, n in built.items()],
+            "startup_s": round(t_built - t0, 3), "wall_s": round(time.perf_counter() - t0, 3)}
+    tmp = Path(str(out_path) + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(out_path)
+    return 0
+
+
+# ------------------------------------------------------------------ the main process
+def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
+    """What decides which kernels a precompile of `spec` compiles (see the module docstring)."""
+    import triton
+
+    kdir = Path(__file__).resolve().parent
+    src = hashlib.sha256()
+    for p in sorted(kdir.glob("*.py")):
+        src.update(p.name.encode())
+        src.update(p.read_bytes())
+    dev = ""
+    if torch.cuda.is_available() and spec.device.startswith("cuda"):
+        d = torch.device(spec.device)
+        dev = f"{torch.cuda.get_device_name(d)} {torch.cuda.get_device_capability(d)}"
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("TRITON_", "GRAPHDRAFT_")))
+    shape = dataclasses.replace(spec, cache_dir="", device="", tasks=(),
+                                runtime=spec.runtime.replace(precompile_workers=None))
+    parts = [repr(shape), repr(sorted(tasks)),
+             torch.__version__, triton.__version__, dev, src.hexdigest(), repr(env)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _marker(spec: WorkerSpec, tasks: Sequence[Task]) -> Path:
+    return Path(spec.cache_dir) / _MARKER.format(_fingerprint(spec, tasks))
+
+
+def mark_warm(engine) -> Path | None:
+    """Write the warm-cache marker of `engine` (after its precompile finished); None when no
+    worker could rebuild it or the cache folder is not writable."""
+    spec, _ = engine_spec(engine)
+    if spec is None:
+        return None
+    path = _marker(spec, tasks_of(engine))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"tasks": len(tasks_of(engine)), "time": time.time()}))
+        tmp.replace(path)
+    except OSError as e:
+        logger.debug("precompile marker not written: %s", e)
+        return None
+    return path
+
+
+def _launch(spec_path: Path, out_path: Path, log_path: Path, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(spec_path),
+           str(out_path)]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def _env(spec: WorkerSpec) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=spec.cache_dir, PYTHONUNBUFFERED="1")
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding graphdraft/
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p != root])
+    return env
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def run_workers(engine, workers: int, *, progress: bool = True,
+                timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
+    """Compile `engine`'s schedule kernels into Triton's cache with `workers` processes plus
+    this one (module docstring); return what they did. No processes (`report.skipped` says
+    why) when `workers` is 0, nothing is to be captured, the engine cannot be rebuilt, there
+    is one share only, or the marker says the cache is warm; stopped early when this process's
+    first task built nothing (`report.skipped` then says so). Raises PrecompileWorkerError
+    when a worker fails (the others are stopped); ValueError for `workers < 0`."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"precompile_workers: expected an int >= 0, got {workers!r}")
+    report = WorkerReport()
+    if workers == 0:
+        report.skipped = "precompile_workers=0"
+        return report
+    tasks = tasks_of(engine)
+    spec, why = engine_spec(engine)
+    if not tasks:
+        report.skipped = "nothing to capture"
+    elif spec is None:
+        report.skipped = why
+    elif _marker(spec, tasks).exists():
+        report.skipped = "Triton cache warm for this engine (marker found)"
+    if report.skipped:
+        logger.info("precompile workers: none (%s)", report.skipped)
+        return report
+    fit = memory_cap(engine, spec, workers)
+    if fit < workers:
+        logger.info("precompile workers: %d instead of %d (free GPU memory for ~%.1f GiB each)",
+                    fit, workers, worker_bytes(engine, spec) / (1 << 30))
+    shares = plan(tasks, fit + 1)
+    if len(shares) < 2:
+        report.skipped = ("one share of work only" if fit else
+                          "not enough free GPU memory for a worker")
+        logger.info("precompile workers: none (%s)", report.skipped)
+        return report
+    mine, theirs = shares[0], shares[1:]
+    report.workers, report.tasks = len(theirs), len(tasks)
+    t0 = time.perf_counter()
+    env = _env(spec)
+    procs: list[tuple[subprocess.Popen, Path, Path, Path]] = []
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - a declared dependency
+        tqdm = None
+    bar = tqdm(total=len(tasks), desc=f"JIT warm-up ({len(theirs)} workers + this process)",
+               unit="task") if progress and tqdm is not None else None
+    mine_done = 0
+
+    def worker_progress() -> int:
+        n = 0
+        for _, out, _, _ in procs:
+            try:
+                n += Path(str(out) + ".progress").read_text().count("\n")
+            except OSError:
+                pass
+        return n
+
+    def update() -> None:
+        if bar is not None:
+            bar.n = mine_done + worker_progress()
+            bar.refresh()
+
+    def bump() -> None:
+        nonlocal mine_done
+        mine_done += 1
+        update()
+
+    with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
+        try:
+            for i, share in enumerate(theirs, 1):
+                sp, out, log = (Path(tmp) / f"spec{i}.pkl", Path(tmp) / f"out{i}.json",
+                                Path(tmp) / f"log{i}.txt")
+                with open(sp, "wb") as fh:
+                    pickle.dump(dataclasses.replace(spec, tasks=tuple(share)), fh)
+                procs.append((_launch(sp, out, log, env), out, log, sp))
+            logger.info("precompile: %d tasks over %d worker processes and this one",
+                        len(tasks), len(theirs))
+            report.main_tasks = list(mine)
+            # The probe: this process's first task built nothing (every kernel it needs was
+            # in the cache), so the cache is warm: stop the workers (still starting up).
+            main_built = precompile_tasks(engine, mine[:1], on_done=bump)
+            if builds_counted() and sum(main_built.values()) == 0:
+                report.skipped = "Triton cache warm (this process's first task built nothing)"
+                report.workers = 0
+                report.main_tasks = list(mine[:1])
+                report.main_built = 0
+                report.wall_s = time.perf_counter() - t0
+                logger.info("precompile workers: stopped (%s)", report.skipped)
+                return report
+            main_built.update(precompile_tasks(engine, mine[1:], on_done=bump))
+            report.main_built = sum(main_built.values())
+            deadline = time.monotonic() + timeout_s
+            pending = list(range(len(procs)))
+            while pending:
+                for j in list(pending):
+                    p, out, log, _ = procs[j]
+                    rc = p.poll()
+                    if rc is None:
+                        continue
+                    pending.remove(j)
+                    if rc != 0 or not out.exists():
+                        raise PrecompileWorkerError(
+                            f"precompile worker {j + 1} failed (exit status {rc}); its log "
+                            f"ends:\n{_tail(log)}")
+                    data = json.loads(out.read_text())
+                    for owner, attr, bs, n in data["built"]:
+                        report.built[(owner, attr, int(bs))] = int(n)
+                    report.worker_wall_s.append(float(data["wall_s"]))
+                    report.worker_startup_s.append(float(data["startup_s"]))
+                update()
+                if pending and time.monotonic() > deadline:
+                    raise PrecompileWorkerError(
+                        f"precompile workers {[j + 1 for j in pending]} did not finish within "
+                        f"{timeout_s:.0f} s; the log of worker {pending[0] + 1} ends:\n"
+                        f"{_tail(procs[pending[0]][2])}")
+                if pending:
+                    time.sleep(0.05)
+        finally:
+            for p, *_ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            if bar is not None:
+                bar.close()
+    report.wall_s = time.perf_counter() - t0
+    logger.info("precompile workers: %d processes, %d tasks, %d kernels built there, %d here, "
+                "%.2f s", report.workers, report.tasks, report.total_built,
+                sum(main_built.values()), report.wall_s)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m graphdraft.kernels.precompile_workers SPEC.pkl OUT.json",
+              file=sys.stderr)
+        return 2
+    return worker_main(Path(args[0]), Path(args[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
