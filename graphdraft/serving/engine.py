@@ -508,6 +508,8 @@ class Engine:
                 st = f.stats
                 m.replays.update(st.replays)
                 m.compiles.update(st.compiles)
+                m.built.update(st.built)
+                m.worker_built.update(st.worker_built)
                 for key, v in st.eager.items():
                     m.eager[key] = m.eager.get(key, 0) + v
                 for name in ("capture_seconds", "pool_bytes", "eager_seconds",
