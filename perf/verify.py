@@ -271,7 +271,8 @@ def _tiled(case: int, tile: tuple[int, int, int], stages: int) -> KernelConfig:
     kc = default_config()
     tiles = list(kc.extend_tiles)
     tiles[extend_attention.TILE_CASES.index(case)] = tile
-    return kc.replace(extend_tiles=tuple(tiles), extend_num_stages=stages)
+    field = "extend_prefill_stages" if case == 128 else "extend_num_stages"
+    return kc.replace(extend_tiles=tuple(tiles), **{field: stages})
 
 
 def prefill_tiles(device: str) -> list[dict]:

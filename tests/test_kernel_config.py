@@ -57,7 +57,8 @@ def test_every_env_var_sets_its_field(clean_env):
               "GRAPHDRAFT_DECODE_BLOCK_N": ("16", 16),
               "GRAPHDRAFT_EXTEND_TILES": ("16x16x4, 32X32x2,64x64x4,128x64x8",
                                           ((16, 16, 4), (32, 32, 2), (64, 64, 4), (128, 64, 8))),
-              "GRAPHDRAFT_EXTEND_NUM_STAGES": ("3", 3)}
+              "GRAPHDRAFT_EXTEND_NUM_STAGES": ("3", 3),
+              "GRAPHDRAFT_EXTEND_PREFILL_STAGES": ("4", 4)}
     assert set(values) == {var for var, _ in ENV_VARS.values()}  # the table names them all
     for field, (var, _) in ENV_VARS.items():
         raw, want = values[var]
@@ -277,7 +278,7 @@ def test_attention_settings_default_to_the_shipped_launches():
     """The attention kernels' settings default to the measured tiles and stages (the values
     `KernelConfig`'s docstrings cite); env vars read once, bad values named."""
     kc = KernelConfig()
-    assert (kc.decode_block_n, kc.extend_num_stages) == (64, 2)
+    assert (kc.decode_block_n, kc.extend_num_stages, kc.extend_prefill_stages) == (64, 2, 3)
     assert kc.extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4))
     env = {"GRAPHDRAFT_DECODE_BLOCK_N": "32", "GRAPHDRAFT_EXTEND_NUM_STAGES": "4"}
     assert KernelConfig.from_env(env).replace(decode_block_n=64, extend_num_stages=2) == kc

@@ -27,7 +27,8 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
 | `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
 | `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x4` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
-| `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 2 | software-pipeline stages of the extend attention's split kernel |
+| `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 2 | software-pipeline stages of the extend attention's split kernel, tile cases of 16-64 rows (verify, draft first step) |
+| `extend_prefill_stages` | `GRAPHDRAFT_EXTEND_PREFILL_STAGES` | int >= 1 | 3 | the same for the 128-row case (prefill chunks) |
 
 Bools: "1", "true", "yes", "on" / "0", "false", "no", "off" (any case). The measurements behind
 the defaults are in the docstrings of `gemv.py` / `pdl.py` and in perf/RESULTS.md.
@@ -99,6 +100,9 @@ class KernelConfig:
     extend_num_stages: int = 2
     """2 stages: one layer's N = 4 verify attention at kv 4096 took 116 / 256 / 991 us at bs 8 /
     64 / 256 against 127 / 332 / 1057 us with 3 (H200, perf/RESULTS.md 2026-12-04c)."""
+    extend_prefill_stages: int = 3
+    """Stages of the 128-row case: the 8k prefill at (128, 64, 4) took 1.44 ms with 3, 1.81
+    with 2 (H200, perf/RESULTS.md 2026-12-04d)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:
@@ -126,6 +130,8 @@ class KernelConfig:
              and all(isinstance(t, tuple) and len(t) == 3 and _pow2(t[0], 16, 128)
                      and _pow2(t[1], 16, 256) and _pow2(t[2], 1, 16) for t in self.extend_tiles),
              "extend_tiles", _EXTEND_TILES_EXPECTED)
+        need(_is_int(self.extend_prefill_stages) and self.extend_prefill_stages >= 1,
+             "extend_prefill_stages", "an int >= 1")
         need(_is_int(self.extend_num_stages) and self.extend_num_stages >= 1, "extend_num_stages",
              "an int >= 1")
 
@@ -220,6 +226,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "decode_block_n": ("GRAPHDRAFT_DECODE_BLOCK_N", _int),
     "extend_tiles": ("GRAPHDRAFT_EXTEND_TILES", _tiles),
     "extend_num_stages": ("GRAPHDRAFT_EXTEND_NUM_STAGES", _int),
+    "extend_prefill_stages": ("GRAPHDRAFT_EXTEND_PREFILL_STAGES", _int),
 }
 """field -> (environment variable, parser): the module table."""
 
@@ -239,6 +246,7 @@ _EXPECTED = {
     "decode_block_n": "a power of two in [16, 256]",
     "extend_tiles": _EXTEND_TILES_EXPECTED + ", as BMxBNxW,BMxBNxW,...",
     "extend_num_stages": "an int >= 1",
+    "extend_prefill_stages": "an int >= 1",
 }
 
 TRITON = KernelConfig(backend="triton")

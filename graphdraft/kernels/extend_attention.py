@@ -33,7 +33,8 @@ config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtyp
 page size and flags, whatever the batch size.
 
 Settings (`kernels.config.KernelConfig`, `kernels=`; None: the default config):
-`extend_tiles` (the tile of each BLOCK_M case), `extend_num_stages` and the PDL switches.
+`extend_tiles` (the tile of each BLOCK_M case), `extend_num_stages` (16-64-row cases),
+`extend_prefill_stages` (the 128-row case) and the PDL switches.
 The torch reference (`paged_extend_attention_ref`) is the op's torch path
 (`graphdraft.ops.paged_extend_attention`): it expands the rows to per-token metadata and runs
 `decode_attention.paged_attention_torch` (fixed shapes, no host sync, capturable).
@@ -344,7 +345,8 @@ def paged_extend_attention(
         float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, UNIFORM=uniform_n > 0, MASK_BITS=mask_bits is not None, ONE_SPLIT=one,
-        DOT_FP32=dot_fp32, num_warps=warps, num_stages=kc.extend_num_stages,
+        DOT_FP32=dot_fp32, num_warps=warps,
+        num_stages=kc.extend_prefill_stages if block_m == 128 else kc.extend_num_stages,
         **launch_options(q.device, T, kernels=kc),
     )
     if not one:
