@@ -95,7 +95,8 @@ WARMUP = 12            # steps before each cell's first timed block (the adaptiv
                        # settles: at bs 1 one row a step; tests/test_policy_perf.py checks it)
 BLOCK = None           # steps per timed block; None: `block_steps(bs)`
 ROWS_PER_BLOCK = 64    # block_steps: enough decode rows a block that the realized accept is
-MIN_BLOCK = 6          # near its expectation (bs 1: 64 cycles, 320 timed cycles a cell)
+MIN_BLOCK = 12         # near its expectation (bs 1: 64 cycles, 320 timed cycles a cell);
+                       # 12: at bs >= 128 blocks of 6 steps spread 0.92-1.05 (2026-12-04d)
 REPS = 5               # rounds of blocks (each ratio: the median of its REPS per-round ratios)
 SEED = 1234            # accept_control's Philox key
 RESIDUAL_SCALE = 0.01  # --no-peak: o_proj / down_proj of the 8B target scaled (module docstring)

@@ -156,8 +156,11 @@ def _table(bss=(1, 8, 64, 256), steps=3, seed=0) -> dict[tuple[int, int], float]
 
 
 def _policy_at(alpha: float, costs, steps=3, **kw) -> SpeculationPolicy:
+    """The policy with its estimate pinned at alpha and, by default, no cost probes (these
+    tables stay static: no real cycle is ever timed)."""
     est = AcceptRateEstimator(prior_alpha=max(alpha, 1e-6), prior_weight=1e6, decay=1.0)
-    return SpeculationPolicy("adaptive", steps, costs, estimator=est, **kw)
+    return SpeculationPolicy("adaptive", steps, costs, estimator=est,
+                             **{"cost_probe_margin": 0.0, **kw})
 
 
 @settings(max_examples=40, deadline=None)
@@ -191,7 +194,8 @@ def test_fixed_mode_always_configured_steps():
 
 def test_safety_rule_cold_start_speculates_and_low_upper_bound_stops():
     costs = {(1, k): 5.0 * (1 + 0.3 * k) for k in range(4)}  # each draft adds 30% to the cycle
-    pol = SpeculationPolicy("adaptive", 3, costs, estimator=AcceptRateEstimator(prior_alpha=0.7))
+    pol = SpeculationPolicy("adaptive", 3, costs, estimator=AcceptRateEstimator(prior_alpha=0.7),
+                            cost_probe_margin=0.0)
     assert pol.decide(1) > 0  # cold start: the prior speculates
     rng = np.random.default_rng(3)
     for _ in range(30):
@@ -207,7 +211,8 @@ def test_hysteresis_holds_then_switches():
     # k = 1 and k = 3 nearly tie around alpha ~ 0.6 with these costs
     costs = {(1, 0): 10.0, (1, 1): 11.0, (1, 2): 40.0, (1, 3): 14.6}
     est = AcceptRateEstimator(prior_alpha=0.6, prior_weight=1e6, decay=1.0)
-    pol = SpeculationPolicy("adaptive", 3, costs, estimator=est, hysteresis=0.05, probe_every=0)
+    pol = SpeculationPolicy("adaptive", 3, costs, estimator=est, hysteresis=0.05, probe_every=0,
+                            cost_probe_margin=0.0)
     k0 = pol.decide(1)
     sc = pol.scores(1)
     other = 3 if k0 == 1 else 1
@@ -226,7 +231,8 @@ def test_hysteresis_holds_then_switches():
     # alpha flapping between 0.53 (k = 1 ahead by 3.6%) and 0.62 (k = 3 ahead by 4.3%):
     # no switch with a 5% margin, one per decision without a margin
     for h, want in ((0.05, 0), (0.0, 3)):
-        pol = SpeculationPolicy("adaptive", 3, costs, estimator=est, hysteresis=h, probe_every=0)
+        pol = SpeculationPolicy("adaptive", 3, costs, estimator=est, hysteresis=h, probe_every=0,
+                                cost_probe_margin=0.0)
         for a in (0.53, 0.62, 0.53, 0.62):
             est.successes = a * 1e6
             pol.decide(1)
@@ -548,7 +554,8 @@ def test_bs128_high_rate_no_flapping_between_k1_and_k3():
         assert pol.stats()["switches"].get(128, 0) <= 2
     costs = {(128, k): TRUE_128[k] for k in (0, 1, 3)}
     est = AcceptRateEstimator(prior_alpha=0.9, prior_weight=1e6, decay=1.0)
-    pol = SpeculationPolicy("adaptive", 3, costs, steps=[0, 1, 3], estimator=est)
+    pol = SpeculationPolicy("adaptive", 3, costs, steps=[0, 1, 3], estimator=est,
+                            cost_probe_margin=0.0)  # static costs: no cost probe
     assert pol.decide(128) == 3
     for a in (0.84, 0.86, 0.84, 0.86, 0.85):  # k = 1 up to 2.5% ahead of k = 3 here
         est.successes = a * est.trials
@@ -565,3 +572,29 @@ def test_probes_cost_under_the_goal_where_target_only_is_right():
     rate, ks = simulate_engine(pol, 256, 0.05, TRUE_256, 3000, 0)
     assert rate >= 0.99 / TRUE_256[0]
     assert 2 <= ks.count(1) <= 2 * (3000 // 200) and 3 not in ks[50:]
+
+
+# 2026-12-04d H200 run, bs 128: replay-only table and the real cycles (k = 1 online EMA 8.14
+# ms; fixed's k = 3 cycle 128 x 3.42 / 31053 tok/s = 14.1 ms)
+TABLE_128D = {(128, 0): 5.37, (128, 1): 6.93, (128, 3): 12.42}
+TRUE_128D = {0: 5.55, 1: 8.14, 3: 14.1}
+
+
+def test_close_k_is_timed_once_instead_of_extrapolated():
+    """bs 128, p = 0.9 as the 04d run saw it: starting at k = 1 (the prior says so), k = 3's
+    cost extrapolated from k = 1's real / replay ratio (14.6 ms) keeps it inside the hysteresis
+    band and the policy stayed at k = 1 (0.90x fixed). With a cost probe k = 3 runs once, its
+    real 14.1 ms is measured, and the policy moves to k = 3; without it (margin 0) it stays."""
+    best_fixed = max(expected_tokens(0.9, k) / TRUE_128D[k] for k in TRUE_128D)
+    for margin, settles_on in ((0.1, 3), (0.0, 1)):
+        pol = SpeculationPolicy("adaptive", 3, TABLE_128D, steps=[0, 1, 3],
+                                cost_probe_margin=margin)
+        rate, ks = simulate_engine(pol, 128, 0.9, TRUE_128D, 300, 0)
+        assert ks[0] == 1 and set(ks[-50:]) == {settles_on}, ks[:30]
+        if settles_on == 3:
+            assert rate >= 0.97 * best_fixed
+            assert pol.stats()["cost_probes"] == [(128, 3)]
+        else:
+            assert rate < 0.97 * best_fixed  # the defect the probe removes
+    with pytest.raises(ValueError, match="^cost_probe_margin: expected"):
+        SpeculationPolicy("adaptive", 3, TABLE_128D, steps=[0, 1, 3], cost_probe_margin=-0.1)

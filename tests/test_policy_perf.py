@@ -119,7 +119,8 @@ for _bs, _t in {1: 6.0, 8: 6.3, 64: 7.0, 256: 7.97}.items():
 
 def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int], float]:
     """The default adaptive policy fed as the Engine feeds it: truncated geometric accept
-    lengths at match rate p, observed one step late, drafts made after a k = 0 cycle: none."""
+    lengths at match rate p and the cycle's device time (the table's figure: real = replay
+    here), observed one step late, drafts made after a k = 0 cycle: none."""
     rng = random.Random(seed)
     pol = SpeculationPolicy("adaptive", 3, COSTS, steps=[0, 1, 3],
                             estimator=AcceptRateEstimator(**est))
@@ -128,7 +129,9 @@ def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int
         k = pol.decide(bs)
         ks.append(k)
         if pending is not None:
-            pol.observe(*pending)
+            acc, real, kk = pending
+            pol.observe(acc, real)
+            pol.observe_cost(bs, kk, COSTS[(bs, kk)])
         real, made = min(k, made), k
         acc = []
         for _ in range(bs):
@@ -136,7 +139,7 @@ def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int
             while a <= k and rng.random() < p:
                 a += 1
             acc.append(min(a, real + 1))
-        pending = (acc, real)
+        pending = (acc, real, k)
     return ks, pol.estimator.alpha
 
 

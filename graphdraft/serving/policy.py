@@ -365,13 +365,17 @@ class SpeculationPolicy:
     margin by which a k > 0 must beat k = 0 to be picked or kept; `probe_every` decisions (0:
     never probe); `probe_budget` the fraction of target-only time probes may cost;
     `probe_cycles` >= 1 consecutive k > 0 decisions per probe (2: the first verifies the
-    filler a k = 0 cycle left).
+    filler a k = 0 cycle left); `cost_probe_margin` >= 0: while a k > 0 is chosen, an eligible
+    other k > 0 whose cost at this bs is still extrapolated (no real cycle timed) and whose
+    score lies within this margin below the chosen one's runs once (a cost probe), so that
+    two close k are compared on measured costs, not on an extrapolation (0: never).
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
                  hysteresis: float = 0.03, spec_margin: float = 0.02, probe_every: int = 16,
-                 probe_budget: float = 0.003, probe_cycles: int = 2) -> None:
+                 probe_budget: float = 0.003, probe_cycles: int = 2,
+                 cost_probe_margin: float = 0.1) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -401,6 +405,7 @@ class SpeculationPolicy:
         self.probe_every = _check_int("probe_every", probe_every, 0)
         self.probe_budget = _check_margin("probe_budget", probe_budget)
         self.probe_cycles = _check_int("probe_cycles", probe_cycles, 1)
+        self.cost_probe_margin = _check_margin("cost_probe_margin", cost_probe_margin)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -408,6 +413,7 @@ class SpeculationPolicy:
         self._chosen: dict[int, Counter[int]] = defaultdict(Counter)
         self._switches: Counter[int] = Counter()
         self._probes = 0
+        self._cost_probed: set[tuple[int, int]] = set()  # (bs, k) run once for their cost
         self._since_info = 0
         self._probe_left: dict[int, int] = {}  # bs -> probe decisions still to return
 
@@ -458,6 +464,10 @@ class SpeculationPolicy:
                 self._chosen[bs][k] += 1
                 return k
             self._probe_left.pop(bs, None)  # k > 0 chosen: no probe needed
+            j = self._cost_probe(bs, k, point, eligible) if k else None
+            if j is not None:
+                self._chosen[bs][j] += 1
+                return j  # a cost probe does not move the bs's current choice either
             if k == 0 and self.probe_every and len(self.steps) > 1 \
                     and self._since_info >= self.probe_interval(bs, extra_ms):
                 k = self.steps[1]
@@ -475,6 +485,20 @@ class SpeculationPolicy:
         self._current[bs] = k
         self._chosen[bs][k] += 1
         return k
+
+    def _cost_probe(self, bs: int, k: int, point: dict[int, float],
+                    eligible: list[int]) -> int | None:
+        """An eligible j > 0 other than the chosen k whose cost at `bs` no real cycle has
+        measured yet and whose score is within `cost_probe_margin` of k's; each (bs, j) once."""
+        if not self.cost_probe_margin:
+            return None
+        timed = self.costs.online_counts()
+        for j in eligible:
+            if j and j != k and (bs, j) not in timed and (bs, j) not in self._cost_probed \
+                    and point[j] >= point[k] * (1.0 - self.cost_probe_margin):
+                self._cost_probed.add((bs, j))
+                return j
+        return None
 
     def probe_interval(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """Decisions without information before a probe at this bs: `probe_every`, stretched so
@@ -526,6 +550,7 @@ class SpeculationPolicy:
             "current": dict(sorted(self._current.items())),
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
+            "cost_probes": sorted(self._cost_probed),
             "cost_ms_online": self._online_costs(),
         }
 
