@@ -83,6 +83,23 @@ def test_default_captured_steps_and_policy_modes():
     assert base.steps == (0,) and base.policy.mode == "fixed"
 
 
+
+def _forced_cycle_and_split(target, head, ps, params, ks) -> list[Engine]:
+    """A cycle-mode and a split-mode engine forced through the draft lengths `ks`, run in lock
+    step over `ps` (cycle == split on every state tensor after every step, `_run_lockstep`);
+    both emit what target-only greedy emits. -> [cycle engine, split engine]."""
+    engines = []
+    for flag in (True, False):
+        e = Engine(target, _adaptive(cycle_graph=flag, cuda_graph_bs=(1, 2, 4, 6)), head)
+        e.set_policy(ForcedPolicy(ks))
+        engines.append(e)
+    outs = _run_lockstep(engines, ps, params)
+    assert outs[0] == outs[1]
+    expected = [target_only(target, runtime(), [p], m.max_new_tokens)[0]
+                for p, m in zip(ps, params, strict=True)]
+    assert outs[0] == expected
+    return engines
+
 def test_forced_switches_every_step_greedy_equals_target_only_cycle_equals_split():
     """k cycles through 0, 3, 1, 3, 0, 0, 1 every step while requests join and leave: the
     cycle and the split mode agree on every state tensor after every step, and the greedy
@@ -90,16 +107,7 @@ def test_forced_switches_every_step_greedy_equals_target_only_cycle_equals_split
     target, head = make_models(4, draft_vocab=40)
     ps = prompts(41, 7)
     params = [SamplingParams(max_new_tokens=m) for m in (9, 14, 6, 12, 11, 8, 10)]
-    engines = []
-    for flag in (True, False):
-        e = Engine(target, _adaptive(cycle_graph=flag, cuda_graph_bs=(1, 2, 4, 6)), head)
-        e.set_policy(ForcedPolicy([0, 3, 1, 3, 0, 0, 1]))
-        engines.append(e)
-    outs = _run_lockstep(engines, ps, params)
-    assert outs[0] == outs[1]
-    expected = [target_only(target, runtime(), [p], m.max_new_tokens)[0]
-                for p, m in zip(ps, params, strict=True)]
-    assert outs[0] == expected
+    engines = _forced_cycle_and_split(target, head, ps, params, [0, 3, 1, 3, 0, 0, 1])
     ks = {k for _, k in engines[0].policy.decided}
     assert ks == {0, 1, 3}
     g = engines[0].metrics_snapshot()["graphs"]
@@ -117,16 +125,7 @@ def test_long_k0_stretches_greedy_equals_target_only_cycle_equals_split():
     ps = prompts(43, 7)
     params = [SamplingParams(max_new_tokens=m) for m in (22, 30, 17, 26, 24, 19, 21)]
     ks = [0] * 7 + [3, 3] + [0] * 11 + [1] + [0] * 5 + [1, 3, 3]
-    engines = []
-    for flag in (True, False):
-        e = Engine(target, _adaptive(cycle_graph=flag, cuda_graph_bs=(1, 2, 4, 6)), head)
-        e.set_policy(ForcedPolicy(ks))
-        engines.append(e)
-    outs = _run_lockstep(engines, ps, params)
-    assert outs[0] == outs[1]
-    expected = [target_only(target, runtime(), [p], m.max_new_tokens)[0]
-                for p, m in zip(ps, params, strict=True)]
-    assert outs[0] == expected
+    engines = _forced_cycle_and_split(target, head, ps, params, ks)
     decided = [k for _, k in engines[0].policy.decided]
     assert decided.count(0) > 20 and {0, 1, 3} <= set(decided)
 

@@ -297,6 +297,10 @@ class CostTable:
         """Real cycles observed per (padded_bs, k)."""
         return dict(self._online_n)
 
+    def timed(self, padded_bs: int, k: int) -> bool:
+        """Whether a real cycle at (padded_bs, k) has been observed (no copy of the counts)."""
+        return (padded_bs, k) in self._online_n
+
     def _in_bs(self, row: dict[int, float], bs: int) -> float:
         if bs in row:
             return row[bs]
@@ -492,9 +496,8 @@ class SpeculationPolicy:
         measured yet and whose score is within `cost_probe_margin` of k's; each (bs, j) once."""
         if not self.cost_probe_margin:
             return None
-        timed = self.costs.online_counts()
         for j in eligible:
-            if j and j != k and (bs, j) not in timed and (bs, j) not in self._cost_probed \
+            if j and j != k and not self.costs.timed(bs, j) and (bs, j) not in self._cost_probed \
                     and point[j] >= point[k] * (1.0 - self.cost_probe_margin):
                 self._cost_probed.add((bs, j))
                 return j
