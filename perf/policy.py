@@ -13,7 +13,13 @@ cycles, and its own estimator).
 
 Method (drift cancels): the cells are measured INTERLEAVED. Per round (REPS rounds), for each
 group of cells (k0; fixed@p and adaptive@p for each p) one timed block of the target-only
-engine, then one block of each cell of the group. Each speculative cell continues from its own
+engine, then one block of each cell of the group, the group's order reversed every other round
+(REPS even: each cell runs first as often as second). Each timed block follows `lead_steps(bs)`
+untimed steps of its own cell (a lead-in), so that the GPU's clocks and power state at the
+block's start are the cell's own steady state, not the previous block's: the 04e run measured
+adaptive 0.961x fixed at bs 64 p = 0.9 with both running k = 3 in every cycle, and adaptive
+0.973x target-only at bs 256 p = 0.2 running k = 0 throughout, each time right after a fixed
+k = 3 block (the heaviest load). Each speculative cell continues from its own
 saved state between its blocks (`Engine.state_snapshot` / `restore_state` and the host's
 outputs: `_snapshot` / `_restore`), and its policy object carries over, so its estimator and
 online costs keep learning across its blocks; the target-only engine keeps one state per
@@ -97,7 +103,8 @@ BLOCK = None           # steps per timed block; None: `block_steps(bs)`
 ROWS_PER_BLOCK = 64    # block_steps: enough decode rows a block that the realized accept is
 MIN_BLOCK = 12         # near its expectation (bs 1: 64 cycles, 320 timed cycles a cell);
                        # 12: at bs >= 128 blocks of 6 steps spread 0.92-1.05 (2026-12-04d)
-REPS = 5               # rounds of blocks (each ratio: the median of its REPS per-round ratios)
+REPS = 6               # rounds of blocks (each ratio: the median of its REPS per-round ratios;
+                       # even: the group order alternates)
 SEED = 1234            # accept_control's Philox key
 RESIDUAL_SCALE = 0.01  # --no-peak: o_proj / down_proj of the 8B target scaled (module docstring)
 
@@ -105,6 +112,16 @@ RESIDUAL_SCALE = 0.01  # --no-peak: o_proj / down_proj of the 8B target scaled (
 def block_steps(bs: int) -> int:
     """Steps per timed block at this bs: ROWS_PER_BLOCK decode rows, at least MIN_BLOCK."""
     return max(MIN_BLOCK, -(-ROWS_PER_BLOCK // bs))
+
+
+def lead_steps(bs: int) -> int:
+    """Untimed steps of a cell right before each of its timed blocks (module docstring)."""
+    return max(3, block_steps(bs) // 4)
+
+
+def cell_steps(bs: int, block: int | None = None, reps: int = REPS) -> int:
+    """Steps a cell runs after its warm-up: `reps` times a lead-in and a timed block."""
+    return reps * ((block if block is not None else block_steps(bs)) + lead_steps(bs))
 
 
 def runtime(max_bs: int, sizes: tuple[int, ...], ctx: int, *, policy: str = "adaptive",
@@ -227,11 +244,11 @@ def _plan(batch_sizes, regimes, prompt_len, oracle_new, warmup, block, reps):
     plan = {}
     for bs in batch_sizes:
         blk = block if block is not None else block_steps(bs)
-        steps = warmup + blk * reps + 2
+        steps = warmup + cell_steps(bs, blk, reps) + 2
         fast = max(expected_tokens(min(max(p, 0.0), 1.0), STEPS) for p in regimes)
         oracle = max(oracle_new, int(1.15 * steps * fast) + 8)
         # target-only: one token a step, per group of cells its own state (`measure`)
-        base_new = max(oracle, warmup + reps * blk) + 8
+        base_new = max(oracle, warmup + cell_steps(bs, blk, reps)) + 8
         ctx = prompt_len + max(steps * (STEPS + 1), base_new) + 2 * (STEPS + 1) + 8
         plan[bs] = {"block": blk, "oracle_new": oracle, "base_new": base_new, "ctx": ctx}
     return plan
@@ -305,8 +322,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                 "steps": STEPS, "captured_steps": steps, "cost_source": spec.cost_source,
                 "cost_ms": measured, "regimes": list(regimes), "warmup": warmup,
                 "block": {bs: c["block"] for bs, c in plan.items()}, "reps": reps,
-                "method": "interleaved blocks, ratios = median of per-round ratios of adjacent "
-                          "blocks",
+                "lead_in": {bs: lead_steps(bs) for bs in plan},
+                "method": "interleaved blocks, each after a lead-in of its own cell, group order "
+                          "alternating by round; ratios = median of per-round ratios of "
+                          "adjacent blocks",
                 "target": "peaked" if peak else "random",
                 "residual_scale": residual_scale if not peak else None, **timing,
                 "rows": list(rows), "goals": goals,
@@ -361,13 +380,17 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         # target-only: per group its own state, which advances one token a step as the k = 0
         # cells do (one shared state would run 4x as far, at longer contexts)
         base_state = {g[0]: _snapshot(base, reqs) for g in groups}
+        lead = lead_steps(bs)
+        seq: dict[str, list[int]] = {name: [] for name, _, _ in cells}  # timed k, in order
         for rep in range(reps):
             for g in groups:
                 # a target-only block right before each group: its ratios use adjacent blocks
                 _restore(base, reqs, base_state[g[0]])
+                for _ in range(lead):
+                    base.step()
                 tgt_before[g[0]].append(timed_block(base, blk)["tps"])
                 base_state[g[0]] = _snapshot(base, reqs)
-                for name in g:
+                for name in (g if rep % 2 == 0 else g[::-1]):
                     p, pol = policy_of[name]
                     _restore(spec, sreqs, state[name])
                     p_dev.fill_(1.0 if p is None else p)
@@ -378,7 +401,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                         spec.drain()
                         warm_k[name] = Counter(k for _, k in list(spec.policy_history)[
                             -(warmup if name != "k0" else 2):])
+                    for _ in range(lead):
+                        spec.step()
                     blocks[name].append(timed_block(spec, blk))
+                    seq[name] += [k for _, k in list(spec.policy_history)[-blk:]]
                     state[name] = _snapshot(spec, sreqs)
 
         def tps(bl: list[dict[str, Any]]) -> float:
@@ -398,8 +424,8 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             fx, ad = f"fixed@{p}", f"adaptive@{p}"
             pol = policy_of[ad][1]
             ad_t, ad_rs = ratio(blocks[ad], tgt_before[fx])
-            ad_f = statistics.median(a["tps"] / f["tps"] for a, f in
-                                     zip(blocks[ad], blocks[fx], strict=True))
+            ad_f_rs = [a["tps"] / f["tps"] for a, f in zip(blocks[ad], blocks[fx], strict=True)]
+            ad_f = statistics.median(ad_f_rs)
             ks = Counter()
             for b in blocks[ad]:
                 ks.update(b["k"])
@@ -421,7 +447,12 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                     "adaptive_over_target_only": ad_t, "adaptive_over_fixed": ad_f,
                     "k0_over_target_only": k0_ratio,
                     "adaptive_over_target_only_reps": ad_rs, "k0_over_target_only_reps": k0_rs,
-                    "cycles_per_cell": blk * reps, "block": blk}
+                    "adaptive_over_fixed_reps": ad_f_rs,
+                    "fixed_over_target_only_reps": [f["tps"] / t for f, t in
+                                                    zip(blocks[fx], tgt_before[fx], strict=True)],
+                    "adaptive_k_sequence": _runs(seq[ad]),
+                    "adaptive_cost_refreshes": pol.stats().get("cost_refreshes", 0),
+                    "cycles_per_cell": blk * reps, "block": blk, "lead_in": lead}
             rows.append(cell)
             print(f"[policy] bs {bs:>3} p {p}: target-only {cell['target_only_tps']:.0f} fixed "
                   f"{cell['fixed_tps']:.0f} (accept {cell['fixed_accept']:.2f} of "
@@ -448,6 +479,17 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         if on_progress is not None:
             on_progress(result())
     return result()
+
+
+def _runs(ks: list[int]) -> str:
+    """Run-length form of a k sequence: "3x12 1x1 3x47"."""
+    out: list[list[int]] = []
+    for k in ks:
+        if out and out[-1][0] == k:
+            out[-1][1] += 1
+        else:
+            out.append([k, 1])
+    return " ".join(f"{k}x{n}" for k, n in out)
 
 
 def _rises(rows: list[dict[str, Any]], bs: int) -> bool:
@@ -485,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated batch sizes")
     p.add_argument("--regimes", default=",".join(map(str, REGIMES)),
                    help="comma-separated draft match probabilities p")
-    p.add_argument("--budget-s", type=float, default=150.0,
+    p.add_argument("--budget-s", type=float, default=200.0,
                    help="skip the remaining batch sizes after this many seconds (the run must "
-                        "end within 3 minutes on one H200; about 90 s expected)")
+                        "end within 4 minutes on one H200; about 130 s expected)")
     p.add_argument("--no-peak", action="store_true",
                    help="the plain random target (not made peaked: its greedy text departs "
                         "from the oracle on bf16 near ties)")

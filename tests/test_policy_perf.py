@@ -58,6 +58,34 @@ def test_start_drafts_outside_the_accept_control_are_not_observed():
     assert r["adaptive_alpha"] > 0.95, r["adaptive_alpha"]
 
 
+def test_policy_benchmark_alternates_group_order_and_leads_in(monkeypatch):
+    """Each round runs the target-only block, then the group's cells, in reversed order every
+    other round; every timed block follows `lead_steps(bs)` untimed steps of its own cell."""
+    target, head = make_models(3)
+    order, timed = [], perf_policy.timed_block
+
+    def recording(engine, steps):
+        pol = engine.policy
+        name = "base" if engine.drafter is None else f"{pol.mode}{pol.num_steps}"
+        before = engine.stats.steps
+        order.append((name, engine.stats.steps - recording.last.get(id(engine), before)))
+        out = timed(engine, steps)
+        recording.last[id(engine)] = engine.stats.steps
+        return out
+
+    recording.last = {}
+    monkeypatch.setattr(perf_policy, "timed_block", recording)
+    data = perf_policy.measure((2,), (0.9,), pair=(target, head), device="cpu", dtype="float64",
+                               prompt_len=5, oracle_new=40, warmup=1, block=3, reps=2)
+    names = [n for n, _ in order]
+    assert names == ["base", "fixed0", "base", "fixed3", "adaptive3",
+                     "base", "fixed0", "base", "adaptive3", "fixed3"]
+    r = data["rows"][0]
+    assert len(r["adaptive_over_fixed_reps"]) == 2 and r["lead_in"] == perf_policy.lead_steps(2)
+    assert sum(int(x.split("x")[1]) for x in r["adaptive_k_sequence"].split()) == 6
+    assert perf_policy.cell_steps(2, 3, 2) == 2 * (3 + perf_policy.lead_steps(2))
+
+
 def test_output_name():
     assert perf_policy.output_name("NVIDIA H200").endswith("-h200-policy.json")
     assert perf_policy.output_name("Some GPU 9").endswith("-some-gpu-9-policy.json")
@@ -117,10 +145,12 @@ for _bs, _t in {1: 6.0, 8: 6.3, 64: 7.0, 256: 7.97}.items():
     COSTS[(_bs, 3)] = _t * {1: 1.12, 8: 1.15, 64: 1.7, 256: 2.8}[_bs]
 
 
-def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int], float]:
+def _simulate(p: float, bs: int, steps: int, seed: int, **est
+              ) -> tuple[list[int], float, SpeculationPolicy]:
     """The default adaptive policy fed as the Engine feeds it: truncated geometric accept
     lengths at match rate p and the cycle's device time (the table's figure: real = replay
-    here), observed one step late, drafts made after a k = 0 cycle: none."""
+    here), observed one step late, drafts made after a k = 0 cycle: none. -> (k per cycle,
+    the final estimate, the policy)."""
     rng = random.Random(seed)
     pol = SpeculationPolicy("adaptive", 3, COSTS, steps=[0, 1, 3],
                             estimator=AcceptRateEstimator(**est))
@@ -140,19 +170,25 @@ def _simulate(p: float, bs: int, steps: int, seed: int, **est) -> tuple[list[int
                 a += 1
             acc.append(min(a, real + 1))
         pending = (acc, real, k)
-    return ks, pol.estimator.alpha
+    return ks, pol.estimator.alpha, pol
 
 
 @pytest.mark.parametrize("bs,p", [(8, 0.2), (64, 0.2), (256, 0.2), (256, 0.6), (8, 0.9),
                                   (1, 0.9)])
 def test_adaptive_settles_within_the_benchmark_warmup(bs, p):
     """With the default estimator (prior alpha 0.7, weight 2, decay 0.99) the adaptive policy
-    picks the best k for the true rate in every timed cycle after perf/policy.py's WARMUP."""
+    picks the best k for the true rate in every timed cycle after perf/policy.py's WARMUP but
+    for cost refreshes of a close k (one cycle per `cost_refresh` = 64 decisions) and the
+    accept-rate probes at k = 0 (`probe_cycles` each)."""
     best = perf_policy.best_k_at(COSTS, [0, 1, 3], bs, p)
-    timed = perf_policy.WARMUP + perf_policy.block_steps(bs) * perf_policy.REPS
+    timed = perf_policy.WARMUP + perf_policy.cell_steps(bs)
     for seed in range(3):
-        ks, _ = _simulate(p, bs, timed, seed)
-        assert set(ks[perf_policy.WARMUP:]) == {best}, (seed, ks, best)
+        ks, _, pol = _simulate(p, bs, timed, seed)
+        other = sum(k != best for k in ks[perf_policy.WARMUP:])
+        st = pol.stats()
+        assert other <= st["cost_refreshes"] + st["probes"] * pol.probe_cycles, (seed, ks, best)
+        assert st["cost_refreshes"] <= timed // pol.cost_refresh
+        assert st["probes"] * pol.probe_cycles <= max(2, timed * 0.03)
 
 
 def test_bs1_low_rate_estimate_settles_with_the_default_prior():
@@ -162,10 +198,10 @@ def test_bs1_low_rate_estimate_settles_with_the_default_prior():
     alphas, old, picks = [], [], []
     best = perf_policy.best_k_at(COSTS, [0, 1, 3], 1, 0.2)
     for seed in range(8):
-        ks, a = _simulate(0.2, 1, perf_policy.WARMUP, seed)
+        ks, a, _ = _simulate(0.2, 1, perf_policy.WARMUP, seed)
         alphas.append(a)
         old.append(_simulate(0.2, 1, perf_policy.WARMUP, seed, prior_weight=8.0)[1])
-        ks, _ = _simulate(0.2, 1, perf_policy.WARMUP + 15, seed)
+        ks, _, _ = _simulate(0.2, 1, perf_policy.WARMUP + 15, seed)
         picks += ks[perf_policy.WARMUP:]
     assert sum(alphas) / 8 < 0.33 < sum(old) / 8
     assert best == 1 and picks.count(best) > len(picks) / 2

@@ -41,7 +41,7 @@ drafted. Drafters that cannot vary k (any non-`EagleDrafter`) and data-parallel 
 policy's `CostTable` (`measure_costs`); on a CPU or with graphs off it keeps the analytic cost
 (`policy.analytic_cost_table`). On CUDA every launched decode cycle is timed too (`cycle_timer`,
 a pair of timing events per pinned ring slot, read when the cycle is retired: no sync) and fed
-to `policy.observe_cost`, whose online EMA replaces the capture-time figure. The split-mode
+to `policy.observe_cost`, whose online median replaces the capture-time figure. The split-mode
 `target_verify` / `draft_decode` graphs (per k) are captured only with `cycle_graph=False` (the
 cycle graph never replays them).
 

@@ -26,8 +26,10 @@ device at capture (`measure_replay_ms` times a replay with CUDA events), interpo
 bs for a k that has entries, and linearly in k otherwise; corrected online: the Engine records a
 pair of CUDA timing events around every decode cycle it launches and reads them when it retires
 that cycle (one step later, completed by then: `CycleTimer`, no sync), and `observe_cost` keeps
-an EMA per (padded bs, k) that replaces the capture-time figure once measured. (The capture-time
-replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x a target-only step,
+the median of the last `window` real cycles per (padded bs, k), which replaces the capture-time
+figure once measured (a median: one slow cycle, e.g. the first after an idle GPU, moves nothing;
+an EMA let one such cycle price a k out for good, since an unchosen k is never timed again).
+(The capture-time replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x a target-only step,
 real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
 
 `SpeculationPolicy`:
@@ -52,12 +54,17 @@ real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
                 regime change is noticed. Two, because a k = 0 cycle drafts nothing (the
                 drafter's KV-only step): the first probe cycle verifies filler (no observation)
                 and drafts; the second verifies those drafts.
+              - cost probes: while a k > 0 is chosen, another eligible k > 0 whose score lies
+                within `cost_probe_margin` (10 %) of it runs once when its cost at that bs is
+                still extrapolated, and again every `cost_refresh` decisions at that bs
+                (each costs at most margin / refresh of the time), so two close k are compared
+                on measured, current costs.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -238,22 +245,24 @@ class CostTable:
     between the nearest k below and above with entries (beyond them: ValueError).
 
     Online correction (`observe`): the device time of real cycles (the Engine's CUDA events
-    around each launched cycle, read when the cycle is retired) kept as an EMA per
-    (padded_bs, k) with weight `ema` (the first observation replaces the capture-time figure
-    outright); `cost` returns the online EMA where there is one, else the capture-time figure
-    scaled by the online / capture-time ratio of the nearest k' > 0 observed at that bs (for a
-    k > 0 with none: k = 0's ratio; k = 0 itself is left unscaled), so that one real k = 1
-    cycle also reprices k = S. The capture-time replays run inert rows; a real cycle also pays
-    what they leave out (context-dependent attention, the verify's extend kernel at small bs,
-    copies), and more so the more tokens it verifies and drafts."""
+    around each launched cycle, read when the cycle is retired), per (padded_bs, k) the median
+    of the last `window` observations (the first observation replaces the capture-time figure
+    outright; one outlier in a window of 3 or more moves nothing); `cost` returns that median
+    where there is one, else the capture-time figure scaled by the online / capture-time ratio
+    of the nearest k' > 0 observed at that bs (for a k > 0 with none: k = 0's ratio; k = 0
+    itself is left unscaled), so that one real k = 1 cycle also reprices k = S. The
+    capture-time replays run inert rows; a real cycle also pays what they leave out
+    (context-dependent attention, the verify's extend kernel at small bs, copies), and more so
+    the more tokens it verifies and drafts."""
 
     def __init__(self, costs: Mapping[tuple[int, int], float] | None = None, *,
-                 ema: float = 0.2) -> None:
+                 window: int = 5) -> None:
         self._by_k: dict[int, dict[int, float]] = defaultdict(dict)
         self._cache: dict[tuple[int, int], float] = {}  # interpolated lookups (decide's hot path)
-        self._online: dict[int, dict[int, float]] = defaultdict(dict)  # bs -> k -> EMA
+        self._online: dict[int, dict[int, float]] = defaultdict(dict)  # bs -> k -> median
+        self._samples: dict[tuple[int, int], deque[float]] = {}  # the last `window` cycles
         self._online_n: Counter[tuple[int, int]] = Counter()
-        self.ema = _check_prob("ema", ema, open_low=True)
+        self.window = _check_int("window", window, 1)
         if costs is not None:
             if not isinstance(costs, Mapping):
                 raise ValueError(f"costs: expected a mapping {{(padded_bs, k): ms}}, got "
@@ -277,20 +286,22 @@ class CostTable:
         self._cache.clear()
 
     def measured(self) -> dict[tuple[int, int], float]:
-        """The capture-time entries (not the online EMA: `online`)."""
+        """The capture-time entries (not the online medians: `online`)."""
         return {(bs, k): ms for k, row in self._by_k.items() for bs, ms in row.items()}
 
     def observe(self, padded_bs: int, k: int, ms: float) -> None:
-        """One real cycle's device time at (padded_bs, k): the online EMA (class docstring).
-        Bad input raises ValueError and changes nothing."""
+        """One real cycle's device time at (padded_bs, k): the online median (class
+        docstring). Bad input raises ValueError and changes nothing."""
         bs, k, ms = self._checked((padded_bs, k), ms)
-        row = self._online[bs]
-        old = row.get(k)
-        row[k] = ms if old is None else old + self.ema * (ms - old)
+        window = self._samples.get((bs, k))
+        if window is None:
+            self._samples[(bs, k)] = window = deque(maxlen=self.window)
+        window.append(ms)
+        self._online[bs][k] = float(np.median(window))
         self._online_n[(bs, k)] += 1
 
     def online(self) -> dict[tuple[int, int], float]:
-        """The online EMA per (padded_bs, k) observed so far."""
+        """The online cost (median of the last `window` cycles) per (padded_bs, k) observed."""
         return {(bs, k): ms for bs, row in self._online.items() for k, ms in row.items()}
 
     def online_counts(self) -> dict[tuple[int, int], int]:
@@ -320,7 +331,7 @@ class CostTable:
         return max(y, nearest / 1000.0)
 
     def cost(self, padded_bs: int, k: int) -> float:
-        """ms of one cycle at this padded bs with k drafts: the online EMA of real cycles
+        """ms of one cycle at this padded bs with k drafts: the online median of real cycles
         where observed, else the capture-time entry (measured or interpolated)."""
         row = self._online.get(padded_bs)
         if row:
@@ -338,7 +349,7 @@ class CostTable:
         return base * row[ref] / self.cost_at_capture(padded_bs, ref)
 
     def cost_at_capture(self, padded_bs: int, k: int) -> float:
-        """The capture-time figure (measured or interpolated), ignoring the online EMA."""
+        """The capture-time figure (measured or interpolated), ignoring the online costs."""
         hit = self._cache.get((padded_bs, k))
         if hit is None:
             bs, k = _check_int("padded_bs", padded_bs, 1), _check_int("k", k, 0)
@@ -370,16 +381,19 @@ class SpeculationPolicy:
     never probe); `probe_budget` the fraction of target-only time probes may cost;
     `probe_cycles` >= 1 consecutive k > 0 decisions per probe (2: the first verifies the
     filler a k = 0 cycle left); `cost_probe_margin` >= 0: while a k > 0 is chosen, an eligible
-    other k > 0 whose cost at this bs is still extrapolated (no real cycle timed) and whose
-    score lies within this margin below the chosen one's runs once (a cost probe), so that
-    two close k are compared on measured costs, not on an extrapolation (0: never).
+    other k > 0 whose score lies within this margin below the chosen one's runs once (a cost
+    probe) when its cost at this bs is still extrapolated (no real cycle timed), so that two
+    close k are compared on measured costs, not on an extrapolation (0: never);
+    `cost_refresh` >= 0: and again once it has not run for this many decisions at this bs, so
+    that a cost measured once (perhaps on a slow cycle) cannot keep a close k out for good
+    (0: no refresh).
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
                  hysteresis: float = 0.03, spec_margin: float = 0.02, probe_every: int = 16,
                  probe_budget: float = 0.003, probe_cycles: int = 2,
-                 cost_probe_margin: float = 0.1) -> None:
+                 cost_probe_margin: float = 0.1, cost_refresh: int = 64) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -410,6 +424,7 @@ class SpeculationPolicy:
         self.probe_budget = _check_margin("probe_budget", probe_budget)
         self.probe_cycles = _check_int("probe_cycles", probe_cycles, 1)
         self.cost_probe_margin = _check_margin("cost_probe_margin", cost_probe_margin)
+        self.cost_refresh = _check_int("cost_refresh", cost_refresh, 0)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -418,6 +433,9 @@ class SpeculationPolicy:
         self._switches: Counter[int] = Counter()
         self._probes = 0
         self._cost_probed: set[tuple[int, int]] = set()  # (bs, k) run once for their cost
+        self._cost_refreshes = 0
+        self._decisions: Counter[int] = Counter()  # bs -> decisions so far
+        self._last_run: dict[tuple[int, int], int] = {}  # (bs, k) -> decision index it last ran
         self._since_info = 0
         self._probe_left: dict[int, int] = {}  # bs -> probe decisions still to return
 
@@ -452,54 +470,68 @@ class SpeculationPolicy:
                 or not math.isfinite(extra_ms) or extra_ms < 0:
             raise ValueError(f"extra_ms: expected a finite number >= 0, got {extra_ms!r}")
         if self.mode == "fixed":
-            k = self.num_steps
+            k = self._settle(bs, self.num_steps)
         else:
-            point = self.scores(bs, extra_ms=extra_ms)
-            upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
-            eligible = self._eligible(point, upper)
-            k = max(eligible, key=lambda j: (point[j], -j))
-            cur = self._current.get(bs)
-            if cur and k and cur != k and cur in eligible \
-                    and point[k] <= point[cur] * (1.0 + self.hysteresis):
-                k = cur  # between two k > 0, not better by the margin: stay
-            if k == 0 and self._probe_left.get(bs, 0) > 0:  # the probe's later cycles
-                self._probe_left[bs] -= 1
-                k = self.steps[1]
-                self._chosen[bs][k] += 1
-                return k
-            self._probe_left.pop(bs, None)  # k > 0 chosen: no probe needed
-            j = self._cost_probe(bs, k, point, eligible) if k else None
-            if j is not None:
-                self._chosen[bs][j] += 1
-                return j  # a cost probe does not move the bs's current choice either
-            if k == 0 and self.probe_every and len(self.steps) > 1 \
-                    and self._since_info >= self.probe_interval(bs, extra_ms):
-                k = self.steps[1]
-                self._probes += 1
-                self._since_info = 0
-                self._probe_left[bs] = self.probe_cycles - 1
-                self._chosen[bs][k] += 1
-                return k  # a probe does not move the bs's current choice
-            self._since_info += 1
-            if k == 0:
-                self.estimator.age()
+            k = self._adaptive(bs, extra_ms)
+        self._chosen[bs][k] += 1
+        self._last_run[(bs, k)] = self._decisions[bs]
+        self._decisions[bs] += 1
+        return k
+
+    def _adaptive(self, bs: int, extra_ms: float) -> int:
+        """The adaptive mode's k (module docstring: eligibility, hysteresis, probes, cost
+        probes); probes and cost probes leave the bs's current choice alone."""
+        point = self.scores(bs, extra_ms=extra_ms)
+        upper = self.scores(bs, self.estimator.upper_bound(), extra_ms)
+        eligible = self._eligible(point, upper)
+        k = max(eligible, key=lambda j: (point[j], -j))
+        cur = self._current.get(bs)
+        if cur and k and cur != k and cur in eligible \
+                and point[k] <= point[cur] * (1.0 + self.hysteresis):
+            k = cur  # between two k > 0, not better by the margin: stay
+        if k == 0 and self._probe_left.get(bs, 0) > 0:  # the probe's later cycles
+            self._probe_left[bs] -= 1
+            return self.steps[1]
+        self._probe_left.pop(bs, None)  # k > 0 chosen: no probe needed
+        j = self._cost_probe(bs, k, point, eligible) if k else None
+        if j is not None:
+            return j
+        if k == 0 and self.probe_every and len(self.steps) > 1 \
+                and self._since_info >= self.probe_interval(bs, extra_ms):
+            self._probes += 1
+            self._since_info = 0
+            self._probe_left[bs] = self.probe_cycles - 1
+            return self.steps[1]
+        self._since_info += 1
+        if k == 0:
+            self.estimator.age()
+        return self._settle(bs, k)
+
+    def _settle(self, bs: int, k: int) -> int:
+        """k becomes the bs's current choice (a switch counted when it changes)."""
         prev = self._current.get(bs)
         if prev is not None and prev != k:
             self._switches[bs] += 1
         self._current[bs] = k
-        self._chosen[bs][k] += 1
         return k
 
     def _cost_probe(self, bs: int, k: int, point: dict[int, float],
                     eligible: list[int]) -> int | None:
-        """An eligible j > 0 other than the chosen k whose cost at `bs` no real cycle has
-        measured yet and whose score is within `cost_probe_margin` of k's; each (bs, j) once."""
+        """An eligible j > 0 other than the chosen k whose score is within `cost_probe_margin`
+        of k's and whose cost at `bs` no real cycle has measured yet (each (bs, j) once), or
+        that has not run for `cost_refresh` decisions at `bs` (a refresh)."""
         if not self.cost_probe_margin:
             return None
+        now = self._decisions[bs]
         for j in eligible:
-            if j and j != k and not self.costs.timed(bs, j) and (bs, j) not in self._cost_probed \
-                    and point[j] >= point[k] * (1.0 - self.cost_probe_margin):
+            if not j or j == k or point[j] < point[k] * (1.0 - self.cost_probe_margin):
+                continue
+            if not self.costs.timed(bs, j) and (bs, j) not in self._cost_probed:
                 self._cost_probed.add((bs, j))
+                return j
+            if self.cost_refresh and self.costs.timed(bs, j) \
+                    and now - self._last_run.get((bs, j), 0) >= self.cost_refresh:
+                self._cost_refreshes += 1
                 return j
         return None
 
@@ -554,11 +586,12 @@ class SpeculationPolicy:
             "switches": dict(sorted(self._switches.items())),
             "probes": self._probes,
             "cost_probes": sorted(self._cost_probed),
+            "cost_refreshes": self._cost_refreshes,
             "cost_ms_online": self._online_costs(),
         }
 
     def _online_costs(self) -> dict[int, dict[int, float]]:
-        """The cost table's online EMA as {k: {padded bs: ms}} ({} without a table)."""
+        """The cost table's online costs as {k: {padded bs: ms}} ({} without a table)."""
         out: dict[int, dict[int, float]] = {}
         if self.costs is not None:
             for (bs, k), ms in sorted(self.costs.online().items()):
