@@ -370,6 +370,13 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             cells.append((f"adaptive@{p}", p, SpeculationPolicy(
                 "adaptive", STEPS, CostTable(capture_costs), steps=steps)))
         state = {name: start for name, _, _ in cells}
+        # every timed cycle's device time per cell, k and phase (the Engine's CycleTimer reads,
+        # as its policy's `observe_cost` receives them): a diagnostic of the online costs
+        samples: dict[str, dict[str, dict[int, list[float]]]] = {}
+        phase = ["warmup"]
+        for name, _, pol in cells:
+            samples[name] = {"warmup": {}, "lead": {}, "timed": {}}
+            pol.observe_cost = _logging_observe_cost(pol.observe_cost, samples[name], phase)
         groups = [["k0"]] + [[f"fixed@{p}", f"adaptive@{p}"] for p in regimes]
         policy_of = {name: (p, pol) for name, p, pol in cells}
         blocks: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cells}
@@ -396,13 +403,16 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                     p_dev.fill_(1.0 if p is None else p)
                     spec.set_policy(pol)
                     if rep == 0:
+                        phase[0] = "warmup"
                         for _ in range(warmup if name != "k0" else 2):
                             spec.step()
                         spec.drain()
                         warm_k[name] = Counter(k for _, k in list(spec.policy_history)[
                             -(warmup if name != "k0" else 2):])
+                    phase[0] = "lead"
                     for _ in range(lead):
                         spec.step()
+                    phase[0] = "timed"  # (the lead-in's last cycle is retired in the block)
                     blocks[name].append(timed_block(spec, blk))
                     seq[name] += [k for _, k in list(spec.policy_history)[-blk:]]
                     state[name] = _snapshot(spec, sreqs)
@@ -451,6 +461,10 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                     "fixed_over_target_only_reps": [f["tps"] / t for f, t in
                                                     zip(blocks[fx], tgt_before[fx], strict=True)],
                     "adaptive_k_sequence": _runs(seq[ad]),
+                    "cycle_ms_samples": {c: samples[c] for c in (fx, ad)},
+                    "cycle_ms_median": {c: {ph: {k: round(statistics.median(v), 3)
+                                                 for k, v in sorted(samples[c][ph].items())}
+                                            for ph in samples[c]} for c in (fx, ad)},
                     "adaptive_cost_refreshes": pol.stats().get("cost_refreshes", 0),
                     "cycles_per_cell": blk * reps, "block": blk, "lead_in": lead}
             rows.append(cell)
@@ -479,6 +493,16 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         if on_progress is not None:
             on_progress(result())
     return result()
+
+
+def _logging_observe_cost(observe_cost, log: dict[str, dict[int, list[float]]], phase: list[str]):
+    """Wrap a policy's `observe_cost`: each cycle's ms also lands in log[phase[0]][k]."""
+
+    def wrapped(padded_bs: int, k: int, ms: float, extra_ms: float = 0.0) -> None:
+        log[phase[0]].setdefault(k, []).append(round(float(ms), 3))
+        observe_cost(padded_bs, k, ms, extra_ms)
+
+    return wrapped
 
 
 def _runs(ks: list[int]) -> str:

@@ -55,10 +55,14 @@ real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
                 drafter's KV-only step): the first probe cycle verifies filler (no observation)
                 and drafts; the second verifies those drafts.
               - cost probes: while a k > 0 is chosen, another eligible k > 0 whose score lies
-                within `cost_probe_margin` (10 %) of it runs once when its cost at that bs is
-                still extrapolated, and again every `cost_refresh` decisions at that bs
-                (each costs at most margin / refresh of the time), so two close k are compared
-                on measured, current costs.
+                within `cost_probe_margin` (10 %) of it runs `cost_probe_cycles` (3) consecutive
+                cycles when its cost at that bs is still extrapolated, and again (a refresh, its
+                old samples dropped) once it has not run for `refresh_interval` decisions: the
+                interval spends at most `cost_refresh_budget` (0.5 %) of the time on refreshes
+                at the score gap, at least `cost_refresh` (16) decisions. So two close k are
+                compared on measured, current costs: a cost measured during a slow spell (the
+                H200 ran 4 consecutive k = 3 cycles at bs 128 25 % slow) or at shorter contexts
+                cannot keep a close k out for good.
 """
 
 from __future__ import annotations
@@ -300,6 +304,13 @@ class CostTable:
         self._online[bs][k] = float(np.median(window))
         self._online_n[(bs, k)] += 1
 
+    def restart(self, padded_bs: int, k: int) -> None:
+        """Drop the samples of (padded_bs, k): the next observations form a fresh window (its
+        cost stays the old median until the first of them arrives)."""
+        window = self._samples.get((padded_bs, k))
+        if window is not None:
+            window.clear()
+
     def online(self) -> dict[tuple[int, int], float]:
         """The online cost (median of the last `window` cycles) per (padded_bs, k) observed."""
         return {(bs, k): ms for bs, row in self._online.items() for k, ms in row.items()}
@@ -384,16 +395,17 @@ class SpeculationPolicy:
     other k > 0 whose score lies within this margin below the chosen one's runs once (a cost
     probe) when its cost at this bs is still extrapolated (no real cycle timed), so that two
     close k are compared on measured costs, not on an extrapolation (0: never);
-    `cost_refresh` >= 0: and again once it has not run for this many decisions at this bs, so
-    that a cost measured once (perhaps on a slow cycle) cannot keep a close k out for good
-    (0: no refresh).
+    `cost_probe_cycles` >= 1 consecutive cycles per cost probe (the median of a fresh window);
+    `cost_refresh` >= 0, `cost_refresh_budget` >= 0: the refresh interval (`refresh_interval`;
+    `cost_refresh` 0 or budget 0: no refresh).
     """
 
     def __init__(self, mode: str, num_steps: int, costs: CostTable | Mapping | None = None, *,
                  steps: Iterable[int] | None = None, estimator: AcceptRateEstimator | None = None,
                  hysteresis: float = 0.03, spec_margin: float = 0.02, probe_every: int = 16,
                  probe_budget: float = 0.003, probe_cycles: int = 2,
-                 cost_probe_margin: float = 0.1, cost_refresh: int = 64) -> None:
+                 cost_probe_margin: float = 0.1, cost_probe_cycles: int = 3,
+                 cost_refresh: int = 16, cost_refresh_budget: float = 0.005) -> None:
         self.mode = check_speculative_policy(mode)
         self.num_steps = _check_int("num_steps", num_steps, 0)
         steps = list(range(self.num_steps + 1)) if steps is None else list(steps)
@@ -424,7 +436,9 @@ class SpeculationPolicy:
         self.probe_budget = _check_margin("probe_budget", probe_budget)
         self.probe_cycles = _check_int("probe_cycles", probe_cycles, 1)
         self.cost_probe_margin = _check_margin("cost_probe_margin", cost_probe_margin)
+        self.cost_probe_cycles = _check_int("cost_probe_cycles", cost_probe_cycles, 1)
         self.cost_refresh = _check_int("cost_refresh", cost_refresh, 0)
+        self.cost_refresh_budget = _check_margin("cost_refresh_budget", cost_refresh_budget)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -434,6 +448,7 @@ class SpeculationPolicy:
         self._probes = 0
         self._cost_probed: set[tuple[int, int]] = set()  # (bs, k) run once for their cost
         self._cost_refreshes = 0
+        self._cost_probe_left: dict[int, tuple[int, int]] = {}  # bs -> (j, cycles still to run)
         self._decisions: Counter[int] = Counter()  # bs -> decisions so far
         self._last_run: dict[tuple[int, int], int] = {}  # (bs, k) -> decision index it last ran
         self._since_info = 0
@@ -517,23 +532,44 @@ class SpeculationPolicy:
 
     def _cost_probe(self, bs: int, k: int, point: dict[int, float],
                     eligible: list[int]) -> int | None:
-        """An eligible j > 0 other than the chosen k whose score is within `cost_probe_margin`
-        of k's and whose cost at `bs` no real cycle has measured yet (each (bs, j) once), or
-        that has not run for `cost_refresh` decisions at `bs` (a refresh)."""
+        """A j > 0 to run instead of the chosen k for its cost (class docstring): the next cycle
+        of a cost probe in progress; else an eligible j != k whose score is within
+        `cost_probe_margin` of k's and whose cost at `bs` no real cycle has measured yet (each
+        (bs, j) once), or that has not run for `refresh_interval` decisions (a refresh: its
+        old samples are dropped, `CostTable.restart`)."""
         if not self.cost_probe_margin:
             return None
+        left = self._cost_probe_left.pop(bs, None)
+        if left is not None and left[0] in eligible and left[0] != k:
+            if left[1] > 1:
+                self._cost_probe_left[bs] = (left[0], left[1] - 1)
+            return left[0]
         now = self._decisions[bs]
         for j in eligible:
             if not j or j == k or point[j] < point[k] * (1.0 - self.cost_probe_margin):
                 continue
-            if not self.costs.timed(bs, j) and (bs, j) not in self._cost_probed:
+            if not self.costs.timed(bs, j):
+                if (bs, j) in self._cost_probed:
+                    continue  # its probe cycles are still in flight
                 self._cost_probed.add((bs, j))
-                return j
-            if self.cost_refresh and self.costs.timed(bs, j) \
-                    and now - self._last_run.get((bs, j), 0) >= self.cost_refresh:
+            elif now - self._last_run.get((bs, j), 0) >= self.refresh_interval(point, k, j):
                 self._cost_refreshes += 1
-                return j
+                self.costs.restart(bs, j)
+            else:
+                continue
+            if self.cost_probe_cycles > 1:
+                self._cost_probe_left[bs] = (j, self.cost_probe_cycles - 1)
+            return j
         return None
+
+    def refresh_interval(self, point: dict[int, float], k: int, j: int) -> float:
+        """Decisions between cost refreshes of j while k is chosen: `cost_probe_cycles` cycles
+        that lose 1 - point[j] / point[k] each cost at most `cost_refresh_budget` of the time,
+        and never more often than every `cost_refresh` decisions (inf: refresh off)."""
+        if not self.cost_refresh or not self.cost_refresh_budget:
+            return math.inf
+        loss = max(1.0 - point[j] / point[k], 0.0) * self.cost_probe_cycles
+        return max(self.cost_refresh, math.ceil(loss / self.cost_refresh_budget - 1e-9))
 
     def probe_interval(self, padded_bs: int, extra_ms: float = 0.0) -> int:
         """Decisions without information before a probe at this bs: `probe_every`, stretched so
