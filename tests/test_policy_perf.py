@@ -3,8 +3,6 @@ Engine's draft hook, the output name. Timings on a CPU mean nothing (not checked
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from perf import policy as perf_policy
 from perf.models_8b import make_peaked_
 from tests.engine_harness import make_models, runtime
 from tests.test_engine import prompts, target_only
+from tests.test_policy import simulate_engine
 
 
 def test_policy_benchmark_rows_and_accept_control_on_cpu():
@@ -147,29 +146,12 @@ for _bs, _t in {1: 6.0, 8: 6.3, 64: 7.0, 256: 7.97}.items():
 
 def _simulate(p: float, bs: int, steps: int, seed: int, **est
               ) -> tuple[list[int], float, SpeculationPolicy]:
-    """The default adaptive policy fed as the Engine feeds it: truncated geometric accept
-    lengths at match rate p and the cycle's device time (the table's figure: real = replay
-    here), observed one step late, drafts made after a k = 0 cycle: none. -> (k per cycle,
-    the final estimate, the policy)."""
-    rng = random.Random(seed)
+    """The default adaptive policy over the benchmark's cost table (real = replay here), driven
+    as the Engine drives it (`test_policy.simulate_engine`). -> (k per cycle, the final
+    estimate, the policy)."""
     pol = SpeculationPolicy("adaptive", 3, COSTS, steps=[0, 1, 3],
                             estimator=AcceptRateEstimator(**est))
-    made, pending, ks = 3, None, []
-    for _ in range(steps):
-        k = pol.decide(bs)
-        ks.append(k)
-        if pending is not None:
-            acc, real, kk = pending
-            pol.observe(acc, real)
-            pol.observe_cost(bs, kk, COSTS[(bs, kk)])
-        real, made = min(k, made), k
-        acc = []
-        for _ in range(bs):
-            a = 1
-            while a <= k and rng.random() < p:
-                a += 1
-            acc.append(min(a, real + 1))
-        pending = (acc, real, k)
+    _, ks = simulate_engine(pol, bs, p, {k: COSTS[(bs, k)] for k in (0, 1, 3)}, steps, seed)
     return ks, pol.estimator.alpha, pol
 
 
