@@ -135,13 +135,32 @@ def specialization_key(kernel, *args, **kwargs) -> tuple:
 
 class KeyRecorder(contextlib.AbstractContextManager):
     """Record `specialization_key` of every launch of `kernels` (default: `kernels()`) while
-    active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count.
-    The launches still run. A diagnostic (it costs host time per launch), not for serving."""
+    active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count,
+    `where[name][key]` the contexts (`context`, set by the caller, e.g. (forward, bs)) that
+    launched it. A diagnostic (it costs host time per launch), not for serving.
 
-    def __init__(self, kernels_by_name: dict[str, object] | None = None) -> None:
+    `launch=False` (a dry run): record the key and skip the launch itself (outputs keep
+    whatever the buffers held). For a census of the keys a forward launches at shapes too
+    large for the interpreter, and for the precompile workers' plan; valid for forwards whose
+    host code reads no device values (captured forwards: no host syncs), which is what
+    `tests/test_compile_census.py` checks against real launches.
+
+    `order` lists the distinct `(name, key)` in the order first launched; `keep(index)`
+    (index in `order`) True keeps that first launch's arguments in `kept` as
+    `(name, key, args, kwargs, grid, context)`, for `compile_kept` (a warm-up compile of
+    exactly that key, without a launch)."""
+
+    def __init__(self, kernels_by_name: dict[str, object] | None = None, *,
+                 launch: bool = True, keep=None) -> None:
         self.kernels = dict(kernels_by_name) if kernels_by_name is not None else kernels()
         self.keys: dict[str, set] = defaultdict(set)
         self.launches: dict[str, int] = defaultdict(int)
+        self.where: dict[str, dict] = defaultdict(lambda: defaultdict(set))
+        self.order: list[tuple[str, tuple]] = []
+        self.kept: list[tuple] = []
+        self.launch = launch
+        self.keep = keep
+        self.context: object = None
         self._saved: list[tuple[object, object]] = []
 
     def __enter__(self) -> KeyRecorder:
@@ -149,8 +168,17 @@ class KeyRecorder(contextlib.AbstractContextManager):
             run = k.run  # the bound method (or an outer recorder's wrapper)
 
             def wrapped(*args, _run=run, _k=k, _name=name, grid, warmup, **kwargs):
-                self.keys[_name].add(specialization_key(_k, *args, **kwargs))
+                key = specialization_key(_k, *args, **kwargs)
+                if key not in self.keys[_name]:
+                    if self.keep is not None and self.keep(len(self.order)):
+                        self.kept.append((_name, key, args, kwargs, grid, self.context))
+                    self.order.append((_name, key))
+                self.keys[_name].add(key)
                 self.launches[_name] += 1
+                if self.context is not None:
+                    self.where[_name][key].add(self.context)
+                if not self.launch and not warmup:
+                    return None
                 return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
             self._saved.append((k, k.__dict__.get("run")))
@@ -168,6 +196,19 @@ class KeyRecorder(contextlib.AbstractContextManager):
     def total(self) -> int:
         """Distinct keys over all kernels: the compiles these launches need on a GPU."""
         return sum(len(v) for v in self.keys.values())
+
+    def compile_kept(self, on_done=None) -> list[tuple[str, tuple, object]]:
+        """Compile every kept key without launching (Triton's `JITFunction.warmup`, the same
+        arguments as the recorded launch, so the same key: Triton builds it or loads it from
+        its on-disk cache); call outside the `with` block. Returns `(name, key, context)` per
+        compiled key; `on_done()` after each."""
+        out = []
+        for name, key, args, kwargs, grid, context in self.kept:
+            self.kernels[name].warmup(*args, grid=grid, **kwargs)
+            out.append((name, key, context))
+            if on_done is not None:
+                on_done()
+        return out
 
 
 def captured_forwards(*owners: object) -> dict[str, CapturedForward]:
