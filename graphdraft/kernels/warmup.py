@@ -6,9 +6,10 @@ at one batch size per bucket of compiled variants (`buckets.representative_sizes
 compiled there, with a progress bar (`progress=False` or the logger level silences it), and
 capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`
 (and `built`: the ones Triton's compiler built here, not loaded from its cache). With
-`workers=N` the kernels are compiled first by N worker processes (and this one) into Triton's
-on-disk cache (`kernels.precompile_workers`; their builds in `GraphStats.worker_built`, the
-phase in `worker_report(engine)`), so the in-process pass then mostly loads them.
+`workers=N` the kernels are compiled first by N worker processes into Triton's on-disk cache,
+each a share of the distinct specialization keys (`kernels.precompile_workers`; their builds
+in `GraphStats.worker_built`, the phase in `worker_report(engine)`), so the in-process pass
+then only loads them.
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
@@ -133,6 +134,13 @@ def specialization_key(kernel, *args, **kwargs) -> tuple:
     return tuple(spec) + options
 
 
+def _zero_int_tensors(args, kwargs) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.numel() and not (a.is_floating_point()
+                                                             or a.is_complex()):
+            a.zero_()
+
+
 class KeyRecorder(contextlib.AbstractContextManager):
     """Record `specialization_key` of every launch of `kernels` (default: `kernels()`) while
     active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count,
@@ -145,13 +153,19 @@ class KeyRecorder(contextlib.AbstractContextManager):
     host code reads no device values (captured forwards: no host syncs), which is what
     `tests/test_compile_census.py` checks against real launches.
 
+    `zero_ints` (with `launch=False`, on a throw-away engine): every integer tensor argument
+    of a skipped launch is zeroed instead, so what the kernel would have written (token ids,
+    indices, lengths) is 0 rather than stale memory when later torch ops index with it (a
+    device-side bounds assert would end the process); the keys do not depend on values.
+
     `order` lists the distinct `(name, key)` in the order first launched; `keep(index)`
     (index in `order`) True keeps that first launch's arguments in `kept` as
-    `(name, key, args, kwargs, grid, context)`, for `compile_kept` (a warm-up compile of
-    exactly that key, without a launch)."""
+    `(name, key, args, kwargs, grid, context)`: `kernel.warmup(*args, grid=grid, **kwargs)`
+    (Triton's compile without a launch) then compiles exactly that key
+    (`precompile_workers.compile_share`)."""
 
     def __init__(self, kernels_by_name: dict[str, object] | None = None, *,
-                 launch: bool = True, keep=None) -> None:
+                 launch: bool = True, keep=None, zero_ints: bool = False) -> None:
         self.kernels = dict(kernels_by_name) if kernels_by_name is not None else kernels()
         self.keys: dict[str, set] = defaultdict(set)
         self.launches: dict[str, int] = defaultdict(int)
@@ -160,6 +174,7 @@ class KeyRecorder(contextlib.AbstractContextManager):
         self.kept: list[tuple] = []
         self.launch = launch
         self.keep = keep
+        self.zero_ints = zero_ints
         self.context: object = None
         self._saved: list[tuple[object, object]] = []
 
@@ -178,6 +193,8 @@ class KeyRecorder(contextlib.AbstractContextManager):
                 if self.context is not None:
                     self.where[_name][key].add(self.context)
                 if not self.launch and not warmup:
+                    if self.zero_ints:
+                        _zero_int_tensors(args, kwargs)
                     return None
                 return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
@@ -196,19 +213,6 @@ class KeyRecorder(contextlib.AbstractContextManager):
     def total(self) -> int:
         """Distinct keys over all kernels: the compiles these launches need on a GPU."""
         return sum(len(v) for v in self.keys.values())
-
-    def compile_kept(self, on_done=None) -> list[tuple[str, tuple, object]]:
-        """Compile every kept key without launching (Triton's `JITFunction.warmup`, the same
-        arguments as the recorded launch, so the same key: Triton builds it or loads it from
-        its on-disk cache); call outside the `with` block. Returns `(name, key, context)` per
-        compiled key; `on_done()` after each."""
-        out = []
-        for name, key, args, kwargs, grid, context in self.kept:
-            self.kernels[name].warmup(*args, grid=grid, **kwargs)
-            out.append((name, key, context))
-            if on_done is not None:
-                on_done()
-        return out
 
 
 def captured_forwards(*owners: object) -> dict[str, CapturedForward]:
@@ -277,14 +281,19 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     forwards may then read target hidden states mid-write: finite values either way, and no
     index buffer is written by the other owner's forwards. Only compiling is the point.
 
-    `workers`: first compile in that many worker processes plus this one into Triton's on-disk
-    cache (`precompile_workers.run_workers`; 0: not); the pass above then loads what they
-    built. A failed worker is logged and this process compiles the rest. After a worker phase
-    a marker in the cache lets later runs of the same engine shape skip the workers.
+    `workers`: first compile in that many worker processes into Triton's on-disk cache, each a
+    share of the distinct keys (`precompile_workers.run_workers`; 0: not); the pass above then
+    loads what they built. A failed worker is logged and this process compiles the rest. After
+    a worker phase a marker in the cache lets later runs of the same engine shape skip the
+    workers.
 
     Every forward precompiled here then warms up once per size before its capture
     (`warmup_iters` at most 1): its kernels are compiled and loaded, the one eager run is what
     lazy initialisation (cuBLAS heuristics per shape, allocations) needs outside the capture.
+
+    A warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile of
+    this engine shape wrote, `mark_warm`, written at the end here): no workers and no pass
+    (returns {}); the one warm-up per size loads the kernels from the cache.
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
@@ -303,10 +312,20 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
                 out[f.name] = f.precompile(sizes, progress=progress)
         return out
 
+    from graphdraft.kernels import precompile_workers as pw
+
     if not workers:
         with contextlib.suppress(TypeError):
             _REPORTS.pop(engine, None)
+    warm = pw.is_warm(engine)
     report = _run_workers(engine, workers, progress) if workers else None
+    if warm:  # the marker: an earlier precompile of this shape filled the cache
+        for _, fw in owners:
+            for f in fw.values():
+                f.warmup_iters = min(f.warmup_iters, 1)
+        logger.info("JIT warm-up: skipped (Triton cache warm for this engine shape: marker "
+                    "found); each size's one warm-up before its capture loads its kernels")
+        return {}
     from capture.compiles import triton_builds
 
     b0 = triton_builds()
@@ -331,10 +350,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     for _, fw in owners:
         for f in fw.values():
             f.warmup_iters = min(f.warmup_iters, 1)
-    if report is not None and report.skipped is None:
-        from graphdraft.kernels.precompile_workers import mark_warm
-
-        mark_warm(engine)
+    pw.mark_warm(engine)
     logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
     return counts
 
