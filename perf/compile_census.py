@@ -93,7 +93,9 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     """Run every forward of `gpu_forwards(engine)` at each of `sizes` (default: each forward's
     whole schedule) under a `KeyRecorder` of `kernels` (default: `warmup.all_kernels()`),
     the engine's (and drafter's) buffers reset to neutral rows before each run and after;
-    `launch=False`: a dry run (keys only). `gpu_like` (default: a dry run on a CPU): the
+    `launch=False`: a dry run (keys only; the integer tensors the skipped launches would have
+    read or written are zeroed, `KeyRecorder(zero_ints=True)`: a throw-away engine, or one
+    whose state is reset after). `gpu_like` (default: a dry run on a CPU): the
     launch options a CUDA device gets (`gpu_launch_options`). Return the recorder:
     `keys[kernel]`, and `where[kernel][key]` = {(forward name, bs)}."""
     import torch
@@ -104,7 +106,8 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     resets = [getattr(engine, "_reset_neutral", None),
               getattr(getattr(engine, "drafter", None), "_reset_neutral", None)]
     resets = [r for r in resets if r is not None]
-    rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch)
+    rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
+                      zero_ints=not launch)
     if gpu_like is None:
         gpu_like = not launch and torch.device(engine.cfg.device).type != "cuda"
     if gpu_like and launch:

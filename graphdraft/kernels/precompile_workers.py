@@ -3,8 +3,8 @@
 A cold `Engine.capture_graphs` spends most of its time in Triton's compiler, one kernel after
 another in one process (`kernels.warmup.precompile_engine`: each captured forward once per size
 bucket). Here that work is split over worker processes first, one compile per distinct
-specialization key; the main process then runs `precompile_engine` as before and loads every
-kernel from the cache instead of compiling it.
+specialization key; the main process then runs no precompile pass: each size's one warm-up
+before its capture loads the kernels from the cache instead of compiling them.
 
 How a worker finds the keys: a Triton kernel is compiled per specialization key (constexprs,
 launch options, argument dtypes, value / alignment specialization:
@@ -124,8 +124,9 @@ class WorkerReport:
     compiled: list[int] = field(default_factory=list)
     built: dict[Task, int] = field(default_factory=dict)
     pass_built: int | None = None
-    """Kernels this process built in `precompile_engine`'s pass after the workers (~0: the
-    workers built the rest; set by `precompile_engine`)."""
+    """Kernels this process built in `precompile_engine`'s in-process pass when it ran after
+    a skipped worker phase (set by `precompile_engine`); None: no pass (the workers compiled
+    every key, or a warm cache)."""
     wall_s: float = 0.0
     worker_wall_s: list[float] = field(default_factory=list)
     worker_startup_s: list[float] = field(default_factory=list)

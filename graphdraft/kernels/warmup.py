@@ -282,18 +282,20 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     index buffer is written by the other owner's forwards. Only compiling is the point.
 
     `workers`: first compile in that many worker processes into Triton's on-disk cache, each a
-    share of the distinct keys (`precompile_workers.run_workers`; 0: not); the pass above then
-    loads what they built. A failed worker is logged and this process compiles the rest. After
-    a worker phase a marker in the cache lets later runs of the same engine shape skip the
-    workers.
+    share of the distinct keys (`precompile_workers.run_workers`; 0: not); the pass above is
+    then skipped. A failed worker is logged and this process compiles the rest in the pass.
+    After a complete precompile a marker in the cache lets later runs of the same engine shape
+    skip the workers and the pass.
 
     Every forward precompiled here then warms up once per size before its capture
     (`warmup_iters` at most 1): its kernels are compiled and loaded, the one eager run is what
     lazy initialisation (cuBLAS heuristics per shape, allocations) needs outside the capture.
 
-    A warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile of
-    this engine shape wrote, `mark_warm`, written at the end here): no workers and no pass
-    (returns {}); the one warm-up per size loads the kernels from the cache.
+    No pass (returns {}) when the workers compiled every key (a complete worker phase), or
+    for a warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile
+    of this engine shape wrote, `mark_warm`; then no workers either): the one warm-up per
+    size before its capture loads the kernels from the cache (and compiles one the cache
+    lacks: `GraphStats.built` counts it there).
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
@@ -319,12 +321,17 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
             _REPORTS.pop(engine, None)
     warm = pw.is_warm(engine)
     report = _run_workers(engine, workers, progress) if workers else None
-    if warm:  # the marker: an earlier precompile of this shape filled the cache
+    compiled = report is not None and report.skipped is None
+    if warm or compiled:  # every key is in the cache: the capture warm-ups load them
         for _, fw in owners:
             for f in fw.values():
                 f.warmup_iters = min(f.warmup_iters, 1)
-        logger.info("JIT warm-up: skipped (Triton cache warm for this engine shape: marker "
-                    "found); each size's one warm-up before its capture loads its kernels")
+        if compiled:
+            pw.mark_warm(engine)
+        logger.info("JIT warm-up: no in-process pass (%s); each size's one warm-up before its "
+                    "capture loads its kernels from Triton's cache",
+                    "the workers compiled every key" if compiled else
+                    "Triton cache warm for this engine shape: marker found")
         return {}
     from capture.compiles import triton_builds
 
