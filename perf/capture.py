@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in head_cold["per_forward"].items():
         print(f"  {k:<20} {v['capture_s']:>6.2f} / {v['compiles']:>3} / {v['built']:>3} / "
               f"{v['worker_built']:>3}  sizes {v['sizes']}")
-    print(f"\nwhere capture_graphs' seconds go (s): precompile (worker phase) / capture: warm-up, "
+    print("\nwhere capture_graphs' seconds go (s): precompile (worker phase) / capture: warm-up, "
           "record, replay timing / cost table / other; graphs, warm-up runs, cost replays")
     for name, r in runs.items():
         b = r.get("breakdown")

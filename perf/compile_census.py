@@ -37,7 +37,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 __all__ = ["census", "census_total", "explain", "gpu_forwards", "build_engine_8b", "main"]

@@ -10,7 +10,6 @@ process) is `python -m perf.compile_census`.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from perf.compile_census import census, explain, gpu_forwards, report
 from tests.test_precompile_workers import _full_engine

@@ -50,8 +50,8 @@ from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.decode_attention import (
-    COMBINE_SB,
     _DTYPES,
+    COMBINE_SB,
     REF_DTYPES,
     attend_block,
     check_out,
