@@ -94,7 +94,10 @@ def _specialize(v, is_const: bool, specialize: bool, align: bool) -> tuple:
     except ImportError:
         native_specialize_impl = None
     if native_specialize_impl is not None:
-        return tuple(native_specialize_impl(BaseBackend, v, is_const, specialize, align))
+        try:
+            return tuple(native_specialize_impl(BaseBackend, v, is_const, specialize, align))
+        except TypeError:  # another signature in this triton: the same rules in Python
+            pass
     if v is None:
         return ("constexpr", None)
     if isinstance(v, bool):
