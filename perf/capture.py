@@ -24,7 +24,12 @@ this process and its workers, for the cold run with workers), `sizes`, `pool_mib
 `per_forward` for the schedule to the first top (the issue's goals: cold <= 5 s, warm <= 2 s,
 <= 30 compiles), the in-process cold run's `cold_inprocess_s` / `triton_compiles_cold_inprocess`,
 the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `warm-64`,
-`cold-160`, `warm-160`). Prints a table. Needs CUDA; well under a minute per run on an H200.
+`cold-160`, `warm-160`). Also `census_keys` (the distinct Triton keys of the schedule: the
+workers' dry run, `perf/compile_census.py`) and per run a `breakdown` of capture_graphs' seconds
+(precompile and its worker phase; per captured size the warm-up runs, the capture itself and
+the two replays that time it; the cost table's timing; counts of graphs, warm-up runs and cost
+replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
+under a minute per run on an H200.
 """
 
 from __future__ import annotations
@@ -70,8 +75,19 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     seconds = time.perf_counter() - t0
     owners = [engine] + ([engine.drafter] if getattr(engine, "drafter", None) is not None else [])
     per_forward = {}
+    warm = {"warmup_s": 0.0, "record_s": 0.0, "replay_timing_s": 0.0, "warmup_runs": 0,
+            "graphs": 0}
     for attr, f in captured_forwards(*owners).items():
         st = f.stats
+        # per size: warm-up (`warmup_iters` eager runs; eager_seconds is the last one), the
+        # capture itself, two replays (upload + the timed one, replay_seconds)
+        w = sum(st.eager_seconds.values()) * f.warmup_iters
+        r = 2 * sum(st.replay_seconds.values())
+        warm["warmup_s"] += w
+        warm["replay_timing_s"] += r
+        warm["record_s"] += max(0.0, st.total_capture_seconds - w - r)
+        warm["warmup_runs"] += f.warmup_iters * len(f.captured_sizes)
+        warm["graphs"] += len(f.captured_sizes)
         per_forward[f.name] = {
             "attribute": attr,
             "sizes": f.captured_sizes,
@@ -86,6 +102,23 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
             "summary": st.summary(),
         }
     rep = worker_report(engine)
+    phases = dict(getattr(engine, "capture_phases", {}))
+    costs = getattr(engine.policy, "costs", None)
+    cost_cells = len(costs.measured()) if hasattr(costs, "measured") else 0
+    breakdown = {  # seconds per phase of capture_graphs (the warm run's "where it goes")
+        "precompile_s": round(phases.get("precompile_s", 0.0), 3),
+        "worker_phase_s": round(rep.wall_s, 3) if rep is not None else 0.0,
+        "capture_s": round(phases.get("capture_s", 0.0), 3),
+        "capture_warmup_s": round(warm["warmup_s"], 3),
+        "capture_record_s": round(warm["record_s"], 3),
+        "capture_replay_timing_s": round(warm["replay_timing_s"], 3),
+        "cost_table_s": round(phases.get("costs_s", 0.0), 3),
+        "other_s": round(seconds - sum(phases.values()), 3) if phases else None,
+        "graphs": warm["graphs"],
+        "warmup_runs": warm["warmup_runs"],
+        "cost_cells": cost_cells,
+        "cost_replays": 3 * cost_cells,  # measure_costs: warmup 0, iters 3
+    }
     built_here = triton_builds() - b0
     worker_built = rep.total_built if rep is not None else 0
     new_entries = cache_entries() - e0
@@ -98,8 +131,13 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "worker_wall_s": rep.worker_wall_s if rep is not None else [],
         "worker_startup_s": rep.worker_startup_s if rep is not None else [],
         "worker_tasks": rep.tasks if rep is not None else 0,
-        "main_share_built": rep.main_built if rep is not None else 0,
+        "worker_plan_s": rep.worker_plan_s if rep is not None else [],
+        "worker_compiled": rep.compiled if rep is not None else [],
+        # distinct specialization keys of the schedule (the workers' dry run; = the census
+        # total, `perf/compile_census.py`); 0 without a worker phase
+        "census_keys": rep.keys if rep is not None else 0,
         "pass_built": rep.pass_built if rep is not None else None,
+        "breakdown": breakdown,
         "precompile_s": round(sum(v["precompile_s"] for v in per_forward.values()), 4),
         "capture_s": round(seconds, 4),
         "build_s": round(t_built - t_start, 2),
@@ -210,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         "worker_phase_s": head_cold["worker_phase_s"],
         "worker_wall_s": head_cold["worker_wall_s"],
         "worker_startup_s": head_cold.get("worker_startup_s", []),
+        "worker_plan_s": head_cold.get("worker_plan_s", []),
+        "worker_compiled": head_cold.get("worker_compiled", []),
+        # distinct Triton keys the schedule needs (the compile census), and what the warm run
+        # loaded in-process (the same keys, when nothing is missing)
+        "census_keys": head_cold.get("census_keys", 0),
+        "census_keys_loaded_warm": head_warm.get("triton_compiles"),
+        "warm_breakdown": head_warm.get("breakdown", {}),
+        "cold_breakdown": head_cold.get("breakdown", {}),
         "cold_inprocess_s": solo.get("capture_s"),
         "triton_compiles_cold_inprocess": solo.get("triton_compiles_total"),
         "sizes": head_cold["sizes"],
@@ -231,6 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in head_cold["per_forward"].items():
         print(f"  {k:<20} {v['capture_s']:>6.2f} / {v['compiles']:>3} / {v['built']:>3} / "
               f"{v['worker_built']:>3}  sizes {v['sizes']}")
+    print("\nwhere capture_graphs' seconds go (s): precompile (worker phase) / capture: warm-up, "
+          "record, replay timing / cost table / other; graphs, warm-up runs, cost replays")
+    for name, r in runs.items():
+        b = r.get("breakdown")
+        if not b:
+            continue
+        print(f"  {name:<18} {b['precompile_s']:>5.2f} ({b['worker_phase_s']:>5.2f}) / "
+              f"{b['capture_s']:>5.2f}: {b['capture_warmup_s']:>5.2f} {b['capture_record_s']:>5.2f} "
+              f"{b['capture_replay_timing_s']:>5.2f} / {b['cost_table_s']:>5.2f} / "
+              f"{b['other_s'] if b['other_s'] is not None else float('nan'):>5.2f}; "
+              f"{b['graphs']} graphs, {b['warmup_runs']} warm-ups, {b['cost_replays']} cost replays")
+    print(f"census: {out['census_keys']} distinct keys (workers' dry run), "
+          f"{out['census_keys_loaded_warm']} loaded by the warm run")
     print(f"goals (schedule to {tops[0]}): cold <= {GOALS['cold_s']} s, warm <= {GOALS['warm_s']} s, "
           f"<= {GOALS['triton_compiles_cold']} compiles cold; wrote {path}")
     return 0

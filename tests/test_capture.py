@@ -788,7 +788,13 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
                 "worker_wall_s": [] if warm else [2.0, 2.1], "precompile_s": None,
                 "triton_compiles": 3, "built_here": here, "built_in_workers": there,
                 "triton_compiles_total": here + there, "cache_entries_new": 0 if warm else 3,
-                "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw}
+                "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw,
+                "census_keys": 0 if warm or workers == 0 else 7,
+                "breakdown": {"precompile_s": 0.0 if warm else 3.0, "worker_phase_s": 0.0,
+                              "capture_s": 0.6, "capture_warmup_s": 0.2,
+                              "capture_record_s": 0.3, "capture_replay_timing_s": 0.1,
+                              "cost_table_s": 0.3, "other_s": 0.1, "graphs": 2,
+                              "warmup_runs": 2, "cost_cells": 2, "cost_replays": 6}}
 
     monkeypatch.setattr(perf_capture, "_spawn", fake_spawn)
     assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64,160"]) == 0
@@ -799,13 +805,16 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert data["workers"] == 2 and data["worker_wall_s"] == [2.0, 2.1]
     assert data["sizes"] == [1, 2] and data["pool_mib"] == 4.0
     assert data["per_forward"]["draft_decode"]["worker_built"] == 2
+    assert data["census_keys"] == 7 and data["census_keys_loaded_warm"] == 3
+    assert data["warm_breakdown"]["precompile_s"] == 0.0
+    assert data["cold_breakdown"]["precompile_s"] == 3.0
     assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64", "cold-160",
                                   "warm-160"]
     # the in-process cold run has its own empty cache; cold and warm share one
     assert calls[0] == (64, "triton-cache-64-inprocess", 0)
     assert calls[1][1] == calls[2][1] == "triton-cache-64" and calls[1][2] is None
     out = capsys.readouterr().out
-    assert "cold-64-inprocess" in out and "warm-160" in out
+    assert "cold-64-inprocess" in out and "warm-160" in out and "cost replays" in out
     def solo_fails(max_bs, cache, result, timeout_s, workers=None):
         if workers == 0:
             raise RuntimeError("boom")

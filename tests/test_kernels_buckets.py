@@ -82,7 +82,7 @@ def test_kernel_list_covers_the_chain():
 # ------------------------------------------------------------------ buckets
 def test_bucket_functions():
     assert [m_bucket(m) for m in (1, 2, 4, 16, 17, 32, 33, 64)] == [1, 16, 16, 16, 32, 32, 64, 64]
-    assert [rows_block(r) for r in (1, 16, 17, 160)] == [16, 16, 64, 64]
+    assert [rows_block(r) for r in (1, 16, 17, 160)] == [64, 64, 64, 64]
     assert [splits_pad(s) for s in (1, 16, 17, 64, 65, 264, 600)] == [16, 16, 64, 64, 512, 512, 1024]
     with pytest.raises(ValueError, match="m: expected"):
         m_bucket(65)

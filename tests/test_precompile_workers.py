@@ -1,6 +1,7 @@
 """Precompile worker processes (`graphdraft.kernels.precompile_workers`): the premise (a worker's
 reduced-layer engine launches exactly the Triton specialization keys of the full engine), the
-split of the work, the worker process itself, failures, the warm-cache marker, and the config.
+split of the work (disjoint shares of the distinct keys that together are the keys the forwards
+launch), the worker process itself, failures, the warm-cache marker, and the config.
 
 The keys are computed on the host as Triton's launcher does (`warmup.specialization_key`), so
 the premise is checked under the interpreter, for every kernel of `graphdraft.kernels`
@@ -115,35 +116,38 @@ def test_the_key_check_sees_a_shape_change():
 
 
 # ------------------------------------------------------------------ the split of the work
-def test_plan_keeps_forwards_together_and_covers_every_task():
-    tasks = [("engine", "cycle_graphs", bs) for bs in (64, 32, 16, 8, 4, 1)]
-    tasks += [("engine", "cycle_graphs_k0", bs) for bs in (64, 16, 1)]
-    tasks += [("drafter", "multi_step_graphs", bs) for bs in (64, 32, 1)]
-    shares = pw.plan(tasks, 3)
-    assert len(shares) == 3
-    assert sorted(t for s in shares for t in s) == sorted(tasks)
-    assert shares[0] == tasks[:6]  # the largest group first, in its order
-    for s in shares:  # one forward's tasks in one share
-        for t in s:
-            assert all(u in s for u in tasks if u[:2] == t[:2])
-    assert pw.plan([], 3) == []
-    one = pw.plan(tasks, 1)
-    assert len(one) == 1 and sorted(one[0]) == sorted(tasks)
-    with pytest.raises(ValueError, match="shares"):
-        pw.plan(tasks, 0)
+def _gpu_tasks(monkeypatch, engine):
+    """`tasks_of(engine)` as on a GPU: the forwards a CUDA capture captures (the cycle graphs
+    and the multi-step) count as active."""
+    from capture import CapturedForward
+    from perf.compile_census import gpu_forwards
+
+    on = {id(f) for f in gpu_forwards(engine).values()}
+    monkeypatch.setattr(CapturedForward, "active", property(lambda self: id(self) in on))
+    return pw.tasks_of(engine)
 
 
-def test_plan_splits_groups_when_shares_outnumber_forwards():
-    """More shares than forwards: the largest groups are halved (neighbouring sizes stay
-    together) until every share has work or every unit is one task."""
-    tasks = [(o, a, bs) for o, a in (("engine", "cycle_graphs"), ("engine", "cycle_graphs_k0"))
-             for bs in (64, 32, 16, 8)]
-    shares = pw.plan(tasks, 4)
-    assert len(shares) == 4 and all(len(s) == 2 for s in shares)
-    assert all(len({t[1] for t in s}) == 1 for s in shares)  # a half of one forward's sizes
-    assert [t[2] for t in shares[0]] == [64, 32]
-    assert sorted(t for s in shares for t in s) == sorted(tasks)
-    assert len(pw.plan(tasks, 100)) == len(tasks)
+def test_key_shares_are_disjoint_and_cover_every_launched_key(monkeypatch):
+    """Three workers' shares (`compile_share`, dry runs of the representative sizes): no key
+    in two shares, and together exactly the keys the forwards launch (for real) at every
+    size of the schedule to 8 (1, 2, 4, 8: two GEMV row tiles at 4 tokens a row), kernel by
+    kernel: a worker compiles what capture needs and nothing else."""
+    from perf.compile_census import census
+
+    e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
+    tasks = _gpu_tasks(monkeypatch, e)
+    assert len(tasks) >= 8 and len({bs for _, _, bs in tasks}) < len(e.schedule)  # buckets
+    shares = [pw.compile_share(e, tasks, (i, 3)) for i in range(3)]
+    got = [{(n, k) for n, k, _ in s["compiled"]} for s in shares]
+    assert all(got) and sum(len(g) for g in got) == len(set().union(*got))  # disjoint
+    assert max(len(g) for g in got) - min(len(g) for g in got) <= 1  # balanced
+    real = census(e, launch=True)  # every size of the schedule, kernels run
+    launched = {(n, k) for n, ks in real.keys.items() for k in ks}
+    assert set().union(*got) == launched
+    assert all(s["keys"] == len(launched) for s in shares)
+    assert all(t in tasks for s in shares for _, _, t in s["compiled"])
+    with pytest.raises(ValueError, match="share"):
+        pw.compile_share(e, tasks, (3, 3))
 
 
 def test_default_workers_and_config_validation():
@@ -199,24 +203,24 @@ def test_run_workers_skips_without_work_and_rejects_bad_counts():
 # ------------------------------------------------------------------ the worker process
 def test_worker_process_builds_the_engine_and_reports(tmp_path):
     """The real worker command (`python -m graphdraft.kernels.precompile_workers SPEC OUT`, the
-    environment `run_workers` gives it) on the CPU: it rebuilds the engine, runs its tasks
-    (no-ops without CUDA: nothing is captured, nothing built), writes its progress lines and
-    its JSON, and exits 0."""
+    environment `run_workers` gives it) on the CPU: it rebuilds the engine, dry-runs the tasks,
+    compiles its share of the keys (Triton's warm-up is a no-op under the interpreter: nothing
+    built), writes its progress lines (`keys K`, then `1` per key) and its JSON, exits 0."""
     full = _full_engine()
     spec, _ = pw.engine_spec(full)
     tasks = (("engine", "cycle_graphs", 4), ("drafter", "multi_step_graphs", 1))
     sp, out, log = tmp_path / "spec.pkl", tmp_path / "out.json", tmp_path / "log.txt"
-    sp.write_bytes(pickle.dumps(pw.dataclasses.replace(spec, tasks=tasks,
+    sp.write_bytes(pickle.dumps(pw.dataclasses.replace(spec, tasks=tasks, share=(1, 2),
                                                        cache_dir=str(tmp_path / "cache"))))
     env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
     proc = pw._launch(sp, out, log, env)
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     data = json.loads(out.read_text())
-    assert sorted(tuple(x[:3]) for x in data["built"]) == sorted(tasks)
-    assert all(x[3] == 0 for x in data["built"])
-    assert (tmp_path / "out.json.progress").read_text() == "1\n1\n"
-    assert data["wall_s"] >= data["startup_s"] > 0
+    assert data["keys"] > 10 and data["compiled"] == data["keys"] // 2  # j % 2 == 1
+    assert all(tuple(x[:3]) in tasks and x[3] == 0 for x in data["built"])
+    assert pw._read_progress(out) == (data["compiled"], data["compiled"])
+    assert data["wall_s"] >= data["startup_s"] > 0 and data["plan_s"] > 0
 
 
 def _fake_active(monkeypatch, engine, builds: int = 1):
@@ -279,9 +283,10 @@ def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
 
 
 def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
-    """Workers that succeed (stand-ins writing the real output format): their builds land in
-    the forwards' `GraphStats.worker_built`, `worker_report` has the phase, the main process
-    ran its share, and the marker written afterwards makes the next precompile skip them."""
+    """Workers that succeed (stand-ins writing the real output format): each got every task
+    and its own share (i, n); their builds land in the forwards' `GraphStats.worker_built`,
+    `worker_report` has the phase, and the marker written afterwards makes the next
+    precompile skip them."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
     _fake_active(monkeypatch, e)
@@ -290,9 +295,9 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     def launch(spec_path, out_path, log_path, env):
         spec = pickle.loads(spec_path.read_bytes())
         assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
-        launched.append(spec.tasks)
-        body = json.dumps({"built": [[*t, 2] for t in spec.tasks], "startup_s": 0.1,
-                           "wall_s": 0.2})
+        launched.append(spec)
+        body = json.dumps({"built": [[*t, 2] for t in spec.tasks], "keys": 7, "compiled": 3,
+                           "startup_s": 0.1, "plan_s": 0.05, "wall_s": 0.2})
         code = f"import pathlib; pathlib.Path({str(out_path)!r}).write_text({body!r})"
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", code], stdout=log,
@@ -303,11 +308,13 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None and rep.workers == len(launched) == 2
     all_tasks = pw.tasks_of(e)
-    assert sorted(rep.main_tasks + [t for ts in launched for t in ts]) == sorted(all_tasks)
-    assert rep.total_built == 2 * sum(len(ts) for ts in launched)
+    assert all(list(s.tasks) == all_tasks for s in launched)
+    assert sorted(s.share for s in launched) == [(0, 2), (1, 2)]
+    assert rep.keys == 7 and rep.compiled == [3, 3] and rep.worker_plan_s == [0.05, 0.05]
+    assert rep.total_built == 2 * 2 * len(all_tasks)
     owners = {"engine": e, "drafter": e.drafter}
-    for owner, attr, bs in (t for ts in launched for t in ts):
-        assert getattr(owners[owner], attr).stats.worker_built[bs] == 2
+    for owner, attr, bs in all_tasks:
+        assert getattr(owners[owner], attr).stats.worker_built[bs] == 4
     assert list((tmp_path / "cache").glob("graphdraft-precompiled-*.json"))
     launched.clear()
     warmup.precompile_engine(e, progress=False, workers=2)
@@ -316,6 +323,10 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     e2 = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     warmup.precompile_engine(e2, progress=False, workers=2)
     assert launched
+    # one worker would compile everything serially: none starts
+    launched.clear()
+    e3 = _full_engine(max_running_requests=12, cuda_graph_max_bs=12)
+    assert pw.run_workers(e3, 1, progress=False).skipped == "one worker only" and not launched
 
 
 def test_counters_tell_builds_from_loads():
@@ -332,28 +343,6 @@ def test_counters_tell_builds_from_loads():
     comp = getattr(getattr(triton, "knobs", None), "compilation", None)
     if comp is not None and hasattr(comp, "listener"):
         assert compiles.builds_counted() and comp.listener is compiles._on_build
-
-
-def test_warm_cache_probe_stops_the_workers(monkeypatch, tmp_path):
-    """This process's first task builds nothing (every kernel came from the cache): the
-    workers are stopped, nothing else runs in the phase, no marker is written."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
-    _fake_active(monkeypatch, e, builds=0)
-    started = []
-
-    def launch(spec_path, out_path, log_path, env):
-        with open(log_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                 stdout=log, stderr=subprocess.STDOUT)
-        started.append(p)
-        return p
-
-    monkeypatch.setattr(pw, "_launch", launch)
-    rep = pw.run_workers(e, 3, progress=False)
-    assert "warm" in rep.skipped and rep.workers == 0 and len(rep.main_tasks) == 1
-    assert started and all(p.poll() is not None for p in started)
-    assert not list((tmp_path / "cache").glob("graphdraft-precompiled-*"))
 
 
 def test_env_var_sets_the_default(monkeypatch):
@@ -381,9 +370,11 @@ its memory), so this process's first task builds some (the warm-cache probe sees
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch, tmp_path):
     """A fresh Triton cache, `capture_graphs(precompile_workers=2)`: workers built kernels,
-    the in-process pass after them built none (every kernel the workers' reduced engines
-    compiled is the one the full engine launches: the premise, on the GPU), graphs replay
-    exactly as eager; a second engine of the same shape skips the workers (marker)."""
+    this process built none while it warmed up and captured every size (every key the
+    workers' reduced engines compiled is one the full engine launches, and none is missing:
+    the premise and the key shares, on the GPU), graphs replay exactly as eager; a second
+    engine of the same shape skips the workers and the precompile pass (marker) and its
+    graphs replay exactly as eager too."""
     from graphdraft.models.random_models import random_model_pair
     from graphdraft.serving.engine import Engine
 
@@ -404,8 +395,10 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     e.capture_graphs(progress=False, precompile_workers=2)
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None, rep
-    assert rep.workers == 2 and rep.total_built > 0 and rep.pass_built == 0, rep
+    assert rep.workers == 2 and rep.total_built > 0 and rep.keys > 0, rep
+    assert sum(rep.compiled) == rep.keys, rep  # every key compiled once, by one worker
     forwards = warmup.captured_forwards(e, e.drafter)
+    assert sum(f.stats.total_built for f in forwards.values()) == 0
     assert sum(f.stats.total_worker_built for f in forwards.values()) == rep.total_built
     assert all(f.captured_sizes == e.schedule for f in forwards.values() if f.active)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -420,6 +413,11 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     e2 = engine()
     e2.capture_graphs(progress=False, precompile_workers=2)
     assert "warm" in warmup.worker_report(e2).skipped
+    forwards2 = warmup.captured_forwards(e2, e2.drafter)
+    assert all(f.captured_sizes == e2.schedule for f in forwards2.values() if f.active)
+    assert sum(f.stats.total_built for f in forwards2.values()) == 0
+    assert sum(f.stats.total_precompile_seconds for f in forwards2.values()) == 0  # no pass
+    assert e2.generate(prompts, params) == eager_out
 
 
 def test_worker_bytes_counts_the_reduced_engine(monkeypatch):

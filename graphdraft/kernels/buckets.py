@@ -8,8 +8,8 @@ kernels here pass batch / row / token counts (and strides that scale with them) 
 `do_not_specialize` arguments and pick their tiles per bucket of rows, so a batch-size
 schedule compiles a handful of variants per kernel, not one per size:
 
-* `rows_block(rows)`: the lanes of the per-row metadata kernels (16 up to 16 rows, else 64
-  with more programs);
+* `rows_block(rows)`: the lanes of the per-row metadata kernels: 64 for every row count
+  (`cdiv(rows, 64)` programs; one compiled variant where 16 / 64 by row count compiled two);
 * `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
   `KernelConfig.finish_norm_max_m` (4), the fused-norm finisher;
 * `KernelConfig.pdl_max_rows`: PDL on (a constexpr) up to 4 rows;
@@ -33,16 +33,17 @@ from graphdraft.kernels.config import default as default_config
 
 __all__ = ["representative_sizes", "row_bucket", "rows_block"]
 
-_ROWS_SMALL = 16
-_ROWS_LARGE = 64
+_ROWS_BLOCK = 64
 
 
 def rows_block(rows: int) -> int:
-    """Lanes per program of a kernel over `rows` per-row values: 16 up to 16 rows, else 64
-    (the grid then takes `cdiv(rows, 64)` programs)."""
+    """Lanes per program of a kernel over `rows` per-row values: 64 at every row count (the
+    grid takes `cdiv(rows, 64)` programs). These kernels are elementwise over rows (a few
+    loads and stores per row, one warp): masked lanes at fewer rows cost nothing measurable,
+    and one tile means one compiled variant per kernel for the whole schedule."""
     if rows < 0:
         raise ValueError(f"rows: expected >= 0, got {rows}")
-    return _ROWS_SMALL if rows <= _ROWS_SMALL else _ROWS_LARGE
+    return _ROWS_BLOCK
 
 
 def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = None) -> tuple:

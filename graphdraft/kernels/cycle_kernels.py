@@ -30,7 +30,9 @@ __all__ = ["commit_pack", "neutral_slot0", "prepare_rows"]
 ERR_DRAFTS, ERR_CACHE_LEN = 1, 2
 
 
-@triton.jit
+# N (tokens a row, k + 1) is not specialized and NP2 covers the widest row (S + 1): one variant
+# for every draft length k (a few masked lanes at k < S in a one-program-per-row kernel).
+@triton.jit(do_not_specialize=["N"])
 def _prepare_kernel(slot_rows, done, vcl, last_token, drafts, stride_d, req_to_page, stride_p,
                     input_ids, positions, out_cache_loc, req, seq_lens, extend_lens, err,
                     N, PS, MAX_PAGES, MAX_CTX, VOCAB, NP2: tl.constexpr):
@@ -85,7 +87,8 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
                                  req_to_page, req_to_page.stride(0), input_ids, positions,
                                  out_cache_loc, req, seq_lens, extend_lens, err, n, page_size,
                                  req_to_page.shape[1], max_context_len, vocab,
-                                 NP2=triton.next_power_of_2(n), num_warps=1)
+                                 NP2=triton.next_power_of_2(max(n, drafts.shape[1] + 1)),
+                                 num_warps=1)
         return
     s = slot_rows
     live = (s != 0) & (done[s] == 0)
@@ -107,7 +110,7 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
     extend_lens.fill_(n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_t", "n"])  # tokens a row (k + 1): one variant for every k
 def _commit_pack_kernel(accept, finish, err, req, seq_lens, tokens, stride_t, next_tokens,
                         stride_n, vcl, last_token, drafts, stride_d, emitted, done, pack,
                         stride_pk, n, NROW, S, NP2: tl.constexpr, SP2: tl.constexpr,

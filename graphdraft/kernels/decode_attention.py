@@ -52,6 +52,10 @@ _LOG2E = 1.4426950408889634
 MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
 NUM_WARPS = 4
 NUM_STAGES = 3
+COMBINE_SB = 16
+"""Splits the combine kernels (decode's and extend's) read per block: one value for every split
+count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
+lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
 
 
 @triton.jit
@@ -84,7 +88,10 @@ def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constex
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# The split count follows the rows (about 2 programs per SM): not specialized (1 / % 16 would
+# compile per batch size; ONE_SPLIT is the constexpr that matters). The partials' rows are
+# strided by it, so no vector access depends on its divisibility.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, sq_t, sq_h, q_index_ptr,
     k_ptr, sk_s, sk_h,
@@ -182,7 +189,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # as the split kernel; SB: always COMBINE_SB
 def _decode_combine_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
     chunk, num_splits,
@@ -386,7 +393,7 @@ def paged_decode_attention(
         _decode_combine_kernel[(T, Hq)](
             part, lse, kv_lens, out, out.stride(0), out.stride(1),
             chunk, splits,
-            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
+            D=D, D_PAD=d_pad, SB=COMBINE_SB, num_warps=4,
             **launch_options(q.device, T, early=True, kernels=kc),
         )
     return out

@@ -28,7 +28,7 @@ from graphdraft.kernels.pdl import launch_options, pdl_enter
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
 
 
-@triton.jit(do_not_specialize=["bs", "token_offset"])
+@triton.jit(do_not_specialize=["bs", "N", "token_offset"])  # N = k + 1: one variant for every k
 def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather_ptr,
                                  seq_out_ptr, write_start_ptr, tokens_ptr, last_ptr, stride_last,
                                  bs, N, token_offset, BLOCK: tl.constexpr, LAST: tl.constexpr,

@@ -51,6 +51,7 @@ from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.decode_attention import (
     _DTYPES,
+    COMBINE_SB,
     REF_DTYPES,
     attend_block,
     check_out,
@@ -352,7 +353,7 @@ def paged_extend_attention(
     if not one:
         _extend_combine_kernel[(T, Hq)](
             part, lse, out, out.stride(0), out.stride(1), splits,
-            D=D, D_PAD=d_pad, SB=min(16, triton.next_power_of_2(splits)), num_warps=4,
+            D=D, D_PAD=d_pad, SB=COMBINE_SB, num_warps=4,
             **launch_options(q.device, T, kernels=kc),
         )
     return out

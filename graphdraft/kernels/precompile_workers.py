@@ -2,24 +2,29 @@
 
 A cold `Engine.capture_graphs` spends most of its time in Triton's compiler, one kernel after
 another in one process (`kernels.warmup.precompile_engine`: each captured forward once per size
-bucket). Here that work is split over worker processes first; the main process then runs
-`precompile_engine` as before and loads (almost) every kernel from the cache instead of
-compiling it.
+bucket). Here that work is split over worker processes first, one compile per distinct
+specialization key; the main process then runs no precompile pass: each size's one warm-up
+before its capture loads the kernels from the cache instead of compiling them.
 
-How a worker gets the same kernels: a Triton kernel is compiled per specialization key
-(constexprs, launch options, argument dtypes, value / alignment specialization:
+How a worker finds the keys: a Triton kernel is compiled per specialization key (constexprs,
+launch options, argument dtypes, value / alignment specialization:
 `warmup.specialization_key`), never per layer or weight value. A worker therefore builds an
 engine of the SAME shapes (`WorkerSpec`: the target's and head's `ModelConfig`, dtype,
 `RuntimeConfig` with its `KernelConfig` and the engine's KV page count, the draft vocab's size)
 with random weights and only as many target layers as the code paths need
 (`reduced_target_config`: layer 0 runs without a residual input, every later layer with one;
-2 layers, the EAGLE-3 aux ids mapped onto them), and runs the precompile of its share of the
-(forward, batch size) tasks (`plan`: one task per captured forward and representative size of
-each bucket, `buckets.representative_sizes`; grouped by forward, whose sizes share most
-kernels). A process compiles every kernel its tasks need that is not in the cache yet, so
-kernels shared by several shares are compiled in each: one (forward, size) task alone needs
-about half of all the schedule's kernels, which bounds what processes can gain. `tests/test_precompile_workers.py` checks on the CPU
-that a reduced engine launches exactly the keys of the full one, kernel by kernel.
+2 layers, the EAGLE-3 aux ids mapped onto them), and runs every (forward, batch size) task of
+the precompile (`tasks_of`: each captured forward at one size per bucket,
+`buckets.representative_sizes`) as a dry run (`warmup.KeyRecorder(launch=False)`: each
+launch's key is recorded, no kernel runs, nothing compiles). Every worker runs the same
+tasks in the same order, so all see the same distinct keys in the same order; worker i of n
+keeps the arguments of the j-th new key for j % n == i and then compiles exactly those with
+Triton's `JITFunction.warmup` (compile without launching, the recorded arguments: the same
+key). No key is compiled twice, and the work splits per kernel, not per forward (one forward
+at one size needs about half of all the schedule's kernels). `tests/test_precompile_workers.py`
+checks on the CPU that a reduced engine launches exactly the keys of the full one, kernel by
+kernel, and that the workers' shares together are exactly the keys the forwards launch over
+the whole schedule.
 
 Device memory: a worker holds its reduced engine (`worker_bytes` counts about 7 GB at the 8B
 shape, with a 3 GiB margin);
@@ -29,20 +34,20 @@ Processes: `sys.executable -m graphdraft.kernels.precompile_workers SPEC OUT` (a
 interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
 do), with the caller's environment and `TRITON_CACHE_DIR` set to the caller's cache
 (`capture.cache_dir()`: the user's `TRITON_CACHE_DIR` or Triton's default). The main process
-runs the largest share itself meanwhile. A tqdm bar counts finished tasks over all processes.
+waits (its engine's forwards run no dry pass: a skipped kernel leaves its outputs unwritten,
+which only a throw-away engine may read). A tqdm bar counts compiled keys over all processes.
 A worker that fails (exit status, timeout) raises `PrecompileWorkerError` with its log's tail;
 `precompile_engine` logs it and compiles the rest in-process. Triton writes each cache file to
 a temporary folder and renames it into place, the group file (what a lookup reads first) last,
 so a killed worker leaves no entry that a later lookup would load half-written.
 
-Warm caches: the main process runs the first task of its share before anything else; when
-that built nothing (Triton's compilation listener saw only cache hits) the cache is warm and
-the workers, still starting up, are stopped. Once a precompile with workers finished, a marker file
+Warm caches: once a precompile finished (with workers or without), a marker file
 `graphdraft-precompiled-<fingerprint>.json` in the cache folder (the fingerprint covers the
 spec, the tasks, torch / triton versions, the GPU, the kernel sources and the TRITON_* /
-GRAPHDRAFT_* environment) makes later runs skip the workers (their start-up would cost more
-than loading). A stale marker only costs time: the in-process precompile compiles what is
-missing.
+GRAPHDRAFT_* environment) makes later runs skip the workers and the in-process precompile
+pass (`warmup.precompile_engine`): capture's one warm-up per size loads each kernel from the
+cache at its first launch. A stale marker only costs time: those warm-ups compile what is
+missing. Without a marker the workers run and load what the cache has.
 """
 
 from __future__ import annotations
@@ -64,16 +69,16 @@ from pathlib import Path
 import torch
 
 from capture import cache_dir
-from capture.compiles import builds_counted
 from graphdraft.config import ModelConfig, RuntimeConfig
 
-__all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "default_workers",
-           "engine_spec", "memory_cap", "plan", "precompile_tasks", "reduced_target_config",
+__all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "compile_share",
+           "default_workers", "engine_spec", "is_warm", "mark_warm", "memory_cap",
+           "reduced_target_config",
            "run_workers", "tasks_of", "worker_bytes"]
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_WORKERS = 8
+MAX_DEFAULT_WORKERS = 16
 ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600.0
 _MARKER = "graphdraft-precompiled-{}.json"
@@ -101,28 +106,33 @@ class WorkerSpec:
     device: str
     cache_dir: str
     tasks: tuple[Task, ...] = ()
+    share: tuple[int, int] = (0, 1)
+    """(i, n): this worker compiles the j-th distinct key of the tasks' dry run for j % n == i."""
 
 
 @dataclass
 class WorkerReport:
-    """What the worker phase did: worker processes, tasks (the main process's share included),
-    `built`: kernels Triton's compiler built in the workers per (owner, attribute, bs),
-    `main_tasks`: the share this process ran meanwhile (its builds, `main_built`, are also in
-    the forwards' `GraphStats.built`), wall seconds of the phase and of each worker, why none ran if so."""
+    """What the worker phase did: worker processes, tasks (each worker dry-runs them all),
+    `keys`: distinct specialization keys of the tasks, `compiled`: keys each worker compiled
+    (built or loaded from the cache), `built`: kernels Triton's compiler built in the workers
+    per (owner, attribute, bs) of the task that first launched the key, wall seconds of the
+    phase and of each worker, why none ran if so."""
 
     workers: int = 0
     tasks: int = 0
+    keys: int = 0
+    compiled: list[int] = field(default_factory=list)
     built: dict[Task, int] = field(default_factory=dict)
-    main_tasks: list[Task] = field(default_factory=list)
-    main_built: int = 0
-    """Kernels this process built in its share, while the workers ran."""
     pass_built: int | None = None
-    """Kernels this process built in `precompile_engine`'s pass after the workers (~0: the
-    workers built the rest; set by `precompile_engine`)."""
+    """Kernels this process built in `precompile_engine`'s in-process pass when it ran after
+    a skipped worker phase (set by `precompile_engine`); None: no pass (the workers compiled
+    every key, or a warm cache)."""
     wall_s: float = 0.0
     worker_wall_s: list[float] = field(default_factory=list)
     worker_startup_s: list[float] = field(default_factory=list)
-    """Per worker: seconds to start (imports, CUDA, building its engine) before its tasks."""
+    """Per worker: seconds to start (imports, CUDA, building its engine) before its dry run."""
+    worker_plan_s: list[float] = field(default_factory=list)
+    """Per worker: seconds of its dry run (finding the keys)."""
     skipped: str | None = None
 
     @property
@@ -132,8 +142,8 @@ class WorkerReport:
 
 def default_workers(cfg: RuntimeConfig) -> int:
     """`cfg.precompile_workers`, or for None: the env var GRAPHDRAFT_PRECOMPILE_WORKERS (an int
-    >= 0; anything else: ValueError naming it) if set, else min(8, CPU count) on CUDA; 0 on a
-    CPU or under data parallelism."""
+    >= 0; anything else: ValueError naming it) if set, else min(16, CPU count) on CUDA (the
+    main process only waits meanwhile); 0 on a CPU or under data parallelism."""
     n = getattr(cfg, "precompile_workers", None)
     if n is not None:
         return n
@@ -253,60 +263,53 @@ def tasks_of(engine) -> list[Task]:
     return out
 
 
-def plan(tasks: Sequence[Task], shares: int) -> list[list[Task]]:
-    """Split `tasks` into at most `shares` non-empty lists (share 0: the main process's).
+def compile_share(engine, tasks: Sequence[Task], share: tuple[int, int] = (0, 1),
+                  on_plan=None, on_done=None) -> dict:
+    """Dry-run each task's forward (owner, attribute, bs) under a `KeyRecorder(launch=False)` of
+    every kernel (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral
+    rows before and after each; keep the j-th distinct key for `j % n == i` (`share` (i, n));
+    then compile the kept keys (`kernel.warmup` with the recorded arguments: Triton's compile, no
+    launch). `on_plan(kept, total)` after the dry run, `on_done()` after each compile.
+    Returns {"keys": distinct keys, "compiled": [(kernel, key, task)], "built": {task: n},
+    "plan_s": seconds of the dry run}: the builds (cache misses, `capture.compiles`) counted
+    per task that first launched the key. A throw-away engine only: skipped kernels leave
+    their float outputs unwritten and zero their integer arguments (`zero_ints`)."""
+    from capture.compiles import triton_builds
+    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
-    The tasks of one forward form a group (its sizes share most kernels: on the tiny CPU pair,
-    grouping by forward needs 30 distinct kernels in the busiest of 9 processes where grouping
-    by batch size needs 35, of 46 in all; one task alone needs up to 27). While there are
-    fewer groups than shares, the largest group is halved (its sizes in the given order: neighbouring
-    buckets share the most). Groups go largest first to the share with the fewest tasks
-    (ties: the lower index). Every task lands in exactly one share, in its given order
-    within a group; ValueError for `shares < 1`."""
-    if not isinstance(shares, int) or isinstance(shares, bool) or shares < 1:
-        raise ValueError(f"shares: expected an int >= 1, got {shares!r}")
-    groups: dict[tuple[str, str], list[Task]] = {}
-    for t in tasks:
-        groups.setdefault((t[0], t[1]), []).append(t)
-    units = sorted(groups.values(), key=len, reverse=True)  # stable: discovery order on ties
-    while 0 < len(units) < shares and max(len(u) for u in units) > 1:
-        big = max(range(len(units)), key=lambda i: len(units[i]))
-        u = units.pop(big)
-        half = (len(u) + 1) // 2
-        units[big:big] = [u[:half], u[half:]]
-    units.sort(key=len, reverse=True)
-    bins: list[list[Task]] = [[] for _ in range(min(shares, len(units)))]
-    for unit in units:
-        min(bins, key=len).extend(unit)
-    return [b for b in bins if b]
-
-
-def precompile_tasks(engine, tasks: Sequence[Task], on_done=None) -> dict[Task, int]:
-    """Run each task's forward once at its size (`CapturedForward.precompile`) in this process,
-    the engine's and drafter's buffers reset to neutral rows before and after (as
-    `precompile_engine` does); return the kernels Triton built per task (`GraphStats.built`).
-    `on_done()`: called after each task (progress)."""
+    i, n = share
+    if not (isinstance(n, int) and isinstance(i, int) and n >= 1 and 0 <= i < n):
+        raise ValueError(f"share: expected (i, n) with 0 <= i < n, got {share!r}")
     owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
-    resets = [getattr(engine, "_reset_neutral", None),
-              getattr(owners["drafter"], "_reset_neutral", None)]
+    resets = [getattr(o, "_reset_neutral", None) for o in owners.values() if o is not None]
     resets = [r for r in resets if r is not None]
-    out: dict[Task, int] = {}
-    for r in resets:
-        r()
-    with torch.inference_mode():
+    t0 = time.perf_counter()
+    rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: j % n == i, zero_ints=True)
+    with torch.inference_mode(), torch.no_grad(), rec:
         for task in tasks:
             owner, attr, bs = task
-            f = getattr(owners[owner], attr)
-            before = f.stats.built[bs]
-            f.precompile([bs], progress=False)
-            out[task] = f.stats.built[bs] - before
-            if on_done is not None:
-                on_done()
+            for r in resets:
+                r()
+            rec.context = task
+            getattr(owners[owner], attr)._forward(bs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for r in resets:
         r()
-    return out
+    plan_s = time.perf_counter() - t0
+    if on_plan is not None:
+        on_plan(len(rec.kept), rec.total())
+    built: dict[Task, int] = {}
+    compiled = []
+    for name, key, args, kwargs, grid, task in rec.kept:
+        b0 = triton_builds()
+        rec.kernels[name].warmup(*args, grid=grid, **kwargs)
+        built[task] = built.get(task, 0) + triton_builds() - b0
+        compiled.append((name, key, task))
+        if on_done is not None:
+            on_done()
+    rec.kept.clear()  # the recorded arguments (activations) are not kept alive
+    return {"keys": rec.total(), "compiled": compiled, "built": built, "plan_s": plan_s}
 
 
 # ------------------------------------------------------------------ the worker process
@@ -338,9 +341,10 @@ def build_engine(spec: WorkerSpec):
 
 
 def worker_main(spec_path: Path, out_path: Path) -> int:
-    """One worker: build the engine of `spec_path` (a pickled `WorkerSpec`), run its tasks,
-    append a line to `out_path.progress` per finished task, write `out_path` (JSON: builds per
-    task, seconds)."""
+    """One worker: build the engine of `spec_path` (a pickled `WorkerSpec`), compile its share
+    of the tasks' keys (`compile_share`), append to `out_path.progress` a line `keys K` (its
+    share's size) after the dry run and a line `1` per compiled key, write `out_path` (JSON:
+    builds per task, keys, seconds)."""
     t0 = time.perf_counter()
     with open(spec_path, "rb") as fh:
         spec: WorkerSpec = pickle.load(fh)
@@ -353,13 +357,16 @@ def worker_main(spec_path: Path, out_path: Path) -> int:
     t_built = time.perf_counter()
     progress = Path(str(out_path) + ".progress")
 
-    def done() -> None:
+    def line(text: str) -> None:
         with open(progress, "a") as fh:
-            fh.write("1\n")
+            fh.write(text + "\n")
 
-    built = precompile_tasks(engine, spec.tasks, on_done=done)
-    data = {"built": [[*t, n] for t, n in built.items()],
-            "startup_s": round(t_built - t0, 3), "wall_s": round(time.perf_counter() - t0, 3)}
+    res = compile_share(engine, spec.tasks, spec.share,
+                        on_plan=lambda kept, total: line(f"keys {kept}"),
+                        on_done=lambda: line("1"))
+    data = {"built": [[*t, k] for t, k in res["built"].items()], "keys": res["keys"],
+            "compiled": len(res["compiled"]), "startup_s": round(t_built - t0, 3),
+            "plan_s": round(res["plan_s"], 3), "wall_s": round(time.perf_counter() - t0, 3)}
     tmp = Path(str(out_path) + ".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(out_path)
@@ -393,17 +400,26 @@ def _marker(spec: WorkerSpec, tasks: Sequence[Task]) -> Path:
     return Path(spec.cache_dir) / _MARKER.format(_fingerprint(spec, tasks))
 
 
+def is_warm(engine) -> bool:
+    """The warm-cache marker of `engine` (`mark_warm`) is in Triton's cache folder: an earlier
+    precompile of this engine shape finished there."""
+    spec, _ = engine_spec(engine)
+    tasks = tasks_of(engine)
+    return spec is not None and bool(tasks) and _marker(spec, tasks).exists()
+
+
 def mark_warm(engine) -> Path | None:
     """Write the warm-cache marker of `engine` (after its precompile finished); None when no
-    worker could rebuild it or the cache folder is not writable."""
+    worker could rebuild it, nothing is captured, or the cache folder is not writable."""
     spec, _ = engine_spec(engine)
-    if spec is None:
+    tasks = tasks_of(engine)
+    if spec is None or not tasks:
         return None
-    path = _marker(spec, tasks_of(engine))
+    path = _marker(spec, tasks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"tasks": len(tasks_of(engine)), "time": time.time()}))
+        tmp.write_text(json.dumps({"tasks": len(tasks), "time": time.time()}))
         tmp.replace(path)
     except OSError as e:
         logger.debug("precompile marker not written: %s", e)
@@ -434,14 +450,25 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
+def _read_progress(out: Path) -> tuple[int | None, int]:
+    """A worker's progress file: (its share's key count once announced, keys compiled)."""
+    try:
+        lines = Path(str(out) + ".progress").read_text().splitlines()
+    except OSError:
+        return None, 0
+    share = next((int(x.split()[1]) for x in lines if x.startswith("keys ")), None)
+    return share, sum(1 for x in lines if x == "1")
+
+
 def run_workers(engine, workers: int, *, progress: bool = True,
                 timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
-    """Compile `engine`'s schedule kernels into Triton's cache with `workers` processes plus
-    this one (module docstring); return what they did. No processes (`report.skipped` says
-    why) when `workers` is 0, nothing is to be captured, the engine cannot be rebuilt, there
-    is one share only, or the marker says the cache is warm; stopped early when this process's
-    first task built nothing (`report.skipped` then says so). Raises PrecompileWorkerError
-    when a worker fails (the others are stopped); ValueError for `workers < 0`."""
+    """Compile `engine`'s schedule kernels into Triton's cache with `workers` processes, each
+    a share of the distinct keys (module docstring); return what they did. No processes
+    (`report.skipped` says why) when `workers` is 0, nothing is to be captured, the engine
+    cannot be rebuilt, fewer than 2 workers fit in the free GPU memory (one would compile
+    everything serially, as this process does), or the marker says the cache is warm.
+    Raises PrecompileWorkerError when a worker fails (the others are stopped); ValueError
+    for `workers < 0`."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"precompile_workers: expected an int >= 0, got {workers!r}")
     report = WorkerReport()
@@ -463,14 +490,11 @@ def run_workers(engine, workers: int, *, progress: bool = True,
     if fit < workers:
         logger.info("precompile workers: %d instead of %d (free GPU memory for ~%.1f GiB each)",
                     fit, workers, worker_bytes(engine, spec) / (1 << 30))
-    shares = plan(tasks, fit + 1)
-    if len(shares) < 2:
-        report.skipped = ("one share of work only" if fit else
-                          "not enough free GPU memory for a worker")
+    if fit < 2:
+        report.skipped = ("one worker only" if fit else "not enough free GPU memory for a worker")
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
-    mine, theirs = shares[0], shares[1:]
-    report.workers, report.tasks = len(theirs), len(tasks)
+    report.workers, report.tasks = fit, len(tasks)
     t0 = time.perf_counter()
     env = _env(spec)
     procs: list[tuple[subprocess.Popen, Path, Path, Path]] = []
@@ -478,53 +502,28 @@ def run_workers(engine, workers: int, *, progress: bool = True,
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - a declared dependency
         tqdm = None
-    bar = tqdm(total=len(tasks), desc=f"JIT warm-up ({len(theirs)} workers + this process)",
-               unit="task") if progress and tqdm is not None else None
-    mine_done = 0
-
-    def worker_progress() -> int:
-        n = 0
-        for _, out, _, _ in procs:
-            try:
-                n += Path(str(out) + ".progress").read_text().count("\n")
-            except OSError:
-                pass
-        return n
+    bar = tqdm(total=None, desc=f"JIT warm-up ({fit} workers)", unit="kernel") \
+        if progress and tqdm is not None else None
 
     def update() -> None:
-        if bar is not None:
-            bar.n = mine_done + worker_progress()
-            bar.refresh()
-
-    def bump() -> None:
-        nonlocal mine_done
-        mine_done += 1
-        update()
+        if bar is None:
+            return
+        states = [_read_progress(out) for _, out, _, _ in procs]
+        if all(k is not None for k, _ in states) and bar.total is None:
+            bar.total = sum(k for k, _ in states)
+        bar.n = sum(c for _, c in states)
+        bar.refresh()
 
     with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
         try:
-            for i, share in enumerate(theirs, 1):
+            for i in range(fit):
                 sp, out, log = (Path(tmp) / f"spec{i}.pkl", Path(tmp) / f"out{i}.json",
                                 Path(tmp) / f"log{i}.txt")
                 with open(sp, "wb") as fh:
-                    pickle.dump(dataclasses.replace(spec, tasks=tuple(share)), fh)
+                    pickle.dump(dataclasses.replace(spec, tasks=tuple(tasks), share=(i, fit)), fh)
                 procs.append((_launch(sp, out, log, env), out, log, sp))
-            logger.info("precompile: %d tasks over %d worker processes and this one",
-                        len(tasks), len(theirs))
-            report.main_tasks = list(mine)
-            # The probe: this process's first task built nothing (every kernel it needs was
-            # in the cache), so the cache is warm: stop the workers (still starting up).
-            main_built = precompile_tasks(engine, mine[:1], on_done=bump)
-            if builds_counted() and sum(main_built.values()) == 0:
-                report.skipped = "Triton cache warm (this process's first task built nothing)"
-                report.workers = 0
-                report.main_tasks = list(mine[:1])
-                report.main_built = 0
-                report.wall_s = time.perf_counter() - t0
-                logger.info("precompile workers: stopped (%s)", report.skipped)
-                return report
-            main_built.update(precompile_tasks(engine, mine[1:], on_done=bump))
-            report.main_built = sum(main_built.values())
+            logger.info("precompile: the keys of %d tasks over %d worker processes",
+                        len(tasks), fit)
             deadline = time.monotonic() + timeout_s
             pending = list(range(len(procs)))
             while pending:
@@ -540,9 +539,13 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                             f"ends:\n{_tail(log)}")
                     data = json.loads(out.read_text())
                     for owner, attr, bs, n in data["built"]:
-                        report.built[(owner, attr, int(bs))] = int(n)
+                        t = (owner, attr, int(bs))
+                        report.built[t] = report.built.get(t, 0) + int(n)
+                    report.keys = max(report.keys, int(data.get("keys", 0)))
+                    report.compiled.append(int(data.get("compiled", 0)))
                     report.worker_wall_s.append(float(data["wall_s"]))
                     report.worker_startup_s.append(float(data["startup_s"]))
+                    report.worker_plan_s.append(float(data.get("plan_s", 0.0)))
                 update()
                 if pending and time.monotonic() > deadline:
                     raise PrecompileWorkerError(
@@ -550,7 +553,7 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                         f"{timeout_s:.0f} s; the log of worker {pending[0] + 1} ends:\n"
                         f"{_tail(procs[pending[0]][2])}")
                 if pending:
-                    time.sleep(0.05)
+                    time.sleep(0.02)
         finally:
             for p, *_ in procs:
                 if p.poll() is None:
@@ -559,9 +562,9 @@ def run_workers(engine, workers: int, *, progress: bool = True,
             if bar is not None:
                 bar.close()
     report.wall_s = time.perf_counter() - t0
-    logger.info("precompile workers: %d processes, %d tasks, %d kernels built there, %d here, "
-                "%.2f s", report.workers, report.tasks, report.total_built,
-                sum(main_built.values()), report.wall_s)
+    logger.info("precompile workers: %d processes, %d keys of %d tasks, %d kernels built, "
+                "%.2f s", report.workers, report.keys, report.tasks, report.total_built,
+                report.wall_s)
     return report
 
 

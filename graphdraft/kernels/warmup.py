@@ -6,9 +6,10 @@ at one batch size per bucket of compiled variants (`buckets.representative_sizes
 compiled there, with a progress bar (`progress=False` or the logger level silences it), and
 capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`
 (and `built`: the ones Triton's compiler built here, not loaded from its cache). With
-`workers=N` the kernels are compiled first by N worker processes (and this one) into Triton's
-on-disk cache (`kernels.precompile_workers`; their builds in `GraphStats.worker_built`, the
-phase in `worker_report(engine)`), so the in-process pass then mostly loads them.
+`workers=N` the kernels are compiled first by N worker processes into Triton's on-disk cache,
+each a share of the distinct specialization keys (`kernels.precompile_workers`; their builds
+in `GraphStats.worker_built`, the phase in `worker_report(engine)`), so the in-process pass
+then only loads them.
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
@@ -93,7 +94,10 @@ def _specialize(v, is_const: bool, specialize: bool, align: bool) -> tuple:
     except ImportError:
         native_specialize_impl = None
     if native_specialize_impl is not None:
-        return tuple(native_specialize_impl(BaseBackend, v, is_const, specialize, align))
+        try:
+            return tuple(native_specialize_impl(BaseBackend, v, is_const, specialize, align))
+        except TypeError:  # another signature in this triton: the same rules in Python
+            pass
     if v is None:
         return ("constexpr", None)
     if isinstance(v, bool):
@@ -133,15 +137,48 @@ def specialization_key(kernel, *args, **kwargs) -> tuple:
     return tuple(spec) + options
 
 
+def _zero_int_tensors(args, kwargs) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.numel() and not (a.is_floating_point()
+                                                             or a.is_complex()):
+            a.zero_()
+
+
 class KeyRecorder(contextlib.AbstractContextManager):
     """Record `specialization_key` of every launch of `kernels` (default: `kernels()`) while
-    active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count.
-    The launches still run. A diagnostic (it costs host time per launch), not for serving."""
+    active: `keys[name]` is the set of distinct keys, `launches[name]` the launch count,
+    `where[name][key]` the contexts (`context`, set by the caller, e.g. (forward, bs)) that
+    launched it. A diagnostic (it costs host time per launch), not for serving.
 
-    def __init__(self, kernels_by_name: dict[str, object] | None = None) -> None:
+    `launch=False` (a dry run): record the key and skip the launch itself (outputs keep
+    whatever the buffers held). For a census of the keys a forward launches at shapes too
+    large for the interpreter, and for the precompile workers' plan; valid for forwards whose
+    host code reads no device values (captured forwards: no host syncs), which is what
+    `tests/test_compile_census.py` checks against real launches.
+
+    `zero_ints` (with `launch=False`, on a throw-away engine): every integer tensor argument
+    of a skipped launch is zeroed instead, so what the kernel would have written (token ids,
+    indices, lengths) is 0 rather than stale memory when later torch ops index with it (a
+    device-side bounds assert would end the process); the keys do not depend on values.
+
+    `order` lists the distinct `(name, key)` in the order first launched; `keep(index)`
+    (index in `order`) True keeps that first launch's arguments in `kept` as
+    `(name, key, args, kwargs, grid, context)`: `kernel.warmup(*args, grid=grid, **kwargs)`
+    (Triton's compile without a launch) then compiles exactly that key
+    (`precompile_workers.compile_share`)."""
+
+    def __init__(self, kernels_by_name: dict[str, object] | None = None, *,
+                 launch: bool = True, keep=None, zero_ints: bool = False) -> None:
         self.kernels = dict(kernels_by_name) if kernels_by_name is not None else kernels()
         self.keys: dict[str, set] = defaultdict(set)
         self.launches: dict[str, int] = defaultdict(int)
+        self.where: dict[str, dict] = defaultdict(lambda: defaultdict(set))
+        self.order: list[tuple[str, tuple]] = []
+        self.kept: list[tuple] = []
+        self.launch = launch
+        self.keep = keep
+        self.zero_ints = zero_ints
+        self.context: object = None
         self._saved: list[tuple[object, object]] = []
 
     def __enter__(self) -> KeyRecorder:
@@ -149,8 +186,19 @@ class KeyRecorder(contextlib.AbstractContextManager):
             run = k.run  # the bound method (or an outer recorder's wrapper)
 
             def wrapped(*args, _run=run, _k=k, _name=name, grid, warmup, **kwargs):
-                self.keys[_name].add(specialization_key(_k, *args, **kwargs))
+                key = specialization_key(_k, *args, **kwargs)
+                if key not in self.keys[_name]:
+                    if self.keep is not None and self.keep(len(self.order)):
+                        self.kept.append((_name, key, args, kwargs, grid, self.context))
+                    self.order.append((_name, key))
+                self.keys[_name].add(key)
                 self.launches[_name] += 1
+                if self.context is not None:
+                    self.where[_name][key].add(self.context)
+                if not self.launch and not warmup:
+                    if self.zero_ints:
+                        _zero_int_tensors(args, kwargs)
+                    return None
                 return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
             self._saved.append((k, k.__dict__.get("run")))
@@ -236,14 +284,21 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     forwards may then read target hidden states mid-write: finite values either way, and no
     index buffer is written by the other owner's forwards. Only compiling is the point.
 
-    `workers`: first compile in that many worker processes plus this one into Triton's on-disk
-    cache (`precompile_workers.run_workers`; 0: not); the pass above then loads what they
-    built. A failed worker is logged and this process compiles the rest. After a worker phase
-    a marker in the cache lets later runs of the same engine shape skip the workers.
+    `workers`: first compile in that many worker processes into Triton's on-disk cache, each a
+    share of the distinct keys (`precompile_workers.run_workers`; 0: not); the pass above is
+    then skipped. A failed worker is logged and this process compiles the rest in the pass.
+    After a complete precompile a marker in the cache lets later runs of the same engine shape
+    skip the workers and the pass.
 
     Every forward precompiled here then warms up once per size before its capture
     (`warmup_iters` at most 1): its kernels are compiled and loaded, the one eager run is what
     lazy initialisation (cuBLAS heuristics per shape, allocations) needs outside the capture.
+
+    No pass (returns {}) when the workers compiled every key (a complete worker phase), or
+    for a warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile
+    of this engine shape wrote, `mark_warm`; then no workers either): the one warm-up per
+    size before its capture loads the kernels from the cache (and compiles one the cache
+    lacks: `GraphStats.built` counts it there).
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
@@ -262,10 +317,25 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
                 out[f.name] = f.precompile(sizes, progress=progress)
         return out
 
+    from graphdraft.kernels import precompile_workers as pw
+
     if not workers:
         with contextlib.suppress(TypeError):
             _REPORTS.pop(engine, None)
+    warm = pw.is_warm(engine)
     report = _run_workers(engine, workers, progress) if workers else None
+    compiled = report is not None and report.skipped is None
+    if warm or compiled:  # every key is in the cache: the capture warm-ups load them
+        for _, fw in owners:
+            for f in fw.values():
+                f.warmup_iters = min(f.warmup_iters, 1)
+        if compiled:
+            pw.mark_warm(engine)
+        logger.info("JIT warm-up: no in-process pass (%s); each size's one warm-up before its "
+                    "capture loads its kernels from Triton's cache",
+                    "the workers compiled every key" if compiled else
+                    "Triton cache warm for this engine shape: marker found")
+        return {}
     from capture.compiles import triton_builds
 
     b0 = triton_builds()
@@ -290,10 +360,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     for _, fw in owners:
         for f in fw.values():
             f.warmup_iters = min(f.warmup_iters, 1)
-    if report is not None and report.skipped is None:
-        from graphdraft.kernels.precompile_workers import mark_warm
-
-        mark_warm(engine)
+    pw.mark_warm(engine)
     logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
     return counts
 

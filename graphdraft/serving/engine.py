@@ -435,8 +435,10 @@ class Engine:
         the cycle per captured draft length k (`self.steps`), or in the split mode
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
-        policy's costs: `measure_costs`. Warm-up and capture run inert rows only (slot 0);
-        every table is neutral after."""
+        policy's costs: `measure_costs` (no warm-up replays: capture replayed each graph
+        twice already). Warm-up and capture run inert rows only (slot 0); every table is
+        neutral after. `capture_phases`: wall seconds of the precompile (workers included),
+        the captures and the cost timing."""
         if self.dp is not None and parallel_precompile:
             raise ValueError("parallel_precompile: expected False under data parallelism (two "
                              "threads would interleave the ranks' collectives)")
@@ -447,8 +449,10 @@ class Engine:
             return
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).
         workers = (default_workers(self.cfg) if precompile_workers is None else precompile_workers)
+        t0 = time.perf_counter()
         precompile_engine(self, progress=progress, parallel=parallel_precompile,
                           workers=0 if self.dp is not None else workers)
+        t1 = time.perf_counter()
         self._reset_neutral()
         for k in sorted(self._verify_by_k, reverse=True):  # split mode only (else disabled)
             self._verify_by_k[k].capture(progress=progress)
@@ -460,7 +464,10 @@ class Engine:
         self._reset_neutral()
         if self.dp is not None:  # every rank keeps the sizes every rank captured
             data_parallel.agree_captured(self)
-        self.measure_costs()
+        t2 = time.perf_counter()
+        self.measure_costs(warmup=0)
+        self.capture_phases = {"precompile_s": t1 - t0, "capture_s": t2 - t1,
+                               "costs_s": time.perf_counter() - t2}
 
     def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)

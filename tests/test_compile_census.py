@@ -1,0 +1,96 @@
+"""The compile census (`perf/compile_census.py`): its dry run records the keys real launches
+record, the reasons it gives, and the pinned totals of a small schedule (a change that
+multiplies compiled variants with the batch size fails here).
+
+On the tiny pair of `tests/test_precompile_workers.py` under the interpreter; the 8B-shaped
+census (82 keys to 64 before issue 19's cuts, the count the H200 run of 2026-12-04d built in one
+process) is `python -m perf.compile_census`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from perf.compile_census import census, explain, gpu_forwards, report
+from tests.test_precompile_workers import _full_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return _full_engine()  # schedule 1, 2, 4; S = 3; adaptive policy: k = 0, 1, 3
+
+
+def test_gpu_forwards_are_the_cycle_graphs_and_the_multi_step(engine):
+    names = sorted(f.name for f in gpu_forwards(engine).values())
+    assert names == ["draft_multi_step", "spec_cycle", "spec_cycle_k0", "spec_cycle_k1"]
+
+
+def test_dry_run_records_the_keys_of_real_launches(engine):
+    """A dry run (launches skipped) sees exactly the keys, per kernel and per (forward, bs),
+    that real launches see: the forwards' host code reads no device values."""
+    real = census(engine, launch=True)
+    dry = census(engine, launch=False, gpu_like=False)
+    assert real.total() > 20
+    assert dict(real.keys) == dict(dry.keys)
+    assert {n: dict(w) for n, w in real.where.items()} == {n: dict(w) for n, w in dry.where.items()}
+    assert dict(real.launches) == dict(dry.launches)
+
+
+def test_gpu_like_adds_the_pdl_bucket():
+    """With the launch options of a CUDA device (PDL up to 4 rows) a kernel that takes PDL
+    has one more variant than on the interpreter (PDL off everywhere) at a schedule that
+    crosses 4 rows."""
+    eng = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
+    cpu = census(eng, gpu_like=False)
+    gpu = census(eng, gpu_like=True)
+    assert gpu.total() > cpu.total()
+    assert len(cpu.keys["cache_loc._advance_kernel"]) == 1
+    assert len(gpu.keys["cache_loc._advance_kernel"]) == 2  # PDL on (bs 1, 2, 4) / off (8, 16)
+
+
+# The pinned census of the tiny pair's schedule 1, 2, 4 (and to 16) with a GPU's launch options.
+# Raise these only with a reason (a new kernel or a new functional variant), never because
+# the schedule's sizes compile their own variants.
+PINNED_TOTAL = {4: 41, 16: 56}
+
+
+@pytest.mark.parametrize("top", [4, 16])
+def test_census_total_is_pinned(top):
+    eng = _full_engine(max_running_requests=top, cuda_graph_max_bs=top)
+    rec = census(eng, gpu_like=True)
+    rep = report(rec)
+    per_size = {}
+    for name, k in rep["kernels"].items():
+        for where in k["by_key"]:
+            assert where, name  # every key was launched by some (forward, bs)
+        per_size[name] = k["keys"]
+    assert rec.total() == PINNED_TOTAL[top], (rec.total(), per_size)
+
+
+def test_census_grows_by_buckets_not_sizes():
+    """Schedule to 16 (1, 2, 4, 8, 16): the per-row control and metadata kernels launch one
+    key per PDL bucket, whatever the draft length k (N = k + 1 tokens a row) and the row
+    count (the attention combines, whose split count follows the rows, run at the 8B shape
+    only: `python -m perf.compile_census`)."""
+    eng = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
+    rec = census(eng, gpu_like=True)
+    for name in ("accept._accept_kernel", "accept._token_kernel",
+                 "cycle_kernels._commit_pack_kernel", "cycle_kernels._prepare_kernel",
+                 "draft_indices._decode_draft_indices_kernel", "cache_loc._advance_kernel"):
+        assert name in rec.keys, name
+        pdl = {dict(x for x in k if not isinstance(x[1], tuple)).get("launch_pdl", False)
+               for k in rec.keys[name]}
+        # one key per PDL bucket (on up to 4 rows), none per draft length k or split count
+        assert len(rec.keys[name]) == len(pdl), (name, explain(rec.keys[name]))
+
+
+def test_explain_names_the_argument_and_the_kind():
+    ints = [(("x_ptr", ("*fp32", "D")), ("n", ("constexpr", 1)), ("B", ("constexpr", 16))),
+            (("x_ptr", ("*fp32", "D")), ("n", ("i32", "D")), ("B", ("constexpr", 16))),
+            (("x_ptr", ("*fp32", "")), ("n", ("i32", "")), ("B", ("constexpr", 32)), ("num_warps", 4))]
+    lines = explain(ints)
+    assert any(line.startswith("n: int ==1 / %16") for line in lines), lines
+    assert any(line.startswith("x_ptr: align") for line in lines), lines
+    assert any(line.startswith("B: constexpr") for line in lines), lines
+    assert any(line.startswith("num_warps: option") for line in lines), lines
+    assert explain(ints[:1]) == []
