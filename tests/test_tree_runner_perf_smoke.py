@@ -21,4 +21,11 @@ def test_tree_perf_smoke(tmp_path, capsys):
     # (a) for the shipped-config head and a weak head trained in the same run, rows named
     assert {a["head"] for a in data["accept"]} == {"shipped", "weak (1 steps)"}
     assert data["weak_head"]["steps"] == 1 and data["weak_head"]["seconds"] > 0
+    # per-prompt accept lengths and, for a tree with a chain of its n, the bootstrap ratio
+    assert data["prompt_groups"] == [0, 0, 1]
+    for a in data["accept"]:
+        assert len(a["per_prompt"]) == 3 and sum(map(len, a["per_prompt"])) == a["verifies"]
+    (t,) = [a for a in data["accept"] if a["config"]["topk"] == 2 and a["temperature"] == 0.0]
+    vc = t["vs_chain"]
+    assert vc["chain"] == "3/1/4" and vc["groups"] == 2 and vc["lo"] <= vc["ratio"] <= vc["hi"]
     assert "projected tokens/s" in capsys.readouterr().out

@@ -489,13 +489,16 @@ class TreeRunner:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float | list[float] = 0.0, *, top_k: int = 0,
-                 top_p: float = 1.0) -> tuple[list[list[int]], list[int]]:
+                 top_p: float = 1.0, by_row: bool = False
+                 ) -> tuple[list[list[int]], list[int] | list[list[int]]]:
         """Serve `prompts` to `max_new_tokens` each (the batch steps together; a finished row
         turns inert, `finish`). Returns (outputs, accept lengths of every (row, step) of a
-        live row); the runner is reset after."""
+        live row, in step order; `by_row`: one list per prompt instead, e.g. for a bootstrap
+        over prompts); the runner is reset after."""
         firsts = self.add(prompts, max_new_tokens, temperature, top_k=top_k, top_p=top_p)
         outs = [[t] for t in firsts]
         accepts: list[int] = []
+        rows: list[list[int]] = [[] for _ in prompts]
         for row, o in enumerate(outs):
             if len(o) >= max_new_tokens:
                 self.finish(row)
@@ -505,10 +508,11 @@ class TreeRunner:
                 if not self.done[row]:
                     o.extend(toks)
                     accepts.append(a)
+                    rows[row].append(a)
                     if len(o) >= max_new_tokens:
                         self.finish(row)
         self.reset()
-        return [o[:max_new_tokens] for o in outs], accepts
+        return [o[:max_new_tokens] for o in outs], (rows if by_row else accepts)
 
 
 def chain_pool_view(pool: KVPool, num_pages: int) -> KVPool:
