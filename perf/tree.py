@@ -7,7 +7,9 @@
     (steps 3 / n 4, steps 7 / n 8) and tree configs (topk 4 with n 8 and n 16; with the weak
     head also SHAPES_N8). Every tree row with a chain of the same n carries `vs_chain`: the
     ratio of mean accept lengths and its 95 % bootstrap interval over held-out documents
-    (`accept_ratio_ci`), so that 1.14 and 1.15 can be told apart or said not to be.
+    (`accept_ratio_ci`), so that 1.14 and 1.15 can be told apart or said not to be. RANK_AB:
+    weak-head trees at T 0.7 drafted again with candidates scored at T 1 (`vs_rank_t1`:
+    what scoring sampled rows at their temperature changes).
 (b) The whole tree cycle (verify + accept + KV move + first draft step + beam steps + tree
     build + commit) as one CUDA graph replay at the Llama-3.1-8B shape (random bf16 target
     and EAGLE-3 head, `perf.models_8b`), prompts of PROMPT_LEN tokens, at bs 1, 8, 32, 64.
@@ -50,6 +52,10 @@ from perf.timing import time_us, write_json
 
 CONFIGS = [(3, 1, 4), (7, 1, 8), (5, 4, 8), (7, 4, 8), (3, 4, 16), (7, 4, 16)]
 """(steps, topk, num_draft_tokens): chain 3/4 and 7/8; tree 4 beams with 8 and 16 nodes."""
+RANK_AB = [(7, 4, 8), (5, 4, 8)]
+"""Weak head, temperature 0.7: these trees also drafted with candidates scored at T 1 (the
+rule before sampled rows were scored at their temperature: `runtime.beams`, "Scores"), the
+control of `vs_rank_t1`."""
 SHAPES_N8 = [(4, 2, 8), (5, 2, 8), (6, 2, 8), (7, 2, 8), (4, 3, 8), (5, 3, 8), (6, 3, 8),
              (7, 3, 8), (4, 4, 8), (6, 4, 8)]
 """More tree shapes at n = 8 (topk 2-4, steps 4-7), measured with the weak head only (where
@@ -174,7 +180,7 @@ def add_chain_ratios(rows: list[dict], groups: list[int] | None) -> None:
     `accept_ratio_ci` against the chain of the same n (steps n-1, topk 1), same head and
     temperature, where that chain was measured (else None)."""
     chains = {(r["head"], r["temperature"], r["config"]["num_draft_tokens"]): r for r in rows
-              if r["config"]["topk"] == 1}
+              if r["config"]["topk"] == 1 and r.get("rank_at_temperature", True)}
     for r in rows:
         if r["config"]["topk"] == 1:
             continue
@@ -184,28 +190,44 @@ def add_chain_ratios(rows: list[dict], groups: list[int] | None) -> None:
             **accept_ratio_ci(r["per_prompt"], c["per_prompt"], groups)}
 
 
+def add_rank_ratios(rows: list[dict], groups: list[int] | None) -> None:
+    """Each row scored at its temperature with a control row (`rank_at_temperature` False:
+    same head, config and temperature) gets `vs_rank_t1` = `accept_ratio_ci` against it."""
+    ctl = {(r["head"], r["temperature"], tuple(r["config"].values())): r for r in rows
+           if not r.get("rank_at_temperature", True)}
+    for r in rows:
+        c = ctl.get((r["head"], r["temperature"], tuple(r["config"].values())))
+        if c is not None and r.get("rank_at_temperature", True):
+            r["vs_rank_t1"] = accept_ratio_ci(r["per_prompt"], c["per_prompt"], groups)
+
+
 def accept_lengths(target, head, prompts, configs, *, new_tokens: int, device,
-                   head_name: str = "shipped") -> list[dict]:
+                   head_name: str = "shipped", temps=(0.0, 0.7),
+                   rank_at_temperature: bool = True) -> list[dict]:
     """(a): mean accept length per config and temperature (one batch of all prompts); rows
-    carry `head` = head_name and `per_prompt` (every prompt's accept lengths, for
+    carry `head` = head_name, `rank_at_temperature` (False: the control of `RANK_AB`, sampled
+    rows' candidates scored at T 1) and `per_prompt` (every prompt's accept lengths, for
     `accept_ratio_ci`)."""
     rows = []
     for steps, topk, n in configs:
         spec = TreeSpec(steps, topk, n)
-        for temp in (0.0, 0.7):
+        for temp in temps:
             r = TreeRunner(target, head, spec, max_bs=len(prompts), page_size=16,
                            max_context_len=min(256, target.config.max_position_embeddings),
                            enforce_eager=True, kernels=target.kernels.with_backend("torch"),
                            sampling=temp > 0, seed=0)
+            r.drafter.rank_at_temperature = rank_at_temperature
             t0 = time.perf_counter()
             _, per = r.generate(prompts, new_tokens, temperature=temp, by_row=True)
             acc = [a for row in per for a in row]
             rows.append({"config": {"steps": steps, "topk": topk, "num_draft_tokens": n},
                          "head": head_name, "temperature": temp,
+                         "rank_at_temperature": rank_at_temperature,
                          "accept_mean": round(sum(acc) / len(acc), 4), "verifies": len(acc),
                          "per_prompt": per})
-            print(f"  {head_name} {steps}/{topk}/{n} T {temp}: {rows[-1]['accept_mean']:.3f} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(f"  {head_name} {steps}/{topk}/{n} T {temp}"
+                  f"{'' if rank_at_temperature else ' (ranked at T 1)'}: "
+                  f"{rows[-1]['accept_mean']:.3f} ({time.perf_counter() - t0:.1f} s)", flush=True)
             del r
     return rows
 
@@ -289,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts, groups = [[1, 2, 3, 4], [5, 6, 7], [8, 9]], [0, 0, 1]
         configs, cyc_configs, batches = CONFIGS[:1] + CONFIGS[2:3], CONFIGS[:1] + CONFIGS[2:3], [1, 2]
         acc = accept_lengths(*pair, prompts, configs + [(3, 2, 4)], new_tokens=6, device=device)
+        acc += accept_lengths(*pair, prompts, [(3, 2, 4)], new_tokens=6, device=device,
+                              temps=(0.7,), rank_at_temperature=False)
         if weak_steps:  # the weak head trains for the shipped target (its config is fixed)
             weak = _weak_accept(weak_steps, prompts, configs[:1], 6, device, smoke=True)
         cyc = cycle_times(*pair, cyc_configs, batches, prompt_len=8, device=device, reps=1, ctx=64)
@@ -332,6 +356,10 @@ def _weak_accept(steps: int, prompts, configs, new_tokens: int, device, smoke: b
         raise ValueError("prompts: expected byte ids of the shipped target")
     rows = accept_lengths(target, head, prompts, configs, new_tokens=new_tokens, device=device,
                           head_name=f"weak ({steps} steps)")
+    if not smoke:
+        rows += accept_lengths(target, head, prompts, RANK_AB, new_tokens=new_tokens,
+                               device=device, head_name=f"weak ({steps} steps)", temps=(0.7,),
+                               rank_at_temperature=False)
     print(f"  weak head: {summary['seconds']} s, held-out {summary['heldout']}", flush=True)
     return rows, summary
 
@@ -340,6 +368,7 @@ def _report(args, device, t_start, acc, cyc, weak, groups) -> None:
     if weak is not None:
         acc = acc + weak[0]
     add_chain_ratios(acc, groups)
+    add_rank_ratios(acc, groups)
     by_cfg = {}
     for a in acc:
         if a["head"] != "shipped":
@@ -363,16 +392,22 @@ def _report(args, device, t_start, acc, cyc, weak, groups) -> None:
     print(f"\n(a) mean accept length, shipped target ({name}{note})")
     table: dict = {}
     for a in acc:
-        key = (a["head"], "/".join(map(str, a["config"].values())))
+        key = (a["head"], "/".join(map(str, a["config"].values()))
+               + ("" if a.get("rank_at_temperature", True) else " rank T1"))
         table.setdefault(key, {})[a["temperature"]] = a
     ci = lambda a: ("" if a is None or not a.get("vs_chain") else
                     "{ratio:.3f}x [{lo:.3f}, {hi:.3f}]".format(**a["vs_chain"]))
     mean = lambda a: float("nan") if a is None else a["accept_mean"]
-    print(f"{'head':>16} {'K/k/n':>8} {'greedy':>8} {'vs chain (95% CI)':>24} {'T=0.7':>8} "
+    print(f"{'head':>16} {'K/k/n':>15} {'greedy':>8} {'vs chain (95% CI)':>24} {'T=0.7':>8} "
           f"{'vs chain (95% CI)':>24}")
     for (h, key), v in table.items():
         g, t = v.get(0.0), v.get(0.7)
-        print(f"{h:>16} {key:>8} {mean(g):>8.3f} {ci(g):>24} {mean(t):>8.3f} {ci(t):>24}")
+        print(f"{h:>16} {key:>15} {mean(g):>8.3f} {ci(g):>24} {mean(t):>8.3f} {ci(t):>24}")
+    for a in acc:
+        if a.get("vs_rank_t1"):
+            print("{} {} T {}: scored at T vs at T 1: {ratio:.3f}x [{lo:.3f}, {hi:.3f}]".format(
+                a["head"], "/".join(map(str, a["config"].values())), a["temperature"],
+                **a["vs_rank_t1"]))
     print(f"\n(b, c) cycle ms and projected tokens/s ({name}{note})")
     print(f"{'K/k/n':>8} {'bs':>4} {'cycle ms':>9} {'accept':>7} {'tok/s':>9} {'tok/s T.7':>10}")
     for r in rows:

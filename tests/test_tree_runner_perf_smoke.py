@@ -28,4 +28,9 @@ def test_tree_perf_smoke(tmp_path, capsys):
     (t,) = [a for a in data["accept"] if a["config"]["topk"] == 2 and a["temperature"] == 0.0]
     vc = t["vs_chain"]
     assert vc["chain"] == "3/1/4" and vc["groups"] == 2 and vc["lo"] <= vc["ratio"] <= vc["hi"]
+    # the control of scoring sampled rows at their temperature: same tree scored at T 1
+    (ctl,) = [a for a in data["accept"] if not a["rank_at_temperature"]]
+    assert (ctl["config"]["topk"], ctl["temperature"]) == (2, 0.7)
+    (ab,) = [a for a in data["accept"] if "vs_rank_t1" in a]
+    assert ab["config"] == ctl["config"] and ab["temperature"] == 0.7 and ab["rank_at_temperature"]
     assert "projected tokens/s" in capsys.readouterr().out
