@@ -27,7 +27,8 @@ and (c) uses the shipped head's accept lengths.
 Writes DIR/<date>-h200-tree.json: {"device", "smoke", "rows": [{"config": {"steps", "topk",
 "num_draft_tokens"}, "bs", "accept_mean", "accept_mean_t07", "cycle_ms", "tokens_per_s",
 "tokens_per_s_t07"}], "accept": [...per head, config and temperature: accept_mean, verifies,
-per_prompt (accept lengths per prompt), vs_chain {chain, ratio, lo, hi, se, prompts, groups,
+per_prompt (each prompt's accept lengths, one string of space-separated ints per prompt:
+the file stays small), vs_chain {chain, ratio, lo, hi, se, prompts, groups,
 reps}...], "prompt_groups": [document of each prompt], "weak_head": {...}}
 and prints a table.
 `--smoke` runs tiny random models on the CPU (a check of the script, not a timing).
@@ -384,7 +385,9 @@ def _report(args, device, t_start, acc, cyc, weak, groups) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = write_json(args.out, f"{date}-h200-tree.json",
-                      {"device": name, "smoke": args.smoke, "rows": rows, "accept": acc,
+                      {"device": name, "smoke": args.smoke, "rows": rows,
+                       "accept": [{**a, "per_prompt": [" ".join(map(str, p)) for p in a["per_prompt"]]}
+                                  for a in acc],
                        "prompt_groups": groups,
                        "weak_head": None if weak is None else weak[1],
                        "seconds": round(time.perf_counter() - t_start, 1)})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf import tree
 
 
@@ -24,7 +26,9 @@ def test_tree_perf_smoke(tmp_path, capsys):
     # per-prompt accept lengths and, for a tree with a chain of its n, the bootstrap ratio
     assert data["prompt_groups"] == [0, 0, 1]
     for a in data["accept"]:
-        assert len(a["per_prompt"]) == 3 and sum(map(len, a["per_prompt"])) == a["verifies"]
+        per = [list(map(int, x.split())) for x in a["per_prompt"]]
+        assert len(per) == 3 and sum(map(len, per)) == a["verifies"]
+        assert sum(map(sum, per)) / a["verifies"] == pytest.approx(a["accept_mean"], abs=1e-4)
     (t,) = [a for a in data["accept"] if a["config"]["topk"] == 2 and a["temperature"] == 0.0]
     vc = t["vs_chain"]
     assert vc["chain"] == "3/1/4" and vc["groups"] == 2 and vc["lo"] <= vc["ratio"] <= vc["hi"]
