@@ -23,6 +23,21 @@ target's continuation:
   n-1 by cumulative log-prob), `depth_cal` (cumulative log of the per-depth calibrated local
   probabilities, fitted on OTHER prompts: `--fit` windows from training documents).
 
+Findings (2026-12-04, CPU fp32, 16 held-out prompts, 64 new tokens, tree 7/4/8, greedy):
+- shipped head: tree 4.521, oracle 5.507; at the tree's stop the right token was drafted but
+  not among the 7 verified nodes in 57 % of verifies (no verify budget holds every branch),
+  depth cap 11 %, never drafted under the accepted node (draft miss or pruned, not split in
+  that run) 32 %; cumulative probability calibrated per depth
+  (e.g. depth 3: 0.043 drafted vs 0.053 accepted; depth 7: 0.015 vs 0.015);
+- weak head (240 steps, trained on the CPU): tree 2.985, oracle 3.538; draft miss 59 % (the
+  accepted node's top 4 lacked the target's token), not selected 37 %, depth cap 3 %, pruned
+  0; the head is underconfident at depth (local 0.162 drafted vs 0.230 accepted at depth 7),
+  and the depth-calibrated rule replayed on the same stores gives 2.994 (+0.3 %): the
+  selection is not where the tree loses; the draft's top k is.
+No defect found: ties (`score_key`), vocab map (covered by `tests/test_tree_build.py`; the
+shipped pair has none), level-K candidates verified (selected per depth > 0 at depth K),
+beams never pruned under a node the tree accepted (`pruned` 0).
+
 Run: `PYTHONPATH=. python scripts/tree_oracle.py --head weak:/path/to/head --configs 7/4/8 5/4/8`
 (`--head shipped` for the shipped head; a weak head: `perf.tree.train_weak_head`). Prints a
 table and writes `--out` JSON.
