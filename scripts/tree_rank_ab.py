@@ -2,6 +2,11 @@
 temperature (the default) against scored at T 1, per head and tree config, at temperature T;
 prints the ratio with its 95 % bootstrap interval over held-out documents (`perf.tree`).
 
+Found (2026-12-04, CPU fp32, 32 held-out prompts, 64 new tokens, 7/4/8 at T 0.7): shipped
+head 3.685 at T against 3.616 at T 1 (1.019x, 95 % [0.970, 1.066]); weak head (240 steps)
+2.677 against 2.623 (1.020x, [0.947, 1.097]): the same small gain with both heads, not
+significant at this size; `perf/tree.py` (RANK_AB, 64 prompts) measures it on the GPU.
+
 `PYTHONPATH=. python scripts/tree_rank_ab.py --head shipped --configs 7/4/8 --prompts 32`
 (`--head NAME:DIR` for a trained head, e.g. `perf.tree.train_weak_head`'s).
 """
