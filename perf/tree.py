@@ -158,7 +158,7 @@ def accept_ratio_ci(tree_rows: list[list[int]], chain_rows: list[list[int]],
     gi = torch.tensor([ids[g] for g in groups])
     ng = len(ids)
     stats = torch.zeros(ng, 4, dtype=torch.float64)        # tree sum, tree n, chain sum, chain n
-    per = torch.tensor([[sum(t), len(t), sum(c), len(c)] for t, c in zip(tree_rows, chain_rows)],
+    per = torch.tensor([[sum(t), len(t), sum(c), len(c)] for t, c in zip(tree_rows, chain_rows, strict=True)],
                        dtype=torch.float64)
     stats.index_add_(0, gi, per)
     gen = torch.Generator().manual_seed(seed)

@@ -91,7 +91,7 @@ def trace(target, head, spec: TreeSpec, prompts: list[list[int]], new_tokens: in
 def _paths(rec: dict, spec: TreeSpec):
     """Per candidate: depth, and its tokens root-to-node (parents precede children)."""
     toks: list[tuple] = []
-    for m, (t, p) in enumerate(zip(rec["tok"], rec["parent"])):
+    for t, p in zip(rec["tok"], rec["parent"], strict=True):
         toks.append((toks[p] if p >= 0 else ()) + (t,))
     return toks
 
@@ -208,7 +208,7 @@ def depth_cal_score(rec: dict, table: list[list[float]]) -> list[float]:
     """Cumulative log of the calibrated local probabilities along each candidate's path."""
     bins = len(table[0])
     out: list[float] = []
-    for m, (s, p) in enumerate(zip(rec["score"], rec["parent"])):
+    for m, (s, p) in enumerate(zip(rec["score"], rec["parent"], strict=True)):
         q = math.exp(s - (rec["score"][p] if p >= 0 else 0.0))
         c = table[rec["depth"][m] - 1][min(int(q * bins), bins - 1)]
         out.append((out[p] if p >= 0 else 0.0) + math.log(max(c, 1e-12)))
@@ -228,7 +228,7 @@ def analyze(recs: list[dict], spec: TreeSpec, table=None) -> dict:
         a_tree = accept_of(rec, sel)
         if a_tree != rec["accept"]:
             raise AssertionError(f"replayed accept {a_tree} != measured {rec['accept']}")
-        a_orc = 1 + min(n - 1, max((d for d, mt in zip(rec["depth"], rec["match"]) if mt), default=0))
+        a_orc = 1 + min(n - 1, max((d for d, mt in zip(rec["depth"], rec["match"], strict=True) if mt), default=0))
         tree += a_tree
         oracle += a_orc
         losses[loss_kind(rec, spec)] += 1

@@ -8,8 +8,16 @@ import math
 import pytest
 
 from graphdraft.runtime.tree import TreeSpec
-from scripts.tree_oracle import (accept_of, analyze, calibration, depth_cal_score,
-                                 fit_depth_calibration, judged, loss_kind, select)
+from scripts.tree_oracle import (
+    accept_of,
+    analyze,
+    calibration,
+    depth_cal_score,
+    fit_depth_calibration,
+    judged,
+    loss_kind,
+    select,
+)
 
 TOK = [5, 6, 7, 8, 9, 5]
 SCORE = [-0.1, -2.5, -0.5, -1.0, -3.0, -4.0]
@@ -64,6 +72,6 @@ def test_calibration_and_depth_cal():
     assert cal[2]["given_parent"] == 2 and cal[2]["local_accept"] == 0.5
     table = fit_depth_calibration([rec], spec, bins=4)
     assert len(table) == 2 and all(len(t) == 4 for t in table)
-    assert all(a <= b for t in table for a, b in zip(t, t[1:]))   # monotone in q
+    assert all(a <= b for t in table for a, b in zip(t, t[1:], strict=False))   # monotone in q
     s = depth_cal_score(rec, table)
     assert all(s[m] <= s[p] for m, p in enumerate(rec["parent"]) if p >= 0)
