@@ -292,3 +292,38 @@ def test_padded_rows_inert(fn):
     for key in alone:
         assert torch.equal(alone[key], both[key][:real]), key
     assert bool(((both["bonus"] >= 0) & (both["bonus"] < vocab)).all())
+
+
+def _path_probs(p: torch.Tensor, tok: list[int], parents: list[int]) -> list[float]:
+    """Per node: the target probability of its root-to-node tokens, prod of p_parent(tok)."""
+    par = [-1] + parents
+    out = [1.0]
+    for i in range(1, len(par)):
+        out.append(out[par[i]] * float(p[par[i], tok[i]]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["k2d3", "sorted"])
+def test_sampled_acceptance_reaches_the_exact_bound(name):
+    """No exact scheme accepts more from these candidates: a node can be accepted only when
+    the emitted tokens are its path's, which under the target happens with probability
+    prod p(path); every node is accepted with exactly that probability, so the mean accept
+    length is 1 + the sum over nodes, the bound (drafts chosen by the draft's top-k are
+    point masses: the target-only residual rule is the best scheme for them)."""
+    bs, vocab = 200_000, 12
+    spec, parents, p, tok, tokens, first, nxt, probs, coins, final = _case(name, bs, 3, vocab)
+    o = _outs(bs, spec)
+    tree_accept_ref(spec, tokens, first, nxt, probs=probs, coins=coins, final_coin=final, **o)
+    idx, length = o["accept_index"].cpu(), o["accept_len"].cpu()
+    want = _path_probs(p, tok, parents)
+    par = [-1] + parents
+    depth = [0] * len(par)
+    for i in range(1, len(par)):
+        depth[i] = depth[par[i]] + 1
+    for i in range(1, spec.n):
+        got = float((idx[:, depth[i]] == i).double().mean())
+        sd = (want[i] * (1 - want[i]) / bs) ** 0.5
+        assert abs(got - want[i]) <= 4.5 * sd + 1e-12, (i, got, want[i])
+    bound = 1 + sum(want[1:])
+    sd = float(length.double().std()) / bs ** 0.5
+    assert abs(float(length.double().mean()) - bound) <= 4.5 * sd, (bound,)

@@ -304,3 +304,40 @@ def test_padded_rows_inert(fn):
        cat(root, torch.tensor([-3], device=DEV)), cat(plen, torch.tensor([10**9], device=DEV)), both)
     for f in FIELDS:
         assert torch.equal(getattr(alone, f), getattr(both, f)[:2]), f
+
+
+def test_beams_score_sampled_rows_at_their_temperature():
+    """`temperature [B]`: rows with T > 0 score by log_softmax(logits / T) (the draft's estimate
+    of the target's p_T, the sampled acceptance probability), greedy rows (T = 0) exactly as
+    without it; the tokens of a beam's top k do not change, the re-rank may."""
+    spec, bs, vocab = TreeSpec(3, 3, 8), 3, 16
+    g = torch.Generator().manual_seed(7)
+    temps = torch.tensor([0.0, 0.5, 1.7]).to(DEV)
+    l1 = (3 * torch.randn(bs, vocab, generator=g)).to(DEV)
+    l2 = (3 * torch.randn(bs * 3, vocab, generator=g)).to(DEV)
+    l3 = (3 * torch.randn(bs * 3, vocab, generator=g)).to(DEV)
+    plain, scaled, none = (BeamState.allocate(spec, bs, DEV) for _ in range(3))
+    first_step(spec, l1, plain)
+    first_step(spec, l1, scaled, temperature=temps)
+    first_step(spec, l1, none, temperature=torch.zeros(bs).to(DEV))
+    for j, lg in ((1, l2), (2, l3)):
+        decode_step(spec, j, lg, plain)
+        decode_step(spec, j, lg, scaled, temperature=temps)
+        decode_step(spec, j, lg, none, temperature=torch.zeros(bs).to(DEV))
+    for f in ("cand_score", "cand_tok", "cand_parent", "beam_tok", "beam_cand", "anc"):
+        assert torch.equal(getattr(none, f), getattr(plain, f)), f      # T = 0: unchanged
+        assert torch.equal(getattr(scaled, f)[0], getattr(plain, f)[0]), f
+    assert torch.equal(scaled.cand_tok[:, :3], plain.cand_tok[:, :3])  # same level-1 tokens
+    for r in (1, 2):
+        t = float(temps[r])
+        lp1 = torch.log_softmax(l1[r].float() / t, -1)
+        assert torch.allclose(scaled.cand_score[r, :3], lp1[scaled.cand_tok[r, :3]])
+        # every level-2 candidate: its parent's score + its log-prob at T in its beam's row
+        for m in range(3, 12):
+            par, b = int(scaled.cand_parent[r, m]), (m - 3) // 3
+            lp = torch.log_softmax(l2[r * 3 + b].float() / t, -1)
+            want = scaled.cand_score[r, par] + lp[scaled.cand_tok[r, m]]
+            assert torch.allclose(scaled.cand_score[r, m], want), (r, m)
+    assert not torch.equal(scaled.cand_score[1:], plain.cand_score[1:])
+    with pytest.raises(ValueError, match="temperature"):
+        first_step(spec, l1, scaled, temperature=torch.zeros(bs + 1).to(DEV))

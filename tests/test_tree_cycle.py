@@ -464,6 +464,33 @@ def test_sampled_tree_step_emits_the_target_distribution(tiny):
     assert torch.equal(drafts, snap["tree.tokens"][0, 1:])
 
 
+def test_sampled_step_exact_with_trees_scored_at_temperature(tiny):
+    """Rows sampling at T = 0.6 draft trees scored at T (`runtime.beams`, "Scores"): the
+    emitted first token still follows the target's softmax(logits / 0.6) given the row's
+    root (per row; counts of all rows against the sum of their expected counts)."""
+    from graphdraft.serving.verify import SamplingParams, target_probs
+    target, head = tiny
+    spec, bs, reps, temp = TreeSpec(3, 4, 8), 32, 24, 0.6
+    prompt = [3, 14, 15, 9, 26, 5]
+    r = TreeRunner(target, head, spec, max_bs=bs, page_size=4, max_context_len=64,
+                   sampling=True, seed=5)
+    assert r.drafter.rank_at_temperature
+    roots = r.add([prompt] * bs, 8, temperature=temp)   # trees drafted at T (add passes it)
+    snap = r.state_snapshot()
+    vocab = target.config.vocab_size
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(reps):
+        r.restore_state(snap)
+        for toks in r.step().tokens:
+            counts[toks[0]] += 1
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    for root in roots:
+        logits, _ = _Dense(target).target_all(prompt + [root])
+        expected += target_probs(logits[-1:], SamplingParams(temperature=temp))[0].double()
+    assert counts[expected == 0].sum() == 0
+    assert _chi2_pvalue(counts, expected / expected.sum()) > 1e-4
+
+
 def test_slot_trees_store_and_load(tiny):
     """Per-slot tree tables: a tree stored by slot comes back in any row order; slot 0 rows
     never overwrite anything and load the neutral root-only tree."""

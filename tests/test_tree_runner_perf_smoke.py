@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf import tree
 
 
@@ -21,4 +23,18 @@ def test_tree_perf_smoke(tmp_path, capsys):
     # (a) for the shipped-config head and a weak head trained in the same run, rows named
     assert {a["head"] for a in data["accept"]} == {"shipped", "weak (1 steps)"}
     assert data["weak_head"]["steps"] == 1 and data["weak_head"]["seconds"] > 0
+    # per-prompt accept lengths and, for a tree with a chain of its n, the bootstrap ratio
+    assert data["prompt_groups"] == [0, 0, 1]
+    for a in data["accept"]:
+        per = [list(map(int, x.split())) for x in a["per_prompt"]]
+        assert len(per) == 3 and sum(map(len, per)) == a["verifies"]
+        assert sum(map(sum, per)) / a["verifies"] == pytest.approx(a["accept_mean"], abs=1e-4)
+    (t,) = [a for a in data["accept"] if a["config"]["topk"] == 2 and a["temperature"] == 0.0]
+    vc = t["vs_chain"]
+    assert vc["chain"] == "3/1/4" and vc["groups"] == 2 and vc["lo"] <= vc["ratio"] <= vc["hi"]
+    # the control of scoring sampled rows at their temperature: same tree scored at T 1
+    (ctl,) = [a for a in data["accept"] if not a["rank_at_temperature"]]
+    assert (ctl["config"]["topk"], ctl["temperature"]) == (2, 0.7)
+    (ab,) = [a for a in data["accept"] if "vs_rank_t1" in a]
+    assert ab["config"] == ctl["config"] and ab["temperature"] == 0.7 and ab["rank_at_temperature"]
     assert "projected tokens/s" in capsys.readouterr().out

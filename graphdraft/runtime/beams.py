@@ -20,6 +20,14 @@ Decode level j = 1..K-1 (`decode_step`, logits `[B*k, Vd]`, one row per beam, ro
     anc[:, b, :j] = anc_old[:, pb[b], :j]; anc[:, b, j] = scratch(r, b, j+1)
     hidden of beam b (optional) = hid_out[r*k + pb[b]]
 
+Scores: a candidate's score estimates the log-probability that the verify accepts it. Greedy
+rows use the draft's log-probs at temperature 1 (the target's argmax matches a candidate about
+as often as the draft's cumulative probability says: `scripts/tree_oracle.py`). A sampled row's
+node is accepted with probability exactly the target's `p_T` of its path (`kernels.tree_accept`),
+so with `temperature [B]` given, rows with T > 0 score by `log_softmax(logits / T)`: the
+draft's estimate of `p_T` (same tokens per beam; the re-rank across beams and the tree's
+selection across depths change). The verify still decides: exactness does not depend on it.
+
 "The k best": the order of `graphdraft.runtime.tree.score_key` (higher first, ties to the lower index,
 NaN as -inf), so the tree build's tie rule and this one agree. With `k = 1` the token is
 chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
@@ -98,10 +106,24 @@ def _check(spec: TreeSpec, st: BeamState, logits: torch.Tensor, rows_per_req: in
     return bs
 
 
-def _top(spec: TreeSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rank_scale(temperature: torch.Tensor | None, rows: int, per: int) -> torch.Tensor | None:
+    """`[rows, 1]` divisor of the logits: the request's temperature where it samples (> 0), 1
+    for greedy rows; `temperature [rows // per]` (per request; `per` rows each). None: None."""
+    if temperature is None:
+        return None
+    expect_tensor("temperature", temperature, shape=(rows // per,))
+    t = temperature.float()
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    return (t.repeat_interleave(per) if per > 1 else t).unsqueeze(1)
+
+
+def _top(spec: TreeSpec, logits: torch.Tensor, scale: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of `logits [R, Vd]` -> (log-prob `[R, k]` fp32, draft index `[R, k]` int64) of the
-    k best (module doc), best first."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    k best (module doc), best first. `scale [R, 1]`: log-probs of softmax(logits / scale)
+    (the same k tokens: only the scores change)."""
+    x = logits.float()
+    lp = torch.log_softmax(x if scale is None else x / scale, dim=-1)
     if spec.topk == 1:
         idx = argmax_with_map_ref(logits).unsqueeze(1)  # chain's exact selection
     else:
@@ -126,14 +148,17 @@ def _greedy(spec: TreeSpec, logits: torch.Tensor, greedy_ids: torch.Tensor
 
 def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
                hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
-               greedy_ids: torch.Tensor | None = None) -> None:
-    """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`."""
+               greedy_ids: torch.Tensor | None = None,
+               temperature: torch.Tensor | None = None) -> None:
+    """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`.
+    `temperature [B]` (optional): score the rows that sample (> 0) at their temperature
+    (module doc, "Scores")."""
     bs = _check(spec, st, logits, 1, "B", hot_token_ids)
     k = spec.topk
     if greedy_ids is not None:
         s, tok = _greedy(spec, logits, greedy_ids)
     else:
-        s, idx = _top(spec, logits)
+        s, idx = _top(spec, logits, _rank_scale(temperature, bs, 1))
         tok = _map(idx, hot_token_ids)
     st.beam_tok.copy_(tok)
     st.beam_score.copy_(s)
@@ -151,11 +176,12 @@ def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
 def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
                 hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
                 hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None,
-                greedy_ids: torch.Tensor | None = None) -> None:
+                greedy_ids: torch.Tensor | None = None,
+                temperature: torch.Tensor | None = None) -> None:
     """Decode level `j` (1..K-1) from `logits [B*k, Vd]` (row `r*k + b` = beam b of row r);
     writes `st` (module doc). With `hid_out [B*k, H]` and `hid_next [B*k, H]` also gathers the
     next step's hidden input `hid_next[r*k + b] = hid_out[r*k + parent_beam[r, b]]`
-    (`hid_next` must not alias `hid_out`)."""
+    (`hid_next` must not alias `hid_out`). `temperature [B]`: as `first_step`."""
     if not 1 <= j <= spec.steps - 1:
         raise ValueError(f"j: expected a decode level in 1..{spec.steps - 1}, got {j}")
     bs = _check(spec, st, logits, spec.topk, "B*k", hot_token_ids)
@@ -171,7 +197,7 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
     if greedy_ids is not None:
         lp, tok = _greedy(spec, logits, greedy_ids)
     else:
-        lp, idx = _top(spec, logits)                               # [B*k, k]
+        lp, idx = _top(spec, logits, _rank_scale(temperature, logits.shape[0], k))  # [B*k, k]
         tok = _map(idx, hot_token_ids)
     lp, ct = lp.view(bs, k, k), tok.view(bs, k, k)
     cum = st.beam_score.unsqueeze(2) + lp                          # [B, k, k]

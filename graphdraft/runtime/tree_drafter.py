@@ -109,6 +109,9 @@ class TreeDrafter:
         self.hid_in = torch.zeros(max_bs * k, mc.hidden_size, dtype=head.dtype, device=dev)
         self.hid_out = torch.zeros(max_bs * k, mc.hidden_size, dtype=head.dtype, device=dev)
         self.beams = BeamState.allocate(spec, max_bs, dev)
+        self.rank_at_temperature = True
+        """Sampled rows score candidates at their temperature (`expand`); False: at T 1 (an
+        A/B switch for measurements, read when a draft is traced or captured)."""
         self.tree = TreeBuffers.allocate(spec, max_bs, dev)
 
     @property
@@ -147,11 +150,15 @@ class TreeDrafter:
 
     def expand(self, bs: int, logits: torch.Tensor, hidden: torch.Tensor, req: torch.Tensor,
                prefix: torch.Tensor, root: torch.Tensor,
-               ids: torch.Tensor | None = None) -> TreeBuffers:
+               ids: torch.Tensor | None = None,
+               temperature: torch.Tensor | None = None) -> TreeBuffers:
         """Level 1 from `logits [bs, Vd]` / `hidden [bs, H]`, the K-1 beam steps, the tree
         build (root token `root [bs]`, prefix `prefix [bs]` = Ld, the root's position);
         returns `tree.rows(bs)`. `ids [bs]`: the head's greedy target ids of `logits` (k = 1:
-        chain's own selection, used as the level-1 tokens)."""
+        chain's own selection, used as the level-1 tokens). `temperature [bs]` float32: the
+        rows' sampling temperatures (0: greedy); rows with T > 0 score candidates by the
+        draft's log-probs at T (`runtime.beams`, "Scores"), unless `rank_at_temperature` is
+        False (then every row at T 1, as greedy)."""
         spec, k = self.spec, self.spec.topk
         expect_tensor("hidden", hidden, shape=(bs, self.head.config.hidden_size))
         for name, t in (("req", req), ("prefix", prefix), ("root", root)):
@@ -160,8 +167,9 @@ class TreeDrafter:
         st = self.beams.rows(bs)
         hot = self.head.hot_token_ids
         chain = k == 1
+        temp = temperature if (self.rank_at_temperature and not chain) else None
         first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                   greedy_ids=ids if chain else None)
+                   greedy_ids=ids if chain else None, temperature=temp)
         bk = bs * k
         hid_in, hid_out = self.hid_in[:bk], self.hid_out[:bk]
         if spec.steps > 1:
@@ -186,7 +194,8 @@ class TreeDrafter:
             out = self.head(self.beam_ids[:bk], self.beam_pos[:bk], hid_in, self.beam_loc[:bk],
                             self.kv.layer(0), self.backend, meta, hidden_out=hid_out)
             decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                        hid_out=hid_out, hid_next=hid_in, greedy_ids=out.ids if chain else None)
+                        hid_out=hid_out, hid_next=hid_in, greedy_ids=out.ids if chain else None,
+                        temperature=temp)
         tree = self.tree.rows(bs)
         build = build_tree if self.use_triton else build_tree_ref
         build(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree)

@@ -16,7 +16,8 @@ data-dependent shape) and the same code runs eagerly:
            first-step hidden buffer: no copy), its tokens (`out_tokens`) written by accept
            straight into the drafter's first-step ids
   draft    `runtime.tree_drafter.TreeDrafter`: chain's first step of width P (so the next
-           cycle's first step is the chain's), the K-1 beam steps, the tree build
+           cycle's first step is the chain's), the K-1 beam steps, the tree build (a
+           sampling cycle hands the rows' temperatures: sampled rows score candidates at T)
   commit   L += accept_len; pack `[B, P + 1]` int64 = out_tokens, accept_len
 
 Per row state between cycles: `req` (request slot), `prefix_len` (L: committed target KV
@@ -227,7 +228,8 @@ class TreeCycle:
         logits, hidden, ids = d.first_step(bs, self.req[:bs], self.prefix_len[:bs],
                                            self.accept_len[:bs])
         self.prefix_len[:bs].copy_(d.prefix[:bs])
-        d.expand(bs, logits, hidden, self.req[:bs], self.prefix_len[:bs], self.bonus[:bs], ids)
+        d.expand(bs, logits, hidden, self.req[:bs], self.prefix_len[:bs], self.bonus[:bs], ids,
+                 temperature=self.temperature[:bs] if self.sampling else None)
         self.pack[:bs, :P].copy_(self.out_tokens(bs))
         self.pack[:bs, P].copy_(self.accept_len[:bs])
         return self.pack[:bs]
@@ -436,7 +438,7 @@ class TreeRunner:
         c.top_p[:bs] = top_p
         self.drafter.expand(bs, torch.cat(logits1), torch.cat(hid1), c.req[:bs],
                             c.prefix_len[:bs], torch.tensor(roots, dtype=torch.int64, device=dev),
-                            torch.cat(ids1))
+                            torch.cat(ids1), temperature=c.temperature[:bs] if c.sampling else None)
         return roots
 
     def _prefill(self, slot: int, prompt: list[int], temperature: float, top_k: int,
@@ -489,13 +491,16 @@ class TreeRunner:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float | list[float] = 0.0, *, top_k: int = 0,
-                 top_p: float = 1.0) -> tuple[list[list[int]], list[int]]:
+                 top_p: float = 1.0, by_row: bool = False
+                 ) -> tuple[list[list[int]], list[int] | list[list[int]]]:
         """Serve `prompts` to `max_new_tokens` each (the batch steps together; a finished row
         turns inert, `finish`). Returns (outputs, accept lengths of every (row, step) of a
-        live row); the runner is reset after."""
+        live row, in step order; `by_row`: one list per prompt instead, e.g. for a bootstrap
+        over prompts); the runner is reset after."""
         firsts = self.add(prompts, max_new_tokens, temperature, top_k=top_k, top_p=top_p)
         outs = [[t] for t in firsts]
         accepts: list[int] = []
+        rows: list[list[int]] = [[] for _ in prompts]
         for row, o in enumerate(outs):
             if len(o) >= max_new_tokens:
                 self.finish(row)
@@ -505,10 +510,11 @@ class TreeRunner:
                 if not self.done[row]:
                     o.extend(toks)
                     accepts.append(a)
+                    rows[row].append(a)
                     if len(o) >= max_new_tokens:
                         self.finish(row)
         self.reset()
-        return [o[:max_new_tokens] for o in outs], accepts
+        return [o[:max_new_tokens] for o in outs], (rows if by_row else accepts)
 
 
 def chain_pool_view(pool: KVPool, num_pages: int) -> KVPool:
@@ -655,7 +661,8 @@ class EngineTrees:
         if m == 0:
             return
         logits = head.logits_processor(head.norm(hidden), head.lm_head).next_token_logits
-        tree = self.drafter.expand(m, logits, hidden, req, prefix, root)
+        tree = self.drafter.expand(m, logits, hidden, req, prefix, root,
+                                   temperature=self.slots.temperature.index_select(0, req.long()))
         self.trees.store(tree, req)
 
     def forwards(self) -> list[CapturedForward]:
