@@ -439,3 +439,23 @@ def test_worker_bytes_counts_the_reduced_engine(monkeypatch):
     assert pw.memory_cap(e, cuda_spec, 5) == 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
     assert pw.memory_cap(e, cuda_spec, 5) == 0
+
+
+def test_build_launcher_runs_the_compiled_kernels_init_hook_and_never_raises():
+    """Workers build each kernel's host launcher right after compiling it (Triton 3.6 builds
+    it at the first launch otherwise: in the main process, after the workers)."""
+    from graphdraft.kernels.precompile_workers import build_launcher
+
+    class Compiled:
+        def __init__(self, fail: bool) -> None:
+            self.calls, self.fail = 0, fail
+
+        def _init_handles(self) -> None:
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("no device")
+
+    ok, bad = Compiled(False), Compiled(True)
+    assert build_launcher(ok) and ok.calls == 1
+    assert not build_launcher(bad) and bad.calls == 1
+    assert not build_launcher(None) and not build_launcher(object())

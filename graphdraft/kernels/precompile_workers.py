@@ -303,13 +303,33 @@ def compile_share(engine, tasks: Sequence[Task], share: tuple[int, int] = (0, 1)
     compiled = []
     for name, key, args, kwargs, grid, task in rec.kept:
         b0 = triton_builds()
-        rec.kernels[name].warmup(*args, grid=grid, **kwargs)
+        build_launcher(rec.kernels[name].warmup(*args, grid=grid, **kwargs))
         built[task] = built.get(task, 0) + triton_builds() - b0
         compiled.append((name, key, task))
         if on_done is not None:
             on_done()
     rec.kept.clear()  # the recorded arguments (activations) are not kept alive
     return {"keys": rec.total(), "compiled": compiled, "built": built, "plan_s": plan_s}
+
+
+def build_launcher(compiled) -> bool:
+    """Build (and leave in Triton's on-disk cache) the host launcher of a kernel `warmup` just
+    compiled. Triton 3.6 generates a C launcher per argument signature and builds it with the
+    system compiler at a kernel's first launch (`CudaLauncher`: `compile_module_from_src`,
+    cached by its source), not at `warmup`: the 2026-12-04 H200 run spent 8.5 s of the main
+    process's capture warm-ups on those builds after the workers had compiled every kernel
+    (2.0 s warm). `CompiledKernel._init_handles()` loads the module and makes the launcher
+    here. Returns whether it ran (False: no such hook, e.g. the interpreter, or it failed:
+    the first launch then builds it, as before)."""
+    init = getattr(compiled, "_init_handles", None)
+    if not callable(init):
+        return False
+    try:
+        init()
+    except Exception as exc:  # a private Triton hook: never fail the worker over it
+        logger.debug("launcher build skipped: %s", exc)
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ the worker process
