@@ -29,8 +29,8 @@ that cycle (one step later, completed by then: `CycleTimer`, no sync), and `obse
 the median of the last `window` real cycles per (padded bs, k), which replaces the capture-time
 figure once measured (a median: one slow cycle, e.g. the first after an idle GPU, moves nothing;
 an EMA let one such cycle price a k out for good, since an unchosen k is never timed again).
-(The capture-time replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x a target-only step,
-real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
+(The capture-time replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x
+a target-only step, real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
 
 `SpeculationPolicy`:
   "fixed"     always `num_steps` drafts;
@@ -61,7 +61,7 @@ real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
                 interval spends at most `cost_refresh_budget` (0.5 %) of the time on refreshes
                 at the score gap, at least `cost_refresh` (16) decisions. So two close k are
                 compared on measured, current costs: a cost measured during a slow spell (the
-                H200 ran 4 consecutive k = 3 cycles at bs 128 25 % slow) or at shorter contexts
+                H200 ran 4 consecutive k = 3 cycles at bs 128 9-32 % slow) or at shorter contexts
                 cannot keep a close k out for good.
 """
 
