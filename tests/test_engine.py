@@ -245,3 +245,15 @@ def test_sampled_generation_reproducible_with_seed():
     a = Engine(target, runtime(), head).generate(ps, params)
     b = Engine(target, runtime(), head).generate(ps, params)
     assert a == b
+
+
+def test_generate_progress_bar_shows_no_rate_off_a_gpu(capsys):
+    """`generate(progress=True)` on a CPU counts tokens but prints no tokens/s: a rate measured
+    off a GPU is no performance figure (the outputs are those of a run without the bar)."""
+    target, head = make_models(3)
+    ps = prompts(5, 2)
+    cfg = runtime()
+    out = Engine(target, cfg, head).generate(ps, SamplingParams(max_new_tokens=6), progress=True)
+    err = capsys.readouterr().err
+    assert "tokens: 12/12" in err and "tok/s" not in err and "it/s" not in err, err
+    assert out == Engine(target, cfg, head).generate(ps, SamplingParams(max_new_tokens=6))

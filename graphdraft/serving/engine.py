@@ -1158,7 +1158,10 @@ class Engine:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=sum(r.params.max_new_tokens for r in reqs), desc="tokens", unit="tok")
+            # a rate measured off a GPU is no performance figure: counts only there
+            fmt = None if self.device.type == "cuda" else "{desc}: {n_fmt}/{total_fmt} |{bar}|"
+            bar = tqdm(total=sum(r.params.max_new_tokens for r in reqs), desc="tokens", unit="tok",
+                       bar_format=fmt)
         self._lockstep_work = True
         while self.keep_stepping:
             before = self.stats.emitted_tokens
