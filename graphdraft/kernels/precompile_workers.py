@@ -549,14 +549,11 @@ def run_workers(engine, workers: int, *, progress: bool = True,
             while pending:
                 for j in list(pending):
                     p, out, log, _ = procs[j]
-                    # done once its result is written (atomically, its last act): its exit
-                    # (interpreter and CUDA context teardown) is not waited for; `finally`
-                    # ends it
-                    rc = None if out.exists() else p.poll()
-                    if rc is None and not out.exists():
+                    rc = p.poll()
+                    if rc is None:
                         continue
                     pending.remove(j)
-                    if rc not in (None, 0) or not out.exists():
+                    if rc != 0 or not out.exists():
                         raise PrecompileWorkerError(
                             f"precompile worker {j + 1} failed (exit status {rc}); its log "
                             f"ends:\n{_tail(log)}")
