@@ -325,10 +325,13 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     warm = pw.is_warm(engine)
     report = _run_workers(engine, workers, progress) if workers else None
     compiled = report is not None and report.skipped is None
-    if warm or compiled:  # every key is in the cache: the capture warm-ups load them
+    def one_warmup() -> None:  # compiled (or in the cache): one warm-up per size loads them
         for _, fw in owners:
             for f in fw.values():
                 f.warmup_iters = min(f.warmup_iters, 1)
+
+    if warm or compiled:  # every key is in the cache: the capture warm-ups load them
+        one_warmup()
         if compiled:
             pw.mark_warm(engine)
         logger.info("JIT warm-up: no in-process pass (%s); each size's one warm-up before its "
@@ -357,9 +360,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         r()
     if report is not None:
         report.pass_built = triton_builds() - b0
-    for _, fw in owners:
-        for f in fw.values():
-            f.warmup_iters = min(f.warmup_iters, 1)
+    one_warmup()
     pw.mark_warm(engine)
     logger.info("JIT warm-up: %s", ", ".join(f"{k} {v} compiles" for k, v in counts.items()))
     return counts
