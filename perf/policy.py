@@ -163,7 +163,8 @@ def _abort_all(engine: Engine) -> None:
 def timed_block(engine: Engine, steps: int) -> dict[str, Any]:
     """One timed block: `steps` calls of `step()` from an empty pipeline, drained after.
     tokens/s = tokens emitted over the CUDA-event span of the block (host loop and copies
-    included), the accepted tokens and decode rows, and the draft lengths of its cycles."""
+    included), the accepted tokens and decode rows, and the draft lengths of its cycles in
+    order (`ks`)."""
     engine.drain()
     _sync(engine.device)
     cuda = engine.device.type == "cuda"
@@ -183,7 +184,7 @@ def timed_block(engine: Engine, steps: int) -> dict[str, Any]:
     return {"tps": (engine.stats.emitted_tokens - emitted0) / ms * 1e3,
             "acc_tok": engine.stats.accepted_tokens - tok0,
             "acc_rows": engine.stats.decode_rows - rows0,
-            "k": Counter(k for _, k in list(engine.policy_history)[-steps:])}
+            "ks": [k for _, k in list(engine.policy_history)[-steps:]]}
 
 
 def _snapshot(engine: Engine, reqs: list) -> tuple:
@@ -388,7 +389,6 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
         # cells do (one shared state would run 4x as far, at longer contexts)
         base_state = {g[0]: _snapshot(base, reqs) for g in groups}
         lead = lead_steps(bs)
-        seq: dict[str, list[int]] = {name: [] for name, _, _ in cells}  # timed k, in order
         for rep in range(reps):
             for g in groups:
                 # a target-only block right before each group: its ratios use adjacent blocks
@@ -414,7 +414,6 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                         spec.step()
                     phase[0] = "timed"  # (the lead-in's last cycle is retired in the block)
                     blocks[name].append(timed_block(spec, blk))
-                    seq[name] += [k for _, k in list(spec.policy_history)[-blk:]]
                     state[name] = _snapshot(spec, sreqs)
 
         def tps(bl: list[dict[str, Any]]) -> float:
@@ -436,9 +435,8 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
             ad_t, ad_rs = ratio(blocks[ad], tgt_before[fx])
             ad_f_rs = [a["tps"] / f["tps"] for a, f in zip(blocks[ad], blocks[fx], strict=True)]
             ad_f = statistics.median(ad_f_rs)
-            ks = Counter()
-            for b in blocks[ad]:
-                ks.update(b["k"])
+            seq = [k for b in blocks[ad] for k in b["ks"]]  # the timed cycles' k, in order
+            ks = Counter(seq)
             online = {}
             for (b_, k), ms in sorted(pol.costs.online().items()):
                 online.setdefault(k, {})[b_] = round(ms, 4)
@@ -460,7 +458,7 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, regimes: tuple[float, ..
                     "adaptive_over_fixed_reps": ad_f_rs,
                     "fixed_over_target_only_reps": [f["tps"] / t for f, t in
                                                     zip(blocks[fx], tgt_before[fx], strict=True)],
-                    "adaptive_k_sequence": _runs(seq[ad]),
+                    "adaptive_k_sequence": _runs(seq),
                     "cycle_ms_samples": {c: samples[c] for c in (fx, ad)},
                     "cycle_ms_median": {c: {ph: {k: round(statistics.median(v), 3)
                                                  for k, v in sorted(samples[c][ph].items())}
