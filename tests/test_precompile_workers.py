@@ -1,7 +1,8 @@
-"""Precompile worker processes (`graphdraft.kernels.precompile_workers`): the premise (a worker's
+"""Precompile worker processes (`graphdraft.kernels.precompile_workers`): the premise (the plan's
 reduced-layer engine launches exactly the Triton specialization keys of the full engine), the
-split of the work (disjoint shares of the distinct keys that together are the keys the forwards
-launch), the worker process itself, failures, the warm-cache marker, and the config.
+plan (one entry per distinct key, whose decoded arguments give that key back, for one engine
+or several), the worker processes (claims: every entry compiled once), failures, the
+warm-cache marker, and the config.
 
 The keys are computed on the host as Triton's launcher does (`warmup.specialization_key`), so
 the premise is checked under the interpreter, for every kernel of `graphdraft.kernels`
@@ -11,7 +12,6 @@ the premise is checked under the interpreter, for every kernel of `graphdraft.ke
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -115,7 +115,7 @@ def test_the_key_check_sees_a_shape_change():
     assert any(a[t] != b[t] for t in a)
 
 
-# ------------------------------------------------------------------ the split of the work
+# ------------------------------------------------------------------ the plan
 def _gpu_tasks(monkeypatch, engine):
     """`tasks_of(engine)` as on a GPU: the forwards a CUDA capture captures (the cycle graphs
     and the multi-step) count as active."""
@@ -127,27 +127,75 @@ def _gpu_tasks(monkeypatch, engine):
     return pw.tasks_of(engine)
 
 
-def test_key_shares_are_disjoint_and_cover_every_launched_key(monkeypatch):
-    """Three workers' shares (`compile_share`, dry runs of the representative sizes): no key
-    in two shares, and together exactly the keys the forwards launch (for real) at every
-    size of the schedule to 8 (1, 2, 4, 8: two GEMV row tiles at 4 tokens a row), kernel by
-    kernel: a worker compiles what capture needs and nothing else."""
+def _recorded_keys(engine):
+    """Every distinct (kernel, key) the forwards launch (for real) at every size."""
     from perf.compile_census import census
+
+    real = census(engine, launch=True)
+    return {(n, k) for n, ks in real.keys.items() for k in ks}
+
+
+def _entry_key(entry):
+    kernel = warmup.all_kernels()[entry.kernel]
+    return (entry.kernel, warmup.specialization_key(
+        kernel, *[pw.decode_arg(a) for a in entry.args],
+        **{k: pw.decode_arg(v) for k, v in entry.kwargs.items()}))
+
+
+def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
+    """`plan_keys` over the representative sizes: one entry per distinct key, and the
+    entries' decoded arguments (mock pointers of the recorded dtype and alignment) give back
+    exactly the keys the forwards launch for real at every size of the schedule to 8 (two
+    GEMV row tiles at 4 tokens a row), kernel by kernel; heavy kernels come first."""
+    import json
 
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
     assert len(tasks) >= 8 and len({bs for _, _, bs in tasks}) < len(e.schedule)  # buckets
-    shares = [pw.compile_share(e, tasks, (i, 3)) for i in range(3)]
-    got = [{(n, k) for n, k, _ in s["compiled"]} for s in shares]
-    assert all(got) and sum(len(g) for g in got) == len(set().union(*got))  # disjoint
-    assert max(len(g) for g in got) - min(len(g) for g in got) <= 1  # balanced
-    real = census(e, launch=True)  # every size of the schedule, kernels run
-    launched = {(n, k) for n, ks in real.keys.items() for k in ks}
-    assert set().union(*got) == launched
-    assert all(s["keys"] == len(launched) for s in shares)
-    assert all(t in tasks for s in shares for _, _, t in s["compiled"])
-    with pytest.raises(ValueError, match="share"):
-        pw.compile_share(e, tasks, (3, 3))
+    spec, _ = pw.engine_spec(e)
+    entries, n_keys = pw.plan_keys([(0, spec, tasks)])
+    entries = [pw.PlanEntry.from_json(json.loads(json.dumps(x.to_json()))) for x in entries]
+    got = [_entry_key(x) for x in entries]
+    assert len(got) == len(set(got)) == n_keys
+    assert set(got) == _recorded_keys(e)
+    assert all(x.engine == 0 and x.task in tasks for x in entries)
+    ranks = [pw._heavy_rank(x.kernel) for x in entries]
+    assert ranks == sorted(ranks) and entries[0].kernel.startswith("extend_attention.")
+
+
+def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
+    """The demo's two engines (target-only and speculative) in one plan: the union of their
+    keys, none twice; the target-only engine's own keys are attributed to it only where the
+    speculative one launched them not first."""
+    from graphdraft.serving.engine import Engine
+
+    spec_e = _full_engine()
+    base = Engine(spec_e.target, spec_e.cfg)
+    tasks_s = _gpu_tasks(monkeypatch, spec_e)
+    from capture import CapturedForward
+
+    monkeypatch.setattr(CapturedForward, "active", property(lambda self: True))
+    tasks_b = pw.tasks_of(base)
+    assert tasks_b
+    (ss, _), (sb, _) = pw.engine_spec(spec_e), pw.engine_spec(base)
+    both, n = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)])
+    alone_s, _ = pw.plan_keys([(0, ss, tasks_s)])
+    alone_b, _ = pw.plan_keys([(1, sb, tasks_b)])
+    keys = lambda es: {_entry_key(x) for x in es}  # noqa: E731
+    assert len(both) == n == len(keys(both)) == len(keys(alone_s) | keys(alone_b))
+    assert keys(alone_b) - keys(alone_s)  # the target-only engine launches keys of its own
+    assert {_entry_key(x) for x in both if x.engine == 1} == keys(alone_b) - keys(alone_s)
+
+
+def test_arguments_that_cannot_be_encoded_are_named():
+    assert pw.encode_arg(None) is None and pw.encode_arg(3) == 3 and pw.encode_arg(0.5) == 0.5
+    t = torch.zeros(8, dtype=torch.bfloat16)
+    assert pw.encode_arg(t) == {"tensor": "bfloat16", "aligned": t.data_ptr() % 16 == 0}
+    assert pw.encode_arg(t[1:]) == {"tensor": "bfloat16", "aligned": False}
+    m = pw.decode_arg(pw.encode_arg(t[1:]))
+    assert m.dtype == torch.bfloat16 and m.data_ptr() % 16 != 0
+    with pytest.raises(TypeError, match="cannot encode a launch argument of type list"):
+        pw.encode_arg([1, 2])
 
 
 def test_default_workers_and_config_validation():
@@ -201,26 +249,42 @@ def test_run_workers_skips_without_work_and_rejects_bad_counts():
 
 
 # ------------------------------------------------------------------ the worker process
-def test_worker_process_builds_the_engine_and_reports(tmp_path):
-    """The real worker command (`python -m graphdraft.kernels.precompile_workers SPEC OUT`, the
-    environment `run_workers` gives it) on the CPU: it rebuilds the engine, dry-runs the tasks,
-    compiles its share of the keys (Triton's warm-up is a no-op under the interpreter: nothing
-    built), writes its progress lines (`keys K`, then `1` per key) and its JSON, exits 0."""
-    full = _full_engine()
-    spec, _ = pw.engine_spec(full)
-    tasks = (("engine", "cycle_graphs", 4), ("drafter", "multi_step_graphs", 1))
-    sp, out, log = tmp_path / "spec.pkl", tmp_path / "out.json", tmp_path / "log.txt"
-    sp.write_bytes(pickle.dumps(pw.dataclasses.replace(spec, tasks=tasks, share=(1, 2),
-                                                       cache_dir=str(tmp_path / "cache"))))
+def _write_plan(workdir, entries, device="cpu"):
+    (workdir / "claims").mkdir(exist_ok=True)
+    (workdir / "plan.json").write_text(json.dumps(
+        {"device": device, "entries": [x.to_json() for x in entries]}))
+
+
+def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_path):
+    """The real worker command (`python -m graphdraft.kernels.precompile_workers DIR INDEX`,
+    the environment `run_workers` gives it) on the CPU, two of them started before the plan
+    exists: each waits for the plan, claims entries (Triton's warm-up is a no-op under the
+    interpreter: nothing built), writes a progress line per entry and its JSON, exits 0;
+    every entry is claimed by exactly one of them."""
+    e = _full_engine()
+    tasks = _gpu_tasks(monkeypatch, e)
+    spec, _ = pw.engine_spec(e)
+    entries, _ = pw.plan_keys([(0, spec, tasks)])
     env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
-    proc = pw._launch(sp, out, log, env)
-    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    data = json.loads(out.read_text())
-    assert data["keys"] > 10 and data["compiled"] == data["keys"] // 2  # j % 2 == 1
-    assert all(tuple(x[:3]) in tasks and x[3] == 0 for x in data["built"])
-    assert pw._read_progress(out) == (data["compiled"], data["compiled"])
-    assert data["wall_s"] >= data["startup_s"] > 0 and data["plan_s"] > 0
+    procs = [pw._launch(tmp_path, i, tmp_path / f"log{i}.txt", env) for i in range(2)]
+    _write_plan(tmp_path, entries)
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / f"log{i}.txt").read_text()[-3000:]
+    data = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    assert sum(d["compiled"] for d in data) == len(entries) > 10
+    assert sorted(int(c.name) for c in (tmp_path / "claims").iterdir()) == list(range(len(entries)))
+    assert [pw._read_progress(tmp_path / f"out{i}.json") for i in range(2)] == \
+        [d["compiled"] for d in data]
+    for d in data:
+        assert all((x[0], *x[1:4]) in {(0, *t) for t in tasks} and x[4] == 0 for x in d["built"])
+        assert d["wall_s"] >= d["startup_s"] > 0
+
+
+def test_a_worker_without_a_plan_gives_up(tmp_path):
+    """No plan within the timeout: exit status 3 (a parent that died never writes one)."""
+    (tmp_path / "claims").mkdir()
+    assert pw.worker_main(tmp_path, 0, timeout_s=0.05) == 3
 
 
 def _fake_active(monkeypatch, engine, builds: int = 1):
@@ -247,7 +311,7 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
     _fake_active(monkeypatch, e)
     started = []
 
-    def launch(spec_path, out_path, log_path, env):
+    def launch(workdir, index, log_path, env):
         cmd = [sys.executable, "-c", "import sys, time; print('worker exploded'); sys.exit(3)"]
         if started:  # the others would run long: they must be stopped
             cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -267,12 +331,33 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
     assert warmup.worker_report(e) is None and isinstance(counts, dict)
 
 
+def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine()
+    _fake_active(monkeypatch, e)
+    started = []
+
+    def launch(workdir, index, log_path, env):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        started.append(p)
+        return p
+
+    def boom(plans):
+        raise RuntimeError("dry run exploded")
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(pw, "plan_keys", boom)
+    with pytest.raises(pw.PrecompileWorkerError, match="plan failed: RuntimeError: dry run"):
+        pw.run_workers(e, 2, progress=False)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
 def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine()
     _fake_active(monkeypatch, e)
 
-    def launch(spec_path, out_path, log_path, env):
+    def launch(workdir, index, log_path, env):
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                     stdout=log, stderr=subprocess.STDOUT)
@@ -283,22 +368,23 @@ def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
 
 
 def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
-    """Workers that succeed (stand-ins writing the real output format): each got every task
-    and its own share (i, n); their builds land in the forwards' `GraphStats.worker_built`,
-    `worker_report` has the phase, and the marker written afterwards makes the next
-    precompile skip them."""
+    """Workers that succeed (stand-ins writing the real output format after claiming nothing:
+    this process then compiles every entry itself); their builds land in the forwards'
+    `GraphStats.worker_built`, `worker_report` has the phase, and the marker written
+    afterwards makes the next precompile skip them."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
     _fake_active(monkeypatch, e)
     launched = []
+    all_tasks = pw.tasks_of(e)
 
-    def launch(spec_path, out_path, log_path, env):
-        spec = pickle.loads(spec_path.read_bytes())
+    def launch(workdir, index, log_path, env):
         assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
-        launched.append(spec)
-        body = json.dumps({"built": [[*t, 2] for t in spec.tasks], "keys": 7, "compiled": 3,
-                           "startup_s": 0.1, "plan_s": 0.05, "wall_s": 0.2})
-        code = f"import pathlib; pathlib.Path({str(out_path)!r}).write_text({body!r})"
+        launched.append(index)
+        body = json.dumps({"built": [[0, *t, 2] for t in all_tasks], "compiled": 0,
+                           "startup_s": 0.1, "plan_wait_s": 0.05, "wall_s": 0.2})
+        out = workdir / f"out{index}.json"
+        code = f"import pathlib; pathlib.Path({str(out)!r}).write_text({body!r})"
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", code], stdout=log,
                                     stderr=subprocess.STDOUT)
@@ -307,10 +393,8 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     warmup.precompile_engine(e, progress=False, workers=2)
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None and rep.workers == len(launched) == 2
-    all_tasks = pw.tasks_of(e)
-    assert all(list(s.tasks) == all_tasks for s in launched)
-    assert sorted(s.share for s in launched) == [(0, 2), (1, 2)]
-    assert rep.keys == 7 and rep.compiled == [3, 3] and rep.worker_plan_s == [0.05, 0.05]
+    assert rep.compiled == [0, 0] and rep.compiled_here == rep.keys > 10
+    assert rep.worker_plan_s == [0.05, 0.05] and rep.plan_s > 0
     assert rep.total_built == 2 * 2 * len(all_tasks)
     owners = {"engine": e, "drafter": e.drafter}
     for owner, attr, bs in all_tasks:
@@ -327,6 +411,35 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     launched.clear()
     e3 = _full_engine(max_running_requests=12, cuda_graph_max_bs=12)
     assert pw.run_workers(e3, 1, progress=False).skipped == "one worker only" and not launched
+
+
+def test_precompile_engines_runs_one_phase_and_marks_each_engine(monkeypatch, tmp_path):
+    """The demo's two engines: one worker phase (one plan over both), then both markers, so
+    neither engine's own precompile starts workers again."""
+    from graphdraft.serving.engine import Engine
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    spec_e = _full_engine()
+    base = Engine(spec_e.target, spec_e.cfg)
+    _fake_active(monkeypatch, spec_e)
+    phases = []
+
+    def launch(workdir, index, log_path, env):
+        phases.append(workdir)
+        body = json.dumps({"built": [], "compiled": 0, "startup_s": 0.1, "wall_s": 0.2})
+        code = f"import pathlib; pathlib.Path({str(workdir / f'out{index}.json')!r}).write_text({body!r})"
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    rep = warmup.precompile_engines([base, spec_e], workers=2, progress=False)
+    assert rep.skipped is None and len(set(phases)) == 1 and rep.tasks == \
+        len(pw.tasks_of(base)) + len(pw.tasks_of(spec_e))
+    assert pw.is_warm(base) and pw.is_warm(spec_e)
+    assert warmup.worker_report(base) is rep is warmup.worker_report(spec_e)
+    phases.clear()
+    for e in (base, spec_e):
+        warmup.precompile_engine(e, progress=False, workers=2)
+    assert not phases
 
 
 def test_counters_tell_builds_from_loads():
@@ -396,7 +509,7 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None, rep
     assert rep.workers == 2 and rep.total_built > 0 and rep.keys > 0, rep
-    assert sum(rep.compiled) == rep.keys, rep  # every key compiled once, by one worker
+    assert sum(rep.compiled) + rep.compiled_here == rep.keys, rep  # every key once
     forwards = warmup.captured_forwards(e, e.drafter)
     assert sum(f.stats.total_built for f in forwards.values()) == 0
     assert sum(f.stats.total_worker_built for f in forwards.values()) == rep.total_built
@@ -420,24 +533,26 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     assert e2.generate(prompts, params) == eager_out
 
 
-def test_worker_bytes_counts_the_reduced_engine(monkeypatch):
-    """A worker's memory: the target less its dropped layers, the head without the shared
-    embedding, the KV pools at 2 layers, the overhead; the count is capped by free memory."""
+def test_plan_bytes_counts_the_reduced_engine(monkeypatch):
+    """The plan's throw-away engine: the target less its dropped layers, the head without the
+    shared embedding, the KV pools at 2 layers, the overhead; the worker count is what the
+    free memory holds beside it and 4 GiB for the capture, a CUDA context each."""
     e = _full_engine()
     spec, _ = pw.engine_spec(e)
     layer = pw._param_bytes(e.target.layers[0])
     head = sum(t.numel() * t.element_size() for t in e.drafter.head.parameters()
                if t.data_ptr() != e.target.embed_tokens.data_ptr())
     want = (pw._param_bytes(e.target) - 4 * layer + head + e.drafter.kv_pool.nbytes()
-            + e.kv.nbytes() * 2 // 6 + pw.WORKER_OVERHEAD_BYTES)
-    assert pw.worker_bytes(e, spec) == want
+            + e.kv.nbytes() * 2 // 6 + pw.PLAN_OVERHEAD_BYTES)
+    assert pw.plan_bytes(e, spec) == want
     assert pw.memory_cap(e, spec, 5) == 5  # no CUDA: unchanged
     cuda_spec = pw.dataclasses.replace(spec, device="cuda:0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ctx = pw.WORKER_CONTEXT_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda d=None: ((4 << 30) + 2 * want + 1, 80 << 30))
+                        lambda d=None: ((4 << 30) + want + 2 * ctx + 1, 80 << 30))
     assert pw.memory_cap(e, cuda_spec, 5) == 2
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: ((4 << 30) + want, 80 << 30))
     assert pw.memory_cap(e, cuda_spec, 5) == 0
 
 

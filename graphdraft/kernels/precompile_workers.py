@@ -2,62 +2,60 @@
 
 A cold `Engine.capture_graphs` spends most of its time in Triton's compiler, one kernel after
 another in one process (`kernels.warmup.precompile_engine`: each captured forward once per size
-bucket). Here that work is split over worker processes first, one compile per distinct
-specialization key; the main process then runs no precompile pass: each size's one warm-up
-before its capture loads the kernels from the cache instead of compiling them.
+bucket). Here that work is spread over worker processes first, one compile per distinct
+specialization key; the main process then runs no precompile pass: each size's warm-up before
+its capture loads the kernels from the cache instead of compiling them.
 
-How a worker finds the keys: a Triton kernel is compiled per specialization key (constexprs,
+The plan (this process). A Triton kernel is compiled per specialization key (constexprs,
 launch options, argument dtypes, value / alignment specialization:
-`warmup.specialization_key`), never per layer or weight value. A worker therefore builds an
-engine of the SAME shapes (`WorkerSpec`: the target's and head's `ModelConfig`, dtype,
-`RuntimeConfig` with its `KernelConfig` and the engine's KV page count, the draft vocab's size)
-with random weights and only as many target layers as the code paths need
+`warmup.specialization_key`), never per layer or weight value. `plan_keys` therefore builds a
+throw-away engine of the SAME shapes (`WorkerSpec`: the target's and head's `ModelConfig`,
+dtype, `RuntimeConfig` with its `KernelConfig` and the engine's KV page count, the draft
+vocab's size) with random weights and only as many target layers as the code paths need
 (`reduced_target_config`: layer 0 runs without a residual input, every later layer with one;
-2 layers, the EAGLE-3 aux ids mapped onto them), and runs every (forward, batch size) task of
-the precompile (`tasks_of`: each captured forward at one size per bucket,
-`buckets.representative_sizes`) as a dry run (`warmup.KeyRecorder(launch=False)`: each
-launch's key is recorded, no kernel runs, nothing compiles). Every worker runs the same
-tasks in the same order, so all see the same distinct keys in the same order; worker i of n
-keeps the arguments of the j-th new key for j % n == i and then compiles exactly those with
-Triton's `JITFunction.warmup` (compile without launching, the recorded arguments: the same
-key). No key is compiled twice, and the work splits per kernel, not per forward (one forward
-at one size needs about half of all the schedule's kernels). `tests/test_precompile_workers.py`
-checks on the CPU that a reduced engine launches exactly the keys of the full one, kernel by
-kernel, and that the workers' shares together are exactly the keys the forwards launch over
-the whole schedule.
+2 layers, the EAGLE-3 aux ids mapped onto them), and dry-runs every (forward, batch size) task
+(`tasks_of`: each captured forward at one size per bucket, `buckets.representative_sizes`)
+under `warmup.KeyRecorder(launch=False)`: each launch's key is recorded, no kernel runs.
+Each distinct key becomes one `PlanEntry`: the kernel's name and its first launch's arguments
+as data (`encode_arg`: a tensor as its dtype and 16-byte alignment, scalars as they are).
+`tests/test_precompile_workers.py` checks on the CPU that a reduced engine launches exactly the
+keys of the full one, kernel by kernel, and that the decoded arguments (`decode_arg`: tensors
+become Triton's `MockTensor`s of that dtype and alignment) give every entry's key back.
 
-Device memory: a worker holds its reduced engine (`worker_bytes` counts about 7 GB at the 8B
-shape, with a 3 GiB margin);
-no more workers start than the free memory holds (`memory_cap`, 4 GiB left to this process).
-
-Processes: `sys.executable -m graphdraft.kernels.precompile_workers SPEC OUT` (a fresh
+The workers. `sys.executable -m graphdraft.kernels.precompile_workers DIR INDEX` (a fresh
 interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
-do), with the caller's environment and `TRITON_CACHE_DIR` set to the caller's cache
-(`capture.cache_dir()`: the user's `TRITON_CACHE_DIR` or Triton's default). The main process
-waits (its engine's forwards run no dry pass: a skipped kernel leaves its outputs unwritten,
-which only a throw-away engine may read). A tqdm bar counts compiled keys over all processes.
-A worker that fails (exit status, timeout) raises `PrecompileWorkerError` with its log's tail;
-`precompile_engine` logs it and compiles the rest in-process. Triton writes each cache file to
-a temporary folder and renames it into place, the group file (what a lookup reads first) last,
-so a killed worker leaves no entry that a later lookup would load half-written.
+do) starts while this process plans: it imports torch, Triton and the kernel modules, waits
+for `DIR/plan.json`, then takes entries in plan order (the heavy kernels first), each by
+creating `DIR/claims/<j>` exclusively (no entry compiled twice, none idle while work is
+left), and compiles it with Triton's `JITFunction.warmup` (compile without a launch: the same
+key) and its host launcher (`build_launcher`). No worker builds an engine or holds one in
+device memory (a CUDA context each). This process takes entries too while it waits. A tqdm
+bar counts compiled keys over all processes; the worker processes get the caller's
+environment with `TRITON_CACHE_DIR` set to the caller's cache (`capture.cache_dir()`: the
+user's `TRITON_CACHE_DIR` or Triton's default). A worker that fails (exit status, timeout)
+raises `PrecompileWorkerError` with its log's tail; `precompile_engine` logs it and compiles the
+rest in-process. Triton writes each cache file to a temporary folder and renames it into
+place, the group file (what a lookup reads first) last, so a killed worker leaves no entry
+that a later lookup would load half-written. Several engines (the demo's target-only and
+speculative ones) share one worker phase: their keys are planned together, none twice.
 
 Warm caches: once a precompile finished (with workers or without), a marker file
 `graphdraft-precompiled-<fingerprint>.json` in the cache folder (the fingerprint covers the
 spec, the tasks, torch / triton versions, the GPU, the kernel sources and the TRITON_* /
 GRAPHDRAFT_* environment) makes later runs skip the workers and the in-process precompile
-pass (`warmup.precompile_engine`): capture's one warm-up per size loads each kernel from the
-cache at its first launch. A stale marker only costs time: those warm-ups compile what is
-missing. Without a marker the workers run and load what the cache has.
+pass (`warmup.precompile_engine`): capture's warm-ups load each kernel from the cache at its
+first launch. A stale marker only costs time: those warm-ups compile what is missing.
+Without a marker the workers run and load what the cache has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -71,10 +69,10 @@ import torch
 from capture import cache_dir
 from graphdraft.config import ModelConfig, RuntimeConfig
 
-__all__ = ["PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec", "compile_share",
-           "default_workers", "engine_spec", "is_warm", "mark_warm", "memory_cap",
-           "reduced_target_config",
-           "run_workers", "tasks_of", "worker_bytes"]
+__all__ = ["PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
+           "build_launcher", "compile_entry", "decode_arg", "default_workers", "encode_arg",
+           "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
+           "reduced_target_config", "run_workers", "tasks_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +80,15 @@ MAX_DEFAULT_WORKERS = 16
 ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600.0
 _MARKER = "graphdraft-precompiled-{}.json"
+_PLAN = "plan.json"
+_SPAWNED_ENV = "GRAPHDRAFT_WORKER_SPAWNED"
 
 Task = tuple[str, str, int]
 """(owner "engine" | "drafter", attribute of its `CapturedForward`, batch size)."""
+
+_HEAVY_FIRST = ("extend_attention", "decode_attention", "gemv", "tree_", "rope", "norm")
+"""Kernel modules in the order their keys go into the plan (the longest compiles first, so
+the last compile to start is a short one); the other modules follow."""
 
 
 class PrecompileWorkerError(RuntimeError):
@@ -93,7 +97,7 @@ class PrecompileWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to rebuild an engine whose kernels are the main engine's."""
+    """What the plan's throw-away engine needs to launch the main engine's kernels."""
 
     target: ModelConfig
     """The target's shape with the fewest layers (`reduced_target_config`)."""
@@ -105,39 +109,68 @@ class WorkerSpec:
     dtype: str
     device: str
     cache_dir: str
-    tasks: tuple[Task, ...] = ()
-    share: tuple[int, int] = (0, 1)
-    """(i, n): this worker compiles the j-th distinct key of the tasks' dry run for j % n == i."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One distinct specialization key of the plan: `kernel` (`warmup.all_kernels()` name),
+    its first launch's arguments as JSON data (`encode_arg`), and where it was first launched
+    (engine index among the planned engines, then the `Task`)."""
+
+    kernel: str
+    args: list
+    kwargs: dict
+    engine: int
+    task: Task
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "args": self.args, "kwargs": self.kwargs,
+                "engine": self.engine, "task": list(self.task)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> PlanEntry:
+        owner, attr, bs = d["task"]
+        return cls(d["kernel"], d["args"], d["kwargs"], int(d["engine"]), (owner, attr, int(bs)))
 
 
 @dataclass
 class WorkerReport:
-    """What the worker phase did: worker processes, tasks (each worker dry-runs them all),
-    `keys`: distinct specialization keys of the tasks, `compiled`: keys each worker compiled
-    (built or loaded from the cache), `built`: kernels Triton's compiler built in the workers
-    per (owner, attribute, bs) of the task that first launched the key, wall seconds of the
-    phase and of each worker, why none ran if so."""
+    """What the worker phase did: worker processes, tasks (over every planned engine),
+    `keys`: distinct specialization keys of the plan, `compiled`: keys each worker compiled
+    (built or loaded from the cache; this process's share is `compiled_here`), `built`:
+    kernels Triton's compiler built per (engine index, owner, attribute, bs) of the task that
+    first launched the key, wall seconds of the phase, of the plan and of each worker, why
+    none ran if so."""
 
     workers: int = 0
     tasks: int = 0
     keys: int = 0
     compiled: list[int] = field(default_factory=list)
-    built: dict[Task, int] = field(default_factory=dict)
+    compiled_here: int = 0
+    built: dict[tuple[int, str, str, int], int] = field(default_factory=dict)
     pass_built: int | None = None
     """Kernels this process built in `precompile_engine`'s in-process pass when it ran after
     a skipped worker phase (set by `precompile_engine`); None: no pass (the workers compiled
     every key, or a warm cache)."""
     wall_s: float = 0.0
+    plan_s: float = 0.0
+    """Seconds this process spent building the throw-away engines and dry-running the tasks."""
     worker_wall_s: list[float] = field(default_factory=list)
+    """Per worker: seconds from its spawn to its exit report."""
     worker_startup_s: list[float] = field(default_factory=list)
-    """Per worker: seconds to start (imports, CUDA, building its engine) before its dry run."""
+    """Per worker: seconds from its spawn until it had imported everything and read the plan
+    (the plan's own time included when the worker was ready first)."""
     worker_plan_s: list[float] = field(default_factory=list)
-    """Per worker: seconds of its dry run (finding the keys)."""
+    """Per worker: seconds it waited for the plan after its imports."""
     skipped: str | None = None
 
     @property
     def total_built(self) -> int:
         return sum(self.built.values())
+
+    def built_of(self, engine_index: int) -> dict[Task, int]:
+        """`built` of one engine, by its tasks."""
+        return {t[1:]: n for t, n in self.built.items() if t[0] == engine_index}
 
 
 def default_workers(cfg: RuntimeConfig) -> int:
@@ -200,11 +233,6 @@ def engine_spec(engine) -> tuple[WorkerSpec | None, str]:
     return spec, ""
 
 
-WORKER_OVERHEAD_BYTES = 3 << 30
-"""A worker's device memory beyond its weights and KV pools: CUDA context, activations, the
-allocator's slack, cuBLAS workspaces (a generous bound)."""
-
-
 def _param_bytes(module) -> int:
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
@@ -214,10 +242,10 @@ def _param_bytes(module) -> int:
     return total
 
 
-def worker_bytes(engine, spec: WorkerSpec) -> int:
-    """Device memory one worker's engine takes (`spec`'s reduced target: the full target's
-    bytes less the dropped layers; the head without the shared embedding; the KV pools at the
-    reduced layer count; `WORKER_OVERHEAD_BYTES`)."""
+def plan_bytes(engine, spec: WorkerSpec) -> int:
+    """Device memory the plan's throw-away engine takes (`spec`'s reduced target: the full
+    target's bytes less the dropped layers; the head without the shared embedding; the KV
+    pools at the reduced layer count; `PLAN_OVERHEAD_BYTES`)."""
     target = engine.target
     layers = len(target.layers)
     per_layer = _param_bytes(target.layers[0]) if layers else 0
@@ -229,17 +257,27 @@ def worker_bytes(engine, spec: WorkerSpec) -> int:
                      if t.data_ptr() not in shared)
         total += drafter.kv_pool.nbytes()
     total += engine.kv.nbytes() * spec.target.num_hidden_layers // max(layers, 1)
-    return total + WORKER_OVERHEAD_BYTES
+    return total + PLAN_OVERHEAD_BYTES
+
+
+WORKER_CONTEXT_BYTES = 1 << 30
+"""A worker's device memory: its CUDA context and the modules it loads (a generous bound)."""
+
+PLAN_OVERHEAD_BYTES = 3 << 30
+"""The plan's throw-away engine beyond its weights and KV pools: activations, the allocator's
+slack, cuBLAS workspaces (a generous bound)."""
 
 
 def memory_cap(engine, spec: WorkerSpec, workers: int) -> int:
-    """`workers`, at most as many as the free device memory holds (`worker_bytes` each, 4 GiB
-    left to this process's capture); unchanged without CUDA."""
+    """`workers`, at most as many as the free device memory holds once the plan's
+    throw-away engine (`plan_bytes`) and 4 GiB for this process's capture are set aside
+    (`WORKER_CONTEXT_BYTES` each); 0 when the throw-away engine does not fit. Unchanged
+    without CUDA."""
     if not torch.cuda.is_available() or not spec.device.startswith("cuda"):
         return workers
     free, _ = torch.cuda.mem_get_info(torch.device(spec.device))
-    fits = max(0, (free - (4 << 30)) // worker_bytes(engine, spec))
-    return min(workers, int(fits))
+    left = free - (4 << 30) - plan_bytes(engine, spec)
+    return min(workers, max(0, int(left // WORKER_CONTEXT_BYTES)))
 
 
 def tasks_of(engine) -> list[Task]:
@@ -263,53 +301,132 @@ def tasks_of(engine) -> list[Task]:
     return out
 
 
-def compile_share(engine, tasks: Sequence[Task], share: tuple[int, int] = (0, 1),
-                  on_plan=None, on_done=None) -> dict:
-    """Dry-run each task's forward (owner, attribute, bs) under a `KeyRecorder(launch=False)` of
-    every kernel (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral
-    rows before and after each; keep the j-th distinct key for `j % n == i` (`share` (i, n));
-    then compile the kept keys (`kernel.warmup` with the recorded arguments: Triton's compile, no
-    launch). `on_plan(kept, total)` after the dry run, `on_done()` after each compile.
-    Returns {"keys": distinct keys, "compiled": [(kernel, key, task)], "built": {task: n},
-    "plan_s": seconds of the dry run}: the builds (cache misses, `capture.compiles`) counted
-    per task that first launched the key. A throw-away engine only: skipped kernels leave
-    their float outputs unwritten and zero their integer arguments (`zero_ints`)."""
-    from capture.compiles import triton_builds
+# ------------------------------------------------------------------ the plan
+def encode_arg(v):
+    """A launch argument as JSON data: a tensor as {"tensor": dtype name, "aligned": its
+    pointer % 16 == 0} (all Triton's key reads of it), None / bool / int / float / str as
+    they are. TypeError for anything else (the key could not be rebuilt from it)."""
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).removeprefix("torch."), "aligned": v.data_ptr() % 16 == 0}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"precompile plan: cannot encode a launch argument of type "
+                    f"{type(v).__name__} ({v!r})")
+
+
+def decode_arg(v):
+    """`encode_arg`'s inverse for Triton's key: a tensor becomes a `MockTensor` of its dtype
+    whose `data_ptr()` has its alignment (0 or 8); scalars stay."""
+    if isinstance(v, dict):
+        return _MockPointer(getattr(torch, v["tensor"]), bool(v["aligned"]))
+    return v
+
+
+class _MockPointer:
+    """Stands for a tensor in `JITFunction.warmup` (Triton's `MockTensor` with a chosen
+    alignment): Triton reads a pointer argument's dtype and `data_ptr() % 16` for its key."""
+
+    def __init__(self, dtype: torch.dtype, aligned: bool) -> None:
+        self.dtype = dtype
+        self.shape = [1]
+        self._ptr = 0 if aligned else 8
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    @staticmethod
+    def ptr_range() -> int:
+        return 0
+
+    @staticmethod
+    def stride() -> tuple[int, ...]:
+        return (1,)
+
+
+def _heavy_rank(kernel_name: str) -> int:
+    mod = kernel_name.split(".", 1)[0]
+    return next((i for i, p in enumerate(_HEAVY_FIRST) if mod.startswith(p)), len(_HEAVY_FIRST))
+
+
+def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
+              ) -> tuple[list[PlanEntry], int]:
+    """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec (`build_engine`, freed
+    after) under one `KeyRecorder(launch=False, zero_ints=True)` of every kernel
+    (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral rows before
+    each task; return one `PlanEntry` per distinct key over all of them (its first launch's
+    arguments, `encode_arg`), heavy kernels first, and the key count."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
-    i, n = share
-    if not (isinstance(n, int) and isinstance(i, int) and n >= 1 and 0 <= i < n):
-        raise ValueError(f"share: expected (i, n) with 0 <= i < n, got {share!r}")
-    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
-    resets = [getattr(o, "_reset_neutral", None) for o in owners.values() if o is not None]
-    resets = [r for r in resets if r is not None]
-    t0 = time.perf_counter()
-    rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: j % n == i, zero_ints=True)
-    with torch.inference_mode(), torch.no_grad(), rec:
-        for task in tasks:
-            owner, attr, bs = task
-            for r in resets:
-                r()
-            rec.context = task
-            getattr(owners[owner], attr)._forward(bs)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    for r in resets:
-        r()
-    plan_s = time.perf_counter() - t0
-    if on_plan is not None:
-        on_plan(len(rec.kept), rec.total())
-    built: dict[Task, int] = {}
-    compiled = []
-    for name, key, args, kwargs, grid, task in rec.kept:
-        b0 = triton_builds()
-        build_launcher(rec.kernels[name].warmup(*args, grid=grid, **kwargs))
-        built[task] = built.get(task, 0) + triton_builds() - b0
-        compiled.append((name, key, task))
+    rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
+    entries: list[PlanEntry] = []
+    for index, spec, tasks in plans:
+        device = torch.device(spec.device)
+        ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            engine = build_engine(spec)
+            owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+            resets = [getattr(o, "_reset_neutral", None) for o in owners.values() if o is not None]
+            resets = [r for r in resets if r is not None]
+            with torch.inference_mode(), torch.no_grad(), rec:
+                for task in tasks:
+                    owner, attr, bs = task
+                    for r in resets:
+                        r()
+                    rec.context = (index, task)
+                    getattr(owners[owner], attr)._forward(bs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        for name, _key, args, kwargs, _grid, (i, task) in rec.kept:
+            entries.append(PlanEntry(name, [encode_arg(a) for a in args],
+                                     {k: encode_arg(v) for k, v in kwargs.items()}, i, task))
+        rec.kept.clear()  # the recorded arguments (activations) are not kept alive
+        del engine, owners, resets
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    order = sorted(range(len(entries)), key=lambda j: (_heavy_rank(entries[j].kernel), j))
+    return [entries[j] for j in order], rec.total()
+
+
+def compile_entry(kernels: dict, entry: PlanEntry) -> int:
+    """Compile one plan entry (`JITFunction.warmup` with its decoded arguments: Triton's
+    compile, no launch) and build its host launcher; return the kernels Triton's compiler
+    built (0: loaded from the cache)."""
+    from capture.compiles import triton_builds
+
+    b0 = triton_builds()
+    kernel = kernels[entry.kernel]
+    compiled = kernel.warmup(*[decode_arg(a) for a in entry.args], grid=(1,),
+                             **{k: decode_arg(v) for k, v in entry.kwargs.items()})
+    build_launcher(compiled)
+    return triton_builds() - b0
+
+
+def _claim(workdir: Path, j: int) -> bool:
+    """Take entry j: create `claims/<j>` exclusively (False: another process has it)."""
+    try:
+        os.close(os.open(workdir / "claims" / str(j), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry],
+                      built: dict, on_done=None, stop_after: int | None = None) -> int:
+    """Claim and compile entries in plan order until none is left (or `stop_after` compiled);
+    add builds to `built[(engine, *task)]`; return how many this process compiled."""
+    done = 0
+    for j, entry in enumerate(entries):
+        if stop_after is not None and done >= stop_after:
+            break
+        if not _claim(workdir, j):
+            continue
+        n = compile_entry(kernels, entry)
+        key = (entry.engine, *entry.task)
+        built[key] = built.get(key, 0) + n
+        done += 1
         if on_done is not None:
             on_done()
-    rec.kept.clear()  # the recorded arguments (activations) are not kept alive
-    return {"keys": rec.total(), "compiled": compiled, "built": built, "plan_s": plan_s}
+    return done
 
 
 def build_launcher(compiled) -> bool:
@@ -332,9 +449,9 @@ def build_launcher(compiled) -> bool:
     return True
 
 
-# ------------------------------------------------------------------ the worker process
 def build_engine(spec: WorkerSpec):
-    """The worker's engine: random weights of the spec's shapes on its device."""
+    """The plan's throw-away engine: random weights of the spec's shapes on its device (the
+    caller picks the current device)."""
     from graphdraft.config import resolve_dtype
     from graphdraft.models.layers import init_random_
     from graphdraft.models.llama import LlamaForCausalLM
@@ -343,8 +460,6 @@ def build_engine(spec: WorkerSpec):
 
     dtype = resolve_dtype(spec.dtype)
     device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if spec.head is None:
         with device:
             target = LlamaForCausalLM(spec.target, dtype)
@@ -360,36 +475,45 @@ def build_engine(spec: WorkerSpec):
     return Engine(target, spec.runtime, head)
 
 
-def worker_main(spec_path: Path, out_path: Path) -> int:
-    """One worker: build the engine of `spec_path` (a pickled `WorkerSpec`), compile its share
-    of the tasks' keys (`compile_share`), append to `out_path.progress` a line `keys K` (its
-    share's size) after the dry run and a line `1` per compiled key, write `out_path` (JSON:
-    builds per task, keys, seconds)."""
-    t0 = time.perf_counter()
-    with open(spec_path, "rb") as fh:
-        spec: WorkerSpec = pickle.load(fh)
+# ------------------------------------------------------------------ the worker process
+def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) -> int:
+    """Worker `index`: import the kernels, wait for `workdir/plan.json`, claim and compile
+    entries until none is left, appending a line `1` per compiled key to `out<index>.json
+    .progress`; then write `out<index>.json` (JSON: builds per (engine, task), keys compiled,
+    seconds). Exits 3 when no plan comes within `timeout_s` or its parent is gone."""
+    spawned = float(os.environ.get(_SPAWNED_ENV) or time.time())
     from capture.compiles import install_triton_counter
+    from graphdraft.kernels.warmup import all_kernels
 
     install_triton_counter()
-    engine = build_engine(spec)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the fp32 draws of the random init: not kept reserved
-    t_built = time.perf_counter()
-    progress = Path(str(out_path) + ".progress")
+    kernels = all_kernels()
+    t_imported = time.time()
+    plan_path, parent = workdir / _PLAN, os.getppid()
+    while not plan_path.exists():
+        if time.time() - t_imported > timeout_s or os.getppid() != parent:
+            return 3
+        time.sleep(0.005)
+    plan = json.loads(plan_path.read_text())
+    entries = [PlanEntry.from_json(d) for d in plan["entries"]]
+    if plan["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(plan["device"]))
+    t_ready = time.time()
+    out = workdir / f"out{index}.json"
+    progress = Path(str(out) + ".progress")
 
-    def line(text: str) -> None:
+    def line() -> None:
         with open(progress, "a") as fh:
-            fh.write(text + "\n")
+            fh.write("1\n")
 
-    res = compile_share(engine, spec.tasks, spec.share,
-                        on_plan=lambda kept, total: line(f"keys {kept}"),
-                        on_done=lambda: line("1"))
-    data = {"built": [[*t, k] for t, k in res["built"].items()], "keys": res["keys"],
-            "compiled": len(res["compiled"]), "startup_s": round(t_built - t0, 3),
-            "plan_s": round(res["plan_s"], 3), "wall_s": round(time.perf_counter() - t0, 3)}
-    tmp = Path(str(out_path) + ".tmp")
+    built: dict = {}
+    compiled = _take_and_compile(workdir, kernels, entries, built, on_done=line)
+    data = {"built": [[*k, n] for k, n in built.items()], "compiled": compiled,
+            "startup_s": round(t_ready - spawned, 3),
+            "plan_wait_s": round(t_ready - t_imported, 3),
+            "wall_s": round(time.time() - spawned, 3)}
+    tmp = Path(str(out) + ".tmp")
     tmp.write_text(json.dumps(data))
-    tmp.replace(out_path)
+    tmp.replace(out)
     return 0
 
 
@@ -409,7 +533,7 @@ def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
         dev = f"{torch.cuda.get_device_name(d)} {torch.cuda.get_device_capability(d)}"
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(("TRITON_", "GRAPHDRAFT_")))
-    shape = dataclasses.replace(spec, cache_dir="", device="", tasks=(),
+    shape = dataclasses.replace(spec, cache_dir="", device="",
                                 runtime=spec.runtime.replace(precompile_workers=None))
     parts = [repr(shape), repr(sorted(tasks)),
              torch.__version__, triton.__version__, dev, src.hexdigest(), repr(env)]
@@ -447,14 +571,6 @@ def mark_warm(engine) -> Path | None:
     return path
 
 
-def _launch(spec_path: Path, out_path: Path, log_path: Path, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(spec_path),
-           str(out_path)]
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-
-
 def _env(spec: WorkerSpec) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=spec.cache_dir, PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parents[2])  # the folder holding graphdraft/
@@ -470,85 +586,113 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
-def _read_progress(out: Path) -> tuple[int | None, int]:
-    """A worker's progress file: (its share's key count once announced, keys compiled)."""
+def _launch(workdir: Path, index: int, log_path: Path, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(index)]
+    env = dict(env, **{_SPAWNED_ENV: repr(time.time())})
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def _read_progress(out: Path) -> int:
+    """A worker's progress file: keys compiled so far."""
     try:
-        lines = Path(str(out) + ".progress").read_text().splitlines()
+        return Path(str(out) + ".progress").read_text().count("1\n")
     except OSError:
-        return None, 0
-    share = next((int(x.split()[1]) for x in lines if x.startswith("keys ")), None)
-    return share, sum(1 for x in lines if x == "1")
+        return 0
 
 
-def run_workers(engine, workers: int, *, progress: bool = True,
+def run_workers(engines, workers: int, *, progress: bool = True,
                 timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
-    """Compile `engine`'s schedule kernels into Triton's cache with `workers` processes, each
-    a share of the distinct keys (module docstring); return what they did. No processes
-    (`report.skipped` says why) when `workers` is 0, nothing is to be captured, the engine
+    """Compile the schedule kernels of `engines` (an engine or a sequence of them) into
+    Triton's cache with `workers` processes (module docstring); return what they did.
+    Engines whose marker says the cache is warm are left out. No processes
+    (`report.skipped` says why) when `workers` is 0, nothing is to be captured, an engine
     cannot be rebuilt, fewer than 2 workers fit in the free GPU memory (one would compile
-    everything serially, as this process does), or the marker says the cache is warm.
-    Raises PrecompileWorkerError when a worker fails (the others are stopped); ValueError
-    for `workers < 0`."""
+    everything serially, as this process does), or every engine is warm. Raises
+    PrecompileWorkerError when the plan or a worker fails (the others are stopped);
+    ValueError for `workers < 0`."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"precompile_workers: expected an int >= 0, got {workers!r}")
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     report = WorkerReport()
     if workers == 0:
         report.skipped = "precompile_workers=0"
         return report
-    tasks = tasks_of(engine)
-    spec, why = engine_spec(engine)
-    if not tasks:
-        report.skipped = "nothing to capture"
-    elif spec is None:
-        report.skipped = why
-    elif _marker(spec, tasks).exists():
-        report.skipped = "Triton cache warm for this engine (marker found)"
+    plans: list[tuple[int, WorkerSpec, list[Task]]] = []
+    for index, e in enumerate(engines):
+        tasks = tasks_of(e)
+        spec, why = engine_spec(e)
+        if not tasks:
+            continue
+        if spec is None:
+            report.skipped = why
+            break
+        if not _marker(spec, tasks).exists():
+            plans.append((index, spec, tasks))
+    if report.skipped is None and not plans:
+        report.skipped = ("nothing to capture" if not any(tasks_of(e) for e in engines)
+                          else "Triton cache warm for this engine (marker found)")
     if report.skipped:
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
-    fit = memory_cap(engine, spec, workers)
+    spec0 = plans[0][1]
+    fit = min(memory_cap(engines[i], s, workers) for i, s, _ in plans)
     if fit < workers:
-        logger.info("precompile workers: %d instead of %d (free GPU memory for ~%.1f GiB each)",
-                    fit, workers, worker_bytes(engine, spec) / (1 << 30))
+        logger.info("precompile workers: %d instead of %d (free GPU memory)", fit, workers)
     if fit < 2:
         report.skipped = ("one worker only" if fit else "not enough free GPU memory for a worker")
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
-    report.workers, report.tasks = fit, len(tasks)
+    report.workers, report.tasks = fit, sum(len(t) for *_, t in plans)
     t0 = time.perf_counter()
-    env = _env(spec)
-    procs: list[tuple[subprocess.Popen, Path, Path, Path]] = []
+    env = _env(spec0)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - a declared dependency
         tqdm = None
-    bar = tqdm(total=None, desc=f"JIT warm-up ({fit} workers)", unit="kernel") \
-        if progress and tqdm is not None else None
-
-    def update() -> None:
-        if bar is None:
-            return
-        states = [_read_progress(out) for _, out, _, _ in procs]
-        if all(k is not None for k, _ in states) and bar.total is None:
-            bar.total = sum(k for k, _ in states)
-        bar.n = sum(c for _, c in states)
-        bar.refresh()
-
+    bar = None
+    procs: list[tuple[subprocess.Popen, Path, Path]] = []
     with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "claims").mkdir()
         try:
-            for i in range(fit):
-                sp, out, log = (Path(tmp) / f"spec{i}.pkl", Path(tmp) / f"out{i}.json",
-                                Path(tmp) / f"log{i}.txt")
-                with open(sp, "wb") as fh:
-                    pickle.dump(dataclasses.replace(spec, tasks=tuple(tasks), share=(i, fit)), fh)
-                procs.append((_launch(sp, out, log, env), out, log, sp))
-            logger.info("precompile: the keys of %d tasks over %d worker processes",
-                        len(tasks), fit)
+            for i in range(fit):  # they import while this process plans
+                out, log = workdir / f"out{i}.json", workdir / f"log{i}.txt"
+                procs.append((_launch(workdir, i, log, env), out, log))
+            tp = time.perf_counter()
+            try:
+                entries, report.keys = plan_keys(plans)
+            except Exception as e:
+                raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
+                    from e
+            report.plan_s = time.perf_counter() - tp
+            plan = {"device": spec0.device, "entries": [x.to_json() for x in entries]}
+            tmp_plan = workdir / (_PLAN + ".tmp")
+            tmp_plan.write_text(json.dumps(plan))
+            tmp_plan.replace(workdir / _PLAN)
+            logger.info("precompile: %d keys of %d tasks over %d worker processes and this one",
+                        len(entries), report.tasks, fit)
+            if progress and tqdm is not None:
+                bar = tqdm(total=len(entries), desc=f"JIT compile ({fit} workers)", unit="kernel")
+            from graphdraft.kernels.warmup import all_kernels
+
+            kernels = all_kernels()
+            here = 0
+
+            def update() -> None:
+                if bar is not None:
+                    n = here + sum(_read_progress(out) for _, out, _ in procs)
+                    if n != bar.n:
+                        bar.update(n - bar.n)
+
             deadline = time.monotonic() + timeout_s
             pending = list(range(len(procs)))
             while pending:
+                # this process compiles one entry per round while entries are left
+                here += _take_and_compile(workdir, kernels, entries, report.built, stop_after=1)
                 for j in list(pending):
-                    p, out, log, _ = procs[j]
+                    p, out, log = procs[j]
                     rc = p.poll()
                     if rc is None:
                         continue
@@ -558,14 +702,13 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                             f"precompile worker {j + 1} failed (exit status {rc}); its log "
                             f"ends:\n{_tail(log)}")
                     data = json.loads(out.read_text())
-                    for owner, attr, bs, n in data["built"]:
-                        t = (owner, attr, int(bs))
-                        report.built[t] = report.built.get(t, 0) + int(n)
-                    report.keys = max(report.keys, int(data.get("keys", 0)))
+                    for *t, n in data["built"]:
+                        k = (int(t[0]), str(t[1]), str(t[2]), int(t[3]))
+                        report.built[k] = report.built.get(k, 0) + int(n)
                     report.compiled.append(int(data.get("compiled", 0)))
                     report.worker_wall_s.append(float(data["wall_s"]))
                     report.worker_startup_s.append(float(data["startup_s"]))
-                    report.worker_plan_s.append(float(data.get("plan_s", 0.0)))
+                    report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
                 update()
                 if pending and time.monotonic() > deadline:
                     raise PrecompileWorkerError(
@@ -573,7 +716,10 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                         f"{timeout_s:.0f} s; the log of worker {pending[0] + 1} ends:\n"
                         f"{_tail(procs[pending[0]][2])}")
                 if pending:
-                    time.sleep(0.02)
+                    time.sleep(0.005)
+            # what no worker took (none should be left: a worker exits once all are claimed)
+            here += _take_and_compile(workdir, kernels, entries, report.built)
+            report.compiled_here = here
         finally:
             for p, *_ in procs:
                 if p.poll() is None:
@@ -583,18 +729,18 @@ def run_workers(engine, workers: int, *, progress: bool = True,
                 bar.close()
     report.wall_s = time.perf_counter() - t0
     logger.info("precompile workers: %d processes, %d keys of %d tasks, %d kernels built, "
-                "%.2f s", report.workers, report.keys, report.tasks, report.total_built,
-                report.wall_s)
+                "%.2f s (plan %.2f s)", report.workers, report.keys, report.tasks,
+                report.total_built, report.wall_s, report.plan_s)
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print("usage: python -m graphdraft.kernels.precompile_workers SPEC.pkl OUT.json",
+    if len(args) != 2 or not args[1].isdigit():
+        print("usage: python -m graphdraft.kernels.precompile_workers WORKDIR INDEX",
               file=sys.stderr)
         return 2
-    return worker_main(Path(args[0]), Path(args[1]))
+    return worker_main(Path(args[0]), int(args[1]))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ compiled there, with a progress bar (`progress=False` or the logger level silenc
 capture then compiles nothing new. The counts land in each forward's `GraphStats.compiles`
 (and `built`: the ones Triton's compiler built here, not loaded from its cache). With
 `workers=N` the kernels are compiled first by N worker processes into Triton's on-disk cache,
-each a share of the distinct specialization keys (`kernels.precompile_workers`; their builds
-in `GraphStats.worker_built`, the phase in `worker_report(engine)`), so the in-process pass
-then only loads them.
+each distinct specialization key once (`kernels.precompile_workers`; their builds in
+`GraphStats.worker_built`, the phase in `worker_report(engine)`), and no in-process pass
+follows. `precompile_engines(engines, workers=N)` does that for several engines at once.
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
@@ -39,7 +39,7 @@ from capture import CapturedForward
 from graphdraft.kernels.buckets import representative_sizes
 
 __all__ = ["KeyRecorder", "all_kernels", "captured_forwards", "kernels", "precompile_engine",
-           "specialization_key", "worker_report"]
+           "precompile_engines", "specialization_key", "worker_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class KeyRecorder(contextlib.AbstractContextManager):
     (index in `order`) True keeps that first launch's arguments in `kept` as
     `(name, key, args, kwargs, grid, context)`: `kernel.warmup(*args, grid=grid, **kwargs)`
     (Triton's compile without a launch) then compiles exactly that key
-    (`precompile_workers.compile_share`)."""
+    (`precompile_workers.plan_keys`)."""
 
     def __init__(self, kernels_by_name: dict[str, object] | None = None, *,
                  launch: bool = True, keep=None, zero_ints: bool = False) -> None:
@@ -248,23 +248,42 @@ def worker_report(engine):
         return None
 
 
-def _run_workers(engine, workers: int, progress: bool):
-    """The worker phase (`precompile_workers.run_workers`); a failed worker is logged and the
-    in-process warm-up compiles the rest. Worker builds land in `GraphStats.worker_built`."""
+def _run_workers(engines: list, workers: int, progress: bool):
+    """The worker phase over `engines` (`precompile_workers.run_workers`); a failed worker is
+    logged and the in-process warm-up compiles the rest (None). Worker builds land in each
+    engine's `GraphStats.worker_built`; every engine gets the report (`worker_report`)."""
     from graphdraft.kernels import precompile_workers as pw
 
-    with contextlib.suppress(TypeError):
-        _REPORTS.pop(engine, None)  # this call's report or none
+    for e in engines:
+        with contextlib.suppress(TypeError):
+            _REPORTS.pop(e, None)  # this call's report or none
     try:
-        report = pw.run_workers(engine, workers, progress=progress)
+        report = pw.run_workers(engines, workers, progress=progress)
     except pw.PrecompileWorkerError as e:
         logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
         return None
-    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
-    for (owner, attr, bs), n in report.built.items():
-        getattr(owners[owner], attr).stats.worker_built[bs] += n
-    with contextlib.suppress(TypeError):
-        _REPORTS[engine] = report
+    for index, engine in enumerate(engines):
+        owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+        for (owner, attr, bs), n in report.built_of(index).items():
+            getattr(owners[owner], attr).stats.worker_built[bs] += n
+        with contextlib.suppress(TypeError):
+            _REPORTS[engine] = report
+    return report
+
+
+def precompile_engines(engines, *, workers: int, progress: bool = True):
+    """One worker phase for several engines (the demo's target-only and speculative ones:
+    one plan, no key compiled twice), then each engine's warm marker, so each
+    `capture_graphs` runs no worker phase and no precompile pass of its own. Returns the
+    `precompile_workers.WorkerReport` (None: a worker failed; each capture then compiles
+    what it needs)."""
+    from graphdraft.kernels import precompile_workers as pw
+
+    engines = list(engines)
+    report = _run_workers(engines, workers, progress) if workers else None
+    if report is not None and report.skipped is None:
+        for e in engines:
+            pw.mark_warm(e)
     return report
 
 
@@ -284,9 +303,9 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     forwards may then read target hidden states mid-write: finite values either way, and no
     index buffer is written by the other owner's forwards. Only compiling is the point.
 
-    `workers`: first compile in that many worker processes into Triton's on-disk cache, each a
-    share of the distinct keys (`precompile_workers.run_workers`; 0: not); the pass above is
-    then skipped. A failed worker is logged and this process compiles the rest in the pass.
+    `workers`: first compile in that many worker processes into Triton's on-disk cache, each
+    distinct key once (`precompile_workers.run_workers`; 0: not); the pass above is then
+    skipped. A failed worker is logged and this process compiles the rest in the pass.
     After a complete precompile a marker in the cache lets later runs of the same engine shape
     skip the workers and the pass.
 
@@ -323,7 +342,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         with contextlib.suppress(TypeError):
             _REPORTS.pop(engine, None)
     warm = pw.is_warm(engine)
-    report = _run_workers(engine, workers, progress) if workers else None
+    report = _run_workers([engine], workers, progress) if workers else None
     compiled = report is not None and report.skipped is None
     def one_warmup() -> None:  # compiled (or in the cache): one warm-up per size loads them
         for _, fw in owners:
