@@ -305,6 +305,9 @@ class CapturedForward(Generic[T]):
             raise ValueError(f"{name}: on_oom must be 'drop' or 'raise', got {on_oom!r}")
         self.name = name
         self.warmup_iters = warmup_iters
+        self.warmup_sizes: set[int] | None = None
+        """None: every size warms up before its capture; else only these (the caller knows
+        which sizes launch what a larger warmed-up one already loaded: its JIT buckets)."""
         self._forward = forward
         self._sizes = sorted(set(sizes))
         self._max_bs = self._sizes[-1]
@@ -468,8 +471,10 @@ class CapturedForward(Generic[T]):
         torch.cuda.synchronize()
 
     def _warmup(self, bs: int, stream: torch.cuda.Stream | None) -> float | None:
-        """``warmup_iters`` eager forwards on the side stream; seconds of the last (synchronized) one."""
-        if self.warmup_iters == 0:
+        """``warmup_iters`` eager forwards on the side stream (none for a size outside
+        ``warmup_sizes``); seconds of the last (synchronized) one."""
+        if self.warmup_iters == 0 or (self.warmup_sizes is not None
+                                      and bs not in self.warmup_sizes):
             return None
         side = stream if stream is not None else self.pool.stream
         side.wait_stream(torch.cuda.current_stream())

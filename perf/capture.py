@@ -8,7 +8,7 @@ temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE
 `max_running_requests` = the top, `max_context_len` 1024: a small KV pool) and times
 `engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
 draft multi-step, the cost table timed at the end) with the default precompile workers
-(`--workers`, default: `RuntimeConfig.precompile_workers` None, min(8, CPU count)); then a
+(`--workers`, default: `RuntimeConfig.precompile_workers` None, min(16, CPU count)); then a
 second subprocess does the same with that cache warm. For the first top also a cold run with
 `precompile_workers=0` (everything compiled in the one process, in its own empty cache).
 
@@ -25,7 +25,7 @@ this process and its workers, for the cold run with workers), `sizes`, `pool_mib
 <= 30 compiles), the in-process cold run's `cold_inprocess_s` / `triton_compiles_cold_inprocess`,
 the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `warm-64`,
 `cold-160`, `warm-160`). Also `census_keys` (the distinct Triton keys of the schedule: the
-workers' dry run, `perf/compile_census.py`) and per run a `breakdown` of capture_graphs' seconds
+plan's dry run, `perf/compile_census.py`), `plan_s` and `compiled_here_in_phase` and per run a `breakdown` of capture_graphs' seconds
 (precompile and its worker phase; per captured size the warm-up runs, the capture itself and
 the two replays that time it; the cost table's timing; counts of graphs, warm-up runs and cost
 replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
@@ -119,8 +119,8 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "cost_cells": cost_cells,
         "cost_replays": 3 * cost_cells,  # measure_costs: warmup 0, iters 3
     }
-    built_here = triton_builds() - b0
-    worker_built = rep.total_built if rep is not None else 0
+    built_here = triton_builds() - b0  # this process's builds, its worker-phase share included
+    worker_built = (rep.total_built - rep.built_here) if rep is not None else 0
     new_entries = cache_entries() - e0
     data = {
         "max_bs": max_bs,
@@ -131,8 +131,11 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "worker_wall_s": rep.worker_wall_s if rep is not None else [],
         "worker_startup_s": rep.worker_startup_s if rep is not None else [],
         "worker_tasks": rep.tasks if rep is not None else 0,
-        "worker_plan_s": rep.worker_plan_s if rep is not None else [],
+        "worker_plan_wait_s": rep.worker_plan_s if rep is not None else [],
         "worker_compiled": rep.compiled if rep is not None else [],
+        "plan_s": round(rep.plan_s, 3) if rep is not None else 0.0,
+        "compiled_here_in_phase": rep.compiled_here if rep is not None else 0,
+        "built_here_in_phase": rep.built_here if rep is not None else 0,
         # distinct specialization keys of the schedule (the workers' dry run; = the census
         # total, `perf/compile_census.py`); 0 without a worker phase
         "census_keys": rep.keys if rep is not None else 0,
@@ -248,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         "worker_phase_s": head_cold["worker_phase_s"],
         "worker_wall_s": head_cold["worker_wall_s"],
         "worker_startup_s": head_cold.get("worker_startup_s", []),
-        "worker_plan_s": head_cold.get("worker_plan_s", []),
+        "worker_plan_wait_s": head_cold.get("worker_plan_wait_s", []),
         "worker_compiled": head_cold.get("worker_compiled", []),
+        "plan_s": head_cold.get("plan_s", 0.0),
+        "compiled_here_in_phase": head_cold.get("compiled_here_in_phase", 0),
         # distinct Triton keys the schedule needs (the compile census), and what the warm run
         # loaded in-process (the same keys, when nothing is missing)
         "census_keys": head_cold.get("census_keys", 0),
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['capture_replay_timing_s']:>5.2f} / {b['cost_table_s']:>5.2f} / "
               f"{b['other_s'] if b['other_s'] is not None else float('nan'):>5.2f}; "
               f"{b['graphs']} graphs, {b['warmup_runs']} warm-ups, {b['cost_replays']} cost replays")
-    print(f"census: {out['census_keys']} distinct keys (workers' dry run), "
+    print(f"census: {out['census_keys']} distinct keys (the plan's dry run), "
           f"{out['census_keys_loaded_warm']} loaded by the warm run")
     print(f"goals (schedule to {tops[0]}): cold <= {GOALS['cold_s']} s, warm <= {GOALS['warm_s']} s, "
           f"<= {GOALS['triton_compiles_cold']} compiles cold; wrote {path}")

@@ -231,6 +231,16 @@ def test_cpu_capture_is_noop_and_run_is_eager(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_sizes_outside_warmup_sizes_skip_the_warmup():
+    """`warmup_sizes` (the caller's JIT buckets): a size outside it is captured with no
+    eager warm-up run (None seconds), whatever `warmup_iters` says."""
+    calls = []
+    fwd, *_ = linear_forward(rows=64, log=calls)
+    cf = CapturedForward("draft", fwd, SCHED16, warmup_iters=1)
+    cf.warmup_sizes = {16}
+    assert cf._warmup(8, None) is None and calls == []
+
+
 def test_constructor_validation():
     f = lambda bs: None
     for bad in ([], [0, 1], [1.5], [True]):

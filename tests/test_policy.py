@@ -684,3 +684,23 @@ def test_close_k_is_timed_once_instead_of_extrapolated():
             assert rate < 0.97 * best_fixed  # the defect the probe removes
     with pytest.raises(ValueError, match="^cost_probe_margin: expected"):
         SpeculationPolicy("adaptive", 3, TABLE_128D, steps=[0, 1, 3], cost_probe_margin=-0.1)
+
+
+def test_saved_costs_load_back_only_when_complete_and_valid(tmp_path):
+    """The capture-time cost cache (`save_costs` / `load_costs`): a table loads back equal;
+    a schedule it lacks, a corrupt file, a bad cost or no file give None (measure again)."""
+    from graphdraft.serving.policy import load_costs, save_costs
+
+    table = {(1, 0): 4.2, (1, 3): 5.1, (8, 0): 4.7, (8, 3): 5.6}
+    path = tmp_path / "sub" / "costs.json"
+    assert save_costs(path, table)
+    assert load_costs(path, list(table)) == table
+    assert load_costs(path, [(1, 0), (16, 3)]) is None  # another schedule
+    assert load_costs(tmp_path / "none.json", list(table)) is None and load_costs(None, []) is None
+    path.write_text("{not json")
+    assert load_costs(path, list(table)) is None
+    path.write_text('{"costs": [[1, 0, -2.0]]}')
+    assert load_costs(path, [(1, 0)]) is None
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert not save_costs(blocked / "costs.json", table)  # a file where the folder would be

@@ -398,7 +398,12 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     assert rep.total_built == 2 * 2 * len(all_tasks)
     owners = {"engine": e, "drafter": e.drafter}
     for owner, attr, bs in all_tasks:
-        assert getattr(owners[owner], attr).stats.worker_built[bs] == 4
+        f = getattr(owners[owner], attr)
+        assert f.stats.worker_built[bs] == 4
+        # one warm-up per bucket: its representative (largest) size, captured first
+        assert f.warmup_iters == 1 and f.warmup_sizes == set(representative_sizes(
+            f.batch_sizes, (1, e.cfg.spec_num_tokens), kernels=e.cfg.kernels))
+        assert bs in f.warmup_sizes and len(f.warmup_sizes) < len(f.batch_sizes)
     assert list((tmp_path / "cache").glob("graphdraft-precompiled-*.json"))
     launched.clear()
     warmup.precompile_engine(e, progress=False, workers=2)
@@ -574,3 +579,41 @@ def test_build_launcher_runs_the_compiled_kernels_init_hook_and_never_raises():
     assert build_launcher(ok) and ok.calls == 1
     assert not build_launcher(bad) and bad.calls == 1
     assert not build_launcher(None) and not build_launcher(object())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_second_capture_takes_the_cached_cost_table(monkeypatch, tmp_path):
+    """An adaptive engine measures its cycle costs at capture and writes them; a second engine
+    of the same shape takes that table (`cost_source` "cached") instead of timing again, and
+    serves the same greedy tokens."""
+    import graphdraft.serving.engine as engine_mod
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
+
+    path = tmp_path / "costs.json"
+    monkeypatch.setattr(engine_mod, "cost_cache_path", lambda e: path)
+    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=96,
+                                   num_aux_hidden_states=3, draft_vocab_size=100)
+    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(0))[:100]
+
+    def engine():
+        target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 0, std=0.5,
+                                         hot_token_ids=hot, device="cuda")
+        cfg = RuntimeConfig(speculative_num_steps=3, page_size=16, max_running_requests=8,
+                            max_context_len=256, cuda_graph_max_bs=8, dtype="bfloat16",
+                            device="cuda", precompile_workers=0)
+        return Engine(target, cfg, head, seed=0)
+
+    e1 = engine()
+    e1.capture_graphs(progress=False)
+    assert e1.cost_source == "measured" and path.exists()
+    e2 = engine()
+    t = []
+    monkeypatch.setattr(engine_mod, "measure_replay_ms", lambda *a, **k: t.append(1) or 1.0)
+    e2.capture_graphs(progress=False)
+    assert e2.cost_source == "cached" and not t
+    assert e2.policy.costs.measured() == e1.policy.costs.measured()
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    assert e2.generate([[1, 2, 3], [4, 5]], params) == e1.generate([[1, 2, 3], [4, 5]], params)

@@ -70,7 +70,7 @@ from capture import cache_dir
 from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
-           "build_launcher", "compile_entry", "decode_arg", "default_workers", "encode_arg",
+           "build_launcher", "compile_entry", "cost_cache_path", "decode_arg", "default_workers", "encode_arg",
            "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
            "reduced_target_config", "run_workers", "tasks_of"]
 
@@ -147,6 +147,8 @@ class WorkerReport:
     keys: int = 0
     compiled: list[int] = field(default_factory=list)
     compiled_here: int = 0
+    built_here: int = 0
+    """Of `built`: the kernels this process's compiler built in the phase."""
     built: dict[tuple[int, str, str, int], int] = field(default_factory=dict)
     pass_built: int | None = None
     """Kernels this process built in `precompile_engine`'s in-process pass when it ran after
@@ -540,6 +542,23 @@ def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
+def cost_cache_path(engine) -> Path | None:
+    """Where `Engine.measure_costs(cache=True)` keeps the capture-time cycle costs of `engine`:
+    `graphdraft-costs-<fingerprint>.json` beside the warm marker, the fingerprint the marker's
+    (shapes, tasks, versions, GPU, environment) with every source of the package; None when
+    no worker could rebuild the engine or nothing is captured."""
+    spec, _ = engine_spec(engine)
+    tasks = tasks_of(engine)
+    if spec is None or not tasks:
+        return None
+    src = hashlib.sha256(_fingerprint(spec, tasks).encode())
+    root = Path(__file__).resolve().parents[1]
+    for p in sorted(root.rglob("*.py")):
+        src.update(str(p.relative_to(root)).encode())
+        src.update(p.read_bytes())
+    return Path(spec.cache_dir) / f"graphdraft-costs-{src.hexdigest()[:24]}.json"
+
+
 def _marker(spec: WorkerSpec, tasks: Sequence[Task]) -> Path:
     return Path(spec.cache_dir) / _MARKER.format(_fingerprint(spec, tasks))
 
@@ -675,10 +694,11 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                         len(entries), report.tasks, fit)
             if progress and tqdm is not None:
                 bar = tqdm(total=len(entries), desc=f"JIT compile ({fit} workers)", unit="kernel")
+            from capture.compiles import triton_builds
             from graphdraft.kernels.warmup import all_kernels
 
             kernels = all_kernels()
-            here = 0
+            here, b0 = 0, triton_builds()
 
             def update() -> None:
                 if bar is not None:
@@ -719,7 +739,7 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                     time.sleep(0.005)
             # what no worker took (none should be left: a worker exits once all are claimed)
             here += _take_and_compile(workdir, kernels, entries, report.built)
-            report.compiled_here = here
+            report.compiled_here, report.built_here = here, triton_builds() - b0
         finally:
             for p, *_ in procs:
                 if p.poll() is None:

@@ -309,14 +309,16 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     After a complete precompile a marker in the cache lets later runs of the same engine shape
     skip the workers and the pass.
 
-    Every forward precompiled here then warms up once per size before its capture
-    (`warmup_iters` at most 1): its kernels are compiled and loaded, the one eager run is what
-    lazy initialisation (cuBLAS heuristics per shape, allocations) needs outside the capture.
+    Every forward precompiled here then warms up once per size bucket before its capture
+    (`warmup_iters` at most 1, `warmup_sizes` the representative sizes: the largest of each
+    bucket, captured first): that run loads the bucket's kernels (compiled by now) and does
+    the lazy initialisation outside a capture; the bucket's smaller sizes launch the same
+    kernels and are captured without one.
 
     No pass (returns {}) when the workers compiled every key (a complete worker phase), or
     for a warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile
     of this engine shape wrote, `mark_warm`; then no workers either): the one warm-up per
-    size before its capture loads the kernels from the cache (and compiles one the cache
+    bucket before its capture loads the kernels from the cache (and compiles one the cache
     lacks: `GraphStats.built` counts it there).
     """
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
@@ -344,16 +346,17 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     warm = pw.is_warm(engine)
     report = _run_workers([engine], workers, progress) if workers else None
     compiled = report is not None and report.skipped is None
-    def one_warmup() -> None:  # compiled (or in the cache): one warm-up per size loads them
+    def one_warmup() -> None:  # compiled (or in the cache): one warm-up per bucket loads them
         for _, fw in owners:
             for f in fw.values():
                 f.warmup_iters = min(f.warmup_iters, 1)
+                f.warmup_sizes = set(representative_sizes(f.batch_sizes, (1, n), kernels=kc))
 
     if warm or compiled:  # every key is in the cache: the capture warm-ups load them
         one_warmup()
         if compiled:
             pw.mark_warm(engine)
-        logger.info("JIT warm-up: no in-process pass (%s); each size's one warm-up before its "
+        logger.info("JIT warm-up: no in-process pass (%s); each bucket's one warm-up before its "
                     "capture loads its kernels from Triton's cache",
                     "the workers compiled every key" if compiled else
                     "Triton cache warm for this engine shape: marker found")

@@ -81,7 +81,7 @@ from graphdraft.kernels.cycle_kernels import (
     neutral_slot0,
     prepare_rows,
 )
-from graphdraft.kernels.precompile_workers import default_workers
+from graphdraft.kernels.precompile_workers import cost_cache_path, default_workers
 from graphdraft.kernels.warmup import precompile_engine
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
@@ -102,7 +102,9 @@ from graphdraft.serving.policy import (
     CycleTimer,
     SpeculationPolicy,
     analytic_cost_table,
+    load_costs,
     measure_replay_ms,
+    save_costs,
 )
 from graphdraft.serving.request import Request
 from graphdraft.serving.tree_cycle import EngineTrees
@@ -370,18 +372,29 @@ class Engine:
             self._split_cycle(bs, pbs, k)
 
     @torch.inference_mode()
-    def measure_costs(self, warmup: int = 1, iters: int = 3) -> dict[tuple[int, int], float]:
+    def measure_costs(self, warmup: int = 1, iters: int = 3, cache: bool = False
+                      ) -> dict[tuple[int, int], float]:
         """Time each captured (padded bs, k) cycle with CUDA events (`policy.measure_replay_ms`,
         inert rows: every row the dummy slot, so nothing is committed) and give the adaptive
         policy this cost table; the state is snapshotted and restored around it. Returns the
         table ({} and the analytic costs kept: no CUDA, graphs off, or a fixed policy).
-        Called by `capture_graphs`; call it from a drained engine."""
+        `cache`: take the table an earlier run of this engine shape on this GPU measured
+        (`precompile_workers.cost_cache_path`, in Triton's cache folder; `cost_source`
+        "cached": the online medians correct it from the first real cycles on) when it has
+        every cell, else measure and write it there. Called by `capture_graphs`; call it from
+        a drained engine."""
         if not isinstance(self.policy, SpeculationPolicy) or self.policy.mode != "adaptive":
             return {}
         fwd = self._cycle_by_k if self._cycle_mode else self._verify_by_k
         sizes = sorted(set.intersection(*(set(fwd[k].captured_sizes) for k in self.steps)))
         if self.device.type != "cuda" or not sizes:
             return {}
+        path = cost_cache_path(self) if cache else None
+        cached = load_costs(path, [(pbs, k) for pbs in sizes for k in self.steps])
+        if cached is not None:
+            self.policy.costs = CostTable(cached)
+            self.cost_source = "cached"
+            return cached
         self.drain()
         snap = self.state_snapshot()
         self._reset_neutral()
@@ -395,6 +408,8 @@ class Engine:
         self._reset_neutral()
         self.policy.costs = CostTable(table)
         self.cost_source = "measured"
+        if path is not None:
+            save_costs(path, table)
         return table
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
@@ -465,7 +480,7 @@ class Engine:
         if self.dp is not None:  # every rank keeps the sizes every rank captured
             data_parallel.agree_captured(self)
         t2 = time.perf_counter()
-        self.measure_costs(warmup=0)
+        self.measure_costs(warmup=0, cache=True)
         self.capture_phases = {"precompile_s": t1 - t0, "capture_s": t2 - t1,
                                "costs_s": time.perf_counter() - t2}
 

@@ -67,16 +67,19 @@ a target-only step, real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 __all__ = ["POLICY_MODES", "AcceptRateEstimator", "CostTable", "CycleTimer", "SpeculationPolicy",
-           "analytic_cost_table", "check_speculative_policy", "expected_tokens",
-           "measure_replay_ms"]
+           "analytic_cost_table", "check_speculative_policy", "expected_tokens", "load_costs",
+           "measure_replay_ms", "save_costs"]
 
 POLICY_MODES = ("adaptive", "fixed")
 
@@ -706,6 +709,34 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
                     + max(k - 1, 0) * _forward_ms(hb, hp, hl, bs)
             out[(bs, k)] = ms
     return out
+
+
+def save_costs(path, table: Mapping[tuple[int, int], float]) -> bool:
+    """Write a capture-time cost table `{(padded_bs, k): ms}` to `path` (JSON, atomically);
+    False when the folder is not writable (the next start measures again)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"costs": [[bs, k, ms] for (bs, k), ms in sorted(table.items())]}))
+        tmp.replace(path)
+    except OSError:
+        return False
+    return True
+
+
+def load_costs(path, cells) -> dict[tuple[int, int], float] | None:
+    """The table `save_costs` wrote at `path` when it has every (padded_bs, k) of `cells`
+    with a valid cost; None otherwise (no file, unreadable, another schedule)."""
+    if path is None:
+        return None
+    try:
+        rows = json.loads(Path(path).read_text())["costs"]
+        table = {(int(bs), int(k)): float(ms) for bs, k, ms in rows}
+        CostTable(table)  # validates every entry
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return table if all(c in table for c in cells) else None
 
 
 def measure_replay_ms(replay: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
