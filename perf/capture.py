@@ -69,9 +69,27 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     torch.cuda.synchronize()
     t_built = time.perf_counter()
     c0, b0, e0 = triton_compiles(), triton_builds(), cache_entries()
+    prof_dir = os.environ.get("GRAPHDRAFT_CAPTURE_PROFILE")  # `--profile DIR`
+    prof = None
+    if prof_dir:
+        import cProfile
+
+        prof = cProfile.Profile()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     engine.capture_graphs()
     torch.cuda.synchronize()
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+        Path(prof_dir).mkdir(parents=True, exist_ok=True)
+        (Path(prof_dir) / f"{result.stem}.txt").write_text(buf.getvalue())
     seconds = time.perf_counter() - t0
     owners = [engine] + ([engine.drafter] if getattr(engine, "drafter", None) is not None else [])
     per_forward = {}
@@ -86,7 +104,7 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         warm["warmup_s"] += w
         warm["replay_timing_s"] += r
         warm["record_s"] += max(0.0, st.total_capture_seconds - w - r)
-        warm["warmup_runs"] += f.warmup_iters * len(f.captured_sizes)
+        warm["warmup_runs"] += f.warmup_iters * len(st.eager_seconds)  # warmed-up sizes
         warm["graphs"] += len(f.captured_sizes)
         per_forward[f.name] = {
             "attribute": attr,
@@ -117,7 +135,9 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "graphs": warm["graphs"],
         "warmup_runs": warm["warmup_runs"],
         "cost_cells": cost_cells,
-        "cost_replays": 3 * cost_cells,  # measure_costs: warmup 0, iters 3
+        # measure_costs: warmup 0, iters 3; none when the table came from the cost cache
+        "cost_replays": 0 if engine.cost_source == "cached" else 3 * cost_cells,
+        "cost_source": engine.cost_source,
     }
     built_here = triton_builds() - b0  # this process's builds, its worker-phase share included
     worker_built = (rep.total_built - rep.built_here) if rep is not None else 0
@@ -197,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None,
                     help="precompile workers of the cold runs (default: the config's default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="folder for a cProfile of each run's capture_graphs (a diagnostic: "
+                         "it slows the runs)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -211,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tops or min(tops) < 1:
         ap.error(f"--max-bs: expected positive ints, got {args.max_bs!r}")
     runs: dict[str, dict] = {}
+    if args.profile is not None:
+        os.environ["GRAPHDRAFT_CAPTURE_PROFILE"] = str(args.profile.resolve())
 
     def run(name: str, top: int, cache: Path, workers: int | None, required: bool) -> None:
         try:
