@@ -256,21 +256,21 @@ def _write_plan(workdir, entries, device="cpu"):
 
 
 def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_path):
-    """The real worker command (`python -m graphdraft.kernels.precompile_workers DIR INDEX`,
-    the environment `run_workers` gives it) on the CPU, two of them started before the plan
-    exists: each waits for the plan, claims entries (Triton's warm-up is a no-op under the
-    interpreter: nothing built), writes a progress line per entry and its JSON, exits 0;
-    every entry is claimed by exactly one of them."""
+    """The real worker command (`python -m graphdraft.kernels.precompile_workers DIR 2`: a
+    server that imports once and forks 2 workers, with the environment `run_workers` gives it)
+    on the CPU, started before the plan exists: each worker waits for the plan, claims entries
+    (Triton's warm-up is a no-op under the interpreter: nothing built), writes a progress line
+    per entry and its JSON; the server exits 0; every entry is claimed by exactly one."""
     e = _full_engine()
     tasks = _gpu_tasks(monkeypatch, e)
     spec, _ = pw.engine_spec(e)
     entries, _ = pw.plan_keys([(0, spec, tasks)])
     env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
-    procs = [pw._launch(tmp_path, i, tmp_path / f"log{i}.txt", env) for i in range(2)]
+    (tmp_path / "claims").mkdir()
+    server = pw._launch(tmp_path, 2, tmp_path / "server.txt", env)
     _write_plan(tmp_path, entries)
-    for i, p in enumerate(procs):
-        assert p.wait(timeout=300) == 0, (tmp_path / f"log{i}.txt").read_text()[-3000:]
+    assert server.wait(timeout=300) == 0, (tmp_path / "server.txt").read_text()[-3000:]
     data = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
     assert sum(d["compiled"] for d in data) == len(entries) > 10
     assert sorted(int(c.name) for c in (tmp_path / "claims").iterdir()) == list(range(len(entries)))
@@ -279,6 +279,17 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
     for d in data:
         assert all((x[0], *x[1:4]) in {(0, *t) for t in tasks} and x[4] == 0 for x in d["built"])
         assert d["wall_s"] >= d["startup_s"] > 0
+
+
+def test_the_server_reports_a_failed_worker(monkeypatch, tmp_path):
+    """A worker that raises: its traceback in its log, the server stops the other and writes
+    failed.json (which worker, its status), exit status 1."""
+    monkeypatch.setattr(pw, "worker_main", lambda workdir, i: 1 / (i - 1) and 0)
+    monkeypatch.setattr(pw.os, "getppid", lambda: 1)  # the parent check stays quiet
+    rc = pw.server_main(tmp_path, 2)
+    assert rc == 1
+    assert json.loads((tmp_path / "failed.json").read_text()) == {"worker": 1, "status": 1}
+    assert "ZeroDivisionError" in (tmp_path / "log1.txt").read_text()
 
 
 def test_a_worker_without_a_plan_gives_up(tmp_path):
@@ -302,8 +313,9 @@ def _fake_active(monkeypatch, engine, builds: int = 1):
 
 
 def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, tmp_path, caplog):
-    """A worker that dies: run_workers raises PrecompileWorkerError with its exit status and
-    log; the others are stopped; precompile_engine logs it and goes on in-process."""
+    """A worker that dies (the server's failed.json and exit status 1): run_workers raises
+    PrecompileWorkerError with the worker's status and log; precompile_engine logs it and goes
+    on in-process. A server that dies without one: its own log."""
     import logging
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -311,20 +323,29 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
     _fake_active(monkeypatch, e)
     started = []
 
-    def launch(workdir, index, log_path, env):
-        cmd = [sys.executable, "-c", "import sys, time; print('worker exploded'); sys.exit(3)"]
-        if started:  # the others would run long: they must be stopped
-            cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
-        with open(log_path, "wb") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    def launch(workdir, n, log_path, env):
+        (workdir / "log1.txt").write_text("worker exploded\n")
+        code = (f"import pathlib, sys; pathlib.Path({str(workdir / 'failed.json')!r})"
+                ".write_text('{\"worker\": 1, \"status\": 3}'); sys.exit(1)")
+        p = subprocess.Popen([sys.executable, "-c", code])
         started.append(p)
         return p
 
     monkeypatch.setattr(pw, "_launch", launch)
-    with pytest.raises(pw.PrecompileWorkerError, match=r"exit status 3(.|\n)*worker exploded"):
+    with pytest.raises(pw.PrecompileWorkerError,
+                       match=r"worker 2 failed \(exit status 3\)(.|\n)*worker exploded"):
         pw.run_workers(e, 3, progress=False)
-    assert len(started) >= 2 and all(p.poll() is not None for p in started)
-    started.clear()
+    assert len(started) == 1 and started[0].poll() is not None
+
+    def launch_dies(workdir, n, log_path, env):
+        with open(log_path, "wb") as log:
+            return subprocess.Popen([sys.executable, "-c", "import sys; print('no torch'); "
+                                     "sys.exit(4)"], stdout=log, stderr=subprocess.STDOUT)
+
+    monkeypatch.setattr(pw, "_launch", launch_dies)
+    with pytest.raises(pw.PrecompileWorkerError, match=r"exit status 4(.|\n)*no torch"):
+        pw.run_workers(e, 3, progress=False)
+    monkeypatch.setattr(pw, "_launch", launch)
     with caplog.at_level(logging.WARNING):
         counts = warmup.precompile_engine(e, progress=False, workers=3)
     assert "compiling in this process instead" in caplog.text
@@ -337,8 +358,9 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
     _fake_active(monkeypatch, e)
     started = []
 
-    def launch(workdir, index, log_path, env):
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    def launch(workdir, n, log_path, env):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
         started.append(p)
         return p
 
@@ -349,7 +371,7 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
     monkeypatch.setattr(pw, "plan_keys", boom)
     with pytest.raises(pw.PrecompileWorkerError, match="plan failed: RuntimeError: dry run"):
         pw.run_workers(e, 2, progress=False)
-    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    assert len(started) == 1 and all(p.poll() is not None for p in started)
 
 
 def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
@@ -357,10 +379,10 @@ def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
     e = _full_engine()
     _fake_active(monkeypatch, e)
 
-    def launch(workdir, index, log_path, env):
+    def launch(workdir, n, log_path, env):
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                    stdout=log, stderr=subprocess.STDOUT)
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     monkeypatch.setattr(pw, "_launch", launch)
     with pytest.raises(pw.PrecompileWorkerError, match="did not finish within 1 s"):
@@ -378,13 +400,13 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     launched = []
     all_tasks = pw.tasks_of(e)
 
-    def launch(workdir, index, log_path, env):
+    def launch(workdir, n, log_path, env):
         assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
-        launched.append(index)
+        launched.extend(range(n))
         body = json.dumps({"built": [[0, *t, 2] for t in all_tasks], "compiled": 0,
                            "startup_s": 0.1, "plan_wait_s": 0.05, "wall_s": 0.2})
-        out = workdir / f"out{index}.json"
-        code = f"import pathlib; pathlib.Path({str(out)!r}).write_text({body!r})"
+        outs = [str(workdir / f"out{i}.json") for i in range(n)]
+        code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", code], stdout=log,
                                     stderr=subprocess.STDOUT)
@@ -429,10 +451,11 @@ def test_precompile_engines_runs_one_phase_and_marks_each_engine(monkeypatch, tm
     _fake_active(monkeypatch, spec_e)
     phases = []
 
-    def launch(workdir, index, log_path, env):
+    def launch(workdir, n, log_path, env):
         phases.append(workdir)
         body = json.dumps({"built": [], "compiled": 0, "startup_s": 0.1, "wall_s": 0.2})
-        code = f"import pathlib; pathlib.Path({str(workdir / f'out{index}.json')!r}).write_text({body!r})"
+        outs = [str(workdir / f"out{i}.json") for i in range(n)]
+        code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
         return subprocess.Popen([sys.executable, "-c", code])
 
     monkeypatch.setattr(pw, "_launch", launch)

@@ -22,14 +22,15 @@ as data (`encode_arg`: a tensor as its dtype and 16-byte alignment, scalars as t
 keys of the full one, kernel by kernel, and that the decoded arguments (`decode_arg`: tensors
 become Triton's `MockTensor`s of that dtype and alignment) give every entry's key back.
 
-The workers. `sys.executable -m graphdraft.kernels.precompile_workers DIR INDEX` (a fresh
+The workers. `sys.executable -m graphdraft.kernels.precompile_workers DIR N` (a fresh
 interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
-do) starts while this process plans: it imports torch, Triton and the kernel modules, waits
-for `DIR/plan.json`, then takes entries in plan order (the heavy kernels first), each by
-creating `DIR/claims/<j>` exclusively (no entry compiled twice, none idle while work is
-left), and compiles it with Triton's `JITFunction.warmup` (compile without a launch: the same
-key) and its host launcher (`build_launcher`). No worker builds an engine or holds one in
-device memory (a CUDA context each). This process takes entries too while it waits. A tqdm
+do) starts while this process plans: it imports torch, Triton and the kernel modules once and
+forks N workers (`server_main`; nothing there touched CUDA), so N processes do not import
+torch side by side. Each waits for `DIR/plan.json`, then takes entries in plan order (the
+heavy kernels first), each by creating `DIR/claims/<j>` exclusively (no entry compiled twice,
+none idle while work is left), and compiles it with Triton's `JITFunction.warmup` (compile
+without a launch: the same key) and its host launcher (`build_launcher`). No worker builds an
+engine or holds one in device memory (a CUDA context each). This process takes entries too while it waits. A tqdm
 bar counts compiled keys over all processes; the worker processes get the caller's
 environment with `TRITON_CACHE_DIR` set to the caller's cache (`capture.cache_dir()`: the
 user's `TRITON_CACHE_DIR` or Triton's default). A worker that fails (exit status, timeout)
@@ -41,8 +42,8 @@ speculative ones) share one worker phase: their keys are planned together, none 
 
 Warm caches: once a precompile finished (with workers or without), a marker file
 `graphdraft-precompiled-<fingerprint>.json` in the cache folder (the fingerprint covers the
-spec, the tasks, torch / triton versions, the GPU, the kernel sources and the TRITON_* /
-GRAPHDRAFT_* environment) makes later runs skip the workers and the in-process precompile
+spec with its kernel settings, the tasks, torch / triton versions, the GPU, the kernel
+sources and the TRITON_* environment) makes later runs skip the workers and the in-process precompile
 pass (`warmup.precompile_engine`): capture's warm-ups load each kernel from the cache at its
 first launch. A stale marker only costs time: those warm-ups compile what is missing.
 Without a marker the workers run and load what the cache has.
@@ -56,10 +57,12 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -519,6 +522,64 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
     return 0
 
 
+def server_main(workdir: Path, n: int) -> int:
+    """The worker processes' parent: import torch, Triton and every kernel module once, then
+    fork `n` workers (`worker_main`, log `workdir/log<i>.txt`; nothing here touched CUDA, so
+    each child initialises its own) and wait for them. A worker that fails stops the others;
+    `workdir/failed.json` names it and its exit status, and this process exits 1. It stops
+    them and exits 3 when its parent (the planning process) is gone."""
+    from capture.compiles import install_triton_counter
+    from graphdraft.kernels.warmup import all_kernels
+
+    install_triton_counter()
+    all_kernels()  # every kernel module imported before the forks: the workers share it
+    main_pid = os.getppid()
+    children: dict[int, int] = {}
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            rc = 1
+            try:
+                fd = os.open(workdir / f"log{i}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                rc = worker_main(workdir, i)
+            except BaseException:  # noqa: BLE001 - reported in its log, never raised in a fork
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        children[pid] = i
+
+    def stop_all() -> None:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    failed: tuple[int, int] | None = None
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            i = children.pop(pid)
+            rc = os.waitstatus_to_exitcode(status)
+            if rc != 0 and failed is None:
+                failed = (i, rc)
+                stop_all()
+        elif os.getppid() != main_pid:
+            stop_all()
+            return 3
+        else:
+            time.sleep(0.01)
+    if failed is not None:
+        (workdir / "failed.json").write_text(json.dumps({"worker": failed[0],
+                                                         "status": failed[1]}))
+        return 1
+    return 0
+
+
 # ------------------------------------------------------------------ the main process
 def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
     """What decides which kernels a precompile of `spec` compiles (see the module docstring)."""
@@ -533,8 +594,8 @@ def _fingerprint(spec: WorkerSpec, tasks: Sequence[Task]) -> str:
     if torch.cuda.is_available() and spec.device.startswith("cuda"):
         d = torch.device(spec.device)
         dev = f"{torch.cuda.get_device_name(d)} {torch.cuda.get_device_capability(d)}"
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("TRITON_", "GRAPHDRAFT_")))
+    env = sorted((k, v) for k, v in os.environ.items()  # the GRAPHDRAFT_ kernel knobs are in
+                 if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR")  # the spec's config
     shape = dataclasses.replace(spec, cache_dir="", device="",
                                 runtime=spec.runtime.replace(precompile_workers=None))
     parts = [repr(shape), repr(sorted(tasks)),
@@ -605,12 +666,24 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
-def _launch(workdir: Path, index: int, log_path: Path, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(index)]
+def _launch(workdir: Path, n: int, log_path: Path, env: dict) -> subprocess.Popen:
+    """Start the worker server (`server_main`: `n` workers) in a session of its own (a
+    timeout kills the whole group)."""
+    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(n)]
     env = dict(env, **{_SPAWNED_ENV: repr(time.time())})
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the server and its workers (its process group), then reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.wait()
 
 
 def _read_progress(out: Path) -> int:
@@ -624,7 +697,8 @@ def _read_progress(out: Path) -> int:
 def run_workers(engines, workers: int, *, progress: bool = True,
                 timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
     """Compile the schedule kernels of `engines` (an engine or a sequence of them) into
-    Triton's cache with `workers` processes (module docstring); return what they did.
+    Triton's cache with `workers` processes (module docstring: one server process that
+    imports once and forks them); return what they did.
     Engines whose marker says the cache is warm are left out. No processes
     (`report.skipped` says why) when `workers` is 0, nothing is to be captured, an engine
     cannot be rebuilt, fewer than 2 workers fit in the free GPU memory (one would compile
@@ -671,14 +745,13 @@ def run_workers(engines, workers: int, *, progress: bool = True,
     except ImportError:  # pragma: no cover - a declared dependency
         tqdm = None
     bar = None
-    procs: list[tuple[subprocess.Popen, Path, Path]] = []
+    server: subprocess.Popen | None = None
     with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
         workdir = Path(tmp)
         (workdir / "claims").mkdir()
+        outs = [workdir / f"out{i}.json" for i in range(fit)]
         try:
-            for i in range(fit):  # they import while this process plans
-                out, log = workdir / f"out{i}.json", workdir / f"log{i}.txt"
-                procs.append((_launch(workdir, i, log, env), out, log))
+            server = _launch(workdir, fit, workdir / "server.txt", env)  # imports while we plan
             tp = time.perf_counter()
             try:
                 entries, report.keys = plan_keys(plans)
@@ -699,52 +772,49 @@ def run_workers(engines, workers: int, *, progress: bool = True,
 
             kernels = all_kernels()
             here, b0 = 0, triton_builds()
-
-            def update() -> None:
-                if bar is not None:
-                    n = here + sum(_read_progress(out) for _, out, _ in procs)
-                    if n != bar.n:
-                        bar.update(n - bar.n)
-
             deadline = time.monotonic() + timeout_s
-            pending = list(range(len(procs)))
-            while pending:
+            while (rc := server.poll()) is None:
                 # this process compiles one entry per round while entries are left
                 here += _take_and_compile(workdir, kernels, entries, report.built, stop_after=1)
-                for j in list(pending):
-                    p, out, log = procs[j]
-                    rc = p.poll()
-                    if rc is None:
-                        continue
-                    pending.remove(j)
-                    if rc != 0 or not out.exists():
-                        raise PrecompileWorkerError(
-                            f"precompile worker {j + 1} failed (exit status {rc}); its log "
-                            f"ends:\n{_tail(log)}")
-                    data = json.loads(out.read_text())
-                    for *t, n in data["built"]:
-                        k = (int(t[0]), str(t[1]), str(t[2]), int(t[3]))
-                        report.built[k] = report.built.get(k, 0) + int(n)
-                    report.compiled.append(int(data.get("compiled", 0)))
-                    report.worker_wall_s.append(float(data["wall_s"]))
-                    report.worker_startup_s.append(float(data["startup_s"]))
-                    report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
-                update()
-                if pending and time.monotonic() > deadline:
+                if bar is not None:
+                    n = here + sum(_read_progress(out) for out in outs)
+                    if n != bar.n:
+                        bar.update(n - bar.n)
+                if time.monotonic() > deadline:
                     raise PrecompileWorkerError(
-                        f"precompile workers {[j + 1 for j in pending]} did not finish within "
-                        f"{timeout_s:.0f} s; the log of worker {pending[0] + 1} ends:\n"
-                        f"{_tail(procs[pending[0]][2])}")
-                if pending:
-                    time.sleep(0.005)
+                        f"precompile workers did not finish within {timeout_s:.0f} s; the log "
+                        f"of worker 1 ends:\n{_tail(workdir / 'log0.txt')}")
+                time.sleep(0.005)
+            if rc != 0:
+                failed = workdir / "failed.json"
+                if failed.exists():
+                    f = json.loads(failed.read_text())
+                    log = workdir / "log{}.txt".format(f["worker"])
+                    raise PrecompileWorkerError(
+                        f"precompile worker {f['worker'] + 1} failed (exit status {f['status']}); "
+                        f"its log ends:\n{_tail(log)}")
+                raise PrecompileWorkerError(
+                    f"precompile workers failed (exit status {rc}); the log ends:\n"
+                    f"{_tail(workdir / 'server.txt')}")
+            for i, out in enumerate(outs):
+                if not out.exists():
+                    raise PrecompileWorkerError(
+                        f"precompile worker {i + 1} wrote no result; its log ends:\n"
+                        f"{_tail(workdir / f'log{i}.txt')}")
+                data = json.loads(out.read_text())
+                for *t, n in data["built"]:
+                    k = (int(t[0]), str(t[1]), str(t[2]), int(t[3]))
+                    report.built[k] = report.built.get(k, 0) + int(n)
+                report.compiled.append(int(data.get("compiled", 0)))
+                report.worker_wall_s.append(float(data["wall_s"]))
+                report.worker_startup_s.append(float(data["startup_s"]))
+                report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
             # what no worker took (none should be left: a worker exits once all are claimed)
             here += _take_and_compile(workdir, kernels, entries, report.built)
             report.compiled_here, report.built_here = here, triton_builds() - b0
         finally:
-            for p, *_ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            if server is not None:
+                _kill(server)
             if bar is not None:
                 bar.close()
     report.wall_s = time.perf_counter() - t0
@@ -756,11 +826,11 @@ def run_workers(engines, workers: int, *, progress: bool = True,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or not args[1].isdigit():
-        print("usage: python -m graphdraft.kernels.precompile_workers WORKDIR INDEX",
+    if len(args) != 2 or not args[1].isdigit() or int(args[1]) < 1:
+        print("usage: python -m graphdraft.kernels.precompile_workers WORKDIR WORKERS",
               file=sys.stderr)
         return 2
-    return worker_main(Path(args[0]), int(args[1]))
+    return server_main(Path(args[0]), int(args[1]))
 
 
 if __name__ == "__main__":
