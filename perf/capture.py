@@ -154,6 +154,8 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "worker_plan_wait_s": rep.worker_plan_s if rep is not None else [],
         "worker_compiled": rep.compiled if rep is not None else [],
         "plan_s": round(rep.plan_s, 3) if rep is not None else 0.0,
+        # the ten longest compiles of the phase ([kernel, seconds]: the critical path's part)
+        "longest_compiles": sorted(rep.compile_s, key=lambda x: -x[1])[:10] if rep else [],
         "compiled_here_in_phase": rep.compiled_here if rep is not None else 0,
         "built_here_in_phase": rep.built_here if rep is not None else 0,
         # distinct specialization keys of the schedule (the workers' dry run; = the census
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker_compiled": head_cold.get("worker_compiled", []),
         "plan_s": head_cold.get("plan_s", 0.0),
         "compiled_here_in_phase": head_cold.get("compiled_here_in_phase", 0),
+        "longest_compiles": head_cold.get("longest_compiles", []),
         # distinct Triton keys the schedule needs (the compile census), and what the warm run
         # loaded in-process (the same keys, when nothing is missing)
         "census_keys": head_cold.get("census_keys", 0),

@@ -326,3 +326,24 @@ def test_demo_tree_prints_the_drafting_mode_and_stays_exact(capsys, tmp_path):
     m = json.loads(path.read_text())["metrics"]
     assert m["accept_length"]["drafting"]["mode"] == "tree"
     assert {"tree_cycle", "tree_cycle_sampled"} <= set(m["graphs"])
+
+
+def test_demo_captures_up_to_its_batch_unless_told(monkeypatch):
+    """`graphdraft demo` serves --num-prompts requests at once: without --cuda-graph-max-bs
+    its graphs stop there (no larger graph would replay); an explicit value is kept."""
+    import graphdraft.serving.cli.demo as demo_mod
+    from graphdraft.serving.cli import build_parser
+
+    seen = []
+
+    def load(a):
+        seen.append(a.cuda_graph_max_bs)
+        raise KeyboardInterrupt  # stop here: only the arguments matter
+
+    monkeypatch.setattr(demo_mod.models, "load", load)
+    p = build_parser()
+    for argv, want in ((["--num-prompts", "3"], 3), (["--num-prompts", "40"], 16),
+                       (["--num-prompts", "3", "--cuda-graph-max-bs", "8"], 8)):
+        with pytest.raises(KeyboardInterrupt):
+            demo_mod.demo(p.parse_args(["demo", "--device", "cpu", *argv]))
+        assert seen[-1] == want

@@ -167,6 +167,9 @@ class WorkerReport:
     (the plan's own time included when the worker was ready first)."""
     worker_plan_s: list[float] = field(default_factory=list)
     """Per worker: seconds it waited for the plan after its imports."""
+    compile_s: list[list] = field(default_factory=list)
+    """`[kernel, seconds]` of every compiled entry, in every process (a load from the cache
+    is fast)."""
     skipped: str | None = None
 
     @property
@@ -416,16 +419,20 @@ def _claim(workdir: Path, j: int) -> bool:
 
 
 def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry],
-                      built: dict, on_done=None, stop_after: int | None = None) -> int:
+                      built: dict, seconds: list, on_done=None,
+                      stop_after: int | None = None) -> int:
     """Claim and compile entries in plan order until none is left (or `stop_after` compiled);
-    add builds to `built[(engine, *task)]`; return how many this process compiled."""
+    add builds to `built[(engine, *task)]` and `[kernel, seconds]` to `seconds`; return how
+    many this process compiled."""
     done = 0
     for j, entry in enumerate(entries):
         if stop_after is not None and done >= stop_after:
             break
         if not _claim(workdir, j):
             continue
+        t0 = time.perf_counter()
         n = compile_entry(kernels, entry)
+        seconds.append([entry.kernel, round(time.perf_counter() - t0, 3)])
         key = (entry.engine, *entry.task)
         built[key] = built.get(key, 0) + n
         done += 1
@@ -511,8 +518,10 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
             fh.write("1\n")
 
     built: dict = {}
-    compiled = _take_and_compile(workdir, kernels, entries, built, on_done=line)
+    seconds: list = []
+    compiled = _take_and_compile(workdir, kernels, entries, built, seconds, on_done=line)
     data = {"built": [[*k, n] for k, n in built.items()], "compiled": compiled,
+            "seconds": seconds,
             "startup_s": round(t_ready - spawned, 3),
             "plan_wait_s": round(t_ready - t_imported, 3),
             "wall_s": round(time.time() - spawned, 3)}
@@ -775,7 +784,8 @@ def run_workers(engines, workers: int, *, progress: bool = True,
             deadline = time.monotonic() + timeout_s
             while (rc := server.poll()) is None:
                 # this process compiles one entry per round while entries are left
-                here += _take_and_compile(workdir, kernels, entries, report.built, stop_after=1)
+                here += _take_and_compile(workdir, kernels, entries, report.built,
+                                          report.compile_s, stop_after=1)
                 if bar is not None:
                     n = here + sum(_read_progress(out) for out in outs)
                     if n != bar.n:
@@ -809,8 +819,9 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                 report.worker_wall_s.append(float(data["wall_s"]))
                 report.worker_startup_s.append(float(data["startup_s"]))
                 report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
+                report.compile_s.extend(data.get("seconds", []))
             # what no worker took (none should be left: a worker exits once all are claimed)
-            here += _take_and_compile(workdir, kernels, entries, report.built)
+            here += _take_and_compile(workdir, kernels, entries, report.built, report.compile_s)
             report.compiled_here, report.built_here = here, triton_builds() - b0
         finally:
             if server is not None:

@@ -67,7 +67,8 @@ def build_parser() -> Parser:
     add_runtime_flags(d)
     g = d.add_argument_group("demo")
     g.add_argument("--num-prompts", type=int_at_least(1), default=8,
-                   help="prompts served in one batch")
+                   help="prompts served in one batch (without --cuda-graph-max-bs, graphs are "
+                        "captured up to this many requests)")
     g.add_argument("--prompt-bytes", type=int_at_least(1), default=128,
                    help="prompt length for the byte-level pair (held-out stdlib text)")
     g.add_argument("--repeats", type=int_at_least(1), default=5,

@@ -111,6 +111,8 @@ def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int
 
 
 def demo(a: argparse.Namespace) -> int:
+    if a.cuda_graph_max_bs is None:  # the batch the demo serves: no graph above it is replayed
+        a.cuda_graph_max_bs = min(a.num_prompts, a.max_running_requests)
     m = models.load(a)
     cfg = m.cfg
     on_gpu = cfg.device.startswith("cuda")
