@@ -103,7 +103,8 @@ def test_measured_costs_cover_every_captured_bs_and_k():
                   max_running_requests=8, speculative_policy="adaptive")
     eng = Engine(target, cfg, head)
     eng.capture_graphs(progress=False)
-    assert eng.cost_source == "measured"
+    # timed here, or by an earlier engine of this shape in this Triton cache (the cost cache)
+    assert eng.cost_source in ("measured", "cached")
     table = eng.policy.costs.measured()
     assert set(table) == {(b, k) for b in SIZES for k in eng.steps}
     assert all(v > 0 for v in table.values())

@@ -640,3 +640,35 @@ def test_gpu_second_capture_takes_the_cached_cost_table(monkeypatch, tmp_path):
     assert e2.policy.costs.measured() == e1.policy.costs.measured()
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     assert e2.generate([[1, 2, 3], [4, 5]], params) == e1.generate([[1, 2, 3], [4, 5]], params)
+
+
+def test_workers_take_the_compile_target_from_the_plan(monkeypatch):
+    """A worker answers Triton's target / device / stream questions from the plan (no CUDA
+    context of its own) where the driver has those hooks, and builds only the launcher of a
+    compiled kernel (`build_launcher(load=False)`: the driver's launcher class, no module
+    load); without a target, or with a driver lacking the hooks, nothing changes."""
+    from triton.runtime import driver
+
+    class FakeDriver:
+        launched = []
+
+        def get_current_target(self):
+            raise AssertionError("must not ask the GPU")
+
+        get_current_device = get_current_stream = get_current_target
+
+        def launcher_cls(self, src, metadata):
+            self.launched.append((src, metadata))
+
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "_active", fake)
+    assert not pw._use_target(None, "cuda:0") and not pw._use_target(["cuda", 90, 32], "cpu")
+    assert pw._use_target(["cuda", 90, 32], "cuda:1")
+    t = fake.get_current_target()
+    assert (t.backend, t.arch, t.warp_size) == ("cuda", 90, 32)
+    assert fake.get_current_device() == 1 and fake.get_current_stream(1) == 0
+    compiled = SimpleNamespace(src="SRC", metadata="META",
+                               _init_handles=lambda: (_ for _ in ()).throw(AssertionError))
+    assert pw.build_launcher(compiled, load=False) and fake.launched == [("SRC", "META")]
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_target=None))
+    assert not pw._use_target(["cuda", 90, 32], "cuda:0")

@@ -30,7 +30,9 @@ torch side by side. Each waits for `DIR/plan.json`, then takes entries in plan o
 heavy kernels first), each by creating `DIR/claims/<j>` exclusively (no entry compiled twice,
 none idle while work is left), and compiles it with Triton's `JITFunction.warmup` (compile
 without a launch: the same key) and its host launcher (`build_launcher`). No worker builds an
-engine or holds one in device memory (a CUDA context each). This process takes entries too while it waits. A tqdm
+engine or opens a CUDA context: Triton's compile target, device and stream come with the plan
+(`_use_target`; 16 workers initialising CUDA side by side took 2.2 s each), and a kernel's
+launcher is built without loading its module. This process takes entries too while it waits. A tqdm
 bar counts compiled keys over all processes; the worker processes get the caller's
 environment with `TRITON_CACHE_DIR` set to the caller's cache (`capture.cache_dir()`: the
 user's `TRITON_CACHE_DIR` or Triton's default). A worker that fails (exit status, timeout)
@@ -73,7 +75,7 @@ from capture import cache_dir
 from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
-           "build_launcher", "compile_entry", "cost_cache_path", "decode_arg", "default_workers", "encode_arg",
+           "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
            "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
            "reduced_target_config", "run_workers", "tasks_of"]
 
@@ -395,17 +397,17 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
     return [entries[j] for j in order], rec.total()
 
 
-def compile_entry(kernels: dict, entry: PlanEntry) -> int:
+def compile_entry(kernels: dict, entry: PlanEntry, load: bool = True) -> int:
     """Compile one plan entry (`JITFunction.warmup` with its decoded arguments: Triton's
-    compile, no launch) and build its host launcher; return the kernels Triton's compiler
-    built (0: loaded from the cache)."""
+    compile, no launch) and build its host launcher (`build_launcher(load=...)`); return the
+    kernels Triton's compiler built (0: loaded from the cache)."""
     from capture.compiles import triton_builds
 
     b0 = triton_builds()
     kernel = kernels[entry.kernel]
     compiled = kernel.warmup(*[decode_arg(a) for a in entry.args], grid=(1,),
                              **{k: decode_arg(v) for k, v in entry.kwargs.items()})
-    build_launcher(compiled)
+    build_launcher(compiled, load=load)
     return triton_builds() - b0
 
 
@@ -420,7 +422,7 @@ def _claim(workdir: Path, j: int) -> bool:
 
 def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry],
                       built: dict, seconds: list, on_done=None,
-                      stop_after: int | None = None) -> int:
+                      stop_after: int | None = None, load: bool = True) -> int:
     """Claim and compile entries in plan order until none is left (or `stop_after` compiled);
     add builds to `built[(engine, *task)]` and `[kernel, seconds]` to `seconds`; return how
     many this process compiled."""
@@ -431,7 +433,7 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
         if not _claim(workdir, j):
             continue
         t0 = time.perf_counter()
-        n = compile_entry(kernels, entry)
+        n = compile_entry(kernels, entry, load=load)
         seconds.append([entry.kernel, round(time.perf_counter() - t0, 3)])
         key = (entry.engine, *entry.task)
         built[key] = built.get(key, 0) + n
@@ -441,22 +443,70 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
     return done
 
 
-def build_launcher(compiled) -> bool:
+def build_launcher(compiled, load: bool = True) -> bool:
     """Build (and leave in Triton's on-disk cache) the host launcher of a kernel `warmup` just
     compiled. Triton 3.6 generates a C launcher per argument signature and builds it with the
     system compiler at a kernel's first launch (`CudaLauncher`: `compile_module_from_src`,
     cached by its source), not at `warmup`: the 2026-12-04 H200 run spent 8.5 s of the main
     process's capture warm-ups on those builds after the workers had compiled every kernel
-    (2.0 s warm). `CompiledKernel._init_handles()` loads the module and makes the launcher
-    here. Returns whether it ran (False: no such hook, e.g. the interpreter, or it failed:
-    the first launch then builds it, as before)."""
-    init = getattr(compiled, "_init_handles", None)
-    if not callable(init):
-        return False
+    (2.0 s warm). `load`: `CompiledKernel._init_handles()` (builds the launcher and loads the
+    module into this process's CUDA context); else only the launcher
+    (`driver.active.launcher_cls`: no CUDA context needed, what a worker does). Returns whether
+    it ran (False: no such hook, e.g. the interpreter, or it failed: the first launch then
+    builds it, as before)."""
     try:
-        init()
+        if load:
+            init = getattr(compiled, "_init_handles", None)
+            if not callable(init):
+                return False
+            init()
+        else:
+            from triton.runtime import driver
+
+            src, metadata = getattr(compiled, "src", None), getattr(compiled, "metadata", None)
+            if src is None or metadata is None:
+                return False
+            driver.active.launcher_cls(src, metadata)
     except Exception as exc:  # a private Triton hook: never fail the worker over it
         logger.debug("launcher build skipped: %s", exc)
+        return False
+    return True
+
+
+def current_target() -> list | None:
+    """Triton's compile target of this process's current device as JSON data
+    ([backend, arch, warp_size]); None without a GPU driver (the interpreter)."""
+    try:
+        from triton.runtime import driver
+
+        t = driver.active.get_current_target()
+        return [t.backend, t.arch, t.warp_size]
+    except Exception:  # no GPU driver: the workers then initialise CUDA themselves
+        return None
+
+
+def _use_target(target: list | None, device: str) -> bool:
+    """Point Triton's driver at `target` and `device` without a CUDA context: the compile
+    target, the current device and stream it asks for are answered from the plan, so a worker
+    never initialises CUDA (16 workers initialising CUDA side by side took 2.2 s each on the
+    H200). False (nothing changed) without a target or where the driver differs."""
+    if target is None or not device.startswith("cuda"):
+        return False
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime import driver
+
+        active = driver.active
+        if not all(hasattr(active, a) for a in ("get_current_target", "get_current_device",
+                                                  "get_current_stream", "launcher_cls")):
+            return False
+        index = torch.device(device).index or 0
+        tgt = GPUTarget(target[0], target[1], target[2])
+        active.get_current_target = lambda: tgt
+        active.get_current_device = lambda: index
+        active.get_current_stream = lambda *_: 0
+    except Exception as exc:
+        logger.debug("compile target not set from the plan: %s", exc)
         return False
     return True
 
@@ -507,7 +557,8 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
         time.sleep(0.005)
     plan = json.loads(plan_path.read_text())
     entries = [PlanEntry.from_json(d) for d in plan["entries"]]
-    if plan["device"].startswith("cuda"):
+    no_context = _use_target(plan.get("target"), plan["device"])
+    if not no_context and plan["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(plan["device"]))
     t_ready = time.time()
     out = workdir / f"out{index}.json"
@@ -519,7 +570,8 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
 
     built: dict = {}
     seconds: list = []
-    compiled = _take_and_compile(workdir, kernels, entries, built, seconds, on_done=line)
+    compiled = _take_and_compile(workdir, kernels, entries, built, seconds, on_done=line,
+                                 load=not no_context)
     data = {"built": [[*k, n] for k, n in built.items()], "compiled": compiled,
             "seconds": seconds,
             "startup_s": round(t_ready - spawned, 3),
@@ -768,7 +820,8 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                 raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
                     from e
             report.plan_s = time.perf_counter() - tp
-            plan = {"device": spec0.device, "entries": [x.to_json() for x in entries]}
+            plan = {"device": spec0.device, "target": current_target(),
+                    "entries": [x.to_json() for x in entries]}
             tmp_plan = workdir / (_PLAN + ".tmp")
             tmp_plan.write_text(json.dumps(plan))
             tmp_plan.replace(workdir / _PLAN)
