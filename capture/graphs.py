@@ -139,12 +139,12 @@ class GraphStats:
     """Capture and run statistics of one :class:`CapturedForward` (live object).
 
     Per captured size: ``capture_seconds`` (wall time of warm-up + capture +
-    the timing replays), ``pool_bytes`` (growth of ``torch.cuda.memory_reserved()``
+    the first replay), ``pool_bytes`` (growth of ``torch.cuda.memory_reserved()``
     across the capture itself, the allocator's free cache emptied just before:
     new device memory the pool took for this graph; captured largest first, the
     smaller graphs mostly reuse it and add ~0), ``eager_seconds`` (one
-    synchronized warm-up forward) and ``replay_seconds`` (one synchronized
-    replay). ``dropped``: scheduled sizes left uncaptured by out-of-memory.
+    synchronized warm-up forward; none for a size outside ``warmup_sizes``) and
+    ``replay_seconds`` (the first replay, synchronized: it also uploads the graph). ``dropped``: scheduled sizes left uncaptured by out-of-memory.
     ``compiles``: JIT compilations (the forward's compile counter, by default Triton's:
     ``capture.compiles``) while precompiling, warming up and capturing that size; a size of
     an already compiled bucket adds 0. ``built``: of those, the ones Triton's compiler built
@@ -521,10 +521,8 @@ class CapturedForward(Generic[T]):
                 gc.enable()
         torch.cuda.synchronize()
         pool_bytes = torch.cuda.memory_reserved() - before
-        graph.replay()  # the first replay uploads the graph; time the second
-        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        graph.replay()
+        graph.replay()  # the first replay also uploads the graph (not left to the first run)
         torch.cuda.synchronize()
         return graph, out, pool_bytes, time.perf_counter() - t0
 

@@ -30,7 +30,7 @@ the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `wa
 `cold-160`, `warm-160`). Also `census_keys` (the distinct Triton keys of the schedule: the
 plan's dry run, `perf/compile_census.py`), `plan_s` and `compiled_here_in_phase` and per run a `breakdown` of capture_graphs' seconds
 (precompile and its worker phase; per captured size the warm-up runs, the capture itself and
-the two replays that time it; the cost table's timing; counts of graphs, warm-up runs and cost
+the first replay that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
 replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
 under a minute per run on an H200.
 """
@@ -103,9 +103,9 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     for attr, f in captured_forwards(*owners).items():
         st = f.stats
         # per size: warm-up (`warmup_iters` eager runs; eager_seconds is the last one), the
-        # capture itself, two replays (upload + the timed one, replay_seconds)
+        # capture itself, its first replay (uploads the graph; replay_seconds)
         w = sum(st.eager_seconds.values()) * f.warmup_iters
-        r = 2 * sum(st.replay_seconds.values())
+        r = sum(st.replay_seconds.values())
         warm["warmup_s"] += w
         warm["replay_timing_s"] += r
         warm["record_s"] += max(0.0, st.total_capture_seconds - w - r)
