@@ -28,9 +28,10 @@ this process and its workers, for the cold run with workers), `sizes`, `pool_mib
 <= 30 compiles), the in-process cold run's `cold_inprocess_s` / `triton_compiles_cold_inprocess`,
 the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `warm-64`,
 `cold-160`, `warm-160`). Also `census_keys` (the distinct Triton keys of the schedule: the
-plan's dry run, `perf/compile_census.py`), `plan_s` and `compiled_here_in_phase` and per run a `breakdown` of capture_graphs' seconds
-(precompile and its worker phase; per captured size the warm-up runs, the capture itself and
-the first replay that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
+plan's dry run, `perf/compile_census.py`), `plan_s`, `compiled_here_in_phase`,
+`longest_compiles`, and per run a `breakdown` of capture_graphs' seconds (precompile and its
+worker phase; per captured size the warm-up runs, the capture itself and the first replay
+that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
 replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
 under a minute per run on an H200.
 """
