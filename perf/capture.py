@@ -7,10 +7,7 @@ temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE
 (`perf.models_8b.build_pair`, random weights), an `Engine` (`cuda_graph_max_bs` =
 `max_running_requests` = the top, `max_context_len` 1024: a small KV pool) and times
 `engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
-draft multi-step, the cost table timed at the end) with the default precompile workers,
-their server started before the weights are built as the CLI does (`prestart`; its imports
-overlap the build; `GRAPHDRAFT_CAPTURE_PRESTART=0` starts it inside `capture_graphs`; each
-run also records its whole subprocess wall time, `cold_process_wall_s`)
+draft multi-step, the cost table timed at the end) with the default precompile workers
 (`--workers`, default: `RuntimeConfig.precompile_workers` None, min(16, CPU count)); then a
 second subprocess does the same with that cache warm. For the first top also a cold run with
 `precompile_workers=0` (everything compiled in the one process, in its own empty cache).
@@ -59,18 +56,16 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     from capture import cache_dir, cache_entries, triton_compiles
     from capture.compiles import builds_counted, triton_builds
     from graphdraft.config import RuntimeConfig
-    from graphdraft.kernels.precompile_workers import default_workers, prestart
+    from graphdraft.kernels.precompile_workers import default_workers
     from graphdraft.kernels.warmup import captured_forwards, worker_report
     from graphdraft.serving.engine import Engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()
     triton_compiles()  # install the counting hooks before any kernel runs
+    target, head = build_pair("cuda")
     cfg = RuntimeConfig(cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                         max_context_len=1024, device="cuda", precompile_workers=workers)
-    if os.environ.get("GRAPHDRAFT_CAPTURE_PRESTART", "1") != "0":  # as the CLI does
-        prestart(default_workers(cfg))  # the workers import while the weights are built
-    target, head = build_pair("cuda")
     engine = Engine(target, cfg, head)
     torch.cuda.synchronize()
     t_built = time.perf_counter()
@@ -172,8 +167,6 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "precompile_s": round(sum(v["precompile_s"] for v in per_forward.values()), 4),
         "capture_s": round(seconds, 4),
         "build_s": round(t_built - t_start, 2),
-        # the worker server was started before the weights were built (`prestart`)
-        "prestarted": bool(rep is not None and rep.prestarted),
         "triton_compiles": triton_compiles() - c0,
         "built_here": built_here,
         "built_in_workers": worker_built,
@@ -298,11 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         "warm_breakdown": head_warm.get("breakdown", {}),
         "cold_breakdown": head_cold.get("breakdown", {}),
         "cold_inprocess_s": solo.get("capture_s"),
-        # whole subprocess: interpreter start, imports, 8B weights built on the GPU, capture
-        "cold_process_wall_s": head_cold.get("process_wall_s"),
-        "warm_process_wall_s": head_warm.get("process_wall_s"),
-        "cold_build_s": head_cold.get("build_s"),
-        "prestarted": head_cold.get("prestarted"),
         "triton_compiles_cold_inprocess": solo.get("triton_compiles_total"),
         "sizes": head_cold["sizes"],
         "pool_mib": head_cold["pool_mib"],

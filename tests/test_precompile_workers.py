@@ -265,7 +265,7 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
     tasks = _gpu_tasks(monkeypatch, e)
     spec, _ = pw.engine_spec(e)
     entries, _ = pw.plan_keys([(0, spec, tasks)])
-    env = pw._env(str(tmp_path / "cache"))
+    env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
     (tmp_path / "claims").mkdir()
     server = pw._launch(tmp_path, 2, tmp_path / "server.txt", env)
@@ -672,40 +672,3 @@ def test_workers_take_the_compile_target_from_the_plan(monkeypatch):
     assert pw.build_launcher(compiled, load=False) and fake.launched == [("SRC", "META")]
     monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_target=None))
     assert not pw._use_target(["cuda", 90, 32], "cuda:0")
-
-
-def test_a_prestarted_server_is_adopted_or_stopped(monkeypatch, tmp_path):
-    """`prestart` starts the server before the engine exists (its imports overlap the caller's
-    weight loading); the next `run_workers` into the same cache adopts it (its worker count,
-    `report.prestarted`); a warm cache or another cache folder stops it instead."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
-    _fake_active(monkeypatch, e)
-    launched = []
-
-    def launch(workdir, n, log_path, env):
-        launched.append((workdir, n))
-        body = json.dumps({"built": [], "compiled": 0, "startup_s": 0.1, "wall_s": 0.2})
-        outs = [str(workdir / f"out{i}.json") for i in range(n)]
-        code = ("import pathlib, time\nwhile not pathlib.Path(" + repr(str(workdir / "plan.json"))
-                + ").exists(): time.sleep(0.01)\n"
-                f"for o in {outs!r}: pathlib.Path(o).write_text({body!r})")
-        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-
-    monkeypatch.setattr(pw, "_launch", launch)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert not pw.prestart(1) and not launched
-    assert pw.prestart(3) and not pw.prestart(3) and len(launched) == 1
-    pre_dir = launched[0][0]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU engine's memory
-    rep = pw.run_workers(e, 5, progress=False)
-    assert rep.prestarted and rep.workers == 3 and len(launched) == 1
-    assert (pre_dir / "plan.json").exists() is False  # its folder is gone with the phase
-    assert pw._PRESTARTED is None
-    # not adopted: a warm cache stops it
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pw.prestart(2)
-    proc = pw._PRESTARTED.proc
-    monkeypatch.setattr(pw, "_marker", lambda spec, tasks: tmp_path)  # exists: warm
-    assert "warm" in pw.run_workers(e, 2, progress=False).skipped
-    assert proc.poll() is not None and pw._PRESTARTED is None

@@ -53,7 +53,6 @@ Without a marker the workers run and load what the cache has.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -77,8 +76,8 @@ from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
            "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
-           "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys", "prestart",
-           "reduced_target_config", "run_workers", "stop_prestarted", "tasks_of"]
+           "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
+           "reduced_target_config", "run_workers", "tasks_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +169,6 @@ class WorkerReport:
     (the plan's own time included when the worker was ready first)."""
     worker_plan_s: list[float] = field(default_factory=list)
     """Per worker: seconds it waited for the plan after its imports."""
-    prestarted: bool = False
-    """The worker server was started earlier (`prestart`) and adopted here; `workers` is its
-    count."""
     compile_s: list[list] = field(default_factory=list)
     """`[kernel, seconds]` of every compiled entry, in every process (a load from the cache
     is fast)."""
@@ -716,8 +712,8 @@ def mark_warm(engine) -> Path | None:
     return path
 
 
-def _env(cache: str) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+def _env(spec: WorkerSpec) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=spec.cache_dir, PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parents[2])  # the folder holding graphdraft/
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p != root])
@@ -759,62 +755,6 @@ def _read_progress(out: Path) -> int:
         return 0
 
 
-@dataclass
-class _Prestarted:
-    proc: subprocess.Popen
-    tmp: tempfile.TemporaryDirectory
-    workdir: Path
-    workers: int
-    cache_dir: str
-
-
-_PRESTARTED: _Prestarted | None = None
-
-
-def prestart(workers: int) -> bool:
-    """Start the worker server now, for the next `run_workers` of this process to adopt: its
-    import of torch, Triton and the kernels (3-4 s on the H200 machine) then overlaps with
-    whatever the caller does meanwhile (loading weights). A no-op (False) for fewer than 2
-    workers, without CUDA, or when one is already started. If no `run_workers` adopts it (a
-    warm cache), that call or the interpreter's exit stops it; it gives up by itself when
-    this process is gone."""
-    global _PRESTARTED
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 2 \
-            or _PRESTARTED is not None or not torch.cuda.is_available():
-        return False
-    tmp = tempfile.TemporaryDirectory(prefix="graphdraft-precompile-")
-    workdir = Path(tmp.name)
-    (workdir / "claims").mkdir()
-    cache = str(cache_dir())
-    proc = _launch(workdir, workers, workdir / "server.txt", _env(cache))
-    _PRESTARTED = _Prestarted(proc, tmp, workdir, workers, cache)
-    atexit.register(stop_prestarted)
-    return True
-
-
-def stop_prestarted() -> None:
-    """Stop a `prestart`ed server nobody adopted (and remove its folder)."""
-    global _PRESTARTED
-    pre, _PRESTARTED = _PRESTARTED, None
-    if pre is not None:
-        _kill(pre.proc)
-        pre.tmp.cleanup()
-
-
-def _adopt_prestarted(cache: str) -> _Prestarted | None:
-    """The prestarted server when it is alive and compiles into `cache`; else none (a
-    mismatched or dead one is stopped)."""
-    global _PRESTARTED
-    pre = _PRESTARTED
-    if pre is None:
-        return None
-    if pre.cache_dir != cache or pre.proc.poll() is not None:
-        stop_prestarted()
-        return None
-    _PRESTARTED = None
-    return pre
-
-
 def run_workers(engines, workers: int, *, progress: bool = True,
                 timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
     """Compile the schedule kernels of `engines` (an engine or a sequence of them) into
@@ -848,7 +788,6 @@ def run_workers(engines, workers: int, *, progress: bool = True,
         report.skipped = ("nothing to capture" if not any(tasks_of(e) for e in engines)
                           else "Triton cache warm for this engine (marker found)")
     if report.skipped:
-        stop_prestarted()
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
     spec0 = plans[0][1]
@@ -856,29 +795,24 @@ def run_workers(engines, workers: int, *, progress: bool = True,
     if fit < workers:
         logger.info("precompile workers: %d instead of %d (free GPU memory)", fit, workers)
     if fit < 2:
-        stop_prestarted()
         report.skipped = ("one worker only" if fit else "not enough free GPU memory for a worker")
         logger.info("precompile workers: none (%s)", report.skipped)
         return report
+    report.workers, report.tasks = fit, sum(len(t) for *_, t in plans)
     t0 = time.perf_counter()
+    env = _env(spec0)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - a declared dependency
         tqdm = None
     bar = None
-    pre = _adopt_prestarted(spec0.cache_dir)
-    if pre is None:
-        tmp = tempfile.TemporaryDirectory(prefix="graphdraft-precompile-")
-        workdir = Path(tmp.name)
+    server: subprocess.Popen | None = None
+    with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
+        workdir = Path(tmp)
         (workdir / "claims").mkdir()
-        server = _launch(workdir, fit, workdir / "server.txt", _env(spec0.cache_dir))
-    else:  # started by `prestart` (it imported while the caller loaded weights)
-        tmp, workdir, server, fit = pre.tmp, pre.workdir, pre.proc, pre.workers
-        report.prestarted = True
-    report.workers, report.tasks = fit, sum(len(t) for *_, t in plans)
-    outs = [workdir / f"out{i}.json" for i in range(fit)]
-    with tmp:
+        outs = [workdir / f"out{i}.json" for i in range(fit)]
         try:
+            server = _launch(workdir, fit, workdir / "server.txt", env)  # imports while we plan
             tp = time.perf_counter()
             try:
                 entries, report.keys = plan_keys(plans)
@@ -943,7 +877,8 @@ def run_workers(engines, workers: int, *, progress: bool = True,
             here += _take_and_compile(workdir, kernels, entries, report.built, report.compile_s)
             report.compiled_here, report.built_here = here, triton_builds() - b0
         finally:
-            _kill(server)
+            if server is not None:
+                _kill(server)
             if bar is not None:
                 bar.close()
     report.wall_s = time.perf_counter() - t0

@@ -99,23 +99,6 @@ def random_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM, Eagle3
                              std=0.1, device=cfg.device)
 
 
-def _prestart_compile_workers(a: argparse.Namespace) -> bool:
-    """`precompile_workers.prestart` with the flags' worker count when graphs will be
-    captured on a GPU (bad flags are left for `runtime_from_args` to report)."""
-    from graphdraft.kernels.precompile_workers import default_workers, prestart
-
-    try:
-        cfg = runtime_from_args(a)
-    except CliError:
-        return False
-    from capture import eager_forced
-
-    if not cfg.device.startswith("cuda") or cfg.enforce_eager or eager_forced() \
-            or not torch.cuda.is_available():
-        return False
-    return prestart(default_workers(cfg))
-
-
 @dataclass
 class Loaded:
     target: LlamaForCausalLM
@@ -128,10 +111,7 @@ class Loaded:
 
 
 def load(a: argparse.Namespace) -> Loaded:
-    """Load what the model flags name (the shipped pair by default). On a GPU with graphs on,
-    the Triton compile workers start first (`precompile_workers.prestart`), so their imports
-    overlap the loading."""
-    _prestart_compile_workers(a)
+    """Load what the model flags name (the shipped pair by default)."""
     if a.target:
         target_dir, draft_dir = a.target, a.draft
     elif not a.random_models and shipped_pair_available():
