@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         "warm_breakdown": head_warm.get("breakdown", {}),
         "cold_breakdown": head_cold.get("breakdown", {}),
         "cold_inprocess_s": solo.get("capture_s"),
+        # whole subprocess: interpreter start, imports, 8B weights built on the GPU, capture
+        "cold_process_wall_s": head_cold.get("process_wall_s"),
+        "warm_process_wall_s": head_warm.get("process_wall_s"),
+        "cold_build_s": head_cold.get("build_s"),
         "triton_compiles_cold_inprocess": solo.get("triton_compiles_total"),
         "sizes": head_cold["sizes"],
         "pool_mib": head_cold["pool_mib"],

@@ -255,12 +255,16 @@ def _write_plan(workdir, entries, device="cpu"):
         {"device": device, "entries": [x.to_json() for x in entries]}))
 
 
-def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_path):
-    """The real worker command (`python -m graphdraft.kernels.precompile_workers DIR 2`: a
-    server that imports once and forks 2 workers, with the environment `run_workers` gives it)
-    on the CPU, started before the plan exists: each worker waits for the plan, claims entries
-    (Triton's warm-up is a no-op under the interpreter: nothing built), writes a progress line
-    per entry and its JSON; the server exits 0; every entry is claimed by exactly one."""
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_path, how):
+    """The real worker server (forked from this process, or where there is no fork the
+    command `python -m graphdraft.kernels.precompile_workers DIR 2` with the environment
+    `run_workers` gives it), 2 workers, on the CPU, started before the plan exists: each
+    worker waits for the plan, claims entries (Triton's warm-up is a no-op under the
+    interpreter: nothing built), writes a progress line per entry and its JSON; the server
+    exits 0; every entry is claimed by exactly one."""
+    if how == "spawn":
+        monkeypatch.delattr(pw.os, "fork")
     e = _full_engine()
     tasks = _gpu_tasks(monkeypatch, e)
     spec, _ = pw.engine_spec(e)

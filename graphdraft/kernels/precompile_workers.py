@@ -22,11 +22,12 @@ as data (`encode_arg`: a tensor as its dtype and 16-byte alignment, scalars as t
 keys of the full one, kernel by kernel, and that the decoded arguments (`decode_arg`: tensors
 become Triton's `MockTensor`s of that dtype and alignment) give every entry's key back.
 
-The workers. `sys.executable -m graphdraft.kernels.precompile_workers DIR N` (a fresh
-interpreter, so nothing of the caller's `__main__` re-runs, which a multiprocessing spawn would
-do) starts while this process plans: it imports torch, Triton and the kernel modules once and
-forks N workers (`server_main`; nothing there touched CUDA), so N processes do not import
-torch side by side. Each waits for `DIR/plan.json`, then takes entries in plan order (the
+The workers. A server process, forked from this one (`_launch`: torch, Triton and the kernel
+modules are imported already, and nothing of the caller's `__main__` re-runs, which a
+multiprocessing spawn would do; without `os.fork`, the command
+`python -m graphdraft.kernels.precompile_workers DIR N` in a fresh interpreter), starts while
+this process plans and forks N workers (`server_main`). Neither touches CUDA, so forking a
+process that uses it is safe (as for a DataLoader's workers). Each waits for `DIR/plan.json`, then takes entries in plan order (the
 heavy kernels first), each by creating `DIR/claims/<j>` exclusively (no entry compiled twice,
 none idle while work is left), and compiles it with Triton's `JITFunction.warmup` (compile
 without a launch: the same key) and its host launcher (`build_launcher`). No worker builds an
@@ -727,11 +728,64 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
-def _launch(workdir: Path, n: int, log_path: Path, env: dict) -> subprocess.Popen:
+class _Forked:
+    """A forked child process with `subprocess.Popen`'s poll / wait / kill / pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _launch(workdir: Path, n: int, log_path: Path, env: dict):
     """Start the worker server (`server_main`: `n` workers) in a session of its own (a
-    timeout kills the whole group)."""
-    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(n)]
+    timeout kills the whole group). Forked from this process where it can (torch, Triton and
+    the kernels are imported already: a fresh interpreter spent 3-4 s importing them on the
+    H200 machine; the server and its workers never touch CUDA, so a fork of a process that
+    uses CUDA is safe, as for a DataLoader's workers); else a fresh interpreter
+    (`python -m graphdraft.kernels.precompile_workers DIR N`) with the environment `env`."""
     env = dict(env, **{_SPAWNED_ENV: repr(time.time())})
+    if hasattr(os, "fork"):
+        import warnings
+
+        with warnings.catch_warnings():  # "multi-threaded process: fork may deadlock": the
+            warnings.simplefilter("ignore", DeprecationWarning)  # child takes no lock of theirs
+            pid = os.fork()
+        if pid == 0:  # the server
+            rc = 1
+            try:
+                os.setsid()
+                os.environ.update(env)
+                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                rc = server_main(workdir, n)
+            except BaseException:  # noqa: BLE001 - reported in its log, never raised in a fork
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        return _Forked(pid)
+    cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(n)]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
