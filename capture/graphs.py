@@ -308,6 +308,9 @@ class CapturedForward(Generic[T]):
         self.warmup_sizes: set[int] | None = None
         """None: every size warms up before its capture; else only these (the caller knows
         which sizes launch what a larger warmed-up one already loaded: its JIT buckets)."""
+        self.before_capture: Callable[[int], None] | None = None
+        """Called with each size before its warm-up and capture (e.g. to wait until the
+        kernels it launches are compiled elsewhere); None: nothing."""
         self._forward = forward
         self._sizes = sorted(set(sizes))
         self._max_bs = self._sizes[-1]
@@ -386,6 +389,8 @@ class CapturedForward(Generic[T]):
         sizes = tqdm(todo, desc=f"CUDA graphs {self.name}", unit="graph") if bar else todo
         with torch.no_grad(), contextlib.closing(sizes) if bar else contextlib.nullcontext():
             for bs in sizes:
+                if self.before_capture is not None:
+                    self.before_capture(bs)
                 t0 = time.perf_counter()
                 c0, b0 = self._compiles(), thread_builds()
                 try:

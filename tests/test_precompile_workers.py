@@ -153,14 +153,25 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     tasks = _gpu_tasks(monkeypatch, e)
     assert len(tasks) >= 8 and len({bs for _, _, bs in tasks}) < len(e.schedule)  # buckets
     spec, _ = pw.engine_spec(e)
-    entries, n_keys = pw.plan_keys([(0, spec, tasks)])
+    entries, n_keys, needs = pw.plan_keys([(0, spec, tasks)])
     entries = [pw.PlanEntry.from_json(json.loads(json.dumps(x.to_json()))) for x in entries]
     got = [_entry_key(x) for x in entries]
     assert len(got) == len(set(got)) == n_keys
     assert set(got) == _recorded_keys(e)
     assert all(x.engine == 0 and x.task in tasks for x in entries)
-    ranks = [pw._heavy_rank(x.kernel) for x in entries]
-    assert ranks == sorted(ranks) and entries[0].kernel.startswith("extend_attention.")
+    # in the order the tasks first need them, the heavy kernels first within a task
+    order = [(tasks.index(x.task), pw._heavy_rank(x.kernel)) for x in entries]
+    assert order == sorted(order)
+    # each task needs exactly the keys it launches (for real, at its size)
+    for t in tasks:
+        owner, attr, bs = t
+        o = e if owner == "engine" else e.drafter
+        e._reset_neutral()
+        e.drafter._reset_neutral()
+        with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
+            warmup.captured_forwards(o)[attr]._forward(bs)
+        assert {got[j] for j in needs[(0, t)]} == {(n, k) for n, ks in rec.keys.items()
+                                                   for k in ks}
 
 
 def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
@@ -178,9 +189,9 @@ def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
     tasks_b = pw.tasks_of(base)
     assert tasks_b
     (ss, _), (sb, _) = pw.engine_spec(spec_e), pw.engine_spec(base)
-    both, n = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)])
-    alone_s, _ = pw.plan_keys([(0, ss, tasks_s)])
-    alone_b, _ = pw.plan_keys([(1, sb, tasks_b)])
+    both, n, _ = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)])
+    alone_s, *_ = pw.plan_keys([(0, ss, tasks_s)])
+    alone_b, *_ = pw.plan_keys([(1, sb, tasks_b)])
     keys = lambda es: {_entry_key(x) for x in es}  # noqa: E731
     assert len(both) == n == len(keys(both)) == len(keys(alone_s) | keys(alone_b))
     assert keys(alone_b) - keys(alone_s)  # the target-only engine launches keys of its own
@@ -268,7 +279,7 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
     e = _full_engine()
     tasks = _gpu_tasks(monkeypatch, e)
     spec, _ = pw.engine_spec(e)
-    entries, _ = pw.plan_keys([(0, spec, tasks)])
+    entries, *_ = pw.plan_keys([(0, spec, tasks)])
     env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
     (tmp_path / "claims").mkdir()
@@ -676,3 +687,52 @@ def test_workers_take_the_compile_target_from_the_plan(monkeypatch):
     assert pw.build_launcher(compiled, load=False) and fake.launched == [("SRC", "META")]
     monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_target=None))
     assert not pw._use_target(["cuda", 90, 32], "cuda:0")
+
+
+def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp_path):
+    """`precompile_engine(overlap=True)`: the worker phase (a real forked server, 2 workers,
+    the interpreter) runs on while the capture starts; each representative size's
+    `before_capture` returns only once every kernel its task launches is compiled (the plan's
+    `needs`; those entries are done), other sizes pass at once; `finish_precompile` then
+    collects the report (every key compiled once), clears the hooks, writes the marker."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
+    tasks = _gpu_tasks(monkeypatch, e)
+    assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
+    phase = warmup._PHASES[e]
+    owners = {"engine": e, "drafter": e.drafter}
+    assert set(phase._needs) == {(0, t) for t in tasks}
+    assert set().union(*phase._needs.values()) == set(range(len(phase._entries)))
+    for owner, attr, bs in tasks:  # the capture order: gates in plan order
+        f = getattr(owners[owner], attr)
+        assert bs in f.warmup_sizes
+        f.before_capture(bs)
+        assert all(phase._is_done(j) for j in phase._needs[(0, (owner, attr, bs))])
+    rep = warmup.finish_precompile(e)
+    assert rep is not None and rep.skipped is None and warmup.worker_report(e) is rep
+    assert sum(rep.compiled) + rep.compiled_here == rep.keys == len(phase._entries)
+    assert all(f.before_capture is None for o in owners.values()
+               for f in warmup.captured_forwards(o).values())
+    assert pw.is_warm(e) and warmup.finish_precompile(e) is None  # ended once
+
+
+def test_plan_order_follows_the_capture_order(monkeypatch):
+    """`tasks_of` lists tasks in `capture_sequence` order (drafter forwards, then the cycles
+    by k descending; sizes largest first), and `capture_graphs` captures in that order."""
+    from capture import CapturedForward
+
+    e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
+    tasks = _gpu_tasks(monkeypatch, e)
+    seq = e.capture_sequence()
+    fwd = {**{("engine", a): f for a, f in warmup.captured_forwards(e).items()},
+           **{("drafter", a): f for a, f in warmup.captured_forwards(e.drafter).items()}}
+    ranks = [next(i for i, f in enumerate(seq) if f is fwd[(o, a)]) for o, a, _ in tasks]
+    assert ranks == sorted(ranks)
+    for o, a, _ in tasks:  # within a forward: largest first
+        sizes = [bs for o2, a2, bs in tasks if (o2, a2) == (o, a)]
+        assert sizes == sorted(sizes, reverse=True)
+    captured = []
+    monkeypatch.setattr(CapturedForward, "capture",
+                        lambda self, stream=None, progress=True: captured.append(self) or [])
+    e.capture_graphs(progress=False)
+    assert [id(f) for f in captured] == [id(f) for f in seq]

@@ -75,10 +75,10 @@ import torch
 from capture import cache_dir
 from graphdraft.config import ModelConfig, RuntimeConfig
 
-__all__ = ["PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
+__all__ = ["CompilePhase", "PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
            "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
            "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
-           "reduced_target_config", "run_workers", "tasks_of"]
+           "reduced_target_config", "run_workers", "start_workers", "tasks_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -293,13 +293,17 @@ def memory_cap(engine, spec: WorkerSpec, workers: int) -> int:
 
 def tasks_of(engine) -> list[Task]:
     """Every (owner, attribute, bs) the engine's precompile runs: each active captured forward
-    of the engine and its drafter at its representative sizes (`precompile_engine`'s choice)."""
+    of the engine and its drafter at its representative sizes (`precompile_engine`'s choice),
+    in the order `capture_graphs` captures them (`engine.capture_sequence()` where it has
+    one; each forward's sizes largest first)."""
     from graphdraft.kernels.buckets import representative_sizes
     from graphdraft.kernels.warmup import captured_forwards
 
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)
-    out: list[Task] = []
+    seq = getattr(engine, "capture_sequence", None)
+    rank = {id(f): i for i, f in enumerate(seq())} if callable(seq) else {}
+    out: list[tuple[int, Task]] = []
     owners = [("engine", engine)]
     if getattr(engine, "drafter", None) is not None:
         owners.append(("drafter", engine.drafter))
@@ -308,8 +312,8 @@ def tasks_of(engine) -> list[Task]:
             if not getattr(f, "active", True):
                 continue
             for bs in representative_sizes(f.batch_sizes, (1, n), kernels=kc):
-                out.append((owner_name, attr, bs))
-    return out
+                out.append((rank.get(id(f), len(rank)), (owner_name, attr, bs)))
+    return [t for _, t in sorted(out, key=lambda x: x[0])]
 
 
 # ------------------------------------------------------------------ the plan
@@ -360,16 +364,19 @@ def _heavy_rank(kernel_name: str) -> int:
 
 
 def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
-              ) -> tuple[list[PlanEntry], int]:
+              ) -> tuple[list[PlanEntry], int, dict[tuple[int, Task], list[int]]]:
     """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec (`build_engine`, freed
     after) under one `KeyRecorder(launch=False, zero_ints=True)` of every kernel
     (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral rows before
     each task; return one `PlanEntry` per distinct key over all of them (its first launch's
-    arguments, `encode_arg`), heavy kernels first, and the key count."""
+    arguments, `encode_arg`), in the order the tasks first need them (the heavy kernels first
+    within a task), the key count, and per (engine index, task) the positions of the entries
+    it launches (what a capture of that task waits for when it overlaps the compiles)."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
     entries: list[PlanEntry] = []
+    keys: list[tuple[str, tuple]] = []
     for index, spec, tasks in plans:
         device = torch.device(spec.device)
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -387,15 +394,23 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
                     getattr(owners[owner], attr)._forward(bs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        for name, _key, args, kwargs, _grid, (i, task) in rec.kept:
+        for name, key, args, kwargs, _grid, (i, task) in rec.kept:
             entries.append(PlanEntry(name, [encode_arg(a) for a in args],
                                      {k: encode_arg(v) for k, v in kwargs.items()}, i, task))
+            keys.append((name, key))
         rec.kept.clear()  # the recorded arguments (activations) are not kept alive
         del engine, owners, resets
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    order = sorted(range(len(entries)), key=lambda j: (_heavy_rank(entries[j].kernel), j))
-    return [entries[j] for j in order], rec.total()
+    task_rank = {(i, t): r for r, (i, t) in enumerate((i, t) for i, _, ts in plans for t in ts)}
+    order = sorted(range(len(entries)), key=lambda j: (
+        task_rank[(entries[j].engine, entries[j].task)], _heavy_rank(entries[j].kernel), j))
+    needs: dict[tuple[int, Task], list[int]] = {}
+    for pos, j in enumerate(order):
+        name, key = keys[j]
+        for ctx in rec.where[name][key]:
+            needs.setdefault(ctx, []).append(pos)
+    return [entries[j] for j in order], rec.total(), needs
 
 
 def compile_entry(kernels: dict, entry: PlanEntry, load: bool = True) -> int:
@@ -421,26 +436,36 @@ def _claim(workdir: Path, j: int) -> bool:
     return True
 
 
+def _mark_done(workdir: Path, j: int) -> None:
+    """Entry j is compiled (`done/<j>`; what a gate of the main process waits for)."""
+    with contextlib.suppress(OSError):
+        (workdir / "done").mkdir(exist_ok=True)
+        (workdir / "done" / str(j)).touch()
+
+
 def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry],
-                      built: dict, seconds: list, on_done=None,
-                      stop_after: int | None = None, load: bool = True) -> int:
-    """Claim and compile entries in plan order until none is left (or `stop_after` compiled);
-    add builds to `built[(engine, *task)]` and `[kernel, seconds]` to `seconds`; return how
-    many this process compiled."""
+                      built: dict, seconds: list, *, among: Sequence[int] | None = None,
+                      on_done=None, stop_after: int | None = None, load: bool = True) -> int:
+    """Claim and compile entries (`among`, default all, in plan order) until none is left
+    (or `stop_after` compiled): each is marked done (`_mark_done`), its builds added to
+    `built[(engine, *task)]`, `[kernel, seconds]` to `seconds`, then `on_done(j)`. Returns
+    how many this process compiled."""
     done = 0
-    for j, entry in enumerate(entries):
+    for j in range(len(entries)) if among is None else among:
         if stop_after is not None and done >= stop_after:
             break
         if not _claim(workdir, j):
             continue
+        entry = entries[j]
         t0 = time.perf_counter()
         n = compile_entry(kernels, entry, load=load)
         seconds.append([entry.kernel, round(time.perf_counter() - t0, 3)])
         key = (entry.engine, *entry.task)
         built[key] = built.get(key, 0) + n
+        _mark_done(workdir, j)
         done += 1
         if on_done is not None:
-            on_done()
+            on_done(j)
     return done
 
 
@@ -565,7 +590,7 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
     out = workdir / f"out{index}.json"
     progress = Path(str(out) + ".progress")
 
-    def line() -> None:
+    def line(_j: int) -> None:
         with open(progress, "a") as fh:
             fh.write("1\n")
 
@@ -812,21 +837,31 @@ def _read_progress(out: Path) -> int:
 def run_workers(engines, workers: int, *, progress: bool = True,
                 timeout_s: float = WORKER_TIMEOUT_S) -> WorkerReport:
     """Compile the schedule kernels of `engines` (an engine or a sequence of them) into
-    Triton's cache with `workers` processes (module docstring: one server process that
-    imports once and forks them); return what they did.
-    Engines whose marker says the cache is warm are left out. No processes
-    (`report.skipped` says why) when `workers` is 0, nothing is to be captured, an engine
-    cannot be rebuilt, fewer than 2 workers fit in the free GPU memory (one would compile
-    everything serially, as this process does), or every engine is warm. Raises
-    PrecompileWorkerError when the plan or a worker fails (the others are stopped);
-    ValueError for `workers < 0`."""
+    Triton's cache with `workers` processes and this one (module docstring), and wait for
+    them: `start_workers(...)` then `CompilePhase.finish()`. Returns what they did."""
+    report, phase = start_workers(engines, workers, progress=progress, timeout_s=timeout_s)
+    return report if phase is None else phase.finish()
+
+
+def start_workers(engines, workers: int, *, progress: bool = True,
+                  timeout_s: float = WORKER_TIMEOUT_S
+                  ) -> tuple[WorkerReport, CompilePhase | None]:
+    """Start the worker phase for `engines` (an engine or a sequence of them): fork the
+    worker server, plan the keys here meanwhile (`plan_keys`), hand the plan out. Returns the
+    report and the running `CompilePhase` (its `gate(index, task)` waits for one task's
+    kernels, `finish()` for all of them), or the report and None with `report.skipped`
+    saying why no worker runs: `workers` is 0, nothing is to be captured, an engine cannot
+    be rebuilt, fewer than 2 workers fit in the free GPU memory (one would compile everything
+    serially, as this process does), or every engine's marker says the cache is warm
+    (engines whose marker exists are left out). Raises PrecompileWorkerError when the plan
+    fails (the server is stopped); ValueError for `workers < 0`."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"precompile_workers: expected an int >= 0, got {workers!r}")
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     report = WorkerReport()
     if workers == 0:
         report.skipped = "precompile_workers=0"
-        return report
+        return report, None
     plans: list[tuple[int, WorkerSpec, list[Task]]] = []
     for index, e in enumerate(engines):
         tasks = tasks_of(e)
@@ -843,7 +878,7 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                           else "Triton cache warm for this engine (marker found)")
     if report.skipped:
         logger.info("precompile workers: none (%s)", report.skipped)
-        return report
+        return report, None
     spec0 = plans[0][1]
     fit = min(memory_cap(engines[i], s, workers) for i, s, _ in plans)
     if fit < workers:
@@ -851,57 +886,130 @@ def run_workers(engines, workers: int, *, progress: bool = True,
     if fit < 2:
         report.skipped = ("one worker only" if fit else "not enough free GPU memory for a worker")
         logger.info("precompile workers: none (%s)", report.skipped)
-        return report
+        return report, None
     report.workers, report.tasks = fit, sum(len(t) for *_, t in plans)
     t0 = time.perf_counter()
-    env = _env(spec0)
+    tmp = tempfile.TemporaryDirectory(prefix="graphdraft-precompile-")
+    workdir = Path(tmp.name)
+    (workdir / "claims").mkdir()
+    (workdir / "done").mkdir()
+    server = None
     try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - a declared dependency
-        tqdm = None
-    bar = None
-    server: subprocess.Popen | None = None
-    with tempfile.TemporaryDirectory(prefix="graphdraft-precompile-") as tmp:
-        workdir = Path(tmp)
-        (workdir / "claims").mkdir()
-        outs = [workdir / f"out{i}.json" for i in range(fit)]
+        server = _launch(workdir, fit, workdir / "server.txt", _env(spec0))  # it forks workers
+        tp = time.perf_counter()
         try:
-            server = _launch(workdir, fit, workdir / "server.txt", env)  # imports while we plan
-            tp = time.perf_counter()
-            try:
-                entries, report.keys = plan_keys(plans)
-            except Exception as e:
-                raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
-                    from e
-            report.plan_s = time.perf_counter() - tp
-            plan = {"device": spec0.device, "target": current_target(),
-                    "entries": [x.to_json() for x in entries]}
-            tmp_plan = workdir / (_PLAN + ".tmp")
-            tmp_plan.write_text(json.dumps(plan))
-            tmp_plan.replace(workdir / _PLAN)
-            logger.info("precompile: %d keys of %d tasks over %d worker processes and this one",
-                        len(entries), report.tasks, fit)
-            if progress and tqdm is not None:
-                bar = tqdm(total=len(entries), desc=f"JIT compile ({fit} workers)", unit="kernel")
-            from capture.compiles import triton_builds
-            from graphdraft.kernels.warmup import all_kernels
+            entries, report.keys, needs = plan_keys(plans)
+        except Exception as e:
+            raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
+                from e
+        report.plan_s = time.perf_counter() - tp
+        plan = {"device": spec0.device, "target": current_target(),
+                "entries": [x.to_json() for x in entries]}
+        tmp_plan = workdir / (_PLAN + ".tmp")
+        tmp_plan.write_text(json.dumps(plan))
+        tmp_plan.replace(workdir / _PLAN)
+    except BaseException:
+        if server is not None:
+            _kill(server)
+        tmp.cleanup()
+        raise
+    logger.info("precompile: %d keys of %d tasks over %d worker processes and this one",
+                len(entries), report.tasks, fit)
+    return report, CompilePhase(report, tmp, server, entries, needs, progress=progress,
+                                timeout_s=timeout_s, t0=t0)
 
-            kernels = all_kernels()
-            here, b0 = 0, triton_builds()
-            deadline = time.monotonic() + timeout_s
-            while (rc := server.poll()) is None:
-                # this process compiles one entry per round while entries are left
-                here += _take_and_compile(workdir, kernels, entries, report.built,
-                                          report.compile_s, stop_after=1)
-                if bar is not None:
-                    n = here + sum(_read_progress(out) for out in outs)
-                    if n != bar.n:
-                        bar.update(n - bar.n)
-                if time.monotonic() > deadline:
+
+class CompilePhase:
+    """A running worker phase (`start_workers`). This process compiles entries too while it
+    waits: `gate(index, task)` returns once every kernel that task launches is compiled (a
+    capture overlapping the phase calls it before warming up that size); `finish()` waits
+    for every worker, fills the report and ends the phase (raises PrecompileWorkerError for a
+    failed or late worker). After a worker failed or the time ran out, gates stop waiting
+    (the capture's own launches compile what is missing) and `finish` raises."""
+
+    def __init__(self, report: WorkerReport, tmp, server, entries: list[PlanEntry],
+                 needs: dict, *, progress: bool, timeout_s: float, t0: float) -> None:
+        from capture.compiles import triton_builds
+        from graphdraft.kernels.warmup import all_kernels
+
+        self.report, self._tmp, self._server = report, tmp, server
+        self._workdir = Path(tmp.name)
+        self._entries, self._needs = entries, needs
+        self._kernels = all_kernels()
+        self._outs = [self._workdir / f"out{i}.json" for i in range(report.workers)]
+        self._timeout_s, self._t0 = timeout_s, t0
+        self._deadline = time.monotonic() + timeout_s
+        self._here, self._b0 = 0, triton_builds()
+        self._done: set[int] = set()
+        self._bar = None
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=len(entries), desc=f"JIT compile ({report.workers} "
+                                 "workers)", unit="kernel")
+            except ImportError:  # pragma: no cover - a declared dependency
+                pass
+        self.gate_wait_s = 0.0
+        """Seconds the gates waited for kernels (this process's own compiles included)."""
+        self._closed = False
+
+    def _is_done(self, j: int) -> bool:
+        if j not in self._done and (self._workdir / "done" / str(j)).exists():
+            self._done.add(j)
+        return j in self._done
+
+    def _stalled(self) -> bool:
+        """The server ended (every worker exited: nothing more will come from them) or the
+        time ran out."""
+        return self._server.poll() is not None or time.monotonic() > self._deadline
+
+    def _tick(self) -> None:
+        if self._bar is not None:
+            n = self._here + sum(_read_progress(out) for out in self._outs)
+            if n > self._bar.n:
+                self._bar.update(n - self._bar.n)
+
+    def _help(self, among: Sequence[int] | None = None) -> bool:
+        """Claim and compile one entry (of `among` if given); whether it compiled one."""
+        n = _take_and_compile(self._workdir, self._kernels, self._entries, self.report.built,
+                              self.report.compile_s, among=among, on_done=self._done.add,
+                              stop_after=1)
+        self._here += n
+        return n > 0
+
+    def gate(self, index: int, task: Task) -> None:
+        """Return once every kernel of `task` (of engine `index`) is compiled, compiling its
+        unclaimed ones here meanwhile; at once when the phase has stalled."""
+        if self._closed:
+            return
+        t = time.perf_counter()
+        needed = self._needs.get((index, task), ())
+        while True:
+            missing = [j for j in needed if not self._is_done(j)]
+            if not missing or self._stalled():
+                break
+            if not self._help(missing):
+                time.sleep(0.002)
+            self._tick()
+        self.gate_wait_s += time.perf_counter() - t
+
+    def finish(self) -> WorkerReport:
+        """Wait for the workers (compiling entries here meanwhile), then fill and return the
+        report; the phase's folder is removed. PrecompileWorkerError for a failed worker or
+        one still running after the timeout (the server is stopped)."""
+        from capture.compiles import triton_builds
+
+        report, workdir = self.report, self._workdir
+        try:
+            while (rc := self._server.poll()) is None:
+                if not self._help():
+                    time.sleep(0.005)
+                self._tick()
+                if time.monotonic() > self._deadline:
                     raise PrecompileWorkerError(
-                        f"precompile workers did not finish within {timeout_s:.0f} s; the log "
-                        f"of worker 1 ends:\n{_tail(workdir / 'log0.txt')}")
-                time.sleep(0.005)
+                        f"precompile workers did not finish within {self._timeout_s:.0f} s; "
+                        f"the log of worker 1 ends:\n{_tail(workdir / 'log0.txt')}")
             if rc != 0:
                 failed = workdir / "failed.json"
                 if failed.exists():
@@ -913,7 +1021,7 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                 raise PrecompileWorkerError(
                     f"precompile workers failed (exit status {rc}); the log ends:\n"
                     f"{_tail(workdir / 'server.txt')}")
-            for i, out in enumerate(outs):
+            for i, out in enumerate(self._outs):
                 if not out.exists():
                     raise PrecompileWorkerError(
                         f"precompile worker {i + 1} wrote no result; its log ends:\n"
@@ -928,18 +1036,26 @@ def run_workers(engines, workers: int, *, progress: bool = True,
                 report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
                 report.compile_s.extend(data.get("seconds", []))
             # what no worker took (none should be left: a worker exits once all are claimed)
-            here += _take_and_compile(workdir, kernels, entries, report.built, report.compile_s)
-            report.compiled_here, report.built_here = here, triton_builds() - b0
+            while self._help():
+                pass
+            report.compiled_here, report.built_here = self._here, triton_builds() - self._b0
         finally:
-            if server is not None:
-                _kill(server)
-            if bar is not None:
-                bar.close()
-    report.wall_s = time.perf_counter() - t0
-    logger.info("precompile workers: %d processes, %d keys of %d tasks, %d kernels built, "
-                "%.2f s (plan %.2f s)", report.workers, report.keys, report.tasks,
-                report.total_built, report.wall_s, report.plan_s)
-    return report
+            self.close()
+        report.wall_s = time.perf_counter() - self._t0
+        logger.info("precompile workers: %d processes, %d keys of %d tasks, %d kernels built, "
+                    "%.2f s (plan %.2f s)", report.workers, report.keys, report.tasks,
+                    report.total_built, report.wall_s, report.plan_s)
+        return report
+
+    def close(self) -> None:
+        """Stop the server and its workers (if still running) and remove the phase's folder."""
+        if self._closed:
+            return
+        self._closed = True
+        _kill(self._server)
+        if self._bar is not None:
+            self._bar.close()
+        self._tmp.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

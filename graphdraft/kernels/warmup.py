@@ -38,8 +38,8 @@ import torch
 from capture import CapturedForward
 from graphdraft.kernels.buckets import representative_sizes
 
-__all__ = ["KeyRecorder", "all_kernels", "captured_forwards", "kernels", "precompile_engine",
-           "precompile_engines", "specialization_key", "worker_report"]
+__all__ = ["KeyRecorder", "all_kernels", "captured_forwards", "finish_precompile", "kernels",
+           "precompile_engine", "precompile_engines", "specialization_key", "worker_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +287,68 @@ def precompile_engines(engines, *, workers: int, progress: bool = True):
     return report
 
 
+_PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _start_overlapped(engine, workers: int, progress: bool, owners) -> bool:
+    """Start the worker phase without waiting (`precompile_workers.start_workers`): each
+    representative size's capture first waits for its task's kernels (`before_capture`:
+    `CompilePhase.gate`); `finish_precompile(engine)` ends it. False: no phase (skipped or
+    the plan failed; logged)."""
+    from graphdraft.kernels import precompile_workers as pw
+
+    with contextlib.suppress(TypeError):
+        _REPORTS.pop(engine, None)
+    try:
+        report, phase = pw.start_workers([engine], workers, progress=progress)
+    except pw.PrecompileWorkerError as e:
+        logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
+        return False
+    if phase is None:
+        with contextlib.suppress(TypeError):
+            _REPORTS[engine] = report
+        return False
+    for owner, fw in owners:
+        name = "engine" if owner is engine else "drafter"
+        for attr, f in fw.items():
+            f.before_capture = (lambda bs, _t=(name, attr): phase.gate(0, (*_t, bs)))
+    _PHASES[engine] = phase
+    return True
+
+
+def finish_precompile(engine, abort: bool = False):
+    """End the worker phase `precompile_engine(overlap=True)` left running for `engine`'s
+    capture: wait for it (`CompilePhase.finish`; `abort`: stop it), put its builds into the
+    forwards' `GraphStats.worker_built` and its report in `worker_report`, write the warm
+    marker. A failed worker is logged (the capture compiled what it lacked). Returns the
+    report, None without a phase or after a failure."""
+    from graphdraft.kernels import precompile_workers as pw
+
+    phase = _PHASES.pop(engine, None)
+    for _, fw in _forwards_of(engine):
+        for f in fw.values():
+            f.before_capture = None
+    if phase is None:
+        return None
+    if abort:
+        phase.close()
+        return None
+    try:
+        report = phase.finish()
+    except pw.PrecompileWorkerError as e:
+        logger.warning("%s\nJIT warm-up: the capture compiled what the workers left", e)
+        return None
+    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+    for (owner, attr, bs), n in report.built_of(0).items():
+        getattr(owners[owner], attr).stats.worker_built[bs] += n
+    with contextlib.suppress(TypeError):
+        _REPORTS[engine] = report
+    pw.mark_warm(engine)
+    return report
+
+
 def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
-                      workers: int = 0) -> dict[str, int]:
+                      workers: int = 0, overlap: bool = False) -> dict[str, int]:
     """Run each captured forward of `engine` and `engine.drafter` once per size bucket of its
     schedule (`representative_sizes` with rows per request 1 and `engine.cfg.spec_num_tokens`),
     so `capture_graphs` compiles nothing more; return the compiles counted per forward.
@@ -314,6 +374,11 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     bucket, captured first): that run loads the bucket's kernels (compiled by now) and does
     the lazy initialisation outside a capture; the bucket's smaller sizes launch the same
     kernels and are captured without one.
+
+    `overlap` (with `workers`): the worker phase is only started here, and this returns at
+    once: the capture then runs beside the compiles, each bucket's first capture waiting
+    for its own kernels; the caller ends the phase with `finish_precompile(engine)` after
+    its captures (`Engine.capture_graphs` does).
 
     No pass (returns {}) when the workers compiled every key (a complete worker phase), or
     for a warm cache (`precompile_workers.is_warm`: the marker an earlier complete precompile
@@ -344,13 +409,18 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         with contextlib.suppress(TypeError):
             _REPORTS.pop(engine, None)
     warm = pw.is_warm(engine)
-    report = _run_workers([engine], workers, progress) if workers else None
-    compiled = report is not None and report.skipped is None
+
     def one_warmup() -> None:  # compiled (or in the cache): one warm-up per bucket loads them
         for _, fw in owners:
             for f in fw.values():
                 f.warmup_iters = min(f.warmup_iters, 1)
                 f.warmup_sizes = set(representative_sizes(f.batch_sizes, (1, n), kernels=kc))
+
+    if workers and overlap and not warm and _start_overlapped(engine, workers, progress, owners):
+        one_warmup()  # each bucket's warm-up runs once its gate opened: its kernels compiled
+        return {}
+    report = _run_workers([engine], workers, progress) if workers and not overlap else None
+    compiled = report is not None and report.skipped is None
 
     if warm or compiled:  # every key is in the cache: the capture warm-ups load them
         one_warmup()

@@ -121,10 +121,13 @@ class EagleDrafter:
         """
         self._use_head_kernels()
         self._reset_neutral()
-        for f in self._decode_by_k.values():
+        for f in self.capture_sequence():
             f.capture(progress=progress)
-        self.multi_step_graphs.capture(progress=progress)
         self._reset_neutral()
+
+    def capture_sequence(self) -> list[CapturedForward]:
+        """The forwards `capture_graphs` captures, in that order."""
+        return [*self._decode_by_k.values(), self.multi_step_graphs]
 
     def _reset_neutral(self) -> None:
         mb = self.cfg.max_bs

@@ -82,7 +82,7 @@ from graphdraft.kernels.cycle_kernels import (
     prepare_rows,
 )
 from graphdraft.kernels.precompile_workers import cost_cache_path, default_workers
-from graphdraft.kernels.warmup import precompile_engine
+from graphdraft.kernels.warmup import finish_precompile, precompile_engine
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM, TargetOutput
@@ -444,9 +444,10 @@ class Engine:
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False,
                        precompile_workers: int | None = None) -> None:
-        """Compile the Triton kernels each size bucket needs (`precompile_engine`; first in
+        """Compile the Triton kernels each size bucket needs (`precompile_engine`; in
         `precompile_workers` processes, None: `cfg.precompile_workers`, see
-        `graphdraft.kernels.precompile_workers.default_workers`), then capture
+        `graphdraft.kernels.precompile_workers.default_workers`, while the captures run:
+        each bucket's first capture waits for its own kernels), then capture
         the cycle per captured draft length k (`self.steps`), or in the split mode
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
@@ -466,23 +467,42 @@ class Engine:
         workers = (default_workers(self.cfg) if precompile_workers is None else precompile_workers)
         t0 = time.perf_counter()
         precompile_engine(self, progress=progress, parallel=parallel_precompile,
-                          workers=0 if self.dp is not None else workers)
+                          workers=0 if self.dp is not None else workers, overlap=True)
         t1 = time.perf_counter()
-        self._reset_neutral()
-        for k in sorted(self._verify_by_k, reverse=True):  # split mode only (else disabled)
-            self._verify_by_k[k].capture(progress=progress)
-        if self.drafter is not None:
-            self.drafter.capture_graphs(progress=progress)
-        self._reset_neutral()
-        for k in sorted(self._cycle_by_k, reverse=True):  # the widest cycle first (pool reuse)
-            self._cycle_by_k[k].capture(progress=progress)
-        self._reset_neutral()
+        try:  # a worker phase may still run: each bucket's first capture waits for its kernels
+            self._reset_neutral()
+            for f in self._verify_sequence():
+                f.capture(progress=progress)
+            if self.drafter is not None:
+                self.drafter.capture_graphs(progress=progress)
+            self._reset_neutral()
+            for f in self._cycle_sequence():
+                f.capture(progress=progress)
+            self._reset_neutral()
+        except BaseException:
+            finish_precompile(self, abort=True)
+            raise
+        finish_precompile(self)
         if self.dp is not None:  # every rank keeps the sizes every rank captured
             data_parallel.agree_captured(self)
         t2 = time.perf_counter()
         self.measure_costs(warmup=0, cache=True)
         self.capture_phases = {"precompile_s": t1 - t0, "capture_s": t2 - t1,
                                "costs_s": time.perf_counter() - t2}
+
+    def _verify_sequence(self) -> list[CapturedForward]:
+        return [self._verify_by_k[k] for k in sorted(self._verify_by_k, reverse=True)]
+
+    def _cycle_sequence(self) -> list[CapturedForward]:  # the widest first (pool reuse)
+        return [self._cycle_by_k[k] for k in sorted(self._cycle_by_k, reverse=True)]
+
+    def capture_sequence(self) -> list[CapturedForward]:
+        """The forwards `capture_graphs` captures, in that order (split-mode verify per k, the
+        drafter's, the cycle per k; each largest size first): the precompile plan compiles
+        their kernels in this order, so a capture overlapping it finds them in time."""
+        drafter = getattr(self.drafter, "capture_sequence", None) if self.drafter else None
+        return [*self._verify_sequence(), *(drafter() if drafter else []),
+                *self._cycle_sequence()]
 
     def _reset_neutral(self) -> None:
         self.inputs.pad_rows(0, self.cfg.max_bs)
