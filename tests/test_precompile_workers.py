@@ -736,3 +736,15 @@ def test_plan_order_follows_the_capture_order(monkeypatch):
                         lambda self, stream=None, progress=True: captured.append(self) or [])
     e.capture_graphs(progress=False)
     assert [id(f) for f in captured] == [id(f) for f in seq]
+
+
+def test_an_overlapped_precompile_of_a_warm_engine_reports_the_skip(monkeypatch, tmp_path):
+    """`overlap=True` on a warm cache (the marker): no phase, `worker_report` says why, each
+    bucket still warms up once (its kernels load from the cache)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine()
+    _gpu_tasks(monkeypatch, e)
+    assert pw.mark_warm(e) is not None
+    assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
+    assert e not in warmup._PHASES and "warm" in warmup.worker_report(e).skipped
+    assert all(f.warmup_sizes for f in warmup.captured_forwards(e.drafter).values() if f.active)

@@ -416,10 +416,13 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
                 f.warmup_iters = min(f.warmup_iters, 1)
                 f.warmup_sizes = set(representative_sizes(f.batch_sizes, (1, n), kernels=kc))
 
-    if workers and overlap and not warm and _start_overlapped(engine, workers, progress, owners):
-        one_warmup()  # each bucket's warm-up runs once its gate opened: its kernels compiled
-        return {}
-    report = _run_workers([engine], workers, progress) if workers and not overlap else None
+    if workers and overlap:  # a skip's report (e.g. the warm marker) is in worker_report
+        if _start_overlapped(engine, workers, progress, owners):
+            one_warmup()  # each bucket's warm-up runs once its gate opened: its kernels built
+            return {}
+        report = None
+    else:
+        report = _run_workers([engine], workers, progress) if workers else None
     compiled = report is not None and report.skipped is None
 
     if warm or compiled:  # every key is in the cache: the capture warm-ups load them
