@@ -77,7 +77,7 @@ from graphdraft.config import ModelConfig, RuntimeConfig
 
 __all__ = ["CompilePhase", "PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
            "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
-           "engine_spec", "is_warm", "mark_warm", "memory_cap", "plan_bytes", "plan_keys",
+           "engine_spec", "is_warm", "mark_warm", "warmup_tasks", "memory_cap", "plan_bytes", "plan_keys",
            "reduced_target_config", "run_workers", "start_workers", "tasks_of"]
 
 logger = logging.getLogger(__name__)
@@ -719,18 +719,41 @@ def is_warm(engine) -> bool:
     return spec is not None and bool(tasks) and _marker(spec, tasks).exists()
 
 
-def mark_warm(engine) -> Path | None:
-    """Write the warm-cache marker of `engine` (after its precompile finished); None when no
-    worker could rebuild it, nothing is captured, or the cache folder is not writable."""
+def warmup_tasks(engine) -> list[Task] | None:
+    """The tasks whose capture must warm up first, from `engine`'s warm marker: those that
+    first launch a kernel in capture order (`CompilePhase.first_tasks`; any other size only
+    launches kernels an earlier warm-up loaded). None: no marker, or one without that list
+    (every bucket warms up)."""
+    spec, _ = engine_spec(engine)
+    tasks = tasks_of(engine)
+    if spec is None or not tasks:
+        return None
+    try:
+        listed = json.loads(_marker(spec, tasks).read_text()).get("warmup")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    return [(str(o), str(a), int(bs)) for o, a, bs in listed]
+
+
+def mark_warm(engine, warmup: Sequence[Task] | None = None) -> Path | None:
+    """Write the warm-cache marker of `engine` (after its precompile finished), with the
+    tasks that must warm up before their capture (`warmup_tasks`; None: not known, every
+    bucket warms up); None when no worker could rebuild it, nothing is captured, or the cache
+    folder is not writable."""
     spec, _ = engine_spec(engine)
     tasks = tasks_of(engine)
     if spec is None or not tasks:
         return None
     path = _marker(spec, tasks)
+    data = {"tasks": len(tasks), "time": time.time()}
+    if warmup is not None:
+        data["warmup"] = [list(t) for t in warmup]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"tasks": len(tasks), "time": time.time()}))
+        tmp.write_text(json.dumps(data))
         tmp.replace(path)
     except OSError as e:
         logger.debug("precompile marker not written: %s", e)
@@ -953,6 +976,13 @@ class CompilePhase:
         self.gate_wait_s = 0.0
         """Seconds the gates waited for kernels (this process's own compiles included)."""
         self._closed = False
+
+    def first_tasks(self, index: int = 0) -> list[Task]:
+        """The tasks of engine `index` that first launch some kernel in capture order (each
+        entry's first task): only their captures need a warm-up before (it loads those
+        kernels into this process); every other task launches kernels loaded by then."""
+        return sorted({e.task for e in self._entries if e.engine == index},
+                      key=lambda t: (t[0], t[1], -t[2]))
 
     def _is_done(self, j: int) -> bool:
         if j not in self._done and (self._workdir / "done" / str(j)).exists():

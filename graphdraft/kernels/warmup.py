@@ -313,7 +313,18 @@ def _start_overlapped(engine, workers: int, progress: bool, owners) -> bool:
         for attr, f in fw.items():
             f.before_capture = (lambda bs, _t=(name, attr): phase.gate(0, (*_t, bs)))
     _PHASES[engine] = phase
+    _only_warm(engine, owners, phase.first_tasks(0))
     return True
+
+
+def _only_warm(engine, owners, tasks) -> None:
+    """One warm-up (`warmup_iters` 1) for exactly the sizes of `tasks` (those that first
+    launch a kernel in capture order), none for the others."""
+    for owner, fw in owners:
+        name = "engine" if owner is engine else "drafter"
+        for attr, f in fw.items():
+            f.warmup_iters = min(f.warmup_iters, 1)
+            f.warmup_sizes = {bs for o, a, bs in tasks if (o, a) == (name, attr)}
 
 
 def finish_precompile(engine, abort: bool = False):
@@ -343,7 +354,7 @@ def finish_precompile(engine, abort: bool = False):
         getattr(owners[owner], attr).stats.worker_built[bs] += n
     with contextlib.suppress(TypeError):
         _REPORTS[engine] = report
-    pw.mark_warm(engine)
+    pw.mark_warm(engine, warmup=phase.first_tasks(0))
     return report
 
 
@@ -417,8 +428,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
                 f.warmup_sizes = set(representative_sizes(f.batch_sizes, (1, n), kernels=kc))
 
     if workers and overlap:  # a skip's report (e.g. the warm marker) is in worker_report
-        if _start_overlapped(engine, workers, progress, owners):
-            one_warmup()  # each bucket's warm-up runs once its gate opened: its kernels built
+        if _start_overlapped(engine, workers, progress, owners):  # warm-ups: first tasks only
             return {}
         report = None
     else:
@@ -426,7 +436,11 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     compiled = report is not None and report.skipped is None
 
     if warm or compiled:  # every key is in the cache: the capture warm-ups load them
-        one_warmup()
+        first = pw.warmup_tasks(engine) if warm else None
+        if first is not None:  # the marker knows which captures first launch a kernel
+            _only_warm(engine, owners, first)
+        else:
+            one_warmup()
         if compiled:
             pw.mark_warm(engine)
         logger.info("JIT warm-up: no in-process pass (%s); each bucket's one warm-up before its "
