@@ -522,30 +522,35 @@ _GPU_TARGET = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_h
 its memory), so this process's first task builds some (the warm-cache probe sees a cold one)."""
 
 
+def _gpu_engine(**cfg):
+    """An engine of `_GPU_TARGET` and its head on the GPU (random weights, seed 0)."""
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+
+    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=96,
+                                   num_aux_hidden_states=3, draft_vocab_size=100)
+    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(0))[:100]
+    target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 0, std=0.5,
+                                     hot_token_ids=hot, device="cuda")
+    rc = RuntimeConfig(speculative_num_steps=3, page_size=16, max_context_len=256,
+                       dtype="bfloat16", device="cuda", **cfg)
+    return Engine(target, rc, head, seed=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch, tmp_path):
     """A fresh Triton cache, `capture_graphs(precompile_workers=2)`: workers built kernels,
-    this process built none while it warmed up and captured every size (every key the
-    workers' reduced engines compiled is one the full engine launches, and none is missing:
-    the premise and the key shares, on the GPU), graphs replay exactly as eager; a second
+    this process built none while it warmed up and captured every size (every key of the
+    plan's reduced engine is one the full engine launches, and none is missing: the premise
+    and the plan, on the GPU), graphs replay exactly as eager; a second
     engine of the same shape skips the workers and the precompile pass (marker) and its
     graphs replay exactly as eager too."""
-    from graphdraft.models.random_models import random_model_pair
-    from graphdraft.serving.engine import Engine
-
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=96,
-                                   num_aux_hidden_states=3, draft_vocab_size=100)
-    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(0))[:100]
 
-    def engine():
-        target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 0, std=0.5,
-                                         hot_token_ids=hot, device="cuda")
-        cfg = RuntimeConfig(speculative_num_steps=3, page_size=16, max_running_requests=16,
-                            max_context_len=256, cuda_graph_max_bs=16, dtype="bfloat16",
-                            device="cuda", speculative_policy="fixed")  # one k: exact replay
-        return Engine(target, cfg, head, seed=0)
+    def engine():  # one k: exact replay
+        return _gpu_engine(max_running_requests=16, cuda_graph_max_bs=16,
+                           speculative_policy="fixed")
 
     e = engine()
     e.capture_graphs(progress=False, precompile_workers=2)
@@ -626,23 +631,13 @@ def test_gpu_second_capture_takes_the_cached_cost_table(monkeypatch, tmp_path):
     of the same shape takes that table (`cost_source` "cached") instead of timing again, and
     serves the same greedy tokens."""
     import graphdraft.serving.engine as engine_mod
-    from graphdraft.models.random_models import random_model_pair
-    from graphdraft.serving.engine import Engine
     from graphdraft.serving.verify import SamplingParams
 
     path = tmp_path / "costs.json"
     monkeypatch.setattr(engine_mod, "cost_cache_path", lambda e: path)
-    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=96,
-                                   num_aux_hidden_states=3, draft_vocab_size=100)
-    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(0))[:100]
 
     def engine():
-        target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 0, std=0.5,
-                                         hot_token_ids=hot, device="cuda")
-        cfg = RuntimeConfig(speculative_num_steps=3, page_size=16, max_running_requests=8,
-                            max_context_len=256, cuda_graph_max_bs=8, dtype="bfloat16",
-                            device="cuda", precompile_workers=0)
-        return Engine(target, cfg, head, seed=0)
+        return _gpu_engine(max_running_requests=8, cuda_graph_max_bs=8, precompile_workers=0)
 
     e1 = engine()
     e1.capture_graphs(progress=False)

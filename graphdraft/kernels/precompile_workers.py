@@ -623,22 +623,7 @@ def server_main(workdir: Path, n: int) -> int:
     main_pid = os.getppid()
     children: dict[int, int] = {}
     for i in range(n):
-        pid = os.fork()
-        if pid == 0:  # the worker
-            rc = 1
-            try:
-                fd = os.open(workdir / f"log{i}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-                rc = worker_main(workdir, i)
-            except BaseException:  # noqa: BLE001 - reported in its log, never raised in a fork
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
+        pid = _fork(workdir / f"log{i}.txt", lambda i=i: worker_main(workdir, i))
         children[pid] = i
 
     def stop_all() -> None:
@@ -776,6 +761,28 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
+def _fork(log_path: Path, run) -> int:
+    """Fork; the child writes stdout and stderr to `log_path`, runs `run()` and exits with its
+    status (1 and the traceback in the log if it raises); returns the child's pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        rc = run()
+    except BaseException:  # noqa: BLE001 - reported in its log, never raised in a fork
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
 class _Forked:
     """A forked child process with `subprocess.Popen`'s poll / wait / kill / pid."""
 
@@ -814,25 +821,13 @@ def _launch(workdir: Path, n: int, log_path: Path, env: dict):
 
         with warnings.catch_warnings():  # "multi-threaded process: fork may deadlock": the
             warnings.simplefilter("ignore", DeprecationWarning)  # child takes no lock of theirs
-            pid = os.fork()
-        if pid == 0:  # the server
-            rc = 1
-            try:
+
+            def serve() -> int:
                 os.setsid()
                 os.environ.update(env)
-                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-                rc = server_main(workdir, n)
-            except BaseException:  # noqa: BLE001 - reported in its log, never raised in a fork
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        return _Forked(pid)
+                return server_main(workdir, n)
+
+            return _Forked(_fork(log_path, serve))
     cmd = [sys.executable, "-m", "graphdraft.kernels.precompile_workers", str(workdir), str(n)]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
