@@ -144,7 +144,8 @@ class GraphStats:
     new device memory the pool took for this graph; captured largest first, the
     smaller graphs mostly reuse it and add ~0), ``eager_seconds`` (one
     synchronized warm-up forward; none for a size outside ``warmup_sizes``) and
-    ``replay_seconds`` (the first replay, synchronized: it also uploads the graph). ``dropped``: scheduled sizes left uncaptured by out-of-memory.
+    ``replay_seconds`` (the first replay, synchronized: it also uploads the graph).
+    ``dropped``: scheduled sizes left uncaptured by out-of-memory.
     ``compiles``: JIT compilations (the forward's compile counter, by default Triton's:
     ``capture.compiles``) while precompiling, warming up and capturing that size; a size of
     an already compiled bucket adds 0. ``built``: of those, the ones Triton's compiler built

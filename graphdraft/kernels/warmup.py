@@ -422,10 +422,7 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     warm = pw.is_warm(engine)
 
     def one_warmup() -> None:  # compiled (or in the cache): one warm-up per bucket loads them
-        for _, fw in owners:
-            for f in fw.values():
-                f.warmup_iters = min(f.warmup_iters, 1)
-                f.warmup_sizes = set(representative_sizes(f.batch_sizes, (1, n), kernels=kc))
+        _only_warm(engine, owners, pw.tasks_of(engine))
 
     if workers and overlap:  # a skip's report (e.g. the warm marker) is in worker_report
         if _start_overlapped(engine, workers, progress, owners):  # warm-ups: first tasks only
