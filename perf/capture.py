@@ -9,7 +9,9 @@ temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE
 `engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
 draft multi-step, the cost table timed at the end) with the default precompile workers
 (`--workers`, default: `RuntimeConfig.precompile_workers` None, min(16, CPU count)); then a
-second subprocess does the same with that cache warm. For the first top also a cold run with
+second subprocess does the same with that cache warm, and for the first top a third with
+every bucket warmed up (the marker's list of first-launch sizes hidden: `warm_every_bucket_s`,
+the A/B of the minimal warm-up set on one instance). For the first top also a cold run with
 `precompile_workers=0` (everything compiled in the one process, in its own empty cache).
 
 Per run: capture seconds, the worker phase (processes, wall seconds, each worker's wall
@@ -36,6 +38,7 @@ under a minute per run on an H200.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -205,6 +208,24 @@ def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
     return data
 
 
+@contextlib.contextmanager
+def _every_bucket_warmup(cache: Path):
+    """While active, the warm markers in `cache` hold no list of the sizes that must warm
+    up (`precompile_workers.warmup_tasks`), so a warm start warms up every bucket; yields
+    how many markers had one. Restored after."""
+    saved = {}
+    for marker in cache.glob("graphdraft-precompiled-*.json"):
+        data = json.loads(marker.read_text())
+        if "warmup" in data:
+            saved[marker] = marker.read_text()
+            marker.write_text(json.dumps({k: v for k, v in data.items() if k != "warmup"}))
+    try:
+        yield len(saved)
+    finally:
+        for marker, text in saved.items():
+            marker.write_text(text)
+
+
 def _row(name: str, r: dict) -> str:
     if "error" in r:
         return f"{name:<18} failed (see capture.json)"
@@ -267,12 +288,19 @@ def main(argv: list[str] | None = None) -> int:
             cache.mkdir()
             run(f"cold-{top}", top, cache, args.workers, required=True)
             run(f"warm-{top}", top, cache, args.workers, required=True)
+            if top == tops[0]:  # A/B in one run: the same warm start, every bucket warmed up
+                with _every_bucket_warmup(cache) as stripped:
+                    if stripped:
+                        run(f"warm-{top}-every-bucket", top, cache, args.workers,
+                            required=False)
     head_cold, head_warm = runs[f"cold-{tops[0]}"], runs[f"warm-{tops[0]}"]
     solo = runs.get(f"cold-{tops[0]}-inprocess", {})
     out = {
         "max_bs": tops[0],
         "cold_s": head_cold["capture_s"],
         "warm_s": head_warm["capture_s"],
+        # the same warm start with every bucket warmed up (the marker's list hidden): A/B
+        "warm_every_bucket_s": runs.get(f"warm-{tops[0]}-every-bucket", {}).get("capture_s"),
         "triton_compiles_cold": head_cold["triton_compiles_total"],
         "triton_compiles_cold_here": head_cold["built_here"],
         "triton_compiles_cold_workers": head_cold["built_in_workers"],

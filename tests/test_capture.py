@@ -785,9 +785,13 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
 
     def fake_spawn(max_bs, cache, result, timeout_s, workers=None):
         assert cache.is_dir() and cache.parent == result.parent
-        calls.append((max_bs, cache.name, workers))
+        marker = cache / "graphdraft-precompiled-x.json"
+        listed = marker.exists() and "warmup" in json.loads(marker.read_text())
+        calls.append((max_bs, cache.name, workers, result.stem, listed))
         warm = any(cache.iterdir())
         (cache / f"k{max_bs}").mkdir(exist_ok=True)
+        if workers != 0 and not warm:  # the cold run's marker, with its warm-up list
+            marker.write_text(json.dumps({"tasks": 2, "warmup": [["engine", "g", max_bs]]}))
         fw = {"draft_decode": {"attribute": "decode_graphs", "sizes": [1, 2], "capture_s": 0.5,
                                "compiles": 3, "built": 0 if warm else 1,
                                "worker_built": 0 if warm else 2, "pool_mib": 4.0,
@@ -818,11 +822,14 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert data["census_keys"] == 7 and data["census_keys_loaded_warm"] == 3
     assert data["warm_breakdown"]["precompile_s"] == 0.0
     assert data["cold_breakdown"]["precompile_s"] == 3.0
-    assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64", "cold-160",
-                                  "warm-160"]
+    assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64",
+                                  "warm-64-every-bucket", "cold-160", "warm-160"]
     # the in-process cold run has its own empty cache; cold and warm share one
-    assert calls[0] == (64, "triton-cache-64-inprocess", 0)
+    assert calls[0][:3] == (64, "triton-cache-64-inprocess", 0)
     assert calls[1][1] == calls[2][1] == "triton-cache-64" and calls[1][2] is None
+    # the A/B warm run sees the marker without its warm-up list, which is restored after
+    assert [c[3:] for c in calls[2:4]] == [("warm-64", True), ("warm-64-every-bucket", False)]
+    assert calls[5][3:] == ("warm-160", True) and data["warm_every_bucket_s"] == 1.0
     out = capsys.readouterr().out
     assert "cold-64-inprocess" in out and "warm-160" in out and "cost replays" in out
     def solo_fails(max_bs, cache, result, timeout_s, workers=None):
