@@ -155,7 +155,7 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "worker_wall_s": rep.worker_wall_s if rep is not None else [],
         "worker_startup_s": rep.worker_startup_s if rep is not None else [],
         "worker_tasks": rep.tasks if rep is not None else 0,
-        "worker_plan_wait_s": rep.worker_plan_s if rep is not None else [],
+        "worker_plan_wait_s": rep.worker_plan_wait_s if rep is not None else [],
         "worker_compiled": rep.compiled if rep is not None else [],
         "plan_s": round(rep.plan_s, 3) if rep is not None else 0.0,
         # the ten longest compiles of the phase ([kernel, seconds]: the critical path's part)

@@ -431,7 +431,7 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None and rep.workers == len(launched) == 2
     assert rep.compiled == [0, 0] and rep.compiled_here == rep.keys > 10
-    assert rep.worker_plan_s == [0.05, 0.05] and rep.plan_s > 0
+    assert rep.worker_plan_wait_s == [0.05, 0.05] and rep.plan_s > 0
     assert rep.total_built == 2 * 2 * len(all_tasks)
     owners = {"engine": e, "drafter": e.drafter}
     for owner, attr, bs in all_tasks:

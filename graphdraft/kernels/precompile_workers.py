@@ -168,7 +168,7 @@ class WorkerReport:
     worker_startup_s: list[float] = field(default_factory=list)
     """Per worker: seconds from its spawn until it had imported everything and read the plan
     (the plan's own time included when the worker was ready first)."""
-    worker_plan_s: list[float] = field(default_factory=list)
+    worker_plan_wait_s: list[float] = field(default_factory=list)
     """Per worker: seconds it waited for the plan after its imports."""
     compile_s: list[list] = field(default_factory=list)
     """`[kernel, seconds]` of every compiled entry, in every process (a load from the cache
@@ -1058,7 +1058,7 @@ class CompilePhase:
                 report.compiled.append(int(data.get("compiled", 0)))
                 report.worker_wall_s.append(float(data["wall_s"]))
                 report.worker_startup_s.append(float(data["startup_s"]))
-                report.worker_plan_s.append(float(data.get("plan_wait_s", 0.0)))
+                report.worker_plan_wait_s.append(float(data.get("plan_wait_s", 0.0)))
                 report.compile_s.extend(data.get("seconds", []))
             # what no worker took (none should be left: a worker exits once all are claimed)
             while self._help():
