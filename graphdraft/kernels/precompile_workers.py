@@ -635,6 +635,8 @@ def server_main(workdir: Path, n: int) -> int:
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
+            if pid not in children:  # not a worker (a child this process had before)
+                continue
             i = children.pop(pid)
             rc = os.waitstatus_to_exitcode(status)
             if rc != 0 and failed is None:
@@ -680,10 +682,10 @@ def cost_cache_path(engine) -> Path | None:
     `graphdraft-costs-<fingerprint>.json` beside the warm marker, the fingerprint the marker's
     (shapes, tasks, versions, GPU, environment) with every source of the package; None when
     no worker could rebuild the engine or nothing is captured."""
-    spec, _ = engine_spec(engine)
-    tasks = tasks_of(engine)
-    if spec is None or not tasks:
+    found = _engine_marker(engine)
+    if found is None:
         return None
+    spec, tasks, _ = found
     src = hashlib.sha256(_fingerprint(spec, tasks).encode())
     root = Path(__file__).resolve().parents[1]
     for p in sorted(root.rglob("*.py")):
@@ -696,12 +698,21 @@ def _marker(spec: WorkerSpec, tasks: Sequence[Task]) -> Path:
     return Path(spec.cache_dir) / _MARKER.format(_fingerprint(spec, tasks))
 
 
+def _engine_marker(engine) -> tuple[WorkerSpec, list[Task], Path] | None:
+    """`engine`'s spec, tasks and warm-marker path; None when no worker could rebuild it or
+    nothing is captured."""
+    spec, _ = engine_spec(engine)
+    tasks = tasks_of(engine)
+    if spec is None or not tasks:
+        return None
+    return spec, tasks, _marker(spec, tasks)
+
+
 def is_warm(engine) -> bool:
     """The warm-cache marker of `engine` (`mark_warm`) is in Triton's cache folder: an earlier
     precompile of this engine shape finished there."""
-    spec, _ = engine_spec(engine)
-    tasks = tasks_of(engine)
-    return spec is not None and bool(tasks) and _marker(spec, tasks).exists()
+    found = _engine_marker(engine)
+    return found is not None and found[2].exists()
 
 
 def warmup_tasks(engine) -> list[Task] | None:
@@ -709,12 +720,11 @@ def warmup_tasks(engine) -> list[Task] | None:
     first launch a kernel in capture order (`CompilePhase.first_tasks`; any other size only
     launches kernels an earlier warm-up loaded). None: no marker, or one without that list
     (every bucket warms up)."""
-    spec, _ = engine_spec(engine)
-    tasks = tasks_of(engine)
-    if spec is None or not tasks:
+    found = _engine_marker(engine)
+    if found is None:
         return None
     try:
-        listed = json.loads(_marker(spec, tasks).read_text()).get("warmup")
+        listed = json.loads(found[2].read_text()).get("warmup")
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(listed, list):
@@ -727,11 +737,10 @@ def mark_warm(engine, warmup: Sequence[Task] | None = None) -> Path | None:
     tasks that must warm up before their capture (`warmup_tasks`; None: not known, every
     bucket warms up); None when no worker could rebuild it, nothing is captured, or the cache
     folder is not writable."""
-    spec, _ = engine_spec(engine)
-    tasks = tasks_of(engine)
-    if spec is None or not tasks:
+    found = _engine_marker(engine)
+    if found is None:
         return None
-    path = _marker(spec, tasks)
+    _, tasks, path = found
     data = {"tasks": len(tasks), "time": time.time()}
     if warmup is not None:
         data["warmup"] = [list(t) for t in warmup]
@@ -798,9 +807,14 @@ class _Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
+        if timeout is None and self.returncode is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
         return self.returncode
 
     def kill(self) -> None:

@@ -452,7 +452,7 @@ class Engine:
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
         policy's costs: `measure_costs` (no warm-up replays: capture replayed each graph
-        twice already). Warm-up and capture run inert rows only (slot 0); every table is
+        once already). Warm-up and capture run inert rows only (slot 0); every table is
         neutral after. `capture_phases`: wall seconds of the precompile (workers included),
         the captures and the cost timing."""
         if self.dp is not None and parallel_precompile:
