@@ -9,9 +9,10 @@ temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE
 `engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
 draft multi-step, the cost table timed at the end) with the default precompile workers
 (`--workers`, default: `RuntimeConfig.precompile_workers` None, min(16, CPU count)); then a
-second subprocess does the same with that cache warm, and for the first top a third with
-every bucket warmed up (the marker's list of first-launch sizes hidden: `warm_every_bucket_s`,
-the A/B of the minimal warm-up set on one instance). For the first top also a cold run with
+second subprocess does the same with that cache warm (`--warm-repeats` times, default 3:
+`warm_s` is the median), and for the first top, alternated with those, the same with every
+bucket warmed up (the marker's list of first-launch sizes hidden: `warm_every_bucket_s`, the
+A/B of the minimal warm-up set on one instance). For the first top also a cold run with
 `precompile_workers=0` (everything compiled in the one process, in its own empty cache).
 
 Per run: capture seconds, the worker phase (processes, wall seconds, each worker's wall
@@ -41,6 +42,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -226,6 +229,12 @@ def _every_bucket_warmup(cache: Path):
             marker.write_text(text)
 
 
+def _capture_seconds(runs: dict, name: str) -> list[float]:
+    """capture_s of run `name` and its repeats (`name-r2`, ...) that did not fail."""
+    return [r["capture_s"] for k, r in runs.items()
+            if (k == name or re.fullmatch(re.escape(name) + r"-r\d+", k)) and "error" not in r]
+
+
 def _row(name: str, r: dict) -> str:
     if "error" in r:
         return f"{name:<18} failed (see capture.json)"
@@ -241,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None,
                     help="precompile workers of the cold runs (default: the config's default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
+    ap.add_argument("--warm-repeats", type=int, default=3,
+                    help="warm runs per top (the median is warm_s), alternated with the "
+                         "every-bucket A/B run for the first top")
     ap.add_argument("--skip-inprocess", action="store_true",
                     help="no cold run with precompile_workers=0 (about 30 s on an H200)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -259,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     tops = [int(x) for x in args.max_bs.split(",") if x.strip()]
     if not tops or min(tops) < 1:
         ap.error(f"--max-bs: expected positive ints, got {args.max_bs!r}")
+    if args.warm_repeats < 1:
+        ap.error(f"--warm-repeats: expected an int >= 1, got {args.warm_repeats}")
     runs: dict[str, dict] = {}
     if args.profile is not None:
         os.environ["GRAPHDRAFT_CAPTURE_PROFILE"] = str(args.profile.resolve())
@@ -287,20 +301,27 @@ def main(argv: list[str] | None = None) -> int:
             cache = Path(tmp) / f"triton-cache-{top}"
             cache.mkdir()
             run(f"cold-{top}", top, cache, args.workers, required=True)
-            run(f"warm-{top}", top, cache, args.workers, required=True)
-            if top == tops[0]:  # A/B in one run: the same warm start, every bucket warmed up
-                with _every_bucket_warmup(cache) as stripped:
-                    if stripped:
-                        run(f"warm-{top}-every-bucket", top, cache, args.workers,
-                            required=False)
+            for i in range(args.warm_repeats):  # alternated: the A/B sees the same drift
+                sfx = "" if i == 0 else f"-r{i + 1}"
+                run(f"warm-{top}{sfx}", top, cache, args.workers, required=True)
+                if top == tops[0]:  # A/B in one run: the same warm start, every bucket warmed up
+                    with _every_bucket_warmup(cache) as stripped:
+                        if stripped:
+                            run(f"warm-{top}-every-bucket{sfx}", top, cache, args.workers,
+                                required=False)
     head_cold, head_warm = runs[f"cold-{tops[0]}"], runs[f"warm-{tops[0]}"]
+    warm_s = _capture_seconds(runs, f"warm-{tops[0]}")
+    every_s = _capture_seconds(runs, f"warm-{tops[0]}-every-bucket")
     solo = runs.get(f"cold-{tops[0]}-inprocess", {})
     out = {
         "max_bs": tops[0],
         "cold_s": head_cold["capture_s"],
-        "warm_s": head_warm["capture_s"],
+        # the median of the `--warm-repeats` warm runs (each in `warm_s_runs`)
+        "warm_s": statistics.median(warm_s),
+        "warm_s_runs": warm_s,
         # the same warm start with every bucket warmed up (the marker's list hidden): A/B
-        "warm_every_bucket_s": runs.get(f"warm-{tops[0]}-every-bucket", {}).get("capture_s"),
+        "warm_every_bucket_s": statistics.median(every_s) if every_s else None,
+        "warm_every_bucket_s_runs": every_s,
         "triton_compiles_cold": head_cold["triton_compiles_total"],
         "triton_compiles_cold_here": head_cold["built_here"],
         "triton_compiles_cold_workers": head_cold["built_in_workers"],

@@ -797,7 +797,9 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
                                "worker_built": 0 if warm else 2, "pool_mib": 4.0,
                                "summary": "s"}}
         here, there = (0, 0) if warm else ((3, 0) if workers == 0 else (1, 2))
-        return {"max_bs": max_bs, "capture_s": 1.0 if warm else (9.0 if workers == 0 else 4.0),
+        repeat = {"r2": 2.0, "r3": 0.5}.get(result.stem.rsplit("-", 1)[-1], 1.0)
+        return {"max_bs": max_bs,
+                "capture_s": repeat if warm else (9.0 if workers == 0 else 4.0),
                 "workers": 0 if warm or workers == 0 else 2, "worker_phase_s": 0 if warm else 2.5,
                 "worker_wall_s": [] if warm else [2.0, 2.1], "precompile_s": None,
                 "triton_compiles": 3, "built_here": here, "built_in_workers": there,
@@ -813,7 +815,9 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(perf_capture, "_spawn", fake_spawn)
     assert perf_capture.main(["--out", str(tmp_path), "--max-bs", "64,160"]) == 0
     data = json.loads((tmp_path / "capture.json").read_text())
+    # warm_s: the median of the 3 warm runs (1.0, 2.0, 0.5), not their mean
     assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (4.0, 1.0, 3)
+    assert data["warm_s_runs"] == [1.0, 2.0, 0.5] == data["warm_every_bucket_s_runs"]
     assert (data["triton_compiles_cold_here"], data["triton_compiles_cold_workers"]) == (1, 2)
     assert (data["cold_inprocess_s"], data["triton_compiles_cold_inprocess"]) == (9.0, 3)
     assert data["workers"] == 2 and data["worker_wall_s"] == [2.0, 2.1]
@@ -823,13 +827,17 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert data["warm_breakdown"]["precompile_s"] == 0.0
     assert data["cold_breakdown"]["precompile_s"] == 3.0
     assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64",
-                                  "warm-64-every-bucket", "cold-160", "warm-160"]
+                                  "warm-64-every-bucket", "warm-64-r2",
+                                  "warm-64-every-bucket-r2", "warm-64-r3",
+                                  "warm-64-every-bucket-r3", "cold-160", "warm-160",
+                                  "warm-160-r2", "warm-160-r3"]
     # the in-process cold run has its own empty cache; cold and warm share one
     assert calls[0][:3] == (64, "triton-cache-64-inprocess", 0)
     assert calls[1][1] == calls[2][1] == "triton-cache-64" and calls[1][2] is None
     # the A/B warm run sees the marker without its warm-up list, which is restored after
     assert [c[3:] for c in calls[2:4]] == [("warm-64", True), ("warm-64-every-bucket", False)]
-    assert calls[5][3:] == ("warm-160", True) and data["warm_every_bucket_s"] == 1.0
+    assert [c[3:] for c in calls[4:6]] == [("warm-64-r2", True), ("warm-64-every-bucket-r2", False)]
+    assert calls[9][3:] == ("warm-160", True) and data["warm_every_bucket_s"] == 1.0
     out = capsys.readouterr().out
     assert "cold-64-inprocess" in out and "warm-160" in out and "cost replays" in out
     def solo_fails(max_bs, cache, result, timeout_s, workers=None):
@@ -843,3 +851,5 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert "boom" in data["runs"]["cold-64-inprocess"]["error"] and data["cold_inprocess_s"] is None
     with pytest.raises(SystemExit):
         perf_capture.main(["--out", str(tmp_path), "--max-bs", "0"])
+    with pytest.raises(SystemExit):
+        perf_capture.main(["--out", str(tmp_path), "--warm-repeats", "0"])
