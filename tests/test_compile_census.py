@@ -36,22 +36,23 @@ def test_dry_run_records_the_keys_of_real_launches(engine):
     assert dict(real.launches) == dict(dry.launches)
 
 
-def test_gpu_like_adds_the_pdl_bucket():
-    """With the launch options of a CUDA device (PDL up to 4 rows) a kernel that takes PDL
-    has one more variant than on the interpreter (PDL off everywhere) at a schedule that
-    crosses 4 rows."""
+def test_gpu_like_launches_one_pdl_variant_at_every_size():
+    """With the launch options of a CUDA device (PDL on, its early trigger a runtime argument
+    up to 4 rows) a kernel that takes PDL launches another variant than on the interpreter
+    (PDL off everywhere), and still one at a schedule that crosses 4 rows."""
     eng = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
     cpu = census(eng, gpu_like=False)
     gpu = census(eng, gpu_like=True)
-    assert gpu.total() > cpu.total()
     assert len(cpu.keys["cache_loc._advance_kernel"]) == 1
-    assert len(gpu.keys["cache_loc._advance_kernel"]) == 2  # PDL on (bs 1, 2, 4) / off (8, 16)
+    assert len(gpu.keys["cache_loc._advance_kernel"]) == 1  # bs 1, 2, 4 and 8, 16 alike
+    assert gpu.keys["cache_loc._advance_kernel"] != cpu.keys["cache_loc._advance_kernel"]
 
 
 # The pinned census of the tiny pair's schedule 1, 2, 4 (and to 16) with a GPU's launch options.
 # Raise these only with a reason (a new kernel or a new functional variant), never because
 # the schedule's sizes compile their own variants.
-PINNED_TOTAL = {4: 41, 16: 56}
+PINNED_TOTAL = {4: 33, 16: 38}  # 41 / 56 before: a PDL variant per side of its row limit,
+# pointer alignments per row offset, the GEMV's norm tile where it has no norm
 
 
 @pytest.mark.parametrize("top", [4, 16])

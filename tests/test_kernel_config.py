@@ -139,16 +139,20 @@ def test_runtime_config_backend_follows_kernel_backend(clean_env):
 
 
 def test_launch_options_follow_the_config(monkeypatch):
-    """PDL on a CUDA device (not interpreting: computed on the host, no GPU needed) up to
-    `pdl_max_rows` rows; off with `pdl=False`; EARLY with `pdl_early_loads`."""
+    """PDL on a CUDA device (not interpreting: computed on the host, no GPU needed) at every
+    row count (one compiled variant), the early trigger up to `pdl_max_rows` rows (a runtime
+    argument); off with `pdl=False`; EARLY with `pdl_early_loads`."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cuda = torch.device("cuda")
-    on = {"PDL": True, "launch_pdl": True}
+    on = {"PDL": True, "launch_pdl": True, "pdl_trigger": 1}
+    late = {"PDL": True, "launch_pdl": True, "pdl_trigger": 0}
     assert pdl.launch_options(cuda, 4, kernels=TRITON) == on
-    assert pdl.launch_options(cuda, 5, kernels=TRITON) == {"PDL": False}
+    assert pdl.launch_options(cuda, 5, kernels=TRITON) == late
     assert pdl.launch_options(cuda, 8, kernels=TRITON.replace(pdl_max_rows=8)) == on
-    assert pdl.launch_options(cuda, 1, kernels=TRITON.replace(pdl=False)) == {"PDL": False}
+    assert pdl.launch_options(cuda, 1, kernels=TRITON.replace(pdl=False)) == {
+        "PDL": False, "pdl_trigger": 1}
     assert pdl.launch_options(cuda, 1, early=True, kernels=TRITON) == on | {"EARLY": True}
+    assert pdl.launch_options(cuda, 64, early=True, kernels=TRITON) == late | {"EARLY": True}
     assert (pdl.launch_options(cuda, 1, early=True, kernels=TRITON.replace(pdl_early_loads=False))
             == on | {"EARLY": False})
 

@@ -57,7 +57,7 @@ def test_key_sees_value_specialization_and_do_not_specialize():
     bucket checks below can fail), and not for a do_not_specialize one."""
     k = KERNELS["cache_loc._uniform_kernel"]  # n_reqs: do_not_specialize; page_size: not
     t = torch.zeros(4, dtype=torch.int64)
-    base = dict(BLOCK=16, FIRST=False, PDL=False, EARLY=False)
+    base = dict(BLOCK=16, FIRST=False, pdl_trigger=1, PDL=False, EARLY=False)
 
     def key(n_reqs, page_size):
         return warmup.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, n_reqs, 4, 4, 1,
@@ -66,6 +66,9 @@ def test_key_sees_value_specialization_and_do_not_specialize():
     assert key(1, 5) == key(16, 5) == key(17, 5)
     assert len({key(3, 1), key(3, 16), key(3, 17)}) == 3
     assert key(3, 17) == key(3, 19)
+    # the PDL trigger is a runtime argument: one variant on either side of its row limit
+    assert warmup.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, 3, 4, 4, 1, 17, t, t,
+                                     **(base | {"pdl_trigger": 0})) == key(3, 17)
     # alignment: a pointer one element past an aligned one is a different key
     assert warmup.specialization_key(k, t[1:], t, t, t, 3, 1, 3, 1, 1, 2, 4, 4, 1, 5, t, t,
                                      **base) != key(2, 5)

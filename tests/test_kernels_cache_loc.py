@@ -325,10 +325,11 @@ def test_early_loads_off_and_on(early):
 
 def test_launch_options_early_flag(monkeypatch):
     cpu = torch.device("cpu")
-    assert pdl.launch_options(cpu, 1) == {"PDL": False}  # no EARLY for kernels without it
-    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": True}  # interpreter
+    off1 = {"PDL": False, "pdl_trigger": 1}
+    assert pdl.launch_options(cpu, 1) == off1  # no EARLY for kernels without it
+    assert pdl.launch_options(cpu, 1, early=True) == off1 | {"EARLY": True}  # interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert pdl.launch_options(cpu, 1, early=True) == {"PDL": False, "EARLY": False}
+    assert pdl.launch_options(cpu, 1, early=True) == off1 | {"EARLY": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     off = TRITON.replace(pdl_early_loads=False)
-    assert pdl.launch_options(cpu, 1, early=True, kernels=off) == {"PDL": False, "EARLY": False}
+    assert pdl.launch_options(cpu, 1, early=True, kernels=off) == off1 | {"EARLY": False}

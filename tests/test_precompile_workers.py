@@ -142,36 +142,53 @@ def _entry_key(entry):
         **{k: pw.decode_arg(v) for k, v in entry.kwargs.items()}))
 
 
+def _launched_by(engine, task):
+    """{(kernel, key)} that `task` launches for real (a captured forward at its size, or a
+    prefill probe), from the engine's neutral state."""
+    owner, attr, bs = task
+    engine._reset_neutral()
+    engine.drafter._reset_neutral()
+    with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
+        if attr == pw.PREFILL:
+            pw.probe_prefill(engine, bs)
+        else:
+            o = engine if owner == "engine" else engine.drafter
+            warmup.captured_forwards(o)[attr]._forward(bs)
+    return {(n, k) for n, ks in rec.keys.items() for k in ks}
+
+
 def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
-    """`plan_keys` over the representative sizes: one entry per distinct key, and the
-    entries' decoded arguments (mock pointers of the recorded dtype and alignment) give back
-    exactly the keys the forwards launch for real at every size of the schedule to 8 (two
-    GEMV row tiles at 4 tokens a row), kernel by kernel; heavy kernels come first."""
+    """`plan_keys` over the representative sizes and the prefill probes: one entry per
+    distinct key, and the entries' decoded arguments (mock pointers of the recorded dtype and
+    alignment) give back exactly the keys the forwards launch for real at every size of the
+    schedule to 8 (two GEMV row tiles at 4 tokens a row) and the real prefill probes, kernel
+    by kernel; heavy kernels come first."""
     import json
 
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
-    assert len(tasks) >= 8 and len({bs for _, _, bs in tasks}) < len(e.schedule)  # buckets
+    graphs = [t for t in tasks if t[1] != pw.PREFILL]
+    probes = [t for t in tasks if t[1] == pw.PREFILL]
+    assert tasks == graphs + probes
+    assert probes == [("engine", pw.PREFILL, n) for n in (8, 16, 32)]  # tiles 16, 32, 64
+    assert len(graphs) >= 8 and len({bs for _, _, bs in graphs}) < len(e.schedule)  # buckets
     spec, _ = pw.engine_spec(e)
     entries, n_keys, needs = pw.plan_keys([(0, spec, tasks)])
     entries = [pw.PlanEntry.from_json(json.loads(json.dumps(x.to_json()))) for x in entries]
     got = [_entry_key(x) for x in entries]
     assert len(got) == len(set(got)) == n_keys
-    assert set(got) == _recorded_keys(e)
+    by_probe = {t: _launched_by(e, t) for t in probes}
+    prefill_keys = set().union(*by_probe.values())
+    assert set(got) == _recorded_keys(e) | prefill_keys
+    assert prefill_keys - _recorded_keys(e)  # the eager prefill launches keys of its own
     assert all(x.engine == 0 and x.task in tasks for x in entries)
     # in the order the tasks first need them, the heavy kernels first within a task
     order = [(tasks.index(x.task), pw._heavy_rank(x.kernel)) for x in entries]
     assert order == sorted(order)
     # each task needs exactly the keys it launches (for real, at its size)
     for t in tasks:
-        owner, attr, bs = t
-        o = e if owner == "engine" else e.drafter
-        e._reset_neutral()
-        e.drafter._reset_neutral()
-        with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
-            warmup.captured_forwards(o)[attr]._forward(bs)
-        assert {got[j] for j in needs[(0, t)]} == {(n, k) for n, ks in rec.keys.items()
-                                                   for k in ks}
+        launched = by_probe[t] if t in by_probe else _launched_by(e, t)
+        assert {got[j] for j in needs[(0, t)]} == launched, t
 
 
 def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
@@ -434,7 +451,8 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     assert rep.worker_plan_wait_s == [0.05, 0.05] and rep.plan_s > 0
     assert rep.total_built == 2 * 2 * len(all_tasks)
     owners = {"engine": e, "drafter": e.drafter}
-    for owner, attr, bs in all_tasks:
+    assert all_tasks[-1][1] == pw.PREFILL  # a probe's builds are in the totals only
+    for owner, attr, bs in [t for t in all_tasks if t[1] != pw.PREFILL]:
         f = getattr(owners[owner], attr)
         assert f.stats.worker_built[bs] == 4
         # one warm-up per bucket: its representative (largest) size, captured first
@@ -700,6 +718,8 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     assert set().union(*phase._needs.values()) == set(range(len(phase._entries)))
     first = phase.first_tasks(0)
     assert first and set(first) < set(tasks)  # some captures launch no kernel of their own
+    assert tasks[-1][1] == pw.PREFILL and any(t[1] == pw.PREFILL for t in first)
+    tasks = [t for t in tasks if t[1] != pw.PREFILL]  # the captures' tasks
     for owner, attr, bs in tasks:  # the capture order: gates in plan order
         f = getattr(owners[owner], attr)
         assert (bs in f.warmup_sizes) == ((owner, attr, bs) in first)  # warm-ups: first tasks
@@ -729,6 +749,8 @@ def test_plan_order_follows_the_capture_order(monkeypatch):
 
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
+    assert tasks[-1][1] == pw.PREFILL  # the prefill probes last (no capture)
+    tasks = [t for t in tasks if t[1] != pw.PREFILL]
     seq = e.capture_sequence()
     fwd = {**{("engine", a): f for a, f in warmup.captured_forwards(e).items()},
            **{("drafter", a): f for a, f in warmup.captured_forwards(e.drafter).items()}}
@@ -754,3 +776,52 @@ def test_an_overlapped_precompile_of_a_warm_engine_reports_the_skip(monkeypatch,
     assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
     assert e not in warmup._PHASES and "warm" in warmup.worker_report(e).skipped
     assert all(f.warmup_sizes for f in warmup.captured_forwards(e.drafter).values() if f.active)
+
+
+def test_prefill_probes_and_a_probe_leaves_the_engine_as_it_was():
+    """`prefill_probes`: a short prompt and a full chunk (rows of the longest prompt), one
+    probe when they coincide; `probe_prefill` runs one real prefill step and leaves no
+    request, page or committed length behind; a busy engine is refused."""
+    from graphdraft.serving.verify import SamplingParams
+
+    e = _full_engine(max_context_len=512, max_num_batched_tokens=1024)
+    cap = 512 - 1 - (e.n_row + 3)
+    assert pw._prefill_row_cap(e) == cap
+    # a row per tile case (2 heads a kv head: 8, 16, 32, 64 tokens), then 2 rows of the
+    # longest prompt (the chunk holds 2)
+    assert pw.prefill_probes(e) == [8, 16, 32, 64, 2 * cap]
+    assert pw.prefill_probes(_full_engine()) == [8, 16, 32]  # the 32-token chunk caps them
+    free = e.pages.num_free_pages
+    before = e.states.valid_cache_lengths.clone()
+    with torch.inference_mode():
+        pw.probe_prefill(e, 64)
+    assert not e.has_work and e.stats.steps == 1 and e.stats.prefill_tokens == 64
+    assert e.pages.num_free_pages == free and torch.equal(e.states.valid_cache_lengths, before)
+    e.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="expected an idle engine"):
+        pw.probe_prefill(e, 8)
+    assert len(e.waiting) == 1  # the caller's request is untouched
+
+
+def test_serving_after_the_plan_launches_no_key_it_lacks(monkeypatch):
+    """What a fresh engine's first requests launch (prefill steps, a mixed prefill + decode
+    step, decode cycles) is all in the plan: nothing is left to compile at the first
+    request. Prompts of 5-30 tokens chunked by the 32-token budget, so steps mix prefill
+    chunks (of several attention tiles, at odd row offsets) with decode rows."""
+    from graphdraft.serving.verify import SamplingParams
+
+    # a vocabulary of 64: logits rows of 16-byte multiples (the token kernel keeps the
+    # alignment specialization of its logits, as the 8B's 128256 rows have)
+    e = _full_engine(TARGET.replace(vocab_size=64), max_running_requests=4, cuda_graph_max_bs=4)
+    tasks = _gpu_tasks(monkeypatch, e)
+    spec, _ = pw.engine_spec(e)
+    entries, _, _ = pw.plan_keys([(0, spec, tasks)])
+    planned = {_entry_key(x) for x in entries}
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (18, 30, 22, 5)]
+    with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
+        e.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    served = {(n, k) for n, ks in rec.keys.items() for k in ks}
+    missing = sorted({n for n, _ in served - planned})
+    assert not missing, missing
+    assert e.stats.steps >= 3

@@ -73,7 +73,8 @@ def _uniform(seed, pos):
 
 # N (tokens a row, k + 1) and the token rows' stride vary with the draft length k: not
 # specialized (N == 1 at k = 0 would compile a variant per k; scalar loads / stores only).
-@triton.jit(do_not_specialize=["stride_t", "N"])
+@triton.jit(do_not_specialize=["stride_t", "N"],  # row views at any row offset: one variant
+            do_not_specialize_on_alignment=["slots", "seq_lens", "tokens"])
 def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, seed, done,
                   tokens, stride_t, N, V, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Program (r, j): the target token t_j of row r (step 1 of the module docstring)."""
@@ -182,7 +183,9 @@ def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, 
     tl.store(tokens + r64 * stride_t + j, tok.to(tokens.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["stride_t", "stride_c", "N"])  # per k, as _token_kernel
+@triton.jit(do_not_specialize=["stride_t", "stride_c", "N"],  # per k, as _token_kernel
+            do_not_specialize_on_alignment=["tokens", "cand", "slots", "accept", "draft_accept",
+                                            "finish", "err"])
 def _accept_kernel(tokens, stride_t, cand, stride_c, slots, stop_ids, max_new, emitted, done,
                    accept, draft_accept, finish, err, N, V, W, WP2: tl.constexpr):
     """Program r: accept, stop cut and error bit of row r (steps 2-3) from its tokens."""

@@ -84,14 +84,15 @@ def _argmax_stage1_kernel(
         tl.store(part_idx_ptr + p, idx)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
 def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
     SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+    pdl_trigger,
     PDL: tl.constexpr,
 ):
     """Program b: `argmax_final_row` of row b."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, pdl_trigger)
     argmax_final_row(tl.program_id(0), part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
                      tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
 

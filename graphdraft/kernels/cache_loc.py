@@ -76,8 +76,8 @@ def _slot(
 
 
 # stride_out_tok is bs in the [length, bs] layout (the draft steps' slots): not specialized
-@triton.jit(do_not_specialize=["stride_out_tok", "n_reqs", "max_pages", "stride_page_row",
-                             "stride_page_col"])
+@triton.jit(do_not_specialize=["pdl_trigger", "stride_out_tok", "n_reqs", "max_pages",
+                               "stride_page_row", "stride_page_col"])
 def _uniform_kernel(
     out_ptr,
     req_pool_ptr,
@@ -97,13 +97,14 @@ def _uniform_kernel(
     seq_out_ptr,
     BLOCK: tl.constexpr,
     FIRST: tl.constexpr,
+    pdl_trigger,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
 ):
     """EARLY (with PDL): the row's request, start and first block of slots are loaded before
     waiting for the kernel before (pdl module doc); every store after."""
     if not EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     row = tl.program_id(0).to(tl.int64)
     r = tl.load(req_pool_ptr + row * stride_req_pool).to(tl.int64)
     start = tl.load(start_ptr + row * stride_start).to(tl.int64)
@@ -115,7 +116,7 @@ def _uniform_kernel(
             req_to_page_ptr, r, start + j, mask,
             n_reqs, max_pages, stride_page_row, stride_page_col, page_size,
         )
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
         tl.store(out_ptr + row * stride_out_req + j * stride_out_tok, slot, mask=mask)
         j0_loop = BLOCK
     if FIRST:  # the first written position and the KV length once it is written
@@ -131,19 +132,19 @@ def _uniform_kernel(
         tl.store(out_ptr + row * stride_out_req + j * stride_out_tok, slot, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["pdl_trigger", "n"])
 def _advance_kernel(seq_lens_ptr, positions_ptr, n, stride_seq, stride_pos, delta, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr):
+                    pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr):
     """EARLY (with PDL): loads before waiting for the kernel before (pdl module doc), stores
     after."""
     if not EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = i < n
     s = tl.load(seq_lens_ptr + i * stride_seq, mask=mask, other=0)
     p = tl.load(positions_ptr + i * stride_pos, mask=mask, other=0)
     if EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     tl.store(seq_lens_ptr + i * stride_seq, (s + delta).to(tl.int32), mask=mask)
     tl.store(positions_ptr + i * stride_pos, (p + delta).to(tl.int64), mask=mask)
 

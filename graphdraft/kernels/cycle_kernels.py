@@ -32,7 +32,9 @@ ERR_DRAFTS, ERR_CACHE_LEN = 1, 2
 
 # N (tokens a row, k + 1) is not specialized and NP2 covers the widest row (S + 1): one variant
 # for every draft length k (a few masked lanes at k < S in a one-program-per-row kernel).
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N"],  # row / token views at any offset (mixed steps): one variant
+            do_not_specialize_on_alignment=["slot_rows", "input_ids", "positions", "out_cache_loc",
+                                            "req", "seq_lens", "extend_lens", "err"])
 def _prepare_kernel(slot_rows, done, vcl, last_token, drafts, stride_d, req_to_page, stride_p,
                     input_ids, positions, out_cache_loc, req, seq_lens, extend_lens, err,
                     N, PS, MAX_PAGES, MAX_CTX, VOCAB, NP2: tl.constexpr):
@@ -110,7 +112,9 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
     extend_lens.fill_(n)
 
 
-@triton.jit(do_not_specialize=["stride_t", "n"])  # tokens a row (k + 1): one variant for every k
+@triton.jit(do_not_specialize=["stride_t", "n"],  # tokens a row (k + 1): one variant for every k
+            do_not_specialize_on_alignment=["accept", "finish", "err", "req", "seq_lens", "tokens",
+                                            "next_tokens", "pack"])  # and any row offset
 def _commit_pack_kernel(accept, finish, err, req, seq_lens, tokens, stride_t, next_tokens,
                         stride_n, vcl, last_token, drafts, stride_d, emitted, done, pack,
                         stride_pk, n, NROW, S, NP2: tl.constexpr, SP2: tl.constexpr,

@@ -91,7 +91,7 @@ def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constex
 # The split count follows the rows (about 2 programs per SM): not specialized (1 / % 16 would
 # compile per batch size; ONE_SPLIT is the constexpr that matters). The partials' rows are
 # strided by it, so no vector access depends on its divisibility.
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
 def _decode_split_kernel(
     q_ptr, sq_t, sq_h, q_index_ptr,
     k_ptr, sk_s, sk_h,
@@ -103,13 +103,13 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     Q_INDEX: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
+    pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
     extra_ptr, s_extra, num_extra, EXTRA: tl.constexpr, XB: tl.constexpr,
 ):
     """EARLY (with PDL): the row's length, request, query row and first block's page ids are
     loaded before waiting for the kernel before (pdl module doc); q and KV after."""
     if not EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,7 +127,7 @@ def _decode_split_kernel(
     if EARLY:  # the first block's page ids (the loop's own loads stay index-only: pipelined)
         first_page = tl.load(page_row + ((start + n) // PAGE_SIZE).to(tl.int64) * s_page_p,
                              mask=start + n < end, other=0)
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     if start >= kv_len:  # nothing of this row here; the combine ignores this split
         return
 
@@ -189,21 +189,21 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # as the split kernel; SB: always COMBINE_SB
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])  # as the split kernel; SB: always COMBINE_SB
 def _decode_combine_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
     chunk, num_splits,
     D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
+    pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Program (t, h): `_combine_head`. EARLY (with PDL): the row's length is loaded before
     waiting for the split kernel; the partials after."""
     if not EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
     if EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     _combine_head(t, tl.program_id(1), tl.num_programs(1), part_ptr, lse_ptr, kv_len, o_ptr, so_t,
                   so_h, chunk, num_splits, D, D_PAD, SB)
 

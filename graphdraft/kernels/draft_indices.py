@@ -28,12 +28,15 @@ from graphdraft.kernels.pdl import launch_options, pdl_enter
 __all__ = ["decode_draft_indices", "decode_draft_indices_ref"]
 
 
-@triton.jit(do_not_specialize=["bs", "N", "token_offset"])  # N = k + 1: one variant for every k
+@triton.jit(do_not_specialize=["pdl_trigger", "bs", "N", "token_offset"],  # N = k + 1: one variant for every k
+            do_not_specialize_on_alignment=["accept_ptr", "seq_ptr", "req_ptr", "gather_ptr",
+                                            "seq_out_ptr", "write_start_ptr", "tokens_ptr",
+                                            "last_ptr"])  # and any row offset
 def _decode_draft_indices_kernel(accept_ptr, seq_ptr, req_ptr, valid_ptr, gather_ptr,
                                  seq_out_ptr, write_start_ptr, tokens_ptr, last_ptr, stride_last,
                                  bs, N, token_offset, BLOCK: tl.constexpr, LAST: tl.constexpr,
-                                 PDL: tl.constexpr):
-    pdl_enter(PDL)
+                                 pdl_trigger, PDL: tl.constexpr):
+    pdl_enter(PDL, pdl_trigger)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < bs
     acc = tl.load(accept_ptr + r, mask=ok, other=1)

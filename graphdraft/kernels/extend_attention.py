@@ -86,7 +86,7 @@ def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = N
     return tile
 
 
-@triton.jit(do_not_specialize=["seq_stride", "uniform_n", "chunk", "num_splits", "num_q_blocks",
+@triton.jit(do_not_specialize=["pdl_trigger", "seq_stride", "uniform_n", "chunk", "num_splits", "num_q_blocks",
                                "hkv"])
 def _extend_split_kernel(
     q_ptr, sq_t, sq_h,
@@ -100,9 +100,9 @@ def _extend_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UNIFORM: tl.constexpr, MASK_BITS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, pdl_trigger, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)  # with PDL (few rows): wait for the kernel before, then let the next launch
+    pdl_enter(PDL, pdl_trigger)  # with PDL (few rows): wait for the kernel before, then let the next launch
     BLOCK_T: tl.constexpr = BLOCK_M // G_PAD
     r = tl.program_id(0)
     qb = num_q_blocks - 1 - tl.program_id(1)  # longest blocks first
@@ -197,12 +197,12 @@ def _extend_split_kernel(
                                          float("-inf")), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
 def _extend_combine_kernel(part_ptr, lse_ptr, o_ptr, so_t, so_h, num_splits,
                            D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
-                           PDL: tl.constexpr):
+                           pdl_trigger, PDL: tl.constexpr):
     """Program (t, h): the log-sum-exp weighted sum of all splits (empty ones: lse -inf)."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D_PAD)

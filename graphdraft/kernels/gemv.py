@@ -214,11 +214,11 @@ _gemv_kernel = triton.jit(do_not_specialize=["M"])(_gemv_body)
 _gemv_kernel_m1 = triton.jit(_gemv_body)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_trigger"])
 def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     pdl_trigger, PDL: tl.constexpr):
     """Row m of `[gate ; up]`: `out = silu(gate) * up`, each rounded like the torch ops."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, pdl_trigger)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -230,10 +230,10 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
              mask=ok)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["pdl_trigger", "M"])
 def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                       BLOCK: tl.constexpr, pdl_trigger, PDL: tl.constexpr):
+    pdl_enter(PDL, pdl_trigger)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
@@ -243,13 +243,13 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["pdl_trigger", "M"])
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
                               h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
                               HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr,
-                              PDL: tl.constexpr):
+                              pdl_trigger, PDL: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, pdl_trigger)
     _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
                        out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, BLOCK)
 
@@ -370,7 +370,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tenso
         SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
         FINISH=norm is not None, SPLIT=cfg.split,
         HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
-        NORM_BLOCK=triton.next_power_of_2(n),
+        NORM_BLOCK=triton.next_power_of_2(n) if norm else 16,  # unread without FINISH: one variant
         PDL=pdl, W_EVICT="evict_first" if kc.stream_evict_first else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 

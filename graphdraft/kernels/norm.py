@@ -62,15 +62,15 @@ def rms_norm_row(x, w, N, eps):
 
 # split_stride_b (M * N) stays specialized: N % 16 == 0 makes it "divisible by 16" at every M,
 # and that keeps the partials' loads vectorized.
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_trigger"])
 def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, stride_b, split_stride_b,
                          wb_ptr, eps_b, b_out_ptr, stride_b_out, out_ptr, stride_out, N,
                          BLOCK: tl.constexpr, A_INDEX: tl.constexpr, B_SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         pdl_trigger, PDL: tl.constexpr):
     """Program (row, half): half 0 writes RMSNorm(a[row]) (A_INDEX: a[a_index[row]]) to
     out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]. B_SPLIT > 0: b is that many fp32
     split-K partials, whose rounded sum is b[row] and is also written to b_out[row]."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, pdl_trigger)
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     cols = tl.arange(0, BLOCK)

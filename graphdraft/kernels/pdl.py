@@ -19,10 +19,13 @@ two launches before the next RoPE and attention). Stores always come after `pdl_
 
 Settings (`kernels/config.KernelConfig`, passed as `kernels=`; a launch without one uses
 `kernel_config.default()`): `pdl` (off: the small kernels launch plainly; the GEMV has its own
-switch, `gemv_pdl`), `pdl_max_rows` (small kernels over more rows launch plainly: 4, measured
-on an H200, perf/RESULTS.md third session run 8: PDL on every small kernel took a draft call
-from 642 to 633 us at bs 1, but from 685 to 710 us at bs 8; the cause at bs 8 is not known)
-and `pdl_early_loads` (kernels that take `EARLY` load their metadata before waiting; off: after).
+switch, `gemv_pdl`), `pdl_max_rows` (small kernels over more rows do not let the next kernel
+launch early: 4, measured on an H200, perf/RESULTS.md third session run 8: PDL on every small
+kernel took a draft call from 642 to 633 us at bs 1, but from 685 to 710 us at bs 8; the
+cause at bs 8 is not known) and `pdl_early_loads` (kernels that take `EARLY` load their
+metadata before waiting; off: after). Every launch on CUDA carries the PDL attribute and the
+row limit is a runtime argument (`pdl_trigger`), so one compiled variant serves every batch
+size (a constexpr and a launch option per side of the limit had compiled each kernel twice).
 """
 
 from __future__ import annotations
@@ -50,20 +53,27 @@ def supported(device: torch.device) -> bool:
 def launch_options(device: torch.device, rows: int, *, early: bool = False,
                    kernels: KernelConfig | None = None) -> dict:
     """Keyword arguments of a launch over `rows` rows under `kernels` (None: the default
-    config): `PDL` (the constexpr) and `launch_pdl`; with `early` (a kernel that takes the
-    `EARLY` constexpr) also `EARLY`: on with PDL, and under Triton's interpreter (where the
-    wait is a no-op)."""
+    config): `PDL` (the constexpr), `launch_pdl` (with PDL), `pdl_trigger` (a runtime int:
+    1 lets the next kernel launch as soon as this one has waited, for `rows` up to
+    `kernels.pdl_max_rows`; 0 lets it launch only once this one's programs have ended, as a
+    plain launch would); with `early` (a kernel that takes the `EARLY` constexpr) also
+    `EARLY`: on with PDL, and under Triton's interpreter (where the wait is a no-op). Every
+    size launches the same compiled variant: only `pdl_trigger` depends on `rows`."""
     kc = kernels if kernels is not None else default_config()
-    on = kc.pdl and rows <= kc.pdl_max_rows and supported(device)
-    opts = {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    on = kc.pdl and supported(device)
+    opts = {"PDL": on, "pdl_trigger": int(rows <= kc.pdl_max_rows)}
+    if on:
+        opts["launch_pdl"] = True
     if early:  # under the interpreter too: the CPU tests run the code small GPU batches run
         opts["EARLY"] = kc.pdl_early_loads and (on or interpreting())
     return opts
 
 
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """First statement of a chain kernel: wait for the previous kernel, then let the next launch."""
+def pdl_enter(PDL: tl.constexpr, trigger):
+    """First statement of a chain kernel: wait for the previous kernel, then (`trigger` != 0)
+    let the next launch; with `trigger` 0 the next one launches once this one's programs end."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if trigger != 0:
+            tl.extra.cuda.gdc_launch_dependents()

@@ -78,7 +78,7 @@ from graphdraft.config import ModelConfig, RuntimeConfig
 __all__ = ["CompilePhase", "PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
            "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
            "engine_spec", "is_warm", "mark_warm", "warmup_tasks", "memory_cap", "plan_bytes", "plan_keys",
-           "reduced_target_config", "run_workers", "start_workers", "tasks_of"]
+           "PREFILL", "prefill_probes", "probe_prefill", "reduced_target_config", "run_workers", "start_workers", "tasks_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,12 @@ _PLAN = "plan.json"
 _SPAWNED_ENV = "GRAPHDRAFT_WORKER_SPAWNED"
 
 Task = tuple[str, str, int]
-"""(owner "engine" | "drafter", attribute of its `CapturedForward`, batch size)."""
+"""(owner "engine" | "drafter", attribute of its `CapturedForward`, batch size), or
+("engine", PREFILL, tokens): one eager prefill step of that many prompt tokens
+(`probe_prefill`)."""
+
+PREFILL = "prefill"
+"""A task's attribute for an eager prefill step (no captured forward): `prefill_probes`."""
 
 _HEAVY_FIRST = ("extend_attention", "decode_attention", "gemv", "tree_", "rope", "norm")
 """Kernel modules in the order their keys go into the plan (the longest compiles first, so
@@ -295,7 +300,9 @@ def tasks_of(engine) -> list[Task]:
     """Every (owner, attribute, bs) the engine's precompile runs: each active captured forward
     of the engine and its drafter at its representative sizes (`precompile_engine`'s choice),
     in the order `capture_graphs` captures them (`engine.capture_sequence()` where it has
-    one; each forward's sizes largest first)."""
+    one; each forward's sizes largest first), then its prefill probes (`prefill_probes`:
+    what the first requests' eager prefill launches, compiled beside the capture instead of
+    at the first request). None when nothing is captured."""
     from graphdraft.kernels.buckets import representative_sizes
     from graphdraft.kernels.warmup import captured_forwards
 
@@ -313,7 +320,64 @@ def tasks_of(engine) -> list[Task]:
                 continue
             for bs in representative_sizes(f.batch_sizes, (1, n), kernels=kc):
                 out.append((rank.get(id(f), len(rank)), (owner_name, attr, bs)))
-    return [t for _, t in sorted(out, key=lambda x: x[0])]
+    if not out:
+        return []
+    tasks = [t for _, t in sorted(out, key=lambda x: x[0])]
+    if not callable(getattr(engine, "add_request", None)):  # not a serving engine
+        return tasks
+    return tasks + [("engine", PREFILL, t) for t in prefill_probes(engine)]
+
+
+def _prefill_row_cap(engine) -> int:
+    """The longest prompt `engine` accepts with one new token (`Engine.check_request`)."""
+    cfg = engine.cfg
+    look = int(getattr(engine, "n_row", 1)) + int(cfg.speculative_num_steps)
+    return max(1, cfg.max_context_len - 1 - look)
+
+
+def prefill_probes(engine) -> list[int]:
+    """Prompt tokens of the prefill steps the plan dry-runs (`probe_prefill`): one row whose
+    length picks each extend-attention tile case (`extend_attention.TILE_CASES` over the
+    target's grouped heads: 4, 8, 16 and 32 tokens for 4 heads a kv head; split KV), and a
+    full chunk (`max_num_batched_tokens` over rows of the longest prompt: few KV splits or
+    one). What a prefill launches depends on its tokens only through such buckets (the tile
+    and splits, PDL by rows, GEMV or cuBLAS by rows): a chunk of another bucket compiles
+    its kernels at its first use."""
+    import triton
+
+    from graphdraft.kernels.extend_attention import TILE_CASES
+
+    cfg, mc = engine.cfg, engine.target.config
+    g_pad = triton.next_power_of_2(max(1, mc.num_attention_heads // mc.num_key_value_heads))
+    cap = _prefill_row_cap(engine)
+    rows = max(1, min(cfg.max_running_requests, cfg.max_num_batched_tokens // cap or 1))
+    full = min(cfg.max_num_batched_tokens, rows * cap)
+    return sorted({min(max(1, case // g_pad), cap, full) for case in TILE_CASES} | {full})
+
+
+def probe_prefill(engine, tokens: int) -> None:
+    """One engine step that prefills `tokens` prompt tokens (rows of at most the longest
+    prompt, one new token each), then the engine as before: the requests aborted, the step
+    retired (`Engine.drain`; an aborted row is skipped). Under `KeyRecorder(launch=False)`
+    this records the keys an eager prefill launches (its host code reads no device value);
+    on a live engine it is a warm-up prefill."""
+    from graphdraft.serving.verify import SamplingParams
+
+    if engine.has_work:
+        raise RuntimeError("probe_prefill: expected an idle engine (requests would be mixed in)")
+    cap = _prefill_row_cap(engine)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    reqs = []
+    try:
+        while tokens > 0:
+            n = min(cap, tokens)
+            reqs.append(engine.add_request([1] * n, params))
+            tokens -= n
+        engine.step()
+    finally:
+        for r in reqs:
+            engine.abort(r)
+        engine.drain()
 
 
 # ------------------------------------------------------------------ the plan
@@ -372,7 +436,7 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
     arguments, `encode_arg`), in the order the tasks first need them (the heavy kernels first
     within a task), the key count, and per (engine index, task) the positions of the entries
     it launches (what a capture of that task waits for when it overlaps the compiles)."""
-    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+    from graphdraft.kernels.warmup import KeyRecorder, all_kernels, storages
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
     entries: list[PlanEntry] = []
@@ -391,7 +455,12 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
                     for r in resets:
                         r()
                     rec.context = (index, task)
-                    getattr(owners[owner], attr)._forward(bs)
+                    if attr == PREFILL:  # its host code indexes with its host-written inputs
+                        rec.spare = storages(*vars(engine.inputs).values())
+                        probe_prefill(engine, bs)
+                        rec.spare = frozenset()
+                    else:
+                        getattr(owners[owner], attr)._forward(bs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         for name, key, args, kwargs, _grid, (i, task) in rec.kept:

@@ -50,7 +50,7 @@ def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
 # elements, 16-byte aligned only for even bs: not specialized on alignment (one scalar load per
 # program). split_stride (T * width) stays specialized: width is a multiple of 16 for every
 # head_dim in use, so it is always "divisible by 16", which keeps the partials' loads vectorized.
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
+@triton.jit(do_not_specialize=["pdl_trigger"], do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _rope_store_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_t, sk_h,
@@ -63,14 +63,14 @@ def _rope_store_kernel(
     loc_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
+    pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """SPLIT == 0: q/k/v are the activations (q_out may be q itself); SPLIT > 0: they are fp32
     split-K partials (strides of one split), each summed and rounded to the cache dtype.
     EARLY (with PDL): position, cache slot and cos/sin are loaded before waiting for the
     kernel before (pdl module doc); q/k/v after."""
     if not EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -79,7 +79,7 @@ def _rope_store_kernel(
     c = tl.load(cs_ptr + pos * s_cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     if EARLY:
-        pdl_enter(PDL)
+        pdl_enter(PDL, pdl_trigger)
 
     # q: rotate into q_out.
     dtype = kc_ptr.dtype.element_ty

@@ -137,11 +137,12 @@ def specialization_key(kernel, *args, **kwargs) -> tuple:
     return tuple(spec) + options
 
 
-def _zero_int_tensors(args, kwargs) -> None:
+def _zero_int_tensors(args, kwargs, spare: frozenset = frozenset()) -> None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and a.numel() and not (a.is_floating_point()
                                                              or a.is_complex()):
-            a.zero_()
+            if a.untyped_storage().data_ptr() not in spare:
+                a.zero_()
 
 
 class KeyRecorder(contextlib.AbstractContextManager):
@@ -160,6 +161,8 @@ class KeyRecorder(contextlib.AbstractContextManager):
     of a skipped launch is zeroed instead, so what the kernel would have written (token ids,
     indices, lengths) is 0 rather than stale memory when later torch ops index with it (a
     device-side bounds assert would end the process); the keys do not depend on values.
+    `spare` (storage pointers, `storages(...)`): tensors never zeroed, the host-written inputs
+    later host-side torch ops index with (an eager prefill's extend lengths).
 
     `order` lists the distinct `(name, key)` in the order first launched; `keep(index)`
     (index in `order`) True keeps that first launch's arguments in `kept` as
@@ -178,6 +181,7 @@ class KeyRecorder(contextlib.AbstractContextManager):
         self.launch = launch
         self.keep = keep
         self.zero_ints = zero_ints
+        self.spare: frozenset = frozenset()
         self.context: object = None
         self._saved: list[tuple[object, object]] = []
 
@@ -197,7 +201,7 @@ class KeyRecorder(contextlib.AbstractContextManager):
                     self.where[_name][key].add(self.context)
                 if not self.launch and not warmup:
                     if self.zero_ints:
-                        _zero_int_tensors(args, kwargs)
+                        _zero_int_tensors(args, kwargs, self.spare)
                     return None
                 return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
@@ -216,6 +220,11 @@ class KeyRecorder(contextlib.AbstractContextManager):
     def total(self) -> int:
         """Distinct keys over all kernels: the compiles these launches need on a GPU."""
         return sum(len(v) for v in self.keys.values())
+
+
+def storages(*tensors: torch.Tensor) -> frozenset:
+    """The storage pointers of `tensors` (`KeyRecorder.spare`)."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
 
 def captured_forwards(*owners: object) -> dict[str, CapturedForward]:
@@ -263,12 +272,22 @@ def _run_workers(engines: list, workers: int, progress: bool):
         logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
         return None
     for index, engine in enumerate(engines):
-        owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
-        for (owner, attr, bs), n in report.built_of(index).items():
-            getattr(owners[owner], attr).stats.worker_built[bs] += n
+        _count_worker_builds(engine, report, index)
         with contextlib.suppress(TypeError):
             _REPORTS[engine] = report
     return report
+
+
+def _count_worker_builds(engine, report, index: int) -> None:
+    """Add the kernels the workers built for engine `index`'s capture tasks to each forward's
+    `GraphStats.worker_built` (a prefill probe's builds belong to no captured forward: they
+    stay in the report's totals only)."""
+    from graphdraft.kernels.precompile_workers import PREFILL
+
+    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
+    for (owner, attr, bs), n in report.built_of(index).items():
+        if attr != PREFILL:
+            getattr(owners[owner], attr).stats.worker_built[bs] += n
 
 
 def precompile_engines(engines, *, workers: int, progress: bool = True):
@@ -349,9 +368,7 @@ def finish_precompile(engine, abort: bool = False):
     except pw.PrecompileWorkerError as e:
         logger.warning("%s\nJIT warm-up: the capture compiled what the workers left", e)
         return None
-    owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
-    for (owner, attr, bs), n in report.built_of(0).items():
-        getattr(owners[owner], attr).stats.worker_built[bs] += n
+    _count_worker_builds(engine, report, 0)
     with contextlib.suppress(TypeError):
         _REPORTS[engine] = report
     pw.mark_warm(engine, warmup=phase.first_tasks(0))
