@@ -44,7 +44,7 @@ perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree-kernels
 perf-draft:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -s -p no:cacheprovider perf \
-		--benchmark-json=$(OUT)/benchmark.json; s=$$?; \
+		--ignore=perf/out --benchmark-json=$(OUT)/benchmark.json; s=$$?; \
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.report $(OUT)/benchmark.json; exit $$s
 
 # The speculative cycle end to end at the 8B shape ($(OUT)/e2e.json).
