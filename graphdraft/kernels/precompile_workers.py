@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -88,6 +89,8 @@ WORKER_TIMEOUT_S = 600.0
 _MARKER = "graphdraft-precompiled-{}.json"
 _PLAN = "plan.json"
 _SPAWNED_ENV = "GRAPHDRAFT_WORKER_SPAWNED"
+_FORKED = False
+"""True in a process `_fork` made (its inherited objects stay frozen: `_fork`)."""
 
 Task = tuple[str, str, int]
 """(owner "engine" | "drafter", attribute of its `CapturedForward`, batch size), or
@@ -841,10 +844,25 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 def _fork(log_path: Path, run) -> int:
     """Fork; the child writes stdout and stderr to `log_path`, runs `run()` and exits with its
-    status (1 and the traceback in the log if it raises); returns the child's pid."""
-    pid = os.fork()
+    status (1 and the traceback in the log if it raises); returns the child's pid.
+
+    Every object alive at the fork is frozen out of the child's garbage collector
+    (`gc.freeze`): unreachable cycles the parent had not collected yet may hold CUDA tensors,
+    whose destructor in a forked child aborts it (the CUDA allocator after a fork); the child
+    leaves through `os._exit`, so no inherited object is ever freed there."""
+    global _FORKED
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        if not _FORKED:
+            gc.unfreeze()
+        raise
     if pid:
+        if not _FORKED:  # the main process collects as before; a forked one never unfreezes
+            gc.unfreeze()
         return pid
+    _FORKED = True
     rc = 1
     try:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
