@@ -182,9 +182,15 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     assert set(got) == _recorded_keys(e) | prefill_keys
     assert prefill_keys - _recorded_keys(e)  # the eager prefill launches keys of its own
     assert all(x.engine == 0 and x.task in tasks for x in entries)
-    # in the order the tasks first need them, the heavy kernels first within a task
-    order = [(tasks.index(x.task), pw._heavy_rank(x.kernel)) for x in entries]
+    # the prefill probes' attention / GEMV keys first (the longest compiles, no capture waits
+    # for them), then in the order the tasks first need them, the heavy kernels first within
+    # a task, then the probes' other keys
+    order = [pw._plan_rank(x, tasks.index(x.task)) for x in entries]
     assert order == sorted(order)
+    groups = [g for g, *_ in order]
+    assert groups[0] == 0 and groups.count(0) >= 1 and groups[-1] == 2, groups
+    assert all(entries[i].kernel.startswith("extend_attention.")
+               for i, g in enumerate(groups) if g == 0)
     # each task needs exactly the keys it launches (for real, at its size)
     for t in tasks:
         launched = by_probe[t] if t in by_probe else _launched_by(e, t)

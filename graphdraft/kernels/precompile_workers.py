@@ -430,14 +430,26 @@ def _heavy_rank(kernel_name: str) -> int:
     return next((i for i, p in enumerate(_HEAVY_FIRST) if mod.startswith(p)), len(_HEAVY_FIRST))
 
 
+def _plan_rank(entry: PlanEntry, task_rank: int) -> tuple[int, int, int]:
+    """Where `entry` goes in the plan (the workers take entries in order): the prefill
+    probes' own attention and GEMV keys first (the longest compiles, which no capture waits
+    for: started at once, they end before the captures' last kernel), then every capture
+    task's keys in capture order (heavy kernels first within a task), then the probes' other
+    keys."""
+    heavy = _heavy_rank(entry.kernel)
+    probe = entry.task[1] == PREFILL
+    group = 1 if not probe else (0 if heavy < _HEAVY_FIRST.index("tree_") else 2)
+    return group, task_rank, heavy
+
+
 def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
               ) -> tuple[list[PlanEntry], int, dict[tuple[int, Task], list[int]]]:
     """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec (`build_engine`, freed
     after) under one `KeyRecorder(launch=False, zero_ints=True)` of every kernel
     (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral rows before
     each task; return one `PlanEntry` per distinct key over all of them (its first launch's
-    arguments, `encode_arg`), in the order the tasks first need them (the heavy kernels first
-    within a task), the key count, and per (engine index, task) the positions of the entries
+    arguments, `encode_arg`), in `_plan_rank` order (the tasks' order, the heavy kernels
+    first within a task, the prefill probes' heavy keys before all), the key count, and per (engine index, task) the positions of the entries
     it launches (what a capture of that task waits for when it overlaps the compiles)."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels, storages
 
@@ -476,7 +488,7 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
             torch.cuda.empty_cache()
     task_rank = {(i, t): r for r, (i, t) in enumerate((i, t) for i, _, ts in plans for t in ts)}
     order = sorted(range(len(entries)), key=lambda j: (
-        task_rank[(entries[j].engine, entries[j].task)], _heavy_rank(entries[j].kernel), j))
+        *_plan_rank(entries[j], task_rank[(entries[j].engine, entries[j].task)]), j))
     needs: dict[tuple[int, Task], list[int]] = {}
     for pos, j in enumerate(order):
         name, key = keys[j]
