@@ -69,7 +69,7 @@ def gpu_forwards(engine) -> dict[str, object]:
 @contextlib.contextmanager
 def gpu_launch_options():
     """While active, the launch wrappers choose what they choose on a CUDA device outside the
-    interpreter (PDL on up to `pdl_max_rows` rows with `launch_pdl`, `EARLY` with PDL only,
+    interpreter (PDL on with `launch_pdl` at every row count, `EARLY` with PDL only,
     bf16 dots, the GEMV's register cap): the keys of an H200's launches, recorded on a CPU.
     Only for dry runs (the interpreter cannot run those variants)."""
     from graphdraft.kernels import decode_attention, extend_attention, gemv, pdl

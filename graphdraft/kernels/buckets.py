@@ -12,7 +12,8 @@ schedule compiles a handful of variants per kernel, not one per size:
   (`cdiv(rows, 64)` programs; one compiled variant where 16 / 64 by row count compiled two);
 * `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
   `KernelConfig.finish_norm_max_m` (4), the fused-norm finisher;
-* `KernelConfig.pdl_max_rows`: PDL on (a constexpr) up to 4 rows;
+* (not a bucket: PDL is one variant at every row count, `KernelConfig.pdl_max_rows` a
+  runtime argument of it, `kernels.pdl`);
 * `argmax.splits_pad(splits)`: the second-stage lanes of the split argmax.
 
 The thresholds come from a `KernelConfig` (`kernels=`; None: the default config): the one the
@@ -49,8 +50,8 @@ def rows_block(rows: int) -> int:
 def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = None) -> tuple:
     """The compile-relevant choices of a launch over `rows` rows under `kernels` (equal tuples:
     the same compiled variants): the GEMV tile and finisher (or cuBLAS above
-    `kernels.small_m_max`), PDL on or off, `rows_block`, and the split argmax's second-stage
-    lanes (its split count is about `2 * num_sms / rows`)."""
+    `kernels.small_m_max`), `rows_block`, and the split argmax's second-stage lanes (its
+    split count is about `2 * num_sms / rows`)."""
     kc = kernels if kernels is not None else default_config()
     if rows < 1:
         raise ValueError(f"rows: expected >= 1, got {rows}")
@@ -59,7 +60,7 @@ def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = 
     else:
         gemv_key = ("cublas",)
     splits = triton.cdiv(2 * num_sms, rows)
-    return (gemv_key, rows <= kc.pdl_max_rows, rows_block(rows), argmax.splits_pad(splits))
+    return (gemv_key, rows_block(rows), argmax.splits_pad(splits))
 
 
 def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int] = (1,), *,

@@ -23,7 +23,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
 | `finish_norm_max_m` | `GRAPHDRAFT_FINISH_NORM_MAX_M` | 0..64 | 4 | rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch) |
 | `pdl` | `GRAPHDRAFT_PDL` | bool | on | small chain kernels launch with PDL (`kernels/pdl.py`) |
-| `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows launch plainly |
+| `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows let the next kernel launch only when they end (a runtime argument) |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
 | `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
 | `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x4` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |

@@ -24,9 +24,9 @@ Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine. E
 program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
 combine reads all splits of every token without knowing its row.
 
-Over at most `KernelConfig.pdl_max_rows` tokens (verify at bs 1) both stages launch with
-programmatic dependent launch (`kernels.pdl`), waiting first thing, as the decode kernel they
-replace did.
+Both stages launch with programmatic dependent launch (`kernels.pdl`), waiting first thing,
+as the decode kernel they replace did; over at most `KernelConfig.pdl_max_rows` tokens (verify
+at bs 1) they let the next kernel launch at once.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
 config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
