@@ -29,7 +29,8 @@ this process and its workers, for the cold run with workers), `sizes`, `pool_mib
 the worker phase, and `runs` with every run (`cold-64-inprocess`, `cold-64`, `warm-64`,
 `cold-160`, `warm-160`). Also `census_keys` (the distinct Triton keys of the schedule: the
 plan's dry run, `perf/compile_census.py`), `plan_s`, `compiled_here_in_phase`,
-`longest_compiles`, and per run a `breakdown` of capture_graphs' seconds (precompile and its
+`longest_compiles`, `host` (`host_info`: CPU model, count and a Python loop's seconds,
+since hosts differ), and per run a `breakdown` of capture_graphs' seconds (precompile and its
 worker phase; per captured size the warm-up runs, the capture itself and the first replay
 that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
 replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
@@ -229,6 +230,29 @@ def _every_bucket_warmup(cache: Path):
             marker.write_text(text)
 
 
+def host_info(loops: int = 3) -> dict:
+    """The host the runs ran on: CPU model and count, and `python_loop_s`, the median seconds
+    of a fixed pure-Python loop (2e6 iterations). Start-up is mostly host work (compiles,
+    launches under capture), and hosts of one GPU kind differ by 2x: this says which."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    times = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(2_000_000):
+            acc += i & 7
+        times.append(time.perf_counter() - t0)
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "python_loop_s": round(statistics.median(times), 4)}
+
+
 def _capture_seconds(runs: dict, name: str) -> list[float]:
     """capture_s of run `name` and its repeats (`name-r2`, ...) that did not fail."""
     return [r["capture_s"] for k, r in runs.items()
@@ -315,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     solo = runs.get(f"cold-{tops[0]}-inprocess", {})
     out = {
         "max_bs": tops[0],
+        "host": host_info(),
         "cold_s": head_cold["capture_s"],
         # the median of the `--warm-repeats` warm runs (each in `warm_s_runs`)
         "warm_s": statistics.median(warm_s),

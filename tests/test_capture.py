@@ -818,6 +818,8 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     # warm_s: the median of the 3 warm runs (1.0, 2.0, 0.5), not their mean
     assert (data["cold_s"], data["warm_s"], data["triton_compiles_cold"]) == (4.0, 1.0, 3)
     assert data["warm_s_runs"] == [1.0, 2.0, 0.5] == data["warm_every_bucket_s_runs"]
+    host = data["host"]
+    assert host["cpu_count"] >= 1 and host["python_loop_s"] > 0 and isinstance(host["cpu_model"], str)
     assert (data["triton_compiles_cold_here"], data["triton_compiles_cold_workers"]) == (1, 2)
     assert (data["cold_inprocess_s"], data["triton_compiles_cold_inprocess"]) == (9.0, 3)
     assert data["workers"] == 2 and data["worker_wall_s"] == [2.0, 2.1]
