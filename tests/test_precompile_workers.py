@@ -803,6 +803,9 @@ def test_prefill_probes_and_a_probe_leaves_the_engine_as_it_was():
         pw.probe_prefill(e, 64)
     assert not e.has_work and e.stats.steps == 1 and e.stats.prefill_tokens == 64
     assert e.pages.num_free_pages == free and torch.equal(e.states.valid_cache_lengths, before)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="tokens: expected an int >= 1"):
+            pw.probe_prefill(e, bad)
     e.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="expected an idle engine"):
         pw.probe_prefill(e, 8)

@@ -14,7 +14,8 @@ dtype, `RuntimeConfig` with its `KernelConfig` and the engine's KV page count, t
 vocab's size) with random weights and only as many target layers as the code paths need
 (`reduced_target_config`: layer 0 runs without a residual input, every later layer with one;
 2 layers, the EAGLE-3 aux ids mapped onto them), and dry-runs every (forward, batch size) task
-(`tasks_of`: each captured forward at one size per bucket, `buckets.representative_sizes`)
+(`tasks_of`: each captured forward at one size per bucket, `buckets.representative_sizes`,
+then a few eager prefill steps, `prefill_probes`, so the first requests compile nothing)
 under `warmup.KeyRecorder(launch=False)`: each launch's key is recorded, no kernel runs.
 Each distinct key becomes one `PlanEntry`: the kernel's name and its first launch's arguments
 as data (`encode_arg`: a tensor as its dtype and 16-byte alignment, scalars as they are).
@@ -305,7 +306,7 @@ def tasks_of(engine) -> list[Task]:
     in the order `capture_graphs` captures them (`engine.capture_sequence()` where it has
     one; each forward's sizes largest first), then its prefill probes (`prefill_probes`:
     what the first requests' eager prefill launches, compiled beside the capture instead of
-    at the first request). None when nothing is captured."""
+    at the first request). Empty when nothing is captured."""
     from graphdraft.kernels.buckets import representative_sizes
     from graphdraft.kernels.warmup import captured_forwards
 
@@ -344,8 +345,8 @@ def prefill_probes(engine) -> list[int]:
     target's grouped heads: 4, 8, 16 and 32 tokens for 4 heads a kv head; split KV), and a
     full chunk (`max_num_batched_tokens` over rows of the longest prompt: few KV splits or
     one). What a prefill launches depends on its tokens only through such buckets (the tile
-    and splits, PDL by rows, GEMV or cuBLAS by rows): a chunk of another bucket compiles
-    its kernels at its first use."""
+    and splits, GEMV or cuBLAS by rows): a chunk of another bucket compiles its kernels at
+    its first use."""
     import triton
 
     from graphdraft.kernels.extend_attention import TILE_CASES
@@ -366,6 +367,8 @@ def probe_prefill(engine, tokens: int) -> None:
     on a live engine it is a warm-up prefill."""
     from graphdraft.serving.verify import SamplingParams
 
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens: expected an int >= 1, got {tokens!r}")
     if engine.has_work:
         raise RuntimeError("probe_prefill: expected an idle engine (requests would be mixed in)")
     cap = _prefill_row_cap(engine)
@@ -449,8 +452,9 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
     (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral rows before
     each task; return one `PlanEntry` per distinct key over all of them (its first launch's
     arguments, `encode_arg`), in `_plan_rank` order (the tasks' order, the heavy kernels
-    first within a task, the prefill probes' heavy keys before all), the key count, and per (engine index, task) the positions of the entries
-    it launches (what a capture of that task waits for when it overlaps the compiles)."""
+    first within a task, the prefill probes' heavy keys before all), the key count, and per
+    (engine index, task) the positions of the entries it launches (what a capture of that
+    task waits for when it overlaps the compiles)."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels, storages
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
