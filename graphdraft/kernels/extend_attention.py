@@ -102,7 +102,7 @@ def _extend_split_kernel(
     UNIFORM: tl.constexpr, MASK_BITS: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, pdl_trigger, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL, pdl_trigger)  # with PDL (few rows): wait for the kernel before, then let the next launch
+    pdl_enter(PDL, pdl_trigger)  # with PDL: wait for the kernel before (few rows: let the next launch)
     BLOCK_T: tl.constexpr = BLOCK_M // G_PAD
     r = tl.program_id(0)
     qb = num_q_blocks - 1 - tl.program_id(1)  # longest blocks first

@@ -334,9 +334,7 @@ def tasks_of(engine) -> list[Task]:
 
 def _prefill_row_cap(engine) -> int:
     """The longest prompt `engine` accepts with one new token (`Engine.check_request`)."""
-    cfg = engine.cfg
-    look = int(getattr(engine, "n_row", 1)) + int(cfg.speculative_num_steps)
-    return max(1, cfg.max_context_len - 1 - look)
+    return max(1, engine.cfg.max_context_len - 1 - engine._lookahead())
 
 
 def prefill_probes(engine) -> list[int]:
