@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -157,6 +158,11 @@ def _launched_by(engine, task):
     return {(n, k) for n, ks in rec.keys.items() for k in ks}
 
 
+def needs_of(needs, j):
+    """The (engine index, task) contexts whose `needs` hold entry j."""
+    return [c for c, js in needs.items() if j in js]
+
+
 def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     """`plan_keys` over the representative sizes and the prefill probes: one entry per
     distinct key, and the entries' decoded arguments (mock pointers of the recorded dtype and
@@ -182,15 +188,23 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     assert set(got) == _recorded_keys(e) | prefill_keys
     assert prefill_keys - _recorded_keys(e)  # the eager prefill launches keys of its own
     assert all(x.engine == 0 and x.task in tasks for x in entries)
-    # the prefill probes' attention / GEMV keys first (the longest compiles, no capture waits
-    # for them), then in the order the tasks first need them, the heavy kernels first within
-    # a task, then the probes' other keys
-    order = [pw._plan_rank(x, tasks.index(x.task)) for x in entries]
+    # the prefill probes' attention / GEMV keys first (the longest compiles), then each
+    # capture task's keys not planned yet in capture order (heavy kernels first within a
+    # task), then the probes' other keys; each entry's task is the first capture launching it
+    ctxs = [[t for (_, t) in needs_of(needs, j)] for j in range(len(entries))]
+    lead = [j for j, x in enumerate(entries) if pw._heavy_rank(x.kernel) < pw._PLAN_NOW
+            and any(t in probes for t in ctxs[j])]
+    assert lead == list(range(len(lead))) and lead  # a prefix
+    assert any(entries[j].kernel.startswith("extend_attention.") for j in lead)
+    tail = [j for j in range(len(lead), len(entries)) if all(t in probes for t in ctxs[j])]
+    assert tail and tail == list(range(len(entries) - len(tail), len(entries)))
+    middle = entries[len(lead): len(entries) - len(tail)]
+    order = [(graphs.index(x.task), pw._heavy_rank(x.kernel)) for x in middle]
     assert order == sorted(order)
-    groups = [g for g, *_ in order]
-    assert groups[0] == 0 and groups.count(0) >= 1 and groups[-1] == 2, groups
-    assert all(entries[i].kernel.startswith("extend_attention.")
-               for i, g in enumerate(groups) if g == 0)
+    rank = {t: r for r, t in enumerate(graphs)}
+    for j, x in enumerate(entries):  # the first capture task that launches it, if any
+        capture = [t for (_, t) in needs_of(needs, j) if t in rank]
+        assert x.task == (min(capture, key=rank.__getitem__) if capture else x.task)
     # each task needs exactly the keys it launches (for real, at its size)
     for t in tasks:
         launched = by_probe[t] if t in by_probe else _launched_by(e, t)
@@ -212,7 +226,12 @@ def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
     tasks_b = pw.tasks_of(base)
     assert tasks_b
     (ss, _), (sb, _) = pw.engine_spec(spec_e), pw.engine_spec(base)
-    both, n, _ = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)])
+    batches = []
+    both, n, _ = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)], emit=batches.append)
+    # streamed as planned: the batches, in order, are the plan (tasks fixed up after)
+    assert len(batches) > 3 and all(batches)
+    assert [(x.kernel, x.args, x.kwargs) for b in batches for x in b] == \
+        [(x.kernel, x.args, x.kwargs) for x in both]
     alone_s, *_ = pw.plan_keys([(0, ss, tasks_s)])
     alone_b, *_ = pw.plan_keys([(1, sb, tasks_b)])
     keys = lambda es: {_entry_key(x) for x in es}  # noqa: E731
@@ -283,10 +302,18 @@ def test_run_workers_skips_without_work_and_rejects_bad_counts():
 
 
 # ------------------------------------------------------------------ the worker process
-def _write_plan(workdir, entries, device="cpu"):
+def _write_plan(workdir, entries, device="cpu", pause=0.0):
+    """The plan as `start_workers` streams it: the header, two chunks (`pause` seconds
+    apart: workers compile the first while the second is planned), the end marker."""
+    import time
+
     (workdir / "claims").mkdir(exist_ok=True)
-    (workdir / "plan.json").write_text(json.dumps(
-        {"device": device, "entries": [x.to_json() for x in entries]}))
+    pw._write_atomic(workdir / "plan.json", {"device": device, "target": None})
+    half = len(entries) // 2
+    for c, part in enumerate((entries[:half], entries[half:])):
+        pw._write_atomic(workdir / f"plan.{c}.json", {"entries": [x.to_json() for x in part]})
+        time.sleep(pause)
+    pw._write_atomic(workdir / "plan.end", {"chunks": 2, "entries": len(entries)})
 
 
 @pytest.mark.parametrize("how", ["fork", "spawn"])
@@ -294,9 +321,10 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
     """The real worker server (forked from this process, or where there is no fork the
     command `python -m graphdraft.kernels.precompile_workers DIR 2` with the environment
     `run_workers` gives it), 2 workers, on the CPU, started before the plan exists: each
-    worker waits for the plan, claims entries (Triton's warm-up is a no-op under the
-    interpreter: nothing built), writes a progress line per entry and its JSON; the server
-    exits 0; every entry is claimed by exactly one."""
+    worker waits for the plan's header, claims entries as its chunks arrive (the second half
+    a while after the first; Triton's warm-up is a no-op under the interpreter: nothing
+    built), writes a progress line per entry and its JSON; the server exits 0 after the end
+    marker; every entry is claimed by exactly one."""
     if how == "spawn":
         monkeypatch.delattr(pw.os, "fork")
     e = _full_engine()
@@ -307,15 +335,15 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
     env["TRITON_INTERPRET"] = "1"
     (tmp_path / "claims").mkdir()
     server = pw._launch(tmp_path, 2, tmp_path / "server.txt", env)
-    _write_plan(tmp_path, entries)
+    _write_plan(tmp_path, entries, pause=0.5)
     assert server.wait(timeout=300) == 0, (tmp_path / "server.txt").read_text()[-3000:]
     data = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
     assert sum(d["compiled"] for d in data) == len(entries) > 10
     assert sorted(int(c.name) for c in (tmp_path / "claims").iterdir()) == list(range(len(entries)))
     assert [pw._read_progress(tmp_path / f"out{i}.json") for i in range(2)] == \
         [d["compiled"] for d in data]
-    for d in data:
-        assert all((x[0], *x[1:4]) in {(0, *t) for t in tasks} and x[4] == 0 for x in d["built"])
+    for d in data:  # builds per entry index (none under the interpreter)
+        assert all(0 <= j < len(entries) and n == 0 for j, n in d["built"])
         assert d["wall_s"] >= d["startup_s"] > 0
 
 
@@ -402,7 +430,7 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
         started.append(p)
         return p
 
-    def boom(plans):
+    def boom(plans, emit=None):
         raise RuntimeError("dry run exploded")
 
     monkeypatch.setattr(pw, "_launch", launch)
@@ -441,10 +469,15 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     def launch(workdir, n, log_path, env):
         assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
         launched.extend(range(n))
-        body = json.dumps({"built": [[0, *t, 2] for t in all_tasks], "compiled": 0,
-                           "startup_s": 0.1, "plan_wait_s": 0.05, "wall_s": 0.2})
         outs = [str(workdir / f"out{i}.json") for i in range(n)]
-        code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
+        code = (  # once the plan is out: 2 builds for every entry, from each worker
+            "import json, pathlib, time\n"
+            f"end = pathlib.Path({str(workdir / 'plan.end')!r})\n"
+            "while not end.exists(): time.sleep(0.01)\n"
+            "n = json.loads(end.read_text())['entries']\n"
+            "body = json.dumps({'built': [[j, 2] for j in range(n)], 'compiled': 0,"
+            " 'startup_s': 0.1, 'plan_wait_s': 0.05, 'wall_s': 0.2})\n"
+            f"for o in {outs!r}: pathlib.Path(o).write_text(body)\n")
         with open(log_path, "wb") as log:
             return subprocess.Popen([sys.executable, "-c", code], stdout=log,
                                     stderr=subprocess.STDOUT)
@@ -455,12 +488,15 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     assert rep is not None and rep.skipped is None and rep.workers == len(launched) == 2
     assert rep.compiled == [0, 0] and rep.compiled_here == rep.keys > 10
     assert rep.worker_plan_wait_s == [0.05, 0.05] and rep.plan_s > 0
-    assert rep.total_built == 2 * 2 * len(all_tasks)
+    assert rep.total_built == 2 * 2 * rep.keys
     owners = {"engine": e, "drafter": e.drafter}
     assert all_tasks[-1][1] == pw.PREFILL  # a probe's builds are in the totals only
+    spec, _ = pw.engine_spec(e)
+    per_task = Counter(x.task for x in pw.plan_keys([(0, spec, all_tasks)])[0])
+    assert sum(n for t, n in per_task.items() if t[1] != pw.PREFILL) < rep.keys
     for owner, attr, bs in [t for t in all_tasks if t[1] != pw.PREFILL]:
         f = getattr(owners[owner], attr)
-        assert f.stats.worker_built[bs] == 4
+        assert f.stats.worker_built[bs] == 4 * per_task[(owner, attr, bs)]
         # one warm-up per bucket: its representative (largest) size, captured first
         assert f.warmup_iters == 1 and f.warmup_sizes == set(representative_sizes(
             f.batch_sizes, (1, e.cfg.spec_num_tokens), kernels=e.cfg.kernels))

@@ -28,9 +28,11 @@ modules are imported already, and nothing of the caller's `__main__` re-runs, wh
 multiprocessing spawn would do; without `os.fork`, the command
 `python -m graphdraft.kernels.precompile_workers DIR N` in a fresh interpreter), starts while
 this process plans and forks N workers (`server_main`). Neither touches CUDA, so forking a
-process that uses it is safe (as for a DataLoader's workers). Each waits for `DIR/plan.json`, then takes entries in plan order (the
-heavy kernels first), each by creating `DIR/claims/<j>` exclusively (no entry compiled twice,
-none idle while work is left), and compiles it with Triton's `JITFunction.warmup` (compile
+process that uses it is safe (as for a DataLoader's workers). Each waits for `DIR/plan.json`
+(the compile target), then takes entries in plan order as the plan streams in (`plan_keys`
+hands out each task's keys as soon as its dry run fixed their order: `DIR/plan.<c>.json`,
+then `DIR/plan.end`; the workers compile while the rest is planned), each by creating
+`DIR/claims/<j>` exclusively (no entry compiled twice, none idle while work is left), and compiles it with Triton's `JITFunction.warmup` (compile
 without a launch: the same key) and its host launcher (`build_launcher`). No worker builds an
 engine or opens a CUDA context: Triton's compile target, device and stream come with the plan
 (`_use_target`; 16 workers initialising CUDA side by side took 2.2 s each), and a kernel's
@@ -89,6 +91,8 @@ ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600.0
 _MARKER = "graphdraft-precompiled-{}.json"
 _PLAN = "plan.json"
+_CHUNK = "plan.{}.json"
+_PLAN_END = "plan.end"
 _SPAWNED_ENV = "GRAPHDRAFT_WORKER_SPAWNED"
 _FORKED = False
 """True in a process `_fork` made (its inherited objects stay frozen: `_fork`)."""
@@ -129,8 +133,9 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class PlanEntry:
     """One distinct specialization key of the plan: `kernel` (`warmup.all_kernels()` name),
-    its first launch's arguments as JSON data (`encode_arg`), and where it was first launched
-    (engine index among the planned engines, then the `Task`)."""
+    its first launch's arguments as JSON data (`encode_arg`), and the first capture task that
+    launches it (engine index among the planned engines, then the `Task`; a prefill probe's
+    where no capture does)."""
 
     kernel: str
     args: list
@@ -175,10 +180,10 @@ class WorkerReport:
     worker_wall_s: list[float] = field(default_factory=list)
     """Per worker: seconds from its spawn to its exit report."""
     worker_startup_s: list[float] = field(default_factory=list)
-    """Per worker: seconds from its spawn until it had imported everything and read the plan
-    (the plan's own time included when the worker was ready first)."""
+    """Per worker: seconds from its spawn until it had imported everything and read the
+    plan's header (its compile target; the entries stream in after)."""
     worker_plan_wait_s: list[float] = field(default_factory=list)
-    """Per worker: seconds it waited for the plan after its imports."""
+    """Per worker: seconds it waited for the plan's header after its imports."""
     compile_s: list[list] = field(default_factory=list)
     """`[kernel, seconds]` of every compiled entry, in every process (a load from the cache
     is fast)."""
@@ -431,43 +436,55 @@ def _heavy_rank(kernel_name: str) -> int:
     return next((i for i, p in enumerate(_HEAVY_FIRST) if mod.startswith(p)), len(_HEAVY_FIRST))
 
 
-def _plan_rank(entry: PlanEntry, task_rank: int) -> tuple[int, int, int]:
-    """Where `entry` goes in the plan (the workers take entries in order): the prefill
-    probes' own attention and GEMV keys first (the longest compiles, which no capture waits
-    for: started at once, they end before the captures' last kernel), then every capture
-    task's keys in capture order (heavy kernels first within a task), then the probes' other
-    keys."""
-    heavy = _heavy_rank(entry.kernel)
-    probe = entry.task[1] == PREFILL
-    group = 1 if not probe else (0 if heavy < _HEAVY_FIRST.index("tree_") else 2)
-    return group, task_rank, heavy
+_PLAN_NOW = _HEAVY_FIRST.index("tree_")
+"""A prefill probe's keys of the modules before this rank (attention, GEMV: the longest
+compiles) go into the plan at once; its lighter keys wait for a capture that launches them."""
 
 
-def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
+def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
               ) -> tuple[list[PlanEntry], int, dict[tuple[int, Task], list[int]]]:
-    """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec (`build_engine`, freed
-    after) under one `KeyRecorder(launch=False, zero_ints=True)` of every kernel
-    (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral rows before
-    each task; return one `PlanEntry` per distinct key over all of them (its first launch's
-    arguments, `encode_arg`), in `_plan_rank` order (the tasks' order, the heavy kernels
-    first within a task, the prefill probes' heavy keys before all), the key count, and per
-    (engine index, task) the positions of the entries it launches (what a capture of that
-    task waits for when it overlaps the compiles)."""
+    """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec
+    (`build_engine`, freed after) under one `KeyRecorder(launch=False, zero_ints=True)` of
+    every kernel (`warmup.all_kernels`), the engine's and drafter's buffers reset to neutral
+    rows before each task; return one `PlanEntry` per distinct key over all of them (its
+    first launch's arguments, `encode_arg`), the key count, and per (engine index, task) the
+    positions of the entries it launches (what a capture of that task waits for when it
+    overlaps the compiles).
+
+    The order is fixed as the dry runs go, and `emit(batch)` (if given) gets each batch of
+    entries at once, so workers compile while the rest is planned: an engine's prefill
+    probes run first and their attention / GEMV keys (the longest compiles) lead; then each
+    capture task in capture order adds the keys it launches that are not planned yet
+    (heavy kernels first), the probes' lighter keys among them; the probes' keys no capture
+    launches come last. Each entry's `task` is the first capture task that launches it (the
+    one whose capture warms it up: `CompilePhase.first_tasks`), else its probe."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels, storages
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
     entries: list[PlanEntry] = []
     keys: list[tuple[str, tuple]] = []
+    held: list[tuple[PlanEntry, tuple[str, tuple]]] = []
+
+    def release(batch: list[tuple[PlanEntry, tuple[str, tuple]]]) -> None:
+        batch = sorted(batch, key=lambda x: _heavy_rank(x[0].kernel))  # stable
+        for entry, key in batch:
+            entries.append(entry)
+            keys.append(key)
+        if emit is not None and batch:
+            emit([entry for entry, _ in batch])
+
+    first_capture: dict[tuple[str, tuple], tuple[int, Task]] = {}
     for index, spec, tasks in plans:
         device = torch.device(spec.device)
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        order = [t for t in tasks if t[1] == PREFILL] + [t for t in tasks if t[1] != PREFILL]
         with ctx:
             engine = build_engine(spec)
             owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
             resets = [getattr(o, "_reset_neutral", None) for o in owners.values() if o is not None]
             resets = [r for r in resets if r is not None]
             with torch.inference_mode(), torch.no_grad(), rec:
-                for task in tasks:
+                for task in order:
                     owner, attr, bs = task
                     for r in resets:
                         r()
@@ -478,25 +495,42 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]]
                         rec.spare = frozenset()
                     else:
                         getattr(owners[owner], attr)._forward(bs)
+                    new = [(PlanEntry(name, [encode_arg(a) for a in args],
+                                      {k: encode_arg(v) for k, v in kwargs.items()}, i, t),
+                            (name, key))
+                           for name, key, args, kwargs, _grid, (i, t) in rec.kept]
+                    rec.kept.clear()  # the recorded arguments (activations) are not kept alive
+                    if attr == PREFILL:
+                        held += [x for x in new if _heavy_rank(x[0].kernel) >= _PLAN_NOW]
+                        release([x for x in new if _heavy_rank(x[0].kernel) < _PLAN_NOW])
+                        continue
+                    for _, key in new:
+                        first_capture.setdefault(key, (index, task))
+                    launched = [x for x in held if (index, task) in rec.where[x[1][0]][x[1][1]]]
+                    held = [x for x in held if x not in launched]
+                    for _, key in launched:
+                        first_capture.setdefault(key, (index, task))
+                    release(new + launched)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        for name, key, args, kwargs, _grid, (i, task) in rec.kept:
-            entries.append(PlanEntry(name, [encode_arg(a) for a in args],
-                                     {k: encode_arg(v) for k, v in kwargs.items()}, i, task))
-            keys.append((name, key))
-        rec.kept.clear()  # the recorded arguments (activations) are not kept alive
         del engine, owners, resets
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    task_rank = {(i, t): r for r, (i, t) in enumerate((i, t) for i, _, ts in plans for t in ts)}
-    order = sorted(range(len(entries)), key=lambda j: (
-        *_plan_rank(entries[j], task_rank[(entries[j].engine, entries[j].task)]), j))
+    release(held)
+    rank = {(i, t): r for r, (i, t) in enumerate(
+        (i, t) for i, _, ts in plans for t in ts if t[1] != PREFILL)}
+    for j, key in enumerate(keys):  # a key a probe launched first: the capture that warms it up
+        first = first_capture.get(key)
+        if first is None:
+            capture = [c for c in rec.where[key[0]][key[1]] if c in rank]
+            first = min(capture, key=rank.__getitem__) if capture else None
+        if first is not None and (entries[j].engine, entries[j].task) != first:
+            entries[j] = dataclasses.replace(entries[j], engine=first[0], task=first[1])
     needs: dict[tuple[int, Task], list[int]] = {}
-    for pos, j in enumerate(order):
-        name, key = keys[j]
-        for ctx in rec.where[name][key]:
-            needs.setdefault(ctx, []).append(pos)
-    return [entries[j] for j in order], rec.total(), needs
+    for pos, (name, key) in enumerate(keys):
+        for c in rec.where[name][key]:
+            needs.setdefault(c, []).append(pos)
+    return entries, rec.total(), needs
 
 
 def compile_entry(kernels: dict, entry: PlanEntry, load: bool = True) -> int:
@@ -534,8 +568,8 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
                       on_done=None, stop_after: int | None = None, load: bool = True) -> int:
     """Claim and compile entries (`among`, default all, in plan order) until none is left
     (or `stop_after` compiled): each is marked done (`_mark_done`), its builds added to
-    `built[(engine, *task)]`, `[kernel, seconds]` to `seconds`, then `on_done(j)`. Returns
-    how many this process compiled."""
+    `built[j]`, `[kernel, seconds]` to `seconds`, then `on_done(j)`. Returns how many this
+    process compiled."""
     done = 0
     for j in range(len(entries)) if among is None else among:
         if stop_after is not None and done >= stop_after:
@@ -546,8 +580,7 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
         t0 = time.perf_counter()
         n = compile_entry(kernels, entry, load=load)
         seconds.append([entry.kernel, round(time.perf_counter() - t0, 3)])
-        key = (entry.engine, *entry.task)
-        built[key] = built.get(key, 0) + n
+        built[j] = built.get(j, 0) + n
         _mark_done(workdir, j)
         done += 1
         if on_done is not None:
@@ -650,11 +683,22 @@ def build_engine(spec: WorkerSpec):
 
 
 # ------------------------------------------------------------------ the worker process
+def _read_chunks(workdir: Path, entries: list[PlanEntry], chunks: int) -> int:
+    """Append the plan chunks `plan.<c>.json` from `chunks` on that exist to `entries`;
+    returns the chunk count read so far."""
+    while (path := workdir / _CHUNK.format(chunks)).exists():
+        entries += [PlanEntry.from_json(d) for d in json.loads(path.read_text())["entries"]]
+        chunks += 1
+    return chunks
+
+
 def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) -> int:
-    """Worker `index`: import the kernels, wait for `workdir/plan.json`, claim and compile
-    entries until none is left, appending a line `1` per compiled key to `out<index>.json
-    .progress`; then write `out<index>.json` (JSON: builds per (engine, task), keys compiled,
-    seconds). Exits 3 when no plan comes within `timeout_s` or its parent is gone."""
+    """Worker `index`: import the kernels, wait for `workdir/plan.json` (the compile target),
+    then claim and compile entries as the plan's chunks arrive (`plan.<c>.json`, in order)
+    until `plan.end` says every chunk is out and none is left, appending a line `1` per
+    compiled key to `out<index>.json.progress`; then write `out<index>.json` (JSON: builds
+    per entry index, keys compiled, seconds). Exits 3 when no plan comes within `timeout_s`
+    or its parent is gone."""
     spawned = float(os.environ.get(_SPAWNED_ENV) or time.time())
     from capture.compiles import install_triton_counter
     from graphdraft.kernels.warmup import all_kernels
@@ -662,13 +706,12 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
     install_triton_counter()
     kernels = all_kernels()
     t_imported = time.time()
-    plan_path, parent = workdir / _PLAN, os.getppid()
+    plan_path, end_path, parent = workdir / _PLAN, workdir / _PLAN_END, os.getppid()
     while not plan_path.exists():
         if time.time() - t_imported > timeout_s or os.getppid() != parent:
             return 3
         time.sleep(0.005)
     plan = json.loads(plan_path.read_text())
-    entries = [PlanEntry.from_json(d) for d in plan["entries"]]
     no_context = _use_target(plan.get("target"), plan["device"])
     if not no_context and plan["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(plan["device"]))
@@ -682,9 +725,21 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
 
     built: dict = {}
     seconds: list = []
-    compiled = _take_and_compile(workdir, kernels, entries, built, seconds, on_done=line,
-                                 load=not no_context)
-    data = {"built": [[*k, n] for k, n in built.items()], "compiled": compiled,
+    entries: list[PlanEntry] = []
+    chunks = tried = compiled = 0
+    while True:
+        total = json.loads(end_path.read_text())["chunks"] if end_path.exists() else None
+        chunks = _read_chunks(workdir, entries, chunks)
+        n = _take_and_compile(workdir, kernels, entries, built, seconds, on_done=line,
+                              among=range(tried, len(entries)), load=not no_context)
+        compiled, tried = compiled + n, len(entries)
+        if total is not None and chunks >= total:
+            break  # every chunk read (the end marker comes after the last) and claimed
+        if n == 0:
+            if time.time() - t_ready > timeout_s or os.getppid() != parent:
+                return 3
+            time.sleep(0.002)
+    data = {"built": [[j, n] for j, n in built.items()], "compiled": compiled,
             "seconds": seconds,
             "startup_s": round(t_ready - spawned, 3),
             "plan_wait_s": round(t_ready - t_imported, 3),
@@ -959,6 +1014,13 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _write_atomic(path: Path, data) -> None:
+    """`path` holds JSON `data` whole or not at all (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 def _read_progress(out: Path) -> int:
     """A worker's progress file: keys compiled so far."""
     try:
@@ -1030,17 +1092,21 @@ def start_workers(engines, workers: int, *, progress: bool = True,
     try:
         server = _launch(workdir, fit, workdir / "server.txt", _env(spec0))  # it forks workers
         tp = time.perf_counter()
+        _write_atomic(workdir / _PLAN, {"device": spec0.device, "target": current_target()})
+        chunks = []
+
+        def emit(batch: list[PlanEntry]) -> None:  # the workers start on it at once
+            _write_atomic(workdir / _CHUNK.format(len(chunks)),
+                          {"entries": [x.to_json() for x in batch]})
+            chunks.append(len(batch))
+
         try:
-            entries, report.keys, needs = plan_keys(plans)
+            entries, report.keys, needs = plan_keys(plans, emit=emit)
         except Exception as e:
             raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
                 from e
+        _write_atomic(workdir / _PLAN_END, {"chunks": len(chunks), "entries": len(entries)})
         report.plan_s = time.perf_counter() - tp
-        plan = {"device": spec0.device, "target": current_target(),
-                "entries": [x.to_json() for x in entries]}
-        tmp_plan = workdir / (_PLAN + ".tmp")
-        tmp_plan.write_text(json.dumps(plan))
-        tmp_plan.replace(workdir / _PLAN)
     except BaseException:
         if server is not None:
             _kill(server)
@@ -1074,6 +1140,7 @@ class CompilePhase:
         self._deadline = time.monotonic() + timeout_s
         self._here, self._b0 = 0, triton_builds()
         self._done: set[int] = set()
+        self._built: dict[int, int] = {}  # per entry index, this process and the workers
         self._bar = None
         if progress:
             try:
@@ -1112,7 +1179,7 @@ class CompilePhase:
 
     def _help(self, among: Sequence[int] | None = None) -> bool:
         """Claim and compile one entry (of `among` if given); whether it compiled one."""
-        n = _take_and_compile(self._workdir, self._kernels, self._entries, self.report.built,
+        n = _take_and_compile(self._workdir, self._kernels, self._entries, self._built,
                               self.report.compile_s, among=among, on_done=self._done.add,
                               stop_after=1)
         self._here += n
@@ -1167,9 +1234,8 @@ class CompilePhase:
                         f"precompile worker {i + 1} wrote no result; its log ends:\n"
                         f"{_tail(workdir / f'log{i}.txt')}")
                 data = json.loads(out.read_text())
-                for *t, n in data["built"]:
-                    k = (int(t[0]), str(t[1]), str(t[2]), int(t[3]))
-                    report.built[k] = report.built.get(k, 0) + int(n)
+                for j, n in data["built"]:
+                    self._built[int(j)] = self._built.get(int(j), 0) + int(n)
                 report.compiled.append(int(data.get("compiled", 0)))
                 report.worker_wall_s.append(float(data["wall_s"]))
                 report.worker_startup_s.append(float(data["startup_s"]))
@@ -1179,6 +1245,9 @@ class CompilePhase:
             while self._help():
                 pass
             report.compiled_here, report.built_here = self._here, triton_builds() - self._b0
+            for j, n in self._built.items():  # by the task each entry belongs to
+                k = (self._entries[j].engine, *self._entries[j].task)
+                report.built[k] = report.built.get(k, 0) + n
         finally:
             self.close()
         report.wall_s = time.perf_counter() - self._t0
