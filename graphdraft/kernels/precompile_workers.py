@@ -744,9 +744,7 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
             "startup_s": round(t_ready - spawned, 3),
             "plan_wait_s": round(t_ready - t_imported, 3),
             "wall_s": round(time.time() - spawned, 3)}
-    tmp = Path(str(out) + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(out)
+    _write_atomic(out, data)
     return 0
 
 
