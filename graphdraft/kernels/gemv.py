@@ -237,7 +237,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
-    acc = sum_partials(ws_ptr + offs, M * N, ok, SPLIT)  # fixed order: deterministic
+    acc = sum_partials(ws_ptr + offs, M * N, ok, SPLIT, SPLIT)  # fixed order: deterministic
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -265,7 +265,7 @@ def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_pt
     r_row = tl.load(res_idx_ptr + row).to(tl.int64) if HAS_RES_INDEX else row
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT)  # fixed order: deterministic
+    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT, SPLIT)  # fixed order: deterministic
     r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
     h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(h_ptr + row * stride_h + cols, h, mask=ok)

@@ -84,7 +84,7 @@ def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, str
         eps = eps_a
     else:
         if B_SPLIT > 0:
-            x = sum_partials(b_ptr + row * stride_b + cols, split_stride_b, mask, B_SPLIT)
+            x = sum_partials(b_ptr + row * stride_b + cols, split_stride_b, mask, B_SPLIT, B_SPLIT)
             x = x.to(b_out_ptr.dtype.element_ty)
             tl.store(b_out_ptr + row * stride_b_out + cols, x, mask=mask)
         else:

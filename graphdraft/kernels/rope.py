@@ -40,7 +40,7 @@ def _rotate(x1, x2, c, s):
 def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
     """q/k/v values: loaded (SPLIT == 0) or the fp32 sum of SPLIT split-K partials."""
     if SPLIT > 0:
-        x = sum_partials(ptrs, split_stride, mask, SPLIT)
+        x = sum_partials(ptrs, split_stride, mask, SPLIT, SPLIT)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     return x
