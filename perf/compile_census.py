@@ -39,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["census", "census_total", "explain", "gpu_forwards", "build_engine_8b", "main"]
+__all__ = ["census", "census_total", "explain", "gpu_forwards", "build_engine_8b", "plan_census",
+           "main"]
 
 
 def gpu_forwards(engine) -> dict[str, object]:
@@ -88,10 +89,14 @@ def gpu_launch_options():
             setattr(m, n, f)
 
 
-def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: bool | None = None):
+def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: bool | None = None,
+           prefill: bool = False, keep: bool = False):
     """Run every forward of `gpu_forwards(engine)` at each of `sizes` (default: each forward's
     whole schedule) under a `KeyRecorder` of `kernels` (default: `warmup.all_kernels()`),
     the engine's (and drafter's) buffers reset to neutral rows before each run and after;
+    with `prefill`, also the plan's prefill probes (`precompile_workers.prefill_probes`, their
+    context `("prefill", tokens)`: what the first requests launch); `keep`: the recorder keeps
+    each new key's launch arguments (`KeyRecorder.kept`);
     `launch=False`: a dry run (keys only; the integer tensors the skipped launches would have
     read or written are zeroed, `KeyRecorder(zero_ints=True)`: a throw-away engine, or one
     whose state is reset after). `gpu_like` (default: a dry run on a CPU): the
@@ -105,8 +110,11 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     resets = [getattr(engine, "_reset_neutral", None),
               getattr(getattr(engine, "drafter", None), "_reset_neutral", None)]
     resets = [r for r in resets if r is not None]
+    from graphdraft.kernels.precompile_workers import prefill_probes, probe_prefill
+    from graphdraft.kernels.warmup import storages
+
     rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
-                      zero_ints=not launch)
+                      zero_ints=not launch, keep=(lambda j: True) if keep else None)
     if gpu_like is None:
         gpu_like = not launch and torch.device(engine.cfg.device).type != "cuda"
     if gpu_like and launch:
@@ -120,6 +128,13 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
                     r()
                 rec.context = (f.name, bs)
                 f._forward(bs)
+        for tokens in (prefill_probes(engine) if prefill else ()):
+            for r in resets:
+                r()
+            rec.context = ("prefill", tokens)
+            rec.spare = storages(*vars(engine.inputs).values())  # the host-written inputs
+            probe_prefill(engine, tokens)
+            rec.spare = frozenset()
         rec.context = None
     for r in resets:
         r()
@@ -219,6 +234,14 @@ def build_engine_8b(max_bs: int, device: str = "cpu"):
     return Engine(target, cfg, head)
 
 
+def plan_census(max_bs: int, device: str = "cpu", *, keep: bool = False):
+    """`census` of the 8B-shaped engine (`build_engine_8b(max_bs, device)`) over its whole
+    schedule and its prefill probes: the keys a cold start compiles (the precompile plan's
+    count). Returns (recorder, engine)."""
+    engine = build_engine_8b(max_bs, device)
+    return census(engine, prefill=True, keep=keep), engine
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-bs", default="64,160", help="schedule tops, comma-separated")
@@ -233,14 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for top in tops:
         t0 = time.perf_counter()
-        engine = build_engine_8b(top, args.device)
-        rec = census(engine)
+        rec, engine = plan_census(top, args.device)
         rep = report(rec)
         rep["seconds"] = round(time.perf_counter() - t0, 1)
         rep["sizes"] = engine.schedule if hasattr(engine, "schedule") else None
         out[str(top)] = rep
         del engine
-        print(f"\nschedule to {top}: {rep['total']} distinct keys "
+        print(f"\nschedule to {top} and the prefill probes: {rep['total']} distinct keys "
               f"({rep['seconds']} s)")
         print(f"  {'kernel':<46} {'keys':>4}  why more than one")
         for name, k in rep["kernels"].items():

@@ -105,6 +105,65 @@ def test_engine_triton_path_matches_torch_path(monkeypatch):
     assert 0 in calls and 3 in calls  # ragged rows and verify rows of N = 3 both ran
 
 
+def _layer_by_layer(target, ids, pos, loc, pool, be, meta):
+    """The target's forward one op at a time (o_proj and down_proj, then the residual add and
+    RMSNorm as separate calls): the oracle of the fused forward. Returns (logits, aux)."""
+    from graphdraft import ops
+
+    hidden, residual, aux = target.embed_tokens[ids], None, {}
+    for i, layer in enumerate(target.layers):
+        if i in target.aux_layer_ids:
+            aux[i] = hidden if residual is None else hidden + residual
+        if residual is None:
+            residual, x = hidden, layer.input_layernorm(hidden)
+        else:
+            x, residual = layer.input_layernorm(hidden, residual)
+        hidden = layer.self_attn(x, pos, loc, pool.layer(i), target.cos_sin, be, meta)
+        x, residual = layer.post_attention_layernorm(hidden, residual)
+        hidden = layer.mlp(x)
+    normed, _ = target.norm(hidden, residual)
+    logits = ops.linear(normed, target.lm_head, kernels=target.kernels.with_backend("torch"))
+    return logits, torch.cat([aux[i] for i in target.aux_layer_ids], -1)
+
+
+@pytest.mark.parametrize("tokens", [4, 7])
+def test_target_fused_residual_norm_equals_layer_by_layer(tokens):
+    """The target's o_proj / down_proj fused with the residual add and the next RMSNorm (the
+    GEMV's finisher at 4 rows, its second launch at 7; split K) give the separate ops' bits:
+    logits and the EAGLE-3 aux hidden states (the residual stream entering the aux layers)."""
+    from dataclasses import replace
+
+    from graphdraft.config import ModelConfig
+    from graphdraft.models.llama import LlamaForCausalLM
+    from graphdraft.runtime.kv_cache import KVPool
+
+    mc = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=96, num_hidden_layers=3, vocab_size=50,
+                     max_position_embeddings=256, rope_theta=10000.0)
+    torch.manual_seed(tokens)
+    target = LlamaForCausalLM(mc, torch.float32)
+    for name, prm in target.named_parameters():
+        prm.data.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
+    kc = replace(TRITON, gemv_split=2, gemv_block_k=16)  # split-K partials summed by the norm
+    target.set_kernels(kc)
+    ps, bs = 4, 1
+    r2p = torch.arange(1, 9, dtype=torch.int32).view(1, 8)
+    r2p = torch.cat([torch.zeros(1, 8, dtype=torch.int32), r2p])
+    pool = KVPool(3, 9, ps, 2, 16, torch.float32, "cpu")
+    pos = torch.arange(tokens)
+    loc = kv_slot(r2p, torch.full((tokens,), bs), pos, ps)
+    ids = torch.randint(0, 50, (tokens,))
+    be = PagedAttentionBackend(r2p, ps, 32, kernels=kc)
+    req, seq = torch.tensor([bs]), torch.tensor([tokens], dtype=torch.int32)
+    with torch.inference_mode():
+        meta = be.uniform_row_metadata(req, seq, tokens)
+        fused = target(ids, pos, loc, pool, be, meta, None, capture_aux=True)
+        logits, aux = _layer_by_layer(target, ids, pos, loc, pool, be, meta)
+    assert logits.std() > 0.1
+    assert torch.equal(fused.logits, logits)
+    assert torch.equal(fused.aux_hidden, aux)
+
+
 # --------------------------------------------------------------------------- GPU
 
 

@@ -495,3 +495,36 @@ def test_head_triton_forward_equals_unfused_ops(dtype, split, bs):
     for got, want in zip(outs["fused"], outs["torch"], strict=True):
         if got.is_floating_point():
             assert _rel(got, want) < tol
+
+
+def test_every_mode_of_a_tile_launches_one_compiled_kernel():
+    """Plain, split-K partials (split 3 and 4), argmax and the residual + norm second launch
+    (with and without a residual index) of one tile share one specialization key of the GEMV
+    (the modes and the split are runtime arguments; unused pointers get typed placeholders);
+    the finisher (FINISH) is one more, whatever its split and residual index. Recorded with the
+    launch options a GPU gets (a dry run: keys only)."""
+    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+    from perf.compile_census import gpu_launch_options
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 64, 1024
+    w, nw = torch.randn(n, k, generator=g), torch.ones(n)
+    rec = KeyRecorder(all_kernels(), launch=False)
+    with rec, gpu_launch_options():
+        for m in (2, 4, 8):
+            x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+            idx = torch.arange(m)
+            for split in (3, 4):
+                cfg = gemv_config(m, n, k, split=split)
+                linear_small_m_partials(x, w, config=cfg)
+                for index in (None, idx):
+                    linear_small_m_residual_norm(x, w, res, nw, 1e-5, residual_index=index,
+                                                 config=cfg)
+            one = gemv_config(m, n, k, split=1)
+            linear_small_m(x, w, config=one)
+            linear_small_m_argmax(x, w, config=one)
+    keys = rec.keys["gemv._gemv_kernel"]
+    finish = [key for key in keys if ("FINISH", ("constexpr", True)) in key]
+    assert len(keys) == 2 and len(finish) == 1
+    assert len(rec.keys["gemv._sum_residual_norm_kernel"]) == 1
+

@@ -67,23 +67,21 @@ def check_partials(name: str, ws: object, m: int, n: int, device: torch.device) 
 
 
 @triton.jit
-def sum_partials(ptrs, split_stride, mask, split, SPLIT_PAD: tl.constexpr):
+def sum_partials(ptrs, split_stride, mask, split, MULTI: tl.constexpr):
     """fp32 sum of the `split` partials at `ptrs + s * split_stride` (masked lanes: 0.0): the
-    partial itself when SPLIT_PAD == 1, else added in the order s = 0, 1, ... onto 0.0.
-    `split` is a runtime count (1 <= split <= SPLIT_PAD; `split_pad` gives SPLIT_PAD): the
-    SPLIT_PAD loads are unrolled and issued together, those at s >= split masked off (no memory
-    traffic; adding their 0.0 leaves every sum's bits as they are, the sum is never -0.0), so
-    one compiled kernel serves every split of a power-of-two bucket."""
-    if SPLIT_PAD == 1:
-        acc = tl.load(ptrs, mask=mask, other=0.0)
-    else:
+    partial itself without MULTI (split == 1), else added in the order s = 0, 1, ... onto 0.0.
+    `split` is a runtime count (`MULTI = split > 1`, `multi_split`), so one compiled kernel
+    serves every split > 1 (a loop, as a constexpr count compiled to: unrolling it would hold
+    every partial of a wide row in registers at once)."""
+    if MULTI:
         acc = tl.zeros(ptrs.shape, dtype=tl.float32)
-        for s in tl.static_range(SPLIT_PAD):
-            acc += tl.load(ptrs + s * split_stride, mask=mask & (s < split), other=0.0)
+        for s in range(split):
+            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
+    else:
+        acc = tl.load(ptrs, mask=mask, other=0.0)
     return acc
 
 
-def split_pad(split: int) -> int:
-    """SPLIT_PAD of `sum_partials` for `split` partials: 1 for 1, else the next power of two
-    (splits 3 and 4 share one compiled kernel)."""
-    return 1 if split <= 1 else triton.next_power_of_2(split)
+def multi_split(split: int) -> bool:
+    """`sum_partials`'s MULTI for `split` partials."""
+    return split > 1

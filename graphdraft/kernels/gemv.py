@@ -68,10 +68,11 @@ from graphdraft.checks import INDEX_DTYPES, expect_one_of, expect_tensor
 from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
 from graphdraft.kernels.config import GEMV_MAX_M, KernelConfig
 from graphdraft.kernels.config import default as default_config
-from graphdraft.kernels.fused_inputs import SplitK, sum_partials
+from graphdraft.kernels.fused_inputs import SplitK, multi_split, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
+from graphdraft.kernels.placeholders import placeholder
 
 MAX_M = GEMV_MAX_M
 """Most rows a launch takes (`KernelConfig.small_m_max` decides which matmuls come here)."""
@@ -137,16 +138,19 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_blocks,
                  counter_ptr,
                  res_ptr, stride_res, res_idx_ptr, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
-                 eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TO_WS: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr,
-                 FP32_DOT: tl.constexpr, FINISH: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_RES_INDEX: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 eps, to_ws, argmax, split, has_res_index,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SILU_MUL: tl.constexpr, FP32_DOT: tl.constexpr, FINISH: tl.constexpr,
+                 MULTI: tl.constexpr, NORM_BLOCK: tl.constexpr,
                  PDL: tl.constexpr, W_EVICT: tl.constexpr):
-    """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x.
-    With ARGMAX, it also writes the (max, first index) of its rounded logits to
+    """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x,
+    stored as fp32 partials to `ws [split, M, N]` (`to_ws`) or rounded to `out`. With `argmax`
+    (not with `to_ws`), it also writes the (max, first index) of its rounded logits to
     `amax_val/amax_idx [M, n_blocks]`. With FINISH, the launch's last program to finish (an
-    atomic count on `counter`, reset by it) runs `_residual_norm_row` over the split partials
-    for all M rows; one launch instead of two."""
+    atomic count on `counter`, reset by it) runs `_residual_norm_row` over the `split` partials
+    for all M rows; one launch instead of two. The mode flags `to_ws`, `argmax` and
+    `has_res_index` and the count `split` are runtime values read after the K loop (one
+    compiled kernel serves them all); every pointer keeps one dtype in every mode."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -181,13 +185,13 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next launch may start its own prologue
     mask = m_ok[:, None] & n_ok[None, :]
-    if TO_WS:
+    if to_ws:
         ws = ws_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask)
     else:
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=mask)
-        if ARGMAX:  # over the rounded logits, as an argmax of `out` would see them
+        if argmax:  # over the rounded logits, as an argmax of `out` would see them
             v = y.to(tl.float32)
             v = tl.where((v != v) | ~n_ok[None, :], float("-inf"), v)  # NaN never the max
             best = tl.max(v, axis=1)
@@ -201,17 +205,19 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program
             for m in range(M):
-                _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, nw_ptr,
-                                   nout_ptr, stride_nout, h_ptr, stride_h, eps, SPLIT,
-                                   HAS_RES_INDEX, NORM_BLOCK)
+                _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr,
+                                   has_res_index, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
+                                   eps, split, MULTI, NORM_BLOCK)
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
 # The row count M is a runtime argument Triton does not specialize (value 1, divisibility by
 # 16), so every M of one tile bucket (`m_bucket`) shares one compiled kernel; M == 1 (its own
-# bucket: BLOCK_M == 1) keeps the specialized form it was measured with.
-_gemv_kernel = triton.jit(do_not_specialize=["M"])(_gemv_body)
-_gemv_kernel_m1 = triton.jit(_gemv_body)
+# bucket: BLOCK_M == 1) keeps the specialized form it was measured with. The mode flags and
+# counts are not specialized either (a flag's 1 would be).
+_RUNTIME = ["n_blocks", "to_ws", "argmax", "split", "has_res_index"]
+_gemv_kernel = triton.jit(do_not_specialize=["M"] + _RUNTIME)(_gemv_body)
+_gemv_kernel_m1 = triton.jit(do_not_specialize=_RUNTIME)(_gemv_body)
 
 
 @triton.jit(do_not_specialize=["pdl_trigger"])
@@ -230,42 +236,46 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
              mask=ok)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "M"])
-def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
+@triton.jit(do_not_specialize=["pdl_trigger", "M", "split"])
+def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, split, MULTI: tl.constexpr,
                        BLOCK: tl.constexpr, pdl_trigger, PDL: tl.constexpr):
     pdl_enter(PDL, pdl_trigger)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
-    acc = sum_partials(ws_ptr + offs, M * N, ok, SPLIT, SPLIT)  # fixed order: deterministic
+    acc = sum_partials(ws_ptr + offs, M * N, ok, split, MULTI)  # fixed order: deterministic
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "M"])
-def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr, stride_out,
-                              h_ptr, stride_h, M, N, eps, SPLIT: tl.constexpr,
-                              HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["pdl_trigger", "M", "split", "has_res_index"])
+def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, has_res_index, w_ptr,
+                              out_ptr, stride_out, h_ptr, stride_h, M, N, eps, split,
+                              MULTI: tl.constexpr, BLOCK: tl.constexpr,
                               pdl_trigger, PDL: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
     pdl_enter(PDL, pdl_trigger)
-    _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr,
-                       out_ptr, stride_out, h_ptr, stride_h, eps, SPLIT, HAS_RES_INDEX, BLOCK)
+    _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr,
+                       has_res_index, w_ptr, out_ptr, stride_out, h_ptr, stride_h, eps, split,
+                       MULTI, BLOCK)
 
 
 @triton.jit
-def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, w_ptr, out_ptr,
-                       stride_out, h_ptr, stride_h, eps, SPLIT: tl.constexpr,
-                       HAS_RES_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] or m)
-    -> `h[m]`, then `out[m] = RMSNorm(h[m])` (`norm.rms_norm_row`); the row in registers
-    (one pass: two passes of 1024 columns measured 9 us per draft call slower)."""
+def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, has_res_index, w_ptr,
+                       out_ptr, stride_out, h_ptr, stride_h, eps, split, MULTI: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] with
+    `has_res_index`, else m) -> `h[m]`, then `out[m] = RMSNorm(h[m])` (`norm.rms_norm_row`);
+    the row in registers (one pass: two passes of 1024 columns measured 9 us per draft call
+    slower)."""
     row = tl.cast(row, tl.int64)  # a loop index (a python int when interpreting) or program id
-    r_row = tl.load(res_idx_ptr + row).to(tl.int64) if HAS_RES_INDEX else row
+    r_row = row
+    if has_res_index:
+        r_row = tl.load(res_idx_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, SPLIT, SPLIT)  # fixed order: deterministic
+    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, split, MULTI)  # fixed order
     r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
     h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
@@ -341,36 +351,46 @@ def _counter(w: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, act: str | None,
-            cfg: GemvConfig, kc: KernelConfig, *, to_ws: bool,
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, ws: torch.Tensor | None,
+            act: str | None, cfg: GemvConfig, kc: KernelConfig, *,
             amax: tuple[torch.Tensor, torch.Tensor] | None = None, n_blocks: int = 1,
             norm: _NormFinish | None = None) -> None:
+    """One GEMV launch: into `out` (x.dtype `[M, N]`) or, when `ws` is given, the fp32 partials
+    `ws [split, M, N]`. Pointers a mode does not use get a `placeholder` of their own dtype, so
+    every mode launches one compiled kernel per tile (`m_bucket`, BLOCK_N, FINISH, SILU_MUL)."""
     m, k, n = x.shape[0], _k_of(x, act), w.shape[0]
     block_m = m_bucket(m)
     fp32_dot = x.dtype == torch.float32 or interpreting()
-    amax_val, amax_idx = amax if amax is not None else (ws, ws)
-    counter = _counter(w) if norm else ws
-    res = norm.residual if norm else ws
-    res_idx = norm.residual_index if norm and norm.residual_index is not None else counter
+    dev, dt = x.device, x.dtype
+    f32 = placeholder(dev, torch.float32)
+    act_dt = placeholder(dev, dt)
+    amax_val, amax_idx = amax if amax is not None else (f32, placeholder(dev, torch.int32))
+    res_idx = norm.residual_index if norm is not None else None
+    if res_idx is not None and res_idx.dtype != torch.int64:
+        res_idx = res_idx.long()  # one pointer dtype (an int32 index: a small cast launch)
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
     capped = norm is not None and block_m == 1 and kc.finish_maxnreg and not interpreting()
     extra = {"maxnreg": kc.finish_maxnreg} if capped else {}
-    pdl = kc.gemv_pdl and pdl_supported(x.device)
+    pdl = kc.gemv_pdl and pdl_supported(dev)
     if pdl:
         extra["launch_pdl"] = True
     kernel = _gemv_kernel_m1 if m == 1 else _gemv_kernel
     kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
-        x, w, out, ws, amax_val, amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        cfg.k_per_split, n_blocks, counter,
-        res, res.stride(0), res_idx, norm.norm_weight if norm else ws, norm.out if norm else ws,
-        norm.out.stride(0) if norm else 0, norm.h if norm else ws, norm.h.stride(0) if norm else 0,
-        float(norm.eps) if norm else 0.0,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TO_WS=to_ws,
-        SILU_MUL=act == "silu_mul", ARGMAX=amax is not None, FP32_DOT=fp32_dot,
-        FINISH=norm is not None, SPLIT=cfg.split,
-        HAS_RES_INDEX=bool(norm and norm.residual_index is not None),
-        NORM_BLOCK=triton.next_power_of_2(n) if norm else 16,  # unread without FINISH: one variant
+        x, w, out if out is not None else act_dt, ws if ws is not None else f32, amax_val,
+        amax_idx, m, n, k, x.stride(0), w.stride(0), out.stride(0) if out is not None else 0,
+        cfg.k_per_split, n_blocks,
+        _counter(w) if norm else placeholder(dev, torch.int32),
+        norm.residual if norm else act_dt, norm.residual.stride(0) if norm else 0,
+        res_idx if res_idx is not None else placeholder(dev, torch.int64),
+        norm.norm_weight if norm else act_dt, norm.out if norm else act_dt,
+        norm.out.stride(0) if norm else 0, norm.h if norm else act_dt,
+        norm.h.stride(0) if norm else 0, float(norm.eps) if norm else 0.0,
+        int(ws is not None), int(amax is not None), cfg.split, int(res_idx is not None),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SILU_MUL=act == "silu_mul", FP32_DOT=fp32_dot, FINISH=norm is not None,
+        MULTI=multi_split(cfg.split) if norm else False,  # unread without FINISH
+        NORM_BLOCK=triton.next_power_of_2(n) if norm else 16,
         PDL=pdl, W_EVICT="evict_first" if kc.stream_evict_first else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
@@ -392,11 +412,12 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         ws = linear_small_m_partials(x, w, act=act, config=cfg, kernels=kc).partials
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                          SPLIT=cfg.split, BLOCK=block,
+                                                          cfg.split, MULTI=multi_split(cfg.split),
+                                                          BLOCK=block,
                                                           **launch_options(x.device, m, kernels=kc))
         return out
     x, act = _act_input(x, act, kc)
-    _launch(x, w, out, out, act, cfg, kc, to_ws=False)
+    _launch(x, w, out, None, act, cfg, kc)
     return out
 
 
@@ -414,7 +435,7 @@ def linear_small_m_partials(x: torch.Tensor, w: torch.Tensor, *, act: str | None
     dtype = x.dtype
     x, act = _act_input(x, act, kc)
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(x, w, ws, ws, act, cfg, kc, to_ws=True)
+    _launch(x, w, None, ws, act, cfg, kc)
     return SplitK(ws, dtype)
 
 
@@ -441,7 +462,7 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     n_blocks = triton.cdiv(n, cfg.block_n)
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
-    _launch(x, w, logits, logits, None, cfg, kc, to_ws=False, amax=(val, idx), n_blocks=n_blocks)
+    _launch(x, w, logits, None, None, cfg, kc, amax=(val, idx), n_blocks=n_blocks)
     argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, num_warps=4 if n_blocks >= 256 else 1,
                   kernels=kc)
     return logits, ids
@@ -481,14 +502,15 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
     h = h_out if h_out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm = _NormFinish(residual, residual_index, norm_weight, out, h, eps)
     if m <= kc.finish_norm_max_m:
-        _launch(x, w, ws, ws, act, cfg, kc, to_ws=True, norm=norm)
+        _launch(x, w, None, ws, act, cfg, kc, norm=norm)
         return out, h
-    _launch(x, w, ws, ws, act, cfg, kc, to_ws=True)
+    _launch(x, w, None, ws, act, cfg, kc)
+    res_idx = residual_index.long() if residual_index is not None else None
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),
-                                    residual_index if residual_index is not None else ws,
-                                    norm_weight, out, out.stride(0), h, h.stride(0), m, n, float(eps),
-                                    SPLIT=cfg.split, HAS_RES_INDEX=residual_index is not None,
-                                    BLOCK=triton.next_power_of_2(n),
+                                    res_idx if res_idx is not None else placeholder(x.device, torch.int64),
+                                    int(res_idx is not None), norm_weight, out, out.stride(0), h,
+                                    h.stride(0), m, n, float(eps), cfg.split,
+                                    MULTI=multi_split(cfg.split), BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
                                     **launch_options(x.device, m, kernels=kc))
     return out, h

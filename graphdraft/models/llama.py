@@ -117,21 +117,31 @@ class LlamaForCausalLM(KernelsMixin, nn.Module):
         tp = self.tp
         hidden = self.embed_tokens[input_ids] if tp is None else tp.embed(input_ids,
                                                                           self.embed_tokens)
-        residual = None
+        # o_proj and down_proj fused with the residual add and the next RMSNorm (the GEMV's
+        # finisher at few rows, `ops.linear_residual_rms_norm`: the unfused ops' bits, fewer
+        # launches); tensor / data parallel: the outputs are reduced before the residual add
+        fused = tp is None and all(layer.mlp.dp is None for layer in self.layers)
+        residual = hidden  # the residual stream entering layer i
         aux: dict[int, torch.Tensor] = {}
+        x = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
             if capture_aux and i in self.aux_layer_ids:
-                aux[i] = hidden if residual is None else hidden + residual
-            if residual is None:
-                residual = hidden
-                x = layer.input_layernorm(hidden)
+                aux[i] = residual
+            attn_layer, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            attn = attn_layer.attend(attn_layer.qkv(x), positions, out_cache_loc, kv_pool.layer(i),
+                                     self.cos_sin, backend, metadata)
+            if fused:
+                x, residual = ops.linear_residual_rms_norm(attn, attn_layer.o_proj, residual,
+                                                           post.weight, post.eps,
+                                                           kernels=self.kernels)
+                x, residual = ops.linear_residual_rms_norm(mlp.gate_up(x), mlp.down_proj, residual,
+                                                           after.weight, after.eps,
+                                                           act="silu_mul", kernels=self.kernels)
             else:
-                x, residual = layer.input_layernorm(hidden, residual)
-            hidden = layer.self_attn(x, positions, out_cache_loc, kv_pool.layer(i), self.cos_sin,
-                                     backend, metadata)
-            x, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(x)
-        normed, _ = self.norm(hidden, residual)
+                x, residual = post(attn_layer.project(attn), residual)
+                x, residual = after(mlp(x), residual)
+        normed = x
         if logits_rows is not None:
             normed = normed.index_select(0, logits_rows)
         # the target's LM head runs on cuBLAS on either path (as it always has: not the GEMV)
