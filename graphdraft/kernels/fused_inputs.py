@@ -79,11 +79,21 @@ def sum_partials(ptrs, split_stride, mask, split, SPLIT_PAD: tl.constexpr):
     else:
         acc = tl.zeros(ptrs.shape, dtype=tl.float32)
         for s in tl.static_range(SPLIT_PAD):
-            acc += tl.load(ptrs + s * split_stride, mask=mask & (s < split), other=0.0)
+            # tl.where, not `mask & (s < split)`: Triton's interpreter makes that int32
+            acc += tl.load(ptrs + s * split_stride, mask=tl.where(s < split, mask, False), other=0.0)
     return acc
+
+
+NO_PARTIALS_PAD = 4
+"""`split_pad(0)`: the SPLIT_PAD of a consumer launched on an input that is not partials (its
+runtime split 0: it never calls `sum_partials`, so the pad changes nothing it runs). 4 is the
+pad of the draft head's partials on an H200 (Llama-3.1-8B's EAGLE-3 qkv splits 3, fc 4), so
+a consumer's two forms of input share one compiled kernel there."""
 
 
 def split_pad(split: int) -> int:
     """SPLIT_PAD of `sum_partials` for `split` partials: 1 for 1, else the next power of two
-    (splits 3 and 4 share one compiled kernel)."""
-    return 1 if split <= 1 else triton.next_power_of_2(split)
+    (splits 3 and 4 share one compiled kernel); `NO_PARTIALS_PAD` for 0 (no partials)."""
+    if split == 0:
+        return NO_PARTIALS_PAD
+    return 1 if split == 1 else triton.next_power_of_2(split)
