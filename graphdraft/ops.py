@@ -95,32 +95,37 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
 # ---------------------------------------------------------------------------
 def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      out_cache_loc: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
-    """Rotate q `[T, Hq, D]` in place; write rotated k and v (`[T, Hkv, D]`) to the cache slots."""
+                      out_cache_loc: torch.Tensor, *, kernels: KernelConfig | None = None,
+                      max_q_heads: int | None = None) -> None:
+    """Rotate q `[T, Hq, D]` in place; write rotated k and v (`[T, Hkv, D]`) to the cache slots.
+    `max_q_heads`: the Triton kernel's q lanes (`rope.rope_and_store_kv`; a compile hint)."""
     kc = _kc(kernels)
     if kc.use_triton:
         rope.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc,
-                               kernels=kc)
+                               kernels=kc, max_q_heads=max_q_heads)
         return
     rope.rope_and_store_kv_torch(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc)
 
 
 def rope_and_store_qkv(qkv: torch.Tensor | SplitK, positions: torch.Tensor, cos_sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
-                       *, kernels: KernelConfig | None = None) -> torch.Tensor:
+                       *, kernels: KernelConfig | None = None,
+                       max_q_heads: int | None = None) -> torch.Tensor:
     """`rope_and_store_kv` of a fused qkv `[T, (Hq + 2 Hkv) * D]` (Hkv and D are the cache's),
     or of its `SplitK` (`linear_partials`: summed like `SplitK.sum` into the cache dtype, on the
     Triton path while loading); returns the rotated q `[T, Hq, D]` (a view of qkv, or a new
-    tensor for a `SplitK`)."""
+    tensor for a `SplitK`). `max_q_heads` as `rope_and_store_kv`'s."""
     kc = _kc(kernels)
     if isinstance(qkv, SplitK):
         if kc.use_triton:
             return rope.rope_and_store_kv_partials(qkv, positions, cos_sin, k_cache, v_cache,
-                                                   out_cache_loc, kernels=kc)
+                                                   out_cache_loc, kernels=kc,
+                                                   max_q_heads=max_q_heads)
         qkv = qkv.sum()
     t, hkv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[2]
     q, k, v = qkv.view(t, -1, d).split([qkv.shape[1] // d - 2 * hkv, hkv, hkv], dim=1)
-    rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc, kernels=kc)
+    rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc, kernels=kc,
+                      max_q_heads=max_q_heads)
     return q
 
 

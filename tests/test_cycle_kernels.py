@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphdraft.kernels.cycle_kernels import commit_pack, prepare_rows
+from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
 R, S, P, PS, CTX, V = 7, 3, 6, 4, 24, 50
 
@@ -53,8 +54,8 @@ def test_prepare_matches_reference(n):
     assert int(o["err"][0]) == 0 and int(o["seq_lens"][0]) == int(_tables(1)["vcl"][1]) + n
 
 
-@pytest.mark.parametrize("prefill,with_next", [(False, True), (False, False), (True, True)])
-def test_commit_pack_matches_reference(prefill, with_next):
+def _commit_both(prefill, with_next):
+    """commit_pack on the Triton and the torch path over the same tables -> (n, nrow, outs)."""
     rows, n = 5, (1 if prefill else 4)
     nrow = 4
     g = torch.Generator().manual_seed(2)
@@ -76,7 +77,23 @@ def test_commit_pack_matches_reference(prefill, with_next):
         commit_pack(tokens, nxt, accept=accept, finish=finish, err=err, req=req,
                     seq_lens=seq_lens, pack=pack, prefill=prefill, use_triton=tr, **t)
         outs.append(dict(t, pack=pack))
+    return n, nrow, outs
+
+
+@pytest.mark.parametrize("prefill,with_next", [(False, True), (False, False), (True, True)])
+def test_commit_pack_matches_reference(prefill, with_next):
+    n, nrow, outs = _commit_both(prefill, with_next)
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
     o = outs[0]
     assert o["pack"][2, nrow] == n and o["pack"][2, nrow + 1] == 1 and o["pack"][1, nrow + 2] == 1
+
+
+def test_commit_pack_one_key_for_cycle_and_prefill():
+    """The cycle's commit and the prefill's (its `prefill` flag is a runtime argument) launch
+    one compiled variant."""
+    name = "cycle_kernels._commit_pack_kernel"
+    with KeyRecorder({name: all_kernels()[name]}) as rec:
+        _commit_both(False, True)
+        _commit_both(True, True)
+    assert rec.launches[name] == 2 and len(rec.keys[name]) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphdraft.kernels import warmup
-from graphdraft.kernels.argmax import argmax_with_map, argmax_with_map_ref, splits_pad
+from graphdraft.kernels.argmax import argmax_stage2, argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.buckets import representative_sizes, row_bucket, rows_block
 from graphdraft.kernels.cache_loc import (
     advance_positions_and_seq_lens,
@@ -30,8 +30,8 @@ from graphdraft.kernels.gemv import (
     linear_small_m_residual_norm,
     m_bucket,
 )
-from graphdraft.kernels.norm import rms_norm_cat, rms_norm_ref
-from graphdraft.kernels.rope import rope_and_store_kv_partials
+from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
+from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
 from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,11 +86,8 @@ def test_kernel_list_covers_the_chain():
 def test_bucket_functions():
     assert [m_bucket(m) for m in (1, 2, 4, 16, 17, 32, 33, 64)] == [1, 16, 16, 16, 32, 32, 64, 64]
     assert [rows_block(r) for r in (1, 16, 17, 160)] == [64, 64, 64, 64]
-    assert [splits_pad(s) for s in (1, 16, 17, 64, 65, 264, 600)] == [16, 16, 64, 64, 512, 512, 1024]
     with pytest.raises(ValueError, match="m: expected"):
         m_bucket(65)
-    with pytest.raises(ValueError, match="splits"):
-        splits_pad(0)
     assert row_bucket(24) == row_bucket(32) != row_bucket(16)
     assert row_bucket(40) == row_bucket(160)  # above small_m_max (32): cuBLAS, same lanes
     sched = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
@@ -260,6 +257,113 @@ def test_fused_partials_consumers_one_key():
             torch.testing.assert_close(out, ref)
     assert len(rec.keys["rope._rope_store_kernel"]) == 1
     assert len(rec.keys["norm._rms_norm_cat_kernel"]) == 1
+
+
+# ------------------------------------------------------------------ one key across modes
+def _gpu_dry_run(names, calls):
+    """Record the keys an H200 would compile for `calls()` (the GPU's launch options, no
+    launches: `perf.compile_census.gpu_launch_options`, `KeyRecorder(launch=False)`)."""
+    from perf.compile_census import gpu_launch_options
+
+    with gpu_launch_options(), warmup.KeyRecorder({n: KERNELS[n] for n in names},
+                                                  launch=False) as rec:
+        calls()
+    return rec
+
+
+def test_rope_one_key_across_modes():
+    """The forward's RoPE + KV store and the KV-only step's (one q head, given the forward's
+    head count as `max_q_heads`), each on activations and on split partials (splits 3 and 4):
+    one key. Without the hint the KV-only step's q lanes differ: a second key."""
+    bf = torch.bfloat16
+    hq, hkv, d = 4, 2, 16
+    kc, vc = torch.zeros(64, hkv, d, dtype=bf), torch.zeros(64, hkv, d, dtype=bf)
+    cs = torch.randn(64, d)
+
+    def calls(hint=hq):
+        for t in (1, 3, 16):
+            pos, loc = torch.arange(t), torch.arange(t) + 1
+            for heads in (hq, 1):  # the forward, the KV-only step
+                x = torch.randn(t, (heads + 2 * hkv) * d).to(bf).view(t, -1, d)
+                q, k, v = x.split([heads, hkv, hkv], dim=1)
+                rope_and_store_kv(q, k, v, pos, cs, kc, vc, loc, max_q_heads=hint)
+                for split in (3, 4):
+                    ws = SplitK(torch.randn(split, t, x.shape[1] * d), bf)
+                    rope_and_store_kv_partials(ws, pos, cs, kc, vc, loc, max_q_heads=hint)
+
+    name = "rope._rope_store_kernel"
+    rec = _gpu_dry_run([name], calls)
+    assert rec.launches[name] == 18 and len(rec.keys[name]) == 1
+    assert len(_gpu_dry_run([name], lambda: calls(None)).keys[name]) == 2
+
+
+def test_rope_padded_q_lanes_same_bits():
+    """q lanes sized for more heads (`max_q_heads`) change no written bit."""
+    g = torch.Generator().manual_seed(6)
+    bf = torch.bfloat16
+    t, hkv, d = 5, 2, 16
+    cs = torch.randn(64, d, generator=g)
+    pos, loc = torch.randint(0, 64, (t,), generator=g), torch.randperm(32, generator=g)[:t]
+    qkv = torch.randn(t, (1 + 2 * hkv) * d, generator=g).to(bf)
+    ws = SplitK(torch.randn(3, t, qkv.shape[1], generator=g), bf)
+    outs = []
+    for hint in (None, 8):
+        kc, vc = torch.zeros(32, hkv, d, dtype=bf), torch.zeros(32, hkv, d, dtype=bf)
+        x = qkv.clone().view(t, -1, d)
+        rope_and_store_kv(*x.split([1, hkv, hkv], dim=1), pos, cs, kc, vc, loc, max_q_heads=hint)
+        q = rope_and_store_kv_partials(ws, pos, cs, kc, vc, loc, max_q_heads=hint)
+        outs.append((x, q, kc, vc))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_norms_one_key_across_modes():
+    """RMSNorm with and without the residual; the [a ; b] norm with b as activations and as
+    split partials (splits 3 and 4): one key each."""
+    bf = torch.bfloat16
+    n = 64
+    w = torch.rand(n).to(bf)
+    table = torch.randn(50, n).to(bf)
+
+    def calls():
+        for m in (1, 5, 16):
+            x, r = torch.randn(m, n).to(bf), torch.randn(m, n).to(bf)
+            rms_norm(x, w, 1e-6)
+            rms_norm(x, w, 1e-6, residual=r)
+            index = torch.arange(m)
+            rms_norm_cat(table, w, 1e-6, x, w, 1e-6, a_index=index)
+            for split in (3, 4):
+                b = SplitK(torch.randn(split, m, n), bf)
+                rms_norm_cat(table, w, 1e-6, b, w, 1e-6, a_index=index, b_out=torch.empty_like(x))
+
+    names = ["norm._rms_norm_kernel", "norm._rms_norm_cat_kernel"]
+    rec = _gpu_dry_run(names, calls)
+    assert [rec.launches[n] for n in names] == [6, 9]
+    assert [len(rec.keys[n]) for n in names] == [1, 1]
+
+
+def test_argmax_second_stage_one_key_across_sizes():
+    """The split argmax's second stage from `argmax_with_map` (1 to 64 rows: 264 splits down
+    to a few) and from the LM-head GEMV's call (500 and 250 blocks, its num_warps): one key;
+    and past one pass of lanes (1100 splits) still the row's first maximum."""
+    name = "argmax._argmax_stage2_kernel"
+
+    def calls():
+        for b in (1, 2, 8, 40, 64):
+            argmax_with_map(torch.randn(b, 32000).to(torch.bfloat16), torch.arange(32000),
+                            tokens_out=torch.empty(b, dtype=torch.int32))
+        for b, splits in ((1, 500), (8, 250)):
+            ids = torch.empty(b, dtype=torch.int64)
+            argmax_stage2(torch.randn(b, splits), torch.zeros(b, splits, dtype=torch.int32), ids,
+                          torch.arange(32000), torch.empty(b, dtype=torch.int32))
+
+    rec = _gpu_dry_run([name], calls)
+    assert rec.launches[name] == 7 and len(rec.keys[name]) == 1
+    val = torch.randn(2, 1100).round()
+    val[1, 700] = val[1, 1050] = 9.0  # a tie in the second pass: the first wins
+    ids = torch.empty(2, dtype=torch.int64)
+    argmax_stage2(val, torch.arange(1100, dtype=torch.int32).repeat(2, 1) * 3, ids)
+    assert ids.tolist() == [3 * int(val[0].argmax()), 3 * 700]
 
 
 # ------------------------------------------------------------------ on the GPU

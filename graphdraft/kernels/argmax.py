@@ -84,34 +84,47 @@ def _argmax_stage1_kernel(
         tl.store(part_idx_ptr + p, idx)
 
 
+_STAGE2_BLOCK = 512  # lanes of the second stage, looped over a row's partials
+_STAGE2_WARPS = 1
+
+
 @triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
 def _argmax_stage2_kernel(
     part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr, stride_tokens,
-    SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
     pdl_trigger,
     PDL: tl.constexpr,
 ):
     """Program b: `argmax_final_row` of row b."""
     pdl_enter(PDL, pdl_trigger)
     argmax_final_row(tl.program_id(0), part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr,
-                     tokens_ptr, stride_tokens, SPLITS_PAD, HAS_MAP, HAS_TOKENS)
+                     tokens_ptr, stride_tokens, BLOCK, HAS_MAP, HAS_TOKENS)
 
 
 @triton.jit
 def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr, tokens_ptr,
-                     stride_tokens, SPLITS_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+                     stride_tokens, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
                      HAS_TOKENS: tl.constexpr):
     """Row b: the (max, first index) over its `[num_splits]` partials, mapped -> `out[b]` (int64)
     and, with HAS_TOKENS, the same id in `tokens[b * stride_tokens]` (its dtype, e.g. int32).
-    Partials are read through L2 (`.cg`)."""
-    offs = tl.arange(0, SPLITS_PAD)
-    valid = offs < num_splits
+    The partials are read BLOCK at a time (a runtime loop: one pass up to BLOCK splits), each
+    lane keeping its (max, lowest index), through L2 (`.cg`)."""
+    lanes = tl.arange(0, BLOCK)
     b = tl.cast(b, tl.int64)  # int64 offsets
     base = b * num_splits
-    val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG, cache_modifier=".cg")
-    m = tl.max(val, axis=0)
-    res = tl.min(tl.where(val == m, idx, _BIG), axis=0).to(tl.int64)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], _BIG, tl.int32)
+    for start in range(0, num_splits, BLOCK):
+        offs = start + lanes
+        valid = offs < num_splits
+        val = tl.load(part_val_ptr + base + offs, mask=valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        idx = tl.load(part_idx_ptr + base + offs, mask=valid, other=_BIG, cache_modifier=".cg")
+        better = (val > best_val) | ((val == best_val) & (idx < best_idx))
+        best_val = tl.where(better, val, best_val)
+        best_idx = tl.where(better, idx, best_idx)
+    m = tl.max(best_val, axis=0)
+    res = tl.min(tl.where(best_val == m, best_idx, _BIG), axis=0).to(tl.int64)
     if HAS_MAP:
         res = tl.load(hot_ptr + res)
     tl.store(out_ptr + b, res)
@@ -119,34 +132,23 @@ def argmax_final_row(b, part_val_ptr, part_idx_ptr, num_splits, hot_ptr, out_ptr
         tl.store(tokens_ptr + b * stride_tokens, res.to(tokens_ptr.dtype.element_ty))
 
 
-def splits_pad(splits: int) -> int:
-    """Lanes of the second stage for `splits` partials per row: 16 up to 16, 64 up to 64, 512
-    up to 512, else the next power of two. The split count of `argmax_with_map` falls as rows
-    grow (about two programs per SM), so a per-count power of two would compile a kernel per
-    batch size; these buckets compile at most three on an H200 (at most 264 splits). The
-    masked lanes are a few more loads and compares in a one-program-per-row kernel."""
-    if splits < 1:
-        raise ValueError(f"splits: expected >= 1, got {splits}")
-    for pad in (16, 64, 512):
-        if splits <= pad:
-            return pad
-    return triton.next_power_of_2(splits)
-
-
 def argmax_stage2(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Tensor,
                   hot_token_ids: torch.Tensor | None = None, tokens_out: torch.Tensor | None = None,
-                  *, num_warps: int = 1, kernels: KernelConfig | None = None) -> None:
+                  *, kernels: KernelConfig | None = None) -> None:
     """Second stage, one program per row b: the (max, first index) over the partials
     `part_val` fp32 / `part_idx` int32 `[B, splits]` (contiguous), mapped through
     `hot_token_ids` (int64 `[V]`) if given -> `out[b]` (int64 `[B]`); `tokens_out` (int32/int64
-    `[B]`, any stride) gets a copy. Arguments are not checked (the callers do)."""
+    `[B]`, any stride) gets a copy. Arguments are not checked (the callers do).
+    One compiled variant for every split and row count: `_STAGE2_BLOCK` lanes, one pass for
+    the split counts of the draft head on an H200 (`argmax_with_map`: at most 264; the LM
+    head GEMV's 32000-column blocks: 500 at one row, 250 above), and `_STAGE2_WARPS` warps."""
     B, splits = part_val.shape
     has_map, has_tokens = hot_token_ids is not None, tokens_out is not None
     _argmax_stage2_kernel[(B,)](
         part_val, part_idx, splits, hot_token_ids if has_map else out, out,
         tokens_out if has_tokens else out, tokens_out.stride(0) if has_tokens else 0,
-        SPLITS_PAD=splits_pad(splits), HAS_MAP=has_map, HAS_TOKENS=has_tokens,
-        num_warps=num_warps, **launch_options(out.device, B, kernels=kernels),
+        BLOCK=_STAGE2_BLOCK, HAS_MAP=has_map, HAS_TOKENS=has_tokens,
+        num_warps=_STAGE2_WARPS, **launch_options(out.device, B, kernels=kernels),
     )
 
 

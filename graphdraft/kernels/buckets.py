@@ -12,9 +12,9 @@ schedule compiles a handful of variants per kernel, not one per size:
   (`cdiv(rows, 64)` programs; one compiled variant where 16 / 64 by row count compiled two);
 * `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
   `KernelConfig.finish_norm_max_m` (4), the fused-norm finisher;
-* (not a bucket: PDL is one variant at every row count, `KernelConfig.pdl_max_rows` a
-  runtime argument of it, `kernels.pdl`);
-* `argmax.splits_pad(splits)`: the second-stage lanes of the split argmax.
+* (not buckets: PDL is one variant at every row count, `KernelConfig.pdl_max_rows` a
+  runtime argument of it, `kernels.pdl`; the split argmax's second stage loops over its
+  splits with fixed lanes, `argmax.argmax_stage2`).
 
 The thresholds come from a `KernelConfig` (`kernels=`; None: the default config): the one the
 launches run under. `row_bucket(rows)` names the combination; `representative_sizes` picks one batch size of a
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import triton
-
-from graphdraft.kernels import argmax, gemv
+from graphdraft.kernels import gemv
 from graphdraft.kernels.config import GEMV_MAX_M, KernelConfig
 from graphdraft.kernels.config import default as default_config
 
@@ -47,11 +45,10 @@ def rows_block(rows: int) -> int:
     return _ROWS_BLOCK
 
 
-def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = None) -> tuple:
+def row_bucket(rows: int, *, kernels: KernelConfig | None = None) -> tuple:
     """The compile-relevant choices of a launch over `rows` rows under `kernels` (equal tuples:
     the same compiled variants): the GEMV tile and finisher (or cuBLAS above
-    `kernels.small_m_max`), `rows_block`, and the split argmax's second-stage lanes (its
-    split count is about `2 * num_sms / rows`)."""
+    `kernels.small_m_max`) and `rows_block`."""
     kc = kernels if kernels is not None else default_config()
     if rows < 1:
         raise ValueError(f"rows: expected >= 1, got {rows}")
@@ -59,12 +56,11 @@ def row_bucket(rows: int, *, num_sms: int = 132, kernels: KernelConfig | None = 
         gemv_key = (gemv.m_bucket(rows), rows <= kc.finish_norm_max_m)
     else:
         gemv_key = ("cublas",)
-    splits = triton.cdiv(2 * num_sms, rows)
-    return (gemv_key, rows_block(rows), argmax.splits_pad(splits))
+    return (gemv_key, rows_block(rows))
 
 
 def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int] = (1,), *,
-                         num_sms: int = 132, kernels: KernelConfig | None = None) -> list[int]:
+                         kernels: KernelConfig | None = None) -> list[int]:
     """One batch size per bucket of `schedule` (the largest of each), descending.
 
     A forward at batch size bs launches kernels over `bs * r` rows for each r of
@@ -81,5 +77,5 @@ def representative_sizes(schedule: Sequence[int], row_multipliers: Sequence[int]
         raise ValueError(f"row_multipliers: expected ints >= 1, got {list(row_multipliers)!r}")
     best: dict[tuple, int] = {}
     for bs in sizes:
-        best[tuple(row_bucket(bs * r, num_sms=num_sms, kernels=kernels) for r in mults)] = bs
+        best[tuple(row_bucket(bs * r, kernels=kernels) for r in mults)] = bs
     return sorted(best.values(), reverse=True)

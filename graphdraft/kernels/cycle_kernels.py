@@ -112,13 +112,14 @@ def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, pa
     extend_lens.fill_(n)
 
 
-@triton.jit(do_not_specialize=["stride_t", "n"],  # tokens a row (k + 1): one variant for every k
+# prefill (0 / 1) is a runtime flag, not specialized: the cycle and the prefill share one variant.
+@triton.jit(do_not_specialize=["stride_t", "n", "prefill"],  # tokens a row (k + 1): every k
             do_not_specialize_on_alignment=["accept", "finish", "err", "req", "seq_lens", "tokens",
                                             "next_tokens", "pack"])  # and any row offset
 def _commit_pack_kernel(accept, finish, err, req, seq_lens, tokens, stride_t, next_tokens,
                         stride_n, vcl, last_token, drafts, stride_d, emitted, done, pack,
-                        stride_pk, n, NROW, S, NP2: tl.constexpr, SP2: tl.constexpr,
-                        PREFILL: tl.constexpr, HAS_NEXT: tl.constexpr):
+                        stride_pk, n, NROW, S, prefill, NP2: tl.constexpr, SP2: tl.constexpr,
+                        HAS_NEXT: tl.constexpr):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     one = tl.arange(0, 1)
@@ -127,7 +128,7 @@ def _commit_pack_kernel(accept, finish, err, req, seq_lens, tokens, stride_t, ne
     e = tl.load(err + r + one)
     q = tl.load(req + r + one).to(tl.int64)
     live = a > 0
-    if PREFILL:
+    if prefill != 0:
         tl.store(vcl + q, tl.load(seq_lens + r + one).to(vcl.dtype.element_ty))
     else:
         old = tl.load(vcl + q, mask=live, other=0)
@@ -176,8 +177,8 @@ def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl,
         _commit_pack_kernel[(rows,)](
             accept, finish, err, req, seq_lens, tokens, tokens.stride(0), nt, nt.stride(0), vcl,
             last_token, drafts, drafts.stride(0), emitted, done, pack, pack.stride(0), n, nrow,
-            s_cols, NP2=triton.next_power_of_2(nrow), SP2=triton.next_power_of_2(max(s_cols, 1)),
-            PREFILL=prefill, HAS_NEXT=next_tokens is not None and s_cols > 0, num_warps=1)
+            s_cols, int(prefill), NP2=triton.next_power_of_2(nrow),
+            SP2=triton.next_power_of_2(max(s_cols, 1)), HAS_NEXT=next_tokens is not None and s_cols > 0, num_warps=1)
         return
     a = accept.long()
     live = a > 0

@@ -9,9 +9,10 @@ split-K GEMV (`gemv.linear_small_m_partials`), which replaces the GEMV's own spl
 They travel as a `SplitK` value (the partials and the dtype of the product they stand for),
 from the op that makes them to the op that consumes them: no caller tests a tensor's rank.
 Every kernel that consumes them sums with `sum_partials` and rounds once to the activation
-dtype, so it sees the bits `gemv.linear_small_m` would have written: split 1 is the GEMV's own
-fp32 accumulator (which `linear_small_m` rounds and stores directly), split > 1 is summed in
-the order of `gemv`'s split-sum kernels (s = 0, 1, ... added onto 0.0 in fp32).
+dtype, so it sees the values `gemv.linear_small_m` would have written: the partials added in
+the order of `gemv`'s split-sum kernels (s = 0, 1, ... onto 0.0 in fp32); split 1 is the GEMV's
+own fp32 accumulator, which `linear_small_m` rounds and stores directly (the same bits but for
+the sign of a zero: 0.0 + -0.0 is 0.0).
 """
 
 from __future__ import annotations
@@ -40,12 +41,10 @@ class SplitK:
         return (self.partials.shape[1], self.partials.shape[2])
 
     def sum(self) -> torch.Tensor:
-        """The product `[M, N]` in `dtype`, summed in the kernels' order (`sum_partials`: split 1
-        as is, else s = 0, 1, ... onto 0.0 in fp32) and rounded once; a new tensor (the torch
-        reference of every consumer's sum)."""
+        """The product `[M, N]` in `dtype`, summed in the kernels' order (`sum_partials`:
+        s = 0, 1, ... onto 0.0 in fp32) and rounded once; a new tensor (the torch reference of
+        every consumer's sum)."""
         ws = self.partials
-        if ws.shape[0] == 1:
-            return ws[0].to(self.dtype, copy=True)
         acc = torch.zeros_like(ws[0])
         for part in ws:
             acc = acc + part
@@ -67,21 +66,13 @@ def check_partials(name: str, ws: object, m: int, n: int, device: torch.device) 
 
 
 @triton.jit
-def sum_partials(ptrs, split_stride, mask, split, MULTI: tl.constexpr):
-    """fp32 sum of the `split` partials at `ptrs + s * split_stride` (masked lanes: 0.0): the
-    partial itself without MULTI (split == 1), else added in the order s = 0, 1, ... onto 0.0.
-    `split` is a runtime count (`MULTI = split > 1`, `multi_split`), so one compiled kernel
-    serves every split > 1 (a loop, as a constexpr count compiled to: unrolling it would hold
-    every partial of a wide row in registers at once)."""
-    if MULTI:
-        acc = tl.zeros(ptrs.shape, dtype=tl.float32)
-        for s in range(split):
-            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
-    else:
-        acc = tl.load(ptrs, mask=mask, other=0.0)
+def sum_partials(ptrs, split_stride, mask, split):
+    """fp32 sum of the `split` partials at `ptrs + s * split_stride` (masked lanes: 0.0), added
+    in the order s = 0, 1, ... onto 0.0 (split 1: the partial's value; a -0.0 reads as 0.0).
+    `split` is a runtime count, so one compiled kernel serves every split (a loop, as a
+    constexpr count compiled to: unrolling it would hold every partial of a wide row in
+    registers at once)."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in range(split):
+        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
     return acc
-
-
-def multi_split(split: int) -> bool:
-    """`sum_partials`'s MULTI for `split` partials."""
-    return split > 1

@@ -68,7 +68,7 @@ from graphdraft.checks import INDEX_DTYPES, expect_one_of, expect_tensor
 from graphdraft.kernels.argmax import _BIG, argmax_stage2, check_ids_out
 from graphdraft.kernels.config import GEMV_MAX_M, KernelConfig
 from graphdraft.kernels.config import default as default_config
-from graphdraft.kernels.fused_inputs import SplitK, multi_split, sum_partials
+from graphdraft.kernels.fused_inputs import SplitK, sum_partials
 from graphdraft.kernels.norm import rms_norm_row
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.pdl import supported as pdl_supported
@@ -141,7 +141,7 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  eps, to_ws, argmax, split, has_res_index,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SILU_MUL: tl.constexpr, FP32_DOT: tl.constexpr, FINISH: tl.constexpr,
-                 MULTI: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr,
                  PDL: tl.constexpr, W_EVICT: tl.constexpr):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x,
     stored as fp32 partials to `ws [split, M, N]` (`to_ws`) or rounded to `out`. With `argmax`
@@ -207,7 +207,7 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             for m in range(M):
                 _residual_norm_row(m, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr,
                                    has_res_index, nw_ptr, nout_ptr, stride_nout, h_ptr, stride_h,
-                                   eps, split, MULTI, NORM_BLOCK)
+                                   eps, split, NORM_BLOCK)
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
@@ -237,13 +237,13 @@ def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexp
 
 
 @triton.jit(do_not_specialize=["pdl_trigger", "M", "split"])
-def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, split, MULTI: tl.constexpr,
+def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, split,
                        BLOCK: tl.constexpr, pdl_trigger, PDL: tl.constexpr):
     pdl_enter(PDL, pdl_trigger)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
-    acc = sum_partials(ws_ptr + offs, M * N, ok, split, MULTI)  # fixed order: deterministic
+    acc = sum_partials(ws_ptr + offs, M * N, ok, split)  # fixed order: deterministic
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -252,18 +252,18 @@ def _sum_splits_kernel(ws_ptr, out_ptr, M, N, stride_om, split, MULTI: tl.conste
 @triton.jit(do_not_specialize=["pdl_trigger", "M", "split", "has_res_index"])
 def _sum_residual_norm_kernel(ws_ptr, res_ptr, stride_res, res_idx_ptr, has_res_index, w_ptr,
                               out_ptr, stride_out, h_ptr, stride_h, M, N, eps, split,
-                              MULTI: tl.constexpr, BLOCK: tl.constexpr,
+                              BLOCK: tl.constexpr,
                               pdl_trigger, PDL: tl.constexpr):
     """Program m: `_residual_norm_row` of row m."""
     pdl_enter(PDL, pdl_trigger)
     _residual_norm_row(tl.program_id(0), ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr,
                        has_res_index, w_ptr, out_ptr, stride_out, h_ptr, stride_h, eps, split,
-                       MULTI, BLOCK)
+                       BLOCK)
 
 
 @triton.jit
 def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, has_res_index, w_ptr,
-                       out_ptr, stride_out, h_ptr, stride_h, eps, split, MULTI: tl.constexpr,
+                       out_ptr, stride_out, h_ptr, stride_h, eps, split,
                        BLOCK: tl.constexpr):
     """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] with
     `has_res_index`, else m) -> `h[m]`, then `out[m] = RMSNorm(h[m])` (`norm.rms_norm_row`);
@@ -275,7 +275,7 @@ def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, has_
         r_row = tl.load(res_idx_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, split, MULTI)  # fixed order
+    acc = sum_partials(ws_ptr + row * N + cols, M * N, ok, split)  # fixed order
     r = tl.load(res_ptr + r_row * stride_res + cols, mask=ok, other=0.0)
     h = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
@@ -389,7 +389,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, ws: torc
         int(ws is not None), int(amax is not None), cfg.split, int(res_idx is not None),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SILU_MUL=act == "silu_mul", FP32_DOT=fp32_dot, FINISH=norm is not None,
-        MULTI=multi_split(cfg.split) if norm else False,  # unread without FINISH
         NORM_BLOCK=triton.next_power_of_2(n) if norm else 16,
         PDL=pdl, W_EVICT="evict_first" if kc.stream_evict_first else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
@@ -411,8 +410,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     if cfg.split > 1:  # the partials, summed by a second launch
         ws = linear_small_m_partials(x, w, act=act, config=cfg, kernels=kc).partials
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                          cfg.split, MULTI=multi_split(cfg.split),
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0), cfg.split,
                                                           BLOCK=block,
                                                           **launch_options(x.device, m, kernels=kc))
         return out
@@ -463,8 +461,7 @@ def linear_small_m_argmax(x: torch.Tensor, w: torch.Tensor, hot_token_ids: torch
     val = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((m, n_blocks), dtype=torch.int32, device=x.device)
     _launch(x, w, logits, None, None, cfg, kc, amax=(val, idx), n_blocks=n_blocks)
-    argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, num_warps=4 if n_blocks >= 256 else 1,
-                  kernels=kc)
+    argmax_stage2(val, idx, ids, hot_token_ids, tokens_out, kernels=kc)
     return logits, ids
 
 
@@ -510,7 +507,7 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
                                     res_idx if res_idx is not None else placeholder(x.device, torch.int64),
                                     int(res_idx is not None), norm_weight, out, out.stride(0), h,
                                     h.stride(0), m, n, float(eps), cfg.split,
-                                    MULTI=multi_split(cfg.split), BLOCK=triton.next_power_of_2(n),
+                                    BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
                                     **launch_options(x.device, m, kernels=kc))
     return out, h

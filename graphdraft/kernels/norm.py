@@ -24,6 +24,7 @@ from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.fused_inputs import SplitK, check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
+from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["rms_norm", "rms_norm_cat", "rms_norm_ref", "rms_norm_row"]
 
@@ -31,22 +32,26 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_N = 16384
 
 
-@triton.jit
+# has_res (0 / 1) is a runtime flag, not specialized: with and without the residual share one
+# variant (a uniform branch; the weight is loaded before it, so its load is not held back).
+@triton.jit(do_not_specialize=["has_res"])
 def _rms_norm_kernel(
     x_ptr, stride_x, res_ptr, stride_res, w_ptr, out_ptr, stride_out, res_out_ptr, stride_res_out,
-    N, eps,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    N, eps, has_res,
+    BLOCK: tl.constexpr,
 ):
+    """Row `row`: out = RMSNorm(x) or, with has_res != 0, h = x + res (rounded to x's dtype,
+    written to res_out) and out = RMSNorm(h)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     dtype = x.dtype
-    if HAS_RES:
+    if has_res != 0:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a dtype add
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, rms_norm_row(x, w, N, eps), mask=mask)
 
 
@@ -61,15 +66,18 @@ def rms_norm_row(x, w, N, eps):
 
 
 # split_stride_b (M * N) stays specialized: N % 16 == 0 makes it "divisible by 16" at every M,
-# and that keeps the partials' loads vectorized.
-@triton.jit(do_not_specialize=["pdl_trigger"])
-def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, stride_b, split_stride_b,
-                         wb_ptr, eps_b, b_out_ptr, stride_b_out, out_ptr, stride_out, N,
-                         BLOCK: tl.constexpr, A_INDEX: tl.constexpr, B_SPLIT: tl.constexpr,
+# and that keeps the partials' loads vectorized. b_split is a runtime count (0: b is not
+# partials), so both forms of b share one variant.
+@triton.jit(do_not_specialize=["pdl_trigger", "b_split"])
+def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, bp_ptr, stride_b,
+                         split_stride_b, b_split, wb_ptr, eps_b, b_out_ptr, stride_b_out, out_ptr,
+                         stride_out, N, BLOCK: tl.constexpr, A_INDEX: tl.constexpr,
                          pdl_trigger, PDL: tl.constexpr):
     """Program (row, half): half 0 writes RMSNorm(a[row]) (A_INDEX: a[a_index[row]]) to
-    out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]. B_SPLIT > 0: b is that many fp32
-    split-K partials, whose rounded sum is b[row] and is also written to b_out[row]."""
+    out[row, :N], half 1 RMSNorm(b[row]) to out[row, N:]. b_split == 0: b[row] is read from
+    b_ptr (a's dtype); b_split > 0: from bp_ptr, that many fp32 split-K partials
+    (`sum_partials`), whose rounded sum is b[row] and is also written to
+    b_out[row]. The pointer a mode does not read is a dummy of its dtype."""
     pdl_enter(PDL, pdl_trigger)
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
@@ -83,13 +91,13 @@ def _rms_norm_cat_kernel(a_ptr, stride_a, a_index_ptr, wa_ptr, eps_a, b_ptr, str
         w = tl.load(wa_ptr + cols, mask=mask, other=0.0)
         eps = eps_a
     else:
-        if B_SPLIT > 0:
-            x = sum_partials(b_ptr + row * stride_b + cols, split_stride_b, mask, B_SPLIT, B_SPLIT)
+        w = tl.load(wb_ptr + cols, mask=mask, other=0.0)
+        if b_split > 0:
+            x = sum_partials(bp_ptr + row * stride_b + cols, split_stride_b, mask, b_split)
             x = x.to(b_out_ptr.dtype.element_ty)
             tl.store(b_out_ptr + row * stride_b_out + cols, x, mask=mask)
         else:
             x = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
-        w = tl.load(wb_ptr + cols, mask=mask, other=0.0)
         eps = eps_b
     tl.store(out_ptr + row * stride_out + half * N + cols, rms_norm_row(x, w, N, eps), mask=mask)
 
@@ -142,11 +150,14 @@ def rms_norm_cat(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch
     if M > 0:
         block = triton.next_power_of_2(N)
         b_split = b.shape[0] if split_k else 0
-        b_stride = b.stride(1) if b_split else b.stride(0)
+        # b_ptr gets b's rows (b_out with partials: never read), bp_ptr the partials (without
+        # them: an fp32 placeholder): each pointer keeps its dtype in both modes
+        bp = b if split_k else placeholder(a.device, torch.float32)
         _rms_norm_cat_kernel[(M, 2)](a, a.stride(0), a if a_index is None else a_index, weight_a,
-                                     float(eps_a), b, b_stride, b.stride(0), weight_b, float(eps_b),
-                                     b_rows, b_rows.stride(0), out, out.stride(0), N, BLOCK=block,
-                                     A_INDEX=a_index is not None, B_SPLIT=b_split,
+                                     float(eps_a), b_rows, bp, b.stride(-2),
+                                     b.stride(0) if split_k else 0, b_split,
+                                     weight_b, float(eps_b), b_rows, b_rows.stride(0), out,
+                                     out.stride(0), N, BLOCK=block, A_INDEX=a_index is not None,
                                      num_warps=min(16, max(1, block // 512)),
                                      **launch_options(out.device, M, kernels=kernels))
     return out
@@ -201,8 +212,8 @@ def rms_norm(
         res_out = residual_out if residual_out is not None else out
         _rms_norm_kernel[(M,)](
             x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
-            N, float(eps),
-            BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
+            N, float(eps), int(residual is not None),
+            BLOCK=block, num_warps=min(16, max(1, block // 512)),
         )
     return out if residual is None else (out, residual_out)
 

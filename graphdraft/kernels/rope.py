@@ -11,6 +11,8 @@ Fused form: `rope_and_store_kv_partials` takes qkv as the qkv GEMV's fp32 split-
 `[split, T, (Hq + 2 Hkv) * D]` (`gemv.linear_small_m_partials`) and sums them while loading
 (`fused_inputs.sum_partials`, rounded to the cache dtype: the bits `gemv.linear_small_m` would
 have written), replacing the GEMV's split-sum launch; rotated q goes to a separate `[T, Hq, D]`.
+Both forms, any split count and any q head count up to the q lanes (`max_q_heads`: the
+KV-only step's one head) launch one compiled kernel.
 """
 
 from __future__ import annotations
@@ -37,36 +39,66 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit
-def _load_input(ptrs, mask, split_stride, SPLIT: tl.constexpr):
-    """q/k/v values: loaded (SPLIT == 0) or the fp32 sum of SPLIT split-K partials."""
-    if SPLIT > 0:
-        x = sum_partials(ptrs, split_stride, mask, SPLIT, SPLIT)
+def _load_input(ptrs, mask, split_stride, split, PARTIALS: tl.constexpr):
+    """q/k/v values: loaded, or (PARTIALS) the fp32 sum of `split` split-K partials."""
+    if PARTIALS:
+        x = sum_partials(ptrs, split_stride, mask, split)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     return x
+
+
+@triton.jit
+def _rope_heads(q_ptr, k_ptr, v_ptr, oq, ok, ov, mq, mkv, split_stride, split, c, s, po, pkc, pvc,
+                HALF: tl.constexpr, PARTIALS: tl.constexpr):
+    """One token: q (`q_ptr + oq`, mask mq) rotated into `po`, k (`k_ptr + ok`) rotated into
+    `pkc`, v (`v_ptr + ov`) copied into `pvc` (masks mkv); each offset / pointer block is the
+    `[H, D/2]` first half of its heads, the second half HALF further on. PARTIALS: the inputs
+    are fp32 split-K partials, each summed and rounded to the cache dtype."""
+    dtype = pkc.dtype.element_ty
+    q1 = _load_input(q_ptr + oq, mq, split_stride, split, PARTIALS).to(dtype)
+    q2 = _load_input(q_ptr + oq + HALF, mq, split_stride, split, PARTIALS).to(dtype)
+    o1, o2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c, s)
+    tl.store(po, o1.to(dtype), mask=mq)
+    tl.store(po + HALF, o2.to(dtype), mask=mq)
+    k1 = _load_input(k_ptr + ok, mkv, split_stride, split, PARTIALS).to(dtype)
+    k2 = _load_input(k_ptr + ok + HALF, mkv, split_stride, split, PARTIALS).to(dtype)
+    o1, o2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), c, s)
+    tl.store(pkc, o1.to(dtype), mask=mkv)
+    tl.store(pkc + HALF, o2.to(dtype), mask=mkv)
+    v_dtype = pvc.dtype.element_ty
+    v1 = _load_input(v_ptr + ov, mkv, split_stride, split, PARTIALS)
+    v2 = _load_input(v_ptr + ov + HALF, mkv, split_stride, split, PARTIALS)
+    tl.store(pvc, v1.to(v_dtype), mask=mkv)
+    tl.store(pvc + HALF, v2.to(v_dtype), mask=mkv)
 
 
 # The drafter passes per-step slices of its cache-location buffer at offsets of step * bs
 # elements, 16-byte aligned only for even bs: not specialized on alignment (one scalar load per
 # program). split_stride (T * width) stays specialized: width is a multiple of 16 for every
 # head_dim in use, so it is always "divisible by 16", which keeps the partials' loads vectorized.
-@triton.jit(do_not_specialize=["pdl_trigger"], do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
+# The q head count and the split count are runtime values (not specialized): the forward and
+# the KV-only step (one q head), activations and partials share one variant.
+@triton.jit(do_not_specialize=["split", "hq", "pdl_trigger"],
+            do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _rope_store_kernel(
-    q_ptr, sq_t, sq_h,
-    k_ptr, sk_t, sk_h,
-    v_ptr, sv_t, sv_h,
-    split_stride,
+    q_ptr, qp_ptr, sq_t, sq_h,
+    k_ptr, kp_ptr, sk_t, sk_h,
+    v_ptr, vp_ptr, sv_t, sv_h,
+    split, split_stride,
     qo_ptr, sqo_t, sqo_h,
     pos_ptr, cs_ptr, s_cs,
     kc_ptr, skc_s, skc_h,
     vc_ptr, svc_s, svc_h,
-    loc_ptr,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    loc_ptr, hq,
+    HKV: tl.constexpr, HALF: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """SPLIT == 0: q/k/v are the activations (q_out may be q itself); SPLIT > 0: they are fp32
-    split-K partials (strides of one split), each summed and rounded to the cache dtype.
+    """Program t: token t's hq q heads (of HQ_PAD lanes) and HKV k / v heads. split == 0: q/k/v
+    are the activations at q_ptr / k_ptr / v_ptr (q_out may be q itself); split > 0: they are
+    fp32 split-K partials at qp_ptr / kp_ptr / vp_ptr (strides of one split; `sum_partials`). Both kinds of pointer are always passed, each in its own dtype (the
+    kind not read: dummies); one uniform branch picks the kind, the rest is straight-line.
     EARLY (with PDL): position, cache slot and cos/sin are loaded before waiting for the
     kernel before (pdl module doc); q/k/v after."""
     if not EARLY:
@@ -81,33 +113,23 @@ def _rope_store_kernel(
     if EARLY:
         pdl_enter(PDL, pdl_trigger)
 
-    # q: rotate into q_out.
-    dtype = kc_ptr.dtype.element_ty
-    hq = tl.arange(0, HQ_PAD)[:, None].to(tl.int64)
-    m = (hq < HQ) & dmask[None, :]
-    p1 = q_ptr + t * sq_t + hq * sq_h + d[None, :]
-    q1 = _load_input(p1, m, split_stride, SPLIT).to(dtype)
-    q2 = _load_input(p1 + HALF, m, split_stride, SPLIT).to(dtype)
-    o1, o2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c, s)
-    po = qo_ptr + t * sqo_t + hq * sqo_h + d[None, :]
-    tl.store(po, o1.to(dtype), mask=m)
-    tl.store(po + HALF, o2.to(dtype), mask=m)
-
-    # k: rotate into the cache; v: copy into the cache.
-    hk = tl.arange(0, HKV_PAD)[:, None].to(tl.int64)
-    m = (hk < HKV) & dmask[None, :]
-    pk = k_ptr + t * sk_t + hk * sk_h + d[None, :]
-    k1 = _load_input(pk, m, split_stride, SPLIT).to(dtype)
-    k2 = _load_input(pk + HALF, m, split_stride, SPLIT).to(dtype)
-    o1, o2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), c, s)
-    pkc = kc_ptr + loc * skc_s + hk * skc_h + d[None, :]
-    tl.store(pkc, o1.to(dtype), mask=m)
-    tl.store(pkc + HALF, o2.to(dtype), mask=m)
-    pv = v_ptr + t * sv_t + hk * sv_h + d[None, :]
-    pvc = vc_ptr + loc * svc_s + hk * svc_h + d[None, :]
-    tl.store(pvc, _load_input(pv, m, split_stride, SPLIT).to(vc_ptr.dtype.element_ty), mask=m)
-    tl.store(pvc + HALF, _load_input(pv + HALF, m, split_stride, SPLIT).to(vc_ptr.dtype.element_ty),
-             mask=m)
+    d = d[None, :]
+    h = tl.arange(0, HQ_PAD)[:, None].to(tl.int64)
+    mq = (h < hq) & dmask[None, :]
+    oq = t * sq_t + h * sq_h + d
+    po = qo_ptr + t * sqo_t + h * sqo_h + d
+    h = tl.arange(0, HKV_PAD)[:, None].to(tl.int64)
+    mkv = (h < HKV) & dmask[None, :]
+    ok = t * sk_t + h * sk_h + d
+    ov = t * sv_t + h * sv_h + d
+    pkc = kc_ptr + loc * skc_s + h * skc_h + d
+    pvc = vc_ptr + loc * svc_s + h * svc_h + d
+    if split > 0:
+        _rope_heads(qp_ptr, kp_ptr, vp_ptr, oq, ok, ov, mq, mkv, split_stride, split, c, s, po, pkc,
+                    pvc, HALF, True)
+    else:
+        _rope_heads(q_ptr, k_ptr, v_ptr, oq, ok, ov, mq, mkv, split_stride, split, c, s, po, pkc,
+                    pvc, HALF, False)
 
 
 def _check_q(name, q) -> None:
@@ -138,23 +160,26 @@ def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc) -
 
 
 def _launch(q, k, v, split, q_out, positions, cos_sin_cache, k_cache, v_cache,
-            out_cache_loc, kernels: KernelConfig | None) -> None:
-    """q/k/v `[T, H, D]` views (split 0) or `[split, T, H, D]` views of fp32 partials."""
+            out_cache_loc, kernels: KernelConfig | None, max_q_heads: int | None) -> None:
+    """q/k/v `[T, H, D]` views of the activations (split 0) or `[split, T, H, D]` views of fp32
+    partials; the pointers of the other kind get tensors of the call in their dtype, never
+    read (q_out for the activations, cos_sin_cache, fp32, for the partials)."""
     T, Hq, D = q_out.shape
     Hkv, half = k_cache.shape[1], D // 2
+    acts, parts = ((q_out,) * 3, (q, k, v)) if split else ((q, k, v), (cos_sin_cache,) * 3)
     _rope_store_kernel[(T,)](
-        q, q.stride(-3), q.stride(-2),
-        k, k.stride(-3), k.stride(-2),
-        v, v.stride(-3), v.stride(-2),
-        q.stride(0) if split else 0,
+        acts[0], parts[0], q.stride(-3), q.stride(-2),
+        acts[1], parts[1], k.stride(-3), k.stride(-2),
+        acts[2], parts[2], v.stride(-3), v.stride(-2),
+        split, q.stride(0) if split else 0,
         q_out, q_out.stride(0), q_out.stride(1),
         positions, cos_sin_cache, cos_sin_cache.stride(0),
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
-        out_cache_loc,
-        HQ=Hq, HKV=Hkv, HALF=half,
-        HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv),
-        HALF_PAD=triton.next_power_of_2(half), SPLIT=split,
+        out_cache_loc, Hq,
+        HKV=Hkv, HALF=half,
+        HQ_PAD=triton.next_power_of_2(max(Hq, max_q_heads or 0)),
+        HKV_PAD=triton.next_power_of_2(Hkv), HALF_PAD=triton.next_power_of_2(half),
         num_warps=4, **launch_options(k_cache.device, T, early=True, kernels=kernels),
     )
 
@@ -170,6 +195,7 @@ def rope_and_store_kv(
     out_cache_loc: torch.Tensor,
     *,
     kernels: KernelConfig | None = None,
+    max_q_heads: int | None = None,
 ) -> None:
     """Rotate q ``[T, Hq, D]`` in place; store rotated k and raw v ``[T, Hkv, D]`` into
     ``k_cache``/``v_cache`` ``[num_slots, Hkv, D]`` at slots ``out_cache_loc`` ``[T]``.
@@ -178,10 +204,14 @@ def rope_and_store_kv(
     fp32 (cos in the first D/2 columns, sin in the last). q/k/v may be strided views
     of one fused qkv buffer (last dim contiguous). Rows sharing a slot race (last
     write wins undefined): only padded rows aimed at a dummy slot may do that.
+    ``max_q_heads``: the kernel's q lanes cover ``max(Hq, max_q_heads)`` heads (the extra
+    lanes masked off); a call that rotates fewer q heads than the model's forward (the
+    KV-only step: one) passes the forward's Hq, so both launch one compiled kernel.
     """
     _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc)
     if q.shape[0] > 0:
-        _launch(q, k, v, 0, q, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc, kernels)
+        _launch(q, k, v, 0, q, positions, cos_sin_cache, k_cache, v_cache, out_cache_loc, kernels,
+                max_q_heads)
 
 
 def rope_and_store_kv_partials(
@@ -194,12 +224,13 @@ def rope_and_store_kv_partials(
     *,
     q_out: torch.Tensor | None = None,
     kernels: KernelConfig | None = None,
+    max_q_heads: int | None = None,
 ) -> torch.Tensor:
     """:func:`rope_and_store_kv` of a fused qkv given as a `SplitK`: the qkv GEMV's fp32 split-K
     partials ``[split, T, (Hq + 2 Hkv) * D]`` (contiguous; Hkv and D are the cache's): each value is
     summed and rounded to the cache dtype while loading, the bits ``gemv.linear_small_m``
     would have written. Rotated q goes to ``q_out`` ``[T, Hq, D]`` (cache dtype, last dim
-    contiguous; allocated when None), which is returned; k and v go to the cache as there.
+    contiguous; allocated when None), which is returned; k, v and ``max_q_heads`` as there.
     """
     expect_tensor("k_cache", k_cache, shape=("num_slots", "Hkv", "D"))
     hkv, D = k_cache.shape[1], k_cache.shape[2]
@@ -223,7 +254,7 @@ def rope_and_store_kv_partials(
     if T > 0:
         q, k, v = ws.view(ws.shape[0], T, Hq + 2 * hkv, D).split([Hq, hkv, hkv], dim=2)
         _launch(q, k, v, ws.shape[0], q_out, positions, cos_sin_cache, k_cache, v_cache,
-                out_cache_loc, kernels)
+                out_cache_loc, kernels, max_q_heads)
     return q_out
 
 

@@ -227,8 +227,9 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
                              f"({t}, {self.config.hidden_size}), got {tuple(hidden.shape)}")
         qkv, _ = self._qkv(input_ids, hidden, kv_only=True)
         k_cache, v_cache = kv
+        attn = self.midlayer.self_attn  # q lanes of forward's RoPE launch: one compiled kernel
         ops.rope_and_store_qkv(qkv, positions, self.cos_sin, k_cache, v_cache, out_cache_loc,
-                               kernels=self.midlayer.self_attn.kernels)
+                               kernels=attn.kernels, max_q_heads=attn.num_heads)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 out_cache_loc: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
