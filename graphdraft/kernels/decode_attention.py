@@ -66,9 +66,10 @@ _DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A small tensor of `dtype` on `device`, one per pair, for a pointer argument the launch's
-    mode never reads or writes: the argument keeps its dtype (and 16-byte alignment) in every
-    mode, so the modes share one compiled kernel (decode and extend attention)."""
+    """A small tensor of `dtype` on `device`, made once per pair and kept (a captured graph may
+    hold its address), for a pointer argument the launch's mode never reads or writes: the
+    argument keeps its dtype (and 16-byte alignment) in every mode, so the modes share one
+    compiled kernel (decode and extend attention)."""
     key = (torch.device(device), dtype)
     if key not in _DUMMIES:
         _DUMMIES[key] = torch.empty(16, dtype=dtype, device=device)
@@ -401,7 +402,7 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=block_n, DOT_FP32=dot_fp32,
         PDL=pdl, EARLY=early,
-        extra_ptr=extra_slots if extra else q,  # unread without EXTRA (q: no early-read alias)
+        extra_ptr=extra_slots if extra else dummy(q.device, torch.int64),  # unread without EXTRA
         s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
         XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
