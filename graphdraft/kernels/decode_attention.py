@@ -17,6 +17,11 @@ split, stage 1 writes the output directly.
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
 
+One compiled stage-1 kernel serves every mode: one split or several and the q_index gather are
+runtime choices of its prologue / epilogue (`num_splits == 1`, the `gather` flag, not
+specialized), never of its KV loop, and its pointers keep one dtype each (the output, the fp32
+partials and log-sum-exps, int64 q_index: `dummy` where a mode reads none).
+
 Second segment (tree drafting's beams, TREE.md section 1): with ``extra_slots`` ``[T, W]``
 int64 and ``num_extra`` (host int, ``0 <= num_extra <= W``) row t also attends to the cache
 slots ``extra_slots[t, :num_extra]`` (token granular: a beam's ancestors in the draft scratch
@@ -42,7 +47,7 @@ from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
-           "default_num_splits"]
+           "default_num_splits", "dummy"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REF_DTYPES = (*_DTYPES, torch.float64)
@@ -56,6 +61,19 @@ COMBINE_SB = 16
 """Splits the combine kernels (decode's and extend's) read per block: one value for every split
 count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
 lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
+
+_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor of `dtype` on `device`, made once per pair and kept (a captured graph may
+    hold its address), for a pointer argument the launch's mode never reads or writes: the
+    argument keeps its dtype (and 16-byte alignment) in every mode, so the modes share one
+    compiled kernel (decode and extend attention)."""
+    key = (torch.device(device), dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.empty(16, dtype=dtype, device=device)
+    return _DUMMIES[key]
 
 
 @triton.jit
@@ -89,20 +107,20 @@ def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constex
 
 
 # The split count follows the rows (about 2 programs per SM): not specialized (1 / % 16 would
-# compile per batch size; ONE_SPLIT is the constexpr that matters). The partials' rows are
-# strided by it, so no vector access depends on its divisibility.
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
+# compile per batch size). One split or several is decided at run time, in the epilogue; the
+# partials' rows are strided by the count, so no vector access depends on its divisibility.
+# `gather` (1: q_index, 0: none) is not specialized either: one kernel for both.
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "gather"])
 def _decode_split_kernel(
-    q_ptr, sq_t, sq_h, q_index_ptr,
+    q_ptr, sq_t, sq_h, q_index_ptr, gather,
     k_ptr, sk_s, sk_h,
     v_ptr, sv_s, sv_h,
     req_ptr, lens_ptr, page_ptr, s_page_r, s_page_p,
-    o_ptr, so_t, so_h,  # final output (ONE_SPLIT) or fp32 partials [T, Hq, S, D] (contiguous)
-    lse_ptr,  # fp32 [T, Hq, S] (log2 domain)
+    o_ptr, so_t, so_h,  # final output [T, Hq, D] (written with one split)
+    part_ptr, lse_ptr,  # fp32 [T, Hq, S, D], [T, Hq, S] (log2 domain), contiguous: several splits
     scale_log2, chunk, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    Q_INDEX: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, DOT_FP32: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
     extra_ptr, s_extra, num_extra, EXTRA: tl.constexpr, XB: tl.constexpr,
 ):
@@ -121,7 +139,7 @@ def _decode_split_kernel(
     req = tl.load(req_ptr + t).to(tl.int64)
     page_row = page_ptr + req * s_page_r
     q_row = t.to(tl.int64)
-    if Q_INDEX:
+    if gather:
         q_row = tl.load(q_index_ptr + t).to(tl.int64)
     n = tl.arange(0, BLOCK)
     if EARLY:  # the first block's page ids (the loop's own loads stay index-only: pipelined)
@@ -180,12 +198,12 @@ def _decode_split_kernel(
 
     out = acc / l_i[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if ONE_SPLIT:
+    if num_splits == 1:
         o = o_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + d[None, :]
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=omask)
     else:
         row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [G_PAD]
-        tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=omask)
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
@@ -363,7 +381,7 @@ def paged_decode_attention(
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
-        part, lse = out, out  # lse unused
+        part = lse = dummy(q.device, torch.float32)
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
@@ -373,18 +391,18 @@ def paged_decode_attention(
     rest = dict(launch_options(q.device, T, early=True, kernels=kc))
     pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
-        q, q.stride(0), q.stride(1), q if q_index is None else q_index,
+        q, q.stride(0), q.stride(1),
+        dummy(q.device, torch.int64) if q_index is None else q_index, int(q_index is not None),
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
         req_pool_indices, kv_lens, req_to_page, req_to_page.stride(0), req_to_page.stride(1),
-        part, out.stride(0), out.stride(1),
-        lse,
+        out, out.stride(0), out.stride(1),
+        part, lse,
         float(sm_scale) * _LOG2E, chunk, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
-        PAGE_SIZE=page_size, BLOCK=block_n, ONE_SPLIT=one, DOT_FP32=dot_fp32,
-        Q_INDEX=q_index is not None,
+        PAGE_SIZE=page_size, BLOCK=block_n, DOT_FP32=dot_fp32,
         PDL=pdl, EARLY=early,
-        extra_ptr=extra_slots if extra else q,  # unread without EXTRA (q: no early-read alias)
+        extra_ptr=extra_slots if extra else dummy(q.device, torch.int64),  # unread without EXTRA
         s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
         XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,

@@ -30,7 +30,12 @@ at bs 1) they let the next kernel launch at once.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
 config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
-page size and flags, whatever the batch size.
+page size and mask bits or none, whatever the batch size. Uniform or ragged rows and one split
+or several are runtime choices of the stage-1 prologue / epilogue (`uniform_n > 0`,
+`num_splits == 1`), never of its KV loops, and its pointers keep one dtype each in every mode
+(`decode_attention.dummy` where a mode reads none: int32 extend_lens, int64 q_starts and
+mask_bits, the fp32 partials), so the captured verify and the prefill chunks of one tile
+share one compiled kernel.
 
 Settings (`kernels.config.KernelConfig`, `kernels=`; None: the default config):
 `extend_tiles` (the tile of each BLOCK_M case), `extend_num_stages` (16-64-row cases),
@@ -56,6 +61,7 @@ from graphdraft.kernels.decode_attention import (
     attend_block,
     check_out,
     check_paged_kv,
+    dummy,
     paged_attention_torch,
 )
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
@@ -94,13 +100,12 @@ def _extend_split_kernel(
     v_ptr, sv_s, sv_h,
     req_ptr, seq_ptr, seq_stride, ext_ptr, qs_ptr, bits_ptr,
     page_ptr, s_page_r, s_page_p,
-    o_ptr, so_t, so_h,  # final output (ONE_SPLIT) or fp32 partials [T, Hq, S, D] (contiguous)
-    lse_ptr,  # fp32 [T, Hq, S] (log2 domain)
+    o_ptr, so_t, so_h,  # final output [T, Hq, D] (written with one split)
+    part_ptr, lse_ptr,  # fp32 [T, Hq, S, D], [T, Hq, S] (log2 domain), contiguous: several splits
     scale_log2, uniform_n, chunk, num_splits, num_q_blocks, hkv,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UNIFORM: tl.constexpr, MASK_BITS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr, pdl_trigger, PDL: tl.constexpr,
+    MASK_BITS: tl.constexpr, DOT_FP32: tl.constexpr, pdl_trigger, PDL: tl.constexpr,
 ):
     pdl_enter(PDL, pdl_trigger)  # with PDL: wait for the kernel before (few rows: let the next launch)
     BLOCK_T: tl.constexpr = BLOCK_M // G_PAD
@@ -109,7 +114,7 @@ def _extend_split_kernel(
     kvh = tl.program_id(2) % hkv
     split = tl.program_id(2) // hkv
     seq_len = tl.load(seq_ptr + r * seq_stride).to(tl.int32)
-    if UNIFORM:
+    if uniform_n > 0:  # uniform rows: extend_lens / q_starts unread
         ext = uniform_n
         q_start = r.to(tl.int64) * uniform_n
     else:
@@ -187,12 +192,12 @@ def _extend_split_kernel(
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     omask = rmask[:, None] & dmask[None, :]
-    if ONE_SPLIT:
+    if num_splits == 1:
         o = o_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :]
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=omask)
     else:
         row = (tok_row * (G * hkv) + heads) * num_splits + split  # [BLOCK_M]
-        tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=omask)
         tl.store(lse_ptr + row, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)),
                                          float("-inf")), mask=rmask)
 
@@ -327,25 +332,26 @@ def paged_extend_attention(
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
-        part, lse = out, out
+        part = lse = dummy(q.device, torch.float32)
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
-    ext = extend_lens if extend_lens is not None else req_pool_indices
-    qs = q_starts if q_starts is not None else req_pool_indices
+    # unread tensors: dummies of the dtypes the runtime's ragged rows pass (one compiled kernel)
+    ext = extend_lens if extend_lens is not None else dummy(q.device, torch.int32)
+    qs = q_starts if q_starts is not None else dummy(q.device, torch.int64)
     _extend_split_kernel[(R, n_qb, Hkv * splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
         req_pool_indices, seq_lens, seq_lens.stride(0), ext, qs,
-        mask_bits if mask_bits is not None else req_pool_indices,
+        mask_bits if mask_bits is not None else dummy(q.device, torch.int64),
         req_to_page, req_to_page.stride(0), req_to_page.stride(1),
-        part, out.stride(0), out.stride(1),
-        lse,
+        out, out.stride(0), out.stride(1),
+        part, lse,
         float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, UNIFORM=uniform_n > 0, MASK_BITS=mask_bits is not None, ONE_SPLIT=one,
+        BLOCK_N=block_n, MASK_BITS=mask_bits is not None,
         DOT_FP32=dot_fp32, num_warps=warps,
         num_stages=kc.extend_prefill_stages if block_m == 128 else kc.extend_num_stages,
         **launch_options(q.device, T, kernels=kc),
