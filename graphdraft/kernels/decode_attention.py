@@ -20,7 +20,7 @@ attending rows out of all the step's tokens, instead of an ``index_select`` laun
 One compiled stage-1 kernel serves every mode: one split or several and the q_index gather are
 runtime choices of its prologue / epilogue (`num_splits == 1`, the `gather` flag, not
 specialized), never of its KV loop, and its pointers keep one dtype each (the output, the fp32
-partials and log-sum-exps, int64 q_index: `dummy` where a mode reads none).
+partials and log-sum-exps, int64 q_index: a `placeholders.placeholder` where a mode reads none).
 
 Second segment (tree drafting's beams, TREE.md section 1): with ``extra_slots`` ``[T, W]``
 int64 and ``num_extra`` (host int, ``0 <= num_extra <= W``) row t also attends to the cache
@@ -45,9 +45,10 @@ from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
+from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
-           "default_num_splits", "dummy"]
+           "default_num_splits"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REF_DTYPES = (*_DTYPES, torch.float64)
@@ -62,18 +63,6 @@ COMBINE_SB = 16
 count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
 lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
 
-_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A small tensor of `dtype` on `device`, made once per pair and kept (a captured graph may
-    hold its address), for a pointer argument the launch's mode never reads or writes: the
-    argument keeps its dtype (and 16-byte alignment) in every mode, so the modes share one
-    compiled kernel (decode and extend attention)."""
-    key = (torch.device(device), dtype)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.empty(16, dtype=dtype, device=device)
-    return _DUMMIES[key]
 
 
 @triton.jit
@@ -381,7 +370,7 @@ def paged_decode_attention(
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
-        part = lse = dummy(q.device, torch.float32)
+        part = lse = placeholder(q.device, torch.float32)
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
@@ -392,7 +381,7 @@ def paged_decode_attention(
     pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
         q, q.stride(0), q.stride(1),
-        dummy(q.device, torch.int64) if q_index is None else q_index, int(q_index is not None),
+        placeholder(q.device, torch.int64) if q_index is None else q_index, int(q_index is not None),
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
         req_pool_indices, kv_lens, req_to_page, req_to_page.stride(0), req_to_page.stride(1),
@@ -402,7 +391,7 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=block_n, DOT_FP32=dot_fp32,
         PDL=pdl, EARLY=early,
-        extra_ptr=extra_slots if extra else dummy(q.device, torch.int64),  # unread without EXTRA
+        extra_ptr=extra_slots if extra else placeholder(q.device, torch.int64),  # unread without EXTRA
         s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
         XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,

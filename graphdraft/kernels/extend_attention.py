@@ -33,7 +33,7 @@ config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtyp
 page size and mask bits or none, whatever the batch size. Uniform or ragged rows and one split
 or several are runtime choices of the stage-1 prologue / epilogue (`uniform_n > 0`,
 `num_splits == 1`), never of its KV loops, and its pointers keep one dtype each in every mode
-(`decode_attention.dummy` where a mode reads none: int32 extend_lens, int64 q_starts and
+(`placeholders.placeholder` where a mode reads none: int32 extend_lens, int64 q_starts and
 mask_bits, the fp32 partials), so the captured verify and the prefill chunks of one tile
 share one compiled kernel.
 
@@ -61,10 +61,10 @@ from graphdraft.kernels.decode_attention import (
     attend_block,
     check_out,
     check_paged_kv,
-    dummy,
     paged_attention_torch,
 )
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
+from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
            "tile_config"]
@@ -332,20 +332,20 @@ def paged_extend_attention(
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
-        part = lse = dummy(q.device, torch.float32)
+        part = lse = placeholder(q.device, torch.float32)
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     # unread tensors: dummies of the dtypes the runtime's ragged rows pass (one compiled kernel)
-    ext = extend_lens if extend_lens is not None else dummy(q.device, torch.int32)
-    qs = q_starts if q_starts is not None else dummy(q.device, torch.int64)
+    ext = extend_lens if extend_lens is not None else placeholder(q.device, torch.int32)
+    qs = q_starts if q_starts is not None else placeholder(q.device, torch.int64)
     _extend_split_kernel[(R, n_qb, Hkv * splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1),
         v_cache, v_cache.stride(0), v_cache.stride(1),
         req_pool_indices, seq_lens, seq_lens.stride(0), ext, qs,
-        mask_bits if mask_bits is not None else dummy(q.device, torch.int64),
+        mask_bits if mask_bits is not None else placeholder(q.device, torch.int64),
         req_to_page, req_to_page.stride(0), req_to_page.stride(1),
         out, out.stride(0), out.stride(1),
         part, lse,
