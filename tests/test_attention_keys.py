@@ -18,13 +18,13 @@ from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 from perf.compile_census import gpu_launch_options
 
 DECODE, EXTEND = "decode_attention._decode_split_kernel", "extend_attention._extend_split_kernel"
-COMBINES = ("decode_attention._decode_combine_kernel", "extend_attention._extend_combine_kernel")
+COMBINE = "decode_attention._combine_kernel"  # decode's and extend's stage 2
 HQ, HKV, D, PAGE = 32, 8, 128, 16  # the 8B target's attention
 MAX_KV = 4096
 
 
 def _record(run) -> KeyRecorder:
-    kernels = {n: k for n, k in all_kernels().items() if n in (DECODE, EXTEND, *COMBINES)}
+    kernels = {n: k for n, k in all_kernels().items() if n in (DECODE, EXTEND, COMBINE)}
     rec = KeyRecorder(kernels, launch=False)
     with torch.inference_mode(), rec, gpu_launch_options():
         run()
@@ -52,8 +52,8 @@ def test_decode_split_kernel_has_one_key_for_every_mode():
 
     rec = _record(run)
     assert rec.launches[DECODE] == 4
-    assert rec.launches[COMBINES[0]] == 2  # the 1-row launches took several splits
-    assert len(rec.keys[DECODE]) == 1
+    assert rec.launches[COMBINE] == 2  # the 1-row launches took several splits
+    assert len(rec.keys[DECODE]) == 1 and len(rec.keys[COMBINE]) == 1
 
 
 def test_extend_split_kernel_has_one_key_per_tile():
@@ -80,7 +80,25 @@ def test_extend_split_kernel_has_one_key_per_tile():
 
     rec = _record(run)
     assert rec.launches[EXTEND] == len(TILE_CASES) * 2 * 3
-    assert rec.launches[COMBINES[1]] == len(TILE_CASES) * 3  # several splits: 1 uniform row, splits=3
+    assert rec.launches[COMBINE] == len(TILE_CASES) * 3  # several splits: 1 uniform row, splits=3
+    assert len(rec.keys[COMBINE]) == 1
     keys = rec.keys[EXTEND]
     assert len(keys) == len(TILE_CASES)
     assert sorted(dict(k)["BLOCK_M"][1] for k in keys) == list(TILE_CASES)
+
+
+def test_decode_and_extend_share_one_combine_kernel():
+    """Stage 2 of decode attention (splits a row's length reaches) and of extend attention
+    (every split) launch one compiled combine kernel."""
+    kc, vc, r2p = _cache()
+
+    def run():
+        req = torch.zeros(1, dtype=torch.int64)
+        lens = torch.full((1,), 700, dtype=torch.int32)
+        paged_decode_attention(torch.zeros(1, HQ, D, dtype=torch.bfloat16), kc, vc, req, lens, r2p,
+                               PAGE, 0.1, max_kv_len=MAX_KV)
+        paged_extend_attention(torch.zeros(4, HQ, D, dtype=torch.bfloat16), kc, vc, req, lens,
+                               None, None, r2p, PAGE, 0.1, max_kv_len=MAX_KV, uniform_n=4)
+
+    rec = _record(run)
+    assert rec.launches[COMBINE] == 2 and len(rec.keys[COMBINE]) == 1

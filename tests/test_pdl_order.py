@@ -105,7 +105,7 @@ def _violations(trace) -> list[str]:
 
 DOCUMENTED_EARLY_READS = {
     "_decode_split_kernel": {"req_ptr", "lens_ptr", "page_ptr", "q_index_ptr"},
-    "_decode_combine_kernel": {"lens_ptr"},
+    "_combine_kernel": {"lens_ptr"},
     "_rope_store_kernel": {"pos_ptr", "loc_ptr", "cs_ptr"},
     "_uniform_kernel": {"req_pool_ptr", "start_ptr", "req_to_page_ptr"},
     "_advance_kernel": {"seq_lens_ptr", "positions_ptr"},

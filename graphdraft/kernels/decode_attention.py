@@ -196,35 +196,33 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])  # as the split kernel; SB: always COMBINE_SB
-def _decode_combine_kernel(
-    part_ptr, lse_ptr, lens_ptr, o_ptr, so_t, so_h,
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row"])  # SB: always COMBINE_SB
+def _combine_kernel(
+    part_ptr, lse_ptr, lens_ptr, per_row, o_ptr, so_t, so_h,
     chunk, num_splits,
     D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Program (t, h): `_combine_head`. EARLY (with PDL): the row's length is loaded before
-    waiting for the split kernel; the partials after."""
+    """Program (t, h): the log-sum-exp weighted sum of the partial outputs of row t's splits
+    for head h, the stage 2 of decode and extend attention alike. `per_row` (decode): the
+    splits that wrote are those row t's length `lens[t]` reaches (`chunk` positions each), the
+    others are not read; else (extend; lens unread) every split, an empty one's lse -inf.
+    EARLY (with PDL): the row's length is loaded before waiting for the split kernel; the
+    partials after."""
     if not EARLY:
         pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0)
-    kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    kv_len = tl.load(lens_ptr + t, mask=per_row != 0, other=0).to(tl.int32)
     if EARLY:
         pdl_enter(PDL, pdl_trigger)
-    _combine_head(t, tl.program_id(1), tl.num_programs(1), part_ptr, lse_ptr, kv_len, o_ptr, so_t,
-                  so_h, chunk, num_splits, D, D_PAD, SB)
-
-
-@triton.jit
-def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h, chunk, num_splits,
-                  D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr):
-    """Head h of row t: the log-sum-exp weighted sum of its splits' partial outputs."""
+    active = num_splits
+    if per_row:
+        active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # the splits that wrote
     t = tl.cast(t, tl.int64)  # int64 offsets
-    h = tl.cast(h, tl.int64)
-    active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # splits that wrote
+    h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    row = (t * num_heads + h) * num_splits
+    row = (t * tl.num_programs(1) + h) * num_splits
     denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)  # fp32 scalars (typed loop carries)
     m = denom + float("-inf")
     acc = tl.zeros([D_PAD], tl.float32)
@@ -233,14 +231,31 @@ def _combine_head(t, h, num_heads, part_ptr, lse_ptr, kv_len, o_ptr, so_t, so_h,
         smask = sp < active
         lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lse, axis=0))
-        alpha = tl.exp2(m - m_new)
-        w = tl.where(smask, tl.exp2(lse - m_new), 0.0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty
+        alpha = tl.exp2(m - m_safe)
+        live = lse > float("-inf")
+        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
         part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
-                       mask=smask[:, None] & dmask[None, :], other=0.0)
+                       mask=(smask & live)[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
     tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                   kv_lens: torch.Tensor | None, chunk: int, kernels: KernelConfig) -> None:
+    """`_combine_kernel` over `out [T, Hq, D]` from `part [T, Hq, S, D]` / `lse [T, Hq, S]`
+    (fp32): decode passes each row's `kv_lens` and the split `chunk`, extend None (every
+    split)."""
+    T, Hq, splits, D = part.shape
+    per_row = kv_lens is not None
+    _combine_kernel[(T, Hq)](
+        part, lse, kv_lens if per_row else placeholder(out.device, torch.int32), int(per_row),
+        out, out.stride(0), out.stride(1), chunk, splits,
+        D=D, D_PAD=triton.next_power_of_2(D), SB=COMBINE_SB, num_warps=4,
+        **launch_options(out.device, T, early=True, kernels=kernels),
+    )
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
@@ -397,12 +412,7 @@ def paged_decode_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
     )
     if not one:
-        _decode_combine_kernel[(T, Hq)](
-            part, lse, kv_lens, out, out.stride(0), out.stride(1),
-            chunk, splits,
-            D=D, D_PAD=d_pad, SB=COMBINE_SB, num_warps=4,
-            **launch_options(q.device, T, early=True, kernels=kc),
-        )
+        combine_splits(part, lse, out, kv_lens, chunk, kc)
     return out
 
 

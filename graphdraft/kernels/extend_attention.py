@@ -56,11 +56,11 @@ from graphdraft.kernels.argmax import num_sms
 from graphdraft.kernels.config import KernelConfig, resolve
 from graphdraft.kernels.decode_attention import (
     _DTYPES,
-    COMBINE_SB,
     REF_DTYPES,
     attend_block,
     check_out,
     check_paged_kv,
+    combine_splits,
     paged_attention_torch,
 )
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
@@ -202,37 +202,6 @@ def _extend_split_kernel(
                                          float("-inf")), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits"])
-def _extend_combine_kernel(part_ptr, lse_ptr, o_ptr, so_t, so_h, num_splits,
-                           D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
-                           pdl_trigger, PDL: tl.constexpr):
-    """Program (t, h): the log-sum-exp weighted sum of all splits (empty ones: lse -inf)."""
-    pdl_enter(PDL, pdl_trigger)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    d = tl.arange(0, D_PAD)
-    dmask = d < D
-    row = (t * tl.num_programs(1) + h) * num_splits
-    denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)
-    m = denom + float("-inf")
-    acc = tl.zeros([D_PAD], tl.float32)
-    for s0 in range(0, num_splits, SB):
-        sp = s0 + tl.arange(0, SB)
-        smask = sp < num_splits
-        lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        live = lse > float("-inf")
-        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
-        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
-                       mask=(smask & live)[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
-        denom = denom * alpha + tl.sum(w, axis=0)
-        m = m_new
-    tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
-
-
 def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
     """Splits for `programs` (row, query block, kv head) programs: 1 once they reach 2 per SM;
     otherwise enough for 2 per SM and chunks of <= MAX_CHUNK positions, at most ~16 programs
@@ -357,11 +326,7 @@ def paged_extend_attention(
         **launch_options(q.device, T, kernels=kc),
     )
     if not one:
-        _extend_combine_kernel[(T, Hq)](
-            part, lse, out, out.stride(0), out.stride(1), splits,
-            D=D, D_PAD=d_pad, SB=COMBINE_SB, num_warps=4,
-            **launch_options(q.device, T, kernels=kc),
-        )
+        combine_splits(part, lse, out, None, 0, kc)
     return out
 
 
