@@ -11,8 +11,9 @@ once per group, and runs an fp32 online softmax over its chunk of
 ``chunk = roundup(ceil(max_kv_len / num_splits), BLOCK_N)`` positions, looping
 only up to ``kv_lens[t]`` (the last split also takes anything past
 ``num_splits * chunk``, so ``max_kv_len`` affects speed, never correctness).
-Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp. With one
-split, stage 1 writes the output directly.
+Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp (`combine_splits`, the
+one combine kernel of decode and extend attention). With one split, stage 1 writes the output
+directly.
 
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
@@ -59,7 +60,7 @@ MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num
 NUM_WARPS = 4
 NUM_STAGES = 3
 COMBINE_SB = 16
-"""Splits the combine kernels (decode's and extend's) read per block: one value for every split
+"""Splits the combine kernel (decode's and extend's) reads per block: one value for every split
 count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
 lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
 

@@ -20,7 +20,8 @@ token of the block sees run without a mask; the rest (the causal diagonal, the m
 with one. The chunk of split s is ``[s * chunk, (s + 1) * chunk)`` cut at the block's last
 token's length (the last split runs to it), ``chunk = roundup(ceil(max_kv_len / splits),
 BLOCK_N)``. Programs past a row's end exit (a host bound sizes the grid: no sync).
-Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine. Every stage-1
+Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine, decode
+attention's kernel (`decode_attention.combine_splits`) reading every split. Every stage-1
 program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
 combine reads all splits of every token without knowing its row.
 

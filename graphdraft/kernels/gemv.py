@@ -33,6 +33,11 @@ order, so results do not depend on which program is last.
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous
 rows, out `[M, N]` (unit column stride). Accumulation in fp32, output in x.dtype.
 
+Compiled variants: one per tile (`m_bucket`, BLOCK_N / BLOCK_K), the silu_mul input and the
+finisher (FINISH, which changes the register budget); the output kind (rows or partials), the
+argmax epilogue, the residual index and the split count are runtime arguments read after the
+K loop, and the pointers a launch does not use get typed placeholders, so they add none.
+
 Settings (`kernels/config.KernelConfig`, each wrapper's `kernels=`; None: the default config):
   gemv_pdl            launch with programmatic dependent launch (CUDA): the programs start while
                       the previous kernel finishes and wait (`gdc_wait`) for its writes before
