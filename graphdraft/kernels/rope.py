@@ -97,8 +97,9 @@ def _rope_store_kernel(
 ):
     """Program t: token t's hq q heads (of HQ_PAD lanes) and HKV k / v heads. split == 0: q/k/v
     are the activations at q_ptr / k_ptr / v_ptr (q_out may be q itself); split > 0: they are
-    fp32 split-K partials at qp_ptr / kp_ptr / vp_ptr (strides of one split; `sum_partials`). Both kinds of pointer are always passed, each in its own dtype (the
-    kind not read: dummies); one uniform branch picks the kind, the rest is straight-line.
+    fp32 split-K partials at qp_ptr / kp_ptr / vp_ptr (strides of one split; `sum_partials`).
+    Both kinds of pointer are always passed, each in its own dtype (the kind not read: tensors
+    of the call, never read); one uniform branch picks the kind, the rest is straight-line.
     EARLY (with PDL): position, cache slot and cos/sin are loaded before waiting for the
     kernel before (pdl module doc); q/k/v after."""
     if not EARLY:
