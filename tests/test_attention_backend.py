@@ -126,8 +126,10 @@ def _layer_by_layer(target, ids, pos, loc, pool, be, meta):
     return logits, torch.cat([aux[i] for i in target.aux_layer_ids], -1)
 
 
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tokens", [4, 7])
-def test_target_fused_residual_norm_equals_layer_by_layer(tokens):
+def test_target_fused_residual_norm_equals_layer_by_layer(tokens, device, dtype):
     """The target's o_proj / down_proj fused with the residual add and the next RMSNorm (the
     GEMV's finisher at 4 rows, its second launch at 7; split K) give the separate ops' bits:
     logits and the EAGLE-3 aux hidden states (the residual stream entering the aux layers)."""
@@ -141,25 +143,28 @@ def test_target_fused_residual_norm_equals_layer_by_layer(tokens):
                      intermediate_size=96, num_hidden_layers=3, vocab_size=50,
                      max_position_embeddings=256, rope_theta=10000.0)
     torch.manual_seed(tokens)
-    target = LlamaForCausalLM(mc, torch.float32)
+    with torch.device(device):
+        target = LlamaForCausalLM(mc, dtype)
     for name, prm in target.named_parameters():
         prm.data.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
+    target.cos_sin = target.cos_sin.to(device)
     kc = replace(TRITON, gemv_split=2, gemv_block_k=16)  # split-K partials summed by the norm
     target.set_kernels(kc)
     ps, bs = 4, 1
     r2p = torch.arange(1, 9, dtype=torch.int32).view(1, 8)
-    r2p = torch.cat([torch.zeros(1, 8, dtype=torch.int32), r2p])
-    pool = KVPool(3, 9, ps, 2, 16, torch.float32, "cpu")
-    pos = torch.arange(tokens)
-    loc = kv_slot(r2p, torch.full((tokens,), bs), pos, ps)
-    ids = torch.randint(0, 50, (tokens,))
+    r2p = torch.cat([torch.zeros(1, 8, dtype=torch.int32), r2p]).to(device)
+    pool = KVPool(3, 9, ps, 2, 16, dtype, device)
+    pos = torch.arange(tokens, device=device)
+    loc = kv_slot(r2p, torch.full((tokens,), bs, device=device), pos, ps)
+    ids = torch.randint(0, 50, (tokens,)).to(device)
     be = PagedAttentionBackend(r2p, ps, 32, kernels=kc)
-    req, seq = torch.tensor([bs]), torch.tensor([tokens], dtype=torch.int32)
+    req = torch.tensor([bs], device=device)
+    seq = torch.tensor([tokens], dtype=torch.int32, device=device)
     with torch.inference_mode():
         meta = be.uniform_row_metadata(req, seq, tokens)
         fused = target(ids, pos, loc, pool, be, meta, None, capture_aux=True)
         logits, aux = _layer_by_layer(target, ids, pos, loc, pool, be, meta)
-    assert logits.std() > 0.1
+    assert logits.float().std() > 0.1
     assert torch.equal(fused.logits, logits)
     assert torch.equal(fused.aux_hidden, aux)
 
