@@ -129,11 +129,17 @@ def _gpu_tasks(monkeypatch, engine):
 
 
 def _recorded_keys(engine):
-    """Every distinct (kernel, key) the forwards launch (for real) at every size."""
+    """Every distinct (kernel, key) the forwards launch (for real) at every size, and per
+    (forward name, bs) the ones that run launched."""
     from perf.compile_census import census
 
     real = census(engine, launch=True)
-    return {(n, k) for n, ks in real.keys.items() for k in ks}
+    by_run: dict[tuple, set] = {}
+    for n, where in real.where.items():
+        for k, runs in where.items():
+            for run in runs:
+                by_run.setdefault(run, set()).add((n, k))
+    return {(n, k) for n, ks in real.keys.items() for k in ks}, by_run
 
 
 def _entry_key(entry):
@@ -185,8 +191,9 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     assert len(got) == len(set(got)) == n_keys
     by_probe = {t: _launched_by(e, t) for t in probes}
     prefill_keys = set().union(*by_probe.values())
-    assert set(got) == _recorded_keys(e) | prefill_keys
-    assert prefill_keys - _recorded_keys(e)  # the eager prefill launches keys of its own
+    recorded, by_run = _recorded_keys(e)
+    assert set(got) == recorded | prefill_keys
+    assert prefill_keys - recorded  # the eager prefill launches keys of its own
     assert all(x.engine == 0 and x.task in tasks for x in entries)
     # the prefill probes' attention / GEMV keys first (the longest compiles), then each
     # capture task's keys not planned yet in capture order (heavy kernels first within a
@@ -206,9 +213,12 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     for j, x in enumerate(entries):  # the first capture task that launches it, if any
         capture = [t for (_, t) in needs_of(needs, j) if t in rank]
         assert x.task == (min(capture, key=rank.__getitem__) if capture else x.task)
-    # each task needs exactly the keys it launches (for real, at its size)
+    # each task needs exactly the keys it launches (for real, at its size: the census's run)
+    owners = {"engine": e, "drafter": e.drafter}
     for t in tasks:
-        launched = by_probe[t] if t in by_probe else _launched_by(e, t)
+        owner, attr, bs = t
+        launched = (by_probe[t] if t in by_probe
+                    else by_run[(warmup.captured_forwards(owners[owner])[attr].name, bs)])
         assert {got[j] for j in needs[(0, t)]} == launched, t
 
 
