@@ -370,9 +370,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, ws: torc
     f32 = placeholder(dev, torch.float32)
     act_dt = placeholder(dev, dt)
     amax_val, amax_idx = amax if amax is not None else (f32, placeholder(dev, torch.int32))
+    # an int64 index (the runtime's) shares the placeholder's dtype: one compiled kernel
     res_idx = norm.residual_index if norm is not None else None
-    if res_idx is not None and res_idx.dtype != torch.int64:
-        res_idx = res_idx.long()  # one pointer dtype (an int32 index: a small cast launch)
     # M == 1 runs ~4 programs per SM, which 128 registers a thread allow; the finisher (run by
     # one program) would raise the whole kernel's count and halve that: cap it there
     capped = norm is not None and block_m == 1 and kc.finish_maxnreg and not interpreting()
@@ -507,10 +506,10 @@ def linear_small_m_residual_norm(x: torch.Tensor, w: torch.Tensor, residual: tor
         _launch(x, w, None, ws, act, cfg, kc, norm=norm)
         return out, h
     _launch(x, w, None, ws, act, cfg, kc)
-    res_idx = residual_index.long() if residual_index is not None else None
+    has_index = residual_index is not None
     _sum_residual_norm_kernel[(m,)](ws, residual, residual.stride(0),
-                                    res_idx if res_idx is not None else placeholder(x.device, torch.int64),
-                                    int(res_idx is not None), norm_weight, out, out.stride(0), h,
+                                    residual_index if has_index else placeholder(x.device, torch.int64),
+                                    int(has_index), norm_weight, out, out.stride(0), h,
                                     h.stride(0), m, n, float(eps), cfg.split,
                                     BLOCK=triton.next_power_of_2(n),
                                     num_warps=min(16, max(1, triton.next_power_of_2(n) // 512)),
