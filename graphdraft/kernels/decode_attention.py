@@ -65,7 +65,6 @@ count (a per-count power of two compiled a variant per batch size; at fewer spli
 lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
 
 
-
 @triton.jit
 def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constexpr,
                  MASKED: tl.constexpr, SAFE: tl.constexpr):
@@ -254,7 +253,7 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     _combine_kernel[(T, Hq)](
         part, lse, kv_lens if per_row else placeholder(out.device, torch.int32), int(per_row),
         out, out.stride(0), out.stride(1), chunk, splits,
-        D=D, D_PAD=triton.next_power_of_2(D), SB=COMBINE_SB, num_warps=4,
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), SB=COMBINE_SB, num_warps=4,
         **launch_options(out.device, T, early=True, kernels=kernels),
     )
 
