@@ -5,7 +5,9 @@ of it: a kernel whose unused pointers were filled with whatever tensor was at ha
 in one mode, the fp32 workspace in another) compiled once per mode even where the mode itself
 is a runtime flag. `placeholder(device, dtype)` is one small tensor per (device, dtype), made
 once and kept (so a CUDA graph that captured its address can replay), 16-byte aligned like
-every allocation; a kernel never reads or writes it.
+every allocation; a kernel never reads or writes it. A device's first request makes the
+placeholders of every kernel dtype at once (the first launches of an engine run eagerly, so
+none is first made while a graph is being captured).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 __all__ = ["placeholder"]
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -22,8 +25,10 @@ def placeholder(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype)
-    t = _PLACEHOLDERS.get(key)
+    t = _PLACEHOLDERS.get((device, dtype))
     if t is None:
-        t = _PLACEHOLDERS[key] = torch.zeros(16, dtype=dtype, device=device)
+        for dt in {*_DTYPES, dtype}:
+            if (device, dt) not in _PLACEHOLDERS:
+                _PLACEHOLDERS[(device, dt)] = torch.zeros(16, dtype=dt, device=device)
+        t = _PLACEHOLDERS[(device, dtype)]
     return t
