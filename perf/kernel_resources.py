@@ -13,6 +13,10 @@ It is not a timing: speed is measured on the GPU (`make perf`).
 
 Writes `DIR/kernel_resources.json`: per key the kernel, its constexprs and launch options,
 registers, spill stores / loads (bytes), shared memory (bytes) and where it is launched.
+
+The two phases run apart too, e.g. to compile with the GPU's Triton version from a side venv:
+`--phase record --file F` (under TRITON_INTERPRET=1: the keys' launch arguments as JSON), then
+`<other python> -m perf.kernel_resources --phase compile --file F` (F rewritten with the rows).
 """
 
 from __future__ import annotations
@@ -117,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-bs", type=int, default=64)
     ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--phase", choices=("record", "compile"), help=argparse.SUPPRESS)
-    ap.add_argument("--file", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=("record", "compile"),
+                    help="run one phase only (record: under TRITON_INTERPRET=1), on --file")
+    ap.add_argument("--file", type=Path, help="the phases' JSON file")
     args = ap.parse_args(argv)
     if args.phase == "record":
         args.file.write_text(json.dumps(_record(args.max_bs)))
