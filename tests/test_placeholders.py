@@ -15,7 +15,7 @@ def test_one_kept_tensor_per_device_and_dtype():
     assert a.dtype == torch.int64 and a.device.type == "cpu" and a.shape == (16,)
     assert a.data_ptr() % 16 == 0 and not a.any()
     assert placeholder(torch.device("cpu"), torch.int64) is a  # kept: a graph may hold it
-    made = {dt for (dev, dt) in placeholders._PLACEHOLDERS if dev.type == "cpu"}
+    made = {dt for (dev, dt) in placeholders._PLACEHOLDERS if torch.device(dev).type == "cpu"}
     assert made >= {torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64}
     assert placeholder("cpu", torch.float32) is not a
     odd = placeholder("cpu", torch.uint8)  # a dtype outside the set: made on its request

@@ -21,14 +21,19 @@ _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def placeholder(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """The kept placeholder `[16]` of `dtype` on `device` (zeros; never accessed by a kernel)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """The kept placeholder `[16]` of `dtype` on `device` (zeros; never accessed by a kernel).
+    One dict lookup once made (launch wrappers call it per launch)."""
     t = _PLACEHOLDERS.get((device, dtype))
-    if t is None:
-        for dt in {*_DTYPES, dtype}:
-            if (device, dt) not in _PLACEHOLDERS:
-                _PLACEHOLDERS[(device, dt)] = torch.zeros(16, dtype=dt, device=device)
-        t = _PLACEHOLDERS[(device, dtype)]
+    if t is not None:
+        return t
+    dev = torch.device(device)
+    floating = dev.type == "cuda" and dev.index is None  # "cuda": the current device's
+    if floating:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    for dt in {*_DTYPES, dtype}:
+        if (dev, dt) not in _PLACEHOLDERS:
+            _PLACEHOLDERS[(dev, dt)] = torch.zeros(16, dtype=dt, device=dev)
+    t = _PLACEHOLDERS[(dev, dtype)]
+    if not floating:
+        _PLACEHOLDERS[(device, dtype)] = t  # the caller's spelling ("cpu") finds it at once
     return t
