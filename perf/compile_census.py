@@ -39,8 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["census", "census_total", "explain", "gpu_forwards", "build_engine_8b", "plan_census",
-           "main"]
+__all__ = ["census", "census_total", "explain", "gpu_dry_keys", "gpu_forwards", "build_engine_8b",
+           "plan_census", "main"]
 
 
 def gpu_forwards(engine) -> dict[str, object]:
@@ -89,6 +89,20 @@ def gpu_launch_options():
             setattr(m, n, f)
 
 
+def gpu_dry_keys(run):
+    """The keys an H200 would compile for `run()`: every kernel's launches recorded and skipped
+    (`KeyRecorder(launch=False)` of `warmup.all_kernels()`) under the GPU's launch options
+    (`gpu_launch_options`), in inference mode. Returns the recorder."""
+    import torch
+
+    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+
+    rec = KeyRecorder(all_kernels(), launch=False)
+    with torch.inference_mode(), rec, gpu_launch_options():
+        run()
+    return rec
+
+
 def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: bool | None = None,
            prefill: bool = False, keep: bool = False):
     """Run every forward of `gpu_forwards(engine)` at each of `sizes` (default: each forward's
@@ -110,8 +124,7 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     resets = [getattr(engine, "_reset_neutral", None),
               getattr(getattr(engine, "drafter", None), "_reset_neutral", None)]
     resets = [r for r in resets if r is not None]
-    from graphdraft.kernels.precompile_workers import prefill_probes, probe_prefill
-    from graphdraft.kernels.warmup import storages
+    from graphdraft.kernels.precompile_workers import prefill_probes, probe_prefill_dry
 
     rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
                       zero_ints=not launch, keep=(lambda j: True) if keep else None)
@@ -132,9 +145,7 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
             for r in resets:
                 r()
             rec.context = ("prefill", tokens)
-            rec.spare = storages(*vars(engine.inputs).values())  # the host-written inputs
-            probe_prefill(engine, tokens)
-            rec.spare = frozenset()
+            probe_prefill_dry(engine, tokens, rec)
         rec.context = None
     for r in resets:
         r()

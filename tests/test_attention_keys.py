@@ -14,21 +14,12 @@ import torch
 
 from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import TILE_CASES, paged_extend_attention
-from graphdraft.kernels.warmup import KeyRecorder, all_kernels
-from perf.compile_census import gpu_launch_options
+from perf.compile_census import gpu_dry_keys
 
 DECODE, EXTEND = "decode_attention._decode_split_kernel", "extend_attention._extend_split_kernel"
 COMBINE = "decode_attention._combine_kernel"  # decode's and extend's stage 2
 HQ, HKV, D, PAGE = 32, 8, 128, 16  # the 8B target's attention
 MAX_KV = 4096
-
-
-def _record(run) -> KeyRecorder:
-    kernels = {n: k for n, k in all_kernels().items() if n in (DECODE, EXTEND, COMBINE)}
-    rec = KeyRecorder(kernels, launch=False)
-    with torch.inference_mode(), rec, gpu_launch_options():
-        run()
-    return rec
 
 
 def _cache():
@@ -50,7 +41,7 @@ def test_decode_split_kernel_has_one_key_for_every_mode():
                 paged_decode_attention(q, kc, vc, req, lens, r2p, PAGE, 0.1, max_kv_len=MAX_KV,
                                        q_index=q_index)
 
-    rec = _record(run)
+    rec = gpu_dry_keys(run)
     assert rec.launches[DECODE] == 4
     assert rec.launches[COMBINE] == 2  # the 1-row launches took several splits
     assert len(rec.keys[DECODE]) == 1 and len(rec.keys[COMBINE]) == 1
@@ -78,7 +69,7 @@ def test_extend_split_kernel_has_one_key_per_tile():
                     paged_extend_attention(q, kc, vc, req, seq, ext, starts, r2p, PAGE, 0.1,
                                            max_kv_len=MAX_KV, max_extend=n, num_splits=splits)
 
-    rec = _record(run)
+    rec = gpu_dry_keys(run)
     assert rec.launches[EXTEND] == len(TILE_CASES) * 2 * 3
     assert rec.launches[COMBINE] == len(TILE_CASES) * 3  # several splits: 1 uniform row, splits=3
     assert len(rec.keys[COMBINE]) == 1
@@ -100,5 +91,5 @@ def test_decode_and_extend_share_one_combine_kernel():
         paged_extend_attention(torch.zeros(4, HQ, D, dtype=torch.bfloat16), kc, vc, req, lens,
                                None, None, r2p, PAGE, 0.1, max_kv_len=MAX_KV, uniform_n=4)
 
-    rec = _record(run)
+    rec = gpu_dry_keys(run)
     assert rec.launches[COMBINE] == 2 and len(rec.keys[COMBINE]) == 1

@@ -33,6 +33,7 @@ from graphdraft.kernels.gemv import (
 from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
 from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref
+from perf.compile_census import gpu_dry_keys
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = warmup.kernels()
@@ -260,17 +261,6 @@ def test_fused_partials_consumers_one_key():
 
 
 # ------------------------------------------------------------------ one key across modes
-def _gpu_dry_run(names, calls):
-    """Record the keys an H200 would compile for `calls()` (the GPU's launch options, no
-    launches: `perf.compile_census.gpu_launch_options`, `KeyRecorder(launch=False)`)."""
-    from perf.compile_census import gpu_launch_options
-
-    with gpu_launch_options(), warmup.KeyRecorder({n: KERNELS[n] for n in names},
-                                                  launch=False) as rec:
-        calls()
-    return rec
-
-
 def test_rope_one_key_across_modes():
     """The forward's RoPE + KV store and the KV-only step's (one q head, given the forward's
     head count as `max_q_heads`), each on activations and on split partials (splits 3 and 4):
@@ -292,9 +282,9 @@ def test_rope_one_key_across_modes():
                     rope_and_store_kv_partials(ws, pos, cs, kc, vc, loc, max_q_heads=hint)
 
     name = "rope._rope_store_kernel"
-    rec = _gpu_dry_run([name], calls)
+    rec = gpu_dry_keys(calls)
     assert rec.launches[name] == 18 and len(rec.keys[name]) == 1
-    assert len(_gpu_dry_run([name], lambda: calls(None)).keys[name]) == 2
+    assert len(gpu_dry_keys(lambda: calls(None)).keys[name]) == 2
 
 
 def test_rope_padded_q_lanes_same_bits():
@@ -337,7 +327,7 @@ def test_norms_one_key_across_modes():
                 rms_norm_cat(table, w, 1e-6, b, w, 1e-6, a_index=index, b_out=torch.empty_like(x))
 
     names = ["norm._rms_norm_kernel", "norm._rms_norm_cat_kernel"]
-    rec = _gpu_dry_run(names, calls)
+    rec = gpu_dry_keys(calls)
     assert [rec.launches[n] for n in names] == [6, 9]
     assert [len(rec.keys[n]) for n in names] == [1, 1]
 
@@ -357,7 +347,7 @@ def test_argmax_second_stage_one_key_across_sizes():
             argmax_stage2(torch.randn(b, splits), torch.zeros(b, splits, dtype=torch.int32), ids,
                           torch.arange(32000), torch.empty(b, dtype=torch.int32))
 
-    rec = _gpu_dry_run([name], calls)
+    rec = gpu_dry_keys(calls)
     assert rec.launches[name] == 7 and len(rec.keys[name]) == 1
     val = torch.randn(2, 1100).round()
     val[1, 700] = val[1, 1050] = 9.0  # a tie in the second pass: the first wins

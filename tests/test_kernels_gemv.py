@@ -503,14 +503,13 @@ def test_every_mode_of_a_tile_launches_one_compiled_kernel():
     (the modes and the split are runtime arguments; unused pointers get typed placeholders);
     the finisher (FINISH) is one more, whatever its split and residual index. Recorded with the
     launch options a GPU gets (a dry run: keys only)."""
-    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
-    from perf.compile_census import gpu_launch_options
+    from perf.compile_census import gpu_dry_keys
 
     g = torch.Generator().manual_seed(0)
     n, k = 64, 1024
     w, nw = torch.randn(n, k, generator=g), torch.ones(n)
-    rec = KeyRecorder(all_kernels(), launch=False)
-    with rec, gpu_launch_options():
+
+    def calls():
         for m in (2, 4, 8):
             x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
             idx = torch.arange(m)
@@ -523,6 +522,8 @@ def test_every_mode_of_a_tile_launches_one_compiled_kernel():
             one = gemv_config(m, n, k, split=1)
             linear_small_m(x, w, config=one)
             linear_small_m_argmax(x, w, config=one)
+
+    rec = gpu_dry_keys(calls)
     keys = rec.keys["gemv._gemv_kernel"]
     finish = [key for key in keys if ("FINISH", ("constexpr", True)) in key]
     assert len(keys) == 2 and len(finish) == 1

@@ -389,6 +389,18 @@ def probe_prefill(engine, tokens: int) -> None:
         engine.drain()
 
 
+def probe_prefill_dry(engine, tokens: int, rec) -> None:
+    """`probe_prefill` under a dry-run `KeyRecorder(zero_ints=True)` `rec`: the engine's
+    host-written inputs are spared from the zeroing (its host code indexes with them)."""
+    from graphdraft.kernels.warmup import storages
+
+    rec.spare = storages(*vars(engine.inputs).values())
+    try:
+        probe_prefill(engine, tokens)
+    finally:
+        rec.spare = frozenset()
+
+
 # ------------------------------------------------------------------ the plan
 def encode_arg(v):
     """A launch argument as JSON data: a tensor as {"tensor": dtype name, "aligned": its
@@ -458,7 +470,7 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
     (heavy kernels first), the probes' lighter keys among them; the probes' keys no capture
     launches come last. Each entry's `task` is the first capture task that launches it (the
     one whose capture warms it up: `CompilePhase.first_tasks`), else its probe."""
-    from graphdraft.kernels.warmup import KeyRecorder, all_kernels, storages
+    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
     entries: list[PlanEntry] = []
@@ -489,10 +501,8 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
                     for r in resets:
                         r()
                     rec.context = (index, task)
-                    if attr == PREFILL:  # its host code indexes with its host-written inputs
-                        rec.spare = storages(*vars(engine.inputs).values())
-                        probe_prefill(engine, bs)
-                        rec.spare = frozenset()
+                    if attr == PREFILL:
+                        probe_prefill_dry(engine, bs, rec)
                     else:
                         getattr(owners[owner], attr)._forward(bs)
                     new = [(PlanEntry(name, [encode_arg(a) for a in args],
