@@ -29,6 +29,7 @@ from graphdraft.io.checkpoint import (
     load_eagle3_head,
     load_model_pair,
     load_target,
+    open_model_pair,
     read_config,
     save_eagle3_head,
     save_target,
@@ -152,6 +153,57 @@ def test_shipped_embedding_that_differs_is_not_shared(tmp_path):
     h2 = load_eagle3_head(hd, target=target)
     assert h2.embed_tokens is not target.embed_tokens
     assert torch.equal(h2.embed_tokens, other)
+
+
+@pytest.mark.parametrize("embed", ["none", "equal", "differs"])
+def test_open_pair_reads_nothing_and_an_engine_built_before_the_read_serves_the_same(
+        tmp_path, monkeypatch, embed):
+    """`open_model_pair` checks everything and reads no weight (only the head's small d2t /
+    t2d maps); an engine built on its modules before `PendingWeights.read()` serves exactly
+    what an engine on `load_model_pair`'s serves. A shipped head embedding: held apart until
+    the read, then shared iff it equals the target's."""
+    import graphdraft.io.checkpoint as ckpt
+
+    target, head = make_models(4, draft_vocab=40)
+    td = save_target(target, tmp_path / "t")
+    hd = save_eagle3_head(head, tmp_path / "h", include_embeddings=embed != "none")
+    if embed == "differs":
+        rewrite(hd / WEIGHTS_NAME, put={"embed_tokens.weight": head.embed_tokens.detach() + 1.0})
+    ref_t, ref_h, _ = load_model_pair(td, hd)
+    reads = []
+    real_read = ckpt._Weights.read
+    monkeypatch.setattr(ckpt._Weights, "read", lambda self, n: reads.append(n) or real_read(self, n))
+    t2, h2, info, weights = open_model_pair(td, hd)
+    assert set(reads) <= {"d2t", "t2d"} and info.config == target.config
+    assert (h2.embed_tokens is t2.embed_tokens) == (embed == "none")
+    eng = Engine(t2, runtime(), h2)  # before the read: nothing it builds reads a weight
+    weights.read()
+    assert weights.read_s is not None and len(reads) > 20
+    assert (h2.embed_tokens is t2.embed_tokens) == (embed != "differs")
+    assert_same_state(t2, ref_t)
+    assert_same_state(h2, ref_h)
+    ps = prompts(5, 4)
+    assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == serve(ref_t, ref_h, ps)[0]
+    with pytest.raises(RuntimeError, match="read already"):
+        weights.read()
+
+
+def test_a_failed_read_says_which_tensor_and_releases_the_files(tmp_path):
+    """A problem only the data shows (a tied target's stored lm_head that differs from its
+    embedding) surfaces at `read()` as the same CheckpointError `load_target` raises; the
+    files are closed, and reading again says so."""
+    target, td = tiny_target(tmp_path, tied=True)
+    _, hd = tiny_head(tmp_path, target)
+    rewrite(td / WEIGHTS_NAME, put={"lm_head.weight": target.embed_tokens.detach() * 2})
+    *_, weights = open_model_pair(td, hd)
+    with pytest.raises(CheckpointError, match="differs from 'model.embed_tokens.weight'"):
+        weights.read()
+    with pytest.raises(RuntimeError, match="closed before"):
+        weights.read()
+    with open_model_pair(td, hd)[3] as unread:  # a context manager: closed unread
+        pass
+    with pytest.raises(RuntimeError, match="closed before"):
+        unread.read()
 
 
 def test_head_rope_table_covers_the_target_context(tmp_path):

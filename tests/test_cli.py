@@ -336,7 +336,7 @@ def test_demo_captures_up_to_its_batch_unless_told(monkeypatch):
 
     seen = []
 
-    def load(a):
+    def load(a, read=True):
         seen.append(a.cuda_graph_max_bs)
         raise KeyboardInterrupt  # stop here: only the arguments matter
 
@@ -347,3 +347,50 @@ def test_demo_captures_up_to_its_batch_unless_told(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             demo_mod.demo(p.parse_args(["demo", "--device", "cpu", *argv]))
         assert seen[-1] == want
+
+
+def test_weights_are_read_while_the_kernels_compile(monkeypatch, tmp_path):
+    """The CLI's start-up with graphs on a GPU: one compile phase for the engines starts
+    before the checkpoint's tensors are read (`load(read=False)` read none of them), the read
+    fills the modules as `load` does, and a failed read stops the phase and is a CliError
+    naming the pair."""
+    from types import SimpleNamespace
+
+    import graphdraft.serving.cli.demo as demo_mod
+    from graphdraft.serving.cli import models
+    from tests.checkpoint_fixtures import assert_same_state
+
+    events = []
+    monkeypatch.setattr(demo_mod, "start_precompile", lambda engines, workers, progress:
+                        events.append(("start", len(engines), workers)) or True)
+    monkeypatch.setattr(demo_mod, "precompile_running", lambda e: True)
+    monkeypatch.setattr(demo_mod, "finish_precompile",
+                        lambda e, abort=False: events.append(("end", e, abort)))
+    target, head = make_models(4, dtype=torch.float32)
+    save_target(target, tmp_path / "t")
+    save_eagle3_head(head, tmp_path / "d")
+    a = build_parser().parse_args(["demo", "--target", str(tmp_path / "t"), "--draft",
+                                   str(tmp_path / "d"), "--device", "cpu"])
+    gpu = SimpleNamespace(device="cuda", enforce_eager=False, precompile_workers=3, dp_size=1)
+    m = models.load(a, read=False)
+    real_read = m.pending.read
+    m.pending.read = lambda: events.append(("read",)) or real_read()
+    assert demo_mod.read_while_compiling(m, ["base", "spec"], gpu, quiet=True) >= 0
+    assert events == [("start", 2, 3), ("read",)] and m.pending is None
+    assert_same_state(m.target, models.load(a).target)
+    assert m.read_weights() == 0.0  # nothing left to read
+
+    events.clear()
+    m = models.load(a, read=False)
+
+    def fail():
+        raise ValueError("model.safetensors: cannot read tensor 'lm_head.weight'")
+
+    m.pending.read = fail
+    with pytest.raises(CliError, match="cannot read tensor 'lm_head.weight'"):
+        demo_mod.read_while_compiling(m, ["base", "spec"], gpu, quiet=True)
+    assert events == [("start", 2, 3), ("end", "base", True), ("end", "spec", True)]
+    events.clear()
+    cpu = SimpleNamespace(device="cpu", enforce_eager=False, precompile_workers=3, dp_size=1)
+    demo_mod.read_while_compiling(models.load(a, read=False), ["x"], cpu, quiet=True)
+    assert events == []  # no graphs on a CPU: no phase

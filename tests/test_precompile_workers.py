@@ -526,9 +526,13 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     assert pw.run_workers(e3, 1, progress=False).skipped == "one worker only" and not launched
 
 
-def test_precompile_engines_runs_one_phase_and_marks_each_engine(monkeypatch, tmp_path):
-    """The demo's two engines: one worker phase (one plan over both), then both markers, so
-    neither engine's own precompile starts workers again."""
+def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
+    """`start_precompile([base, spec])` (the CLI's call, before the weights are read): one plan
+    over both engines, and it returns at once; each engine's `capture_graphs` adopts it (no
+    phase of its own): its gates wait for its own index's kernels, the first capture's end
+    waits for the phase, the second takes its report; each engine's worker builds land in its
+    own forwards' stats, both markers are written, and a second start finds them warm."""
+    from capture import CapturedForward
     from graphdraft.serving.engine import Engine
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -537,23 +541,56 @@ def test_precompile_engines_runs_one_phase_and_marks_each_engine(monkeypatch, tm
     _fake_active(monkeypatch, spec_e)
     phases = []
 
-    def launch(workdir, n, log_path, env):
+    def launch(workdir, n, log_path, env):  # 3 builds for every entry, from each worker
         phases.append(workdir)
-        body = json.dumps({"built": [], "compiled": 0, "startup_s": 0.1, "wall_s": 0.2})
         outs = [str(workdir / f"out{i}.json") for i in range(n)]
-        code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
+        code = ("import json, pathlib, time\n"
+                f"end = pathlib.Path({str(workdir / 'plan.end')!r})\n"
+                "while not end.exists(): time.sleep(0.01)\n"
+                "n = json.loads(end.read_text())['entries']\n"
+                "body = json.dumps({'built': [[j, 3] for j in range(n)], 'compiled': 0,"
+                " 'startup_s': 0.1, 'wall_s': 0.2})\n"
+                f"for o in {outs!r}: pathlib.Path(o).write_text(body)\n")
         return subprocess.Popen([sys.executable, "-c", code])
 
     monkeypatch.setattr(pw, "_launch", launch)
-    rep = warmup.precompile_engines([base, spec_e], workers=2, progress=False)
-    assert rep.skipped is None and len(set(phases)) == 1 and rep.tasks == \
-        len(pw.tasks_of(base)) + len(pw.tasks_of(spec_e))
+    assert warmup.start_precompile([base, spec_e], workers=2, progress=False)
+    assert len(phases) == 1 and warmup.precompile_running(base) and \
+        warmup.precompile_running(spec_e)
+    (shared, i0), (shared1, i1) = warmup._PHASES[base], warmup._PHASES[spec_e]
+    assert shared is shared1 and (i0, i1) == (0, 1)
+    phase = shared.phase
+    with pytest.raises(RuntimeError, match="already runs"):
+        warmup.start_precompile([spec_e], workers=2, progress=False)
+    gated = []
+
+    def capture(self, stream=None, progress=True):  # the gate a real capture calls first
+        for bs in self.batch_sizes:
+            if self.before_capture is not None:
+                gated.append(self)
+                self.before_capture(bs)
+        return []
+
+    monkeypatch.setattr(CapturedForward, "capture", capture)
+    base.capture_graphs(progress=False, precompile_workers=2)
+    assert len(phases) == 1 and gated and not warmup.precompile_running(base)
+    assert all(phase._is_done(j) for (i, _), js in phase._needs.items() if i == 0 for j in js)
+    rep = warmup.worker_report(base)
+    assert rep is not None and rep.skipped is None and rep.workers == 2
+    assert rep.tasks == len(pw.tasks_of(base)) + len(pw.tasks_of(spec_e))
+    spec_e.capture_graphs(progress=False, precompile_workers=2)
+    assert len(phases) == 1 and warmup.worker_report(spec_e) is rep
+    for index, e in enumerate((base, spec_e)):
+        stats = sum(f.stats.worker_built[bs] for _, fw in warmup._forwards_of(e)
+                    for f in fw.values() for bs in f.batch_sizes)
+        want = sum(n for (o, a, _), n in rep.built_of(index).items() if a != pw.PREFILL)
+        assert stats == want and (want > 0 or index == 0)
+    assert sum(rep.built_of(1).values()) > 0  # the head's kernels: the speculative engine's
     assert pw.is_warm(base) and pw.is_warm(spec_e)
-    assert warmup.worker_report(base) is rep is warmup.worker_report(spec_e)
     phases.clear()
-    for e in (base, spec_e):
-        warmup.precompile_engine(e, progress=False, workers=2)
-    assert not phases
+    assert not warmup.start_precompile([base, spec_e], workers=2, progress=False)
+    assert not phases and "warm" in warmup.worker_report(base).skipped
+    assert not warmup.start_precompile([base], workers=0, progress=False)
 
 
 def test_counters_tell_builds_from_loads():
@@ -765,7 +802,7 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
     assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
-    phase = warmup._PHASES[e]
+    phase = warmup._PHASES[e][0].phase
     owners = {"engine": e, "drafter": e.drafter}
     assert set(phase._needs) == {(0, t) for t in tasks}
     assert set().union(*phase._needs.values()) == set(range(len(phase._entries)))

@@ -37,6 +37,9 @@ Policies
 - A truncated or corrupt file raises ValueError naming the file (safetensors validates the
   header against the file size, so nothing past the end is read). A shard listed in the index
   but missing on disk raises ValueError naming it.
+- `open_model_pair` checks everything `load_model_pair` checks but reads no tensor data: the
+  modules are built (weights uninitialised) and `PendingWeights.read()` fills them later, so
+  engines can be built and their kernels compiled while a large checkpoint is read.
 - `*.rotary_emb.inv_freq` tensors (some older exports) are ignored: RoPE comes from config.
   A tied target that also stores `lm_head.weight` is accepted only if it equals the embedding.
 
@@ -58,6 +61,8 @@ import json
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -525,6 +530,20 @@ def load_target(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     are cast to it. `aux_layer_ids`: target layers (graphdraft convention) to capture for
     EAGLE-3, overriding the config's `eagle_aux_hidden_state_layer_ids` and the default.
     """
+    with contextlib.ExitStack() as stack:
+        model, info, fill = _open_target(path, dtype, device, stack, aux_layer_ids=aux_layer_ids,
+                                         aux_ids_convention=aux_ids_convention)
+        fill()
+    return model, info
+
+
+def _open_target(path: str | os.PathLike, dtype: str | torch.dtype | None,
+                 device: str | torch.device, stack: contextlib.ExitStack, *,
+                 aux_layer_ids: tuple[int, ...] | None, aux_ids_convention: str | None
+                 ) -> tuple[LlamaForCausalLM, CheckpointInfo, Callable[[], None]]:
+    """`load_target` up to the data: the config and every header checked, the model built on
+    `device` (weights uninitialised; the files stay open in `stack`) -> (model, info, fill),
+    `fill()` reading the weights into it."""
     d = _checkpoint_dir(path)
     cfg, extras = read_config(d, aux_ids_convention=aux_ids_convention)
     source = "target config" if cfg.aux_hidden_state_layer_ids is not None else "default"
@@ -535,25 +554,26 @@ def load_target(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         _check_target_aux_ids(cfg.aux_hidden_state_layer_ids, cfg.num_hidden_layers,
                               f"{d}: aux layer ids from the {source}")
     entries = _target_layout(cfg)
-    with _Weights(d) as w:
-        expected = {e.name: (e.shape, "float") for e in entries}
-        tied_head = cfg.tie_word_embeddings and "lm_head.weight" in w.headers
-        if tied_head:  # some tied exports store the head too: accepted if it is the embedding
-            expected["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), "float")
-        problems = _check(w, expected)
-        if problems:
-            raise CheckpointError(d, problems)
+    w = stack.enter_context(_Weights(d))
+    expected = {e.name: (e.shape, "float") for e in entries}
+    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in w.headers
+    if tied_head:  # some tied exports store the head too: accepted if it is the embedding
+        expected["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), "float")
+    problems = _check(w, expected)
+    if problems:
+        raise CheckpointError(d, problems)
+    dt = _pick_dtype(dtype, extras, w, "model.embed_tokens.weight")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dt)
+
+    def fill() -> None:
         if tied_head and not torch.equal(w.read("lm_head.weight"),
                                          w.read("model.embed_tokens.weight")):
             raise CheckpointError(d, ["'lm_head.weight' differs from 'model.embed_tokens.weight' "
                                       "but tie_word_embeddings is true"])
-        dt = _pick_dtype(dtype, extras, w, "model.embed_tokens.weight")
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, dt)
         _fill(model, w, entries)
-        files = tuple(w.files)
-    model = model.to(device)
-    return model, CheckpointInfo(d, cfg, extras, dt, files, source)
+
+    return model, CheckpointInfo(d, cfg, extras, dt, tuple(w.files), source), fill
 
 
 def _hot_token_ids(d: Path, w: _Weights, vocab: int, draft_vocab: int) -> torch.Tensor | None:
@@ -594,6 +614,20 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
     and vocab sizes must match, and the head's RoPE table covers the target's
     max_position_embeddings. Without one: device defaults to "cpu".
     """
+    with contextlib.ExitStack() as stack:
+        head, fill = _open_head(path, target, dtype, device, stack,
+                                aux_ids_convention=aux_ids_convention, target_read=True)
+        fill()
+    return head
+
+
+def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
+               dtype: str | torch.dtype | None, device: str | torch.device | None,
+               stack: contextlib.ExitStack, *, aux_ids_convention: str | None, target_read: bool
+               ) -> tuple[Eagle3DraftHead, Callable[[], None]]:
+    """`load_eagle3_head` up to the data -> (head, fill) (as `_open_target`). A shipped
+    embedding is compared with the target's at once when the target is read (`target_read`),
+    else by `fill()` (the target's `fill()` first): the head holds its own until then."""
     if target is not None and getattr(target, "tp", None) is not None:
         raise ValueError("target: already sharded for tensor parallelism; load the head with the "
                          "full target, then shard both (graphdraft.parallel.shard_)")
@@ -623,35 +657,83 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
                                                       tc.max_position_embeddings))
     elif device is None:
         device = "cpu"
-    with _Weights(d) as w:
-        has_embed = "embed_tokens.weight" in w.headers
-        entries = _head_layout(cfg, include_embeddings=has_embed)
-        expected = {e.name: (e.shape, "float") for e in entries}
-        vd, v = cfg.output_vocab_size, cfg.vocab_size
-        if "d2t" in w.headers or vd != v:
-            expected["d2t"] = ((vd,), "int")
-        if "t2d" in w.headers:
-            expected["t2d"] = ((v,), "bool")
-        problems = _check(w, expected)
-        if not has_embed and target is None:
-            problems.insert(0, "missing tensor 'embed_tokens.weight': this head shares the "
-                               "target's embedding, pass target=")
-        if problems:
-            raise CheckpointError(d, problems)
-        hot = _hot_token_ids(d, w, v, vd)
-        dt = _pick_dtype(dtype, extras, w, "fc.weight")
-        shared = None
-        if target is not None and (not has_embed or torch.equal(w.read("embed_tokens.weight").to(
-                target.embed_tokens.device, target.dtype), target.embed_tokens.data)):
-            shared = target.embed_tokens
-            entries = [e for e in entries if e.param != "embed_tokens"]
-        with torch.device(device):
-            head = Eagle3DraftHead(cfg, dt, embed_tokens=shared.data if shared is not None else None,
-                                   hot_token_ids=hot.to(device) if hot is not None else None)
-        _fill(head, w, entries)
-    if shared is not None:
-        head.embed_tokens = shared
-    return head.to(device)
+    w = stack.enter_context(_Weights(d))
+    has_embed = "embed_tokens.weight" in w.headers
+    entries = _head_layout(cfg, include_embeddings=has_embed)
+    expected = {e.name: (e.shape, "float") for e in entries}
+    vd, v = cfg.output_vocab_size, cfg.vocab_size
+    if "d2t" in w.headers or vd != v:
+        expected["d2t"] = ((vd,), "int")
+    if "t2d" in w.headers:
+        expected["t2d"] = ((v,), "bool")
+    problems = _check(w, expected)
+    if not has_embed and target is None:
+        problems.insert(0, "missing tensor 'embed_tokens.weight': this head shares the "
+                           "target's embedding, pass target=")
+    if problems:
+        raise CheckpointError(d, problems)
+    hot = _hot_token_ids(d, w, v, vd)
+    dt = _pick_dtype(dtype, extras, w, "fc.weight")
+
+    def same_embedding() -> bool:
+        return torch.equal(w.read("embed_tokens.weight").to(target.embed_tokens.device,
+                                                             target.dtype),
+                           target.embed_tokens.data)
+
+    # shared: no embedding of its own (none shipped, or one equal to the read target's)
+    shared = target is not None and (not has_embed or (target_read and same_embedding()))
+    with torch.device(device):
+        head = Eagle3DraftHead(cfg, dt, embed_tokens=target.embed_tokens.data if shared else None,
+                               hot_token_ids=hot.to(device) if hot is not None else None)
+    if shared:
+        head.embed_tokens = target.embed_tokens
+        entries = [e for e in entries if e.param != "embed_tokens"]
+    decide = target is not None and has_embed and not target_read
+
+    def fill() -> None:
+        todo = entries
+        if decide and same_embedding():
+            head.embed_tokens = target.embed_tokens  # its own copy is dropped
+            todo = [e for e in entries if e.param != "embed_tokens"]
+        _fill(head, w, todo)
+
+    return head.to(device), fill
+
+
+class PendingWeights:
+    """The weights `open_model_pair` has not read yet: the files stay open (every header was
+    checked), and `read()` copies each tensor into the parameters the modules already hold,
+    in place, so an engine built on them stays valid (its buffers, its KV pool, a compile
+    phase started meanwhile: none reads a weight). `read()` runs once; `close()` (or a
+    failed read) releases the files."""
+
+    def __init__(self, stack: contextlib.ExitStack, fills: list[Callable[[], None]]) -> None:
+        self._stack, self._fills = stack, fills
+        self.read_s: float | None = None
+        """Seconds `read()` took (None before)."""
+
+    def read(self) -> None:
+        if self.read_s is not None:
+            raise RuntimeError("PendingWeights.read: the weights were read already")
+        if not self._fills:
+            raise RuntimeError("PendingWeights.read: closed before the weights were read")
+        t0 = time.perf_counter()
+        try:
+            for fill in self._fills:
+                fill()
+        finally:
+            self.close()
+        self.read_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._fills = []
+        self._stack.close()
+
+    def __enter__(self) -> PendingWeights:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def load_model_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike,
@@ -663,6 +745,24 @@ def load_model_pair(target_path: str | os.PathLike, draft_path: str | os.PathLik
     The target captures the layers the head's config names (`eagle_aux_hidden_state_layer_ids`);
     without them, the target config's ids, else the default [2, L//2, L-3].
     """
+    target, head, info, weights = open_model_pair(target_path, draft_path, dtype, device,
+                                                  aux_ids_convention=aux_ids_convention)
+    weights.read()
+    return target, head, info
+
+
+def open_model_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike,
+                    dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu", *,
+                    aux_ids_convention: str | None = None
+                    ) -> tuple[LlamaForCausalLM, Eagle3DraftHead, CheckpointInfo, PendingWeights]:
+    """`load_model_pair` without reading the weights -> (target, head, target info, weights):
+    both configs and every tensor header checked (the same errors), the modules built on
+    `device` with uninitialised weights; `weights.read()` fills them. Between the two, engines
+    can be built on the modules and their kernels compiled (`Engine.start_precompile`): the
+    serving CLI reads a checkpoint while the precompile workers compile.
+
+    A head that ships an embedding holds its own until `read()` finds it equal to the
+    target's (then it shares the target's and its own is freed)."""
     head_cfg, head_extras = read_config(draft_path, aux_ids_convention=aux_ids_convention)
     ids = head_cfg.aux_hidden_state_layer_ids
     if ids is not None:
@@ -674,16 +774,23 @@ def load_model_pair(target_path: str | os.PathLike, draft_path: str | os.PathLik
         if tcfg.aux_hidden_state_layer_ids not in (None, ids):
             log.warning("aux layer ids: the head names %s, the target config %s; using the head's",
                         list(ids), list(tcfg.aux_hidden_state_layer_ids))
-    target, info = load_target(target_path, dtype, device, aux_layer_ids=ids,
-                               aux_ids_convention=aux_ids_convention)
-    k = len(target.aux_layer_ids)
-    if head_cfg.num_aux_hidden_states != k:
-        raise ValueError(f"{Path(draft_path) / CONFIG_NAME}: the head's fc takes "
-                         f"{head_cfg.num_aux_hidden_states} target hidden states, the target "
-                         f"captures {k} ({info.aux_layer_ids_source}: {list(target.aux_layer_ids)})"
-                         f"; name them with {AUX_IDS_KEY}")
-    head = load_eagle3_head(draft_path, target=target, aux_ids_convention=aux_ids_convention)
-    return target, head, info
+    stack = contextlib.ExitStack()
+    try:
+        target, info, fill_target = _open_target(target_path, dtype, device, stack,
+                                                 aux_layer_ids=ids,
+                                                 aux_ids_convention=aux_ids_convention)
+        k = len(target.aux_layer_ids)
+        if head_cfg.num_aux_hidden_states != k:
+            raise ValueError(f"{Path(draft_path) / CONFIG_NAME}: the head's fc takes "
+                             f"{head_cfg.num_aux_hidden_states} target hidden states, the target "
+                             f"captures {k} ({info.aux_layer_ids_source}: "
+                             f"{list(target.aux_layer_ids)}); name them with {AUX_IDS_KEY}")
+        head, fill_head = _open_head(draft_path, target, None, None, stack,
+                                     aux_ids_convention=aux_ids_convention, target_read=False)
+    except BaseException:
+        stack.close()
+        raise
+    return target, head, info, PendingWeights(stack, [fill_target, fill_head])
 
 
 # ---------------------------------------------------------------------------

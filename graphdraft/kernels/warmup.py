@@ -9,7 +9,9 @@ capture then compiles nothing new. The counts land in each forward's `GraphStats
 `workers=N` the kernels are compiled first by N worker processes into Triton's on-disk cache,
 each distinct specialization key once (`kernels.precompile_workers`; their builds in
 `GraphStats.worker_built`, the phase in `worker_report(engine)`), and no in-process pass
-follows. `precompile_engines(engines, workers=N)` does that for several engines at once.
+follows. `start_precompile(engines, workers=N)` starts that phase for one or several engines
+(one plan) and returns at once: their captures adopt it, each bucket's first capture waiting
+for its own kernels, and the weights may be read meanwhile.
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
@@ -39,7 +41,8 @@ from capture import CapturedForward
 from graphdraft.kernels.buckets import representative_sizes
 
 __all__ = ["KeyRecorder", "all_kernels", "captured_forwards", "finish_precompile", "kernels",
-           "precompile_engine", "precompile_engines", "specialization_key", "worker_report"]
+           "precompile_engine", "precompile_running", "specialization_key", "start_precompile",
+           "worker_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -290,49 +293,80 @@ def _count_worker_builds(engine, report, index: int) -> None:
             getattr(owners[owner], attr).stats.worker_built[bs] += n
 
 
-def precompile_engines(engines, *, workers: int, progress: bool = True):
-    """One worker phase for several engines (the demo's target-only and speculative ones:
-    one plan, no key compiled twice), then each engine's warm marker, so each
-    `capture_graphs` runs no worker phase and no precompile pass of its own. Returns the
-    `precompile_workers.WorkerReport` (None: a worker failed; each capture then compiles
-    what it needs)."""
-    from graphdraft.kernels import precompile_workers as pw
+class _SharedPhase:
+    """One running `CompilePhase` over one or more engines (`start_precompile`): each
+    engine's captures gate on its own index; the first `finish` waits for the phase, the
+    others take its outcome."""
 
-    engines = list(engines)
-    report = _run_workers(engines, workers, progress) if workers else None
-    if report is not None and report.skipped is None:
-        for e in engines:
-            pw.mark_warm(e)
-    return report
+    def __init__(self, phase) -> None:
+        self.phase = phase
+        self._ended = False
+        self._report = None
+
+    def finish(self, abort: bool = False):
+        """The phase's report (None: aborted, or a worker failed: logged once)."""
+        from graphdraft.kernels import precompile_workers as pw
+
+        if not self._ended:
+            self._ended = True
+            if abort:
+                self.phase.close()
+                return None
+            try:
+                self._report = self.phase.finish()
+            except pw.PrecompileWorkerError as e:
+                logger.warning("%s\nJIT warm-up: the captures compile what the workers left", e)
+        return self._report
 
 
 _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""engine -> (its running `_SharedPhase`, its index in the phase's plan)."""
 
 
-def _start_overlapped(engine, workers: int, progress: bool, owners) -> bool:
-    """Start the worker phase without waiting (`precompile_workers.start_workers`): each
-    representative size's capture first waits for its task's kernels (`before_capture`:
-    `CompilePhase.gate`); `finish_precompile(engine)` ends it. False: no phase (skipped or
-    the plan failed; logged)."""
+def start_precompile(engines, *, workers: int, progress: bool = True) -> bool:
+    """Start one worker phase for `engines` (an engine or several: one plan, each key
+    compiled once) and return at once; each engine's `capture_graphs` then adopts it: each
+    bucket's first capture waits for its own kernels, and the capture's end
+    (`finish_precompile`) waits for the phase. The phase reads none of the engines'
+    weights (its plan and workers run throw-away engines of the same shapes), so they may
+    be read meanwhile (`checkpoint.open_model_pair`). Engines whose cache is warm (their
+    marker) are left out. False: no phase (no workers, a warm cache, a skip or a failed
+    plan: `worker_report` or the log says which); each capture then precompiles as
+    usual."""
     from graphdraft.kernels import precompile_workers as pw
 
-    with contextlib.suppress(TypeError):
-        _REPORTS.pop(engine, None)
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    if not workers:
+        return False
+    for e in engines:
+        if e in _PHASES:
+            raise RuntimeError("start_precompile: a compile phase already runs for this engine")
+        with contextlib.suppress(TypeError):
+            _REPORTS.pop(e, None)
+    warm = [pw.is_warm(e) for e in engines]
     try:
-        report, phase = pw.start_workers([engine], workers, progress=progress)
+        report, phase = pw.start_workers(engines, workers, progress=progress)
     except pw.PrecompileWorkerError as e:
         logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
         return False
     if phase is None:
-        with contextlib.suppress(TypeError):
-            _REPORTS[engine] = report
+        for e in engines:
+            with contextlib.suppress(TypeError):
+                _REPORTS[e] = report
         return False
-    for owner, fw in owners:
-        name = "engine" if owner is engine else "drafter"
-        for attr, f in fw.items():
-            f.before_capture = (lambda bs, _t=(name, attr): phase.gate(0, (*_t, bs)))
-    _PHASES[engine] = phase
-    _only_warm(engine, owners, phase.first_tasks(0))
+    shared = _SharedPhase(phase)
+    for index, engine in enumerate(engines):
+        first = phase.first_tasks(index)
+        if warm[index] or not first:  # not in the plan: its capture runs as without a phase
+            continue
+        owners = list(_forwards_of(engine))
+        for owner, fw in owners:
+            name = "engine" if owner is engine else "drafter"
+            for attr, f in fw.items():
+                f.before_capture = (lambda bs, _i=index, _t=(name, attr):
+                                    phase.gate(_i, (*_t, bs)))
+        _PHASES[engine] = (shared, index)
+        _only_warm(engine, owners, first)
     return True
 
 
@@ -347,32 +381,34 @@ def _only_warm(engine, owners, tasks) -> None:
 
 
 def finish_precompile(engine, abort: bool = False):
-    """End the worker phase `precompile_engine(overlap=True)` left running for `engine`'s
-    capture: wait for it (`CompilePhase.finish`; `abort`: stop it), put its builds into the
-    forwards' `GraphStats.worker_built` and its report in `worker_report`, write the warm
+    """End `engine`'s part of the worker phase `start_precompile` (or
+    `precompile_engine(overlap=True)`) left running for its capture: wait for the phase
+    (`CompilePhase.finish`; `abort`: stop it), put its builds for this engine into the
+    forwards' `GraphStats.worker_built` and the report in `worker_report`, write the warm
     marker. A failed worker is logged (the capture compiled what it lacked). Returns the
-    report, None without a phase or after a failure."""
+    report, None without a phase, after an abort or a failure."""
     from graphdraft.kernels import precompile_workers as pw
 
-    phase = _PHASES.pop(engine, None)
+    entry = _PHASES.pop(engine, None)
     for _, fw in _forwards_of(engine):
         for f in fw.values():
             f.before_capture = None
-    if phase is None:
+    if entry is None:
         return None
-    if abort:
-        phase.close()
+    shared, index = entry
+    report = shared.finish(abort)
+    if report is None:
         return None
-    try:
-        report = phase.finish()
-    except pw.PrecompileWorkerError as e:
-        logger.warning("%s\nJIT warm-up: the capture compiled what the workers left", e)
-        return None
-    _count_worker_builds(engine, report, 0)
+    _count_worker_builds(engine, report, index)
     with contextlib.suppress(TypeError):
         _REPORTS[engine] = report
-    pw.mark_warm(engine, warmup=phase.first_tasks(0))
+    pw.mark_warm(engine, warmup=shared.phase.first_tasks(index))
     return report
+
+
+def precompile_running(engine) -> bool:
+    """Whether a worker phase started for `engine` (`start_precompile`) awaits its capture."""
+    return engine in _PHASES
 
 
 def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
@@ -414,6 +450,8 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
     bucket before its capture loads the kernels from the cache (and compiles one the cache
     lacks: `GraphStats.built` counts it there).
     """
+    if engine in _PHASES:  # `start_precompile` ran: this capture adopts its phase
+        return {}
     n = int(getattr(engine.cfg, "spec_num_tokens", 1))
     kc = getattr(engine.cfg, "kernels", None)  # the settings the forwards launch under
     owners = list(_forwards_of(engine))
@@ -442,8 +480,8 @@ def precompile_engine(engine, *, progress: bool = True, parallel: bool = False,
         _only_warm(engine, owners, pw.tasks_of(engine))
 
     if workers and overlap:  # a skip's report (e.g. the warm marker) is in worker_report
-        if _start_overlapped(engine, workers, progress, owners):  # warm-ups: first tasks only
-            return {}
+        if start_precompile([engine], workers=workers, progress=progress):
+            return {}  # warm-ups: the first tasks only
         report = None
     else:
         report = _run_workers([engine], workers, progress) if workers else None

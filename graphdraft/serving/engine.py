@@ -82,7 +82,7 @@ from graphdraft.kernels.cycle_kernels import (
     prepare_rows,
 )
 from graphdraft.kernels.precompile_workers import cost_cache_path, default_workers
-from graphdraft.kernels.warmup import finish_precompile, precompile_engine
+from graphdraft.kernels.warmup import finish_precompile, precompile_engine, start_precompile
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM, TargetOutput
@@ -441,13 +441,27 @@ class Engine:
     # ------------------------------------------------------------------
     # Graphs
     # ------------------------------------------------------------------
+    def start_precompile(self, progress: bool = True, precompile_workers: int | None = None
+                         ) -> bool:
+        """Start compiling the Triton kernels `capture_graphs` needs in `precompile_workers`
+        processes (None: `cfg.precompile_workers`) and return at once; `capture_graphs` then
+        adopts the phase. Nothing reads this engine's weights meanwhile: they may still be
+        being read (`checkpoint.open_model_pair`, `PendingWeights.read`). False when no
+        phase starts (no workers, no graphs, a warm cache, tree drafting or data
+        parallelism: the capture compiles as it would have)."""
+        if self._tree is not None or self.dp is not None:
+            return False
+        workers = (default_workers(self.cfg) if precompile_workers is None else precompile_workers)
+        return start_precompile([self], workers=workers, progress=progress)
+
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False,
                        precompile_workers: int | None = None) -> None:
         """Compile the Triton kernels each size bucket needs (`precompile_engine`; in
         `precompile_workers` processes, None: `cfg.precompile_workers`, see
         `graphdraft.kernels.precompile_workers.default_workers`, while the captures run:
-        each bucket's first capture waits for its own kernels), then capture
+        each bucket's first capture waits for its own kernels; a phase `start_precompile`
+        started is adopted), then capture
         the cycle per captured draft length k (`self.steps`), or in the split mode
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
@@ -461,6 +475,7 @@ class Engine:
         self.drain()
         self._reset_neutral()
         if self._tree is not None:  # tree drafting: its cycle graphs only
+            finish_precompile(self)  # a phase `start_precompile` began over several engines
             self._capture_tree_graphs(progress)
             return
         # Every Triton variant, once per size bucket (`parallel_precompile`: two threads).

@@ -22,7 +22,7 @@ import torch
 
 import graphdraft.serving.cli.models as models
 from graphdraft.kernels.precompile_workers import default_workers
-from graphdraft.kernels.warmup import precompile_engines
+from graphdraft.kernels.warmup import finish_precompile, precompile_running, start_precompile
 from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.report import (
     CPU_SPEEDUP_NOTE,
@@ -69,6 +69,25 @@ def capture(engine: Engine, name: str, quiet: bool) -> float:
     return dt
 
 
+def read_while_compiling(m: models.Loaded, engines: list[Engine], cfg, quiet: bool) -> float:
+    """Start one compile phase for the engines' graphs (GPU, graphs on: worker processes,
+    `warmup.start_precompile`; their captures adopt it), then read the checkpoint's weights
+    meanwhile (`Loaded.read_weights`). Returns the seconds the read took. A failed read
+    stops the phase."""
+    if cfg.device.startswith("cuda") and not cfg.enforce_eager:
+        start_precompile(engines, workers=default_workers(cfg), progress=not quiet)
+    try:
+        seconds = m.read_weights()
+    except BaseException:
+        for e in engines:
+            finish_precompile(e, abort=True)
+        raise
+    if seconds and not quiet:
+        print(f"read the weights in {seconds:.1f} s"
+              + (" while the kernels compiled" if any(map(precompile_running, engines)) else ""))
+    return seconds
+
+
 def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
     """`Engine.check_request` where the engine has it (ValueError naming the argument);
     otherwise `add_request` reports the same when the request is queued."""
@@ -113,7 +132,7 @@ def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int
 def demo(a: argparse.Namespace) -> int:
     if a.cuda_graph_max_bs is None:  # the batch the demo serves: no graph above it is replayed
         a.cuda_graph_max_bs = min(a.num_prompts, a.max_running_requests)
-    m = models.load(a)
+    m = models.load(a, read=False)  # the tensors are read while the kernels compile
     cfg = m.cfg
     on_gpu = cfg.device.startswith("cuda")
     if not on_gpu:
@@ -134,11 +153,7 @@ def demo(a: argparse.Namespace) -> int:
                 raise ValueError(f"prompt {i}: {e}") from None
     except ValueError as e:
         raise CliError(translate(str(e))) from None
-    capture_s = {}
-    if on_gpu and not cfg.enforce_eager:  # one compile phase for both engines' kernels
-        t0 = time.perf_counter()
-        precompile_engines([base, spec], workers=default_workers(cfg), progress=not a.quiet)
-        capture_s["compile"] = time.perf_counter() - t0
+    capture_s = {"weights": read_while_compiling(m, [base, spec], cfg, a.quiet)}
     capture_s |= {"target-only": capture(base, "target-only", a.quiet),
                  "speculative": capture(spec, "speculative", a.quiet)}
     progress = not a.quiet

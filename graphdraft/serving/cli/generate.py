@@ -106,7 +106,7 @@ def generate(a: argparse.Namespace) -> int:
             dp, a.device = init_data_parallel(a.dp_size, device=a.device)
         except ValueError as e:
             raise CliError(translate(str(e))) from None
-    m = models.load(a)
+    m = models.load(a, read=dp is not None)  # sharding reads the weights: first
     if dp is not None:
         from graphdraft.serving.data_parallel import shard_dense_
         shard_dense_(m.target, dp)
@@ -116,7 +116,8 @@ def generate(a: argparse.Namespace) -> int:
                        "--target needs tokenizer.json and the `tokenizers` package)")
     cfg = m.cfg
     engine = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
-    from graphdraft.serving.cli.demo import capture, check_request
+    from graphdraft.serving.cli.demo import capture, check_request, read_while_compiling
+    read_while_compiling(m, [engine], cfg, a.quiet)
     capture(engine, "speculative", a.quiet)
     prompts, plist, stops = [], [], []
     for spec in specs:

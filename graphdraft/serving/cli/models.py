@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
+from graphdraft.io.checkpoint import PendingWeights
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.models.random_models import random_model_pair
@@ -108,10 +109,27 @@ class Loaded:
     eos: int | None
     stops: tuple[int, ...]
     label: str
+    pending: PendingWeights | None = None
+    """The checkpoint's weights not read yet (`load(a, read=False)`); None once read."""
+
+    def read_weights(self) -> float:
+        """Read the pending weights into the modules (the engines built on them stay valid);
+        returns the seconds it took (0.0 when nothing was pending). CliError naming the
+        checkpoint flag when a tensor cannot be read."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return 0.0
+        try:
+            pending.read()
+        except (ValueError, OSError) as e:
+            raise CliError(f"{self.label}: {e}") from e
+        return pending.read_s
 
 
-def load(a: argparse.Namespace) -> Loaded:
-    """Load what the model flags name (the shipped pair by default)."""
+def load(a: argparse.Namespace, read: bool = True) -> Loaded:
+    """Load what the model flags name (the shipped pair by default). `read=False`: a
+    checkpoint's tensors are left for `Loaded.read_weights()` (every header is checked
+    here), so the engines can be built and their kernels compiled meanwhile."""
     if a.target:
         target_dir, draft_dir = a.target, a.draft
     elif not a.random_models and shipped_pair_available():
@@ -126,7 +144,7 @@ def load(a: argparse.Namespace) -> Loaded:
         target, head = random_pair(cfg, a.seed)
         return Loaded(target, head, cfg, None, None, (), "random weights (acceptance is not "
                       "meaningful for them)")
-    from graphdraft.io.checkpoint import load_model_pair, read_config
+    from graphdraft.io.checkpoint import open_model_pair, read_config
     flag = "--target/--draft" if a.target else "the shipped pair"
     try:
         tcfg, _ = read_config(target_dir)
@@ -135,9 +153,13 @@ def load(a: argparse.Namespace) -> Loaded:
     # the default context, capped at what the target was built for
     cfg = runtime_from_args(a, min(DEFAULT_MAX_CONTEXT_LEN, tcfg.max_position_embeddings))
     try:
-        target, head, info = load_model_pair(target_dir, draft_dir, cfg.torch_dtype, cfg.device)
+        target, head, info, pending = open_model_pair(target_dir, draft_dir, cfg.torch_dtype,
+                                                      cfg.device)
     except (ValueError, OSError, KeyError) as e:
         raise CliError(f"{flag}: {e}") from e
     stops = tuple(info.eos_token_ids)
-    return Loaded(target, head, cfg, load_tokenizer(target_dir, info.extras.raw),
-                  stops[0] if stops else None, stops, f"{target_dir} + {draft_dir}")
+    m = Loaded(target, head, cfg, load_tokenizer(target_dir, info.extras.raw),
+               stops[0] if stops else None, stops, f"{target_dir} + {draft_dir}", pending)
+    if read:
+        m.read_weights()
+    return m
