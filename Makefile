@@ -11,7 +11,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree perf-tree-kernels soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,7 +39,7 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_tests.py --shards $(GPU_SHARDS) --log-dir $(OUT)/gpu-tests
 
 # Every benchmark; each also runs alone (JSON under $(OUT)).
-perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-tree-kernels perf-tree
+perf: perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree-kernels perf-tree
 
 perf-draft:
 	mkdir -p $(OUT)
@@ -69,6 +69,12 @@ perf-capture:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.capture --out $(OUT) \
 		--max-bs $(CAPTURE_MAX_BS)
+
+# Start-up from an 8B-shaped checkpoint on disk: weights read while compiling vs read first
+# ($(OUT)/startup.json; writes about 16 GB to a temporary folder).
+perf-startup:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.startup --out $(OUT)
 
 # Tree-drafting kernels as replayed graphs ($(OUT)/tree_kernels.json).
 perf-tree-kernels:
