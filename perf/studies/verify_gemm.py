@@ -1,0 +1,214 @@
+"""The verify forward's matmuls at M = 64..1024 rows: cuBLAS's choices against candidates
+(GPU only; issue #23's "matmuls at M = 256..1024 reach the GEMM rate, fix what does not").
+
+`python3 -m perf.studies.verify_gemm --out DIR [--max-seconds 180]`
+
+In 2026-12-04d (`make perf-verify`) the 8B target's projections at M = 256 (bs 64 x 4 verify
+tokens) ran at 0.60 (o_proj) to 0.81 (gate_up) of a large GEMM's bf16 rate, 1.23-1.67x their
+floor; at M >= 512 at 0.88-1.0. For each projection (qkv, o, gate_up, down, lm_head) and M in
+`MS` this times, each as a CUDA graph of back-to-back calls over weight copies larger than L2
+(`perf.timing.graph_time_us`: no launch cost, no L2 hits):
+
+- `cublas`: `F.linear(x, w)` (what `ops.linear` runs above the GEMV's rows);
+- `cublas_t`: the transposed problem, `(w @ x.T).T` made contiguous (cuBLAS picks other
+  tiles for N x M than for M x N);
+- `cublaslt`: `F.linear` under `torch.backends.cuda.preferred_blas_library("cublaslt")`;
+- `triton`: `gemm` below (tiles per config, grouped program order, M a runtime argument)
+  over `configs(m, n, k)`.
+
+Writes `verify_gemm.json` (every timing, each config's relative error against cuBLAS) and
+prints per shape the floor (max(FLOPs / GEMM rate, weight bytes / copy bandwidth)), each
+variant's time and the best Triton config. A Triton config that beats cuBLAS at a row bucket
+by more than the noise moves into `graphdraft/kernels` (`ops.linear` choosing it per M
+bucket: one compiled variant per bucket, issue #19's count) in a later change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from graphdraft.kernels.pdl import interpreting
+
+MS = (256, 128, 64, 512, 1024)
+"""Rows timed, the widest gap (2026-12-04d) first: a truncated run has it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """out `[M, N]` = x `[M, K]` @ w `[N, K]`^T, fp32 accumulation; programs in groups of
+    GROUP_M row tiles per column tile (a weight tile is read by neighbouring programs while
+    in L2). Rows / columns past M / N are read clamped (in bounds) and not stored."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            left = K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=rk[None, :] < left, other=0.0)
+            b = tl.load(w_ptrs, mask=rk[:, None] < left, other=0.0)
+        if IEEE:  # fp32 inputs, or the interpreter (whose bf16 dot is wrong)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = GemmConfig(),
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[M, K]` @ w `[N, K]`^T -> `[M, N]` (x's dtype; fp32 in IEEE precision)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x, w: expected [M, K] and [N, K], got {list(x.shape)} and "
+                         f"{list(w.shape)}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("x, w: expected the last dimension contiguous")
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    c = config
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
+    _gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                       GROUP_M=c.group_m, EVEN_K=k % c.block_k == 0,
+                       IEEE=x.dtype == torch.float32 or interpreting(), num_warps=c.num_warps,
+                       num_stages=c.num_stages)
+    return out
+
+
+def configs(m: int) -> list[GemmConfig]:
+    """The tiles tried at `m` rows (row tiles no taller than needed)."""
+    out = []
+    for bm, bn, bk, warps, stages, group in itertools.product(
+            (64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4), (1, 8)):
+        if bm > max(64, m) or bn * bk > 128 * 128 or (bm == 128 and bn == 256):
+            continue
+        if stages * (bm + bn) * bk * 2 > 220 << 10:  # the pipeline's buffers, in bf16
+            continue
+        if warps == 8 and bm * bn < 128 * 128:
+            continue
+        out.append(GemmConfig(bm, bn, bk, group, warps, stages))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from perf.models_8b import LLAMA31_8B
+    from perf.timing import copy_bandwidth, graph_time_us, write_json
+    from perf.verify import gemm_rate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="perf/out")
+    p.add_argument("--max-seconds", type=float, default=180.0)
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    bw, rate = copy_bandwidth("cuda"), gemm_rate("cuda")
+    print(f"[gemm] {torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, GEMM "
+          f"{rate / 1e12:.0f} TFLOP/s", flush=True)
+    mc = LLAMA31_8B
+    h, d = mc.hidden_size, mc.head_dim
+    shapes = {"qkv": ((mc.num_attention_heads + 2 * mc.num_key_value_heads) * d, h),
+              "o": (h, mc.num_attention_heads * d), "gate_up": (2 * mc.intermediate_size, h),
+              "down": (h, mc.intermediate_size), "lm_head": (mc.vocab_size, h)}
+    res: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm_flops_s": rate,
+                 "shapes": {}}
+    dt = torch.bfloat16
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=dt) * 0.02
+                      for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
+               for name, (n, k) in shapes.items()}
+    for m in MS:
+        for name, (n, k) in shapes.items():
+            ws = weights[name]
+            copies = len(ws)
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            ref = F.linear(x, ws[0]).float()
+            flops = 2 * m * n * k
+            floor = max(flops / rate, n * k * 2 / bw) * 1e6
+            rec = {"n": n, "k": k, "m": m, "floor_us": floor}
+
+            def lt(i, x=x, ws=ws, copies=copies):
+                return F.linear(x, ws[i % copies])
+
+            rec["cublas_us"] = graph_time_us(lt, copies)
+            rec["cublas_t_us"] = graph_time_us(
+                lambda i, x=x, ws=ws, copies=copies: (ws[i % copies] @ x.T).T.contiguous(),
+                copies)
+            prev = torch.backends.cuda.preferred_blas_library()
+            try:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                rec["cublaslt_us"] = graph_time_us(lt, copies)
+            except Exception as e:  # noqa: BLE001 - not every build has it: a result
+                rec["cublaslt_error"] = str(e)[:200]
+            finally:
+                torch.backends.cuda.preferred_blas_library(prev)
+            rec["triton"] = []
+            for cfg in configs(m):
+                if time.perf_counter() - t_start > a.max_seconds:
+                    rec["truncated"] = True
+                    break
+                try:
+                    got = gemm(x, ws[0], cfg).float()
+                    err = float((got - ref).norm() / ref.norm())
+                    us = graph_time_us(lambda i, x=x, ws=ws, copies=copies, cfg=cfg:
+                                       gemm(x, ws[i % copies], cfg), copies)
+                except Exception as e:  # noqa: BLE001 - a config that fails is a result
+                    rec["triton"].append({"config": dataclasses.asdict(cfg),
+                                          "error": str(e)[:200]})
+                    continue
+                rec["triton"].append({"config": dataclasses.asdict(cfg), "us": us,
+                                      "rel_err": err})
+            timed = [c for c in rec["triton"] if "us" in c and c["rel_err"] < 1e-2]
+            rec["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+            res["shapes"][f"{name}-m{m}"] = rec
+            best = rec["best"]
+            print(f"[gemm] {name:8s} m={m:4d} floor {floor:7.1f} us | cuBLAS "
+                  f"{rec['cublas_us']:7.1f} ({floor / rec['cublas_us']:4.0%}) | transposed "
+                  f"{rec['cublas_t_us']:7.1f} | cublasLt {rec.get('cublaslt_us', float('nan')):7.1f}"
+                  f" | triton best {best['us'] if best else float('nan'):7.1f} "
+                  f"({floor / best['us'] if best else 0:4.0%}) "
+                  f"{best['config'] if best else ''}", flush=True)
+    write_json(a.out, "verify_gemm.json", res)
+    print(f"[gemm] done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
