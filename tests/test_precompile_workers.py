@@ -560,6 +560,12 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
     (shared, i0), (shared1, i1) = warmup._PHASES[base], warmup._PHASES[spec_e]
     assert shared is shared1 and (i0, i1) == (0, 1)
     phase = shared.phase
+    for index, e in enumerate((base, spec_e)):  # warm-ups per engine, as if planned alone
+        spec, _ = pw.engine_spec(e)
+        alone = {x.task for x in pw.plan_keys([(0, spec, pw.tasks_of(e))])[0]
+                 if x.task[1] != pw.PREFILL}
+        assert set(phase.first_tasks(index)) == alone and alone
+    assert {x.engine for x in phase._entries} == {0, 1}  # shared keys: planned once, by base
     with pytest.raises(RuntimeError, match="already runs"):
         warmup.start_precompile([spec_e], workers=2, progress=False)
     gated = []
@@ -808,7 +814,7 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     assert set().union(*phase._needs.values()) == set(range(len(phase._entries)))
     first = phase.first_tasks(0)
     assert first and set(first) < set(tasks)  # some captures launch no kernel of their own
-    assert tasks[-1][1] == pw.PREFILL and any(t[1] == pw.PREFILL for t in first)
+    assert tasks[-1][1] == pw.PREFILL and all(t[1] != pw.PREFILL for t in first)  # captures
     tasks = [t for t in tasks if t[1] != pw.PREFILL]  # the captures' tasks
     for owner, attr, bs in tasks:  # the capture order: gates in plan order
         f = getattr(owners[owner], attr)

@@ -1122,7 +1122,8 @@ def start_workers(engines, workers: int, *, progress: bool = True,
         raise
     logger.info("precompile: %d keys of %d tasks over %d worker processes and this one",
                 len(entries), report.tasks, fit)
-    return report, CompilePhase(report, tmp, server, entries, needs, progress=progress,
+    order = {index: [t for t in tasks if t[1] != PREFILL] for index, _, tasks in plans}
+    return report, CompilePhase(report, tmp, server, entries, needs, order, progress=progress,
                                 timeout_s=timeout_s, t0=t0)
 
 
@@ -1135,13 +1136,14 @@ class CompilePhase:
     (the capture's own launches compile what is missing) and `finish` raises."""
 
     def __init__(self, report: WorkerReport, tmp, server, entries: list[PlanEntry],
-                 needs: dict, *, progress: bool, timeout_s: float, t0: float) -> None:
+                 needs: dict, order: dict[int, list[Task]], *, progress: bool,
+                 timeout_s: float, t0: float) -> None:
         from capture.compiles import triton_builds
         from graphdraft.kernels.warmup import all_kernels
 
         self.report, self._tmp, self._server = report, tmp, server
         self._workdir = Path(tmp.name)
-        self._entries, self._needs = entries, needs
+        self._entries, self._needs, self._order = entries, needs, order
         self._kernels = all_kernels()
         self._outs = [self._workdir / f"out{i}.json" for i in range(report.workers)]
         self._timeout_s, self._t0 = timeout_s, t0
@@ -1163,11 +1165,19 @@ class CompilePhase:
         self._closed = False
 
     def first_tasks(self, index: int = 0) -> list[Task]:
-        """The tasks of engine `index` that first launch some kernel in capture order (each
-        entry's first task): only their captures need a warm-up before (it loads those
-        kernels into this process); every other task launches kernels loaded by then."""
-        return sorted({e.task for e in self._entries if e.engine == index},
-                      key=lambda t: (t[0], t[1], -t[2]))
+        """The capture tasks of engine `index` that launch some kernel none of its earlier
+        captures (in capture order) launched: only their captures need a warm-up before (it
+        loads those kernels into this process); every other task launches kernels loaded by
+        then. Per engine, as if planned alone: the marker keeps them for a warm start of
+        that engine by itself."""
+        seen: set[int] = set()
+        out = []
+        for task in self._order.get(index, ()):
+            needed = self._needs.get((index, task), ())
+            if not seen.issuperset(needed):
+                out.append(task)
+                seen.update(needed)
+        return sorted(out, key=lambda t: (t[0], t[1], -t[2]))
 
     def _is_done(self, j: int) -> bool:
         if j not in self._done and (self._workdir / "done" / str(j)).exists():
