@@ -695,6 +695,61 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     assert e2.generate(prompts, params) == eager_out
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_weights_read_while_two_engines_compile(monkeypatch, tmp_path):
+    """The CLI's start-up on a GPU, fresh Triton cache: a saved pair opened (no tensor read),
+    the target-only and speculative engines built on its modules, one worker phase started
+    for both, the weights read meanwhile; each capture adopts the phase (one phase, every key
+    compiled once, every size captured), and both engines' graphs serve what their eager
+    forwards serve and what an eager engine on `load_model_pair`'s modules serves."""
+    from graphdraft.io.checkpoint import (
+        load_model_pair,
+        open_model_pair,
+        save_eagle3_head,
+        save_target,
+    )
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    head_cfg = _GPU_TARGET.replace(num_hidden_layers=1, intermediate_size=96,
+                                   num_aux_hidden_states=3, draft_vocab_size=100)
+    hot = torch.randperm(_GPU_TARGET.vocab_size, generator=torch.Generator().manual_seed(1))[:100]
+    target, head = random_model_pair(_GPU_TARGET, head_cfg, torch.bfloat16, 1, std=0.5,
+                                     hot_token_ids=hot, device="cuda")
+    save_target(target, tmp_path / "t")
+    save_eagle3_head(head, tmp_path / "h")
+    del target, head
+    rc = RuntimeConfig(speculative_num_steps=3, page_size=16, max_context_len=256,
+                       max_running_requests=8, cuda_graph_max_bs=8, dtype="bfloat16",
+                       device="cuda", speculative_policy="fixed")
+    t2, h2, _, weights = open_model_pair(tmp_path / "t", tmp_path / "h", "bfloat16", "cuda")
+    base, spec = Engine(t2, rc, seed=0), Engine(t2, rc, h2, seed=0)
+    assert warmup.start_precompile([base, spec], workers=2, progress=False)
+    weights.read()
+    for e in (base, spec):
+        e.capture_graphs(progress=False, precompile_workers=2)
+    rep = warmup.worker_report(spec)
+    assert rep is not None and rep.skipped is None and warmup.worker_report(base) is rep, rep
+    assert rep.workers == 2 and sum(rep.compiled) + rep.compiled_here == rep.keys, rep
+    assert pw.is_warm(base) and pw.is_warm(spec)
+    for e in (base, spec):
+        fw = warmup.captured_forwards(e, *([e.drafter] if e.drafter is not None else []))
+        assert all(f.captured_sizes == e.schedule for f in fw.values() if f.active)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 20]
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    graph_out = [e.generate(prompts, params) for e in (base, spec)]
+    monkeypatch.setenv("GRAPHDRAFT_EAGER", "1")
+    eager_out = [e.generate(prompts, params) for e in (base, spec)]
+    ref_t, ref_h, _ = load_model_pair(tmp_path / "t", tmp_path / "h", "bfloat16", "cuda")
+    ref_out = Engine(ref_t, rc, ref_h, seed=0).generate(prompts, params)
+    monkeypatch.delenv("GRAPHDRAFT_EAGER")
+    assert graph_out == eager_out and eager_out[1] == ref_out
+    assert all(len(o) == 10 for o in graph_out[1])
+
+
 def test_plan_bytes_counts_the_reduced_engine(monkeypatch):
     """The plan's throw-away engine: the target less its dropped layers, the head without the
     shared embedding, the KV pools at 2 layers, the overhead; the worker count is what the
