@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from perf.studies.verify_gemm import GemmConfig, configs, gemm
+from perf.studies.verify_gemm import GemmConfig, configs, gemm, gemm_swiglu, sweep
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 16), (37, 70, 96), (64, 128, 80), (130, 50, 33)])
@@ -38,3 +38,35 @@ def test_gemm_writes_into_a_strided_out_and_rejects_bad_shapes():
 def test_configs_fit_the_rows():
     assert all(c.block_m == 64 for c in configs(64))
     assert {c.block_m for c in configs(256)} == {64, 128}
+
+
+@pytest.mark.parametrize("m,i,k", [(3, 40, 64), (70, 32, 48)])
+def test_gemm_swiglu_equals_linear_then_silu_mul(m, i, k):
+    g = torch.Generator().manual_seed(m + i + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(2 * i, k, generator=g)
+    y = x @ w.T
+    ref = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
+    got = gemm_swiglu(x, w, GemmConfig(32, 32, 32, 2))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"\[2I, K\]"):
+        gemm_swiglu(x, w[1:])
+
+
+def test_sweep_records_errors_and_picks_the_fastest_correct_config(monkeypatch):
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    ref = x @ w.T
+    good = GemmConfig(32, 32, 32, 1)
+
+    def run(i, cfg):
+        if cfg.block_n == 64:
+            raise RuntimeError("out of resources")
+        return gemm(x, w, cfg) + (1.0 if cfg.group_m == 8 else 0.0)  # group 8: wrong
+
+    import perf.timing
+
+    times = iter([5.0, 3.0])
+    monkeypatch.setattr(perf.timing, "graph_time_us", lambda fn, calls: next(times))
+    recs, best, cut = sweep(run, ref, [good, GemmConfig(32, 64, 32, 1),
+                                       GemmConfig(32, 32, 32, 8)], 2, float("inf"))
+    assert not cut and "error" in recs[1] and recs[2]["rel_err"] > 1e-2
+    assert best["config"]["group_m"] == 1 and best["us"] == 5.0
