@@ -41,7 +41,7 @@ def clean_env(monkeypatch):
 def test_defaults_are_todays_settings(clean_env):
     kc = KernelConfig.from_env()
     assert kc == KernelConfig() == TORCH
-    assert (kc.small_m_max, kc.finish_norm_max_m, kc.pdl_max_rows, kc.finish_maxnreg) == (32, 4, 4, 128)
+    assert (kc.small_m_max, kc.finish_norm_max_m, kc.pdl_max_rows, kc.finish_maxnreg) == (32, 1, 4, 128)
     assert kc.gemv_pdl and kc.stream_evict_first and kc.pdl and kc.pdl_early_loads
     assert kc.gemv_tiles == "wide" and kc.gemv_split is None and kc.gemv_block_k is None
     assert TRITON == kc.replace(backend="triton") and TRITON.use_triton and not kc.use_triton

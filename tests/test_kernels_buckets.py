@@ -119,9 +119,14 @@ def test_gemv_one_key_per_m_bucket(dtype):
     assert len(rec.keys["gemv._gemv_kernel"]) == 2  # BLOCK_M 16 (2, 3, 16) and 32 (17, 24, 32)
 
 
-def test_gemv_residual_norm_split_one_key_per_bucket():
-    """Split K (workspace stride M * N) and the second-launch norm (M > 4), and the in-launch
-    finisher (M <= 4): one key per bucket for both kernels."""
+@pytest.mark.parametrize("finish_max_m", [1, 4])
+def test_gemv_residual_norm_split_one_key_per_bucket(finish_max_m):
+    """Split K (workspace stride M * N) and the second-launch norm (M > `finish_norm_max_m`),
+    and the in-launch finisher (2 <= M <= 4 when the limit is 4; the default 1 keeps it for
+    single rows): one key per bucket for both kernels."""
+    from graphdraft.kernels.config import default as default_kernels
+
+    kc = default_kernels().replace(finish_norm_max_m=finish_max_m)
     g = torch.Generator().manual_seed(1)
     k, n = 256, 32
     w = torch.randn(n, k, generator=g).to(DEV)
@@ -132,13 +137,15 @@ def test_gemv_residual_norm_split_one_key_per_bucket():
         for m in sizes:
             x = torch.randn(m, k, generator=g).to(DEV)
             r = torch.randn(m, n, generator=g).to(DEV)
-            out, h = linear_small_m_residual_norm(x, w, r, nw, 1e-6, config=cfg)
+            out, h = linear_small_m_residual_norm(x, w, r, nw, 1e-6, config=cfg, kernels=kc)
             h_ref = linear_small_m_ref(x, w) + r
             torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
             ref = (h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6)) * nw
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert len(rec.keys["gemv._gemv_kernel"]) == 2  # finisher (2-4) | partials only (5-16)
-    _one_key_per_bucket(rec, "gemv._sum_residual_norm_kernel", [5, 7, 16], m_bucket)
+    second = [m for m in sizes if m > finish_max_m]
+    # finisher (2-4) | partials only (5-16); at the default limit partials only
+    assert len(rec.keys["gemv._gemv_kernel"]) == (2 if finish_max_m == 4 else 1)
+    _one_key_per_bucket(rec, "gemv._sum_residual_norm_kernel", second, m_bucket)
 
 
 def test_argmax_second_stage_one_key_for_varying_splits():

@@ -501,9 +501,13 @@ def test_every_mode_of_a_tile_launches_one_compiled_kernel():
     """Plain, split-K partials (split 3 and 4), argmax and the residual + norm second launch
     (with and without a residual index) of one tile share one specialization key of the GEMV
     (the modes and the split are runtime arguments; unused pointers get typed placeholders);
-    the finisher (FINISH) is one more, whatever its split and residual index. Recorded with the
-    launch options a GPU gets (a dry run: keys only)."""
+    the finisher (FINISH, here up to 4 rows: `finish_norm_max_m`) is one more, whatever its
+    split and residual index. Recorded with the launch options a GPU gets (a dry run: keys
+    only)."""
+    from graphdraft.kernels.config import default as default_kernels
     from perf.compile_census import gpu_dry_keys
+
+    kc = default_kernels().replace(finish_norm_max_m=4)
 
     g = torch.Generator().manual_seed(0)
     n, k = 64, 1024
@@ -518,7 +522,7 @@ def test_every_mode_of_a_tile_launches_one_compiled_kernel():
                 linear_small_m_partials(x, w, config=cfg)
                 for index in (None, idx):
                     linear_small_m_residual_norm(x, w, res, nw, 1e-5, residual_index=index,
-                                                 config=cfg)
+                                                 config=cfg, kernels=kc)
             one = gemv_config(m, n, k, split=1)
             linear_small_m(x, w, config=one)
             linear_small_m_argmax(x, w, config=one)

@@ -11,7 +11,7 @@ schedule compiles a handful of variants per kernel, not one per size:
 * `rows_block(rows)`: the lanes of the per-row metadata kernels: 64 for every row count
   (`cdiv(rows, 64)` programs; one compiled variant where 16 / 64 by row count compiled two);
 * `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
-  `KernelConfig.finish_norm_max_m` (4), the fused-norm finisher;
+  `KernelConfig.finish_norm_max_m` (1), the fused-norm finisher;
 * (not buckets: PDL is one variant at every row count, `KernelConfig.pdl_max_rows` a
   runtime argument of it, `kernels.pdl`; the split argmax's second stage loops over its
   splits with fixed lanes, `argmax.argmax_stage2`).

@@ -21,7 +21,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
 | `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
-| `finish_norm_max_m` | `GRAPHDRAFT_FINISH_NORM_MAX_M` | 0..64 | 4 | rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch) |
+| `finish_norm_max_m` | `GRAPHDRAFT_FINISH_NORM_MAX_M` | 0..64 | 1 | rows up to which the residual + RMSNorm runs in the GEMV's last program (more: its own launch) |
 | `pdl` | `GRAPHDRAFT_PDL` | bool | on | small chain kernels launch with PDL (`kernels/pdl.py`) |
 | `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows let the next kernel launch only when they end (a runtime argument) |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
@@ -86,7 +86,7 @@ class KernelConfig:
     stream_evict_first: bool = True
     """Measured 8.6 us per call faster at bs 1, neutral at bs 8."""
     finish_maxnreg: int | None = 128
-    finish_norm_max_m: int = 4
+    finish_norm_max_m: int = 1
     pdl: bool = True
     pdl_max_rows: int = 4
     """PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but from 685 to

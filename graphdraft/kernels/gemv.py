@@ -88,9 +88,9 @@ _TARGET_PROGRAMS = 264  # about two per SM on an H100/H200
 def m_bucket(m: int) -> int:
     """The row tile (BLOCK_M) of an M-row launch: 1 for M == 1 (CUDA-core dot products), else
     16, 32 or 64 (`tl.dot` on the next power of two, at least 16). The GEMV compiles once per
-    bucket (M itself is not specialized); with `finish_norm_max_m` (the fused-norm finisher,
-    a constexpr that stays: M <= 4 runs it in the launch) the buckets are 1 | 2-4 | 5-16 |
-    17-32 | 33-64."""
+    bucket (M itself is not specialized); the fused-norm finisher (a constexpr that stays)
+    runs in the launch up to `finish_norm_max_m` rows (default 1), which splits a bucket
+    where it falls inside one (at 4: 1 | 2-4 | 5-16 | 17-32 | 33-64)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"m: expected 1..{MAX_M} rows, got {m}")
     return 1 if m == 1 else max(16, triton.next_power_of_2(m))
