@@ -23,7 +23,7 @@ def test_both_start_up_paths_run_and_report_their_phases(tmp_path):
                       max_context_len=256)
         r = json.loads(out.read_text())
         want = {"read_s", "engine_s", "capture_s", "total_s"} | (
-            {"open_s", "start_s", "started"} if mode == "overlap" else set())
+            {"open_s", "start_and_read_s", "started"} if mode == "overlap" else set())
         assert want <= set(r) and r["mode"] == mode
         assert r["total_s"] >= r["read_s"] + r["capture_s"] - 1e-3
         if mode == "overlap":

@@ -599,6 +599,61 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
     assert not warmup.start_precompile([base], workers=0, progress=False)
 
 
+def test_meanwhile_runs_beside_the_plan_and_its_failure_stops_the_phase(monkeypatch, tmp_path):
+    """`start_precompile(meanwhile=...)`: the callable (the CLI's weight read) runs in a thread
+    while this process plans (it has started before the plan ends) and is done when the call
+    returns; without a phase (workers 0) it still runs; its exception is raised and the
+    started phase stopped (no engine left gated)."""
+    import threading
+
+    from graphdraft.serving.engine import Engine
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    spec_e = _full_engine()
+    base = Engine(spec_e.target, spec_e.cfg)
+    _fake_active(monkeypatch, spec_e)
+
+    def launch(workdir, n, log_path, env):
+        body = json.dumps({"built": [], "compiled": 0, "startup_s": 0.1, "wall_s": 0.2})
+        outs = [str(workdir / f"out{i}.json") for i in range(n)]
+        code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    began, planned = threading.Event(), []
+    real_plan = pw.plan_keys
+
+    def plan(*args, **kw):  # the plan waits until the read has begun: they overlap
+        assert began.wait(10)
+        planned.append(True)
+        return real_plan(*args, **kw)
+
+    monkeypatch.setattr(pw, "plan_keys", plan)
+    done = []
+
+    def read():
+        began.set()
+        done.append(threading.current_thread().name)
+
+    assert warmup.start_precompile([base, spec_e], workers=2, progress=False, meanwhile=read)
+    assert planned and done == ["graphdraft-meanwhile"]
+    for e in (base, spec_e):
+        warmup.finish_precompile(e)
+    assert not warmup.start_precompile([base], workers=0, meanwhile=read) and len(done) == 2
+
+    def fail():
+        began.set()
+        raise OSError("disk gone")
+
+    for marker in (tmp_path / "cache").glob("graphdraft-precompiled-*.json"):
+        marker.unlink()  # cold again: the phase starts, then the read fails
+    with pytest.raises(OSError, match="disk gone"):
+        warmup.start_precompile([base, spec_e], workers=2, progress=False, meanwhile=fail)
+    assert not warmup.precompile_running(base) and not warmup.precompile_running(spec_e)
+    assert all(f.before_capture is None for e in (base, spec_e)
+               for _, fw in warmup._forwards_of(e) for f in fw.values())
+
+
 def test_counters_tell_builds_from_loads():
     """Triton's compilation listener: a cache miss counts as a build, a hit does not."""
     from capture import compiles
@@ -729,8 +784,9 @@ def test_gpu_weights_read_while_two_engines_compile(monkeypatch, tmp_path):
                        device="cuda", speculative_policy="fixed")
     t2, h2, _, weights = open_model_pair(tmp_path / "t", tmp_path / "h", "bfloat16", "cuda")
     base, spec = Engine(t2, rc, seed=0), Engine(t2, rc, h2, seed=0)
-    assert warmup.start_precompile([base, spec], workers=2, progress=False)
-    weights.read()
+    assert warmup.start_precompile([base, spec], workers=2, progress=False,
+                                   meanwhile=weights.read)
+    assert weights.read_s is not None
     for e in (base, spec):
         e.capture_graphs(progress=False, precompile_workers=2)
     rep = warmup.worker_report(spec)

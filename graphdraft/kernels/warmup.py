@@ -31,9 +31,10 @@ import importlib
 import inspect
 import logging
 import pkgutil
+import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -323,24 +324,54 @@ _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """engine -> (its running `_SharedPhase`, its index in the phase's plan)."""
 
 
-def start_precompile(engines, *, workers: int, progress: bool = True) -> bool:
+def start_precompile(engines, *, workers: int, progress: bool = True,
+                     meanwhile: Callable[[], object] | None = None) -> bool:
     """Start one worker phase for `engines` (an engine or several: one plan, each key
-    compiled once) and return at once; each engine's `capture_graphs` then adopts it: each
-    bucket's first capture waits for its own kernels, and the capture's end
+    compiled once) and return once it runs; each engine's `capture_graphs` then adopts it:
+    each bucket's first capture waits for its own kernels, and the capture's end
     (`finish_precompile`) waits for the phase. The phase reads none of the engines'
     weights (its plan and workers run throw-away engines of the same shapes), so they may
-    be read meanwhile (`checkpoint.open_model_pair`). Engines whose cache is warm (their
-    marker) are left out. False: no phase (no workers, a warm cache, a skip or a failed
-    plan: `worker_report` or the log says which); each capture then precompiles as
-    usual."""
-    from graphdraft.kernels import precompile_workers as pw
-
+    be read meanwhile: `meanwhile` (e.g. `PendingWeights.read` of
+    `checkpoint.open_model_pair`) runs in a thread from the start, beside the plan and the
+    workers, and this returns once it is done too; its exception is raised here, the phase
+    stopped. Engines whose cache is warm (their marker) are left out. False: no phase (no
+    workers, a warm cache, a skip or a failed plan: `worker_report` or the log says which;
+    `meanwhile` still runs); each capture then precompiles as usual."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
-    if not workers:
-        return False
     for e in engines:
         if e in _PHASES:
             raise RuntimeError("start_precompile: a compile phase already runs for this engine")
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            meanwhile()
+        except BaseException as e:  # raised in the caller's thread below
+            failed.append(e)
+
+    beside = None
+    if meanwhile is not None:
+        beside = threading.Thread(target=run, name="graphdraft-meanwhile", daemon=True)
+        beside.start()
+    try:
+        started = _start_phase(engines, workers, progress)
+    finally:
+        if beside is not None:
+            beside.join()
+    if failed:
+        for e in engines:
+            finish_precompile(e, abort=True)
+        raise failed[0]
+    return started
+
+
+def _start_phase(engines: list, workers: int, progress: bool) -> bool:
+    """`start_precompile` without `meanwhile`."""
+    from graphdraft.kernels import precompile_workers as pw
+
+    if not workers:
+        return False
+    for e in engines:
         with contextlib.suppress(TypeError):
             _REPORTS.pop(e, None)
     warm = [pw.is_warm(e) for e in engines]

@@ -60,6 +60,7 @@ import logging
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -441,18 +442,19 @@ class Engine:
     # ------------------------------------------------------------------
     # Graphs
     # ------------------------------------------------------------------
-    def start_precompile(self, progress: bool = True, precompile_workers: int | None = None
-                         ) -> bool:
+    def start_precompile(self, progress: bool = True, precompile_workers: int | None = None,
+                         meanwhile: Callable[[], object] | None = None) -> bool:
         """Start compiling the Triton kernels `capture_graphs` needs in `precompile_workers`
-        processes (None: `cfg.precompile_workers`) and return at once; `capture_graphs` then
-        adopts the phase. Nothing reads this engine's weights meanwhile: they may still be
-        being read (`checkpoint.open_model_pair`, `PendingWeights.read`). False when no
-        phase starts (no workers, no graphs, a warm cache, tree drafting or data
-        parallelism: the capture compiles as it would have)."""
-        if self._tree is not None or self.dp is not None:
-            return False
+        processes (None: `cfg.precompile_workers`); `capture_graphs` then adopts the phase.
+        Nothing in it reads this engine's weights: `meanwhile` (e.g. `PendingWeights.read`
+        of `checkpoint.open_model_pair`) runs beside it from the start, and this returns
+        once both run (`warmup.start_precompile`). False when no phase starts (no workers,
+        no graphs, a warm cache, tree drafting or data parallelism: the capture compiles
+        as it would have; `meanwhile` still runs)."""
         workers = (default_workers(self.cfg) if precompile_workers is None else precompile_workers)
-        return start_precompile([self], workers=workers, progress=progress)
+        if self._tree is not None or self.dp is not None:
+            workers = 0
+        return start_precompile([self], workers=workers, progress=progress, meanwhile=meanwhile)
 
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True, parallel_precompile: bool = False,

@@ -22,7 +22,7 @@ import torch
 
 import graphdraft.serving.cli.models as models
 from graphdraft.kernels.precompile_workers import default_workers
-from graphdraft.kernels.warmup import finish_precompile, precompile_running, start_precompile
+from graphdraft.kernels.warmup import precompile_running, start_precompile
 from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.report import (
     CPU_SPEEDUP_NOTE,
@@ -70,22 +70,23 @@ def capture(engine: Engine, name: str, quiet: bool) -> float:
 
 
 def read_while_compiling(m: models.Loaded, engines: list[Engine], cfg, quiet: bool) -> float:
-    """Start one compile phase for the engines' graphs (GPU, graphs on: worker processes,
-    `warmup.start_precompile`; their captures adopt it), then read the checkpoint's weights
-    meanwhile (`Loaded.read_weights`). Returns the seconds the read took. A failed read
-    stops the phase."""
+    """Read the checkpoint's weights (`Loaded.read_weights`) while one compile phase for the
+    engines' graphs starts and runs (GPU, graphs on: `warmup.start_precompile`, the read
+    beside its plan and workers; the captures adopt it). Returns the seconds the read took.
+    A failed read stops the phase."""
+    seconds = [0.0]
+
+    def read() -> None:
+        seconds[0] = m.read_weights()
+
     if cfg.device.startswith("cuda") and not cfg.enforce_eager:
-        start_precompile(engines, workers=default_workers(cfg), progress=not quiet)
-    try:
-        seconds = m.read_weights()
-    except BaseException:
-        for e in engines:
-            finish_precompile(e, abort=True)
-        raise
-    if seconds and not quiet:
-        print(f"read the weights in {seconds:.1f} s"
+        start_precompile(engines, workers=default_workers(cfg), progress=not quiet, meanwhile=read)
+    else:
+        read()
+    if seconds[0] and not quiet:
+        print(f"read the weights in {seconds[0]:.1f} s"
               + (" while the kernels compiled" if any(map(precompile_running, engines)) else ""))
-    return seconds
+    return seconds[0]
 
 
 def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
