@@ -54,13 +54,11 @@ class GemmConfig:
     num_stages: int = 4
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    """out `[M, N]` = x `[M, K]` @ w `[N, K]`^T, fp32 accumulation; programs in groups of
-    GROUP_M row tiles per column tile (a weight tile is read by neighbouring programs while
-    in L2). Rows / columns past M / N are read clamped (in bounds) and not stored."""
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile: its rows and columns, and the same clamped into the
+    matrix (int64, for in-bounds reads). Programs run GROUP_M row tiles per column tile
+    (a weight tile is read by neighbouring programs while in L2)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -71,9 +69,17 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     pid_n = (pid % per_group) // group_rows
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.minimum(rm, M - 1).to(tl.int64), tl.minimum(rn, N - 1).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """out `[M, N]` = x `[M, K]` @ w `[N, K]`^T, fp32 accumulation, one tile a program
+    (`_tile`). Rows / columns past M / N are read clamped (in bounds) and not stored."""
+    rm, rn, rm_in, rn_in = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, BLOCK_K)
-    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
-    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,19 +131,8 @@ def _gemm_swiglu_kernel(x_ptr, w_ptr, out_ptr, M, N_HALF, K, stride_xm, stride_w
     """out `[M, N_HALF]` = silu(x @ gate^T) * (x @ up^T), w `[2 * N_HALF, K]` = [gate; up]:
     the MLP's gate_up projection with its activation as the epilogue (no round trip of the
     `[M, 2 * N_HALF]` product through memory)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N_HALF, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, rm_in, rn_in = _tile(M, N_HALF, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, BLOCK_K)
-    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
-    rn_in = tl.minimum(rn, N_HALF - 1).to(tl.int64)
     x_ptrs = x_ptr + rm_in[:, None] * stride_xm + rk[None, :]
     g_ptrs = w_ptr + rn_in[None, :] * stride_wn + rk[:, None]
     u_ptrs = g_ptrs + N_HALF * stride_wn
