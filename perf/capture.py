@@ -139,6 +139,7 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "capture_record_s": round(warm["record_s"], 3),
         "capture_replay_timing_s": round(warm["replay_timing_s"], 3),
         "cost_table_s": round(phases.get("costs_s", 0.0), 3),
+        "compile_tail_s": round(phases.get("compile_tail_s", 0.0), 3),
         "other_s": round(seconds - sum(phases.values()), 3) if phases else None,
         "graphs": warm["graphs"],
         "warmup_runs": warm["warmup_runs"],
@@ -392,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<20} {v['capture_s']:>6.2f} / {v['compiles']:>3} / {v['built']:>3} / "
               f"{v['worker_built']:>3}  sizes {v['sizes']}")
     print("\nwhere capture_graphs' seconds go (s): precompile (worker phase) / capture: warm-up, "
-          "record, replay timing / cost table / other; graphs, warm-up runs, cost replays")
+          "record, replay timing / cost table / wait for the phase's end / other; graphs, warm-up runs, "
+          "cost replays")
     for name, r in runs.items():
         b = r.get("breakdown")
         if not b:
@@ -400,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<18} {b['precompile_s']:>5.2f} ({b['worker_phase_s']:>5.2f}) / "
               f"{b['capture_s']:>5.2f}: {b['capture_warmup_s']:>5.2f} {b['capture_record_s']:>5.2f} "
               f"{b['capture_replay_timing_s']:>5.2f} / {b['cost_table_s']:>5.2f} / "
+              f"{b.get('compile_tail_s', 0.0):>5.2f} / "
               f"{b['other_s'] if b['other_s'] is not None else float('nan'):>5.2f}; "
               f"{b['graphs']} graphs, {b['warmup_runs']} warm-ups, {b['cost_replays']} cost replays")
     print(f"census: {out['census_keys']} distinct keys (the plan's dry run), "

@@ -578,7 +578,13 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
         return []
 
     monkeypatch.setattr(CapturedForward, "capture", capture)
+    running = []  # the cost table is timed before the phase ends (its last kernels compiling)
+    real_costs = Engine.measure_costs
+    monkeypatch.setattr(Engine, "measure_costs", lambda self, **kw: running.append(
+        warmup.precompile_running(self)) or real_costs(self, **kw))
     base.capture_graphs(progress=False, precompile_workers=2)
+    assert running == [True] and set(base.capture_phases) == {
+        "precompile_s", "capture_s", "costs_s", "compile_tail_s"}
     assert len(phases) == 1 and gated and not warmup.precompile_running(base)
     assert all(phase._is_done(j) for (i, _), js in phase._needs.items() if i == 0 for j in js)
     rep = warmup.worker_report(base)

@@ -468,9 +468,10 @@ class Engine:
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
         policy's costs: `measure_costs` (no warm-up replays: capture replayed each graph
-        once already). Warm-up and capture run inert rows only (slot 0); every table is
-        neutral after. `capture_phases`: wall seconds of the precompile (workers included),
-        the captures and the cost timing."""
+        once already), timed before the worker phase ends (its last kernels, the prefill's,
+        compile meanwhile). Warm-up and capture run inert rows only (slot 0); every table is
+        neutral after. `capture_phases`: wall seconds of the precompile (its start), the
+        captures, the cost timing and the wait for the phase's end (`compile_tail_s`)."""
         if self.dp is not None and parallel_precompile:
             raise ValueError("parallel_precompile: expected False under data parallelism (two "
                              "threads would interleave the ranks' collectives)")
@@ -496,16 +497,19 @@ class Engine:
             for f in self._cycle_sequence():
                 f.capture(progress=progress)
             self._reset_neutral()
+            if self.dp is not None:  # every rank keeps the sizes every rank captured
+                data_parallel.agree_captured(self)
+            t2 = time.perf_counter()
+            # timed while the phase's last kernels compile: the prefill's (no graph launches
+            # them; the workers use no GPU)
+            self.measure_costs(warmup=0, cache=True)
+            t3 = time.perf_counter()
         except BaseException:
             finish_precompile(self, abort=True)
             raise
         finish_precompile(self)
-        if self.dp is not None:  # every rank keeps the sizes every rank captured
-            data_parallel.agree_captured(self)
-        t2 = time.perf_counter()
-        self.measure_costs(warmup=0, cache=True)
-        self.capture_phases = {"precompile_s": t1 - t0, "capture_s": t2 - t1,
-                               "costs_s": time.perf_counter() - t2}
+        self.capture_phases = {"precompile_s": t1 - t0, "capture_s": t2 - t1, "costs_s": t3 - t2,
+                               "compile_tail_s": time.perf_counter() - t3}
 
     def _verify_sequence(self) -> list[CapturedForward]:
         return [self._verify_by_k[k] for k in sorted(self._verify_by_k, reverse=True)]
