@@ -616,8 +616,8 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
     max_position_embeddings. Without one: device defaults to "cpu".
     """
     with contextlib.ExitStack() as stack:
-        head, fill = _open_head(path, target, dtype, device, stack,
-                                aux_ids_convention=aux_ids_convention, target_read=True)
+        head, fill, _ = _open_head(path, target, dtype, device, stack,
+                                   aux_ids_convention=aux_ids_convention, target_read=True)
         fill()
     return head
 
@@ -625,8 +625,9 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
 def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
                dtype: str | torch.dtype | None, device: str | torch.device | None,
                stack: contextlib.ExitStack, *, aux_ids_convention: str | None, target_read: bool
-               ) -> tuple[Eagle3DraftHead, Callable[[], None]]:
-    """`load_eagle3_head` up to the data -> (head, fill) (as `_open_target`). A shipped
+               ) -> tuple[Eagle3DraftHead, Callable[[], None], list[Path]]:
+    """`load_eagle3_head` up to the data -> (head, fill, its weight files) (as
+    `_open_target`). A shipped
     embedding is compared with the target's at once when the target is read (`target_read`),
     else by `fill()` (the target's `fill()` first): the head holds its own until then."""
     if target is not None and getattr(target, "tp", None) is not None:
@@ -698,7 +699,7 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
             todo = [e for e in entries if e.param != "embed_tokens"]
         _fill(head, w, todo)
 
-    return head.to(device), fill
+    return head.to(device), fill, w.files
 
 
 def prefetch(files: Sequence[Path]) -> None:
@@ -810,12 +811,12 @@ def open_model_pair(target_path: str | os.PathLike, draft_path: str | os.PathLik
                              f"{head_cfg.num_aux_hidden_states} target hidden states, the target "
                              f"captures {k} ({info.aux_layer_ids_source}: "
                              f"{list(target.aux_layer_ids)}); name them with {AUX_IDS_KEY}")
-        head, fill_head = _open_head(draft_path, target, None, None, stack,
-                                     aux_ids_convention=aux_ids_convention, target_read=False)
+        head, fill_head, head_files = _open_head(draft_path, target, None, None, stack,
+                                                 aux_ids_convention=aux_ids_convention,
+                                                 target_read=False)
     except BaseException:
         stack.close()
         raise
-    head_files = _weight_files(_checkpoint_dir(draft_path))[0]
     files = [*info.files, *(f for f in head_files if f not in info.files)]
     return target, head, info, PendingWeights(stack, [fill_target, fill_head], files)
 
