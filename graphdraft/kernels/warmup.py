@@ -10,8 +10,8 @@ capture then compiles nothing new. The counts land in each forward's `GraphStats
 each distinct specialization key once (`kernels.precompile_workers`; their builds in
 `GraphStats.worker_built`, the phase in `worker_report(engine)`), and no in-process pass
 follows. `start_precompile(engines, workers=N)` starts that phase for one or several engines
-(one plan) and returns at once: their captures adopt it, each bucket's first capture waiting
-for its own kernels, and the weights may be read meanwhile.
+(one plan) and returns once it runs: their captures adopt it, each bucket's first capture
+waiting for its own kernels; the weights may be read beside it (`meanwhile`).
 
 `specialization_key(kernel, *args, **kwargs)` is the key Triton's JIT caches a compiled
 kernel under for a launch with these arguments (its constexprs and launch options, and for
