@@ -65,7 +65,7 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     from graphdraft.config import RuntimeConfig
     from graphdraft.kernels.precompile_workers import default_workers
     from graphdraft.kernels.warmup import captured_forwards, worker_report
-    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.engine import CAPTURE_COST_REPLAYS, Engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()
@@ -144,8 +144,8 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "graphs": warm["graphs"],
         "warmup_runs": warm["warmup_runs"],
         "cost_cells": cost_cells,
-        # measure_costs: warmup 0, iters 3; none when the table came from the cost cache
-        "cost_replays": 0 if engine.cost_source == "cached" else 3 * cost_cells,
+        # measure_costs: warmup 0, CAPTURE_COST_REPLAYS each; none when the table was cached
+        "cost_replays": 0 if engine.cost_source == "cached" else CAPTURE_COST_REPLAYS * cost_cells,
         "cost_source": engine.cost_source,
     }
     built_here = triton_builds() - b0  # this process's builds, its worker-phase share included
@@ -164,7 +164,14 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "worker_compiled": rep.compiled if rep is not None else [],
         "plan_s": round(rep.plan_s, 3) if rep is not None else 0.0,
         # the ten longest compiles of the phase ([kernel, seconds]: the critical path's part)
-        "longest_compiles": sorted(rep.compile_s, key=lambda x: -x[1])[:10] if rep else [],
+        "longest_compiles": [x[:2] for x in sorted(rep.compile_s, key=lambda x: -x[1])[:10]]
+        if rep else [],
+        # the phase's timeline (seconds since it began): the plan's events, each worker's
+        # start, every compile [kernel, start, seconds], each capture gate that waited
+        "plan_events": rep.plan_events if rep is not None else [],
+        "worker_ready_s": rep.worker_ready_s if rep is not None else [],
+        "timeline": rep.timeline() if rep is not None else [],
+        "gate_waits": rep.gate_waits if rep is not None else [],
         "compiled_here_in_phase": rep.compiled_here if rep is not None else 0,
         "built_here_in_phase": rep.built_here if rep is not None else 0,
         # distinct specialization keys of the schedule (the workers' dry run; = the census
@@ -191,6 +198,27 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         "triton": __import__("triton").__version__,
     }
     result.write_text(json.dumps(data, indent=1))
+
+
+def timeline_lines(out: dict) -> str:
+    """The cold run's phase as text: the plan's events, the workers' start, the compiles by
+    start (kernel, start, end) and the gates that waited, in seconds since the phase began."""
+    lines = [f"\ncold phase timeline (s since it began; plan {out.get('plan_s', 0.0):.2f} s):"]
+    ev = out.get("plan_events") or []
+    emits = [t for name, t, _ in ev if name == "emit"]
+    marks = {name: t for name, t, _ in ev if name != "emit"}
+    ready = out.get("worker_ready_s") or []
+    lines.append(f"  server {marks.get('server', float('nan')):.2f}, header "
+                 f"{marks.get('header', float('nan')):.2f}, workers ready "
+                 f"{min(ready, default=float('nan')):.2f}-{max(ready, default=float('nan')):.2f}, "
+                 f"engine {marks.get('engine', float('nan')):.2f}, probes "
+                 f"{marks.get('probes', float('nan')):.2f}, first emit {min(emits, default=float('nan')):.2f}, "
+                 f"{len(emits)} emits, plan end {marks.get('end', float('nan')):.2f}")
+    for kernel, start, sec in out.get("timeline") or []:
+        lines.append(f"  {start:6.2f} -> {start + sec:6.2f}  {kernel}")
+    for index, task, start, waited in out.get("gate_waits") or []:
+        lines.append(f"  gate {index} {'/'.join(map(str, task))}: {start:.2f} + {waited:.2f}")
+    return "\n".join(lines)
 
 
 def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
@@ -361,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         "plan_s": head_cold.get("plan_s", 0.0),
         "compiled_here_in_phase": head_cold.get("compiled_here_in_phase", 0),
         "longest_compiles": head_cold.get("longest_compiles", []),
+        "plan_events": head_cold.get("plan_events", []),
+        "worker_ready_s": head_cold.get("worker_ready_s", []),
+        "timeline": head_cold.get("timeline", []),
+        "gate_waits": head_cold.get("gate_waits", []),
         # distinct Triton keys the schedule needs (the compile census), and what the warm run
         # loaded in-process (the same keys, when nothing is missing)
         "census_keys": head_cold.get("census_keys", 0),
@@ -405,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{b.get('compile_tail_s', 0.0):>5.2f} / "
               f"{b['other_s'] if b['other_s'] is not None else float('nan'):>5.2f}; "
               f"{b['graphs']} graphs, {b['warmup_runs']} warm-ups, {b['cost_replays']} cost replays")
+    print(timeline_lines(out))
     print(f"census: {out['census_keys']} distinct keys (the plan's dry run), "
           f"{out['census_keys_loaded_warm']} loaded by the warm run")
     print(f"goals (schedule to {tops[0]}): cold <= {GOALS['cold_s']} s, warm <= {GOALS['warm_s']} s, "

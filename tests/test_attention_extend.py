@@ -152,6 +152,14 @@ def test_tile_config():
     assert tile_config(16, 4, kernels=TORCH)[0] == 64
     assert tile_config(8192, 4, kernels=TORCH) == (128, 64, 4)
     assert tile_config(1, 1, kernels=TORCH) == (16, 64, 4)
+    # ragged rows (prefill chunks): the smallest case or the largest, never 32 / 64
+    assert tile_config(4, 4, kernels=TORCH, ragged=True)[0] == 16
+    assert tile_config(5, 4, kernels=TORCH, ragged=True)[0] == 128
+    assert tile_config(16, 4, kernels=TORCH, ragged=True)[0] == 128
+    assert tile_config(2, 8, kernels=TORCH, ragged=True)[0] == 16
+    assert tile_config(4, 8, kernels=TORCH, ragged=True)[0] == 128
+    assert tile_config(1, 32, kernels=TORCH, ragged=True)[0] == 32  # 32 heads: the smallest case
+    assert tile_config(8192, 4, kernels=TORCH, ragged=True) == (128, 64, 4)
 
 
 def test_tiles_come_from_the_config():

@@ -806,6 +806,12 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
                 "triton_compiles_total": here + there, "cache_entries_new": 0 if warm else 3,
                 "sizes": [1, 2], "pool_mib": 4.0, "per_forward": fw,
                 "census_keys": 0 if warm or workers == 0 else 7,
+                "plan_events": [] if warm else [["server", 0.01, 0], ["header", 0.3, 0],
+                                                ["emit", 0.6, 5], ["emit", 0.9, 2],
+                                                ["end", 1.0, 7]],
+                "worker_ready_s": [] if warm else [0.31, 0.32],
+                "timeline": [] if warm else [["extend_attention._extend_split_kernel", 0.6, 2.5]],
+                "gate_waits": [] if warm else [[0, ["engine", "g", 64], 1.1, 1.5]],
                 "breakdown": {"precompile_s": 0.0 if warm else 3.0, "worker_phase_s": 0.0,
                               "capture_s": 0.6, "capture_warmup_s": 0.2,
                               "capture_record_s": 0.3, "capture_replay_timing_s": 0.1,
@@ -827,6 +833,11 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert data["per_forward"]["draft_decode"]["worker_built"] == 2
     assert data["census_keys"] == 7 and data["census_keys_loaded_warm"] == 3
     assert data["warm_breakdown"]["precompile_s"] == 0.0
+    assert data["timeline"] == [["extend_attention._extend_split_kernel", 0.6, 2.5]]
+    text = perf_capture.timeline_lines(data)
+    assert "first emit 0.60, 2 emits, plan end 1.00" in text and "workers ready 0.31-0.32" in text
+    assert "  0.60 ->   3.10  extend_attention._extend_split_kernel" in text
+    assert "gate 0 engine/g/64: 1.10 + 1.50" in text
     assert data["cold_breakdown"]["precompile_s"] == 3.0
     assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64",
                                   "warm-64-every-bucket", "warm-64-r2",

@@ -182,7 +182,7 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     graphs = [t for t in tasks if t[1] != pw.PREFILL]
     probes = [t for t in tasks if t[1] == pw.PREFILL]
     assert tasks == graphs + probes
-    assert probes == [("engine", pw.PREFILL, n) for n in (8, 16, 32)]  # tiles 16, 32, 64
+    assert probes == [("engine", pw.PREFILL, n) for n in (8, 32)]  # ragged tiles 16 and 128
     assert len(graphs) >= 8 and len({bs for _, _, bs in graphs}) < len(e.schedule)  # buckets
     spec, _ = pw.engine_spec(e)
     entries, n_keys, needs = pw.plan_keys([(0, spec, tasks)])
@@ -441,7 +441,7 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
         started.append(p)
         return p
 
-    def boom(plans, emit=None):
+    def boom(plans, emit=None, event=None):
         raise RuntimeError("dry run exploded")
 
     monkeypatch.setattr(pw, "_launch", launch)
@@ -943,6 +943,18 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     rep = warmup.finish_precompile(e)
     assert rep is not None and rep.skipped is None and warmup.worker_report(e) is rep
     assert sum(rep.compiled) + rep.compiled_here == rep.keys == len(phase._entries)
+    # the timeline: the plan's events in order, every compile once from the phase's start on
+    names = [x[0] for x in rep.plan_events]
+    assert names[:3] == ["server", "header", "engine"] and names[-1] == "end" and "emit" in names
+    assert names.count("probes") == 1 and names.index("probes") < names.index("end")
+    times = [x[1] for x in rep.plan_events]
+    assert times == sorted(times) and times[0] >= 0
+    assert sum(n for name, _, n in rep.plan_events if name == "emit") == rep.keys
+    line = rep.timeline()
+    assert len(line) == rep.keys and [r[1] for r in line] == sorted(r[1] for r in line)
+    assert all(0 <= start <= rep.wall_s and sec >= 0 for _, start, sec in line)
+    assert len(rep.worker_ready_s) == 2 and all(0 <= t <= rep.wall_s for t in rep.worker_ready_s)
+    assert all(w > 0 and i == 0 for i, _, _, w in rep.gate_waits)
     assert all(f.before_capture is None for o in owners.values()
                for f in warmup.captured_forwards(o).values())
     assert pw.is_warm(e) and warmup.finish_precompile(e) is None  # ended once
@@ -1002,10 +1014,10 @@ def test_prefill_probes_and_a_probe_leaves_the_engine_as_it_was():
     e = _full_engine(max_context_len=512, max_num_batched_tokens=1024)
     cap = 512 - 1 - (e.n_row + 3)
     assert pw._prefill_row_cap(e) == cap
-    # a row per tile case (2 heads a kv head: 8, 16, 32, 64 tokens), then 2 rows of the
+    # a row per ragged tile case (2 heads a kv head: 8 and 64 tokens), then 2 rows of the
     # longest prompt (the chunk holds 2)
-    assert pw.prefill_probes(e) == [8, 16, 32, 64, 2 * cap]
-    assert pw.prefill_probes(_full_engine()) == [8, 16, 32]  # the 32-token chunk caps them
+    assert pw.prefill_probes(e) == [8, 64, 2 * cap]
+    assert pw.prefill_probes(_full_engine()) == [8, 32]  # the 32-token chunk caps them
     free = e.pages.num_free_pages
     before = e.states.valid_cache_lengths.clone()
     with torch.inference_mode():

@@ -30,7 +30,8 @@ as the decode kernel they replace did; over at most `KernelConfig.pdl_max_rows` 
 at bs 1) they let the next kernel launch at once.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
-config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G), dtype,
+config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G; ragged rows 16 or
+128 only), dtype,
 page size and mask bits or none, whatever the batch size. Uniform or ragged rows and one split
 or several are runtime choices of the stage-1 prologue / epilogue (`uniform_n > 0`,
 `num_splits == 1`), never of its KV loops, and its pointers keep one dtype each in every mode
@@ -67,8 +68,8 @@ from graphdraft.kernels.decode_attention import (
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["paged_extend_attention", "paged_extend_attention_ref", "extend_num_splits",
-           "tile_config"]
+__all__ = ["RAGGED_TILE_CASES", "TILE_CASES", "paged_extend_attention", "paged_extend_attention_ref",
+           "extend_num_splits", "tile_config"]
 
 _LOG2E = 1.4426950408889634
 MAX_MASK_TOKENS = 64
@@ -77,15 +78,24 @@ MAX_CHUNK = 256
 """Preferred upper bound on positions per split (as the decode kernel's)."""
 TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
+RAGGED_TILE_CASES = (16, 128)
+"""The cases ragged rows (eager prefill chunks, mixed batches) use: the smallest (rows of a
+few tokens, as a verify row's) or the largest. Rows of 5-31 tokens (G = 4) take the 128-row
+tile rather than a 32- or 64-row one of their own: their attention is short either way, and
+a cold start compiles two fewer tiles that no captured graph launches (2-3 s each of a
+worker under the H200 run's 16 side by side, perf/RESULTS.md 2026-12-05)."""
 
 
-def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None
-                ) -> tuple[int, int, int]:
+def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None,
+                ragged: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of at most `max_extend` tokens and `g_pad`
     (power of two) grouped heads: the case BLOCK_M = next_pow2(max_extend * g_pad) within
-    [16, 128], whose tile `kernels.extend_tiles` gives (None: the default config). ValueError
+    [16, 128], whose tile `kernels.extend_tiles` gives (None: the default config); `ragged`
+    rows: that case if it is the smallest, else 128 (`RAGGED_TILE_CASES`). ValueError
     naming `kernels` when that tile's BLOCK_M is below `g_pad` (not one token per program)."""
     bm = min(128, max(16, g_pad, triton.next_power_of_2(max(1, max_extend) * g_pad)))
+    if ragged and bm > max(16, g_pad):
+        bm = RAGGED_TILE_CASES[-1]
     tile = resolve(kernels).extend_tiles[TILE_CASES.index(bm)]
     if tile[0] < g_pad:
         raise ValueError(f"kernels: expected extend_tiles' BLOCK_M >= the {g_pad} grouped heads "
@@ -297,7 +307,7 @@ def paged_extend_attention(
         return out
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
-    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc)
+    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=not uniform_n)
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
               if num_splits is None else max(1, int(num_splits)))

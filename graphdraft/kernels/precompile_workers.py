@@ -185,9 +185,28 @@ class WorkerReport:
     worker_plan_wait_s: list[float] = field(default_factory=list)
     """Per worker: seconds it waited for the plan's header after its imports."""
     compile_s: list[list] = field(default_factory=list)
-    """`[kernel, seconds]` of every compiled entry, in every process (a load from the cache
-    is fast)."""
+    """`[kernel, seconds, start]` of every compiled entry, in every process (a load from the
+    cache is fast); `start`: wall-clock time (`time.time()`) it began."""
+    t0_wall: float = 0.0
+    """Wall-clock time (`time.time()`) the phase started: `timeline()`'s zero."""
+    plan_events: list[list] = field(default_factory=list)
+    """`[event, seconds since t0_wall, entries]` of the plan: "server" (the worker server
+    forked), "header" (the compile target written), "engine" (a throw-away engine built),
+    "probes" (its prefill probes dry-run), "emit" (a chunk of entries handed out), "end"
+    (every chunk out)."""
+    worker_ready_s: list[float] = field(default_factory=list)
+    """Per worker: seconds since `t0_wall` when it read the plan's header."""
+    gate_waits: list[list] = field(default_factory=list)
+    """`[engine index, task, seconds since t0_wall it began, seconds waited]` of each capture
+    gate (`CompilePhase.gate`) that waited."""
     skipped: str | None = None
+
+    def timeline(self) -> list[list]:
+        """`[kernel, start, seconds]` of every compiled entry, `start` in seconds since the
+        phase began (`t0_wall`), sorted by start: where the phase's time went."""
+        rows = [[k, round(t - self.t0_wall, 3), sec] for k, sec, t, *_ in
+                (x for x in self.compile_s if len(x) >= 3)]
+        return sorted(rows, key=lambda r: r[1])
 
     @property
     def total_built(self) -> int:
@@ -344,22 +363,22 @@ def _prefill_row_cap(engine) -> int:
 
 def prefill_probes(engine) -> list[int]:
     """Prompt tokens of the prefill steps the plan dry-runs (`probe_prefill`): one row whose
-    length picks each extend-attention tile case (`extend_attention.TILE_CASES` over the
-    target's grouped heads: 4, 8, 16 and 32 tokens for 4 heads a kv head; split KV), and a
-    full chunk (`max_num_batched_tokens` over rows of the longest prompt: few KV splits or
+    length picks each extend-attention tile case of ragged rows
+    (`extend_attention.RAGGED_TILE_CASES` over the target's grouped heads: 4 and 32 tokens
+    for 4 heads a kv head; split KV), and a full chunk (`max_num_batched_tokens` over rows of the longest prompt: few KV splits or
     one). What a prefill launches depends on its tokens only through such buckets (the tile
     and splits, GEMV or cuBLAS by rows): a chunk of another bucket compiles its kernels at
     its first use."""
     import triton
 
-    from graphdraft.kernels.extend_attention import TILE_CASES
+    from graphdraft.kernels.extend_attention import RAGGED_TILE_CASES
 
     cfg, mc = engine.cfg, engine.target.config
     g_pad = triton.next_power_of_2(max(1, mc.num_attention_heads // mc.num_key_value_heads))
     cap = _prefill_row_cap(engine)
     rows = max(1, min(cfg.max_running_requests, cfg.max_num_batched_tokens // cap or 1))
     full = min(cfg.max_num_batched_tokens, rows * cap)
-    return sorted({min(max(1, case // g_pad), cap, full) for case in TILE_CASES} | {full})
+    return sorted({min(max(1, case // g_pad), cap, full) for case in RAGGED_TILE_CASES} | {full})
 
 
 def probe_prefill(engine, tokens: int) -> None:
@@ -453,7 +472,7 @@ _PLAN_NOW = _HEAVY_FIRST.index("tree_")
 compiles) go into the plan at once; its lighter keys wait for a capture that launches them."""
 
 
-def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
+def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None, event=None
               ) -> tuple[list[PlanEntry], int, dict[tuple[int, Task], list[int]]]:
     """Dry-run each (engine index, spec, tasks) on a throw-away engine of the spec
     (`build_engine`, freed after) under one `KeyRecorder(launch=False, zero_ints=True)` of
@@ -469,7 +488,9 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
     capture task in capture order adds the keys it launches that are not planned yet
     (heavy kernels first), the probes' lighter keys among them; the probes' keys no capture
     launches come last. Each entry's `task` is the first capture task that launches it (the
-    one whose capture warms it up: `CompilePhase.first_tasks`), else its probe."""
+    one whose capture warms it up: `CompilePhase.first_tasks`), else its probe. `event(name)`
+    (if given) marks the plan's steps: "engine" (a throw-away engine built), "probes" (its
+    prefill probes dry-run)."""
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
     rec = KeyRecorder(all_kernels(), launch=False, keep=lambda j: True, zero_ints=True)
@@ -492,6 +513,9 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
         order = [t for t in tasks if t[1] == PREFILL] + [t for t in tasks if t[1] != PREFILL]
         with ctx:
             engine = build_engine(spec)
+            if event is not None:
+                event("engine")
+            probes_left = sum(t[1] == PREFILL for t in order)
             owners = {"engine": engine, "drafter": getattr(engine, "drafter", None)}
             resets = [getattr(o, "_reset_neutral", None) for o in owners.values() if o is not None]
             resets = [r for r in resets if r is not None]
@@ -513,6 +537,9 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
                     if attr == PREFILL:
                         held += [x for x in new if _heavy_rank(x[0].kernel) >= _PLAN_NOW]
                         release([x for x in new if _heavy_rank(x[0].kernel) < _PLAN_NOW])
+                        probes_left -= 1
+                        if event is not None and not probes_left:
+                            event("probes")
                         continue
                     for _, key in new:
                         first_capture.setdefault(key, (index, task))
@@ -587,9 +614,9 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
         if not _claim(workdir, j):
             continue
         entry = entries[j]
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         n = compile_entry(kernels, entry, load=load)
-        seconds.append([entry.kernel, round(time.perf_counter() - t0, 3)])
+        seconds.append([entry.kernel, round(time.perf_counter() - t0, 3), round(wall, 4)])
         built[j] = built.get(j, 0) + n
         _mark_done(workdir, j)
         done += 1
@@ -753,6 +780,7 @@ def worker_main(workdir: Path, index: int, timeout_s: float = WORKER_TIMEOUT_S) 
             "seconds": seconds,
             "startup_s": round(t_ready - spawned, 3),
             "plan_wait_s": round(t_ready - t_imported, 3),
+            "ready_at": round(t_ready, 4),
             "wall_s": round(time.time() - spawned, 3)}
     _write_atomic(out, data)
     return 0
@@ -1091,7 +1119,11 @@ def start_workers(engines, workers: int, *, progress: bool = True,
         logger.info("precompile workers: none (%s)", report.skipped)
         return report, None
     report.workers, report.tasks = fit, sum(len(t) for *_, t in plans)
-    t0 = time.perf_counter()
+    t0, report.t0_wall = time.perf_counter(), time.time()
+
+    def event(name: str, n: int = 0) -> None:
+        report.plan_events.append([name, round(time.time() - report.t0_wall, 4), n])
+
     tmp = tempfile.TemporaryDirectory(prefix="graphdraft-precompile-")
     workdir = Path(tmp.name)
     (workdir / "claims").mkdir()
@@ -1100,21 +1132,25 @@ def start_workers(engines, workers: int, *, progress: bool = True,
     try:
         server = _launch(workdir, fit, workdir / "server.txt", _env(spec0))  # it forks workers
         tp = time.perf_counter()
+        event("server")
         _write_atomic(workdir / _PLAN, {"device": spec0.device, "target": current_target()})
+        event("header")
         chunks = []
 
         def emit(batch: list[PlanEntry]) -> None:  # the workers start on it at once
             _write_atomic(workdir / _CHUNK.format(len(chunks)),
                           {"entries": [x.to_json() for x in batch]})
             chunks.append(len(batch))
+            event("emit", len(batch))
 
         try:
-            entries, report.keys, needs = plan_keys(plans, emit=emit)
+            entries, report.keys, needs = plan_keys(plans, emit=emit, event=event)
         except Exception as e:
             raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
                 from e
         _write_atomic(workdir / _PLAN_END, {"chunks": len(chunks), "entries": len(entries)})
         report.plan_s = time.perf_counter() - tp
+        event("end", len(entries))
     except BaseException:
         if server is not None:
             _kill(server)
@@ -1208,7 +1244,7 @@ class CompilePhase:
         unclaimed ones here meanwhile; at once when the phase has stalled."""
         if self._closed:
             return
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         needed = self._needs.get((index, task), ())
         while True:
             missing = [j for j in needed if not self._is_done(j)]
@@ -1217,7 +1253,11 @@ class CompilePhase:
             if not self._help(missing):
                 time.sleep(0.002)
             self._tick()
-        self.gate_wait_s += time.perf_counter() - t
+        waited = time.perf_counter() - t
+        self.gate_wait_s += waited
+        if waited > 0.001:
+            self.report.gate_waits.append([index, list(task),
+                                           round(wall - self.report.t0_wall, 3), round(waited, 3)])
 
     def finish(self) -> WorkerReport:
         """Wait for the workers (compiling entries here meanwhile), then fill and return the
@@ -1258,6 +1298,8 @@ class CompilePhase:
                 report.worker_wall_s.append(float(data["wall_s"]))
                 report.worker_startup_s.append(float(data["startup_s"]))
                 report.worker_plan_wait_s.append(float(data.get("plan_wait_s", 0.0)))
+                if "ready_at" in data:
+                    report.worker_ready_s.append(round(data["ready_at"] - report.t0_wall, 3))
                 report.compile_s.extend(data.get("seconds", []))
             # what no worker took (none should be left: a worker exits once all are claimed)
             while self._help():

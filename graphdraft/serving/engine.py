@@ -113,6 +113,13 @@ from graphdraft.serving.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
 
+CAPTURE_COST_REPLAYS = 1
+"""Timed replays per (bs, k) cell of the cost table `capture_graphs` measures (after the
+capture's own first replay of each graph): graph replays vary by about 1 %, the inert rows
+they run already price a real cycle a few % off, and the online medians of the first real
+cycles correct the table; three replays cost 0.6 s of a cold start at the 8B shape (33 cells,
+H200, perf/RESULTS.md 2026-12-05c)."""
+
 # Error bits of the cycle's prepare: ERR_DRAFTS (1) a candidate token (last verified token or
 # draft) outside [0, vocab); ERR_CACHE_LEN (2) a committed length whose next N positions pass
 # max_context_len. Bit 1 of the accept kernel (a draft outside [0, vocab)) is the same fault.
@@ -468,7 +475,7 @@ class Engine:
         (`cycle_graph=False`) the target's verify forward and the drafter's decode draft per
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
         policy's costs: `measure_costs` (no warm-up replays: capture replayed each graph
-        once already), timed before the worker phase ends (its last kernels, the prefill's,
+        once already; `CAPTURE_COST_REPLAYS` timed replays a cell), timed before the worker phase ends (its last kernels, the prefill's,
         compile meanwhile). Warm-up and capture run inert rows only (slot 0); every table is
         neutral after. `capture_phases`: wall seconds of the precompile (its start), the
         captures, the cost timing and the wait for the phase's end (`compile_tail_s`)."""
@@ -502,7 +509,7 @@ class Engine:
             t2 = time.perf_counter()
             # timed while the phase's last kernels compile: the prefill's (no graph launches
             # them; the workers use no GPU)
-            self.measure_costs(warmup=0, cache=True)
+            self.measure_costs(warmup=0, iters=CAPTURE_COST_REPLAYS, cache=True)
             t3 = time.perf_counter()
         except BaseException:
             finish_precompile(self, abort=True)
