@@ -451,6 +451,32 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
     assert len(started) == 1 and all(p.poll() is not None for p in started)
 
 
+def test_a_failed_plan_header_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_path):
+    """The plan's header (the compile target) is written beside the plan's first steps; its
+    failure is raised as the plan's, the server stopped, no entry handed out."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine()
+    _fake_active(monkeypatch, e)
+    started, dirs = [], []
+
+    def launch(workdir, n, log_path, env):
+        dirs.append(workdir)
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+        started.append(p)
+        return p
+
+    def no_target():
+        raise OSError("driver unavailable")
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(pw, "current_target", no_target)
+    with pytest.raises(pw.PrecompileWorkerError, match="plan failed: OSError: driver unavailable"):
+        pw.run_workers(e, 2, progress=False)
+    assert len(started) == 1 and all(p.poll() is not None for p in started)
+    assert not dirs[0].exists()  # the phase's folder (and any chunk) removed
+
+
 def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine()
@@ -945,9 +971,10 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     assert sum(rep.compiled) + rep.compiled_here == rep.keys == len(phase._entries)
     # the timeline: the plan's events in order, every compile once from the phase's start on
     names = [x[0] for x in rep.plan_events]
-    assert names[:3] == ["server", "header", "engine"] and names[-1] == "end" and "emit" in names
+    assert names[0] == "server" and names[-1] == "end" and "emit" in names
+    assert names.index("header") < names.index("emit") and names.count("engine") == 1
     assert names.count("probes") == 1 and names.index("probes") < names.index("end")
-    times = [x[1] for x in rep.plan_events]
+    times = [x[1] for x in rep.plan_events if x[0] != "header"]  # the header: from a thread
     assert times == sorted(times) and times[0] >= 0
     assert sum(n for name, _, n in rep.plan_events if name == "emit") == rep.keys
     line = rep.timeline()
@@ -967,6 +994,53 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     for owner, attr, bs in tasks:
         f = getattr(owners[owner], attr)
         assert (bs in f.warmup_sizes) == ((owner, attr, bs) in first)
+
+
+def test_a_waiting_gate_compiles_the_light_kernels_of_later_captures(monkeypatch, tmp_path):
+    """While every kernel of its own task is claimed by a worker (here: claimed, marked done
+    a moment later), a gate compiles light kernels of the captures after it (`ahead`), never
+    a heavy one (attention, GEMV) nor one of an earlier task; it returns once its own are done."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
+    tasks = _gpu_tasks(monkeypatch, e)
+
+    def launch(workdir, n, log_path, env):  # a server whose workers never take an entry
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    report, phase = pw.start_workers(e, 2, progress=False)
+    try:
+        captures = [t for t in tasks if t[1] != pw.PREFILL]
+        first = captures[0]
+        own = phase._needs[(0, first)]
+        later = phase.ahead(0, first)
+        assert later and all(pw._heavy_rank(phase._entries[j].kernel) >= pw._PLAN_NOW
+                             for j in later)
+        assert not set(later) & set(own)
+        assert all(any(j in phase._needs[(0, t)] for t in captures[1:]) for j in later)
+        workdir = phase._workdir
+        for j in own:  # a worker has them all
+            assert pw._claim(workdir, j)
+
+        def finish_own() -> None:
+            time.sleep(0.5)
+            for j in own:
+                pw._mark_done(workdir, j)
+
+        worker = threading.Thread(target=finish_own)
+        worker.start()
+        phase.gate(0, first)
+        worker.join()
+        assert all(phase._is_done(j) for j in own)
+        here = {j for j in range(len(phase._entries)) if phase._is_done(j)} - set(own)
+        assert here and here <= set(later) and phase._here == len(here)
+        assert report.gate_waits and report.gate_waits[0][1] == list(first)
+    finally:
+        phase.close()
 
 
 def test_plan_order_follows_the_capture_order(monkeypatch):

@@ -30,8 +30,8 @@ as the decode kernel they replace did; over at most `KernelConfig.pdl_max_rows` 
 at bs 1) they let the next kernel launch at once.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
-config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G; ragged rows 16 or
-128 only), dtype,
+config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G; ragged rows
+without mask bits 16 or 128 only), dtype,
 page size and mask bits or none, whatever the batch size. Uniform or ragged rows and one split
 or several are runtime choices of the stage-1 prologue / epilogue (`uniform_n > 0`,
 `num_splits == 1`), never of its KV loops, and its pointers keep one dtype each in every mode
@@ -79,8 +79,8 @@ MAX_CHUNK = 256
 TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 RAGGED_TILE_CASES = (16, 128)
-"""The cases ragged rows (eager prefill chunks, mixed batches) use: the smallest (rows of a
-few tokens, as a verify row's) or the largest. Rows of 5-31 tokens (G = 4) take the 128-row
+"""The cases ragged rows without mask bits (eager prefill chunks, mixed batches) use: the
+smallest (rows of a few tokens, as a verify row's) or the largest. Rows of 5-31 tokens (G = 4) take the 128-row
 tile rather than a 32- or 64-row one of their own: their attention is short either way, and
 a cold start compiles two fewer tiles that no captured graph launches (2-3 s each of a
 worker under the H200 run's 16 side by side, perf/RESULTS.md 2026-12-05)."""
@@ -307,7 +307,9 @@ def paged_extend_attention(
         return out
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
-    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=not uniform_n)
+    # ragged rows without mask bits (prefill chunks): the 16- or 128-row tile only
+    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc,
+                                          ragged=not uniform_n and mask_bits is None)
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
               if num_splits is None else max(1, int(num_splits)))

@@ -68,6 +68,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -1133,11 +1134,30 @@ def start_workers(engines, workers: int, *, progress: bool = True,
         server = _launch(workdir, fit, workdir / "server.txt", _env(spec0))  # it forks workers
         tp = time.perf_counter()
         event("server")
-        _write_atomic(workdir / _PLAN, {"device": spec0.device, "target": current_target()})
-        event("header")
+        failed: list[BaseException] = []
+
+        def header() -> None:  # Triton's driver starts (on a cold cache it builds a C helper)
+            try:
+                _write_atomic(workdir / _PLAN, {"device": spec0.device,
+                                                "target": current_target()})
+                event("header")
+            except BaseException as e:  # raised by the plan's first emit or end
+                failed.append(e)
+
+        # the header beside the plan's first steps (the throw-away engine, the first probe):
+        # the workers need it only with the first entries
+        writer = threading.Thread(target=header, name="graphdraft-plan-header", daemon=True)
+        writer.start()
+
+        def header_written() -> None:
+            writer.join()
+            if failed:
+                raise failed[0]
+
         chunks = []
 
         def emit(batch: list[PlanEntry]) -> None:  # the workers start on it at once
+            header_written()
             _write_atomic(workdir / _CHUNK.format(len(chunks)),
                           {"entries": [x.to_json() for x in batch]})
             chunks.append(len(batch))
@@ -1145,6 +1165,7 @@ def start_workers(engines, workers: int, *, progress: bool = True,
 
         try:
             entries, report.keys, needs = plan_keys(plans, emit=emit, event=event)
+            header_written()
         except Exception as e:
             raise PrecompileWorkerError(f"precompile plan failed: {type(e).__name__}: {e}") \
                 from e
@@ -1239,9 +1260,28 @@ class CompilePhase:
         self._here += n
         return n > 0
 
+    def ahead(self, index: int, task: Task) -> list[int]:
+        """Entries not done yet of engine `index`'s captures after `task` (capture order),
+        not `task`'s own, light kernels only (`_HEAVY_FIRST` from "tree_" on: a short
+        compile)."""
+        order = self._order.get(index, [])
+        if task not in order:
+            return []
+        out: list[int] = []
+        own = set(self._needs.get((index, task), ()))
+        for later in order[order.index(task) + 1:]:
+            for j in self._needs.get((index, later), ()):
+                if (j not in out and j not in own and _heavy_rank(self._entries[j].kernel) >= _PLAN_NOW
+                        and not self._is_done(j)):
+                    out.append(j)
+        return out
+
     def gate(self, index: int, task: Task) -> None:
         """Return once every kernel of `task` (of engine `index`) is compiled, compiling its
-        unclaimed ones here meanwhile; at once when the phase has stalled."""
+        unclaimed ones here meanwhile, and while the workers have all of them, the light
+        kernels of the captures after it (`ahead`: with 16 workers on the heavy kernels,
+        the cycle's light ones waited for a free worker, H200 2026-12-05c); at once when the
+        phase has stalled."""
         if self._closed:
             return
         t, wall = time.perf_counter(), time.time()
@@ -1250,7 +1290,7 @@ class CompilePhase:
             missing = [j for j in needed if not self._is_done(j)]
             if not missing or self._stalled():
                 break
-            if not self._help(missing):
+            if not self._help(missing) and not self._help(self.ahead(index, task)):
                 time.sleep(0.002)
             self._tick()
         waited = time.perf_counter() - t
