@@ -263,6 +263,9 @@ PREFILL_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4
 VERIFY_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 2), (128, 4, 2),
                 (64, 8, 4))
 """(BLOCK_N, num_warps, num_stages) tried for the N = 4 verify tile (`attention_alone`)."""
+VERIFY_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+"""KV splits tried for the N = 4 verify attention at the default tile (`attention_alone`;
+the default is `extend_attention.extend_num_splits`'s choice, in `extend_splits_default`)."""
 
 
 def _tiled(case: int, tile: tuple[int, int, int], stages: int) -> KernelConfig:
@@ -338,9 +341,9 @@ def _attention_alone_row(bs: int, kv: int, bw: float, device: str) -> dict:
     tok_kv = (seq.repeat_interleave(n) - n + torch.arange(bs * n, device=device) % n + 1
               ).to(torch.int32)
     scale, ctx = d ** -0.5, kv + 64
-    ext = lambda tiled, i: paged_extend_attention(
+    ext = lambda tiled, i, splits=None: paged_extend_attention(
         q, kc, vc, req, seq, None, None, r2p[i % copies], PAGE_SIZE, scale, max_kv_len=ctx,
-        uniform_n=n, kernels=tiled)
+        uniform_n=n, kernels=tiled, num_splits=splits)
     old = lambda i: paged_decode_attention(q, kc, vc, tok_req, tok_kv, r2p[i % copies],
                                            PAGE_SIZE, scale, max_kv_len=ctx)
     dec = lambda i: paged_decode_attention(q[:bs], kc, vc, req, seq, r2p[i % copies], PAGE_SIZE,
@@ -350,6 +353,13 @@ def _attention_alone_row(bs: int, kv: int, bw: float, device: str) -> dict:
            "decode_kernel_n1_us": graph_time_us(dec, calls),
            "old_per_token_n4_us": graph_time_us(old, calls),
            "extend_n4_us[default]": graph_time_us(functools.partial(ext, default_config()), calls)}
+    bn = default_config().extend_tiles[0][1]
+    row["extend_splits_default"] = extend_attention.extend_num_splits(
+        bs * hkv, ctx, bn, torch.device(device))
+    for splits in VERIFY_SPLITS:
+        if splits <= math.ceil(ctx / bn):
+            row[f"extend_n4_us[splits{splits}]"] = graph_time_us(
+                functools.partial(ext, default_config(), splits=splits), calls)
     for bn, w, st in VERIFY_TILES:
         try:
             row[f"extend_n4_us[bn{bn},w{w},s{st}]"] = graph_time_us(
