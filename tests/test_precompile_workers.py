@@ -429,22 +429,31 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
     assert warmup.worker_report(e) is None and isinstance(counts, dict)
 
 
-def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    e = _full_engine()
-    _fake_active(monkeypatch, e)
-    started = []
+def _idle_server(monkeypatch, started: list, dirs: list | None = None) -> None:
+    """`_launch` starts a process that sleeps (a server whose workers never take an entry);
+    each goes into `started`, its phase folder into `dirs`."""
 
     def launch(workdir, n, log_path, env):
+        if dirs is not None:
+            dirs.append(workdir)
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              start_new_session=True)
         started.append(p)
         return p
 
+    monkeypatch.setattr(pw, "_launch", launch)
+
+
+def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine()
+    _fake_active(monkeypatch, e)
+    started = []
+    _idle_server(monkeypatch, started)
+
     def boom(plans, emit=None, event=None):
         raise RuntimeError("dry run exploded")
 
-    monkeypatch.setattr(pw, "_launch", launch)
     monkeypatch.setattr(pw, "plan_keys", boom)
     with pytest.raises(pw.PrecompileWorkerError, match="plan failed: RuntimeError: dry run"):
         pw.run_workers(e, 2, progress=False)
@@ -458,18 +467,11 @@ def test_a_failed_plan_header_is_a_worker_error_and_stops_the_workers(monkeypatc
     e = _full_engine()
     _fake_active(monkeypatch, e)
     started, dirs = [], []
-
-    def launch(workdir, n, log_path, env):
-        dirs.append(workdir)
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             start_new_session=True)
-        started.append(p)
-        return p
+    _idle_server(monkeypatch, started, dirs)
 
     def no_target():
         raise OSError("driver unavailable")
 
-    monkeypatch.setattr(pw, "_launch", launch)
     monkeypatch.setattr(pw, "current_target", no_target)
     with pytest.raises(pw.PrecompileWorkerError, match="plan failed: OSError: driver unavailable"):
         pw.run_workers(e, 2, progress=False)
@@ -1006,12 +1008,7 @@ def test_a_waiting_gate_compiles_the_light_kernels_of_later_captures(monkeypatch
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
-
-    def launch(workdir, n, log_path, env):  # a server whose workers never take an entry
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                start_new_session=True)
-
-    monkeypatch.setattr(pw, "_launch", launch)
+    _idle_server(monkeypatch, [])
     report, phase = pw.start_workers(e, 2, progress=False)
     try:
         captures = [t for t in tasks if t[1] != pw.PREFILL]
