@@ -1260,27 +1260,10 @@ class CompilePhase:
         self._here += n
         return n > 0
 
-    def ahead(self, index: int, task: Task) -> list[int]:
-        """Entries not done yet of engine `index`'s captures after `task` (capture order),
-        not `task`'s own, light kernels only (`_HEAVY_FIRST` from "tree_" on: a short
-        compile)."""
-        order = self._order.get(index, [])
-        if task not in order:
-            return []
-        out: list[int] = []
-        own = set(self._needs.get((index, task), ()))
-        for later in order[order.index(task) + 1:]:
-            for j in self._needs.get((index, later), ()):
-                if (j not in out and j not in own and _heavy_rank(self._entries[j].kernel) >= _PLAN_NOW
-                        and not self._is_done(j)):
-                    out.append(j)
-        return out
-
     def gate(self, index: int, task: Task) -> None:
         """Return once every kernel of `task` (of engine `index`) is compiled, compiling its
-        unclaimed ones here meanwhile, and while the workers have all of them, the light
-        kernels of the captures after it (`ahead`: with 16 workers on the heavy kernels,
-        the cycle's light ones waited for a free worker, H200 2026-12-05c); at once when the
+        unclaimed ones here meanwhile (only those: a kernel of a later capture compiled here
+        kept this gate shut 0.3 s after its own were done, H200 2026-12-05e); at once when the
         phase has stalled."""
         if self._closed:
             return
@@ -1290,7 +1273,7 @@ class CompilePhase:
             missing = [j for j in needed if not self._is_done(j)]
             if not missing or self._stalled():
                 break
-            if not self._help(missing) and not self._help(self.ahead(index, task)):
+            if not self._help(missing):
                 time.sleep(0.002)
             self._tick()
         waited = time.perf_counter() - t
