@@ -15,6 +15,7 @@ import torch
 from graphdraft import ops
 from graphdraft.kernels.config import TORCH, TRITON, KernelConfig
 from graphdraft.kernels.extend_attention import (
+    extend_num_splits,
     paged_extend_attention,
     paged_extend_attention_ref,
     tile_config,
@@ -144,6 +145,17 @@ def test_torch_path_matches_per_token_attention():
     tok_kv = torch.tensor([s - n + j + 1 for s, n in zip(seq, ext, strict=True) for j in range(n)],
                           dtype=torch.int32)
     assert torch.equal(out, ops.paged_attention(q, kc, vc, tok_req, tok_kv, r2p, 4, 0.25, 32))
+
+
+def test_extend_num_splits():
+    """Splits: 1 once the programs reach 2 per SM (132 SMs on a CPU: an H200's); else enough
+    for 2 per SM and chunks of <= MAX_CHUNK (512) positions, never more than the KV blocks."""
+    cpu = torch.device("cpu")
+    assert extend_num_splits(512, 4096, 64, cpu) == 1  # bs 64 x 8 kv heads
+    assert extend_num_splits(64, 4096, 64, cpu) == 8  # bs 8: the chunk term, 4096 / 512
+    assert extend_num_splits(64, 512, 64, cpu) == 5  # the SM term, 264 / 64
+    assert extend_num_splits(8, 4096, 64, cpu) == 33  # bs 1
+    assert extend_num_splits(8, 100, 64, cpu) == 2  # at most the 2 KV blocks
 
 
 def test_tile_config():

@@ -74,8 +74,11 @@ __all__ = ["RAGGED_TILE_CASES", "TILE_CASES", "paged_extend_attention", "paged_e
 _LOG2E = 1.4426950408889634
 MAX_MASK_TOKENS = 64
 """mask_bits words are int64: at most 64 new tokens per row with a mask."""
-MAX_CHUNK = 256
-"""Preferred upper bound on positions per split (as the decode kernel's)."""
+MAX_CHUNK = 512
+"""Preferred upper bound on positions per split. 512, not the decode kernel's 256: one
+layer's N = 4 verify attention at bs 8, kv 4096 (64 programs) took 47.1 us at 8 splits
+against 52.1 us at the 16 that 256 asked for (H200, perf/RESULTS.md 2026-12-05e); where
+programs are few (bs 1) the programs-per-SM term sets the splits either way."""
 TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 RAGGED_TILE_CASES = (16, 128)
