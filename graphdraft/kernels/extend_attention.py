@@ -83,10 +83,11 @@ TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 RAGGED_TILE_CASES = (16, 128)
 """The cases ragged rows without mask bits (eager prefill chunks, mixed batches) use: the
-smallest (rows of a few tokens, as a verify row's) or the largest. Rows of 5-31 tokens (G = 4) take the 128-row
-tile rather than a 32- or 64-row one of their own: their attention is short either way, and
-a cold start compiles two fewer tiles that no captured graph launches (2-3 s each of a
-worker under the H200 run's 16 side by side, perf/RESULTS.md 2026-12-05)."""
+smallest (rows of a few tokens, as a verify row's) or the largest. Rows of 5-31 tokens
+(G = 4) take the 128-row tile rather than a 32- or 64-row one of their own: their attention
+is short either way, and a cold start compiles two fewer tiles that no captured graph
+launches (2-3 s each of a worker under the H200 run's 16 side by side, perf/RESULTS.md
+2026-12-05)."""
 
 
 def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None,

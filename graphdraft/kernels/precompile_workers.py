@@ -366,8 +366,8 @@ def prefill_probes(engine) -> list[int]:
     """Prompt tokens of the prefill steps the plan dry-runs (`probe_prefill`): one row whose
     length picks each extend-attention tile case of ragged rows
     (`extend_attention.RAGGED_TILE_CASES` over the target's grouped heads: 4 and 32 tokens
-    for 4 heads a kv head; split KV), and a full chunk (`max_num_batched_tokens` over rows of the longest prompt: few KV splits or
-    one). What a prefill launches depends on its tokens only through such buckets (the tile
+    for 4 heads a kv head; split KV), and a full chunk (`max_num_batched_tokens` over rows of
+    the longest prompt: few KV splits or one). What a prefill launches depends on its tokens only through such buckets (the tile
     and splits, GEMV or cuBLAS by rows): a chunk of another bucket compiles its kernels at
     its first use."""
     import triton
@@ -419,6 +419,28 @@ def probe_prefill_dry(engine, tokens: int, rec) -> None:
         probe_prefill(engine, tokens)
     finally:
         rec.spare = frozenset()
+
+
+def run_beside(fn, name: str):
+    """Start `fn()` in a daemon thread `name`; returns `join()`, which waits for it and raises
+    what it raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # raised by join(), in the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return join
 
 
 # ------------------------------------------------------------------ the plan
@@ -1134,26 +1156,14 @@ def start_workers(engines, workers: int, *, progress: bool = True,
         server = _launch(workdir, fit, workdir / "server.txt", _env(spec0))  # it forks workers
         tp = time.perf_counter()
         event("server")
-        failed: list[BaseException] = []
 
         def header() -> None:  # Triton's driver starts (on a cold cache it builds a C helper)
-            try:
-                _write_atomic(workdir / _PLAN, {"device": spec0.device,
-                                                "target": current_target()})
-                event("header")
-            except BaseException as e:  # raised by the plan's first emit or end
-                failed.append(e)
+            _write_atomic(workdir / _PLAN, {"device": spec0.device, "target": current_target()})
+            event("header")
 
         # the header beside the plan's first steps (the throw-away engine, the first probe):
-        # the workers need it only with the first entries
-        writer = threading.Thread(target=header, name="graphdraft-plan-header", daemon=True)
-        writer.start()
-
-        def header_written() -> None:
-            writer.join()
-            if failed:
-                raise failed[0]
-
+        # the workers need it only with the first entries; its failure is the plan's
+        header_written = run_beside(header, "graphdraft-plan-header")
         chunks = []
 
         def emit(batch: list[PlanEntry]) -> None:  # the workers start on it at once

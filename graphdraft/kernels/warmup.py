@@ -31,7 +31,6 @@ import importlib
 import inspect
 import logging
 import pkgutil
-import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -341,27 +340,19 @@ def start_precompile(engines, *, workers: int, progress: bool = True,
     for e in engines:
         if e in _PHASES:
             raise RuntimeError("start_precompile: a compile phase already runs for this engine")
-    failed: list[BaseException] = []
+    from graphdraft.kernels.precompile_workers import run_beside
 
-    def run() -> None:
-        try:
-            meanwhile()
-        except BaseException as e:  # raised in the caller's thread below
-            failed.append(e)
-
-    beside = None
-    if meanwhile is not None:
-        beside = threading.Thread(target=run, name="graphdraft-meanwhile", daemon=True)
-        beside.start()
+    joined = run_beside(meanwhile, "graphdraft-meanwhile") if meanwhile is not None else None
     try:
         started = _start_phase(engines, workers, progress)
     finally:
-        if beside is not None:
-            beside.join()
-    if failed:
-        for e in engines:
-            finish_precompile(e, abort=True)
-        raise failed[0]
+        try:
+            if joined is not None:
+                joined()  # its exception stops the phase
+        except BaseException:
+            for e in engines:
+                finish_precompile(e, abort=True)
+            raise
     return started
 
 
