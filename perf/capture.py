@@ -33,7 +33,9 @@ plan's dry run, `perf/compile_census.py`), `plan_s`, `compiled_here_in_phase`,
 since hosts differ), and per run a `breakdown` of capture_graphs' seconds (precompile and its
 worker phase; per captured size the warm-up runs, the capture itself and the first replay
 that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
-replays): `warm_breakdown` says where a warm start goes. Prints the tables. Needs CUDA; well
+replays): `warm_breakdown` says where a warm start goes. The cold run's phase timeline
+(`WorkerReport.timeline()`): `plan_events`, `worker_ready_s`, `timeline` ([kernel, start,
+seconds] since the phase began), `gate_waits`. Prints the tables. Needs CUDA; well
 under a minute per run on an H200.
 """
 
