@@ -20,8 +20,8 @@ first (`posix_fadvise(DONTNEED)` on every file: read from the disk as on a fresh
 
 Per run: `open_s` (configs, headers, modules built), `read_s` (the tensors), `engine_s`,
 `start_and_read_s` (overlap: the phase's start and the read beside it), `capture_s`,
-`total_s` (from the first open to the last capture), `process_wall_s`. Writes `DIR/startup.json`: `cold_overlap_s`,
-`cold_sequential_s` (medians of `total_s`), `overlap_over_sequential`, `read_s` (median of
+`total_s` (from the first open to the last capture), `process_wall_s`. Writes
+`DIR/startup.json`: `cold_overlap_s`, `cold_sequential_s` (medians of `total_s`), `overlap_over_sequential`, `read_s` (median of
 the sequential runs' read), `checkpoint_gb`, `runs`. Needs CUDA and about 40 GB of disk;
 a few minutes on an H200.
 """

@@ -627,9 +627,9 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
                stack: contextlib.ExitStack, *, aux_ids_convention: str | None, target_read: bool
                ) -> tuple[Eagle3DraftHead, Callable[[], None], list[Path]]:
     """`load_eagle3_head` up to the data -> (head, fill, its weight files) (as
-    `_open_target`). A shipped
-    embedding is compared with the target's at once when the target is read (`target_read`),
-    else by `fill()` (the target's `fill()` first): the head holds its own until then."""
+    `_open_target`). A shipped embedding is compared with the target's at once when the
+    target is read (`target_read`), else by `fill()` (the target's `fill()` first): the head
+    holds its own until then."""
     if target is not None and getattr(target, "tp", None) is not None:
         raise ValueError("target: already sharded for tensor parallelism; load the head with the "
                          "full target, then shard both (graphdraft.parallel.shard_)")

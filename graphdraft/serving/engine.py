@@ -476,8 +476,8 @@ class Engine:
         k; the drafter's multi-step graphs always (largest bs first). Then the adaptive
         policy's costs: `measure_costs` (no warm-up replays: capture replayed each graph
         once already; `CAPTURE_COST_REPLAYS` timed replays a cell), timed before the worker
-        phase ends (its last kernels, the prefill's, compile meanwhile). Warm-up and capture run inert rows only (slot 0); every table is
-        neutral after. `capture_phases`: wall seconds of the precompile (its start), the
+        phase ends (its last kernels, the prefill's, compile meanwhile). Warm-up and capture
+        run inert rows only (slot 0); every table is neutral after. `capture_phases`: wall seconds of the precompile (its start), the
         captures, the cost timing and the wait for the phase's end (`compile_tail_s`)."""
         if self.dp is not None and parallel_precompile:
             raise ValueError("parallel_precompile: expected False under data parallelism (two "
