@@ -104,7 +104,7 @@ def gpu_dry_keys(run):
 
 
 def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: bool | None = None,
-           prefill: bool = False, keep: bool = False):
+           prefill: bool = False, keep: bool = False, rec=None):
     """Run every forward of `gpu_forwards(engine)` at each of `sizes` (default: each forward's
     whole schedule) under a `KeyRecorder` of `kernels` (default: `warmup.all_kernels()`),
     the engine's (and drafter's) buffers reset to neutral rows before each run and after;
@@ -114,8 +114,9 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     `launch=False`: a dry run (keys only; the integer tensors the skipped launches would have
     read or written are zeroed, `KeyRecorder(zero_ints=True)`: a throw-away engine, or one
     whose state is reset after). `gpu_like` (default: a dry run on a CPU): the
-    launch options a CUDA device gets (`gpu_launch_options`). Return the recorder:
-    `keys[kernel]`, and `where[kernel][key]` = {(forward name, bs)}."""
+    launch options a CUDA device gets (`gpu_launch_options`). `rec`: an earlier census's
+    recorder to add to (several engines' keys, each once; `launch` and `keep` are then its
+    own). Return the recorder: `keys[kernel]`, and `where[kernel][key]` = {(forward name, bs)}."""
     import torch
 
     from graphdraft.kernels.warmup import KeyRecorder, all_kernels
@@ -126,8 +127,10 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     resets = [r for r in resets if r is not None]
     from graphdraft.kernels.precompile_workers import prefill_probes, probe_prefill_dry
 
-    rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
-                      zero_ints=not launch, keep=(lambda j: True) if keep else None)
+    if rec is None:
+        rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
+                          zero_ints=not launch, keep=(lambda j: True) if keep else None)
+    launch = rec.launch
     if gpu_like is None:
         gpu_like = not launch and torch.device(engine.cfg.device).type != "cuda"
     if gpu_like and launch:
@@ -253,11 +256,40 @@ def plan_census(max_bs: int, device: str = "cpu", *, keep: bool = False):
     return census(engine, prefill=True, keep=keep), engine
 
 
+def demo_engines(device: str = "cpu") -> tuple:
+    """The two engines `graphdraft demo` serves with by default (target-only, speculative: the
+    shipped pair in float32, graphs to its 8 prompts), built as the demo builds them, with the
+    Triton kernels on (on a CPU: for a dry run)."""
+    import graphdraft.serving.cli.models as models
+    from graphdraft.serving.cli import build_parser
+    from graphdraft.serving.engine import Engine
+
+    if not models.shipped_pair_available():
+        raise FileNotFoundError(f"demo_engines: no shipped pair in {models.ASSETS}")
+    a = build_parser().parse_args(["demo", "--device", device, "--kernel-backend", "triton"])
+    a.cuda_graph_max_bs = min(a.num_prompts, a.max_running_requests)  # as `demo` sets it
+    m = models.load(a)
+    return (Engine(m.target, m.cfg, eos_token_id=m.eos),
+            Engine(m.target, m.cfg, m.head, eos_token_id=m.eos))
+
+
+def demo_census(device: str = "cpu", *, keep: bool = False):
+    """`census` of both `demo_engines` and their prefill probes into one recorder: the keys a
+    cold `graphdraft demo` compiles. Returns (recorder, (target-only, speculative))."""
+    engines = demo_engines(device)
+    rec = None
+    for e in reversed(engines):  # the speculative engine first, as the demo's plan
+        rec = census(e, prefill=True, keep=keep, rec=rec)
+    return rec, engines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-bs", default="64,160", help="schedule tops, comma-separated")
     ap.add_argument("--device", default="cpu", help="cpu (under TRITON_INTERPRET=1) or cuda")
     ap.add_argument("--out", type=Path, help="folder for compile_census.json")
+    ap.add_argument("--demo", action="store_true",
+                    help="the keys of `graphdraft demo` (shipped pair) instead of the 8B pair")
     args = ap.parse_args(argv)
     tops = [int(x) for x in args.max_bs.split(",") if x.strip()]
     if not tops or min(tops) < 1:
@@ -265,16 +297,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu: run under TRITON_INTERPRET=1")
     out = {}
-    for top in tops:
+    runs = [("demo", None)] if args.demo else [(str(top), top) for top in tops]
+    for label, top in runs:
         t0 = time.perf_counter()
-        rec, engine = plan_census(top, args.device)
+        if top is None:
+            rec, engines = demo_census(args.device)
+            sizes = dict(zip(("target-only", "speculative"),
+                             (getattr(e, "schedule", None) for e in engines)))
+            what = "graphdraft demo's two engines and their prefill probes"
+        else:
+            rec, engine = plan_census(top, args.device)
+            sizes = engine.schedule if hasattr(engine, "schedule") else None
+            what = f"schedule to {top} and the prefill probes"
         rep = report(rec)
         rep["seconds"] = round(time.perf_counter() - t0, 1)
-        rep["sizes"] = engine.schedule if hasattr(engine, "schedule") else None
-        out[str(top)] = rep
-        del engine
-        print(f"\nschedule to {top} and the prefill probes: {rep['total']} distinct keys "
-              f"({rep['seconds']} s)")
+        rep["sizes"] = sizes
+        out[label] = rep
+        print(f"\n{what}: {rep['total']} distinct keys ({rep['seconds']} s)")
         print(f"  {'kernel':<46} {'keys':>4}  why more than one")
         for name, k in rep["kernels"].items():
             why = "; ".join(k["why"]) if k["why"] else ""

@@ -172,6 +172,79 @@ def test_tile_config():
     assert tile_config(4, 8, kernels=TORCH, ragged=True)[0] == 128
     assert tile_config(1, 32, kernels=TORCH, ragged=True)[0] == 32  # 32 heads: the smallest case
     assert tile_config(8192, 4, kernels=TORCH, ragged=True) == (128, 64, 4)
+    # fp32 dots on a GPU (FMA units, no spills): the smallest case, uniform or ragged rows
+    for n, g in ((1, 1), (4, 4), (16, 4), (8192, 4), (8192, 2), (64, 8)):
+        assert tile_config(n, g, kernels=TORCH, fma=True) == (16, 64, 4), (n, g)
+        assert tile_config(n, g, kernels=TORCH, fma=True, ragged=True) == (16, 64, 4), (n, g)
+    assert tile_config(4, 32, kernels=TORCH, fma=True)[0] == 32  # 32 heads: the smallest case
+
+
+def test_fp32_rows_on_a_gpu_take_the_fma_tile(monkeypatch):
+    """`paged_extend_attention` asks for the FMA tile when it compiles fp32 dots for a GPU (not
+    under the interpreter, which compiles nothing) and for bf16 never: the launch's BLOCK_M for
+    a 40-token prefill chunk and a verify of 16-token rows, G = 4, recorded without running."""
+    from graphdraft.kernels import extend_attention as ea
+
+    seen = []
+    monkeypatch.setattr(ea, "interpreting", lambda: False)
+    monkeypatch.setattr(ea._extend_split_kernel, "run",
+                        lambda *a, grid, warmup, **kw: seen.append(kw["BLOCK_M"]), raising=False)
+    monkeypatch.setattr(ea, "launch_options", lambda *a, **kw: {})
+    for dtype in (torch.float32, torch.bfloat16):
+        for ext, uniform in ((40, 0), (16, 16)):
+            q = torch.zeros(ext, 32, 128, dtype=dtype)
+            kc = vc = torch.zeros(5 * 16, 8, 128, dtype=dtype)
+            e = torch.tensor([ext], dtype=torch.int32)
+            paged_extend_attention(q, kc, vc, torch.zeros(1, dtype=torch.int64),
+                                   torch.tensor([ext + 20], dtype=torch.int32),
+                                   None if uniform else e,
+                                   None if uniform else torch.zeros(1, dtype=torch.int64),
+                                   torch.arange(5, dtype=torch.int32).view(1, 5), 16, 0.1,
+                                   max_kv_len=80, max_extend=ext, uniform_n=uniform,
+                                   num_splits=1, kernels=TORCH)
+    assert seen == [16, 16, 128, 64]
+
+
+def test_fp32_prefill_tile_compiles_for_sm90_without_spills(tmp_path):
+    """The tile an fp32 prefill chunk launches on a GPU (recorded under the GPU's launch
+    options, `perf.compile_census.gpu_launch_options`), compiled by Triton for sm_90 on this
+    machine (`perf.kernel_resources`' compile phase: no GPU needed): 16 rows, no register
+    spills (the 128-row tile it took before spilled 110 KB a thread at D = 128)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from graphdraft.kernels import extend_attention as ea
+    from graphdraft.kernels.precompile_workers import encode_arg
+    from graphdraft.kernels.warmup import KeyRecorder
+    from perf.compile_census import gpu_launch_options
+
+    ext, g = 300, torch.Generator().manual_seed(0)
+    q = torch.randn(ext, 32, 128, generator=g)
+    kc = vc = torch.randn(20 * 16, 8, 128, generator=g)
+    name = "extend_attention._extend_split_kernel"
+    with KeyRecorder({name: ea._extend_split_kernel}, launch=False,
+                     keep=lambda j: True) as rec, gpu_launch_options():
+        paged_extend_attention(q, kc, vc, torch.zeros(1, dtype=torch.int64),
+                               torch.tensor([ext], dtype=torch.int32),
+                               torch.tensor([ext], dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int64),
+                               torch.randperm(20).add(1).to(torch.int32).view(1, 20), 16, 0.088,
+                               max_kv_len=ext, max_extend=ext, num_splits=1)
+    (_, _, args, kwargs, _, _), = rec.kept
+    assert kwargs["BLOCK_M"] == 16 and kwargs["DOT_FP32"]
+    entry = {"kernel": name, "where": ["test"], "args": [encode_arg(a) for a in args],
+             "kwargs": {k: encode_arg(v) for k, v in kwargs.items()}}
+    f = tmp_path / "entries.json"
+    f.write_text(json.dumps([entry]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    subprocess.run([sys.executable, "-m", "perf.kernel_resources", "--phase", "compile",
+                    "--file", str(f)], env=env, check=True, timeout=300)
+    (row,) = json.loads(f.read_text())
+    assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+    assert 8 <= row["registers"] <= 255
 
 
 def test_tiles_come_from_the_config():

@@ -400,7 +400,8 @@ def test_write_json_and_probe_without_cuda(tmp_path, capsys):
 def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     """`perf.kernel_resources`' compile phase: a recorded launch (the silu_mul kernel with the
     GPU's launch options) compiled by Triton for sm_90 on this machine, and ptxas's register
-    count read back; a subprocess (the interpreter is off there)."""
+    count and the compile's seconds by stage read back; a subprocess (the interpreter is off
+    there)."""
     import os
     import subprocess
     import sys
@@ -420,3 +421,7 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     (row,) = json.loads(f.read_text())
     assert row["kernel"] == "gemv._silu_mul_kernel" and 8 <= row["registers"] <= 255
     assert row["spill_stores"] == 0 and row["kwargs"]["BLOCK"] == 1024
+    st = row["stages_s"]  # the compile's seconds, split into Triton's stages
+    assert {"frontend", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(st)
+    assert row["compile_s"] > 0 and abs(sum(st.values()) - row["compile_s"]) < 0.01
+    assert row["ptx_bytes"] > 0

@@ -31,7 +31,7 @@ at bs 1) they let the next kernel launch at once.
 Query blocks are walked longest first (causal prefill: the heavy blocks start first).
 Size arguments are not specialized (`do_not_specialize`): one compiled kernel per tile
 config (`tile_config`: BLOCK_M 16 / 32 / 64 / 128 from tokens-per-row x G; ragged rows
-without mask bits 16 or 128 only), dtype,
+without mask bits 16 or 128 only; fp32 on a GPU 16 only), dtype,
 page size and mask bits or none, whatever the batch size. Uniform or ragged rows and one split
 or several are runtime choices of the stage-1 prologue / epilogue (`uniform_n > 0`,
 `num_splits == 1`), never of its KV loops, and its pointers keep one dtype each in every mode
@@ -68,7 +68,7 @@ from graphdraft.kernels.decode_attention import (
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["RAGGED_TILE_CASES", "TILE_CASES", "paged_extend_attention", "paged_extend_attention_ref",
+__all__ = ["FMA_TILE_CASES", "RAGGED_TILE_CASES", "TILE_CASES", "paged_extend_attention", "paged_extend_attention_ref",
            "extend_num_splits", "tile_config"]
 
 _LOG2E = 1.4426950408889634
@@ -88,17 +88,28 @@ smallest (rows of a few tokens, as a verify row's) or the largest. Rows of 5-31 
 is short either way, and a cold start compiles two fewer tiles that no captured graph
 launches (2-3 s each of a worker under the H200 run's 16 side by side, perf/RESULTS.md
 2026-12-05)."""
+FMA_TILE_CASES = (16,)
+"""The case fp32 dots compiled for a GPU use (an fp32 model, exact: no TF32), whatever the rows'
+length (with more grouped heads, the smallest case that holds them). Those dots run on the
+FMA units with a whole tile's operands and accumulators in registers: compiled for sm_90
+(Triton 3.6, `perf.kernel_resources`), the 128-row tile spills 3.4 KB a thread at D = 32 (the
+shipped pair's prefill) and 110 KB at D = 128 (38 s of compile), the 32-row tile 27 KB at
+D = 128, the 16-row tile nothing (80 / 114 registers). The prefill then shares the verify's
+compiled kernel."""
 
 
 def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None,
-                ragged: bool = False) -> tuple[int, int, int]:
+                ragged: bool = False, fma: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of at most `max_extend` tokens and `g_pad`
     (power of two) grouped heads: the case BLOCK_M = next_pow2(max_extend * g_pad) within
     [16, 128], whose tile `kernels.extend_tiles` gives (None: the default config); `ragged`
-    rows: that case if it is the smallest, else 128 (`RAGGED_TILE_CASES`). ValueError
+    rows: that case if it is the smallest, else 128 (`RAGGED_TILE_CASES`); `fma` (fp32 dots
+    compiled for a GPU): the smallest case, whatever the rows (`FMA_TILE_CASES`). ValueError
     naming `kernels` when that tile's BLOCK_M is below `g_pad` (not one token per program)."""
     bm = min(128, max(16, g_pad, triton.next_power_of_2(max(1, max_extend) * g_pad)))
-    if ragged and bm > max(16, g_pad):
+    if fma:
+        bm = max(FMA_TILE_CASES[-1], g_pad)
+    elif ragged and bm > max(16, g_pad):
         bm = RAGGED_TILE_CASES[-1]
     tile = resolve(kernels).extend_tiles[TILE_CASES.index(bm)]
     if tile[0] < g_pad:
@@ -311,9 +322,12 @@ def paged_extend_attention(
         return out
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
-    # ragged rows without mask bits (prefill chunks): the 16- or 128-row tile only
+    # ragged rows without mask bits (prefill chunks): the 16- or 128-row tile only; fp32
+    # dots compiled for a GPU: the 16-row tile (FMA_TILE_CASES)
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
     block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc,
-                                          ragged=not uniform_n and mask_bits is None)
+                                          ragged=not uniform_n and mask_bits is None,
+                                          fma=q.dtype == torch.float32 and not interpreting())
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
               if num_splits is None else max(1, int(num_splits)))
@@ -326,7 +340,6 @@ def paged_extend_attention(
     else:
         part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
-    dot_fp32 = q.dtype == torch.float32 or interpreting()
     # unread tensors: dummies of the dtypes the runtime's ragged rows pass (one compiled kernel)
     ext = extend_lens if extend_lens is not None else placeholder(q.device, torch.int32)
     qs = q_starts if q_starts is not None else placeholder(q.device, torch.int64)
