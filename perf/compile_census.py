@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if top is None:
             rec, engines = demo_census(args.device)
             sizes = dict(zip(("target-only", "speculative"),
-                             (getattr(e, "schedule", None) for e in engines)))
+                             (getattr(e, "schedule", None) for e in engines), strict=True))
             what = "graphdraft demo's two engines and their prefill probes"
         else:
             rec, engine = plan_census(top, args.device)
