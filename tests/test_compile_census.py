@@ -70,6 +70,21 @@ def test_census_total_is_pinned(top):
     assert rec.total() == PINNED_TOTAL[top], (rec.total(), per_size)
 
 
+def test_demo_census_is_pinned_and_fp32_prefill_shares_the_verify_tile():
+    """`graphdraft demo`'s two engines (the shipped pair in fp32, graphs to 8) with a GPU's
+    launch options: 24 keys (25 while the fp32 prefill took the 128-row extend tile, the
+    demo's longest compile: `extend_attention.FMA_TILE_CASES`); one extend-attention key,
+    launched by the prefill probes and the cycle graphs alike."""
+    from perf.compile_census import demo_census
+
+    rec, (base, spec) = demo_census()
+    assert base.drafter is None and spec.drafter is not None
+    assert rec.total() == 24, report(rec)["kernels"]
+    (key,) = rec.keys["extend_attention._extend_split_kernel"]
+    where = {f for f, _ in rec.where["extend_attention._extend_split_kernel"][key]}
+    assert "prefill" in where and any(f.startswith("spec_cycle") for f in where), where
+
+
 def test_census_grows_by_buckets_not_sizes():
     """Schedule to 16 (1, 2, 4, 8, 16): the per-row control and metadata kernels launch one
     key per PDL bucket, whatever the draft length k (N = k + 1 tokens a row) and the row
