@@ -176,7 +176,9 @@ def test_tile_config():
     for n, g in ((1, 1), (4, 4), (16, 4), (8192, 4), (8192, 2), (64, 8)):
         assert tile_config(n, g, kernels=TORCH, fma=True) == (16, 64, 4), (n, g)
         assert tile_config(n, g, kernels=TORCH, fma=True, ragged=True) == (16, 64, 4), (n, g)
-    assert tile_config(4, 32, kernels=TORCH, fma=True)[0] == 32  # 32 heads: the smallest case
+    # 32 grouped heads: the smallest case that holds them, 4 warps a 16 rows (no spills)
+    assert tile_config(4, 32, kernels=TORCH, fma=True) == (32, 64, 8)
+    assert tile_config(1, 32, kernels=TORCH) == (32, 64, 4)  # bf16: as configured
 
 
 def test_fp32_rows_on_a_gpu_take_the_fma_tile(monkeypatch):

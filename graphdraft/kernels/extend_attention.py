@@ -94,8 +94,9 @@ length (with more grouped heads, the smallest case that holds them). Those dots 
 FMA units with a whole tile's operands and accumulators in registers: compiled for sm_90
 (Triton 3.6, `perf.kernel_resources`), the 128-row tile spills 3.4 KB a thread at D = 32 (the
 shipped pair's prefill) and 110 KB at D = 128 (38 s of compile), the 32-row tile 27 KB at
-D = 128, the 16-row tile nothing (80 / 114 registers). The prefill then shares the verify's
-compiled kernel."""
+D = 128 (at 8 warps: nothing, 95 registers), the 16-row tile nothing (80 / 114 registers). The
+prefill then shares the verify's compiled kernel; a tile of more rows (more than 16 grouped
+heads) gets at least 4 warps a 16 rows."""
 
 
 def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = None,
@@ -115,6 +116,8 @@ def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = N
     if tile[0] < g_pad:
         raise ValueError(f"kernels: expected extend_tiles' BLOCK_M >= the {g_pad} grouped heads "
                          f"(case {bm}), got {tile}")
+    if fma:  # at least 4 warps a 16 rows (FMA_TILE_CASES)
+        tile = (tile[0], tile[1], max(tile[2], tile[0] // 4))
     return tile
 
 
