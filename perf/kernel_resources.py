@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["ptxas_usage", "main"]
+__all__ = ["compile_entries", "encode_entry", "ptxas_usage", "main"]
 
 _USAGE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -67,16 +67,36 @@ def ptxas_usage(ptx: str, arch: int, ptxas: str) -> dict:
 def _record(top: int, demo: bool = False) -> list[dict]:
     """Phase 1 (under TRITON_INTERPRET=1): the census's entries with their encoded arguments
     (`demo`: `graphdraft demo`'s engines, `compile_census.demo_census`)."""
-    from graphdraft.kernels.precompile_workers import encode_arg
     from perf.compile_census import demo_census, plan_census
 
     rec, _engine = demo_census(keep=True) if demo else plan_census(top, keep=True)
-    out = []
-    for name, key, args, kwargs, _grid, _context in rec.kept:  # one per key
-        out.append({"kernel": name, "args": [encode_arg(a) for a in args],
-                    "kwargs": {k: encode_arg(v) for k, v in kwargs.items()},
-                    "where": sorted({f"{c[0]}@{c[1]}" for c in rec.where[name][key]})})
-    return out
+    return [encode_entry(name, args, kwargs, sorted({f"{c[0]}@{c[1]}" for c in rec.where[name][key]}))
+            for name, key, args, kwargs, _grid, _context in rec.kept]  # one per key
+
+
+def encode_entry(kernel: str, args, kwargs: dict, where: list[str]) -> dict:
+    """One recorded launch (`warmup.KeyRecorder.kept`) as an entry of the compile phase: the
+    kernel's name, its arguments as JSON (`precompile_workers.encode_arg`), where it runs."""
+    from graphdraft.kernels.precompile_workers import encode_arg
+
+    return {"kernel": kernel, "args": [encode_arg(a) for a in args],
+            "kwargs": {k: encode_arg(v) for k, v in kwargs.items()}, "where": list(where)}
+
+
+def compile_entries(entries: list[dict], workdir: Path, *, arch: int = 90,
+                    triton_path: Path | None = None) -> list[dict]:
+    """The compile phase in a subprocess without the interpreter (an empty Triton cache under
+    `workdir`; `triton_path` first on its path): one row per entry (`_compile`)."""
+    f = Path(workdir) / "entries.json"
+    f.write_text(json.dumps(entries))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(Path(workdir) / "triton")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(([str(triton_path)] if triton_path else []) + [root]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    subprocess.run([sys.executable, "-m", "perf.kernel_resources", "--phase", "compile",
+                    "--arch", str(arch), "--file", str(f)], env=env, check=True, timeout=1800)
+    return json.loads(f.read_text())
 
 
 class _TargetOnlyDriver:
@@ -187,17 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "entries.json"
-        me = [sys.executable, "-m", "perf.kernel_resources", "--max-bs", str(args.max_bs),
-              "--arch", str(args.arch), "--file", str(f)] + (["--demo"] if args.demo else [])
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        subprocess.run(me + ["--phase", "record"], env=env, check=True)
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["TRITON_CACHE_DIR"] = str(Path(d) / "triton")
-        if args.triton_path is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(args.triton_path), os.getcwd()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        subprocess.run(me + ["--phase", "compile"], env=env, check=True)
-        rows = json.loads(f.read_text())
+        subprocess.run([sys.executable, "-m", "perf.kernel_resources", "--max-bs", str(args.max_bs),
+                        "--file", str(f), "--phase", "record"] + (["--demo"] if args.demo else []),
+                       env=dict(os.environ, TRITON_INTERPRET="1"), check=True)
+        rows = compile_entries(json.loads(f.read_text()), Path(d), arch=args.arch,
+                               triton_path=args.triton_path)
     print(f"{len(rows)} keys, sm_{args.arch}; compile seconds: this host's, one key at a time "
           "(relative only)")
     stage_names = list(dict.fromkeys(n for r in rows for n in r["stages_s"]))

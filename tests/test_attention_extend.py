@@ -212,15 +212,10 @@ def test_fp32_prefill_tile_compiles_for_sm90_without_spills(tmp_path):
     options, `perf.compile_census.gpu_launch_options`), compiled by Triton for sm_90 on this
     machine (`perf.kernel_resources`' compile phase: no GPU needed): 16 rows, no register
     spills (the 128-row tile it took before spilled 110 KB a thread at D = 128)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from graphdraft.kernels import extend_attention as ea
-    from graphdraft.kernels.precompile_workers import encode_arg
     from graphdraft.kernels.warmup import KeyRecorder
     from perf.compile_census import gpu_launch_options
+    from perf.kernel_resources import compile_entries, encode_entry
 
     ext, g = 300, torch.Generator().manual_seed(0)
     q = torch.randn(ext, 32, 128, generator=g)
@@ -236,15 +231,7 @@ def test_fp32_prefill_tile_compiles_for_sm90_without_spills(tmp_path):
                                max_kv_len=ext, max_extend=ext, num_splits=1)
     (_, _, args, kwargs, _, _), = rec.kept
     assert kwargs["BLOCK_M"] == 16 and kwargs["DOT_FP32"]
-    entry = {"kernel": name, "where": ["test"], "args": [encode_arg(a) for a in args],
-             "kwargs": {k: encode_arg(v) for k, v in kwargs.items()}}
-    f = tmp_path / "entries.json"
-    f.write_text(json.dumps([entry]))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    subprocess.run([sys.executable, "-m", "perf.kernel_resources", "--phase", "compile",
-                    "--file", str(f)], env=env, check=True, timeout=300)
-    (row,) = json.loads(f.read_text())
+    (row,) = compile_entries([encode_entry(name, args, kwargs, ["test"])], tmp_path)
     assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
     assert 8 <= row["registers"] <= 255
 

@@ -402,23 +402,12 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     GPU's launch options) compiled by Triton for sm_90 on this machine, and ptxas's register
     count and the compile's seconds by stage read back; a subprocess (the interpreter is off
     there)."""
-    import os
-    import subprocess
-    import sys
-
-    from graphdraft.kernels.precompile_workers import encode_arg
+    from perf.kernel_resources import compile_entries, encode_entry
 
     x, out = torch.empty(2, 64, dtype=torch.bfloat16), torch.empty(2, 32, dtype=torch.bfloat16)
-    entry = {"kernel": "gemv._silu_mul_kernel", "where": ["test"],
-             "args": [encode_arg(a) for a in (x, out, 32, 64, 32)],
-             "kwargs": {"BLOCK": 1024, "pdl_trigger": 1, "PDL": True, "launch_pdl": True}}
-    f = tmp_path / "entries.json"
-    f.write_text(json.dumps([entry]))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    subprocess.run([sys.executable, "-m", "perf.kernel_resources", "--phase", "compile",
-                    "--file", str(f)], env=env, check=True, timeout=300)
-    (row,) = json.loads(f.read_text())
+    entry = encode_entry("gemv._silu_mul_kernel", (x, out, 32, 64, 32),
+                         {"BLOCK": 1024, "pdl_trigger": 1, "PDL": True, "launch_pdl": True}, ["test"])
+    (row,) = compile_entries([entry], tmp_path)
     assert row["kernel"] == "gemv._silu_mul_kernel" and 8 <= row["registers"] <= 255
     assert row["spill_stores"] == 0 and row["kwargs"]["BLOCK"] == 1024
     st = row["stages_s"]  # the compile's seconds, split into Triton's stages
