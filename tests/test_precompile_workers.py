@@ -1145,3 +1145,48 @@ def test_a_forked_child_never_collects_what_the_parent_left(tmp_path):
         assert (tmp_path / f"del{os.getpid()}").exists()
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------ the launchers' C builds
+def test_quick_launcher_builds_append_the_flags_to_tritons_c_builds(monkeypatch):
+    """`quick_launcher_builds` (what a worker calls first): every C build Triton runs through
+    its `_build` gets `LAUNCHER_CFLAGS` after its own flags (positional or keyword `ccflags`),
+    once however often it is called; a `_build` without `ccflags` is left alone."""
+    from triton.runtime import build
+
+    calls = []
+
+    def fake(name, src, srcdir, library_dirs, include_dirs, libraries, ccflags, language="c"):
+        calls.append((name, list(ccflags), language))
+        return "so"
+
+    monkeypatch.setattr(build, "_build", fake)
+    assert pw.quick_launcher_builds() and pw.quick_launcher_builds()  # idempotent
+    assert build._build("a", "a.c", "d", [], [], [], ["-x"]) == "so"
+    build._build("b", "b.c", "d", [], [], [], ccflags=[], language="c++")
+    build._build("c", "c.c", "d", [], [], [], None)
+    assert calls == [("a", ["-x", *pw.LAUNCHER_CFLAGS], "c"), ("b", list(pw.LAUNCHER_CFLAGS), "c++"),
+                     ("c", list(pw.LAUNCHER_CFLAGS), "c")]
+    assert pw.LAUNCHER_CFLAGS == ("-O1",)
+
+    def no_flags(name, src, srcdir, library_dirs, include_dirs, libraries):
+        return "so"
+
+    monkeypatch.setattr(build, "_build", no_flags)
+    assert not pw.quick_launcher_builds() and build._build is no_flags
+
+
+def test_a_c_module_builds_and_loads_with_the_launcher_flags(monkeypatch, tmp_path):
+    """Triton's own C build (`compile_module_from_src`: gcc, Python's headers) with flags
+    appended builds a module that imports, and the flags reach the compiler (an `#error`
+    unless the defined macro arrives), after Triton's -O3: the workers' -O1 is the last."""
+    from triton.runtime import build
+
+    monkeypatch.setattr(build, "_build", build._build)  # restored after the test
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert pw.quick_launcher_builds(("-DGD_PROBE=1", *pw.LAUNCHER_CFLAGS))
+    src = ("#include <Python.h>\n#ifndef GD_PROBE\n#error expected the appended flags\n#endif\n"
+           "static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"gd_probe\", NULL, -1, NULL};\n"
+           "PyMODINIT_FUNC PyInit_gd_probe(void) { return PyModule_Create(&m); }\n")
+    mod = build.compile_module_from_src(src, "gd_probe")
+    assert mod.__name__ == "gd_probe"
