@@ -369,8 +369,11 @@ def test_the_server_reports_a_failed_worker(monkeypatch, tmp_path):
     assert "ZeroDivisionError" in (tmp_path / "log1.txt").read_text()
 
 
-def test_a_worker_without_a_plan_gives_up(tmp_path):
+def test_a_worker_without_a_plan_gives_up(tmp_path, monkeypatch):
     """No plan within the timeout: exit status 3 (a parent that died never writes one)."""
+    from triton.runtime import build
+
+    monkeypatch.setattr(build, "_build", build._build)  # the worker's C-build flags: undone after
     (tmp_path / "claims").mkdir()
     assert pw.worker_main(tmp_path, 0, timeout_s=0.05) == 3
 
@@ -1151,7 +1154,7 @@ def test_a_forked_child_never_collects_what_the_parent_left(tmp_path):
 def test_quick_launcher_builds_append_the_flags_to_tritons_c_builds(monkeypatch):
     """`quick_launcher_builds` (what a worker calls first): every C build Triton runs through
     its `_build` gets `LAUNCHER_CFLAGS` after its own flags (positional or keyword `ccflags`),
-    once however often it is called; a `_build` without `ccflags` is left alone."""
+    once, those of the last call; a `_build` without `ccflags` is left alone."""
     from triton.runtime import build
 
     calls = []
@@ -1161,7 +1164,7 @@ def test_quick_launcher_builds_append_the_flags_to_tritons_c_builds(monkeypatch)
         return "so"
 
     monkeypatch.setattr(build, "_build", fake)
-    assert pw.quick_launcher_builds() and pw.quick_launcher_builds()  # idempotent
+    assert pw.quick_launcher_builds(("-O0",)) and pw.quick_launcher_builds()  # the last flags
     assert build._build("a", "a.c", "d", [], [], [], ["-x"]) == "so"
     build._build("b", "b.c", "d", [], [], [], ccflags=[], language="c++")
     build._build("c", "c.c", "d", [], [], [], None)
@@ -1182,7 +1185,7 @@ def test_a_c_module_builds_and_loads_with_the_launcher_flags(monkeypatch, tmp_pa
     unless the defined macro arrives), after Triton's -O3: the workers' -O1 is the last."""
     from triton.runtime import build
 
-    monkeypatch.setattr(build, "_build", build._build)  # restored after the test
+    monkeypatch.setattr(build, "_build", getattr(build._build, "_graphdraft_original", build._build))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert pw.quick_launcher_builds(("-DGD_PROBE=1", *pw.LAUNCHER_CFLAGS))
     src = ("#include <Python.h>\n#ifndef GD_PROBE\n#error expected the appended flags\n#endif\n"

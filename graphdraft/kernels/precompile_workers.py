@@ -694,14 +694,15 @@ def quick_launcher_builds(flags: Sequence[str] = LAUNCHER_CFLAGS) -> bool:
     its `ccflags`) get `flags` appended; for the worker processes only (every C module they
     build is a launcher of a kernel they compiled). False (nothing changed) where Triton has
     no such function or argument; a build impl the user set (`knobs.build.impl`) is Triton's
-    to call and gets no flags."""
+    to call and gets no flags. Called again, it wraps Triton's function anew with `flags`."""
     try:
         from triton.runtime import build
     except ImportError:
         return False
     original = getattr(build, "_build", None)
-    if original is None or getattr(original, "_graphdraft_flags", None) is not None:
-        return original is not None
+    if original is None:
+        return False
+    original = getattr(original, "_graphdraft_original", original)  # called before: re-wrap
     try:
         params = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):
@@ -720,7 +721,7 @@ def quick_launcher_builds(flags: Sequence[str] = LAUNCHER_CFLAGS) -> bool:
             kwargs["ccflags"] = list(flags)
         return original(*args, **kwargs)
 
-    _build._graphdraft_flags = tuple(flags)
+    _build._graphdraft_original = original
     build._build = _build
     return True
 
