@@ -184,6 +184,34 @@ def test_demo_on_cpu_prints_no_timing_and_writes_metrics(capsys, tmp_path):
     assert {"ttft_s", "itl_s", "tokens_per_s", "accept_length", "graphs"} <= set(m)
     assert sum(m["accept_length"]["histogram"].values()) > 0
     assert set(m["graphs"]) == {"spec_cycle", "target_verify", "draft_decode", "draft_multi_step"}
+    # the wall clock by phase is kept in the JSON, never printed on a CPU
+    assert "wall clock" not in out
+    wall = snap["wall_s"]
+    assert {"models_and_engines", "weights_compile_and_capture", "serving", "total"} <= set(wall)
+    assert wall["total"] >= wall["serving"] > 0
+
+
+def test_wall_clock_adds_its_phases_to_the_process_age(monkeypatch):
+    from graphdraft.serving.cli import report
+
+    age = report.process_age_s()
+    assert age is not None and 0 < age < 7 * 24 * 3600  # Linux: this process's age
+    clock = iter([10.0, 10.5, 12.0, 12.25])
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(report, "process_age_s", lambda: 1.5)
+    w = report.WallClock()
+    w.mark("setup")
+    w.mark("serving")
+    w.mark("setup")  # a phase marked twice adds up
+    assert w.seconds() == {"before_the_command": 1.5, "setup": 0.75, "serving": 1.5, "total": 3.75}
+    assert w.line() == ("wall clock: 3.8 s since the process started (before the command 1.5, "
+                        "setup 0.8, serving 1.5)")
+    monkeypatch.setattr(report, "process_age_s", lambda: None)
+    clock = iter([0.0, 2.0])
+    w = report.WallClock()
+    w.mark("all")
+    assert w.seconds() == {"all": 2.0, "total": 2.0}
+    assert w.line() == "wall clock: 2.0 s in the command (all 2.0)"
 
 
 def test_demo_random_pair(capsys):
@@ -264,8 +292,10 @@ def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
     assert "speed-up over target-only" in out and "median of 3 runs; range" in out
     assert "time to first token: p50" in out and "inter-token latency: p50" in out
     assert "captured speculative graphs in" in out
+    assert "wall clock: " in out and "timed runs" in out
     res = json.loads(path.read_text())
     assert res["timings_are_performance"] is True and res["speed_up"]["n"] == 3
+    assert {"warm_up_runs", "timed_runs", "total"} <= set(res["wall_s"])
     assert res["metrics"]["graphs"]["spec_cycle"]["replays"] > 0
 
 

@@ -7,7 +7,8 @@ run of this runtime says nothing about its performance. On a GPU it times the se
 one untimed warm-up run of each engine (Triton compiles a kernel for every new
 specialisation on first use), then `--repeats` timed runs of each, alternated, and prints
 the median tokens/s of each and the speed-up (median of the per-repetition ratios, with
-their range), then the latency metrics of the last speculative run.
+their range), then the latency metrics of the last speculative run, and the wall clock of the
+whole process by phase (`report.WallClock`; also in the metrics JSON as `wall_s`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.report import (
     CPU_SPEEDUP_NOTE,
     CPU_TIMING_NOTE,
+    WallClock,
     metrics_lines,
     report_greedy_match,
     spread,
@@ -131,6 +133,7 @@ def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int
 
 
 def demo(a: argparse.Namespace) -> int:
+    wall = WallClock()
     if a.cuda_graph_max_bs is None:  # the batch the demo serves: no graph above it is replayed
         a.cuda_graph_max_bs = min(a.num_prompts, a.max_running_requests)
     m = models.load(a, read=False)  # the tensors are read while the kernels compile
@@ -154,15 +157,18 @@ def demo(a: argparse.Namespace) -> int:
                 raise ValueError(f"prompt {i}: {e}") from None
     except ValueError as e:
         raise CliError(translate(str(e))) from None
+    wall.mark("models_and_engines")
     capture_s = {"weights": read_while_compiling(m, [base, spec], cfg, a.quiet)}
     capture_s |= {"target-only": capture(base, "target-only", a.quiet),
                  "speculative": capture(spec, "speculative", a.quiet)}
+    wall.mark("weights_compile_and_capture")
     progress = not a.quiet
     result: dict = {"device": cfg.device, "timings_are_performance": on_gpu,
                     "capture_s": capture_s}
     if on_gpu:
         base.generate(prompts, params)  # warm-up: kernel compilation, allocator
         spec.generate(prompts, params)
+        wall.mark("warm_up_runs")
         base_tps, spec_tps, ratios = [], [], []
         for _ in range(a.repeats):
             base_out, b = timed(base, prompts, params, progress)
@@ -171,6 +177,7 @@ def demo(a: argparse.Namespace) -> int:
             base_tps.append(b)
             spec_tps.append(s)
             ratios.append(s / b)
+        wall.mark("timed_runs")
         sb, ss, sr = spread(base_tps), spread(spec_tps), spread(ratios)
         print(f"target-only decoding: {sb['median']:,.1f} tokens/s (median of {a.repeats})")
         print(f"speculative decoding: {ss['median']:,.1f} tokens/s (median of {a.repeats})")
@@ -180,6 +187,7 @@ def demo(a: argparse.Namespace) -> int:
     else:
         base_out = base.generate(prompts, params, progress=progress)
         spec_out = spec.generate(prompts, params, progress=progress)
+        wall.mark("serving")
     if m.tokenizer is not None:
         print(f"sample: {m.tokenizer.decode(prompts[0])!r} -> {m.tokenizer.decode(spec_out[0])!r}")
     else:
@@ -196,6 +204,9 @@ def demo(a: argparse.Namespace) -> int:
     if params.greedy:
         code = report_greedy_match(base_out, spec_out, cfg.torch_dtype)
         result["greedy_identical"] = base_out == spec_out
+    result["wall_s"] = wall.seconds()
+    if on_gpu:
+        print(wall.line())
     if a.metrics_json:
         write_json(a.metrics_json, result)
         print(f"metrics written to {a.metrics_json}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,49 @@ def metrics_lines(snap: dict[str, Any], *, timings: bool) -> list[str]:
         hit = f" (hit rate {rate:.0%})" if rate is not None else ""
         lines.append(f"{name:>18}: {g['replays']} graph replays{hit}, eager runs: {eager}{cap}")
     return lines
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: `/proc/self/stat`'s start time against
+    `/proc/uptime`, 10 ms ticks); None where that cannot be read."""
+    try:
+        import os
+
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class WallClock:
+    """The wall clock of a command's phases: `mark(name)` ends the phase begun at the last mark
+    (the first begins when the clock is made; `before` is the process's age then, the
+    interpreter's start and the imports). `seconds()`: {phase: s, ..., "total": s}; `line()`:
+    one printed line (a GPU run's; a CPU run prints none: not a performance figure)."""
+
+    def __init__(self) -> None:
+        self.before = process_age_s()
+        self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def seconds(self) -> dict[str, float]:
+        out = {"before_the_command": round(self.before, 2)} if self.before is not None else {}
+        out |= {k: round(v, 2) for k, v in self.phases.items()}
+        out["total"] = round(sum(self.phases.values()) + (self.before or 0.0), 2)
+        return out
+
+    def line(self) -> str:
+        s = self.seconds()
+        since = "since the process started" if self.before is not None else "in the command"
+        parts = [f"{k.replace('_', ' ')} {v:.1f}" for k, v in s.items() if k != "total"]
+        return f"wall clock: {s['total']:.1f} s {since} ({', '.join(parts)})"
 
 
 def spread(values: list[float]) -> dict[str, float]:
