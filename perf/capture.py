@@ -35,7 +35,9 @@ worker phase; per captured size the warm-up runs, the capture itself and the fir
 that uploads and times it; the cost table's timing; counts of graphs, warm-up runs and cost
 replays): `warm_breakdown` says where a warm start goes. The cold run's phase timeline
 (`WorkerReport.timeline()`): `plan_events`, `worker_ready_s`, `timeline` ([kernel, start,
-seconds] since the phase began), `gate_waits`. Prints the tables. Needs CUDA; well
+seconds, its launcher's build seconds] since the phase began), `gate_waits`, and
+`compile_s_sum` / `launcher_s_sum` (every compile's seconds, and of them the host launchers'
+C builds). Prints the tables. Needs CUDA; well
 under a minute per run on an H200.
 """
 
@@ -168,6 +170,9 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         # the ten longest compiles of the phase ([kernel, seconds]: the critical path's part)
         "longest_compiles": [x[:2] for x in sorted(rep.compile_s, key=lambda x: -x[1])[:10]]
         if rep else [],
+        # of every compile's seconds in the phase, those of the host launchers' C builds
+        "compile_s_sum": round(sum(x[1] for x in rep.compile_s), 3) if rep else 0.0,
+        "launcher_s_sum": round(sum(x[3] for x in rep.compile_s if len(x) > 3), 3) if rep else 0.0,
         # the phase's timeline (seconds since it began): the plan's events, each worker's
         # start, every compile [kernel, start, seconds], each capture gate that waited
         "plan_events": rep.plan_events if rep is not None else [],
@@ -216,8 +221,12 @@ def timeline_lines(out: dict) -> str:
                  f"engine {marks.get('engine', float('nan')):.2f}, probes "
                  f"{marks.get('probes', float('nan')):.2f}, first emit {min(emits, default=float('nan')):.2f}, "
                  f"{len(emits)} emits, plan end {marks.get('end', float('nan')):.2f}")
-    for kernel, start, sec in out.get("timeline") or []:
-        lines.append(f"  {start:6.2f} -> {start + sec:6.2f}  {kernel}")
+    if out.get("compile_s_sum"):
+        lines.append(f"  compiles: {out['compile_s_sum']:.2f} s in all (every process), of it the "
+                     f"host launchers' C builds {out.get('launcher_s_sum', 0.0):.2f} s")
+    for kernel, start, sec, *launcher in out.get("timeline") or []:
+        lines.append(f"  {start:6.2f} -> {start + sec:6.2f}  {kernel}"
+                     + (f" (launcher {launcher[0]:.2f})" if launcher else ""))
     for index, task, start, waited in out.get("gate_waits") or []:
         lines.append(f"  gate {index} {'/'.join(map(str, task))}: {start:.2f} + {waited:.2f}")
     return "\n".join(lines)
@@ -391,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan_s": head_cold.get("plan_s", 0.0),
         "compiled_here_in_phase": head_cold.get("compiled_here_in_phase", 0),
         "longest_compiles": head_cold.get("longest_compiles", []),
+        "compile_s_sum": head_cold.get("compile_s_sum", 0.0),
+        "launcher_s_sum": head_cold.get("launcher_s_sum", 0.0),
         "plan_events": head_cold.get("plan_events", []),
         "worker_ready_s": head_cold.get("worker_ready_s", []),
         "timeline": head_cold.get("timeline", []),

@@ -810,8 +810,10 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
                                                 ["emit", 0.6, 5], ["emit", 0.9, 2],
                                                 ["end", 1.0, 7]],
                 "worker_ready_s": [] if warm else [0.31, 0.32],
-                "timeline": [] if warm else [["extend_attention._extend_split_kernel", 0.6, 2.5]],
+                "timeline": [] if warm else [["extend_attention._extend_split_kernel", 0.6, 2.5],
+                                             ["gemv._gemv_kernel", 0.7, 1.0, 0.25]],
                 "gate_waits": [] if warm else [[0, ["engine", "g", 64], 1.1, 1.5]],
+                "compile_s_sum": 0.0 if warm else 3.5, "launcher_s_sum": 0.0 if warm else 0.25,
                 "breakdown": {"precompile_s": 0.0 if warm else 3.0, "worker_phase_s": 0.0,
                               "capture_s": 0.6, "capture_warmup_s": 0.2,
                               "capture_record_s": 0.3, "capture_replay_timing_s": 0.1,
@@ -833,10 +835,14 @@ def test_perf_capture_report_keys(monkeypatch, tmp_path, capsys):
     assert data["per_forward"]["draft_decode"]["worker_built"] == 2
     assert data["census_keys"] == 7 and data["census_keys_loaded_warm"] == 3
     assert data["warm_breakdown"]["precompile_s"] == 0.0
-    assert data["timeline"] == [["extend_attention._extend_split_kernel", 0.6, 2.5]]
+    assert (data["compile_s_sum"], data["launcher_s_sum"]) == (3.5, 0.25)
+    assert data["timeline"] == [["extend_attention._extend_split_kernel", 0.6, 2.5],
+                                ["gemv._gemv_kernel", 0.7, 1.0, 0.25]]
     text = perf_capture.timeline_lines(data)
     assert "first emit 0.60, 2 emits, plan end 1.00" in text and "workers ready 0.31-0.32" in text
-    assert "  0.60 ->   3.10  extend_attention._extend_split_kernel" in text
+    assert "  0.60 ->   3.10  extend_attention._extend_split_kernel\n" in text
+    assert "  0.70 ->   1.70  gemv._gemv_kernel (launcher 0.25)" in text
+    assert "compiles: 3.50 s in all (every process), of it the host launchers' C builds 0.25 s" in text
     assert "gate 0 engine/g/64: 1.10 + 1.50" in text
     assert data["cold_breakdown"]["precompile_s"] == 3.0
     assert list(data["runs"]) == ["cold-64-inprocess", "cold-64", "warm-64",

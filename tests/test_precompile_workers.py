@@ -984,7 +984,8 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     assert sum(n for name, _, n in rep.plan_events if name == "emit") == rep.keys
     line = rep.timeline()
     assert len(line) == rep.keys and [r[1] for r in line] == sorted(r[1] for r in line)
-    assert all(0 <= start <= rep.wall_s and sec >= 0 for _, start, sec in line)
+    assert all(0 <= start <= rep.wall_s and sec >= 0 for _, start, sec, *_ in line)
+    assert all(len(r) == 4 and 0 <= r[3] <= r[2] for r in line)  # the launcher's share
     assert len(rep.worker_ready_s) == 2 and all(0 <= t <= rep.wall_s for t in rep.worker_ready_s)
     assert all(w > 0 and i == 0 for i, _, _, w in rep.gate_waits)
     assert all(f.before_capture is None for o in owners.values()

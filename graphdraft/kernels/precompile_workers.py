@@ -188,8 +188,9 @@ class WorkerReport:
     worker_plan_wait_s: list[float] = field(default_factory=list)
     """Per worker: seconds it waited for the plan's header after its imports."""
     compile_s: list[list] = field(default_factory=list)
-    """`[kernel, seconds, start]` of every compiled entry, in every process (a load from the
-    cache is fast); `start`: wall-clock time (`time.time()`) it began."""
+    """`[kernel, seconds, start, launcher seconds]` of every compiled entry, in every process
+    (a load from the cache is fast); `start`: wall-clock time (`time.time()`) it began; the
+    last: of the seconds, its host launcher's build (`build_launcher`, a C compile)."""
     t0_wall: float = 0.0
     """Wall-clock time (`time.time()`) the phase started: `timeline()`'s zero."""
     plan_events: list[list] = field(default_factory=list)
@@ -205,9 +206,10 @@ class WorkerReport:
     skipped: str | None = None
 
     def timeline(self) -> list[list]:
-        """`[kernel, start, seconds]` of every compiled entry, `start` in seconds since the
-        phase began (`t0_wall`), sorted by start: where the phase's time went."""
-        rows = [[k, round(t - self.t0_wall, 3), sec] for k, sec, t, *_ in
+        """`[kernel, start, seconds, launcher seconds]` of every compiled entry, `start` in
+        seconds since the phase began (`t0_wall`), sorted by start: where the phase's time
+        went (the launcher's build is part of the seconds)."""
+        rows = [[k, round(t - self.t0_wall, 3), sec, *rest[:1]] for k, sec, t, *rest in
                 (x for x in self.compile_s if len(x) >= 3)]
         return sorted(rows, key=lambda r: r[1])
 
@@ -595,18 +597,19 @@ def plan_keys(plans: Sequence[tuple[int, WorkerSpec, Sequence[Task]]], emit=None
     return entries, rec.total(), needs
 
 
-def compile_entry(kernels: dict, entry: PlanEntry, load: bool = True) -> int:
+def compile_entry(kernels: dict, entry: PlanEntry, load: bool = True) -> tuple[int, float]:
     """Compile one plan entry (`JITFunction.warmup` with its decoded arguments: Triton's
     compile, no launch) and build its host launcher (`build_launcher(load=...)`); return the
-    kernels Triton's compiler built (0: loaded from the cache)."""
+    kernels Triton's compiler built (0: loaded from the cache) and the launcher's seconds."""
     from capture.compiles import triton_builds
 
     b0 = triton_builds()
     kernel = kernels[entry.kernel]
     compiled = kernel.warmup(*[decode_arg(a) for a in entry.args], grid=(1,),
                              **{k: decode_arg(v) for k, v in entry.kwargs.items()})
+    t0 = time.perf_counter()
     build_launcher(compiled, load=load)
-    return triton_builds() - b0
+    return triton_builds() - b0, time.perf_counter() - t0
 
 
 def _claim(workdir: Path, j: int) -> bool:
@@ -630,7 +633,8 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
                       on_done=None, stop_after: int | None = None, load: bool = True) -> int:
     """Claim and compile entries (`among`, default all, in plan order) until none is left
     (or `stop_after` compiled): each is marked done (`_mark_done`), its builds added to
-    `built[j]`, `[kernel, seconds]` to `seconds`, then `on_done(j)`. Returns how many this
+    `built[j]`, `[kernel, seconds, start, launcher seconds]` to `seconds`, then `on_done(j)`.
+    Returns how many this
     process compiled."""
     done = 0
     for j in range(len(entries)) if among is None else among:
@@ -640,8 +644,9 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
             continue
         entry = entries[j]
         t0, wall = time.perf_counter(), time.time()
-        n = compile_entry(kernels, entry, load=load)
-        seconds.append([entry.kernel, round(time.perf_counter() - t0, 3), round(wall, 4)])
+        n, launcher_s = compile_entry(kernels, entry, load=load)
+        seconds.append([entry.kernel, round(time.perf_counter() - t0, 3), round(wall, 4),
+                        round(launcher_s, 3)])
         built[j] = built.get(j, 0) + n
         _mark_done(workdir, j)
         done += 1
