@@ -395,6 +395,13 @@ def test_write_json_and_probe_without_cuda(tmp_path, capsys):
     assert json.loads(path.read_text()) == {"a": [1, 2]}
     assert graph_start_probe.main(["--out", str(tmp_path / "probe")]) == 0  # CPU: says so, writes nothing
     assert "no CUDA device" in capsys.readouterr().out and not (tmp_path / "probe").exists()
+    from perf.studies import fp32_prefill
+
+    assert fp32_prefill.main(["--out", str(tmp_path / "fp32")]) == 0
+    assert "no CUDA device" in capsys.readouterr().out and not (tmp_path / "fp32").exists()
+    with pytest.raises(SystemExit):
+        fp32_prefill.main(["--tokens", "0"])
+    assert "--tokens / --reps: expected ints >= 1" in capsys.readouterr().err
 
 
 def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
