@@ -330,7 +330,7 @@ def paged_extend_attention(
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc,
                                           ragged=not uniform_n and mask_bits is None,
-                                          fma=q.dtype == torch.float32 and not interpreting())
+                                          fma=dot_fp32 and not interpreting())
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
               if num_splits is None else max(1, int(num_splits)))

@@ -634,8 +634,7 @@ def _take_and_compile(workdir: Path, kernels: dict, entries: Sequence[PlanEntry]
     """Claim and compile entries (`among`, default all, in plan order) until none is left
     (or `stop_after` compiled): each is marked done (`_mark_done`), its builds added to
     `built[j]`, `[kernel, seconds, start, launcher seconds]` to `seconds`, then `on_done(j)`.
-    Returns how many this
-    process compiled."""
+    Returns how many this process compiled."""
     done = 0
     for j in range(len(entries)) if among is None else among:
         if stop_after is not None and done >= stop_after:
