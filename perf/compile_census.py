@@ -307,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             what = "graphdraft demo's two engines and their prefill probes"
         else:
             rec, engine = plan_census(top, args.device)
+            engines = (engine,)
             sizes = engine.schedule if hasattr(engine, "schedule") else None
             what = f"schedule to {top} and the prefill probes"
+            del engine
+        del engines  # freed before the next top's engine is built (the 8B vocabularies)
         rep = report(rec)
         rep["seconds"] = round(time.perf_counter() - t0, 1)
         rep["sizes"] = sizes

@@ -7,6 +7,7 @@ token counts, accept lengths and graph use, and says why there is no timing.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -53,8 +54,6 @@ def process_age_s() -> float | None:
     """Seconds since this process started (Linux: `/proc/self/stat`'s start time against
     `/proc/uptime`, 10 ms ticks); None where that cannot be read."""
     try:
-        import os
-
         stat = Path("/proc/self/stat").read_text()
         start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22
         uptime = float(Path("/proc/uptime").read_text().split()[0])
