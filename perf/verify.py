@@ -61,7 +61,13 @@ BATCH_SIZES = (1, 8, 64, 128, 256)
 KV_LENS = (512, 4096)
 N_VERIFY = 4
 PAGE_SIZE = 16
-KV_BUDGET_BYTES = 104 << 30  # ~120 GB next to the 16 GB of weights, less activations
+NOT_KV_BYTES = 35 << 30  # the 16 GB of weights, activations and the allocator's slack
+
+
+def kv_budget_bytes(device: str) -> int:
+    """Bytes of KV pages the benchmark may allocate: the card's memory less `NOT_KV_BYTES`
+    (104 GiB on an H200, 43 GiB on an 80 GB H100; rows that do not fit are skipped)."""
+    return torch.cuda.get_device_properties(device).total_memory - NOT_KV_BYTES
 PREFILL_TOKENS = 8192
 
 
@@ -404,13 +410,14 @@ def main() -> None:
         matmuls = time_matmuls(target, rate, bw, device)
     per_tok = kv_bytes_per_token(mc)
     cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
+    budget = kv_budget_bytes(device)
     fit = [(bs, kv) for bs, kv in cases
-           if bs * (kv + N_VERIFY + PAGE_SIZE) * per_tok <= KV_BUDGET_BYTES]
+           if bs * (kv + N_VERIFY + PAGE_SIZE) * per_tok <= budget]
     for bs, kv in cases:
         if (bs, kv) not in fit:
             print(f"skip bs {bs} kv {kv}: its KV needs "
                   f"{bs * (kv + N_VERIFY) * per_tok / 2**30:.0f} GiB, over the "
-                  f"{KV_BUDGET_BYTES / 2**30:.0f} GiB budget next to the weights")
+                  f"{budget / 2**30:.0f} GiB budget next to the weights")
     max_pages = max(bs * math.ceil((kv + N_VERIFY) / PAGE_SIZE) for bs, kv in fit) + 1
     pool = KVPool(mc.num_hidden_layers, max_pages, PAGE_SIZE, mc.num_key_value_heads,
                   mc.head_dim, torch.bfloat16, device)
