@@ -102,6 +102,107 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gemm_splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_wn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    """Split s (`program_id(1)`) of out `[split, M, N]` fp32 = x `[M, K]`[:, s * K_SPLIT:]
+    @ w `[N, K]`[:, s * K_SPLIT:]^T over K_SPLIT columns (a multiple of BLOCK_K)."""
+    rm, rn, rm_in, rn_in = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    s = tl.program_id(1)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = s.to(tl.int64) * K_SPLIT
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + k0 + rk[None, :]
+    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + k0 + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K_SPLIT // BLOCK_K):
+        a = tl.load(x_ptrs)
+        b = tl.load(w_ptrs)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + (s.to(tl.int64) * M + rm[:, None].to(tl.int64)) * N + rn[None, :]
+    tl.store(out_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm_splitk(x: torch.Tensor, w: torch.Tensor, split: int,
+                config: GemmConfig = GemmConfig()) -> torch.Tensor:
+    """fp32 partials `[split, M, N]` of x `[M, K]` @ w `[N, K]`^T, K cut in `split` equal
+    parts (each a multiple of the tile's BLOCK_K)."""
+    m, k = x.shape
+    n = w.shape[0]
+    c = config
+    if k % (split * c.block_k):
+        raise ValueError(f"split: K {k} is not a multiple of split {split} x {c.block_k}")
+    out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), split)
+    _gemm_splitk_kernel[grid](x, w, out, m, n, k // split, x.stride(0), w.stride(0),
+                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                              GROUP_M=c.group_m, IEEE=x.dtype == torch.float32 or interpreting(),
+                              num_warps=c.num_warps, num_stages=c.num_stages)
+    return out
+
+
+def bmm_splitk(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    """fp32 partials `[split, M, N]` of x `[M, K]` @ w `[N, K]`^T by one strided-batched
+    cuBLAS call (`torch.bmm(..., out_dtype=torch.float32)`): batch s is the K columns
+    `[s * K / split, (s + 1) * K / split)` of both, as views (no copy)."""
+    m, k = x.shape
+    n = w.shape[0]
+    ks = k // split
+    xs = x.view(m, split, ks).transpose(0, 1)  # [split, M, ks], row stride K
+    ws = w.view(n, split, ks).permute(1, 2, 0)  # [split, ks, N], column-major
+    return torch.bmm(xs, ws, out_dtype=torch.float32)
+
+
+SPLITK_TILES = (GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 8, 3),
+                GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 8, 4),
+                GemmConfig(128, 64, 64, 8, 4, 4))
+
+
+def splitk_study(m: int, name: str, x: torch.Tensor, ws: list[torch.Tensor], floor: float,
+                 deadline: float) -> dict:
+    """Split-K candidates for one projection at `m` rows: cuBLAS's strided-batched GEMM
+    into fp32 partials (`bmm_splitk`) and the Triton split-K tile (`gemm_splitk`), each
+    alone (the consumer sums the partials: `ops.SplitK`) and with a torch sum + cast after."""
+    from perf.timing import graph_time_us
+
+    copies = len(ws)
+    k = x.shape[1]
+    ref = F.linear(x, ws[0]).float()
+    rec: dict = {}
+    for split in (2, 3, 4, 7, 8):
+        if k % (split * 64) or time.perf_counter() > deadline:
+            continue
+        for kind, fn in (("bmm", lambda i, s=split: bmm_splitk(x, ws[i % copies], s)),)+tuple(
+                (f"triton{j}", lambda i, s=split, c=c: gemm_splitk(x, ws[i % copies], s, c))
+                for j, c in enumerate(SPLITK_TILES)):
+            key = f"{kind}_s{split}"
+            try:
+                got = fn(0).sum(0)
+                err = float((got - ref).norm() / ref.norm())
+                us = graph_time_us(fn, copies)
+                us_sum = graph_time_us(lambda i, fn=fn: fn(i).sum(0).to(x.dtype), copies)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                rec[key] = {"error": str(e).splitlines()[0][:200]}
+                continue
+            rec[key] = {"us": us, "us_with_sum": us_sum, "rel_err": err}
+    timed = {kk: v for kk, v in rec.items() if "us" in v and v["rel_err"] < 1e-2}
+    if timed:
+        best = min(timed, key=lambda kk: timed[kk]["us"])
+        print(f"[splitk] {name:8s} m={m:4d} floor {floor:7.1f} us | best partials {best} "
+              f"{timed[best]['us']:7.1f} us (+sum {timed[best]['us_with_sum']:7.1f}) | "
+              + " ".join(f"{kk} {v['us']:.1f}" for kk, v in timed.items() if kk.startswith("bmm")),
+              flush=True)
+    for kk, v in rec.items():
+        if "error" in v:
+            print(f"[splitk] {name} m={m} {kk}: {v['error']}", flush=True)
+    return rec
+
+
 def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = GemmConfig(),
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x `[M, K]` @ w `[N, K]`^T -> `[M, N]` (x's dtype; fp32 in IEEE precision)."""
@@ -238,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="perf/out")
     p.add_argument("--max-seconds", type=float, default=180.0)
+    p.add_argument("--splitk-only", action="store_true",
+                   help="only cuBLAS and the split-K candidates (qkv, o, gate_up, down at M "
+                        "64..512), not the whole-tile sweep (measured in 2026-12-05 run N)")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + a.max_seconds
@@ -255,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = {name: [torch.randn(n, k, device="cuda", dtype=dt) * 0.02
                       for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
                for name, (n, k) in shapes.items()}
+    if a.splitk_only:
+        return _splitk_main(a, shapes, rate, bw, res, t_start, deadline)
     for m in MS:
         for name, (n, k) in shapes.items():
             ws = weights[name]
@@ -309,6 +415,34 @@ def main(argv: list[str] | None = None) -> int:
                       f"{rec['best_swiglu']['us']:7.1f} {rec['best_swiglu']['config']}", flush=True)
     write_json(a.out, "verify_gemm.json", res)
     print(f"[gemm] done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
+
+
+def _splitk_main(a, shapes: dict, rate: float, bw: float, res: dict, t_start: float,
+                 deadline: float) -> int:
+    from perf.timing import graph_time_us, write_json
+
+    dt = torch.bfloat16
+    for name in ("o", "down", "qkv", "gate_up"):
+        n, k = shapes[name]
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02
+              for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
+        for m in (256, 128, 64, 384, 512):
+            if time.perf_counter() > deadline:
+                break
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            floor = max(2 * m * n * k / rate, n * k * 2 / bw) * 1e6
+            rec = {"n": n, "k": k, "m": m, "floor_us": floor,
+                   "cublas_us": graph_time_us(lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)]),
+                                              len(ws))}
+            print(f"[splitk] {name:8s} m={m:4d} floor {floor:7.1f} us | cuBLAS "
+                  f"{rec['cublas_us']:7.1f} us", flush=True)
+            rec["splitk"] = splitk_study(m, name, x, ws, floor, deadline)
+            res["shapes"][f"{name}-m{m}"] = rec
+        del ws
+        torch.cuda.empty_cache()
+    write_json(a.out, "verify_gemm_splitk.json", res)
+    print(f"[splitk] done in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0
 
 
