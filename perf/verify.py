@@ -42,6 +42,7 @@ import argparse
 import functools
 import gc
 import math
+import statistics
 import time
 
 import torch
@@ -153,6 +154,27 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
     ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
     del graph
     return ms
+
+
+def ab_split_k(target, pool: KVPool, verify: Batch, decode: Batch, split: int, device: str
+               ) -> dict:
+    """The row's verify and decode replays under the default Triton config and under
+    `gemm_split_k = split`, alternated three times (medians; ratio split / default)."""
+    alt = TRITON.replace(gemm_split_k=split)
+    out: dict = {"ab_gemm_split_k": split}
+    for name, batch, n in (("verify", verify, N_VERIFY), ("decode", decode, 1)):
+        base, new = [], []
+        for _ in range(3):
+            base.append(capture_and_time(target, pool, batch, n, "rows", device))
+            target.set_kernels(alt)
+            try:
+                new.append(capture_and_time(target, pool, batch, n, "rows", device))
+            finally:
+                target.set_kernels(TRITON)
+        out[f"ab_{name}_ms"] = statistics.median(base)
+        out[f"ab_{name}_split_k_ms"] = statistics.median(new)
+        out[f"split_k_{name}_ratio"] = out[f"ab_{name}_split_k_ms"] / out[f"ab_{name}_ms"]
+    return out
 
 
 def time_matmuls(target, rate: float, bw: float, device: str) -> list[dict]:
@@ -379,6 +401,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-old", action="store_true", help="skip the per-token verify baseline")
+    ap.add_argument("--rows-only", action="store_true",
+                    help="only the verify / decode rows and the matmuls (no prefill, prefill "
+                         "tiles or attention-alone studies)")
+    ap.add_argument("--ab-gemm-split-k", type=int, default=0, metavar="N",
+                    help="also time each row's verify and decode with KernelConfig.gemm_split_k "
+                         "= N, alternated three times with the default config (a same-run A/B)")
     args = ap.parse_args()
     device = "cuda"
     t0 = time.time()
@@ -386,17 +414,20 @@ def main() -> None:
     bw = copy_bandwidth(device)
     rate = gemm_rate(device)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
-    pre = prefill(device)
-    print(f"prefill {PREFILL_TOKENS}: ours {pre['prefill_ms']:.3f} ms, sdpa flash "
-          f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['sdpa_form']}), per-token decode kernel "
-          f"{pre['old_prefill_ms']:.3f} ms; max |diff| {pre['max_abs_diff_vs_sdpa']:.3g}")
-    tiles = prefill_tiles(device)
-    print("prefill tiles (BLOCK_M, BLOCK_N, warps, stages): " + ", ".join(
-        f"{r['tile']} {r['ms']:.3f} ms" if "ms" in r else f"{r['tile']} failed" for r in tiles))
-    alone = attention_alone(bw, device)
-    for r in alone:
-        print("attention alone:", {k: round(v, 1) if isinstance(v, float) else v
-                                   for k, v in r.items()})
+    pre, tiles, alone = {}, [], []
+    if not args.rows_only:
+        pre = prefill(device)
+        print(f"prefill {PREFILL_TOKENS}: ours {pre['prefill_ms']:.3f} ms, sdpa flash "
+              f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['sdpa_form']}), per-token decode kernel "
+              f"{pre['old_prefill_ms']:.3f} ms; max |diff| {pre['max_abs_diff_vs_sdpa']:.3g}")
+        tiles = prefill_tiles(device)
+        print("prefill tiles (BLOCK_M, BLOCK_N, warps, stages): " + ", ".join(
+            f"{r['tile']} {r['ms']:.3f} ms" if "ms" in r else f"{r['tile']} failed"
+            for r in tiles))
+        alone = attention_alone(bw, device)
+        for r in alone:
+            print("attention alone:", {k: round(v, 1) if isinstance(v, float) else v
+                                       for k, v in r.items()})
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -447,12 +478,15 @@ def main() -> None:
             row.update(parts, matmul_floor_ms=mm_floor, attention_floor_ms=attn_floor,
                        sum_floor_ms=mm_floor + attn_floor,
                        verify_over_sum_floor=row["verify_ms"] / (mm_floor + attn_floor))
+            if args.ab_gemm_split_k:
+                row.update(ab_split_k(target, pool, vb, db, args.ab_gemm_split_k, device))
             rows.append(row)
             print(row, flush=True)
             del vb, db
             gc.collect()
             torch.cuda.empty_cache()
-    rows.append({k: pre[k] for k in ("prefill_tokens", "prefill_ms", "sdpa_prefill_ms")})
+    if pre:
+        rows.append({k: pre[k] for k in ("prefill_tokens", "prefill_ms", "sdpa_prefill_ms")})
     data = {"rows": rows, "prefill": pre, "prefill_tiles": tiles, "attention_alone": alone,
             "matmuls": matmuls, "copy_bandwidth_bytes_s": bw,
             "gemm_flops_s": rate, "n_verify": N_VERIFY, "page_size": PAGE_SIZE,
@@ -469,8 +503,15 @@ def main() -> None:
                   f"{r['verify_over_floor']:>7.2f} {r['matmul_ms']:>7.2f} {r['matmul_floor_ms']:>7.2f} "
                   f"{r['attention_ms']:>6.2f} {r['attention_floor_ms']:>6.2f} {r['other_ms']:>6.2f} "
                   f"{r['verify_over_sum_floor']:>6.2f}")
-    print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
-          f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
+    if pre:
+        print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
+              f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
+    for r in rows:
+        if "split_k_verify_ratio" in r:
+            print(f"split-K A/B bs {r['bs']} kv {r['kv']}: verify {r['ab_verify_ms']:.3f} -> "
+                  f"{r['ab_verify_split_k_ms']:.3f} ms ({r['split_k_verify_ratio']:.3f}x), decode "
+                  f"{r['ab_decode_ms']:.3f} -> {r['ab_decode_split_k_ms']:.3f} ms "
+                  f"({r['split_k_decode_ratio']:.3f}x)")
     worst = sorted(matmuls, key=lambda r: r["of_gemm_rate"])[:5]
     print("slowest matmuls (of the GEMM rate): " + ", ".join(
         f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))

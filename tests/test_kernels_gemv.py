@@ -533,3 +533,47 @@ def test_every_mode_of_a_tile_launches_one_compiled_kernel():
     assert len(keys) == 2 and len(finish) == 1
     assert len(rec.keys["gemv._sum_residual_norm_kernel"]) == 1
 
+
+
+# --------------------------------------------------------------------------- split-K cuBLAS
+def test_split_count_fills_one_wave():
+    """`gemm_split_k.split_count`: splits that keep 128 x 128 tiles x splits within the SMs,
+    capped, each split's K a multiple of 64; the 8B verify shapes at M = 256 on 132 SMs."""
+    from graphdraft.kernels.gemm_split_k import split_count
+
+    assert split_count(256, 4096, 4096, 4, 132) == 2  # o_proj: 64 tiles
+    assert split_count(256, 4096, 14336, 4, 132) == 2  # down_proj
+    assert split_count(256, 6144, 4096, 4, 132) == 1  # qkv: 96 tiles fill most of a wave
+    assert split_count(256, 28672, 4096, 4, 132) == 1  # gate_up
+    assert split_count(128, 4096, 4096, 4, 132) == 4  # 32 tiles
+    assert split_count(128, 4096, 4096, 8, 132) == 4  # 4 x 32 = 128 <= 132 < 5 x 32
+    assert split_count(128, 4096, 4096, 1, 132) == 1  # off
+    assert split_count(128, 4096, 64 * 3, 4, 132) == 3  # K 192: 4 splits of 48 do not fit
+    assert split_count(128, 4096, 100, 4, 132) == 1  # K not a multiple of 64 at any split
+    assert split_count(1024, 4096, 4096, 4, 132) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [33, 128, 256])
+def test_gpu_split_k_linear_and_norm(m):
+    """On the Triton path with `gemm_split_k`: qkv-like and o_proj-like products above the
+    GEMV's rows come back as cuBLAS split-K partials whose sum is close to F.linear, and
+    `linear_residual_rms_norm` (partials summed in the norm) equals the norm of that sum."""
+    from graphdraft.kernels.config import TRITON
+    from graphdraft.kernels.norm import rms_norm as rms_norm_kernel
+
+    kc = TRITON.replace(gemm_split_k=4)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 4096, generator=g).bfloat16().cuda()
+    w = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().cuda()
+    res = torch.randn(m, 4096, generator=g).bfloat16().cuda()
+    nw = (1 + 0.1 * torch.randn(4096, generator=g)).bfloat16().cuda()
+    p = ops.linear_partials(x, w, kernels=kc)
+    assert isinstance(p, SplitK) and p.partials.shape[0] > 1 and p.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert _rel(p.sum(), ref) < 1e-2
+    out, h = ops.linear_residual_rms_norm(x, w, res, nw, 1e-5, kernels=kc)
+    out2, h2 = rms_norm_kernel(p.sum(), nw, 1e-5, residual=res)
+    assert torch.equal(h, h2) and torch.equal(out, out2)
+    assert not isinstance(ops.linear_partials(x, w, kernels=TRITON), SplitK)  # off by default
