@@ -12,7 +12,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `rms_norm`, `rms_norm_cat` | `kernels/norm.py` (`rms_norm_residual_torch`, `rms_norm_cat_torch`) |
 | `rope_and_store_kv`, `rope_and_store_qkv` | `kernels/rope.py` (`rope_and_store_kv_torch`) |
 | `argmax_with_map` | `kernels/argmax.py` (`argmax_with_map_torch`) |
-| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); cuBLAS above, split along K where `kernels/gemm_split_k.py` says so |
+| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); cuBLAS above |
 | `out_cache_loc_uniform`, `advance_positions_and_seq_lens` | `kernels/cache_loc.py` (`*_ref`) |
 | `decode_draft_indices` | `kernels/draft_indices.py` (`*_ref`) |
 | `stage_decode_inputs` | `kernels/stage_inputs.py` (`*_ref`) |
@@ -25,10 +25,7 @@ Launches saved by handing a producer's last step to its consumer: `linear_partia
 Triton GEMV's split-K sum to the next op as a `SplitK` value (its fp32 partials `[split, M, N]`
 and the product's dtype), which `rms_norm_cat` (as b) and `rope_and_store_qkv` (as qkv) accept
 beside a plain tensor and sum as the GEMV would (`SplitK.sum` in torch): the same bits as
-`linear`; callers pass it on and never look inside. Above the GEMV's rows, on CUDA, a cuBLAS
-matmul whose output tiles underfill the GPU is split along K (`kernels.gemm_split_k` at most;
-`kernels/gemm_split_k.py`) and its partials go the same way (`linear_partials`), or into the
-residual norm (`linear_residual_rms_norm`). Row-index arguments (`a_index`, ...) gather
+`linear`; callers pass it on and never look inside. Row-index arguments (`a_index`, ...) gather
 rows inside the consuming kernel instead of an `index_select` before it.
 """
 
@@ -42,7 +39,6 @@ from graphdraft.kernels import (
     decode_attention,
     draft_indices,
     extend_attention,
-    gemm_split_k,
     gemv,
     norm,
     rope,
@@ -63,11 +59,10 @@ __all__ = ["KernelConfig", "SplitK", "advance_positions_and_seq_lens", "apply_ac
 # ---------------------------------------------------------------------------
 # RMSNorm (HF Llama semantics: fp32 statistics, cast before the weight multiply)
 # ---------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor | SplitK, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              *, residual_out: torch.Tensor | None = None, kernels: KernelConfig | None = None):
     """`[M, N] -> [M, N]`; with `residual`: `h = x + residual`, returns `(norm(h), h)`, h written
-    into `residual_out` `[M, N]` when given (on the Triton path by the norm kernel itself).
-    x may be a `SplitK` (`linear_partials`): summed, rounded once, then the residual added."""
+    into `residual_out` `[M, N]` when given (on the Triton path by the norm kernel itself)."""
     if _kc(kernels).use_triton:
         return norm.rms_norm(x, weight, eps, residual=residual, residual_out=residual_out)
     return norm.rms_norm_residual_torch(x, weight, eps, residual, residual_out=residual_out)
@@ -243,18 +238,6 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, kc: KernelConfig) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def _split_k(x: torch.Tensor, weight: torch.Tensor, kc: KernelConfig) -> int:
-    """K splits of this matmul on the Triton path above the GEMV's rows (CUDA, bf16 / fp16,
-    unit column stride, contiguous weight): `gemm_split_k.split_count` under
-    `kc.gemm_split_k`; 1: one cuBLAS call, unsplit."""
-    if (kc.gemm_split_k <= 1 or not kc.use_triton or x.dim() != 2 or not x.is_cuda
-            or x.dtype not in gemm_split_k.DTYPES or x.stride(-1) != 1
-            or not weight.is_contiguous() or x.shape[0] <= kc.small_m_max):
-        return 1
-    return gemm_split_k.split_count(x.shape[0], weight.shape[0], x.shape[1], kc.gemm_split_k,
-                                    argmax.num_sms(x.device))
-
-
 def apply_act(x: torch.Tensor, act: str | None, *, kernels: KernelConfig | None = None) -> torch.Tensor:
     """A matmul input's activation: None -> x; "silu_mul" -> `silu(gate) * up` of `[gate ; up]`
     (on the Triton path, for a 2-D x with unit column stride, one launch: `gemv.silu_mul`)."""
@@ -282,16 +265,11 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, *,
                     kernels: KernelConfig | None = None) -> torch.Tensor | SplitK:
     """`linear(x, weight)` `[M, N]`, or, where the Triton path runs the GEMV, the same product
     as a `SplitK` (its unsummed fp32 split-K partials; one launch fewer) for the next op that
-    accepts one (`rms_norm`'s x, `rms_norm_cat`'s b, `rope_and_store_qkv`'s qkv), which sums
-    them as the GEMV would: the same bits as `linear`'s output. Above the GEMV's rows, a
-    product `_split_k` splits along K is also a `SplitK` (cuBLAS's partials,
-    `gemm_split_k.linear_split_k`). Pass it on; do not look inside."""
+    accepts one (`rms_norm_cat`'s b, `rope_and_store_qkv`'s qkv), which sums them as the GEMV
+    would: the same bits as `linear`'s output. Pass it on; do not look inside."""
     kc = _kc(kernels)
     if _small_m(x, weight, kc):
         return gemv.linear_small_m_partials(x, weight, kernels=kc)
-    split = _split_k(x, weight, kc)
-    if split > 1:
-        return gemm_split_k.linear_split_k(x, weight, split)
     return linear(x, weight, kernels=kc)
 
 
@@ -310,8 +288,7 @@ def linear_residual_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: to
                                                  kernels=kc)
     if residual_index is not None:
         residual = residual.index_select(0, residual_index)
-    x = apply_act(x, act, kernels=kc)
-    return rms_norm(linear_partials(x, weight, kernels=kc), norm_weight, eps, residual,
+    return rms_norm(linear(x, weight, act=act, kernels=kc), norm_weight, eps, residual,
                     residual_out=h_out, kernels=kc)
 
 

@@ -42,7 +42,6 @@ import argparse
 import functools
 import gc
 import math
-import statistics
 import time
 
 import torch
@@ -154,27 +153,6 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
     ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
     del graph
     return ms
-
-
-def ab_split_k(target, pool: KVPool, verify: Batch, decode: Batch, split: int, device: str
-               ) -> dict:
-    """The row's verify and decode replays under the default Triton config and under
-    `gemm_split_k = split`, alternated three times (medians; ratio split / default)."""
-    alt = TRITON.replace(gemm_split_k=split)
-    out: dict = {"ab_gemm_split_k": split}
-    for name, batch, n in (("verify", verify, N_VERIFY), ("decode", decode, 1)):
-        base, new = [], []
-        for _ in range(3):
-            base.append(capture_and_time(target, pool, batch, n, "rows", device))
-            target.set_kernels(alt)
-            try:
-                new.append(capture_and_time(target, pool, batch, n, "rows", device))
-            finally:
-                target.set_kernels(TRITON)
-        out[f"ab_{name}_ms"] = statistics.median(base)
-        out[f"ab_{name}_split_k_ms"] = statistics.median(new)
-        out[f"split_k_{name}_ratio"] = out[f"ab_{name}_split_k_ms"] / out[f"ab_{name}_ms"]
-    return out
 
 
 def time_matmuls(target, rate: float, bw: float, device: str) -> list[dict]:
@@ -404,9 +382,6 @@ def main() -> None:
     ap.add_argument("--rows-only", action="store_true",
                     help="only the verify / decode rows and the matmuls (no prefill, prefill "
                          "tiles or attention-alone studies)")
-    ap.add_argument("--ab-gemm-split-k", type=int, default=0, metavar="N",
-                    help="also time each row's verify and decode with KernelConfig.gemm_split_k "
-                         "= N, alternated three times with the default config (a same-run A/B)")
     args = ap.parse_args()
     device = "cuda"
     t0 = time.time()
@@ -478,8 +453,6 @@ def main() -> None:
             row.update(parts, matmul_floor_ms=mm_floor, attention_floor_ms=attn_floor,
                        sum_floor_ms=mm_floor + attn_floor,
                        verify_over_sum_floor=row["verify_ms"] / (mm_floor + attn_floor))
-            if args.ab_gemm_split_k:
-                row.update(ab_split_k(target, pool, vb, db, args.ab_gemm_split_k, device))
             rows.append(row)
             print(row, flush=True)
             del vb, db
@@ -506,12 +479,6 @@ def main() -> None:
     if pre:
         print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
               f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
-    for r in rows:
-        if "split_k_verify_ratio" in r:
-            print(f"split-K A/B bs {r['bs']} kv {r['kv']}: verify {r['ab_verify_ms']:.3f} -> "
-                  f"{r['ab_verify_split_k_ms']:.3f} ms ({r['split_k_verify_ratio']:.3f}x), decode "
-                  f"{r['ab_decode_ms']:.3f} -> {r['ab_decode_split_k_ms']:.3f} ms "
-                  f"({r['split_k_decode_ratio']:.3f}x)")
     worst = sorted(matmuls, key=lambda r: r["of_gemm_rate"])[:5]
     print("slowest matmuls (of the GEMM rate): " + ", ".join(
         f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))

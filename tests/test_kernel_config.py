@@ -50,7 +50,7 @@ def test_defaults_are_todays_settings(clean_env):
 def test_every_env_var_sets_its_field(clean_env):
     values = {"GRAPHDRAFT_GEMV_TILES": ("uniform", "uniform"), "GRAPHDRAFT_GEMV_SPLIT": ("3", 3),
               "GRAPHDRAFT_GEMV_BLOCK_K": ("64", 64), "GRAPHDRAFT_SMALL_M_MAX": ("0", 0),
-              "GRAPHDRAFT_GEMM_SPLIT_K": ("4", 4), "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
+              "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
               "GRAPHDRAFT_FINISH_MAXNREG": ("none", None), "GRAPHDRAFT_FINISH_NORM_MAX_M": ("16", 16),
               "GRAPHDRAFT_PDL": ("False", False), "GRAPHDRAFT_PDL_MAX_ROWS": ("8", 8),
               "GRAPHDRAFT_PDL_EARLY_LOADS": ("no", False),
@@ -76,7 +76,6 @@ def test_every_env_var_sets_its_field(clean_env):
     ("GRAPHDRAFT_GEMV_TILES", "narrow"), ("GRAPHDRAFT_GEMV_SPLIT", "0"),
     ("GRAPHDRAFT_GEMV_BLOCK_K", "48"), ("GRAPHDRAFT_SMALL_M_MAX", "65"),
     ("GRAPHDRAFT_SMALL_M_MAX", "lots"), ("GRAPHDRAFT_GEMV_PDL", "maybe"),
-    ("GRAPHDRAFT_GEMM_SPLIT_K", "0"), ("GRAPHDRAFT_GEMM_SPLIT_K", "two"),
     ("GRAPHDRAFT_STREAM_EVICT_FIRST", "2"), ("GRAPHDRAFT_FINISH_MAXNREG", "-1"),
     ("GRAPHDRAFT_FINISH_NORM_MAX_M", "4.5"), ("GRAPHDRAFT_PDL", "yes please"),
     ("GRAPHDRAFT_PDL_MAX_ROWS", "-3"), ("GRAPHDRAFT_PDL_EARLY_LOADS", "O"),

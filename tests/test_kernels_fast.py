@@ -245,68 +245,6 @@ def test_rms_norm_cat_bad_a_index():
         rms_norm_cat(table, w, 1e-6, torch.randn(3, 8), w[:8], 1e-6, a_index=idx)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_sums_split_k_partials(dtype, split, residual):
-    """x as fp32 split-K partials (`SplitK`, what `ops.linear_partials` makes): the kernel sums
-    them in order and rounds once, like `SplitK.sum` (fp32: the same bits; bf16 close, the
-    interpreter rounds by truncation: `test_gpu_rms_norm_split_k_exact` checks its bits)."""
-    from graphdraft.kernels.fused_inputs import SplitK
-
-    g = torch.Generator().manual_seed(split + 10 * residual)
-    M, N = 6, 96
-    sk = SplitK(torch.randn(split, M, N, generator=g), dtype)
-    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype)
-    r = torch.randn(M, N, generator=g).to(dtype) if residual else None
-    got = rms_norm(sk, w, 1e-6, residual=r)
-    summed = rms_norm(sk.sum(), w, 1e-6, residual=r)  # the kernel on the summed product
-    ref = rms_norm_ref(sk, w, 1e-6, residual=r)
-    t_got = ops.rms_norm(sk, w, 1e-6, r, kernels=TORCH)
-    as_tuple = (lambda t: t) if residual else (lambda t: (t,))
-    for a, k, b, t in zip(*map(as_tuple, (got, summed, ref, t_got)), strict=True):
-        assert torch.equal(t, b)  # the torch path sums first, as the reference
-        if dtype == torch.float32:
-            assert torch.equal(a, k)
-        else:
-            assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
-
-
-def test_rms_norm_bad_split_k_partials():
-    from graphdraft.kernels.fused_inputs import SplitK
-
-    w = torch.randn(16)
-    for bad in (SplitK(torch.randn(3, 16), torch.float32),  # not [split, M, N]
-                SplitK(torch.randn(2, 3, 16).double(), torch.float32),  # partials not fp32
-                SplitK(torch.randn(2, 3, 16), torch.int32),  # product dtype
-                SplitK(torch.randn(0, 3, 16), torch.float32),  # no split
-                SplitK(torch.randn(2, 16, 3).transpose(1, 2), torch.float32)):  # not contiguous
-        with pytest.raises(ValueError, match="x: expected"):
-            rms_norm(bad, w, 1e-6)
-    ok = SplitK(torch.randn(2, 3, 16), torch.float32)
-    with pytest.raises(ValueError, match="weight: expected"):
-        rms_norm(ok, w.bfloat16(), 1e-6)
-    with pytest.raises(ValueError, match="residual: expected"):
-        rms_norm(ok, w, 1e-6, residual=torch.randn(4, 16))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [1, 2, 4])
-def test_gpu_rms_norm_split_k_exact(split):
-    """bf16 on the GPU: summing the partials in the kernel gives the bits of `SplitK.sum`."""
-    from graphdraft.kernels.fused_inputs import SplitK
-
-    g = torch.Generator().manual_seed(split)
-    M, N = 40, 4096
-    sk = SplitK(torch.randn(split, M, N, generator=g).cuda(), torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(N, generator=g)).bfloat16().cuda()
-    r = torch.randn(M, N, generator=g).bfloat16().cuda()
-    out, h = rms_norm(sk, w, 1e-6, residual=r)
-    out2, h2 = rms_norm(sk.sum(), w, 1e-6, residual=r)
-    assert torch.equal(h, h2) and torch.equal(out, out2)
-
-
 def test_rms_norm_in_place_residual_and_out():
     x, w = torch.randn(3, 64), torch.randn(64)
     r = torch.randn(3, 64)

@@ -18,7 +18,6 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_split` | `GRAPHDRAFT_GEMV_SPLIT` | int >= 1, or unset | unset (None) | force the K split of every GEMV that may split (not the LM head's argmax one); None: the tile heuristic. Tuning and tests |
 | `gemv_block_k` | `GRAPHDRAFT_GEMV_BLOCK_K` | power of two in [16, 1024], or unset | unset (None) | force BLOCK_K of the same GEMVs; None: the tile heuristic |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
-| `gemm_split_k` | `GRAPHDRAFT_GEMM_SPLIT_K` | int >= 1 | 1 | above `small_m_max` rows: the most K splits of a cuBLAS matmul whose output tiles underfill the GPU (`kernels/gemm_split_k.py`; 1: never split) |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
 | `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
@@ -82,7 +81,6 @@ class KernelConfig:
     small_m_max: int = 32
     """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
     of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
-    gemm_split_k: int = 1
     gemv_pdl: bool = True
     """Measured 1.5-4 us per call faster at bs 1, neutral at bs 8 (perf/RESULTS.md, third session)."""
     stream_evict_first: bool = True
@@ -120,8 +118,6 @@ class KernelConfig:
              "gemv_block_k", "None or a power of two in [16, 1024]")
         need(_is_int(self.small_m_max) and 0 <= self.small_m_max <= GEMV_MAX_M, "small_m_max",
              f"an int in [0, {GEMV_MAX_M}]")
-        need(_is_int(self.gemm_split_k) and self.gemm_split_k >= 1, "gemm_split_k",
-             "an int >= 1")
         for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(self.finish_maxnreg is None or (_is_int(self.finish_maxnreg) and self.finish_maxnreg >= 1),
@@ -220,7 +216,6 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "gemv_split": ("GRAPHDRAFT_GEMV_SPLIT", _int),
     "gemv_block_k": ("GRAPHDRAFT_GEMV_BLOCK_K", _int),
     "small_m_max": ("GRAPHDRAFT_SMALL_M_MAX", _int),
-    "gemm_split_k": ("GRAPHDRAFT_GEMM_SPLIT_K", _int),
     "gemv_pdl": ("GRAPHDRAFT_GEMV_PDL", _bool),
     "stream_evict_first": ("GRAPHDRAFT_STREAM_EVICT_FIRST", _bool),
     "finish_maxnreg": ("GRAPHDRAFT_FINISH_MAXNREG", _maxnreg),
@@ -241,7 +236,6 @@ _EXPECTED = {
     "gemv_split": "an int >= 1",
     "gemv_block_k": "a power of two in [16, 1024]",
     "small_m_max": f"an int in [0, {GEMV_MAX_M}]",
-    "gemm_split_k": "an int >= 1",
     "gemv_pdl": _BOOL,
     "stream_evict_first": _BOOL,
     "finish_maxnreg": "an int >= 1, or 0 / 'none'",

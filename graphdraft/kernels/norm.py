@@ -32,29 +32,22 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_N = 16384
 
 
-# has_res (0 / 1) and x_split are runtime values, not specialized: with and without the
-# residual, and x as a tensor or as split-K partials, share one variant (uniform branches; the
-# weight is loaded before them, so its load is not held back). split_stride_x (M * N, or 0)
-# stays specialized like `_rms_norm_cat_kernel`'s.
-@triton.jit(do_not_specialize=["has_res", "x_split"])
+# has_res (0 / 1) is a runtime flag, not specialized: with and without the residual share one
+# variant (a uniform branch; the weight is loaded before it, so its load is not held back).
+@triton.jit(do_not_specialize=["has_res"])
 def _rms_norm_kernel(
-    x_ptr, stride_x, xp_ptr, split_stride_x, x_split, res_ptr, stride_res, w_ptr, out_ptr,
-    stride_out, res_out_ptr, stride_res_out, N, eps, has_res,
+    x_ptr, stride_x, res_ptr, stride_res, w_ptr, out_ptr, stride_out, res_out_ptr, stride_res_out,
+    N, eps, has_res,
     BLOCK: tl.constexpr,
 ):
-    """Row `row`: out = RMSNorm(x) or, with has_res != 0, h = x + res (rounded to out's dtype,
-    written to res_out) and out = RMSNorm(h). x_split == 0: x[row] is read from x_ptr;
-    x_split > 0: from xp_ptr, that many fp32 split-K partials (`sum_partials`) whose sum,
-    rounded to out's dtype, is x[row] (x_ptr is then a dummy)."""
+    """Row `row`: out = RMSNorm(x) or, with has_res != 0, h = x + res (rounded to x's dtype,
+    written to res_out) and out = RMSNorm(h)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    if x_split > 0:
-        x = sum_partials(xp_ptr + row * stride_x + cols, split_stride_x, mask, x_split).to(dtype)
-    else:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
     if has_res != 0:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a dtype add
@@ -178,31 +171,21 @@ def _rows_if_read(t: object) -> str | None:
 
 
 def _check(x, weight, residual, out, residual_out) -> None:
-    """ValueError naming the argument unless x is `[M, N]` (a tensor, or a `SplitK` of a
-    product in one of `_DTYPES`) and the others match it."""
-    if isinstance(x, SplitK):
-        expect_tensor("x", x.partials, shape=("split", "M", "N"), dtypes=torch.float32)
-        check_partials("x", x, *x.shape, x.partials.device)
-        if x.dtype not in _DTYPES:
-            raise ValueError(f"x: expected split-K partials of a product in {_DTYPES}, "
-                             f"got {x.dtype}")
-    else:
-        expect_tensor("x", x, shape=("M", "N"), dtypes=_DTYPES, layout=_rows_if_read(x))
+    expect_tensor("x", x, shape=("M", "N"), dtypes=_DTYPES, layout=_rows_if_read(x))
     if not 1 <= x.shape[1] <= _MAX_N:
         raise ValueError(f"x: N must be in [1, {_MAX_N}], got {x.shape[1]}")
-    device = x.partials.device if isinstance(x, SplitK) else x.device
-    expect_tensor("weight", weight, shape=(x.shape[1],), dtypes=x.dtype, device=device,
+    expect_tensor("weight", weight, shape=(x.shape[1],), dtypes=x.dtype, device=x.device,
                   layout="contiguous")
     for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
         if t is not None:
-            expect_tensor(name, t, shape=tuple(x.shape), dtypes=x.dtype, device=device,
+            expect_tensor(name, t, shape=tuple(x.shape), dtypes=x.dtype, device=x.device,
                           layout=_rows_if_read(t))
     if residual is None and residual_out is not None:
         raise ValueError("residual_out: only valid together with residual")
 
 
 def rms_norm(
-    x: torch.Tensor | SplitK,
+    x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     *,
@@ -216,28 +199,19 @@ def rms_norm(
     returns ``(out, h)`` where ``h = x + residual`` (written to ``residual_out``,
     which may alias ``residual`` or ``x`` for an in-place update). Rows may have
     any stride; columns must be contiguous. M == 0 launches nothing.
-    x may be a `SplitK` (fp32 split-K partials ``[split, M, N]`` of the matmul that makes
-    it, `ops.linear_partials`): the kernel sums them and rounds to its dtype (`fused_inputs`)
-    before the residual add.
     """
     _check(x, weight, residual, out, residual_out)
-    partials = x.partials if isinstance(x, SplitK) else None
     M, N = x.shape
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=weight.device)
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if residual is not None and residual_out is None:
-        residual_out = torch.empty((M, N), dtype=x.dtype, device=weight.device)
+        residual_out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0:
         block = triton.next_power_of_2(N)
-        res = residual if residual is not None else out
+        res = residual if residual is not None else x
         res_out = residual_out if residual_out is not None else out
-        x_rows = out if partials is not None else x  # with partials: never read
-        xp = partials if partials is not None else placeholder(out.device, torch.float32)
         _rms_norm_kernel[(M,)](
-            x_rows, x_rows.stride(0) if partials is None else partials.stride(1), xp,
-            partials.stride(0) if partials is not None else 0,
-            partials.shape[0] if partials is not None else 0,
-            res, res.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
+            x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
             N, float(eps), int(residual is not None),
             BLOCK=block, num_warps=min(16, max(1, block // 512)),
         )
@@ -257,9 +231,7 @@ def rms_norm_residual_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual_out: torch.Tensor | None = None):
     """`ops.rms_norm`'s torch path (any float dtype, no checks): `[M, N] -> [M, N]`; with
     `residual`: `h = x + residual` (written into `residual_out` when given), returns
-    `(norm(h), h)`. x may be a `SplitK` (summed first: `SplitK.sum`)."""
-    if isinstance(x, SplitK):
-        x = x.sum()
+    `(norm(h), h)`."""
     if residual is not None:
         x = x + residual
         if residual_out is not None:

@@ -146,6 +146,18 @@ def gemm_splitk(x: torch.Tensor, w: torch.Tensor, split: int,
     return out
 
 
+def bmm_splitk(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    """fp32 partials `[split, M, N]` of x `[M, K]` @ w `[N, K]`^T by one strided-batched
+    cuBLAS call (`torch.bmm(..., out_dtype=torch.float32)`): batch s is the K columns
+    `[s * K / split, (s + 1) * K / split)` of both, as views (no copy)."""
+    m, k = x.shape
+    n = w.shape[0]
+    ks = k // split
+    xs = x.view(m, split, ks).transpose(0, 1)  # [split, M, ks], row stride K
+    ws = w.view(n, split, ks).permute(1, 2, 0)  # [split, ks, N], column-major
+    return torch.bmm(xs, ws, out_dtype=torch.float32)
+
+
 SPLITK_TILES = (GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 8, 3),
                 GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 8, 4),
                 GemmConfig(128, 64, 64, 8, 4, 4))
@@ -154,9 +166,8 @@ SPLITK_TILES = (GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 8,
 def splitk_study(m: int, name: str, x: torch.Tensor, ws: list[torch.Tensor], floor: float,
                  deadline: float) -> dict:
     """Split-K candidates for one projection at `m` rows: cuBLAS's strided-batched GEMM
-    into fp32 partials (`gemm_split_k.linear_split_k`) and the Triton split-K tile (`gemm_splitk`), each
+    into fp32 partials (`bmm_splitk`) and the Triton split-K tile (`gemm_splitk`), each
     alone (the consumer sums the partials: `ops.SplitK`) and with a torch sum + cast after."""
-    from graphdraft.kernels.gemm_split_k import linear_split_k
     from perf.timing import graph_time_us
 
     copies = len(ws)
@@ -166,7 +177,7 @@ def splitk_study(m: int, name: str, x: torch.Tensor, ws: list[torch.Tensor], flo
     for split in (2, 3, 4, 7, 8):
         if k % (split * 64) or time.perf_counter() > deadline:
             continue
-        for kind, fn in (("bmm", lambda i, s=split: linear_split_k(x, ws[i % copies], s).partials),
+        for kind, fn in (("bmm", lambda i, s=split: bmm_splitk(x, ws[i % copies], s)),
                          ) + tuple(
                 (f"triton{j}", lambda i, s=split, c=c: gemm_splitk(x, ws[i % copies], s, c))
                 for j, c in enumerate(SPLITK_TILES)):
