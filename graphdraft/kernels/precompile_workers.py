@@ -81,6 +81,7 @@ import torch
 
 from capture import cache_dir
 from graphdraft.config import ModelConfig, RuntimeConfig
+from graphdraft.kernels import compiler_key
 
 __all__ = ["CompilePhase", "LAUNCHER_CFLAGS", "PlanEntry", "PrecompileWorkerError", "Task", "WorkerReport", "WorkerSpec",
            "build_launcher", "compile_entry", "cost_cache_path", "current_target", "decode_arg", "default_workers", "encode_arg",
@@ -868,11 +869,13 @@ def server_main(workdir: Path, n: int) -> int:
     each child initialises its own) and wait for them. A worker that fails stops the others;
     `workdir/failed.json` names it and its exit status, and this process exits 1. It stops
     them and exits 3 when its parent (the planning process) is gone."""
+    compiler_key.prefetch()  # beside the imports below; joined before the forks
     from capture.compiles import install_triton_counter
     from graphdraft.kernels.warmup import all_kernels
 
     install_triton_counter()
     all_kernels()  # every kernel module imported before the forks: the workers share it
+    compiler_key.wait()  # and Triton's compiler key: no worker hashes it again
     main_pid = os.getppid()
     children: dict[int, int] = {}
     for i in range(n):
@@ -1099,6 +1102,7 @@ def _launch(workdir: Path, n: int, log_path: Path, env: dict):
     (`python -m graphdraft.kernels.precompile_workers DIR N`) with the environment `env`."""
     env = dict(env, **{_SPAWNED_ENV: repr(time.time())})
     if hasattr(os, "fork"):
+        compiler_key.wait()  # the server and its workers inherit the key (`compiler_key`)
         import warnings
 
         with warnings.catch_warnings():  # "multi-threaded process: fork may deadlock": the

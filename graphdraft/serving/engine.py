@@ -50,6 +50,10 @@ schedule prefill chunks), launches step k, enqueues one non-blocking copy of the
 into a pinned slot (two slots, each with its own event), then retires step k-1: appends its
 tokens, decodes its error bits, finishes requests. `generate()` drains the last step.
 Without a draft head the same loop decodes one token per row (target-only).
+
+Importing this module on a CUDA machine starts Triton's compiler key in a thread
+(`kernels.compiler_key.prefetch`: 0.37 s of hashing, beside the caller's weight loading);
+`capture_graphs` waits for it before its first launch.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from capture import (
     padded_batch_size,
 )
 from graphdraft.config import RuntimeConfig
+from graphdraft.kernels import compiler_key
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, accept_tokens
 from graphdraft.kernels.cycle_kernels import (
     ERR_CACHE_LEN,
@@ -112,6 +117,9 @@ from graphdraft.serving.tree_cycle import EngineTrees
 from graphdraft.serving.verify import SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
+
+if torch.cuda.is_available():
+    compiler_key.prefetch()
 
 CAPTURE_COST_REPLAYS = 1
 """Timed replays per (bs, k) cell of the cost table `capture_graphs` measures (after the
@@ -484,6 +492,8 @@ class Engine:
                              "threads would interleave the ranks' collectives)")
         self.drain()
         self._reset_neutral()
+        if self.device.type == "cuda":
+            compiler_key.wait()  # computed once, before the first compile or cache load
         if self._tree is not None:  # tree drafting: its cycle graphs only
             finish_precompile(self)  # a phase `start_precompile` began over several engines
             self._capture_tree_graphs(progress)
