@@ -147,6 +147,23 @@ def test_torch_path_matches_per_token_attention():
     assert torch.equal(out, ops.paged_attention(q, kc, vc, tok_req, tok_kv, r2p, 4, 0.25, 32))
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_torch_reference_in_row_chunks(monkeypatch, masked):
+    """`paged_attention_torch` gathers K and V for a bounded number of rows at a time
+    (`REF_CHUNK_ELEMS`): chunks of 1, 3 or all rows give the same result, mask bits included."""
+    from graphdraft.kernels import decode_attention
+
+    seq, ext = [30, 20, 9], [8, 3, 9]
+    args = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 1, torch.float32, seed=7)
+    kw = dict(max_kv_len=40, max_extend=9, mask_bits=_tree_bits(ext, seed=2) if masked else None)
+    whole = paged_extend_attention_ref(*args, 1, 0.25, **kw)
+    for rows in (1, 3):
+        monkeypatch.setattr(decode_attention, "REF_CHUNK_ELEMS", rows * 40 * 2 * 16)
+        chunked = paged_extend_attention_ref(*args, 1, 0.25, **kw)
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+        assert not chunked.isnan().any()
+
+
 def test_extend_num_splits():
     """Splits: 1 once the programs reach 2 per SM (132 SMs on a CPU: an H200's); else enough
     for 2 per SM and chunks of <= MAX_CHUNK (512) positions, never more than the KV blocks."""

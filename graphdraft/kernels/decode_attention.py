@@ -416,6 +416,11 @@ def paged_decode_attention(
     return out
 
 
+REF_CHUNK_ELEMS = 1 << 27
+"""Most elements of the K (and of the V) `paged_attention_torch` gathers at once: 512 MiB each
+in fp32."""
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
                           req_to_page: torch.Tensor, page_size: int, sm_scale: float,
@@ -427,11 +432,22 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``[0, kv_lens[t])`` of request ``req_pool_indices[t]`` (gathered up to ``max_kv_len``, an
     upper bound of kv_lens; with ``seen`` ``[T, max_kv_len]`` bool only where it is True), then
     over the cache slots ``extra_slots[t, :num_extra]``. fp32 scores and softmax; a row that
-    sees nothing gets zeros. No checks (the callers check)."""
+    sees nothing gets zeros. Rows run in chunks whose gathered K (and V) ``[rows, L, Hkv, D]``
+    hold at most `REF_CHUNK_ELEMS` elements (a 1,500-token prefill chunk at L = 2048 gathered
+    13 GB of fp32 K at once). No checks (the callers check)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
         return torch.empty_like(q)
+    rows = max(1, REF_CHUNK_ELEMS // ((max_kv_len + num_extra) * hkv * d))
+    if t > rows:  # row chunks: the gathered K and V stay within REF_CHUNK_ELEMS each
+        def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
+            return None if x is None else x[i:i + rows]
+
+        return torch.cat([paged_attention_torch(
+            q[i:i + rows], k_cache, v_cache, req_pool_indices[i:i + rows], kv_lens[i:i + rows],
+            req_to_page, page_size, sm_scale, max_kv_len, seen=part(seen, i),
+            extra_slots=part(extra_slots, i), num_extra=num_extra) for i in range(0, t, rows)])
     pos = torch.arange(max_kv_len, device=q.device)
     slots = kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0),
                      page_size)                                       # [T, L]
