@@ -1,6 +1,8 @@
 """Verify forward vs decode step vs their floors at the 8B shape, and an 8k-token prefill (issue #23).
 
-    python3 -m perf.verify --out DIR        (one H200; about 3-4 minutes; writes DIR/verify.json)
+    python3 -m perf.verify --out DIR [--no-old] [--rows-only]
+        (one H200; about 1-4 minutes; writes DIR/verify.json; an 80 GB card skips what
+        does not fit its memory: `kv_budget_bytes`)
 
 The Llama-3.1-8B-shaped target (random bf16 weights, `perf.models_8b.build_target`) is built
 once. For bs in 1, 8, 64, 128, 256 and kv in 512, 4096 (cases whose KV does not fit next to
@@ -62,13 +64,13 @@ KV_LENS = (512, 4096)
 N_VERIFY = 4
 PAGE_SIZE = 16
 NOT_KV_BYTES = 35 << 30  # the 16 GB of weights, activations and the allocator's slack
+PREFILL_TOKENS = 8192
 
 
 def kv_budget_bytes(device: str) -> int:
     """Bytes of KV pages the benchmark may allocate: the card's memory less `NOT_KV_BYTES`
     (104 GiB on an H200, 43 GiB on an 80 GB H100; rows that do not fit are skipped)."""
     return torch.cuda.get_device_properties(device).total_memory - NOT_KV_BYTES
-PREFILL_TOKENS = 8192
 
 
 def gemm_rate(device: str) -> float:
