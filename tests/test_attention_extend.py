@@ -147,21 +147,29 @@ def test_torch_path_matches_per_token_attention():
     assert torch.equal(out, ops.paged_attention(q, kc, vc, tok_req, tok_kv, r2p, 4, 0.25, 32))
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_torch_reference_in_row_chunks(monkeypatch, masked):
+@pytest.mark.parametrize("extra", [0, 2])
+def test_torch_reference_in_row_chunks(extra):
     """`paged_attention_torch` gathers K and V for a bounded number of rows at a time
-    (`REF_CHUNK_ELEMS`): chunks of 1, 3 or all rows give the same result, mask bits included."""
-    from graphdraft.kernels import decode_attention
+    (`chunk_elems`): chunks of 1 or 3 rows give the result of all rows at once, with a
+    `seen` mask and extra slots."""
+    from graphdraft.kernels.decode_attention import paged_attention_torch
 
     seq, ext = [30, 20, 9], [8, 3, 9]
-    args = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 1, torch.float32, seed=7)
-    kw = dict(max_kv_len=40, max_extend=9, mask_bits=_tree_bits(ext, seed=2) if masked else None)
-    whole = paged_extend_attention_ref(*args, 1, 0.25, **kw)
-    for rows in (1, 3):
-        monkeypatch.setattr(decode_attention, "REF_CHUNK_ELEMS", rows * 40 * 2 * 16)
-        chunked = paged_extend_attention_ref(*args, 1, 0.25, **kw)
+    q, kc, vc, req, sl, e, qs, r2p = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 1, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(extra)
+    t, L = q.shape[0], 40
+    rows = torch.repeat_interleave(req, e.long())
+    kv_lens = torch.repeat_interleave(sl.long() - e.long(), e.long()) + torch.cat(
+        [torch.arange(1, n + 1) for n in ext])
+    seen = torch.rand(t, L, generator=g) < 0.7
+    slots = kv_slot(r2p, rows[:, None], (kv_lens - 1).clamp(min=0)[:, None].expand(t, 2), 1)
+    kw = dict(seen=seen, extra_slots=slots, num_extra=extra)
+    whole = paged_attention_torch(q, kc, vc, rows, kv_lens, r2p, 1, 0.25, L, **kw)
+    assert not whole.isnan().any()
+    for n in (1, 3):
+        chunked = paged_attention_torch(q, kc, vc, rows, kv_lens, r2p, 1, 0.25, L,
+                                        chunk_elems=n * (L + extra) * 2 * 16, **kw)
         torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
-        assert not chunked.isnan().any()
 
 
 def test_extend_num_splits():

@@ -12,7 +12,7 @@ from graphdraft.kernels import compiler_key
 @pytest.fixture
 def fresh(monkeypatch):
     """No key thread started yet in this process (as at import), Triton not interpreting."""
-    monkeypatch.setattr(compiler_key, "_THREAD", None)
+    monkeypatch.setattr(compiler_key, "_thread", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return monkeypatch
 

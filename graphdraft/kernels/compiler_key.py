@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 __all__ = ["prefetch", "wait"]
 
-_LOCK = threading.Lock()
-_THREAD: threading.Thread | None = None
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
 
 
 def _triton_key() -> Callable[[], str] | None:
@@ -43,17 +43,17 @@ def _triton_key() -> Callable[[], str] | None:
 def prefetch() -> threading.Thread | None:
     """Start computing Triton's compiler key in a daemon thread (once per process; later calls
     return the same thread). None where this Triton has no `triton_key` or interprets."""
-    global _THREAD
+    global _thread
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    with _LOCK:
-        if _THREAD is None:
+    with _lock:
+        if _thread is None:
             fn = _triton_key()
             if fn is None:
                 return None
-            _THREAD = threading.Thread(target=fn, name="graphdraft-triton-key", daemon=True)
-            _THREAD.start()
-        return _THREAD
+            _thread = threading.Thread(target=fn, name="graphdraft-triton-key", daemon=True)
+            _thread.start()
+        return _thread
 
 
 def wait() -> None:

@@ -426,28 +426,29 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           req_to_page: torch.Tensor, page_size: int, sm_scale: float,
                           max_kv_len: int, *, seen: torch.Tensor | None = None,
                           extra_slots: torch.Tensor | None = None,
-                          num_extra: int = 0) -> torch.Tensor:
+                          num_extra: int = 0, chunk_elems: int = REF_CHUNK_ELEMS) -> torch.Tensor:
     """The plain torch attention (decode and extend references; fixed shapes, no host sync:
     CUDA-graph capturable): q ``[T, Hq, D]`` -> ``[T, Hq, D]``, row t over positions
     ``[0, kv_lens[t])`` of request ``req_pool_indices[t]`` (gathered up to ``max_kv_len``, an
     upper bound of kv_lens; with ``seen`` ``[T, max_kv_len]`` bool only where it is True), then
     over the cache slots ``extra_slots[t, :num_extra]``. fp32 scores and softmax; a row that
     sees nothing gets zeros. Rows run in chunks whose gathered K (and V) ``[rows, L, Hkv, D]``
-    hold at most `REF_CHUNK_ELEMS` elements (a 1,500-token prefill chunk at L = 2048 gathered
+    hold at most ``chunk_elems`` elements (default `REF_CHUNK_ELEMS`) (a 1,500-token prefill chunk at L = 2048 gathered
     13 GB of fp32 K at once). No checks (the callers check)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
         return torch.empty_like(q)
-    rows = max(1, REF_CHUNK_ELEMS // ((max_kv_len + num_extra) * hkv * d))
-    if t > rows:  # row chunks: the gathered K and V stay within REF_CHUNK_ELEMS each
+    rows = max(1, chunk_elems // ((max_kv_len + num_extra) * hkv * d))
+    if t > rows:  # row chunks: the gathered K and V stay within chunk_elems each
         def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
             return None if x is None else x[i:i + rows]
 
         return torch.cat([paged_attention_torch(
             q[i:i + rows], k_cache, v_cache, req_pool_indices[i:i + rows], kv_lens[i:i + rows],
             req_to_page, page_size, sm_scale, max_kv_len, seen=part(seen, i),
-            extra_slots=part(extra_slots, i), num_extra=num_extra) for i in range(0, t, rows)])
+            extra_slots=part(extra_slots, i), num_extra=num_extra, chunk_elems=chunk_elems)
+            for i in range(0, t, rows)])
     pos = torch.arange(max_kv_len, device=q.device)
     slots = kv_slots(req_to_page, req_pool_indices.long().unsqueeze(1), pos.unsqueeze(0),
                      page_size)                                       # [T, L]
