@@ -128,7 +128,8 @@ class Batch:
 def target_forward(target, pool: KVPool, batch: Batch, n: int, form: str):
     """The target forward over `batch` as `Engine._target_decode` runs it; form "rows" (the
     engine's metadata now) or "tokens" (per-token metadata, the decode kernel for every token)."""
-    backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx, kernels=TRITON)
+    backend = PagedAttentionBackend(batch.req_to_page, PAGE_SIZE, batch.max_ctx,
+                                     kernels=target.kernels)
 
     def fwd():
         if form == "rows":
@@ -171,7 +172,7 @@ def time_matmuls(target, rate: float, bw: float, device: str) -> list[dict]:
         for m in (256, 512, 1024):
             x = torch.randn(m, w.shape[1], device=device, dtype=w.dtype)
             us = graph_time_us(lambda i, x=x, c=copies: ops.linear(x, c[i % len(c)],
-                                                                   kernels=TRITON),
+                                                                   kernels=target.kernels),
                                calls=2 * len(copies))
             flops = 2 * m * w.shape[0] * w.shape[1]
             rows.append({"m": m, "name": name, "n": w.shape[0], "k": w.shape[1], "us": us,
@@ -381,6 +382,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-old", action="store_true", help="skip the per-token verify baseline")
+    ap.add_argument("--kernels-from-env", action="store_true",
+                    help="the Triton path with the GRAPHDRAFT_* kernel settings of the environment "
+                         "(KernelConfig.from_env; default: the shipped defaults, TRITON), for an "
+                         "A/B of a setting run by run")
     ap.add_argument("--rows-only", action="store_true",
                     help="only the verify / decode rows and the matmuls (no prefill, prefill "
                          "tiles or attention-alone studies)")
@@ -410,7 +415,9 @@ def main() -> None:
 
     mc = LLAMA31_8B
     target = build_target(device)
-    target.set_kernels(TRITON)
+    kernels = KernelConfig.from_env(backend="triton") if args.kernels_from_env else TRITON
+    target.set_kernels(kernels)
+    print(f"kernels: {kernels}")
     wbytes = weight_bytes(target)
     if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
         wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
