@@ -17,9 +17,10 @@ no-ops.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 from collections.abc import Callable
+
+from graphdraft.kernels.pdl import interpreting
 
 __all__ = ["prefetch", "wait"]
 
@@ -44,7 +45,7 @@ def prefetch() -> threading.Thread | None:
     """Start computing Triton's compiler key in a daemon thread (once per process; later calls
     return the same thread). None where this Triton has no `triton_key` or interprets."""
     global _thread
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return None
     with _lock:
         if _thread is None:

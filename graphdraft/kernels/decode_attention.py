@@ -433,8 +433,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     upper bound of kv_lens; with ``seen`` ``[T, max_kv_len]`` bool only where it is True), then
     over the cache slots ``extra_slots[t, :num_extra]``. fp32 scores and softmax; a row that
     sees nothing gets zeros. Rows run in chunks whose gathered K (and V) ``[rows, L, Hkv, D]``
-    hold at most ``chunk_elems`` elements (default `REF_CHUNK_ELEMS`) (a 1,500-token prefill chunk at L = 2048 gathered
-    13 GB of fp32 K at once). No checks (the callers check)."""
+    hold at most ``chunk_elems`` elements (default `REF_CHUNK_ELEMS`; a 1,500-token prefill
+    chunk at L = 2048 gathered 13 GB of fp32 K at once). No checks (the callers check)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t == 0:
