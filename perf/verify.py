@@ -1,6 +1,7 @@
 """Verify forward vs decode step vs their floors at the 8B shape, and an 8k-token prefill (issue #23).
 
-    python3 -m perf.verify --out DIR [--no-old] [--rows-only]
+    python3 -m perf.verify --out DIR [--no-old] [--rows-only] [--bs 1,8] [--kv 512]
+                           [--no-matmuls] [--kernels-from-env]
         (one H200; about 1-4 minutes; writes DIR/verify.json; an 80 GB card skips what
         does not fit its memory: `kv_budget_bytes`)
 
@@ -25,7 +26,9 @@ around one call measures the host's launch cost at these sizes: the 2026-12-04c 
 verify forward's kernel time by category (torch profiler, one eager call), against
 `matmul_floor_ms` (max(matmul FLOPs / GEMM rate, weight bytes / bandwidth)) and
 `attention_floor_ms` (KV read once); `sum_floor_ms` is their sum (the kernels of one layer
-run one after another: the attention cannot hide under the matmuls).
+run one after another: the attention cannot hide under the matmuls). `replay_kernels` /
+`replay_kernel_ms` / `replay_span_ms`: one replay of the captured verify under the profiler,
+its kernels' summed time against first start to last end (the rest: gaps between kernels).
 
 Prefill: the extend kernel alone (`kernels.extend_attention.paged_extend_attention`) over one
 8192-token prompt in a paged cache (page 16, shuffled pages), one layer's attention (32 q
@@ -65,6 +68,17 @@ N_VERIFY = 4
 PAGE_SIZE = 16
 NOT_KV_BYTES = 35 << 30  # the 16 GB of weights, activations and the allocator's slack
 PREFILL_TOKENS = 8192
+
+
+def _int_list(raw: str) -> tuple[int, ...]:
+    """argparse type: "1,8,64" -> (1, 8, 64), each a positive int."""
+    try:
+        vals = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {raw!r}")
+    return vals
 
 
 def kv_budget_bytes(device: str) -> int:
@@ -141,8 +155,10 @@ def target_forward(target, pool: KVPool, batch: Batch, n: int, form: str):
     return fwd
 
 
-def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str) -> float:
-    """Median replay time (ms) of the captured `target_forward`."""
+def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str,
+                     gaps: dict | None = None) -> float:
+    """Median replay time (ms) of the captured `target_forward`; with `gaps` (a dict) also
+    `replay_gaps` of one replay written into it."""
     fwd = target_forward(target, pool, batch, n, form)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -154,8 +170,32 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
     with torch.cuda.graph(graph):
         fwd()
     ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
+    if gaps is not None:
+        gaps.update(replay_gaps(graph.replay))
     del graph
     return ms
+
+
+def replay_gaps(replay) -> dict:
+    """One replay under the torch profiler: `replay_kernels` (kernel records seen),
+    `replay_kernel_ms` (their summed GPU time) and `replay_span_ms` (first start to last
+    end); span - sum is the GPU time between the graph's kernels (launch gaps). Empty when the
+    profiler records no kernel inside the graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA
+             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    if not spans:
+        return {}
+    return {"replay_kernels": len(spans),
+            "replay_kernel_ms": sum(b - a for a, b in spans) / 1e3,
+            "replay_span_ms": (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3}
 
 
 def time_matmuls(target, rate: float, bw: float, device: str) -> list[dict]:
@@ -389,6 +429,14 @@ def main() -> None:
     ap.add_argument("--rows-only", action="store_true",
                     help="only the verify / decode rows and the matmuls (no prefill, prefill "
                          "tiles or attention-alone studies)")
+    ap.add_argument("--bs", type=_int_list, default=BATCH_SIZES,
+                    help="batch sizes of the verify / decode rows (comma-separated; default "
+                         + ",".join(map(str, BATCH_SIZES)) + ")")
+    ap.add_argument("--kv", type=_int_list, default=KV_LENS,
+                    help="committed KV lengths of those rows (default "
+                         + ",".join(map(str, KV_LENS)) + ")")
+    ap.add_argument("--no-matmuls", action="store_true",
+                    help="skip the per-projection matmul timings")
     args = ap.parse_args()
     device = "cuda"
     t0 = time.time()
@@ -421,10 +469,12 @@ def main() -> None:
     wbytes = weight_bytes(target)
     if target.lm_head is not target.embed_tokens:  # the embedding is gathered, not read whole
         wbytes -= target.embed_tokens.numel() * target.embed_tokens.element_size()
-    with torch.inference_mode():
-        matmuls = time_matmuls(target, rate, bw, device)
+    matmuls = []
+    if not args.no_matmuls:
+        with torch.inference_mode():
+            matmuls = time_matmuls(target, rate, bw, device)
     per_tok = kv_bytes_per_token(mc)
-    cases = [(bs, kv) for kv in KV_LENS for bs in BATCH_SIZES]
+    cases = [(bs, kv) for kv in args.kv for bs in args.bs]
     budget = kv_budget_bytes(device)
     fit = [(bs, kv) for bs, kv in cases
            if bs * (kv + N_VERIFY + PAGE_SIZE) * per_tok <= budget]
@@ -433,6 +483,8 @@ def main() -> None:
             print(f"skip bs {bs} kv {kv}: its KV needs "
                   f"{bs * (kv + N_VERIFY) * per_tok / 2**30:.0f} GiB, over the "
                   f"{budget / 2**30:.0f} GiB budget next to the weights")
+    if not fit:
+        raise SystemExit("perf.verify: no verify row fits this card's KV budget")
     max_pages = max(bs * math.ceil((kv + N_VERIFY) / PAGE_SIZE) for bs, kv in fit) + 1
     pool = KVPool(mc.num_hidden_layers, max_pages, PAGE_SIZE, mc.num_key_value_heads,
                   mc.head_dim, torch.bfloat16, device)
@@ -443,7 +495,8 @@ def main() -> None:
         for bs, kv in fit:
             row = {"bs": bs, "kv": kv}
             vb = Batch(pool, bs, kv, N_VERIFY, device)
-            row["verify_ms"] = capture_and_time(target, pool, vb, N_VERIFY, "rows", device)
+            gaps: dict = {}
+            row["verify_ms"] = capture_and_time(target, pool, vb, N_VERIFY, "rows", device, gaps)
             if not args.no_old:
                 row["verify_old_ms"] = capture_and_time(target, pool, vb, N_VERIFY, "tokens",
                                                         device)
@@ -461,7 +514,8 @@ def main() -> None:
             attn_floor = kv_read / bw * 1e3
             row.update(parts, matmul_floor_ms=mm_floor, attention_floor_ms=attn_floor,
                        sum_floor_ms=mm_floor + attn_floor,
-                       verify_over_sum_floor=row["verify_ms"] / (mm_floor + attn_floor))
+                       verify_over_sum_floor=row["verify_ms"] / (mm_floor + attn_floor),
+                       **gaps)
             rows.append(row)
             print(row, flush=True)
             del vb, db
@@ -488,9 +542,15 @@ def main() -> None:
     if pre:
         print(f"prefill {pre['prefill_tokens']}: {pre['prefill_ms']:.3f} ms vs sdpa flash "
               f"{pre['sdpa_prefill_ms']:.3f} ms ({pre['prefill_ms'] / pre['sdpa_prefill_ms']:.2f}x)")
+    for r in rows:
+        if "replay_span_ms" in r:
+            print(f"bs {r['bs']} kv {r['kv']}: one verify replay's {r['replay_kernels']} kernels "
+                  f"{r['replay_kernel_ms']:.2f} ms of its {r['replay_span_ms']:.2f} ms span "
+                  f"(between kernels {r['replay_span_ms'] - r['replay_kernel_ms']:.2f} ms)")
     worst = sorted(matmuls, key=lambda r: r["of_gemm_rate"])[:5]
-    print("slowest matmuls (of the GEMM rate): " + ", ".join(
-        f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))
+    if worst:
+        print("slowest matmuls (of the GEMM rate): " + ", ".join(
+            f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))
     print(f"wrote {path} ({time.time() - t0:.0f} s)")
 
 

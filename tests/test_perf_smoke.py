@@ -421,3 +421,15 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     assert {"frontend", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(st)
     assert row["compile_s"] > 0 and abs(sum(st.values()) - row["compile_s"]) < 0.01
     assert row["ptx_bytes"] > 0
+
+
+def test_verify_row_filters_parse():
+    """perf.verify's --bs / --kv: positive ints separated by commas, anything else refused."""
+    import argparse
+
+    from perf.verify import _int_list
+
+    assert _int_list("1,8, 64") == (1, 8, 64)
+    for bad in ("", "0", "1,-8", "a,b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive ints"):
+            _int_list(bad)
