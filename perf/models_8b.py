@@ -75,6 +75,11 @@ DRAFT_STEP_MATMULS = {
     "qkv": (6144, 8192, None, None), "gate_up": (28672, 4096, None, None),
     "lm_head": (32000, 4096, None, "argmax"), "fc": (4096, 12288, None, None)}
 """The 8B head's draft-step matmuls, name: (N, K, input activation, epilogue); fc once per call."""
+TARGET_LAYER_MATMULS = {
+    "gate_up": (28672, 4096, None, None), "down": (4096, 14336, "silu_mul", None),
+    "qkv": (6144, 4096, None, None), "o": (4096, 4096, None, None)}
+"""One layer of the 8B target's matmuls (the same form): its verify and decode steps run them
+on the GEMV up to `KernelConfig.small_m_max` rows (verify bs 8: 32 rows)."""
 
 
 @torch.no_grad()

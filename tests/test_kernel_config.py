@@ -44,12 +44,14 @@ def test_defaults_are_todays_settings(clean_env):
     assert (kc.small_m_max, kc.finish_norm_max_m, kc.pdl_max_rows, kc.finish_maxnreg) == (32, 1, 4, 128)
     assert kc.gemv_pdl and kc.stream_evict_first and kc.pdl and kc.pdl_early_loads
     assert kc.gemv_tiles == "wide" and kc.gemv_split is None and kc.gemv_block_k is None
+    assert kc.gemv_num_stages is None
     assert TRITON == kc.replace(backend="triton") and TRITON.use_triton and not kc.use_triton
 
 
 def test_every_env_var_sets_its_field(clean_env):
     values = {"GRAPHDRAFT_GEMV_TILES": ("uniform", "uniform"), "GRAPHDRAFT_GEMV_SPLIT": ("3", 3),
-              "GRAPHDRAFT_GEMV_BLOCK_K": ("64", 64), "GRAPHDRAFT_SMALL_M_MAX": ("0", 0),
+              "GRAPHDRAFT_GEMV_BLOCK_K": ("64", 64), "GRAPHDRAFT_GEMV_NUM_STAGES": ("2", 2),
+              "GRAPHDRAFT_SMALL_M_MAX": ("0", 0),
               "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
               "GRAPHDRAFT_FINISH_MAXNREG": ("none", None), "GRAPHDRAFT_FINISH_NORM_MAX_M": ("16", 16),
               "GRAPHDRAFT_PDL": ("False", False), "GRAPHDRAFT_PDL_MAX_ROWS": ("8", 8),
@@ -74,7 +76,8 @@ def test_every_env_var_sets_its_field(clean_env):
 
 @pytest.mark.parametrize("var,raw", [
     ("GRAPHDRAFT_GEMV_TILES", "narrow"), ("GRAPHDRAFT_GEMV_SPLIT", "0"),
-    ("GRAPHDRAFT_GEMV_BLOCK_K", "48"), ("GRAPHDRAFT_SMALL_M_MAX", "65"),
+    ("GRAPHDRAFT_GEMV_BLOCK_K", "48"), ("GRAPHDRAFT_GEMV_NUM_STAGES", "9"),
+    ("GRAPHDRAFT_SMALL_M_MAX", "65"),
     ("GRAPHDRAFT_SMALL_M_MAX", "lots"), ("GRAPHDRAFT_GEMV_PDL", "maybe"),
     ("GRAPHDRAFT_STREAM_EVICT_FIRST", "2"), ("GRAPHDRAFT_FINISH_MAXNREG", "-1"),
     ("GRAPHDRAFT_FINISH_NORM_MAX_M", "4.5"), ("GRAPHDRAFT_PDL", "yes please"),
@@ -95,6 +98,7 @@ def test_bad_env_value_raises_naming_the_variable(clean_env, var, raw):
                                          ("small_m_max", 65), ("small_m_max", True),
                                          ("pdl", 1), ("finish_maxnreg", 0), ("gemv_block_k", 24),
                                          ("pdl_max_rows", -1), ("gemv_split", 0),
+                                         ("gemv_num_stages", 0),
                                          ("decode_block_n", 24), ("extend_num_stages", 0),
                                          ("extend_tiles", ((16, 64, 4),) * 3)])
 def test_bad_field_raises_naming_it(field, value):

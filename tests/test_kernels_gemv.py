@@ -446,6 +446,17 @@ def test_forced_splits_reach_every_gemv_but_the_argmax():
                                                                             max_split=1)
 
 
+def test_forced_stages_reach_every_gemv():
+    """`KernelConfig.gemv_num_stages` sets the stages of M == 1 and M > 1 tiles (and of the
+    argmax one); an explicit `num_stages` argument still wins."""
+    kc = TRITON.replace(gemv_num_stages=2)
+    for m in (1, 4, 32):
+        assert gemv_config(m, 4096, 4096).num_stages in (3, 4)
+        assert gemv_config(m, 4096, 4096, kernels=kc).num_stages == 2
+        assert gemv_config(m, 4096, 4096, max_split=1, kernels=kc).num_stages == 2
+        assert gemv_config(m, 4096, 4096, num_stages=4, kernels=kc).num_stages == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("bs", [1, 2])

@@ -17,6 +17,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_tiles` | `GRAPHDRAFT_GEMV_TILES` | "wide", "uniform" | "wide" | "uniform": single-row GEMVs take the multi-row tiles (`gemv.gemv_config`; a tuning aid) |
 | `gemv_split` | `GRAPHDRAFT_GEMV_SPLIT` | int >= 1, or unset | unset (None) | force the K split of every GEMV that may split (not the LM head's argmax one); None: the tile heuristic. Tuning and tests |
 | `gemv_block_k` | `GRAPHDRAFT_GEMV_BLOCK_K` | power of two in [16, 1024], or unset | unset (None) | force BLOCK_K of the same GEMVs; None: the tile heuristic |
+| `gemv_num_stages` | `GRAPHDRAFT_GEMV_NUM_STAGES` | int in [1, 8], or unset | unset (None) | force the software-pipeline stages of every GEMV launch the tile heuristic sizes; None: the heuristic (a tuning aid) |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
@@ -78,6 +79,7 @@ class KernelConfig:
     gemv_tiles: str = "wide"
     gemv_split: int | None = None
     gemv_block_k: int | None = None
+    gemv_num_stages: int | None = None
     small_m_max: int = 32
     """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
     of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
@@ -116,6 +118,9 @@ class KernelConfig:
         need(self.gemv_block_k is None or (_is_int(self.gemv_block_k) and 16 <= self.gemv_block_k
                                            <= 1024 and self.gemv_block_k & (self.gemv_block_k - 1) == 0),
              "gemv_block_k", "None or a power of two in [16, 1024]")
+        need(self.gemv_num_stages is None or (_is_int(self.gemv_num_stages)
+                                              and 1 <= self.gemv_num_stages <= 8),
+             "gemv_num_stages", "None or an int in [1, 8]")
         need(_is_int(self.small_m_max) and 0 <= self.small_m_max <= GEMV_MAX_M, "small_m_max",
              f"an int in [0, {GEMV_MAX_M}]")
         for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads"):
@@ -215,6 +220,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "gemv_tiles": ("GRAPHDRAFT_GEMV_TILES", _choice(*GEMV_TILES)),
     "gemv_split": ("GRAPHDRAFT_GEMV_SPLIT", _int),
     "gemv_block_k": ("GRAPHDRAFT_GEMV_BLOCK_K", _int),
+    "gemv_num_stages": ("GRAPHDRAFT_GEMV_NUM_STAGES", _int),
     "small_m_max": ("GRAPHDRAFT_SMALL_M_MAX", _int),
     "gemv_pdl": ("GRAPHDRAFT_GEMV_PDL", _bool),
     "stream_evict_first": ("GRAPHDRAFT_STREAM_EVICT_FIRST", _bool),
@@ -235,6 +241,7 @@ _EXPECTED = {
     "gemv_tiles": "'wide' or 'uniform'",
     "gemv_split": "an int >= 1",
     "gemv_block_k": "a power of two in [16, 1024]",
+    "gemv_num_stages": "an int in [1, 8]",
     "small_m_max": f"an int in [0, {GEMV_MAX_M}]",
     "gemv_pdl": _BOOL,
     "stream_evict_first": _BOOL,

@@ -54,6 +54,7 @@ Settings (`kernels/config.KernelConfig`, each wrapper's `kernels=`; None: the de
   finish_norm_max_m   rows up to which the residual + RMSNorm runs in the GEMV's last program.
   gemv_tiles          "uniform": M == 1 takes the M > 1 tiles (`gemv_config`).
   gemv_split / gemv_block_k  forced K split / BLOCK_K of the GEMVs that may split.
+  gemv_num_stages     forced pipeline stages of every launch the heuristic sizes.
 
 The torch reference lives here too: `linear_ref` (`F.linear` of the activated input,
 `silu_mul_ref`), the torch path of `ops.linear` and the tests' oracle (`linear_small_m_ref`
@@ -118,8 +119,8 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
     whole number of slices, at least 4 * BLOCK_K long, at most `max_split`); `split` forces
     the number of K slices. The keyword overrides are for tuning and tests.
     `kernels.gemv_tiles == "uniform"` gives M == 1 the M > 1 tiles; `kernels.gemv_split` /
-    `gemv_block_k` force the split / BLOCK_K where `max_split > 1` (None `kernels`: the
-    default config)."""
+    `gemv_block_k` force the split / BLOCK_K where `max_split > 1`, `kernels.gemv_num_stages`
+    the stages (None `kernels`: the default config)."""
     kc = kernels if kernels is not None else default_config()
     wide = m == 1 and kc.gemv_tiles != "uniform"
     if max_split > 1:
@@ -129,7 +130,7 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: 
         block_n = (32 if n <= 8192 else 64) if wide else (64 if n <= 8192 else 128)
     block_k = block_k or (256 if wide else 128)
     target_programs = target_programs or (2 * _TARGET_PROGRAMS if wide else _TARGET_PROGRAMS)
-    num_stages = num_stages or (4 if wide else 3)
+    num_stages = num_stages or kc.gemv_num_stages or (4 if wide else 3)
     n_blocks = triton.cdiv(n, block_n)
     if split is None:
         split = min(round(target_programs / n_blocks), k // (4 * block_k), max_split)

@@ -1,9 +1,10 @@
 """Tile sweep of the small-M GEMV kernels at the 8B head's draft-step shapes (GPU only).
 
-`python3 -m perf.studies.gemv_sweep --out DIR [--max-seconds 150]`
+`python3 -m perf.studies.gemv_sweep --out DIR [--max-seconds 150] [--shapes target] [--ms 16,32]`
 
 For each matmul of a draft step (qkv, o, gate_up, down with the silu_mul input,
-lm_head with the argmax epilogue, fc) and M in {1, 4, 16}: the time of cuBLAS
+lm_head with the argmax epilogue, fc; `--shapes target`: one layer of the 8B target,
+`TARGET_LAYER_MATMULS`) and M in {1, 4, 16} (`--ms`): the time of cuBLAS
 (`F.linear`, plus the separate silu*mul / argmax ops where the fused kernel saves
 them) and of the Triton kernels for every tile config, each timed as a CUDA graph
 of `copies` back-to-back calls whose weights rotate among copies larger than L2
@@ -29,17 +30,18 @@ from graphdraft.kernels.gemv import (
     linear_small_m_argmax,
     linear_small_m_ref,
 )
-from perf.models_8b import DRAFT_STEP_MATMULS
+from perf.models_8b import DRAFT_STEP_MATMULS, TARGET_LAYER_MATMULS
 from perf.timing import copy_bandwidth, graph_time_us, write_json
 
-SHAPES = DRAFT_STEP_MATMULS
+SHAPES = {"draft": DRAFT_STEP_MATMULS, "target": TARGET_LAYER_MATMULS}
 MS = (1, 4, 16)
 
 
 def configs(m: int, n: int, k: int, epilogue: str | None) -> list[GemvConfig]:
     out = []
     for (bn, bk), warps, stages, progs in itertools.product(
-            ((32, 256), (64, 128), (64, 256), (128, 128)), (4, 8), (3, 4), (132, 264, 528)):
+            ((32, 256), (64, 128), (64, 256), (128, 128), (128, 64)), (4, 8), (2, 3, 4),
+            (132, 264, 528)):
         max_split = 1 if epilogue == "argmax" else 16
         c = gemv_config(m, n, k, block_n=bn, block_k=bk, target_programs=progs,
                         max_split=max_split, num_warps=warps, num_stages=stages)
@@ -52,17 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="perf/out")
     p.add_argument("--max-seconds", type=float, default=150.0)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="draft",
+                   help="the draft head's step matmuls or one layer of the target's")
+    p.add_argument("--ms", default=",".join(map(str, MS)),
+                   help="rows per product, comma-separated (1..64)")
     a = p.parse_args(argv)
+    ms = tuple(int(v) for v in a.ms.split(",") if v.strip())
+    if not ms or not all(1 <= m <= 64 for m in ms):
+        p.error(f"--ms: expected row counts in 1..64 separated by commas, got {a.ms!r}")
     t_start = time.perf_counter()
     bw = copy_bandwidth("cuda")
     print(f"[sweep] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    results: dict = {"copy_bw": bw, "gpu": torch.cuda.get_device_name(), "shapes": {}}
+    results: dict = {"copy_bw": bw, "gpu": torch.cuda.get_device_name(), "shape_set": a.shapes,
+                     "shapes": {}}
     dt = torch.bfloat16
-    for name, (n, k, act, epi) in SHAPES.items():
+    for name, (n, k, act, epi) in SHAPES[a.shapes].items():
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / bw * 1e6
-        for m in MS:
+        for m in ms:
             kx = 2 * k if act else k
             x = torch.randn(m, kx, device="cuda", dtype=dt)
             ref = linear_small_m_ref(x, ws[0], act=act)
