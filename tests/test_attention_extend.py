@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from graphdraft import ops
 from graphdraft.kernels.config import TORCH, TRITON, KernelConfig
@@ -332,6 +334,43 @@ def test_bad_input_names_the_argument():
     assert (out == 7.0).all()  # nothing written
 
 
+@st.composite
+def _rows(draw, max_len: int, max_rows: int = 4):
+    """Ragged rows for the property tests: per row N = 1..16 new tokens and a prefix drawn
+    around the 16-position block (and page) edges, or anywhere below `max_len`; the request
+    slots a permutation (a row need not sit at its slot's index)."""
+    n_rows = draw(st.integers(1, max_rows))
+    ext, seq = [], []
+    for _ in range(n_rows):
+        n = draw(st.integers(1, 16))
+        edge = draw(st.sampled_from([0, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64]))
+        prefix = draw(st.one_of(st.just(edge), st.integers(0, max_len - 16)))
+        prefix = min(prefix, max_len - n)
+        ext.append(n)
+        seq.append(prefix + n)
+    reqs = draw(st.permutations(range(n_rows)))
+    return seq, ext, list(reqs)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=_rows(max_len=80), page_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+       heads=st.sampled_from([(2, 2), (4, 1), (8, 1), (8, 2)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 2, 3, 5]), masked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_property_rows_against_reference(rows, page_size, heads, dtype, splits, masked, seed):
+    """Any page size, GQA ratio 1 / 4 / 8, N = 1..16 tokens a row, prefixes at and around the
+    block / page / split edges, any split count, with or without tree mask bits: the kernel
+    equals the torch reference (the interpreter's small tiles: BLOCK_M 16, BLOCK_N 16)."""
+    seq, ext, reqs = rows
+    (Hq, Hkv) = heads
+    args = _setup(seq, ext, reqs, Hq, Hkv, 16, page_size, dtype, max_reqs=len(reqs), seed=seed)
+    kw = dict(max_kv_len=80, max_extend=max(ext), num_splits=splits,
+              mask_bits=_tree_bits(ext, seed) if masked else None)
+    out = paged_extend_attention(*args, page_size, 0.25, **kw, kernels=SMALL)
+    _close(out, paged_extend_attention_ref(*args, page_size, 0.25, **kw), dtype)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -393,6 +432,29 @@ def test_gpu_ragged_prefill_and_mask(dtype):
                                      mask_bits=bits)
         ref = ops.paged_extend_attention(*vargs, page, 0.088, 2048, max_extend=16, mask_bits=bits)
         torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.gpu
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=_rows(max_len=1200, max_rows=6), page_size=st.sampled_from([1, 8, 16, 32, 64]),
+       heads=st.sampled_from([(8, 8), (32, 8), (32, 4)]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       splits=st.sampled_from([None, 1, 3]), masked=st.booleans(), seed=st.integers(0, 2**16))
+def test_gpu_property_rows_against_torch(rows, page_size, heads, dtype, splits, masked, seed):
+    """The shipped tiles at D = 128: any page size, GQA 1 / 4 / 8, N = 1..16 a row, prefixes
+    up to 1,200 positions (several 64-position blocks and 512-position splits), mask bits or
+    none, against the torch path."""
+    seq, ext, reqs = rows
+    Hq, Hkv = heads
+    args = _setup(seq, ext, reqs, Hq, Hkv, 128, page_size, dtype, device="cuda",
+                  max_reqs=len(reqs), max_len=1200, seed=seed)
+    bits = _tree_bits(ext, seed).cuda() if masked else None
+    out = paged_extend_attention(*args, page_size, 0.088, max_kv_len=1200, max_extend=max(ext),
+                                 num_splits=splits, mask_bits=bits)
+    ref = ops.paged_extend_attention(*args, page_size, 0.088, 1200, max_extend=max(ext),
+                                     mask_bits=bits)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
 @pytest.mark.gpu
