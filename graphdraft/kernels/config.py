@@ -18,6 +18,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_split` | `GRAPHDRAFT_GEMV_SPLIT` | int >= 1, or unset | unset (None) | force the K split of every GEMV that may split (not the LM head's argmax one); None: the tile heuristic. Tuning and tests |
 | `gemv_block_k` | `GRAPHDRAFT_GEMV_BLOCK_K` | power of two in [16, 1024], or unset | unset (None) | force BLOCK_K of the same GEMVs; None: the tile heuristic |
 | `gemv_num_stages` | `GRAPHDRAFT_GEMV_NUM_STAGES` | int in [1, 8], or unset | unset (None) | force the software-pipeline stages of every GEMV launch the tile heuristic sizes; None: the heuristic (a tuning aid) |
+| `gemv_swap_ab` | `GRAPHDRAFT_GEMV_SWAP_AB` | bool | off | M > 1 GEMVs compute `w @ x^T` (the weights as the MMA's M side: Hopper's wgmma) instead of `x @ w^T` |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
@@ -80,6 +81,7 @@ class KernelConfig:
     gemv_split: int | None = None
     gemv_block_k: int | None = None
     gemv_num_stages: int | None = None
+    gemv_swap_ab: bool = False
     small_m_max: int = 32
     """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
     of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
@@ -123,7 +125,7 @@ class KernelConfig:
              "gemv_num_stages", "None or an int in [1, 8]")
         need(_is_int(self.small_m_max) and 0 <= self.small_m_max <= GEMV_MAX_M, "small_m_max",
              f"an int in [0, {GEMV_MAX_M}]")
-        for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads"):
+        for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads", "gemv_swap_ab"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(self.finish_maxnreg is None or (_is_int(self.finish_maxnreg) and self.finish_maxnreg >= 1),
              "finish_maxnreg", "None or an int >= 1")
@@ -221,6 +223,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "gemv_split": ("GRAPHDRAFT_GEMV_SPLIT", _int),
     "gemv_block_k": ("GRAPHDRAFT_GEMV_BLOCK_K", _int),
     "gemv_num_stages": ("GRAPHDRAFT_GEMV_NUM_STAGES", _int),
+    "gemv_swap_ab": ("GRAPHDRAFT_GEMV_SWAP_AB", _bool),
     "small_m_max": ("GRAPHDRAFT_SMALL_M_MAX", _int),
     "gemv_pdl": ("GRAPHDRAFT_GEMV_PDL", _bool),
     "stream_evict_first": ("GRAPHDRAFT_STREAM_EVICT_FIRST", _bool),
@@ -242,6 +245,7 @@ _EXPECTED = {
     "gemv_split": "an int >= 1",
     "gemv_block_k": "a power of two in [16, 1024]",
     "gemv_num_stages": "an int in [1, 8]",
+    "gemv_swap_ab": _BOOL,
     "small_m_max": f"an int in [0, {GEMV_MAX_M}]",
     "gemv_pdl": _BOOL,
     "stream_evict_first": _BOOL,

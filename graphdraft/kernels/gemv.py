@@ -55,6 +55,8 @@ Settings (`kernels/config.KernelConfig`, each wrapper's `kernels=`; None: the de
   gemv_tiles          "uniform": M == 1 takes the M > 1 tiles (`gemv_config`).
   gemv_split / gemv_block_k  forced K split / BLOCK_K of the GEMVs that may split.
   gemv_num_stages     forced pipeline stages of every launch the heuristic sizes.
+  gemv_swap_ab        M > 1: the product as `w @ x^T` (the weight slab the MMA's M side, so
+                      Hopper's wgmma, which needs M >= 64, can take it; the rows its N).
 
 The torch reference lives here too: `linear_ref` (`F.linear` of the activated input,
 `silu_mul_ref`), the torch path of `ops.linear` and the tests' oracle (`linear_small_m_ref`
@@ -148,7 +150,7 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SILU_MUL: tl.constexpr, FP32_DOT: tl.constexpr, FINISH: tl.constexpr,
                  NORM_BLOCK: tl.constexpr,
-                 PDL: tl.constexpr, W_EVICT: tl.constexpr):
+                 PDL: tl.constexpr, W_EVICT: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """Program (n block, K slice): one `[BLOCK_N, k_per_split]` slab of w times the M rows of x,
     stored as fp32 partials to `ws [split, M, N]` (`to_ws`) or rounded to `out`. With `argmax`
     (not with `to_ws`), it also writes the (max, first index) of its rounded logits to
@@ -165,7 +167,10 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
     n_ok = offs_n < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # the product as w @ x^T: the weight slab is the MMA's M side
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PDL:  # launched while the previous kernel finishes: its writes (x) are visible from here
@@ -184,12 +189,18 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
                     eviction_policy=W_EVICT)
         if BLOCK_M == 1:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif SWAP_AB and FP32_DOT:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        elif SWAP_AB:
+            acc += tl.dot(w, tl.trans(x))
         elif FP32_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next launch may start its own prologue
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], as the epilogues take it
     mask = m_ok[:, None] & n_ok[None, :]
     if to_ws:
         ws = ws_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
@@ -396,6 +407,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, ws: torc
         SILU_MUL=act == "silu_mul", FP32_DOT=fp32_dot, FINISH=norm is not None,
         NORM_BLOCK=triton.next_power_of_2(n) if norm else 16,
         PDL=pdl, W_EVICT="evict_first" if kc.stream_evict_first else "",
+        SWAP_AB=kc.gemv_swap_ab and block_m > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
