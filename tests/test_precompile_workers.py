@@ -1194,3 +1194,51 @@ def test_a_c_module_builds_and_loads_with_the_launcher_flags(monkeypatch, tmp_pa
            "PyMODINIT_FUNC PyInit_gd_probe(void) { return PyModule_Create(&m); }\n")
     mod = build.compile_module_from_src(src, "gd_probe")
     assert mod.__name__ == "gd_probe"
+
+
+def test_a_phase_no_capture_adopts_is_stopped_at_once(monkeypatch, tmp_path):
+    """An engine on the torch path launches no Triton kernel: the started phase has nothing
+    any capture waits for, so `start_precompile` stops it before returning False (its server
+    killed, its folder removed, `worker_report` saying why) instead of leaving the workers to
+    a garbage collection that removes their folder under them."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine(kernel_backend="torch")
+    _fake_active(monkeypatch, e)
+    procs, dirs = [], []
+
+    def launch(workdir, n, log_path, env):  # a server that would run until killed
+        dirs.append(workdir)
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+        return procs[-1]
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    assert not warmup.start_precompile([e], workers=2, progress=False)
+    assert procs and dirs, "the phase should have started (the plan runs before adoption)"
+    assert procs[0].poll() is not None and not dirs[0].exists()
+    assert not warmup.precompile_running(e)
+    assert "no capture needs it" in warmup.worker_report(e).skipped
+
+
+def test_an_engine_dropped_before_its_capture_stops_its_phase(monkeypatch, tmp_path):
+    """The phase an engine adopted but never captured with ends when the engine is collected:
+    the workers are killed before their folder is removed."""
+    import gc
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    e = _full_engine()
+    _fake_active(monkeypatch, e)
+    procs, dirs = [], []
+
+    def launch(workdir, n, log_path, env):
+        dirs.append(workdir)
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+        return procs[-1]
+
+    monkeypatch.setattr(pw, "_launch", launch)
+    assert warmup.start_precompile([e], workers=2, progress=False)
+    assert warmup.precompile_running(e) and procs[0].poll() is None and dirs[0].exists()
+    del e
+    gc.collect()
+    assert procs[0].poll() is not None and not dirs[0].exists()

@@ -377,6 +377,7 @@ def _start_phase(engines: list, workers: int, progress: bool) -> bool:
                 _REPORTS[e] = report
         return False
     shared = _SharedPhase(phase)
+    adopted = False
     for index, engine in enumerate(engines):
         first = phase.first_tasks(index)
         if warm[index] or not first:  # not in the plan: its capture runs as without a phase
@@ -389,6 +390,16 @@ def _start_phase(engines: list, workers: int, progress: bool) -> bool:
                                     phase.gate(_i, (*_t, bs)))
         _PHASES[engine] = (shared, index)
         _only_warm(engine, owners, first)
+        adopted = True
+    if not adopted:  # no capture gates on it (warm, or nothing to compile): stop it now
+        report.skipped = "no capture needs it (warm caches or no Triton kernel to compile)"
+        for e in engines:
+            with contextlib.suppress(TypeError):
+                _REPORTS[e] = report
+        phase.close()
+        return False
+    # an engine dropped before its capture ends the phase: stop the workers, then the folder
+    weakref.finalize(shared, phase.close)
     return True
 
 
