@@ -44,14 +44,14 @@ def test_defaults_are_todays_settings(clean_env):
     assert (kc.small_m_max, kc.finish_norm_max_m, kc.pdl_max_rows, kc.finish_maxnreg) == (32, 1, 4, 128)
     assert kc.gemv_pdl and kc.stream_evict_first and kc.pdl and kc.pdl_early_loads
     assert kc.gemv_tiles == "wide" and kc.gemv_split is None and kc.gemv_block_k is None
-    assert kc.gemv_num_stages is None and not kc.gemv_swap_ab
+    assert kc.gemv_num_stages is None and kc.gemv_swap_ab
     assert TRITON == kc.replace(backend="triton") and TRITON.use_triton and not kc.use_triton
 
 
 def test_every_env_var_sets_its_field(clean_env):
     values = {"GRAPHDRAFT_GEMV_TILES": ("uniform", "uniform"), "GRAPHDRAFT_GEMV_SPLIT": ("3", 3),
               "GRAPHDRAFT_GEMV_BLOCK_K": ("64", 64), "GRAPHDRAFT_GEMV_NUM_STAGES": ("2", 2),
-              "GRAPHDRAFT_GEMV_SWAP_AB": ("on", True),
+              "GRAPHDRAFT_GEMV_SWAP_AB": ("off", False),
               "GRAPHDRAFT_SMALL_M_MAX": ("0", 0),
               "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
               "GRAPHDRAFT_FINISH_MAXNREG": ("none", None), "GRAPHDRAFT_FINISH_NORM_MAX_M": ("16", 16),

@@ -333,33 +333,34 @@ def test_rope_partials_bad_input():
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)  # nothing written
 
 
-SWAP_AB = TRITON.replace(gemv_swap_ab=True)
-"""M > 1 GEMVs as `w @ x^T` (`KernelConfig.gemv_swap_ab`)."""
+SWAP_AB, NO_SWAP = TRITON, TRITON.replace(gemv_swap_ab=False)
+"""M > 1 GEMVs as `w @ x^T` (`KernelConfig.gemv_swap_ab`, the default) or as `x @ w^T`."""
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("split", [1, 3])
-def test_swap_ab_every_mode_matches_reference(dtype, tol, m, split):
-    """With `gemv_swap_ab` the rows, partials, silu_mul input, residual + RMSNorm and argmax
-    modes all equal their references (M == 1 keeps its CUDA-core form)."""
+@pytest.mark.parametrize("kc", [SWAP_AB, NO_SWAP], ids=["swap", "no_swap"])
+def test_swap_ab_every_mode_matches_reference(dtype, tol, m, split, kc):
+    """With `gemv_swap_ab` on or off the rows, partials, silu_mul input, residual + RMSNorm and
+    argmax modes all equal their references (M == 1 keeps its CUDA-core form)."""
     g = torch.Generator().manual_seed(m * 10 + split)
     k, n = 384, 96
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     gu = torch.randn(m, 2 * k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(DEV)
     cfg = gemv_config(m, n, k, block_k=64, split=split)
-    assert _rel(linear_small_m(x, w, config=cfg, kernels=SWAP_AB), linear_small_m_ref(x, w)) < tol
-    parts = linear_small_m_partials(x, w, config=cfg, kernels=SWAP_AB).partials
+    assert _rel(linear_small_m(x, w, config=cfg, kernels=kc), linear_small_m_ref(x, w)) < tol
+    parts = linear_small_m_partials(x, w, config=cfg, kernels=kc).partials
     assert _rel(parts.sum(0), x.float() @ w.float().T) < tol
-    assert _rel(linear_small_m(gu, w, act="silu_mul", config=cfg, kernels=SWAP_AB),
+    assert _rel(linear_small_m(gu, w, act="silu_mul", config=cfg, kernels=kc),
                 linear_small_m_ref(gu, w, act="silu_mul")) < tol
     res = torch.randn(m, n, generator=g).to(dtype).to(DEV)
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEV)
-    out, h = linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg, kernels=SWAP_AB)
+    out, h = linear_small_m_residual_norm(x, w, res, nw, 1e-5, config=cfg, kernels=kc)
     ref_out, ref_h = rms_norm_ref(linear_small_m_ref(x, w), nw, 1e-5, residual=res)
     assert _rel(h, ref_h) < tol and _rel(out, ref_out) < tol
-    logits, ids = linear_small_m_argmax(x, w, kernels=SWAP_AB)
+    logits, ids = linear_small_m_argmax(x, w, kernels=kc)
     assert torch.equal(ids, argmax_with_map_ref(logits))
     assert _rel(logits, linear_small_m_ref(x, w)) < tol
 
@@ -372,7 +373,7 @@ def test_swap_ab_every_mode_matches_reference(dtype, tol, m, split):
 def test_gpu_draft_head_shapes(m, n, k, swap):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    kc = SWAP_AB if swap else TRITON
+    kc = SWAP_AB if swap else NO_SWAP
     assert _rel(linear_small_m(x, w, kernels=kc), linear_small_m_ref(x, w)) < 1e-2
 
 

@@ -18,7 +18,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_split` | `GRAPHDRAFT_GEMV_SPLIT` | int >= 1, or unset | unset (None) | force the K split of every GEMV that may split (not the LM head's argmax one); None: the tile heuristic. Tuning and tests |
 | `gemv_block_k` | `GRAPHDRAFT_GEMV_BLOCK_K` | power of two in [16, 1024], or unset | unset (None) | force BLOCK_K of the same GEMVs; None: the tile heuristic |
 | `gemv_num_stages` | `GRAPHDRAFT_GEMV_NUM_STAGES` | int in [1, 8], or unset | unset (None) | force the software-pipeline stages of every GEMV launch the tile heuristic sizes; None: the heuristic (a tuning aid) |
-| `gemv_swap_ab` | `GRAPHDRAFT_GEMV_SWAP_AB` | bool | off | M > 1 GEMVs compute `w @ x^T` (the weights as the MMA's M side: Hopper's wgmma) instead of `x @ w^T` |
+| `gemv_swap_ab` | `GRAPHDRAFT_GEMV_SWAP_AB` | bool | on | M > 1 GEMVs compute `w @ x^T` (the weights as the MMA's M side: Hopper's wgmma) instead of `x @ w^T` |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
@@ -81,7 +81,10 @@ class KernelConfig:
     gemv_split: int | None = None
     gemv_block_k: int | None = None
     gemv_num_stages: int | None = None
-    gemv_swap_ab: bool = False
+    gemv_swap_ab: bool = True
+    """Measured on an H100 (perf/RESULTS.md 2026-12-05j, A/B alternated in one run): the 8B
+    target's verify forward 0.4-1.9 % faster at bs 1-8 (bs 8: 6.68 -> 6.55 ms), equal at
+    bs 16; the speculative cycle at bs 8 7.57 -> 7.36 ms, equal at bs 16 and 64."""
     small_m_max: int = 32
     """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
     of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
