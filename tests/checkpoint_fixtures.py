@@ -36,6 +36,46 @@ def full_logits(target, ids: list[int], page_size: int = 4) -> torch.Tensor:
     return out.logits
 
 
+@torch.no_grad()
+def verify_logits(target, rows: list[list[int]], n: int, kernels, page_size: int = 4
+                  ) -> torch.Tensor:
+    """Logits `[len(rows) * n, V]` of the target's verify forward: each row's first
+    `len(row) - n` tokens prefilled into a paged KV pool (one forward, per-token metadata),
+    then its last `n` tokens as one verify row (`uniform_row_metadata`: the multi-token
+    attention), all rows in one forward, under `kernels`."""
+    cfg, dev = target.config, target.embed_tokens.device
+    longest = max(len(r) for r in rows)
+    pages = -(-longest // page_size)
+    table = PageTable(len(rows), pages, len(rows) * pages + 1, page_size, dev)
+    slots = [table.alloc_slot() for _ in rows]
+    for s, r in zip(slots, rows, strict=True):
+        table.reserve(s, len(r))
+    kv = KVPool(cfg.num_hidden_layers, len(rows) * pages + 1, page_size, cfg.num_key_value_heads,
+                cfg.head_dim, target.dtype, dev)
+    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size,
+                                    kernels=kernels)
+    target.set_kernels(kernels)
+
+    def run(ids, pos, req, meta):
+        loc = kv_slot(table.req_to_page, req, pos, page_size)
+        return target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,
+                      capture_aux=False).logits
+
+    ids, pos, req = [], [], []
+    for s, r in zip(slots, rows, strict=True):
+        ids += r[:-n]
+        pos.append(torch.arange(len(r) - n, device=dev))
+        req.append(torch.full((len(r) - n,), s, dtype=torch.int64, device=dev))
+    pos, req = torch.cat(pos), torch.cat(req)
+    run(ids, pos, req, AttentionMetadata(req, (pos + 1).to(torch.int32)))  # the prefixes
+    ids = [t for r in rows for t in r[-n:]]
+    pos = torch.cat([torch.arange(len(r) - n, len(r), device=dev) for r in rows])
+    rows_req = torch.tensor(slots, dtype=torch.int64, device=dev)
+    seq_lens = torch.tensor([len(r) for r in rows], dtype=torch.int32, device=dev)
+    return run(ids, pos, rows_req.repeat_interleave(n),
+               backend.uniform_row_metadata(rows_req, seq_lens, n))
+
+
 def read_all(file: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(file), framework="pt") as f:
         return {n: f.get_tensor(n) for n in f.keys()}

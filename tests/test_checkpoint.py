@@ -39,7 +39,13 @@ from graphdraft.models.layers import init_random_
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
-from tests.checkpoint_fixtures import assert_same_state, full_logits, read_all, rewrite
+from tests.checkpoint_fixtures import (
+    assert_same_state,
+    full_logits,
+    read_all,
+    rewrite,
+    verify_logits,
+)
 from tests.engine_harness import HEAD, TARGET, make_models, runtime
 
 PARITY_RTOL = 1e-4  # max |diff| <= PARITY_RTOL * max(1, max |logit|), fp32
@@ -661,6 +667,25 @@ def test_hf_logits_and_greedy_parity(tmp_path, tied):
                                  attention_mask=torch.ones(1, len(p), dtype=torch.long))
         assert got == out[0, len(p):].tolist()
     assert len({tuple(o) for o in ours}) > 1
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_hf_verify_rows_parity(tmp_path, backend):
+    """The target's verify forward (rows of N = 4 new tokens over prefixes of 9, 14 and 21
+    positions in the paged cache: the multi-token attention, Triton's or the torch path's)
+    gives Hugging Face's logits at those positions, in fp32."""
+    from graphdraft.kernels.config import TORCH, TRITON
+
+    model, d = hf_model(tmp_path, seed=7)
+    target, _ = load_target(d, dtype="float32")
+    rng = random.Random(7)
+    rows = [[rng.randrange(97) for _ in range(k)] for k in (13, 18, 25)]
+    got = verify_logits(target, rows, 4, TRITON if backend == "triton" else TORCH)
+    assert got.shape == (12, 97)
+    for i, r in enumerate(rows):
+        with torch.no_grad():
+            ref = model(torch.tensor([r])).logits[0, -4:]
+        assert_logits_close(got[4 * i:4 * i + 4], ref)
 
 
 def test_hf_llama3_rope_scaling_parity(tmp_path):
