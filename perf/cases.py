@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,21 @@ class Case:
 
     def __str__(self) -> str:
         return f"page{self.page_size}-kv{self.kv_len}-bs{self.bs}"
+
+
+def int_list(raw: str, hi: int | None = None) -> tuple[int, ...]:
+    """The benchmarks' comma-separated sizes ("1,8,64" -> (1, 8, 64)), each in [1, hi] (an
+    argparse type: `type=int_list`, or `type=lambda r: int_list(r, 64)`); anything else raises
+    `argparse.ArgumentTypeError` saying what was expected."""
+    try:
+        vals = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1 or (hi is not None and max(vals) > hi):
+        bound = f" in [1, {hi}]" if hi is not None else ""
+        raise argparse.ArgumentTypeError(
+            f"expected positive ints{bound} separated by commas, got {raw!r}")
+    return vals
 
 
 def default_cases(batch_sizes: Sequence[int] = BATCH_SIZES) -> list[Case]:

@@ -45,6 +45,7 @@ from capture import padded_batch_size
 from graphdraft.config import RuntimeConfig
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
+from perf.cases import int_list
 from perf.floors import floor_bytes
 from perf.models_8b import build_pair, kv_bytes_per_token, weight_bytes
 from perf.timing import copy_bandwidth, median_us, write_json
@@ -249,13 +250,13 @@ def table(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="perf/out")
-    p.add_argument("--bs", default=",".join(map(str, BATCH_SIZES)),
+    p.add_argument("--bs", type=int_list, default=BATCH_SIZES,
                    help="comma-separated batch sizes")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("perf.e2e needs a CUDA GPU")
         return 2
-    data = measure(tuple(int(x) for x in a.bs.split(",")))
+    data = measure(a.bs)
     path = write_json(a.out, "e2e.json", data)
     print(table(data))
     print(f"wrote {path}")

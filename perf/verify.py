@@ -59,6 +59,7 @@ from graphdraft.kernels.decode_attention import paged_decode_attention
 from graphdraft.kernels.extend_attention import paged_extend_attention
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.runtime.kv_cache import KVPool, kv_slot
+from perf.cases import int_list
 from perf.models_8b import LLAMA31_8B, build_target, kv_bytes_per_token, weight_bytes
 from perf.timing import copy_bandwidth, graph_time_us, median_us, write_json
 
@@ -68,17 +69,6 @@ N_VERIFY = 4
 PAGE_SIZE = 16
 NOT_KV_BYTES = 35 << 30  # the 16 GB of weights, activations and the allocator's slack
 PREFILL_TOKENS = 8192
-
-
-def _int_list(raw: str) -> tuple[int, ...]:
-    """argparse type: "1,8,64" -> (1, 8, 64), each a positive int."""
-    try:
-        vals = tuple(int(v) for v in raw.split(",") if v.strip())
-    except ValueError:
-        vals = ()
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {raw!r}")
-    return vals
 
 
 def kv_budget_bytes(device: str) -> int:
@@ -429,10 +419,10 @@ def main() -> None:
     ap.add_argument("--rows-only", action="store_true",
                     help="only the verify / decode rows and the matmuls (no prefill, prefill "
                          "tiles or attention-alone studies)")
-    ap.add_argument("--bs", type=_int_list, default=BATCH_SIZES,
+    ap.add_argument("--bs", type=int_list, default=BATCH_SIZES,
                     help="batch sizes of the verify / decode rows (comma-separated; default "
                          + ",".join(map(str, BATCH_SIZES)) + ")")
-    ap.add_argument("--kv", type=_int_list, default=KV_LENS,
+    ap.add_argument("--kv", type=int_list, default=KV_LENS,
                     help="committed KV lengths of those rows (default "
                          + ",".join(map(str, KV_LENS)) + ")")
     ap.add_argument("--no-matmuls", action="store_true",

@@ -423,13 +423,16 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     assert row["ptx_bytes"] > 0
 
 
-def test_verify_row_filters_parse():
-    """perf.verify's --bs / --kv: positive ints separated by commas, anything else refused."""
+def test_benchmark_size_lists_parse():
+    """perf.verify's --bs / --kv, perf.e2e's --bs, gemv_sweep's --ms (`cases.int_list`):
+    positive ints separated by commas, within a bound where one is given; anything else is
+    refused naming what was expected."""
     import argparse
 
-    from perf.verify import _int_list
+    from perf.cases import int_list
 
-    assert _int_list("1,8, 64") == (1, 8, 64)
-    for bad in ("", "0", "1,-8", "a,b"):
+    assert int_list("1,8, 64") == (1, 8, 64)
+    assert int_list("64", 64) == (64,)
+    for bad, hi in (("", None), ("0", None), ("1,-8", None), ("a,b", None), ("65", 64)):
         with pytest.raises(argparse.ArgumentTypeError, match="positive ints"):
-            _int_list(bad)
+            int_list(bad, hi)

@@ -24,12 +24,14 @@ import torch.nn.functional as F
 
 from graphdraft.kernels.argmax import argmax_with_map
 from graphdraft.kernels.gemv import (
+    MAX_M,
     GemvConfig,
     gemv_config,
     linear_small_m,
     linear_small_m_argmax,
     linear_small_m_ref,
 )
+from perf.cases import int_list
 from perf.models_8b import DRAFT_STEP_MATMULS, TARGET_LAYER_MATMULS
 from perf.timing import copy_bandwidth, graph_time_us, write_json
 
@@ -56,12 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=150.0)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="draft",
                    help="the draft head's step matmuls or one layer of the target's")
-    p.add_argument("--ms", default=",".join(map(str, MS)),
-                   help="rows per product, comma-separated (1..64)")
+    p.add_argument("--ms", type=lambda raw: int_list(raw, MAX_M), default=MS,
+                   help=f"rows per product, comma-separated (1..{MAX_M})")
     a = p.parse_args(argv)
-    ms = tuple(int(v) for v in a.ms.split(",") if v.strip())
-    if not ms or not all(1 <= m <= 64 for m in ms):
-        p.error(f"--ms: expected row counts in 1..64 separated by commas, got {a.ms!r}")
+    ms = a.ms
     t_start = time.perf_counter()
     bw = copy_bandwidth("cuda")
     print(f"[sweep] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
