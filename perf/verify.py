@@ -169,8 +169,9 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
 def replay_gaps(replay) -> dict:
     """One replay under the torch profiler: `replay_kernels` (kernel records seen),
     `replay_kernel_ms` (their summed GPU time) and `replay_span_ms` (first start to last
-    end); span - sum is the GPU time between the graph's kernels (launch gaps). Empty when the
-    profiler records no kernel inside the graph."""
+    end); span - sum is the GPU time between the graph's kernels (launch gaps; negative where
+    kernels overlap, PDL's early launches waiting). Empty when the profiler records no kernel
+    inside the graph."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()

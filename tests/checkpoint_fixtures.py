@@ -13,27 +13,38 @@ from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.runtime.kv_cache import KVPool, PageTable, kv_slot
 
 
+def _paged_forward(target, lengths: list[int], kernels, page_size: int):
+    """A fresh paged KV pool with one request slot per length (no Engine, no scheduler) and
+    `run(ids, pos, req, meta)`: the target's logits for those tokens, written into it, under
+    `kernels`. Returns `(run, slots, backend)`."""
+    cfg, dev = target.config, target.embed_tokens.device
+    pages = -(-max(lengths) // page_size)
+    table = PageTable(len(lengths), pages, len(lengths) * pages + 1, page_size, dev)
+    slots = [table.alloc_slot() for _ in lengths]
+    for s, n in zip(slots, lengths, strict=True):
+        table.reserve(s, n)
+    kv = KVPool(cfg.num_hidden_layers, len(lengths) * pages + 1, page_size,
+                cfg.num_key_value_heads, cfg.head_dim, target.dtype, dev)
+    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size,
+                                    kernels=kernels)
+    target.set_kernels(kernels)
+
+    def run(ids, pos, req, meta):
+        loc = kv_slot(table.req_to_page, req, pos, page_size)
+        return target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,
+                      capture_aux=False).logits
+    return run, slots, backend
+
+
 @torch.no_grad()
 def full_logits(target, ids: list[int], page_size: int = 4) -> torch.Tensor:
     """Logits `[len(ids), V]` of every position of one prompt: one prefill forward over a
     fresh paged KV pool (no Engine, no scheduler), torch path."""
-    cfg, n = target.config, len(ids)
+    run, (slot,), _ = _paged_forward(target, [len(ids)], TORCH, page_size)
     dev = target.embed_tokens.device
-    pages = -(-n // page_size)
-    table = PageTable(1, pages, pages + 1, page_size, dev)
-    slot = table.alloc_slot()
-    table.reserve(slot, n)
-    kv = KVPool(cfg.num_hidden_layers, pages + 1, page_size, cfg.num_key_value_heads,
-                cfg.head_dim, target.dtype, dev)
-    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size, kernels=TORCH)
-    target.set_kernels(TORCH)
-    pos = torch.arange(n, device=dev)
-    loc = kv_slot(table.req_to_page, slot, pos, page_size)
-    meta = AttentionMetadata(torch.full((n,), slot, dtype=torch.int64, device=dev),
-                             (pos + 1).to(torch.int32))
-    out = target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,
-                 capture_aux=False)
-    return out.logits
+    pos = torch.arange(len(ids), device=dev)
+    req = torch.full((len(ids),), slot, dtype=torch.int64, device=dev)
+    return run(ids, pos, req, AttentionMetadata(req, (pos + 1).to(torch.int32)))
 
 
 @torch.no_grad()
@@ -43,24 +54,8 @@ def verify_logits(target, rows: list[list[int]], n: int, kernels, page_size: int
     `len(row) - n` tokens prefilled into a paged KV pool (one forward, per-token metadata),
     then its last `n` tokens as one verify row (`uniform_row_metadata`: the multi-token
     attention), all rows in one forward, under `kernels`."""
-    cfg, dev = target.config, target.embed_tokens.device
-    longest = max(len(r) for r in rows)
-    pages = -(-longest // page_size)
-    table = PageTable(len(rows), pages, len(rows) * pages + 1, page_size, dev)
-    slots = [table.alloc_slot() for _ in rows]
-    for s, r in zip(slots, rows, strict=True):
-        table.reserve(s, len(r))
-    kv = KVPool(cfg.num_hidden_layers, len(rows) * pages + 1, page_size, cfg.num_key_value_heads,
-                cfg.head_dim, target.dtype, dev)
-    backend = PagedAttentionBackend(table.req_to_page, page_size, pages * page_size,
-                                    kernels=kernels)
-    target.set_kernels(kernels)
-
-    def run(ids, pos, req, meta):
-        loc = kv_slot(table.req_to_page, req, pos, page_size)
-        return target(torch.tensor(ids, device=dev), pos, loc, kv, backend, meta, None,
-                      capture_aux=False).logits
-
+    run, slots, backend = _paged_forward(target, [len(r) for r in rows], kernels, page_size)
+    dev = target.embed_tokens.device
     ids, pos, req = [], [], []
     for s, r in zip(slots, rows, strict=True):
         ids += r[:-n]
