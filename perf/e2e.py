@@ -124,8 +124,9 @@ def replay_ms(forward: Any, bs: int) -> float | None:
 
 def cycle_replay_ms(engine: Engine, bs: int) -> float | None:
     """`replay_ms` of the cycle graph from one fixed state: every replay commits (advances the
-    requests), so the state is restored before each one; the restore's own time (a few
-    device copies) is measured alone and subtracted."""
+    requests), so the state is restored before each one, outside the replay's event pair (a
+    median of restore + replay less a median of restore alone once read a bs-8 replay 0.7 ms
+    short, perf/RESULTS.md 2026-12-05j)."""
     if getattr(engine, "cycle_graphs", None) is None:
         return None
     pbs = padded_batch_size(engine.cycle_graphs.captured_sizes, bs)
@@ -133,13 +134,9 @@ def cycle_replay_ms(engine: Engine, bs: int) -> float | None:
         return None
     engine.drain()  # nothing in flight: host and device agree on every request
     snap = engine.state_snapshot()
-    restore = median_us(lambda: engine.restore_state(snap), warmup=3, reps=20, device="cuda") / 1e3
-
-    def one() -> None:
-        engine.restore_state(snap)
-        engine.cycle_graphs.run(bs, padded_bs=pbs)
-
-    ms = median_us(one, warmup=3, reps=20, device="cuda") / 1e3 - restore
+    ms = median_us(lambda: engine.cycle_graphs.run(bs, padded_bs=pbs),
+                   setup=lambda: engine.restore_state(snap), warmup=3, reps=20,
+                   device="cuda") / 1e3
     engine.restore_state(snap)
     return ms
 

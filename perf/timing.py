@@ -17,18 +17,23 @@ from capture import EAGER_ENV
 
 
 def time_us(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
-            device: str | torch.device = "cuda") -> list[float]:
-    """Per-call times (us) of `reps` calls after `warmup` calls.
+            device: str | torch.device = "cuda",
+            setup: Callable[[], Any] | None = None) -> list[float]:
+    """Per-call times (us) of `reps` calls after `warmup` calls; `setup` (e.g. restoring a
+    state the call consumes) runs before each call, outside its timing.
 
     CUDA: an event pair around each call, calls issued back to back (as a serving
     loop issues them), so a call's time is its GPU span, or its host time where
     the host is the bottleneck. CPU: the host clock around each call.
     """
+    prep = setup if setup is not None else (lambda: None)
     for _ in range(warmup):
+        prep()
         fn()
     if torch.device(device).type != "cuda":
         out = []
         for _ in range(reps):
+            prep()
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e6)
@@ -37,6 +42,7 @@ def time_us(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
     for start, end in events:
+        prep()
         start.record()
         fn()
         end.record()

@@ -436,3 +436,17 @@ def test_benchmark_size_lists_parse():
     for bad, hi in (("", None), ("0", None), ("1,-8", None), ("a,b", None), ("65", 64)):
         with pytest.raises(argparse.ArgumentTypeError, match="positive ints"):
             int_list(bad, hi)
+
+
+def test_time_us_runs_setup_before_each_call_outside_its_time():
+    """`timing.time_us(setup=...)`: the setup (a state restore) precedes every call, warm-ups
+    included, and its time is not the call's."""
+    import time as _time
+
+    from perf.timing import time_us
+
+    order = []
+    times = time_us(lambda: order.append("call"), warmup=2, reps=3, device="cpu",
+                    setup=lambda: order.append("setup") or _time.sleep(0.02))
+    assert order == ["setup", "call"] * 5
+    assert len(times) == 3 and max(times) < 15_000  # the 20 ms sleeps are outside
