@@ -187,16 +187,16 @@ def _gemv_body(x_ptr, w_ptr, out_ptr, ws_ptr, amax_val_ptr, amax_idx_ptr,
             x = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy=W_EVICT)
+        if SWAP_AB:  # acc += a @ b^T: the weights as a, or the rows
+            a, b = w, x
+        else:
+            a, b = x, w
         if BLOCK_M == 1:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        elif SWAP_AB and FP32_DOT:
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        elif SWAP_AB:
-            acc += tl.dot(w, tl.trans(x))
         elif FP32_DOT:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(a, tl.trans(b))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next launch may start its own prologue
     if SWAP_AB:

@@ -372,10 +372,7 @@ def _start_phase(engines: list, workers: int, progress: bool) -> bool:
         logger.warning("%s\nJIT warm-up: compiling in this process instead", e)
         return False
     if phase is None:
-        for e in engines:
-            with contextlib.suppress(TypeError):
-                _REPORTS[e] = report
-        return False
+        return _without_phase(engines, report)
     shared = _SharedPhase(phase)
     adopted = False
     for index, engine in enumerate(engines):
@@ -393,14 +390,20 @@ def _start_phase(engines: list, workers: int, progress: bool) -> bool:
         adopted = True
     if not adopted:  # no capture gates on it (warm, or nothing to compile): stop it now
         report.skipped = "no capture needs it (warm caches or no Triton kernel to compile)"
-        for e in engines:
-            with contextlib.suppress(TypeError):
-                _REPORTS[e] = report
         phase.close()
-        return False
+        return _without_phase(engines, report)
     # an engine dropped before its capture ends the phase: stop the workers, then the folder
     weakref.finalize(shared, phase.close)
     return True
+
+
+def _without_phase(engines: list, report) -> bool:
+    """No phase for `engines`: `report` (its `skipped` says why) is their `worker_report`;
+    False, `_start_phase`'s answer."""
+    for e in engines:
+        with contextlib.suppress(TypeError):
+            _REPORTS[e] = report
+    return False
 
 
 def _only_warm(engine, owners, tasks) -> None:

@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ms", type=lambda raw: int_list(raw, MAX_M), default=MS,
                    help=f"rows per product, comma-separated (1..{MAX_M})")
     a = p.parse_args(argv)
-    ms = a.ms
     t_start = time.perf_counter()
     bw = copy_bandwidth("cuda")
     print(f"[sweep] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / bw * 1e6
-        for m in ms:
+        for m in a.ms:
             kx = 2 * k if act else k
             x = torch.randn(m, kx, device="cuda", dtype=dt)
             ref = linear_small_m_ref(x, ws[0], act=act)
