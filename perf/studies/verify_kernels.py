@@ -1,0 +1,134 @@
+"""Where one captured verify (or decode) replay spends its GPU time, kernel by kernel.
+
+    python3 -m perf.studies.verify_kernels --bs 1,8 --kv 512,4096 [--n 4] --out DIR
+        (one GPU; about 10 s a case; writes DIR/verify_kernels.json)
+
+For each (bs, kv) it captures the 8B-shaped target's forward over bs rows of n tokens as
+`perf.verify` does (`Batch`, `target_forward`, the shipped Triton kernels), replays it once
+under the torch profiler and reports, per kernel name (template arguments dropped): count,
+summed GPU time and mean, plus `busy_ms` (the union of kernel intervals), `span_ms` (first
+start to last end) and `idle_ms` = span - busy (time the GPU ran no kernel of the graph).
+`layer`: the kernels of one middle layer in launch order, each with its start offset from the
+layer's first kernel, duration and the idle gap before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import torch
+
+from graphdraft.kernels.config import TRITON
+from graphdraft.runtime.kv_cache import KVPool
+from perf.cases import int_list
+from perf.models_8b import LLAMA31_8B, build_target
+from perf.timing import median_us, write_json
+from perf.verify import PAGE_SIZE, Batch, target_forward
+
+
+def short_name(name: str) -> str:
+    """A kernel name without template / argument lists, at most 60 characters."""
+    name = re.sub(r"<.*>", "", name)
+    name = re.sub(r"\(.*\)", "", name)
+    return name.strip()[:60]
+
+
+def profile_replay(replay) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the kernels of one `replay()`, in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+          if e.device_type == torch.autograd.DeviceType.CUDA
+          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return sorted(ks, key=lambda k: k[1])
+
+
+def summarize(ks: list[tuple[str, float, float]], layers: int) -> dict:
+    """Per-name totals, busy / span / idle, and one middle layer's timeline."""
+    by: dict[str, dict] = {}
+    for name, a, b in ks:
+        r = by.setdefault(short_name(name), {"count": 0, "total_us": 0.0})
+        r["count"] += 1
+        r["total_us"] += b - a
+    for r in by.values():
+        r["mean_us"] = r["total_us"] / r["count"]
+    busy, end = 0.0, -math.inf
+    for _, a, b in ks:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = ks[-1][2] - ks[0][1]
+    per_layer = len(ks) // layers
+    mid = layers // 2
+    sel = ks[mid * per_layer:(mid + 1) * per_layer]
+    t0 = sel[0][1]
+    timeline, prev_end = [], sel[0][1]
+    for name, a, b in sel:
+        timeline.append({"kernel": short_name(name), "start_us": a - t0, "us": b - a,
+                         "gap_before_us": a - prev_end})
+        prev_end = max(prev_end, b)
+    kernels = sorted(({"kernel": k, **v} for k, v in by.items()), key=lambda r: -r["total_us"])
+    return {"kernels": kernels, "n_kernels": len(ks), "busy_ms": busy / 1e3,
+            "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3, "layer": timeline}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bs", type=int_list, default=(1, 8))
+    ap.add_argument("--kv", type=int_list, default=(512, 4096))
+    ap.add_argument("--n", type=int, default=4, help="tokens a row (4: verify, 1: decode)")
+    args = ap.parse_args()
+    if args.n < 1:
+        raise SystemExit(f"--n: expected a positive token count, got {args.n}")
+    device = "cuda"
+    mc = LLAMA31_8B
+    target = build_target(device)
+    target.set_kernels(TRITON)
+    cases = [(bs, kv) for kv in args.kv for bs in args.bs]
+    pages = max(bs * math.ceil((kv + args.n) / PAGE_SIZE) for bs, kv in cases) + 1
+    pool = KVPool(mc.num_hidden_layers, pages, PAGE_SIZE, mc.num_key_value_heads, mc.head_dim,
+                  torch.bfloat16, device)
+    for t in pool.k + pool.v:
+        t.normal_()
+    rows = []
+    with torch.inference_mode():
+        for bs, kv in cases:
+            batch = Batch(pool, bs, kv, args.n, device)
+            fwd = target_forward(target, pool, batch, args.n, "rows")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fwd()
+                fwd()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fwd()
+            ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
+            row = {"bs": bs, "kv": kv, "n": args.n, "replay_ms": ms,
+                   **summarize(profile_replay(graph.replay), mc.num_hidden_layers)}
+            rows.append(row)
+            print(f"\nbs {bs} kv {kv} n {args.n}: replay {ms:.3f} ms; profiled span "
+                  f"{row['span_ms']:.3f} ms, busy {row['busy_ms']:.3f}, idle {row['idle_ms']:.3f}, "
+                  f"{row['n_kernels']} kernels")
+            for k in row["kernels"][:12]:
+                print(f"  {k['total_us']:9.1f} us {k['count']:4d} x {k['mean_us']:7.2f}  {k['kernel']}")
+            print("  one layer:")
+            for k in row["layer"]:
+                print(f"    +{k['start_us']:7.2f} {k['us']:7.2f} us (gap {k['gap_before_us']:6.2f})"
+                      f"  {k['kernel']}")
+            del graph, batch
+    path = write_json(args.out, "verify_kernels.json", {"rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
