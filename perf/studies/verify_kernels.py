@@ -32,6 +32,7 @@ def short_name(name: str) -> str:
     """A kernel name without template / argument lists, at most 60 characters."""
     name = re.sub(r"<.*>", "", name)
     name = re.sub(r"\(.*\)", "", name)
+    name = re.sub(r"^void ", "", name.strip())
     return name.strip()[:60]
 
 
