@@ -404,6 +404,30 @@ def test_write_json_and_probe_without_cuda(tmp_path, capsys):
     assert "--tokens / --reps: expected ints >= 1" in capsys.readouterr().err
 
 
+def test_verify_kernels_summary(capsys):
+    """`perf.studies.verify_kernels`: per-name totals without template / argument lists, the
+    union of overlapping kernel intervals as busy time, one middle layer's timeline with its
+    gaps; on CPU main says it measured nothing."""
+    from perf.studies import verify_kernels as vk
+
+    assert vk.short_name("void gemv_kernel<64, 2>(float*, int)") == "gemv_kernel"
+    ks = [("void a<1>(x)", 0.0, 5.0), ("b", 3.0, 8.0),  # layer 0: overlapping (PDL)
+          ("a", 10.0, 12.0), ("b", 15.0, 20.0)]  # layer 1: 2 us and 3 us idle
+    s = vk.summarize(ks, layers=2)
+    assert s["kernels"][0] == {"kernel": "b", "count": 2, "total_us": 10.0, "mean_us": 5.0}
+    assert s["kernels"][1] == {"kernel": "a", "count": 2, "total_us": 7.0, "mean_us": 3.5}
+    assert s["busy_ms"] == pytest.approx(0.015) and s["span_ms"] == pytest.approx(0.020)
+    assert s["idle_ms"] == pytest.approx(0.005)
+    assert [(k["kernel"], k["start_us"], k["gap_before_us"]) for k in s["layer"]] == [
+        ("a", 0.0, 0.0), ("b", 5.0, 3.0)]
+    if not torch.cuda.is_available():
+        assert vk.main(["--out", "unused"]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        vk.main(["--out", "unused", "--n", "0"])
+    assert "--n: expected a positive token count" in capsys.readouterr().err
+
+
 def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     """`perf.kernel_resources`' compile phase: a recorded launch (the silu_mul kernel with the
     GPU's launch options) compiled by Triton for sm_90 on this machine, and ptxas's register

@@ -80,15 +80,18 @@ def summarize(ks: list[tuple[str, float, float]], layers: int) -> dict:
             "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3, "layer": timeline}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--bs", type=int_list, default=(1, 8))
     ap.add_argument("--kv", type=int_list, default=(512, 4096))
     ap.add_argument("--n", type=int, default=4, help="tokens a row (4: verify, 1: decode)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.n < 1:
-        raise SystemExit(f"--n: expected a positive token count, got {args.n}")
+        ap.error(f"--n: expected a positive token count, got {args.n}")
+    if not torch.cuda.is_available():
+        print("verify_kernels: no CUDA device (GPU only); nothing measured")
+        return 0
     device = "cuda"
     mc = LLAMA31_8B
     target = build_target(device)
@@ -129,7 +132,8 @@ def main() -> None:
             del graph, batch
     path = write_json(args.out, "verify_kernels.json", {"rows": rows})
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
