@@ -145,11 +145,8 @@ def target_forward(target, pool: KVPool, batch: Batch, n: int, form: str):
     return fwd
 
 
-def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str,
-                     gaps: dict | None = None) -> float:
-    """Median replay time (ms) of the captured `target_forward`; with `gaps` (a dict) also
-    `replay_gaps` of one replay written into it."""
-    fwd = target_forward(target, pool, batch, n, form)
+def capture_graph(fwd) -> torch.cuda.CUDAGraph:
+    """`fwd` run twice on a side stream (compiles, allocations), then captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -159,11 +156,35 @@ def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, devi
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fwd()
+    return graph
+
+
+def capture_and_time(target, pool: KVPool, batch: Batch, n: int, form: str, device: str,
+                     gaps: dict | None = None) -> float:
+    """Median replay time (ms) of the captured `target_forward`; with `gaps` (a dict) also
+    `replay_gaps` of one replay written into it."""
+    graph = capture_graph(target_forward(target, pool, batch, n, form))
     ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
     if gaps is not None:
         gaps.update(replay_gaps(graph.replay))
     del graph
     return ms
+
+
+def profile_replay(replay) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the kernels of one `replay()` under the torch profiler (after
+    one unprofiled call), in start order; memcpy / memset records left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+          if e.device_type == torch.autograd.DeviceType.CUDA
+          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return sorted(ks, key=lambda k: k[1])
 
 
 def replay_gaps(replay) -> dict:
@@ -172,16 +193,7 @@ def replay_gaps(replay) -> dict:
     end); span - sum is the GPU time between the graph's kernels (launch gaps; negative where
     kernels overlap, PDL's early launches waiting). Empty when the profiler records no kernel
     inside the graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA
-             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    spans = [(a, b) for _, a, b in profile_replay(replay)]
     if not spans:
         return {}
     return {"replay_kernels": len(spans),

@@ -25,7 +25,7 @@ from graphdraft.runtime.kv_cache import KVPool
 from perf.cases import int_list
 from perf.models_8b import LLAMA31_8B, build_target
 from perf.timing import median_us, write_json
-from perf.verify import PAGE_SIZE, Batch, target_forward
+from perf.verify import PAGE_SIZE, Batch, capture_graph, profile_replay, target_forward
 
 
 def short_name(name: str) -> str:
@@ -34,21 +34,6 @@ def short_name(name: str) -> str:
     name = re.sub(r"\(.*\)", "", name)
     name = re.sub(r"^void ", "", name.strip())
     return name.strip()[:60]
-
-
-def profile_replay(replay) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of the kernels of one `replay()`, in start order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-          if e.device_type == torch.autograd.DeviceType.CUDA
-          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return sorted(ks, key=lambda k: k[1])
 
 
 def summarize(ks: list[tuple[str, float, float]], layers: int) -> dict:
@@ -106,16 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for bs, kv in cases:
             batch = Batch(pool, bs, kv, args.n, device)
-            fwd = target_forward(target, pool, batch, args.n, "rows")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fwd()
-                fwd()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fwd()
+            graph = capture_graph(target_forward(target, pool, batch, args.n, "rows"))
             ms = median_us(graph.replay, warmup=3, reps=15, device=device) / 1e3
             row = {"bs": bs, "kv": kv, "n": args.n, "replay_ms": ms,
                    **summarize(profile_replay(graph.replay), mc.num_hidden_layers)}
