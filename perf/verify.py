@@ -4,6 +4,9 @@
                            [--no-matmuls] [--kernels-from-env]
         (one H200; about 1-4 minutes; writes DIR/verify.json; an 80 GB card skips what
         does not fit its memory: `kv_budget_bytes`)
+    python3 -m perf.verify --bounds perf/runs/<date>-h200-verify.json
+        (no GPU: that run's rows against issue #23's goal and the sequential floor,
+        `goal_bounds`; a measuring run prints the same table at its end)
 
 The Llama-3.1-8B-shaped target (random bf16 weights, `perf.models_8b.build_target`) is built
 once. For bs in 1, 8, 64, 128, 256 and kv in 512, 4096 (cases whose KV does not fit next to
@@ -46,8 +49,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -421,9 +426,52 @@ def _attention_alone_row(bs: int, kv: int, bw: float, device: str) -> dict:
     return row
 
 
-def main() -> None:
+GOAL = 1.3
+"""Issue #23's goal: verify_ms <= GOAL x max(hbm_floor_ms, compute_floor_ms) in every row."""
+
+
+def goal_bounds(rows: list[dict]) -> list[dict]:
+    """Per verify row of a `verify.json` (rows with `bs`): `goal_ms` (GOAL x max(floors)), the
+    sequential floor `sum_floor_ms` (matmul floor + attention floor: a layer's attention sits
+    between its projections, so within one batch neither hides under the other),
+    `goal_over_sum` (the share over that floor the goal leaves every kernel, norms and RoPE
+    included: below 1, no schedule of this forward reaches it), `verify_over_sum` (measured),
+    `matmul_over_floor` / `attention_over_floor` (each category's kernel time over its own
+    floor), `met` (verify_ms <= goal_ms)."""
+    out = []
+    for r in rows:
+        if "bs" not in r:
+            continue
+        goal = GOAL * max(r["hbm_floor_ms"], r["compute_floor_ms"])
+        total = r["matmul_floor_ms"] + r["attention_floor_ms"]
+        out.append({"bs": r["bs"], "kv": r["kv"], "verify_ms": r["verify_ms"], "goal_ms": goal,
+                    "sum_floor_ms": total, "goal_over_sum": goal / total,
+                    "verify_over_sum": r["verify_ms"] / total,
+                    "matmul_over_floor": r["matmul_ms"] / r["matmul_floor_ms"],
+                    "attention_over_floor": r["attention_ms"] / r["attention_floor_ms"],
+                    "met": r["verify_ms"] <= goal})
+    return out
+
+
+def bounds_lines(rows: list[dict]) -> list[str]:
+    """`goal_bounds` as a markdown table."""
+    lines = ["| bs | kv | verify ms | goal ms | sum of floors ms | goal / sum | verify / sum "
+             "| matmul / its floor | attention / its floor | met |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in goal_bounds(rows):
+        lines.append(f"| {b['bs']} | {b['kv']} | {b['verify_ms']:.2f} | {b['goal_ms']:.2f} | "
+                     f"{b['sum_floor_ms']:.2f} | {b['goal_over_sum']:.2f} | "
+                     f"{b['verify_over_sum']:.2f} | {b['matmul_over_floor']:.2f} | "
+                     f"{b['attention_over_floor']:.2f} | {'yes' if b['met'] else 'no'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="folder for verify.json (required unless --bounds)")
+    ap.add_argument("--bounds", metavar="VERIFY_JSON",
+                    help="print the goal against the sequential floor (`goal_bounds`) for the "
+                         "rows of an existing verify.json and exit (no GPU needed)")
     ap.add_argument("--no-old", action="store_true", help="skip the per-token verify baseline")
     ap.add_argument("--kernels-from-env", action="store_true",
                     help="the Triton path with the GRAPHDRAFT_* kernel settings of the environment "
@@ -440,7 +488,12 @@ def main() -> None:
                          + ",".join(map(str, KV_LENS)) + ")")
     ap.add_argument("--no-matmuls", action="store_true",
                     help="skip the per-projection matmul timings")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.bounds:
+        print("\n".join(bounds_lines(json.loads(Path(args.bounds).read_text())["rows"])))
+        return 0
+    if not args.out:
+        ap.error("--out: expected a folder for verify.json (or --bounds FILE)")
     device = "cuda"
     t0 = time.time()
     torch.manual_seed(0)
@@ -554,8 +607,10 @@ def main() -> None:
     if worst:
         print("slowest matmuls (of the GEMM rate): " + ", ".join(
             f"{r['name']} M={r['m']} {r['of_gemm_rate']:.2f}" for r in worst))
+    print("\n".join(bounds_lines(rows)))
     print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -428,6 +428,34 @@ def test_verify_kernels_summary(capsys):
     assert "--n: expected a positive token count" in capsys.readouterr().err
 
 
+def test_verify_goal_bounds(tmp_path, capsys):
+    """`perf.verify --bounds`: issue #23's goal (1.3 x max(floors)) against the sequential floor
+    (matmul + attention floors) per row of a verify.json, on CPU; the prefill row is skipped."""
+    from perf import verify
+
+    mem = {"bs": 8, "kv": 512, "verify_ms": 5.0, "hbm_floor_ms": 4.0, "compute_floor_ms": 1.0,
+           "matmul_ms": 4.0, "matmul_floor_ms": 3.5, "attention_ms": 0.6, "attention_floor_ms": 0.5}
+    both = {"bs": 128, "kv": 4096, "verify_ms": 27.8, "hbm_floor_ms": 19.7,
+            "compute_floor_ms": 10.9, "matmul_ms": 10.2, "matmul_floor_ms": 9.5,
+            "attention_ms": 16.4, "attention_floor_ms": 16.2}
+    rows = [mem, both, {"prefill_tokens": 8192, "prefill_ms": 1.4, "sdpa_prefill_ms": 1.7}]
+    a, b = verify.goal_bounds(rows)
+    assert a["goal_ms"] == pytest.approx(5.2) and a["met"]
+    assert a["goal_over_sum"] == pytest.approx(5.2 / 4.0) and a["verify_over_sum"] == pytest.approx(1.25)
+    assert b["goal_ms"] == pytest.approx(1.3 * 19.7) and not b["met"]
+    assert b["goal_over_sum"] < 1  # the goal lies below the sum of the two floors
+    assert b["matmul_over_floor"] == pytest.approx(10.2 / 9.5)
+    path = tmp_path / "verify.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert verify.main(["--bounds", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[2].startswith("| 8 | 512 | 5.00 | 5.20 | 4.00 | 1.30 | 1.25 |")
+    assert out[3].endswith("| no |")
+    with pytest.raises(SystemExit):
+        verify.main([])
+    assert "--out: expected a folder" in capsys.readouterr().err
+
+
 def test_kernel_resources_compiles_for_sm90_without_a_gpu(tmp_path):
     """`perf.kernel_resources`' compile phase: a recorded launch (the silu_mul kernel with the
     GPU's launch options) compiled by Triton for sm_90 on this machine, and ptxas's register
