@@ -434,10 +434,12 @@ def test_verify_goal_bounds(tmp_path, capsys):
     from perf import verify
 
     mem = {"bs": 8, "kv": 512, "verify_ms": 5.0, "hbm_floor_ms": 4.0, "compute_floor_ms": 1.0,
-           "matmul_ms": 4.0, "matmul_floor_ms": 3.5, "attention_ms": 0.6, "attention_floor_ms": 0.5}
+           "matmul_ms": 4.0, "matmul_floor_ms": 3.5, "attention_ms": 0.6, "attention_floor_ms": 0.5,
+           "sum_floor_ms": 4.0, "verify_over_sum_floor": 1.25}
     both = {"bs": 128, "kv": 4096, "verify_ms": 27.8, "hbm_floor_ms": 19.7,
             "compute_floor_ms": 10.9, "matmul_ms": 10.2, "matmul_floor_ms": 9.5,
-            "attention_ms": 16.4, "attention_floor_ms": 16.2}
+            "attention_ms": 16.4, "attention_floor_ms": 16.2, "sum_floor_ms": 25.7,
+            "verify_over_sum_floor": 27.8 / 25.7}
     rows = [mem, both, {"prefill_tokens": 8192, "prefill_ms": 1.4, "sdpa_prefill_ms": 1.7}]
     a, b = verify.goal_bounds(rows)
     assert a["goal_ms"] == pytest.approx(5.2) and a["met"]

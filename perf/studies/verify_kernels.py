@@ -1,15 +1,16 @@
 """Where one captured verify (or decode) replay spends its GPU time, kernel by kernel.
 
     python3 -m perf.studies.verify_kernels --bs 1,8 --kv 512,4096 [--n 4] --out DIR
-        (one GPU; about 10 s a case; writes DIR/verify_kernels.json)
+        (one GPU; writes DIR/verify_kernels.json)
 
 For each (bs, kv) it captures the 8B-shaped target's forward over bs rows of n tokens as
 `perf.verify` does (`Batch`, `target_forward`, the shipped Triton kernels), replays it once
 under the torch profiler and reports, per kernel name (template arguments dropped): count,
 summed GPU time and mean, plus `busy_ms` (the union of kernel intervals), `span_ms` (first
 start to last end) and `idle_ms` = span - busy (time the GPU ran no kernel of the graph).
-`layer`: the kernels of one middle layer in launch order, each with its start offset from the
-layer's first kernel, duration and the idle gap before it.
+`layer`: about one layer's kernels (the replay's kernel count over the layers, taken from the
+middle of the replay) in launch order, each with its start offset from the first, duration and
+the idle gap before it.
 """
 
 from __future__ import annotations
