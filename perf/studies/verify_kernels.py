@@ -1,6 +1,7 @@
 """Where one captured verify (or decode) replay spends its GPU time, kernel by kernel.
 
-    python3 -m perf.studies.verify_kernels --bs 1,8 --kv 512,4096 [--n 4] --out DIR
+    python3 -m perf.studies.verify_kernels --bs 1,8 --kv 512,4096 [--n 4] [--kernels-from-env]
+                                           --out DIR
         (one GPU; writes DIR/verify_kernels.json)
 
 For each (bs, kv) it captures the 8B-shaped target's forward over bs rows of n tokens as
@@ -21,7 +22,7 @@ import re
 
 import torch
 
-from graphdraft.kernels.config import TRITON
+from graphdraft.kernels.config import TRITON, KernelConfig
 from graphdraft.runtime.kv_cache import KVPool
 from perf.cases import int_list
 from perf.models_8b import LLAMA31_8B, build_target
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int_list, default=(1, 8))
     ap.add_argument("--kv", type=int_list, default=(512, 4096))
     ap.add_argument("--n", type=int, default=4, help="tokens a row (4: verify, 1: decode)")
+    ap.add_argument("--kernels-from-env", action="store_true",
+                    help="the Triton path with the GRAPHDRAFT_* settings of the environment "
+                         "(KernelConfig.from_env), as perf.verify's flag; default: TRITON")
     args = ap.parse_args(argv)
     if args.n < 1:
         ap.error(f"--n: expected a positive token count, got {args.n}")
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda"
     mc = LLAMA31_8B
     target = build_target(device)
-    target.set_kernels(TRITON)
+    target.set_kernels(KernelConfig.from_env(backend="triton") if args.kernels_from_env
+                       else TRITON)
     cases = [(bs, kv) for kv in args.kv for bs in args.bs]
     pages = max(bs * math.ceil((kv + args.n) / PAGE_SIZE) for bs, kv in cases) + 1
     pool = KVPool(mc.num_hidden_layers, pages, PAGE_SIZE, mc.num_key_value_heads, mc.head_dim,
