@@ -420,6 +420,7 @@ def test_verify_kernels_summary(capsys):
     assert s["idle_ms"] == pytest.approx(0.005)
     assert [(k["kernel"], k["start_us"], k["gap_before_us"]) for k in s["layer"]] == [
         ("a", 0.0, 0.0), ("b", 5.0, 3.0)]
+    assert vk.summarize([], layers=2) == {"n_kernels": 0}
     if not torch.cuda.is_available():
         assert vk.main(["--out", "unused"]) == 0
         assert "no CUDA device" in capsys.readouterr().out

@@ -39,7 +39,10 @@ def short_name(name: str) -> str:
 
 
 def summarize(ks: list[tuple[str, float, float]], layers: int) -> dict:
-    """Per-name totals, busy / span / idle, and one middle layer's timeline."""
+    """Per-name totals, busy / span / idle, and one middle layer's timeline; `{"n_kernels": 0}`
+    when the profiler recorded no kernel (as `perf.verify.replay_gaps`' empty result)."""
+    if not ks:
+        return {"n_kernels": 0}
     by: dict[str, dict] = {}
     for name, a, b in ks:
         r = by.setdefault(short_name(name), {"count": 0, "total_us": 0.0})
@@ -102,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {"bs": bs, "kv": kv, "n": args.n, "replay_ms": ms,
                    **summarize(profile_replay(graph.replay), mc.num_hidden_layers)}
             rows.append(row)
+            del graph, batch
+            if not row["n_kernels"]:
+                print(f"\nbs {bs} kv {kv} n {args.n}: replay {ms:.3f} ms; the profiler recorded "
+                      "no kernel of the graph")
+                continue
             print(f"\nbs {bs} kv {kv} n {args.n}: replay {ms:.3f} ms; profiled span "
                   f"{row['span_ms']:.3f} ms, busy {row['busy_ms']:.3f}, idle {row['idle_ms']:.3f}, "
                   f"{row['n_kernels']} kernels")
@@ -111,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
             for k in row["layer"]:
                 print(f"    +{k['start_us']:7.2f} {k['us']:7.2f} us (gap {k['gap_before_us']:6.2f})"
                       f"  {k['kernel']}")
-            del graph, batch
     path = write_json(args.out, "verify_kernels.json", {"rows": rows})
     print(f"wrote {path}")
     return 0
