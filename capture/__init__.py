@@ -22,19 +22,23 @@ from .graphs import (
     eager_forced,
     graphs_available,
 )
+from .registry import GraphKey, GraphRegistry, merge_stats
 from .schedule import batch_size_schedule, padded_batch_size
 
 __all__ = [
     "EAGER_ENV",
     "EAGER_REASONS",
     "CapturedForward",
+    "GraphKey",
     "GraphPool",
+    "GraphRegistry",
     "GraphStats",
     "batch_size_schedule",
     "cache_dir",
     "cache_entries",
     "eager_forced",
     "graphs_available",
+    "merge_stats",
     "padded_batch_size",
     "thread_builds",
     "thread_compiles",
