@@ -18,6 +18,12 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `stage_decode_inputs` | `kernels/stage_inputs.py` (`*_ref`) |
 | `paged_attention` | `kernels/decode_attention.py` (`paged_decode_attention_ref`) |
 | `paged_extend_attention` | `kernels/extend_attention.py` (`paged_extend_attention_ref`) |
+| `prepare_rows`, `commit_pack` | `kernels/cycle_kernels.py` (`*_ref`) |
+| `accept_tokens` | `kernels/accept.py` (`accept_tokens_ref`) |
+| `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
+| `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
+| `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
+| `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
 
@@ -34,26 +40,34 @@ from __future__ import annotations
 import torch
 
 from graphdraft.kernels import (
+    accept,
+    accept_control as accept_control_kernel,
     argmax,
     cache_loc,
+    cycle_kernels,
     decode_attention,
     draft_indices,
     extend_attention,
     gemv,
+    kv_move,
     norm,
     rope,
     stage_inputs,
+    tree_build,
 )
+from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import resolve as _kc  # kernels, or the default config
 from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
-__all__ = ["KernelConfig", "SplitK", "advance_positions_and_seq_lens", "apply_act",
-           "argmax_with_map", "decode_draft_indices", "linear", "linear_argmax", "linear_partials",
-           "linear_residual_rms_norm", "out_cache_loc_uniform", "paged_attention",
-           "paged_extend_attention", "rms_norm", "rms_norm_cat", "rope_and_store_kv",
-           "rope_and_store_qkv", "rope_cos_sin_cache", "stage_decode_inputs"]
+__all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
+           "advance_positions_and_seq_lens", "apply_act", "argmax_with_map", "build_tree",
+           "commit_pack", "decode_draft_indices", "gather_accepted_hidden", "linear",
+           "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
+           "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
+           "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
+           "rope_cos_sin_cache", "stage_decode_inputs", "tree_accept"]
 
 
 # ---------------------------------------------------------------------------
@@ -336,3 +350,110 @@ def stage_decode_inputs(bs: int, pbs: int, n: int, accept_src: torch.Tensor, tok
     fn = (stage_inputs.stage_decode_inputs if _kc(kernels).use_triton
           else stage_inputs.stage_decode_inputs_ref)
     fn(bs, pbs, n, accept_src, tokens_src, hidden_src, **buffers)
+
+
+# ---------------------------------------------------------------------------
+# The speculative cycle: prepare, accept, commit + pack (formulas in each kernel module)
+# ---------------------------------------------------------------------------
+def prepare_rows(slot_rows: torch.Tensor, n: int, *, kernels: KernelConfig | None = None,
+                 **tables) -> None:
+    """Verify inputs of `rows = len(slot_rows)` rows of n tokens from the slot state
+    (`graphdraft.kernels.cycle_kernels`: the keyword tables and their shapes, `[rows]` and
+    `[rows * n]` destinations)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        cycle_kernels.prepare_rows(slot_rows, n, kernels=kc, **tables)
+    else:
+        cycle_kernels.prepare_rows_ref(slot_rows, n, **tables)
+
+
+def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
+                  seq_lens: torch.Tensor, state, *, kernels: KernelConfig | None = None,
+                  **outputs) -> None:
+    """Greedy and sampled acceptance of `rows` rows of N candidates: logits `[rows * N, V]`,
+    cand `[rows, N]`, slots / seq_lens `[rows]`, `state` a `SlotState`; writes `tokens`
+    `[rows, N]`, `accept`, `draft_accept`, `finish` `[rows]`, ORs `err` `[rows]`
+    (`graphdraft.kernels.accept`)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        accept.accept_tokens(logits, cand, slots, seq_lens, state, kernels=kc, **outputs)
+    else:
+        accept.accept_tokens_ref(logits, cand, slots, seq_lens, state, **outputs)
+
+
+def commit_pack(tokens: torch.Tensor, next_tokens: torch.Tensor | None, *,
+                kernels: KernelConfig | None = None, **tables) -> None:
+    """Accepted tokens `[rows, n]` (and the next drafts `[rows, S + 1]` or None) into the slot
+    state, and the packed output `pack [rows, N + 3]` (`graphdraft.kernels.cycle_kernels`: the
+    keyword tables, `prefill`)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        cycle_kernels.commit_pack(tokens, next_tokens, kernels=kc, **tables)
+    else:
+        cycle_kernels.commit_pack_ref(tokens, next_tokens, **tables)
+
+
+# ---------------------------------------------------------------------------
+# Tree drafting: build, accept, compact (formulas in each kernel module)
+# ---------------------------------------------------------------------------
+def build_tree(spec, cand_score: torch.Tensor, cand_tok: torch.Tensor, cand_parent: torch.Tensor,
+               root: torch.Tensor, prefix_len: torch.Tensor, out: tree_build.TreeBuffers, *,
+               kernels: KernelConfig | None = None) -> None:
+    """The candidate store (`[B, M]` each) -> the n-node verify tree of each row, written into
+    `out` (`graphdraft.kernels.tree_build`; `spec` a `runtime.tree.TreeSpec`)."""
+    kc = _kc(kernels)
+    args = (spec, cand_score, cand_tok, cand_parent, root, prefix_len, out)
+    if kc.use_triton:
+        tree_build.build_tree(*args, kernels=kc)
+    else:
+        tree_build.build_tree_ref(*args)
+
+
+def tree_accept(spec, tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
+                *, kernels: KernelConfig | None = None, **io) -> None:
+    """One walk per row down the verified tree (`[B, n]` each): greedy with `target` `[B * n]`,
+    sampled with `probs`, `coins`, `final_coin`; writes `accept_len`, `accept_index`,
+    `out_tokens`, `bonus` (`graphdraft.kernels.tree_accept`)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        tree_accept_kernel.tree_accept(spec, tokens, first_child, next_sibling, kernels=kc, **io)
+    else:
+        tree_accept_kernel.tree_accept_ref(spec, tokens, first_child, next_sibling, **io)
+
+
+def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
+                     req_to_page: torch.Tensor, req: torch.Tensor, prefix_len: torch.Tensor,
+                     accept_index: torch.Tensor, accept_len: torch.Tensor, page_size: int, *,
+                     kernels: KernelConfig | None = None) -> None:
+    """The accepted path's KV to the front, every layer (`[B]` rows, `accept_index [B, P]`;
+    `graphdraft.kernels.kv_move`)."""
+    kc = _kc(kernels)
+    args = (k_layers, v_layers, req_to_page, req, prefix_len, accept_index, accept_len, page_size)
+    if kc.use_triton:
+        kv_move.move_accepted_kv(*args, kernels=kc)
+    else:
+        kv_move.move_accepted_kv_ref(*args)
+
+
+def gather_accepted_hidden(aux_hidden: torch.Tensor, accept_index: torch.Tensor,
+                           accept_len: torch.Tensor, n: int, hid_c: torch.Tensor, *,
+                           kernels: KernelConfig | None = None) -> None:
+    """`hid_c [B * P, kH] = aux_hidden[r * n + path[d]]` (`graphdraft.kernels.kv_move`)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        kv_move.gather_accepted_hidden(aux_hidden, accept_index, accept_len, n, hid_c, kernels=kc)
+    else:
+        kv_move.gather_accepted_hidden_ref(aux_hidden, accept_index, accept_len, n, hid_c)
+
+
+def accept_control(next_tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                   oracle: torch.Tensor, p: float | torch.Tensor, seed: int, vocab_size: int, *,
+                   kernels: KernelConfig | None = None) -> None:
+    """Benchmarks' accept-rate control: drafts `next_tokens[:, 1:]` `[bs, S]` overwritten to
+    match the oracle with probability p (`graphdraft.kernels.accept_control`)."""
+    kc = _kc(kernels)
+    args = (next_tokens, slots, positions, oracle, p, seed, vocab_size)
+    if kc.use_triton:
+        accept_control_kernel.accept_control(*args, kernels=kc)
+    else:
+        accept_control_kernel.accept_control_ref(*args)

@@ -76,8 +76,8 @@ from typing import Any
 
 import torch
 
+from graphdraft import ops
 from graphdraft.config import RuntimeConfig
-from graphdraft.kernels.accept_control import accept_control
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.policy import (
     AcceptRateEstimator,
@@ -231,9 +231,11 @@ def make_hook(engine: Engine, oracle: torch.Tensor, p: torch.Tensor):
     vocab = engine.target.config.vocab_size
     slots = engine.inputs.req_pool_indices
     positions = engine.drafter.bufs.write_start
+    kernels = engine.cfg.kernels
 
     def hook(bs: int, next_tokens: torch.Tensor) -> None:
-        accept_control(next_tokens, slots[:bs], positions[:bs], oracle, p, SEED, vocab)
+        ops.accept_control(next_tokens, slots[:bs], positions[:bs], oracle, p, SEED, vocab,
+                           kernels=kernels)
 
     return hook
 

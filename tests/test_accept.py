@@ -13,9 +13,10 @@ from graphdraft.kernels.accept import (
     FINISH_STOP,
     _uniform,
     accept_ref,
-    accept_tokens,
     philox_uniform_ref,
 )
+from graphdraft.kernels.config import TORCH, TRITON
+from graphdraft.ops import accept_tokens
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.serving.verify import SamplingParams, request_seed, target_probs, verify_greedy
 
@@ -72,7 +73,7 @@ def test_kernel_matches_reference_mixed_rows():
     slots = torch.tensor([1, 2, 3, 4, 0, 5, 1])
     seq = torch.tensor([10, 20, 30, 40, 1, 9, 12], dtype=torch.int32)
     a, b = _outs(rows, n), _outs(rows, n)
-    accept_tokens(logits, cand, slots, seq, st, use_triton=True, **a)
+    accept_tokens(logits, cand, slots, seq, st, kernels=TRITON, **a)
     accept_ref(logits, cand, slots, seq, st, **b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -97,7 +98,7 @@ def test_greedy_rows_equal_verify_greedy(use_triton):
         cand[r, 1:1 + k] = g[r, :k]
     out = _outs(rows, n)
     accept_tokens(logits, cand, torch.arange(1, rows + 1), torch.full((rows,), 20, dtype=torch.int32),
-                  st, use_triton=use_triton, **out)
+                  st, kernels=TRITON if use_triton else TORCH, **out)
     tok, acc = verify_greedy(cand, logits)
     assert torch.equal(out["tokens"].view(-1), tok) and torch.equal(out["accept"], acc)
 
@@ -113,12 +114,12 @@ def test_length_cut_and_stop_precedence():
     for use_triton in (True, False):
         out = _outs(1, n)
         accept_tokens(logits, cand, torch.tensor([1]), torch.tensor([20], dtype=torch.int32), st,
-                      use_triton=use_triton, **out)
+                      kernels=TRITON if use_triton else TORCH, **out)
         assert int(out["accept"][0]) == 2 and int(out["finish"][0]) == FINISH_LENGTH
     st.stop_ids[1, 0] = int(g[1])  # the stop token is the length-limited one too: stop wins
     out = _outs(1, n)
     accept_tokens(logits, cand, torch.tensor([1]), torch.tensor([20], dtype=torch.int32), st,
-                  use_triton=True, **out)
+                  kernels=TRITON, **out)
     if int(g[0]) != int(g[1]):
         assert int(out["accept"][0]) == 2 and int(out["finish"][0]) == FINISH_STOP
 
@@ -183,7 +184,7 @@ def test_noise_depends_on_seed_and_position_only():
     cand = torch.zeros(4, n, dtype=torch.int64)
     out = _outs(4, n)
     accept_tokens(logits, cand, torch.tensor([1, 3, 2, 3]), torch.tensor([30, 30, 30, 31],
-                  dtype=torch.int32), st, use_triton=True, **out)
+                  dtype=torch.int32), st, kernels=TRITON, **out)
     t = out["tokens"]
     assert torch.equal(t[0], t[2])  # slots 1 and 2: same seed, same positions, same logits
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.kernels.cycle_kernels import commit_pack, prepare_rows
+from graphdraft import ops
+from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.warmup import KeyRecorder, all_kernels
 
 R, S, P, PS, CTX, V = 7, 3, 6, 4, 24, 50
@@ -34,15 +35,15 @@ def test_prepare_matches_reference(n):
     slot_rows = torch.tensor([1, 0, 3, 4, 2, 5, 6, 0])
     rows = slot_rows.shape[0]
     outs = []
-    for tr in (True, False):
+    for kc in (TRITON, TORCH):
         t = _tables(1)
         o = dict(input_ids=torch.full((rows * n,), -7), positions=torch.full((rows * n,), -7),
                  out_cache_loc=torch.full((rows * n,), -7), req=torch.full((rows,), -7),
                  seq_lens=torch.full((rows,), -7, dtype=torch.int32),
                  extend_lens=torch.full((rows,), -7, dtype=torch.int32),
                  err=torch.full((rows,), -7, dtype=torch.int32))
-        prepare_rows(slot_rows, n, page_size=PS, max_context_len=CTX, vocab=V, use_triton=tr,
-                     **t, **o)
+        ops.prepare_rows(slot_rows, n, page_size=PS, max_context_len=CTX, vocab=V, kernels=kc,
+                         **t, **o)
         outs.append(o)
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
@@ -67,15 +68,15 @@ def _commit_both(prefill, with_next):
     req = torch.tensor([2, 0 if not prefill else 5, 1, 3, 0 if not prefill else 6])
     seq_lens = torch.tensor([9, 8, 7, 6, 5], dtype=torch.int32)
     outs = []
-    for tr in (True, False):
+    for kc in (TRITON, TORCH):
         t = _tables(3)
         t.pop("req_to_page")
         t["emitted"] = torch.randint(0, 5, (R,), generator=torch.Generator().manual_seed(4),
                                      dtype=torch.int32)
         t["emitted"][0] = 0
         pack = torch.full((rows, nrow + 3), -7, dtype=torch.int32)
-        commit_pack(tokens, nxt, accept=accept, finish=finish, err=err, req=req,
-                    seq_lens=seq_lens, pack=pack, prefill=prefill, use_triton=tr, **t)
+        ops.commit_pack(tokens, nxt, accept=accept, finish=finish, err=err, req=req,
+                        seq_lens=seq_lens, pack=pack, prefill=prefill, kernels=kc, **t)
         outs.append(dict(t, pack=pack))
     return n, nrow, outs
 

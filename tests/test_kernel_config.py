@@ -253,8 +253,11 @@ def test_models_hold_the_config_they_were_built_with():
     with pytest.raises(TypeError):  # the positional use_triton flag is gone
         PagedAttentionBackend(torch.zeros(1, 1, dtype=torch.int32), 1, 1, True)
     for op in (ops.out_cache_loc_uniform, ops.advance_positions_and_seq_lens,
-               ops.decode_draft_indices, ops.stage_decode_inputs):
-        assert "use_triton" not in inspect.signature(op).parameters, op.__name__
+               ops.decode_draft_indices, ops.stage_decode_inputs, ops.prepare_rows,
+               ops.accept_tokens, ops.commit_pack, ops.build_tree, ops.tree_accept,
+               ops.move_accepted_kv, ops.gather_accepted_hidden, ops.accept_control):
+        params = inspect.signature(op).parameters
+        assert "use_triton" not in params and "kernels" in params, op.__name__
 
 
 _SETTING_NAMES = ("SMALL_M_MAX", "GEMV_PDL", "STREAM_EVICT_FIRST", "FINISH_MAXNREG",

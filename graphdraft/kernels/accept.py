@@ -46,9 +46,10 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
+from graphdraft.kernels.config import KernelConfig
 
 __all__ = ["ERR_TOKEN", "FINISH_LENGTH", "FINISH_STOP", "SALT_TARGET", "accept_ref",
-           "accept_tokens", "philox4x32_ref", "philox_uniform_ref"]
+           "accept_tokens", "accept_tokens_ref", "philox4x32_ref", "philox_uniform_ref"]
 
 SALT_TARGET = 1
 """Stage salt of the target's sampled tokens (high word of the Philox counter)."""
@@ -248,17 +249,20 @@ def _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, 
 def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, state, *, tokens: torch.Tensor, accept: torch.Tensor,
                   draft_accept: torch.Tensor, finish: torch.Tensor, err: torch.Tensor,
-                  use_triton: bool = True) -> None:
-    """The module docstring's writes for `rows = cand.shape[0]` rows. `state`: a
-    `graphdraft.runtime.slot_state.SlotState` (temperature, top_p, top_k, seed, stop_ids, max_new,
-    emitted, done per slot). `err` is ORed into, not overwritten. Graph-capturable."""
+                  kernels: KernelConfig | None = None, use_triton: bool | None = None) -> None:
+    """Triton path (`graphdraft.ops.accept_tokens` chooses): the module docstring's writes for
+    `rows = cand.shape[0]` rows. `state`: a `graphdraft.runtime.slot_state.SlotState`
+    (temperature, top_p, top_k, seed, stop_ids, max_new, emitted, done per slot). `err` is ORed
+    into, not overwritten. Graph-capturable. `kernels`: the launch settings (None: the default;
+    these two launches read none). `use_triton=False`: the old call shape, runs
+    `accept_tokens_ref` (call `ops.accept_tokens(..., kernels=...)` instead)."""
+    if use_triton is False:
+        accept_tokens_ref(logits, cand, slots, seq_lens, state, tokens=tokens, accept=accept,
+                          draft_accept=draft_accept, finish=finish, err=err)
+        return
     rows, n = cand.shape
     _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n)
     if rows == 0:
-        return
-    if not use_triton:
-        accept_ref(logits, cand, slots, seq_lens, state, tokens=tokens, accept=accept,
-                   draft_accept=draft_accept, finish=finish, err=err)
         return
     v = logits.shape[1]
     w = state.stop_ids.shape[1]
@@ -270,6 +274,18 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
         tokens, tokens.stride(0), cand, cand.stride(0), slots, state.stop_ids, state.max_new,
         state.emitted, state.done, accept, draft_accept, finish, err, n, v, w,
         WP2=triton.next_power_of_2(w), num_warps=1)
+
+
+def accept_tokens_ref(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
+                      seq_lens: torch.Tensor, state, *, tokens: torch.Tensor, accept: torch.Tensor,
+                      draft_accept: torch.Tensor, finish: torch.Tensor, err: torch.Tensor) -> None:
+    """Torch path of `accept_tokens`: the same checks and writes (`accept_ref`)."""
+    rows, n = cand.shape
+    _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n)
+    if rows == 0:
+        return
+    accept_ref(logits, cand, slots, seq_lens, state, tokens=tokens, accept=accept,
+               draft_accept=draft_accept, finish=finish, err=err)
 
 
 # ----------------------------------------------------------------------------

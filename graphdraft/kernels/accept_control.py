@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.accept import philox4x32_ref
 
 __all__ = ["accept_control", "accept_control_ref", "philox4x32_ref"]
@@ -100,8 +101,10 @@ def _check(next_tokens, slots, positions, oracle, p, seed, vocab_size) -> tuple[
 
 
 def accept_control(next_tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                   oracle: torch.Tensor, p: float, seed: int, vocab_size: int) -> None:
-    """Overwrite drafts `next_tokens[:, 1:]` in place (module docstring). One program per row."""
+                   oracle: torch.Tensor, p: float, seed: int, vocab_size: int, *,
+                   kernels: KernelConfig | None = None) -> None:
+    """Overwrite drafts `next_tokens[:, 1:]` in place (module docstring). One program per row
+    (`graphdraft.ops.accept_control` chooses). `kernels`: the launch settings (None: the default; this launch reads none)."""
     threshold, s = _check(next_tokens, slots, positions, oracle, p, seed, vocab_size)
     bs = next_tokens.shape[0]
     if bs == 0 or s == 0:

@@ -1,6 +1,7 @@
 """The speculative cycle's small kernels: prepare (state -> verify inputs) and commit + pack
 (accept -> state, packed output). One program per row; each has a torch reference doing the
-same writes (the torch path runs it; tests compare the two).
+same writes (`prepare_rows_ref`, `commit_pack_ref`: the torch path; `graphdraft.ops` chooses;
+tests compare the two).
 
 prepare(rows from `slot_rows`, N tokens per row):
   s = slot_rows[r]; live = s != 0 and done[s] == 0; v = valid_cache_lengths[s]
@@ -23,9 +24,10 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.kv_cache import kv_slot
 
-__all__ = ["commit_pack", "neutral_slot0", "prepare_rows"]
+__all__ = ["commit_pack", "commit_pack_ref", "neutral_slot0", "prepare_rows", "prepare_rows_ref"]
 
 ERR_DRAFTS, ERR_CACHE_LEN = 1, 2
 
@@ -71,26 +73,50 @@ def _prepare_kernel(slot_rows, done, vcl, last_token, drafts, stride_d, req_to_p
     tl.store(extend_lens + r + one, (v * 0 + N).to(extend_lens.dtype.element_ty))
 
 
-def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, page_size,
-                 max_context_len, vocab, input_ids, positions, out_cache_loc, req, seq_lens,
-                 extend_lens, err, use_triton: bool) -> None:
-    """The module docstring's prepare over `rows = len(slot_rows)` rows; destinations are the
-    rows' / tokens' slices (`[rows]`, `[rows * n]`). Graph-capturable."""
-    rows = slot_rows.shape[0]
+def _check_prepare(rows, n, input_ids, positions, out_cache_loc, req, seq_lens, extend_lens,
+                   err) -> None:
     for name, t, size in (("input_ids", input_ids, rows * n), ("positions", positions, rows * n),
                           ("out_cache_loc", out_cache_loc, rows * n), ("req", req, rows),
                           ("seq_lens", seq_lens, rows), ("extend_lens", extend_lens, rows),
                           ("err", err, rows)):
         expect_tensor(name, t, shape=(size,), layout="contiguous")
+
+
+def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, page_size,
+                 max_context_len, vocab, input_ids, positions, out_cache_loc, req, seq_lens,
+                 extend_lens, err, kernels: KernelConfig | None = None,
+                 use_triton: bool | None = None) -> None:
+    """Triton path (`graphdraft.ops.prepare_rows` chooses): the module docstring's prepare over
+    `rows = len(slot_rows)` rows; destinations are the rows' / tokens' slices (`[rows]`,
+    `[rows * n]`). Graph-capturable. `kernels`: the launch settings (None: the default; this
+    launch reads none). `use_triton=False`: the old call shape, runs `prepare_rows_ref` (call
+    `ops.prepare_rows(..., kernels=...)` instead)."""
+    if use_triton is False:
+        prepare_rows_ref(slot_rows, n, done=done, vcl=vcl, last_token=last_token, drafts=drafts,
+                         req_to_page=req_to_page, page_size=page_size,
+                         max_context_len=max_context_len, vocab=vocab, input_ids=input_ids,
+                         positions=positions, out_cache_loc=out_cache_loc, req=req,
+                         seq_lens=seq_lens, extend_lens=extend_lens, err=err)
+        return
+    rows = slot_rows.shape[0]
+    _check_prepare(rows, n, input_ids, positions, out_cache_loc, req, seq_lens, extend_lens, err)
     if rows == 0:
         return
-    if use_triton:
-        _prepare_kernel[(rows,)](slot_rows, done, vcl, last_token, drafts, drafts.stride(0),
-                                 req_to_page, req_to_page.stride(0), input_ids, positions,
-                                 out_cache_loc, req, seq_lens, extend_lens, err, n, page_size,
-                                 req_to_page.shape[1], max_context_len, vocab,
-                                 NP2=triton.next_power_of_2(max(n, drafts.shape[1] + 1)),
-                                 num_warps=1)
+    _prepare_kernel[(rows,)](slot_rows, done, vcl, last_token, drafts, drafts.stride(0),
+                             req_to_page, req_to_page.stride(0), input_ids, positions,
+                             out_cache_loc, req, seq_lens, extend_lens, err, n, page_size,
+                             req_to_page.shape[1], max_context_len, vocab,
+                             NP2=triton.next_power_of_2(max(n, drafts.shape[1] + 1)),
+                             num_warps=1)
+
+
+def prepare_rows_ref(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, page_size,
+                     max_context_len, vocab, input_ids, positions, out_cache_loc, req, seq_lens,
+                     extend_lens, err) -> None:
+    """Torch path of `prepare_rows`: the same checks and writes."""
+    rows = slot_rows.shape[0]
+    _check_prepare(rows, n, input_ids, positions, out_cache_loc, req, seq_lens, extend_lens, err)
+    if rows == 0:
         return
     s = slot_rows
     live = (s != 0) & (done[s] == 0)
@@ -161,25 +187,48 @@ def neutral_slot0(*tables: torch.Tensor) -> None:
         t[:1].zero_()
 
 
-def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl, last_token,
-                drafts, emitted, done, pack, prefill: bool, use_triton: bool) -> None:
-    """The module docstring's commit and pack over `rows = tokens.shape[0]` rows: tokens
-    `[rows, n]`, next_tokens `[rows, S + 1]` or None, pack `[rows, N + 3]` (N >= n)."""
+def _check_pack(tokens, pack) -> tuple[int, int, int]:
+    """`(rows, n, nrow)` of a commit: tokens `[rows, n]` (unit column stride), pack
+    `[rows, N + 3]` with N = nrow >= n."""
     rows, n = tokens.shape
     nrow = pack.shape[1] - 3
     if pack.shape[0] != rows or nrow < n or tokens.stride(1) != 1:
         raise ValueError(f"pack: expected [{rows}, >= {n} + 3], got {tuple(pack.shape)}")
+    return rows, n, nrow
+
+
+def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl, last_token,
+                drafts, emitted, done, pack, prefill: bool, kernels: KernelConfig | None = None,
+                use_triton: bool | None = None) -> None:
+    """Triton path (`graphdraft.ops.commit_pack` chooses): the module docstring's commit and
+    pack over `rows = tokens.shape[0]` rows: tokens `[rows, n]`, next_tokens `[rows, S + 1]` or
+    None, pack `[rows, N + 3]` (N >= n). `kernels`: the launch settings (None: the default;
+    this launch reads none). `use_triton=False`: the old call shape, runs `commit_pack_ref`
+    (call `ops.commit_pack(..., kernels=...)` instead)."""
+    if use_triton is False:
+        commit_pack_ref(tokens, next_tokens, accept=accept, finish=finish, err=err, req=req,
+                        seq_lens=seq_lens, vcl=vcl, last_token=last_token, drafts=drafts,
+                        emitted=emitted, done=done, pack=pack, prefill=prefill)
+        return
+    rows, n, nrow = _check_pack(tokens, pack)
     if rows == 0:
         return
     s_cols = drafts.shape[1]
-    if use_triton:
-        nt = next_tokens if next_tokens is not None else tokens
-        _commit_pack_kernel[(rows,)](
-            accept, finish, err, req, seq_lens, tokens, tokens.stride(0), nt, nt.stride(0), vcl,
-            last_token, drafts, drafts.stride(0), emitted, done, pack, pack.stride(0), n, nrow,
-            s_cols, int(prefill), NP2=triton.next_power_of_2(nrow),
-            SP2=triton.next_power_of_2(max(s_cols, 1)), HAS_NEXT=next_tokens is not None and s_cols > 0, num_warps=1)
+    nt = next_tokens if next_tokens is not None else tokens
+    _commit_pack_kernel[(rows,)](
+        accept, finish, err, req, seq_lens, tokens, tokens.stride(0), nt, nt.stride(0), vcl,
+        last_token, drafts, drafts.stride(0), emitted, done, pack, pack.stride(0), n, nrow,
+        s_cols, int(prefill), NP2=triton.next_power_of_2(nrow),
+        SP2=triton.next_power_of_2(max(s_cols, 1)), HAS_NEXT=next_tokens is not None and s_cols > 0, num_warps=1)
+
+
+def commit_pack_ref(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl, last_token,
+                    drafts, emitted, done, pack, prefill: bool) -> None:
+    """Torch path of `commit_pack`: the same checks and writes."""
+    rows, n, nrow = _check_pack(tokens, pack)
+    if rows == 0:
         return
+    s_cols = drafts.shape[1]
     a = accept.long()
     live = a > 0
     s = torch.where(live, req, 0)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["move_accepted_kv", "move_accepted_kv_ref", "gather_accepted_hidden",
@@ -124,8 +125,9 @@ def _move_kv_kernel(k_ptr, v_ptr, stride_slot, page_ptr, stride_page, max_pages,
 def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
                      req_to_page: torch.Tensor, req: torch.Tensor, prefix_len: torch.Tensor,
                      accept_index: torch.Tensor, accept_len: torch.Tensor, page_size: int,
-                     block: int = 1024) -> None:
-    """Triton version (module doc): one launch per layer, grid (B, cdiv(Hkv*D, block))."""
+                     block: int = 1024, kernels: KernelConfig | None = None) -> None:
+    """Triton version (module doc; `graphdraft.ops.move_accepted_kv` chooses): one launch per
+    layer, grid (B, cdiv(Hkv*D, block)). `kernels`: the launch settings (None: the default; this launch reads none)."""
     _check_kv(k_layers, v_layers, req_to_page, page_size)
     bs, p = _check_rows(req, prefix_len, accept_index, accept_len)
     if bs == 0 or p < 2:
@@ -179,8 +181,9 @@ def _gather_hidden_kernel(src_ptr, stride_src, dst_ptr, idx_ptr, len_ptr, n, P, 
 
 def gather_accepted_hidden(aux_hidden: torch.Tensor, accept_index: torch.Tensor,
                            accept_len: torch.Tensor, n: int, hid_c: torch.Tensor,
-                           block: int = 1024) -> None:
-    """Triton version of `gather_accepted_hidden_ref`: grid (B*P, cdiv(kH, block))."""
+                           block: int = 1024, kernels: KernelConfig | None = None) -> None:
+    """Triton version of `gather_accepted_hidden_ref` (`graphdraft.ops.gather_accepted_hidden`
+    chooses): grid (B*P, cdiv(kH, block)). `kernels`: the launch settings (None: the default; this launch reads none)."""
     bs, p = _check_rows(accept_len, accept_len, accept_index, accept_len)
     _check_hidden(aux_hidden, hid_c, bs, p, n)
     if bs == 0:

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.tree import TreeSpec
 
 __all__ = ["tree_accept", "tree_accept_ref", "clamp_coins", "COIN_MAX"]
@@ -253,9 +254,10 @@ def tree_accept(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Tensor,
                 probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
                 final_coin: torch.Tensor | None = None, accept_len: torch.Tensor,
                 accept_index: torch.Tensor, out_tokens: torch.Tensor, bonus: torch.Tensor,
-                block: int = 1024) -> None:
-    """Triton version (module doc): one program per row. Greedy: pass `target`; sampled:
-    `probs`, `coins`, `final_coin`."""
+                block: int = 1024, kernels: KernelConfig | None = None) -> None:
+    """Triton version (module doc; `graphdraft.ops.tree_accept` chooses): one program per row.
+    Greedy: pass `target`; sampled: `probs`, `coins`, `final_coin`. `block`: the V chunk (a
+    test hook). `kernels`: the launch settings (None: the default; this launch reads none)."""
     bs = _check(spec, tokens, first_child, next_sibling, target, probs, coins, final_coin,
                 accept_len, accept_index, out_tokens, bonus)
     if bs == 0:

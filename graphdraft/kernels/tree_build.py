@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.tree import TreeSpec, score_key
 
 __all__ = ["TreeBuffers", "build_tree", "build_tree_ref"]
@@ -185,8 +186,9 @@ def _build_tree_kernel(score_ptr, tok_ptr, par_ptr, root_ptr, plen_ptr,
 
 def build_tree(spec: TreeSpec, cand_score: torch.Tensor, cand_tok: torch.Tensor,
                cand_parent: torch.Tensor, root: torch.Tensor, prefix_len: torch.Tensor,
-               out: TreeBuffers) -> None:
-    """Triton version (module doc): one program per row; same writes as `build_tree_ref`."""
+               out: TreeBuffers, *, kernels: KernelConfig | None = None) -> None:
+    """Triton version (module doc; `graphdraft.ops.build_tree` chooses): one program per row;
+    same writes as `build_tree_ref`. `kernels`: the launch settings (None: the default; this launch reads none)."""
     bs = _check(spec, cand_score, cand_tok, cand_parent, root, prefix_len, out)
     if bs == 0:
         return
