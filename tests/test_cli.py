@@ -265,7 +265,7 @@ def test_generate_streams_every_step():
     a = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
     m = models.load(a)
     engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos)
-    req = engine.add_request(m.tokenizer.encode("for i in range(").ids,
+    req = engine.add_request(m.tokenizer.encode("for i in range("),
                              SamplingParams(max_new_tokens=20, ignore_eos=True))
     pieces = []
     run_streams(engine, m.tokenizer, [Stream(0, req, ())], lambda i, t: pieces.append(t))

@@ -22,6 +22,7 @@ import time
 import torch
 
 import graphdraft.serving.cli.models as models
+from graphdraft.io.tokenizer import ByteLevelTokenizer
 from graphdraft.kernels.precompile_workers import default_workers
 from graphdraft.kernels.warmup import precompile_running, start_precompile
 from graphdraft.serving.cli.args import CliError, translate
@@ -115,17 +116,17 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prog
 
 
 def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int]], str]:
-    if isinstance(m.tokenizer, models.ByteTokenizerAdapter):
+    if isinstance(m.tokenizer, ByteLevelTokenizer):
         from graphdraft.io.corpus import heldout_prompts
         texts = heldout_prompts(a.num_prompts, a.prompt_bytes)
         if not texts:
             raise CliError("--num-prompts: no held-out standard-library text found for prompts")
         texts = [texts[i % len(texts)] for i in range(a.num_prompts)]
-        return ([m.tokenizer.tok.encode(t) for t in texts],
+        return ([m.tokenizer.encode(t) for t in texts],
                 f"{a.num_prompts} x {a.prompt_bytes} bytes of held-out stdlib sources")
     if m.tokenizer is not None:
         texts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(a.num_prompts)]
-        return [m.tokenizer.encode(t).ids for t in texts], f"{a.num_prompts} sample sentences"
+        return [m.tokenizer.encode(t) for t in texts], f"{a.num_prompts} sample sentences"
     rng = random.Random(a.seed)
     vocab = m.target.config.vocab_size
     return ([[rng.randrange(vocab) for _ in range(rng.randint(16, 64))]

@@ -121,7 +121,7 @@ def generate(a: argparse.Namespace) -> int:
     capture(engine, "speculative", a.quiet)
     prompts, plist, stops = [], [], []
     for spec in specs:
-        ids = m.tokenizer.encode(spec.text).ids
+        ids = m.tokenizer.encode(spec.text)
         params, st = sampling_for(a, spec, m.stops, m.eos)
         try:
             check_request(engine, ids, params)

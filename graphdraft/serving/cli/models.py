@@ -12,12 +12,13 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from graphdraft.config import ModelConfig, RuntimeConfig
 from graphdraft.io.checkpoint import PendingWeights
+from graphdraft.io.tokenizer import Tokenizer
+from graphdraft.io.tokenizer import load_tokenizer as _load_tokenizer
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.models.random_models import random_model_pair
@@ -60,35 +61,13 @@ def runtime_from_args(a: argparse.Namespace, max_context_len: int | None = None)
         raise CliError(translate(str(e))) from e
 
 
-class ByteTokenizerAdapter:
-    """The byte tokenizer behind the `tokenizers` calls the CLI makes (`encode(t).ids`, `decode`)."""
-
-    def __init__(self) -> None:
-        from graphdraft.io.bytes_tokenizer import ByteTokenizer
-        self.tok = ByteTokenizer()
-
-    def encode(self, text: str):
-        return argparse.Namespace(ids=self.tok.encode(text))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, errors="replace")
-
-
-def load_tokenizer(path: str, config: dict | None = None):
-    """The byte tokenizer when `config` says `graphdraft_tokenizer: "bytes"`; else a
-    `tokenizers` tokenizer from `path/tokenizer.json`; else None."""
-    from graphdraft.io.bytes_tokenizer import CONFIG_KEY
-    if config is not None and config.get(CONFIG_KEY) == "bytes":
-        return ByteTokenizerAdapter()
-    file = Path(path) / "tokenizer.json"
-    if not file.exists():
-        return None
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The target directory's tokenizer (`graphdraft.io.tokenizer.load_tokenizer`); CliError
+    naming the file when one is there but unreadable."""
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        log.warning("%s found but the `tokenizers` package is missing: no text prompts", file)
-        return None
-    return Tokenizer.from_file(str(file))
+        return _load_tokenizer(path)
+    except ValueError as e:
+        raise CliError(f"--target: {e}") from e
 
 
 def random_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM, Eagle3DraftHead]:
@@ -105,7 +84,7 @@ class Loaded:
     target: LlamaForCausalLM
     head: Eagle3DraftHead
     cfg: RuntimeConfig
-    tokenizer: Any | None
+    tokenizer: Tokenizer | None
     eos: int | None
     stops: tuple[int, ...]
     label: str
@@ -157,9 +136,12 @@ def load(a: argparse.Namespace, read: bool = True) -> Loaded:
                                                       cfg.device)
     except (ValueError, OSError, KeyError) as e:
         raise CliError(f"{flag}: {e}") from e
-    stops = tuple(info.eos_token_ids)
-    m = Loaded(target, head, cfg, load_tokenizer(target_dir, info.extras.raw),
-               stops[0] if stops else None, stops, f"{target_dir} + {draft_dir}", pending)
+    tokenizer = load_tokenizer(target_dir)
+    # EOS from the configs, then the chat template's end-of-turn token: each ends a request
+    stops = tuple(dict.fromkeys([*info.eos_token_ids, *(tokenizer.eos_token_ids if tokenizer
+                                                         else ())]))
+    m = Loaded(target, head, cfg, tokenizer, stops[0] if stops else None, stops,
+               f"{target_dir} + {draft_dir}", pending)
     if read:
         m.read_weights()
     return m
