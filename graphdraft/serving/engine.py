@@ -100,6 +100,7 @@ from graphdraft.runtime.drafter_protocol import CycleDrafter, Drafter, check_dra
 from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.runtime.tree import TreeSpec
+from graphdraft.sampling import device_row
 from graphdraft.serving import data_parallel
 from graphdraft.serving.metrics import ServingMetrics
 from graphdraft.serving.policy import (
@@ -705,9 +706,8 @@ class Engine:
             except OutOfPagesError:
                 self.pages.free(slot)
                 break
-            p = req.params
-            self.slots.admit(slot, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                             seed=req.seed, stop_ids=self._stop_ids(p), max_new=p.max_new_tokens)
+            self.slots.admit(slot, stop_ids=self._stop_ids(req.params),
+                             **device_row(req.params, req.seed))
             req.slot = slot
             self.waiting.popleft()
             self.running.append(req)

@@ -18,59 +18,12 @@ for j < accept) and `accept_lengths [nd]` int32 in 1..N.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from graphdraft.sampling import SamplingParams, request_seed
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters; `temperature == 0` is greedy.
-
-    Seeds (sampled requests): the Engine samples on device with Philox noise keyed by the
-    request's seed and the absolute position of each sampled token, so a request's tokens
-    depend only on its seed, its prompt and the models: not on the other requests of the
-    batch, the padded batch size, prefill chunking or how many drafts were accepted.
-    `seed=None`: the Engine draws a distinct seed from its own `Engine(seed=...)`.
-    `seed=s`: the k-th request of an Engine carrying seed s (k = 0, 1, ... in `add_request`
-    order) uses `request_seed(s, k)`: one request with seed s reproduces alone or in any
-    batch, and several requests sharing one SamplingParams(seed=s) get distinct streams,
-    the same ones again whenever the same requests are added in the same order.
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: expected an int >= 0 (0: off), got {self.top_k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def request_seed(seed: int, k: int) -> int:
-    """The Philox key of the k-th request carrying `seed` (k = 0: the seed itself, masked to
-    63 bits; k > 0: a splitmix64 mix of (seed, k))."""
-    m = (1 << 64) - 1
-    if k == 0:
-        return seed & ((1 << 63) - 1)
-    z = (seed + 0x9E3779B97F4A7C15 * (k + 1)) & m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+__all__ = ["SamplingParams", "request_seed", "target_probs", "verify_greedy", "verify_sampled",
+           "sample_tokens"]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -17,6 +17,7 @@ import re
 import torch
 
 from graphdraft.config import RuntimeConfig, default_device
+from graphdraft.sampling import flag_fields
 
 
 class CliError(Exception):
@@ -195,15 +196,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """One flag per sampling field with a `flag` (`graphdraft.sampling.SAMPLING_FIELDS`: type,
+    range, default and help from the record; `max_new_tokens` the command's default), then
+    `--seed` (the Engine's seed, not a per-request field)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int_at_least(1), default=max_new_tokens,
-                   help="tokens to generate per prompt")
-    g.add_argument("--temperature", type=float_in(0, math.inf, what="a number >= 0"),
-                   default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float_in(0, 1, lo_open=True, what="a number in (0, 1]"),
-                   default=1.0, help="nucleus sampling mass (needs --temperature > 0)")
-    g.add_argument("--top-k", type=int_at_least(0), default=0,
-                   help="sample among the k likeliest tokens, 0: off (needs --temperature > 0)")
+    for f in flag_fields():
+        r = f.range
+        kind = (int_at_least(int(r.lo)) if f.integer else
+                float_in(r.lo, r.hi, lo_open=r.lo_open, what=f"a number {f.expected}"))
+        default = max_new_tokens if f.name == "max_new_tokens" else f.default
+        g.add_argument(f.flag, type=kind, default=default, help=f.help)
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the models' random weights and the requests' samplers")
 
