@@ -41,7 +41,6 @@ import torch
 
 from graphdraft.kernels import (
     accept,
-    accept_control as accept_control_kernel,
     argmax,
     cache_loc,
     cycle_kernels,
@@ -55,6 +54,7 @@ from graphdraft.kernels import (
     stage_inputs,
     tree_build,
 )
+from graphdraft.kernels import accept_control as accept_control_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import resolve as _kc  # kernels, or the default config

@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
-from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.accept import philox4x32_ref
+from graphdraft.kernels.config import KernelConfig
 
 __all__ = ["accept_control", "accept_control_ref", "philox4x32_ref"]
 

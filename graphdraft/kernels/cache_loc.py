@@ -34,13 +34,13 @@ from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
 from graphdraft.kernels.buckets import rows_block
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.pdl import launch_options, pdl_enter
-from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = [
     "compute_out_cache_loc_uniform",
     "compute_out_cache_loc_uniform_ref",
     "advance_positions_and_seq_lens",
     "advance_positions_and_seq_lens_ref",
+    "kv_slot",
     "kv_slots",
 ]
 
@@ -274,9 +274,21 @@ def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tens
 # --------------------------------------------------------------------------- references
 
 
+def kv_slot(req_to_page: torch.Tensor, req: torch.Tensor | int, pos: torch.Tensor,
+            page_size: int) -> torch.Tensor:
+    """The KV slot formula, the one torch home of it (`runtime.kv_cache` re-exports it): int64
+    `req_to_page[req, pos // page_size] * page_size + pos % page_size` (`req` and `pos`
+    broadcast; the page index is clamped into the table, so a position past it reads the
+    last column: callers that can see such positions, or page ids <= 0, mask the result to
+    the dummy slot 0 themselves, as `kv_slots` does). The Triton kernels compute the same in
+    their own bodies (`_slot`)."""
+    page_idx = torch.div(pos, page_size, rounding_mode="floor").clamp(0, req_to_page.shape[1] - 1)
+    return req_to_page[req, page_idx].long() * page_size + torch.remainder(pos, page_size)
+
+
 def kv_slots(req_to_page: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
              page_size: int) -> torch.Tensor:
-    """Slots of `positions` in torch (`kv_cache.kv_slot`, the formula's one home);
+    """Slots of `positions` in torch (`kv_slot`, the formula's one home);
     `req_pool_indices` broadcasts against it; the dummy slot 0 where unmapped: a negative
     position, one past the table, a page id <= 0 (the kernels' `_slot` rules)."""
     inside = (positions >= 0) & (positions < req_to_page.shape[1] * page_size)

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
+from graphdraft.kernels.cache_loc import kv_slot
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["commit_pack", "commit_pack_ref", "neutral_slot0", "prepare_rows", "prepare_rows_ref"]
 

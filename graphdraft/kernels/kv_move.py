@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
+from graphdraft.kernels.cache_loc import kv_slot
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.runtime.kv_cache import kv_slot
 
 __all__ = ["move_accepted_kv", "move_accepted_kv_ref", "gather_accepted_hidden",
            "gather_accepted_hidden_ref"]

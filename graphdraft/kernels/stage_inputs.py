@@ -3,7 +3,7 @@
 Before the first-step graph replays at the padded size `pbs >= bs` (N tokens per row):
   accept[:bs] = accept_src                first_ids[:bs*N] = tokens_src
   first_hidden[:bs*N] = hidden_src        (the target's hidden states of every input token)
-and the padded rows / tokens get the neutral values of `graphdraft.runtime.buffers`:
+and the padded rows / tokens get the neutral values of `graphdraft.kernels.neutral`:
   rows [bs, pbs):        accept 1, seq_lens 1, req_pool_indices 0 (dummy slot), extend_lens 1
   tokens [bs*N, pbs*N):  first_ids 0, first_hidden 0, input_ids 0, positions 0, out_cache_loc 0
 (The first step itself writes every row's write_start, ids and hidden up to pbs.)
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
-from graphdraft.runtime.buffers import (
+from graphdraft.kernels.neutral import (
     NEUTRAL_DRAFT_ROW,
     NEUTRAL_DRAFT_TOKEN,
     NEUTRAL_ROW,
@@ -138,7 +138,7 @@ def stage_decode_inputs_ref(bs: int, pbs: int, n: int, accept_src: torch.Tensor,
     first_ids[:t].copy_(tokens_src)
     if not hidden_in_place(hidden_src, first_hidden):
         first_hidden[:t].copy_(hidden_src)
-    if pbs > bs:  # the neutral values of graphdraft.runtime.buffers
+    if pbs > bs:  # the neutral values of graphdraft.kernels.neutral
         rows = {"accept_lengths": accept, "seq_lens": seq_lens, "req_pool_indices": req,
                 "extend_lens": extend_lens}
         tokens = {"first_input_ids": first_ids, "first_hidden": first_hidden,

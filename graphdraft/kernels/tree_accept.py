@@ -41,7 +41,7 @@ import triton.language as tl
 
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.runtime.tree import TreeSpec
+from graphdraft.kernels.tree_build import TreeShape
 
 __all__ = ["tree_accept", "tree_accept_ref", "clamp_coins", "COIN_MAX"]
 
@@ -54,7 +54,7 @@ def clamp_coins(u: torch.Tensor) -> torch.Tensor:
     return u.float().clamp(_TINY, COIN_MAX)
 
 
-def _check(spec: TreeSpec, tokens, first_child, next_sibling, target, probs, coins, final_coin,
+def _check(spec: TreeShape, tokens, first_child, next_sibling, target, probs, coins, final_coin,
            accept_len, accept_index, out_tokens, bonus) -> int:
     bs = tokens.shape[0]
     n, p = spec.n, spec.P
@@ -89,7 +89,7 @@ def _draw_ref(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(first < v, first, last.clamp(min=0))
 
 
-def tree_accept_ref(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Tensor,
+def tree_accept_ref(spec: TreeShape, tokens: torch.Tensor, first_child: torch.Tensor,
                     next_sibling: torch.Tensor, *, target: torch.Tensor | None = None,
                     probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
                     final_coin: torch.Tensor | None = None, accept_len: torch.Tensor,
@@ -249,7 +249,7 @@ def _tree_accept_kernel(tok_ptr, fc_ptr, ns_ptr, tgt_ptr, prob_ptr, stride_p, co
     tl.store(out_ptr + r * P + d, tl.zeros([PB], tl.int64) + drawn, mask=(d < P) & (d >= length - 1))
 
 
-def tree_accept(spec: TreeSpec, tokens: torch.Tensor, first_child: torch.Tensor,
+def tree_accept(spec: TreeShape, tokens: torch.Tensor, first_child: torch.Tensor,
                 next_sibling: torch.Tensor, *, target: torch.Tensor | None = None,
                 probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
                 final_coin: torch.Tensor | None = None, accept_len: torch.Tensor,

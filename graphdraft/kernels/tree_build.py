@@ -6,7 +6,7 @@ root `[B]` int32/int64 (the root token), prefix_len `[B]` int32/int64 (`L`, the 
 Outputs (TreeBuffers, each `[B, n]` int64):
 
     select  the n-1 best candidates: higher score first, ties to the lower flat index, NaN as
-            -inf (`graphdraft.runtime.tree.score_key`); the set is closed under ancestors because a
+            -inf (`score_key`); the set is closed under ancestors because a
             path's cumulative log-prob never increases and a parent has the lower flat index
     sort    selected flat indices ascending -> nodes 1..n-1 (node 0 = root): parents first
     parents parent node id (root: -1)
@@ -26,6 +26,7 @@ Fixed shapes, no host sync: `build_tree_ref` (torch: topk / sort / searchsorted)
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 import triton
@@ -33,9 +34,46 @@ import triton.language as tl
 
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.runtime.tree import TreeSpec, score_key
 
-__all__ = ["TreeBuffers", "build_tree", "build_tree_ref"]
+__all__ = ["TreeBuffers", "TreeShape", "build_tree", "build_tree_ref", "score_key"]
+
+
+class TreeShape(Protocol):
+    """What the tree kernels read of a tree shape (`graphdraft.runtime.tree.TreeSpec` is one):
+    `steps` K, `topk` k, `n` verified nodes, `M = k + (K-1)*k*k` candidates, `P = min(K + 1, n)`
+    the longest path, and the depth of flat candidate indices."""
+
+    steps: int
+    topk: int
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def M(self) -> int: ...  # noqa: N802 - the design's symbol
+
+    @property
+    def P(self) -> int: ...  # noqa: N802
+
+    def depth_of(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
+_LOW31 = 0x7FFFFFFF
+
+
+def score_key(scores: torch.Tensor) -> torch.Tensor:
+    """The candidates' total order as one int64 per element of `scores [..., M]`: a higher
+    score gives a larger key, equal scores the lower index along the last dim the larger key,
+    NaN counts as -inf. Keys of one row are distinct, so `topk` on them is deterministic.
+    `scores` float32 (other float dtypes are converted). `_key` computes the same in the
+    kernel; `graphdraft.runtime.tree` re-exports it."""
+    s = scores.float()
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s) + 0.0  # -0.0 -> +0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ _LOW31, bits)  # order-preserving signed int
+    m = scores.shape[-1]
+    low = (m - 1) - torch.arange(m, device=scores.device, dtype=torch.int64)
+    return ordered * (1 << 32) + low
 
 
 @dataclass
@@ -53,7 +91,7 @@ class TreeBuffers:
     cand_node: torch.Tensor
 
     @classmethod
-    def allocate(cls, spec: TreeSpec, bs: int, device: str | torch.device) -> TreeBuffers:
+    def allocate(cls, spec: TreeShape, bs: int, device: str | torch.device) -> TreeBuffers:
         return cls(**{f.name: torch.zeros(bs, spec.M if f.name == "cand_node" else spec.n,
                                           dtype=torch.int64, device=device)
                       for f in fields(cls)})
@@ -62,7 +100,7 @@ class TreeBuffers:
         return TreeBuffers(**{f.name: getattr(self, f.name)[:bs] for f in fields(self)})
 
 
-def _check(spec: TreeSpec, cand_score, cand_tok, cand_parent, root, prefix_len, out) -> int:
+def _check(spec: TreeShape, cand_score, cand_tok, cand_parent, root, prefix_len, out) -> int:
     bs = expect_tensor("root", root, shape=("B",), dtypes=INDEX_DTYPES).shape[0]
     for name, t, dt in (("cand_score", cand_score, torch.float32), ("cand_tok", cand_tok, torch.int64),
                         ("cand_parent", cand_parent, torch.int64)):
@@ -75,7 +113,7 @@ def _check(spec: TreeSpec, cand_score, cand_tok, cand_parent, root, prefix_len, 
     return bs
 
 
-def build_tree_ref(spec: TreeSpec, cand_score: torch.Tensor, cand_tok: torch.Tensor,
+def build_tree_ref(spec: TreeShape, cand_score: torch.Tensor, cand_tok: torch.Tensor,
                    cand_parent: torch.Tensor, root: torch.Tensor, prefix_len: torch.Tensor,
                    out: TreeBuffers) -> None:
     """Torch version (module doc); capturable: fixed shapes, no sync."""
@@ -123,7 +161,7 @@ _NO_KEY = tl.constexpr(-(2**63) + 1)  # below every score key: padding lanes
 
 @triton.jit
 def _key(s, i, M):
-    """score_key of fp32 scores `s` at flat indices `i` (graphdraft.runtime.tree.score_key)."""
+    """score_key of fp32 scores `s` at flat indices `i` (`score_key`)."""
     s = tl.where(s != s, float("-inf"), s) + 0.0
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -184,7 +222,7 @@ def _build_tree_kernel(score_ptr, tok_ptr, par_ptr, root_ptr, plen_ptr,
     tl.store(o_ret + nrow + v, nrow + v, mask=vok)
 
 
-def build_tree(spec: TreeSpec, cand_score: torch.Tensor, cand_tok: torch.Tensor,
+def build_tree(spec: TreeShape, cand_score: torch.Tensor, cand_tok: torch.Tensor,
                cand_parent: torch.Tensor, root: torch.Tensor, prefix_len: torch.Tensor,
                out: TreeBuffers, *, kernels: KernelConfig | None = None) -> None:
     """Triton version (module doc; `graphdraft.ops.build_tree` chooses): one program per row;

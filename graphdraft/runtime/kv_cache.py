@@ -17,19 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphdraft.runtime.buffers import DUMMY_PAGE, DUMMY_REQ_SLOT
-
-
-def kv_slot(req_to_page: torch.Tensor, req: torch.Tensor | int, pos: torch.Tensor,
-            page_size: int) -> torch.Tensor:
-    """The KV slot formula, the one torch home of it: int64
-    `req_to_page[req, pos // page_size] * page_size + pos % page_size` (`req` and `pos`
-    broadcast; the page index is clamped into the table, so a position past it reads the
-    last column: callers that can see such positions, or page ids <= 0, mask the result to
-    the dummy slot 0 themselves, as `kernels.cache_loc.kv_slots` does). The Triton kernels compute the
-    same in their own bodies (`kernels.cache_loc._slot`)."""
-    page_idx = torch.div(pos, page_size, rounding_mode="floor").clamp(0, req_to_page.shape[1] - 1)
-    return req_to_page[req, page_idx].long() * page_size + torch.remainder(pos, page_size)
+from graphdraft.kernels.cache_loc import kv_slot  # noqa: F401 - re-exported (its home: cache_loc)
+from graphdraft.kernels.neutral import DUMMY_PAGE, DUMMY_REQ_SLOT
 
 
 class OutOfPagesError(RuntimeError):

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphdraft.kernels.tree_build import score_key  # noqa: F401 - re-exported (its home)
+
 __all__ = ["TreeSpec", "MAX_NODES", "score_key", "scratch_slots"]
 
 MAX_NODES = 64
@@ -146,20 +148,3 @@ class TreeSpec:
 def scratch_slots(spec: TreeSpec, max_bs: int) -> int:
     """Draft-KV scratch slots the beams need: `max_bs * k * (K-1)`."""
     return _positive_int("max_bs", max_bs) * spec.topk * (spec.steps - 1)
-
-
-_LOW31 = 0x7FFFFFFF
-
-
-def score_key(scores: torch.Tensor) -> torch.Tensor:
-    """The order of TREE.md section 2 as one int64 per element of `scores [..., M]`:
-    a higher score gives a larger key, equal scores the lower index along the last dim the
-    larger key, NaN counts as -inf. Keys of one row are distinct, so `topk` on them is
-    deterministic. `scores` float32 (other float dtypes are converted)."""
-    s = scores.float()
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s) + 0.0  # -0.0 -> +0.0
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ _LOW31, bits)  # order-preserving signed int
-    m = scores.shape[-1]
-    low = (m - 1) - torch.arange(m, device=scores.device, dtype=torch.int64)
-    return ordered * (1 << 32) + low
