@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,6 +35,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+PRECOMPILE_WORKERS_CAP = 16
+"""The most precompile worker processes `RuntimeConfig.precompile_workers=None` starts."""
+PRECOMPILE_WORKERS_ENV = "GRAPHDRAFT_PRECOMPILE_WORKERS"
+"""The environment variable that sets that default (an int >= 0)."""
+PRECOMPILE_WORKERS_DEFAULT = (f"env {PRECOMPILE_WORKERS_ENV} if set, else "
+                              f"min({PRECOMPILE_WORKERS_CAP}, CPU count) on CUDA without data "
+                              "parallelism, else 0")
+"""What `RuntimeConfig.precompile_workers=None` means, in words: stated once here, read by
+`graphdraft.startup.spec.default_workers` (the value) and `--precompile-workers`' help."""
 
 
 def default_device() -> str:
@@ -97,9 +108,10 @@ class RuntimeConfig:
     group of this size (the Engine checks)."""
     precompile_workers: int | None = None
     """Worker processes that compile the schedule's Triton kernels into Triton's on-disk cache
-    before `capture_graphs` (`graphdraft.kernels.precompile_workers`); 0: compile in this
-    process only; None: env GRAPHDRAFT_PRECOMPILE_WORKERS if set, else min(8, CPU count), on
-    CUDA without data parallelism (else 0)."""
+    before `capture_graphs` (`graphdraft.startup`); 0: compile in this process only; None:
+    `PRECOMPILE_WORKERS_DEFAULT` (`RuntimeConfig.precompile_workers_default`)."""
+    precompile_workers_default: ClassVar[str] = PRECOMPILE_WORKERS_DEFAULT
+    """`precompile_workers=None` in words (a class constant, not a field: --help prints it)."""
     # --- speculation policy (graphdraft.serving.policy; README "Speculation policy") ---------
     speculative_policy: str = "adaptive"
     """Draft steps per cycle (`--speculative-policy`): "adaptive" picks k in

@@ -179,7 +179,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="Triton kernels, plain torch, or auto (Triton on CUDA)")
     g.add_argument("--precompile-workers", type=int_at_least(0), default=None,
                    help="processes compiling the Triton kernels before capture (0: in this "
-                        "process; None: min(8, CPU count) on CUDA)")
+                        f"process; unset: {RuntimeConfig.precompile_workers_default})")
     g.add_argument("--dp-size", type=int_at_least(1), default=d["dp_size"].default,
                    help="data-parallel attention ranks (generate; start one process per rank "
                         "with torchrun --nproc-per-node N: gloo on CPU, NCCL on CUDA)")
