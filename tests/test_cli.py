@@ -17,7 +17,7 @@ from graphdraft.__main__ import main, report_greedy_match
 from graphdraft.io.checkpoint import save_eagle3_head, save_target
 from graphdraft.serving.cli import build_parser
 from graphdraft.serving.cli.args import CliError
-from graphdraft.serving.cli.generate import Stream, run_streams, sampling_for, visible
+from graphdraft.serving.cli.generate import Stream, run_streams, sampling_for
 from graphdraft.serving.cli.prompts import PromptSpec, gather, read_prompt_file
 from tests.engine_harness import make_models
 
@@ -37,7 +37,7 @@ def _one_line_error(capsys, argv, *needles):
 def test_every_flag_has_help_and_its_default_shown():
     parser = build_parser()
     subs = parser._subparsers._group_actions[0].choices
-    assert set(subs) == {"demo", "generate"}
+    assert set(subs) == {"demo", "generate", "serve"}
     for name, sub in subs.items():
         assert sub.allow_abbrev is False
         text = sub.format_help()
@@ -157,12 +157,23 @@ def test_prompt_needed_and_per_prompt_params_checked():
         sampling_for(a, spec, (), None)
 
 
-def test_visible_text_holds_back_partial_characters_and_stop_prefixes():
-    assert visible("abc\ufffd", final=False) == "abc"
-    assert visible("abc\ufffd", final=True) == "abc\ufffd"
-    assert visible("value = 1\n#", final=False, stops=("\n##",)) == "value = 1"
-    assert visible("value = 1\n#", final=True, stops=("\n##",)) == "value = 1\n#"
-    assert visible("a#b", final=False, stops=("##",)) == "a#b"
+def test_choice_text_holds_back_partial_characters_and_stop_prefixes():
+    from graphdraft.io.tokenizer import ByteLevelTokenizer
+    from graphdraft.serving.openai_api.text import ChoiceText
+    tok = ByteLevelTokenizer()
+    t = ChoiceText(tok)
+    assert t.push(list(b"abc") + [0xC3]) == "abc"  # half of "é" waits
+    assert t.push([0xA9], "length") == "é" and t.done
+    t = ChoiceText(tok, stops=("\n##",))
+    assert t.push(list(b"value = 1\n#")) == "value = 1"          # may become the stop string
+    assert t.push(list(b"x")) == "\n#x"
+    t = ChoiceText(tok, stops=("\n##",))
+    assert t.push(list(b"value = 1\n#")) == "value = 1"
+    assert t.push(list(b"# tail"), None) == "" and t.stopped and t.done   # cut before the stop
+    t = ChoiceText(tok, stops=("##",))
+    assert t.push(list(b"a#b")) == "a#b"
+    t = ChoiceText(tok, stop_ids=(257,))
+    assert t.push([104, 105, 257], "stop") == "hi" and t.tokens == 3     # the stop id is no text
 
 
 # --- runs --------------------------------------------------------------------------------
@@ -268,7 +279,9 @@ def test_generate_streams_every_step():
     req = engine.add_request(m.tokenizer.encode("for i in range("),
                              SamplingParams(max_new_tokens=20, ignore_eos=True))
     pieces = []
-    run_streams(engine, m.tokenizer, [Stream(0, req, ())], lambda i, t: pieces.append(t))
+    from graphdraft.serving.openai_api.text import ChoiceText
+    stream = Stream(0, req, ChoiceText(m.tokenizer))
+    run_streams(engine, [stream], lambda s, t: pieces.append(t) if t else None)
     assert len(pieces) > 2 and "".join(pieces) == m.tokenizer.decode(req.output)
 
 

@@ -1,9 +1,12 @@
-"""Command line: `python -m graphdraft {demo,generate} [flags]` (or the `graphdraft` script).
+"""Command line: `python -m graphdraft {demo,generate,serve} [flags]` (or the `graphdraft` script).
 
   demo       serve held-out text with speculative decoding and with the target alone:
              accept lengths, graph use, the greedy exactness check; on a GPU tokens/s
              and the speed-up (median of --repeats runs, with its range)
   generate   your prompts (--prompt, --prompt-file), streamed as they are accepted
+  serve      an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)
+
+stdout carries results only (generated text, JSON); status lines go to stderr.
 
 Flags follow the serving ecosystem's names (`--speculative-num-steps`,
 `--cuda-graph-max-bs`, `--enforce-eager`, ...); `graphdraft <command> --help` lists them
@@ -27,6 +30,7 @@ from graphdraft.serving.cli.args import (
     int_at_least,
     translate,
 )
+from graphdraft.serving.cli.prompts import add_chat_flags
 
 LOGGERS = ("graphdraft", "capture")
 """The loggers the CLI configures (never the root logger)."""
@@ -57,10 +61,11 @@ def setup_logging(level: str) -> None:
 
 def build_parser() -> Parser:
     parser = Parser(prog="graphdraft", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate}",
-                                parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,generate,serve}", parser_class=Parser)
     from graphdraft.serving.cli import demo as demo_mod
     from graphdraft.serving.cli import generate as generate_mod
+    from graphdraft.serving.cli import serve as serve_mod
     d = sub.add_parser("demo", help="speculative vs target-only on held-out text",
                        description=demo_mod.__doc__)
     add_model_flags(d)
@@ -88,9 +93,21 @@ def build_parser() -> Parser:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a request at this text (repeatable; JSONL 'stop' overrides)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (outputs and metrics) instead of streaming text")
+                   help="print one JSON document (outputs and metrics) at the end instead of "
+                        "streaming text")
+    p.add_argument("--json-lines", action="store_true",
+                   help="stream JSON lines: {\"index\", \"text\"} per accepted piece, then "
+                        "{\"index\", \"finish_reason\", \"completion_tokens\"} per request")
+    add_chat_flags(gen)
     add_sampling_flags(gen, max_new_tokens=64)
     add_output_flags(gen)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                         description=serve_mod.__doc__)
+    add_model_flags(srv)
+    add_runtime_flags(srv)
+    serve_mod.add_server_flags(srv)
+    add_output_flags(srv)
     return parser
 
 
@@ -108,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "demo":
             from graphdraft.serving.cli.demo import demo
             return demo(a)
+        if a.command == "serve":
+            from graphdraft.serving.cli.serve import serve
+            return serve(a)
         from graphdraft.serving.cli.generate import generate
         return generate(a)
     except CliError as e:

@@ -1,9 +1,15 @@
 """`graphdraft generate`: your prompts through the speculative engine, streamed as accepted.
 
-After every `engine.step()` the new tokens of each request are decoded with the pair's
-tokenizer and printed (one prompt: the text as it comes; several: `[i] ` before each
-piece). `--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is
-kept); `--json` prints one JSON object at the end instead (outputs and metrics).
+stdout holds results only; status lines (loading, capture, per-request summaries, metrics)
+go to stderr. What stdout shows:
+  one prompt       its text as it is accepted (after every `engine.step()`)
+  several prompts  each request's text whole, under a `==> [i] <==` header, as it completes
+  --json-lines     one JSON object per line as text is accepted: `{"index": i, "text": delta}`,
+                   then `{"index": i, "finish_reason": ..., "completion_tokens": n}` per request
+  --json           one JSON document at the end (outputs and metrics), with or without --quiet
+`--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is kept;
+`graphdraft.serving.openai_api.text.ChoiceText`, the server's rule); `--chat` renders each
+prompt with the target's chat template (`graphdraft.serving.cli.prompts.encode_prompts`).
 
 `--dp-size N` (data-parallel attention, `graphdraft.serving.data_parallel`): start N processes with
 `torchrun --nproc-per-node N -m graphdraft generate --dp-size N ...`; prompt i is served by
@@ -14,18 +20,21 @@ finished (no streaming) with its own engine's metrics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import graphdraft.serving.cli.models as models
 from graphdraft.serving.cli.args import CliError, translate
-from graphdraft.serving.cli.prompts import PromptSpec, gather
+from graphdraft.serving.cli.prompts import PromptSpec, encode_prompts, gather
 from graphdraft.serving.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
 from graphdraft.serving.engine import Engine
+from graphdraft.serving.openai_api.text import ChoiceText
 from graphdraft.serving.verify import SamplingParams
 
 log = logging.getLogger("graphdraft.serving.cli")
@@ -33,13 +42,18 @@ log = logging.getLogger("graphdraft.serving.cli")
 
 @dataclass
 class Stream:
-    """One request's text as shown so far."""
+    """One request's text as shown so far (`text`: its stop strings and stop token ids)."""
 
     index: int
     req: Any  # graphdraft.serving.request.Request
-    stops: tuple[str, ...]
+    text: ChoiceText
+    sent: int = 0      # output tokens handed to `text`
     shown: str = ""
-    stopped: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.finish_reason is not None
 
 
 def sampling_for(a: argparse.Namespace, spec: PromptSpec, stop_ids: tuple[int, ...],
@@ -57,118 +71,50 @@ def sampling_for(a: argparse.Namespace, spec: PromptSpec, stop_ids: tuple[int, .
         raise CliError(f"{where}: {e}" if where else translate(str(e))) from None
 
 
-def visible(text: str, final: bool, stops: tuple[str, ...] = ()) -> str:
-    """What may be shown of a live request's text: hold back a trailing replacement character
-    (maybe the first bytes of a multi-byte character whose rest is not accepted yet) and a
-    tail that could be the start of a stop string. Everything once the request ended."""
-    if final:
-        return text
-    text = text.rstrip("\ufffd")
-    for t in stops:
-        for k in range(min(len(t) - 1, len(text)), 0, -1):
-            if text.endswith(t[:k]):
-                text = text[:-k]
-                break
-    return text
-
-
-def run_streams(engine: Engine, tokenizer, streams: list[Stream], emit) -> None:
-    """Step the engine until every request finished, calling `emit(index, new_text)`.
-
-    Stop strings: a request whose text contains one is aborted (when the engine has
-    `abort`; else it runs on and its text is cut) and its text ends before the stop."""
-    while engine.keep_stepping if hasattr(engine, "keep_stepping") else engine.has_work:
+def run_streams(engine: Engine, streams: list[Stream],
+                emit: Callable[[Stream, str], None]) -> None:
+    """Step the engine until every request finished, calling `emit(stream, new_text)` with
+    each piece that may be shown (and once more with "" when a request finished). A request
+    whose text reaches one of its stop strings is aborted and its text ends before it."""
+    while engine.keep_stepping:
         engine.step()
         for s in streams:
             if s.stopped:
                 continue
-            done = s.req.finished
-            text = tokenizer.decode(list(s.req.output))
-            hits = [i for i in (text.find(t, len(s.shown)) for t in s.stops) if i >= 0]
-            if hits:
-                text = text[:min(hits)]
-                if not done and hasattr(engine, "abort"):
-                    engine.abort(s.req)
-                s.req.finish_reason, done = "stop", True
-            text = visible(text, done, s.stops)
-            if len(text) > len(s.shown):
-                emit(s.index, text[len(s.shown):])
-                s.shown = text
-            s.stopped = done
+            out, r = s.req.output, s.req
+            piece = s.text.push(out[s.sent:], r.finish_reason if r.finished else None)
+            s.sent = len(out)
+            if s.text.stopped and not r.finished:
+                engine.abort(r)
+            if s.text.done:
+                s.finish_reason = "stop" if s.text.stopped else r.finish_reason
+            s.shown += piece
+            if piece or s.stopped:
+                emit(s, piece)
 
 
 def generate(a: argparse.Namespace) -> int:
+    if a.json and a.json_lines:
+        raise CliError("--json-lines: expected either --json or --json-lines, not both")
     specs = gather(a.prompt, a.prompt_file)
-    dp = None
-    if getattr(a, "dp_size", 1) > 1:  # one process per rank (torchrun): join the group first
-        from graphdraft.serving.data_parallel import init_data_parallel
-        try:
-            dp, a.device = init_data_parallel(a.dp_size, device=a.device)
-        except ValueError as e:
-            raise CliError(translate(str(e))) from None
-    m = models.load(a, read=dp is not None)  # sharding reads the weights: first
-    if dp is not None:
-        from graphdraft.serving.data_parallel import shard_dense_
-        shard_dense_(m.target, dp)
-        shard_dense_(m.head, dp)
-    if m.tokenizer is None:
-        raise CliError("--prompt: the model pair has no tokenizer (--random-models has none; a "
-                       "--target needs tokenizer.json and the `tokenizers` package)")
-    cfg = m.cfg
-    engine = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
-    from graphdraft.serving.cli.demo import capture, check_request, read_while_compiling
-    read_while_compiling(m, [engine], cfg, a.quiet)
-    capture(engine, "speculative", a.quiet)
-    prompts, plist, stops = [], [], []
-    for spec in specs:
-        ids = m.tokenizer.encode(spec.text)
-        params, st = sampling_for(a, spec, m.stops, m.eos)
-        try:
-            check_request(engine, ids, params)
-        except ValueError as e:
-            raise CliError(f"{spec.source}: {translate(str(e))}") from None
-        prompts.append(ids)
-        plist.append(params)
-        stops.append(st)
-    from graphdraft.serving.data_parallel import spread
-    mine = set(spread(specs, dp))  # every prompt was checked on every rank: same errors
-    streams = [Stream(i, engine.add_request(p, sp), st)
-               for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True))
-               if i in mine]
-    many = len(specs) > 1
-
-    def emit(i: int, text: str) -> None:
-        if a.json or dp is not None:  # data-parallel: rank 0 prints everything at the end
-            return
-        if many:
-            text = "".join(f"[{i}] {line}\n" for line in text.splitlines())
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    run_streams(engine, m.tokenizer, streams, emit)
+    with contextlib.redirect_stdout(sys.stderr):  # status lines: stdout holds results only
+        engine, m, dp, streams = _start(a, specs)
+    emit = _emitter(a, len(specs), dp is not None)
+    run_streams(engine, streams, emit)
     snap = engine.metrics_snapshot()
-    on_gpu = cfg.device.startswith("cuda")
+    on_gpu = m.cfg.device.startswith("cuda")
     outputs = [{"index": s.index, "prompt": specs[s.index].text, "text": s.shown,
-                "token_ids": list(s.req.output), "finish_reason": s.req.finish_reason,
-                "params": dataclasses.asdict(s.req.params) | {"stop": list(s.stops)}}
+                "token_ids": list(s.req.output), "finish_reason": s.finish_reason,
+                "params": dataclasses.asdict(s.req.params) | {"stop": list(s.text.stops)}}
                for s in streams]
     if dp is not None:
-        import torch.distributed as dist
-
-        from graphdraft.serving.data_parallel import gather_outputs
-        outputs = gather_outputs(outputs, [s.index for s in streams], len(specs), dp)
-        dist.barrier(group=dp.host_group)
-        dist.destroy_process_group()
-        if dp.rank != 0:
-            return 0
-        if not a.json:
+        outputs = _gather_ranks(outputs, streams, len(specs), dp)
+        if outputs is None:
+            return 0  # not rank 0
+        if not (a.json or a.json_lines):
             for o in outputs:
-                emit_text = o["text"]
-                sys.stdout.write("".join(f"[{o['index']}] {line}\n" for line in
-                                         emit_text.splitlines()) if many else emit_text)
-    if not a.json and not many:
-        sys.stdout.write("\n")
-    payload = {"device": cfg.device, "timings_are_performance": on_gpu, "metrics": snap}
+                _print_block(o["index"], o["text"], len(specs) > 1)
+    payload = {"device": m.cfg.device, "timings_are_performance": on_gpu, "metrics": snap}
     if dp is not None:
         payload["dp_size"] = dp.world_size  # metrics: rank 0's engine
     if a.metrics_json:
@@ -184,3 +130,83 @@ def generate(a: argparse.Namespace) -> int:
     if not on_gpu:
         print(CPU_TIMING_NOTE, file=sys.stderr)
     return 0
+
+
+def _start(a: argparse.Namespace, specs: list[PromptSpec]):
+    """Load the models, build the engine, capture, queue every prompt (checked first):
+    (engine, loaded models, data-parallel group or None, this rank's streams)."""
+    dp = None
+    if getattr(a, "dp_size", 1) > 1:  # one process per rank (torchrun): join the group first
+        from graphdraft.serving.data_parallel import init_data_parallel
+        try:
+            dp, a.device = init_data_parallel(a.dp_size, device=a.device)
+        except ValueError as e:
+            raise CliError(translate(str(e))) from None
+    m = models.load(a, read=dp is not None)  # sharding reads the weights: first
+    if dp is not None:
+        from graphdraft.serving.data_parallel import shard_dense_
+        shard_dense_(m.target, dp)
+        shard_dense_(m.head, dp)
+    prompts = encode_prompts(m.tokenizer, specs, chat=getattr(a, "chat", False),
+                             system_prompt=getattr(a, "system_prompt", None))
+    engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos, seed=a.seed)
+    from graphdraft.serving.cli.demo import capture, read_while_compiling
+    read_while_compiling(m, [engine], m.cfg, a.quiet)
+    capture(engine, "speculative", a.quiet)
+    plist, stops = [], []
+    for spec, ids in zip(specs, prompts, strict=True):
+        params, st = sampling_for(a, spec, m.stops, m.eos)
+        try:
+            engine.check_request(ids, params)
+        except ValueError as e:
+            raise CliError(f"{spec.source}: {translate(str(e))}") from None
+        plist.append(params)
+        stops.append(st)
+    from graphdraft.serving.data_parallel import spread
+    mine = set(spread(specs, dp))  # every prompt was checked on every rank: same errors
+    streams = []
+    for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True)):
+        if i in mine:
+            text = ChoiceText(m.tokenizer, st, sp.stop_token_ids + (() if m.eos is None
+                                                                     else (m.eos,)))
+            streams.append(Stream(i, engine.add_request(p, sp), text))
+    return engine, m, dp, streams
+
+
+def _emitter(a: argparse.Namespace, n_prompts: int, dp: bool) -> Callable[[Stream, str], None]:
+    """What stdout gets as text is accepted (module docstring)."""
+    def emit(s: Stream, piece: str) -> None:
+        if a.json or dp:  # data-parallel: rank 0 prints everything at the end
+            return
+        if a.json_lines:
+            line = {"index": s.index, "text": piece} if piece else None
+            if line is not None:
+                sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
+            if s.stopped:
+                sys.stdout.write(json.dumps({"index": s.index, "finish_reason": s.finish_reason,
+                                             "completion_tokens": len(s.req.output)}) + "\n")
+        elif n_prompts == 1:
+            sys.stdout.write(piece + ("\n" if s.stopped else ""))
+        elif s.stopped:
+            _print_block(s.index, s.shown, True)
+        sys.stdout.flush()
+    return emit
+
+
+def _print_block(index: int, text: str, many: bool) -> None:
+    """One request's whole text (several prompts: under a `==> [i] <==` header)."""
+    if many:
+        sys.stdout.write(f"==> [{index}] <==\n{text}\n\n")
+    else:
+        sys.stdout.write(text + "\n")
+
+
+def _gather_ranks(outputs: list[dict], streams: list[Stream], n: int, dp) -> list[dict] | None:
+    """Every rank's outputs on rank 0 (None on the others); ends the process group."""
+    import torch.distributed as dist
+
+    from graphdraft.serving.data_parallel import gather_outputs
+    outputs = gather_outputs(outputs, [s.index for s in streams], n, dp)
+    dist.barrier(group=dp.host_group)
+    dist.destroy_process_group()
+    return outputs if dp.rank == 0 else None

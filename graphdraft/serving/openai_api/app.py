@@ -1,0 +1,391 @@
+"""The ASGI application (Starlette): the OpenAI routes over one `EngineLoop`.
+
+  GET  /health                 200 {"status": "ok"} while serving; 503 once shutting down
+  GET  /metrics                Prometheus text format (`metrics.ServerMetrics`)
+  GET  /v1/models              the one served model (its id: `--served-model-name`)
+  GET  /v1/models/{model}
+  POST /v1/completions         prompt: text, token ids, or a batch of either
+  POST /v1/chat/completions    messages rendered with the checkpoint's chat template
+
+A generation request is checked whole before anything is queued (`protocol.parse_request`,
+the model name, the prompt's encoding, `Engine.check_request` for every choice: a request
+that can never fit the context answers 400); then its choices (prompts x n engine requests)
+go to the engine loop at once, or the request answers 503 (full, or shutting down). A
+streamed response is server-sent events (`data: {chunk}` per engine step that produced text,
+then `data: [DONE]`); a client that disconnects, from a stream or while waiting for a whole
+response, has its requests aborted at once. Every error is the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from graphdraft.io.tokenizer import Tokenizer
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.openai_api import protocol as P
+from graphdraft.serving.openai_api.engine_loop import Choice, EngineLoop, ServerBusy
+from graphdraft.serving.openai_api.metrics import ServerMetrics
+from graphdraft.serving.openai_api.protocol import ApiError, GenerationRequest
+from graphdraft.serving.openai_api.text import ChoiceText
+from graphdraft.serving.verify import SamplingParams
+
+log = logging.getLogger("graphdraft.serving.openai_api")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""`/v1/completions` without max_tokens (OpenAI's default); chat: the largest that fits."""
+
+
+@dataclass
+class ServerConfig:
+    """What the app serves with (the CLI fills it from `graphdraft serve`'s flags)."""
+
+    model_name: str
+    capacity: int
+    """Choices live at once (running + queued); more answer 503."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end every request (the tokenizer's EOS / end-of-turn), unless ignore_eos."""
+    shutdown_grace_s: float = 10.0
+
+
+@dataclass
+class _Run:
+    """One HTTP request's choices on their way back."""
+
+    req: GenerationRequest
+    choices: list[Choice]
+    texts: list[ChoiceText]
+    prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finish: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        return len(self.finish) < len(self.choices)
+
+
+class OpenAIServer:
+    """The routes and their state; `app` is the ASGI application."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServerConfig) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.metrics = ServerMetrics()
+        self.loop: EngineLoop | None = None
+        self.created = int(time.time())
+        routes = [Route("/health", self.health), Route("/metrics", self.prometheus),
+                  Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={HTTPException: self._http_error,
+                                                 Exception: self._internal_error})
+
+    # --- lifecycle -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
+                               self.config.capacity)
+        self.loop.start()
+        try:
+            yield
+        finally:
+            self.loop.stop()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; live ones get `shutdown_grace_s`, then are aborted."""
+        if self.loop is not None:
+            self.loop.begin_shutdown(self.config.shutdown_grace_s)
+
+    # --- small routes ----------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        ok = self.loop is not None and self.loop.healthy
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": self.created,
+                "owned_by": "graphdraft", "max_model_len": self.engine.cfg.max_context_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._check_model(request.path_params["model"])
+        except ApiError as e:
+            return self._error(e, "models")
+        return JSONResponse(self._model_card())
+
+    # --- errors ----------------------------------------------------------------------------
+    def _error(self, e: ApiError, endpoint: str) -> Response:
+        self.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        what = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, exc.detail)
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                     f"{what}", code=str(exc.status_code)).body(),
+                            status_code=exc.status_code)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.exception("internal error serving %s %s", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                     code="internal_error").body(), status_code=500)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise ApiError(404, f"model: {name!r} is not served here; expected "
+                           f"{self.config.model_name!r}", param="model", code="model_not_found")
+
+    # --- generation ------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            req = P.parse_request(await _read_json(request), chat=chat)
+            self._check_model(req.model)
+            run = self._start(req)
+        except ApiError as e:
+            return self._error(e, endpoint)
+        rid, model = P.new_id(chat), self.config.model_name
+        if req.stream:
+            self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            return StreamingResponse(self._sse(run, rid, model), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(request, run, rid, model, endpoint)
+
+    def _start(self, req: GenerationRequest) -> _Run:
+        """Encode, check and queue every choice of `req` (all or none)."""
+        prompts = self._encode(req)
+        choices, texts = [], []
+        for prompt in prompts:
+            params = self._params(req, prompt)
+            for _ in range(req.n):
+                choices.append(Choice(prompt, params, deliver=_noop))
+                texts.append(ChoiceText(self.tokenizer, req.stop, params.stop_token_ids
+                                        + self.config.stop_token_ids))
+        run = _Run(req, choices, texts, sum(len(p) for p in prompts))
+        for i, c in enumerate(choices):
+            c.deliver = _deliverer(run.queue, i)
+        if self.loop is None:
+            raise ApiError(503, "the server is starting", code="unavailable")
+        try:
+            self.loop.submit(choices)
+        except ServerBusy as e:
+            raise ApiError(503, str(e), code=e.reason) from None
+        return run
+
+    def _encode(self, req: GenerationRequest) -> list[list[int]]:
+        if req.chat:
+            try:
+                text = self.tokenizer.apply_chat_template(list(req.messages))
+            except ValueError as e:
+                raise ApiError(400, f"messages: {e}", param="messages",
+                               code="invalid_value") from None
+            prompts: list[str | tuple[int, ...]] = [text]
+        else:
+            prompts = list(req.prompts)
+        out = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for p in out:
+            if not p:
+                raise ApiError(400, f"{req.prompt_param}: encodes to no tokens",
+                               param=req.prompt_param, code="invalid_value")
+        return out
+
+    def _params(self, req: GenerationRequest, prompt: list[int]) -> SamplingParams:
+        """The choice's SamplingParams, checked against the engine (400 if it can never
+        fit); without max_tokens: 16 for completions, the largest that fits for chat."""
+        stops = () if req.sampling.get("ignore_eos") else self.config.stop_token_ids
+        max_tokens = req.max_tokens
+        if max_tokens is None and not req.chat:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+        if max_tokens is None:
+            max_tokens = self._largest_fit(req, prompt, stops)
+        params = P.sampling_params(req, max_tokens, stops)
+        try:
+            self.engine.check_request(prompt, params)
+        except ValueError as e:
+            raise _fit_error(req, str(e)) from None
+        return params
+
+    def _largest_fit(self, req: GenerationRequest, prompt: list[int], stops) -> int:
+        """The largest max_tokens `Engine.check_request` accepts for `prompt` (1 if none)."""
+        def fits(m: int) -> bool:
+            try:
+                self.engine.check_request(prompt, P.sampling_params(req, m, stops))
+            except ValueError:
+                return False
+            return True
+        lo, hi = 1, self.engine.cfg.max_context_len
+        if not fits(lo):
+            return lo  # check_request then reports why
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    async def _updates(self, run: _Run) -> AsyncIterator[list[tuple[int, str, str | None]]]:
+        """(choice index, new text, finish reason or None) per wake-up, until every choice
+        finished; a choice ended by a stop string has its engine request aborted."""
+        while run.open:
+            items = [await run.queue.get()]
+            while not run.queue.empty():
+                items.append(run.queue.get_nowait())
+            out: dict[int, list] = {}
+            for i, ids, fin in items:
+                text = run.texts[i]
+                if text.done:
+                    continue
+                piece = text.push(ids, fin)
+                if text.stopped and fin is None:
+                    self.loop.cancel([run.choices[i]])
+                if text.done:
+                    run.finish[i] = text.finish_reason_override or fin or "stop"
+                prev = out.get(i)
+                out[i] = [i, (prev[1] if prev else "") + piece, run.finish.get(i)]
+            if out:
+                yield [tuple(v) for v in out.values()]
+
+    def _usage(self, run: _Run) -> dict[str, int]:
+        return P.usage(run.prompt_tokens, sum(t.tokens for t in run.texts))
+
+    async def _whole(self, request: Request, run: _Run, rid: str, model: str,
+                     endpoint: str) -> Response:
+        """A non-streamed response; a client gone meanwhile aborts the choices."""
+        texts = [""] * len(run.choices)
+
+        async def collect() -> None:
+            async for updates in self._updates(run):
+                for i, piece, _ in updates:
+                    texts[i] += piece
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.loop.cancel(run.choices)
+        if not work.done() or work.cancelled():
+            self.metrics.requests.labels(endpoint=endpoint, status="499").inc()
+            return Response(status_code=499)
+        work.result()
+        bad = _failure(run)
+        if bad is not None:
+            return self._error(bad, endpoint)
+        body = P.envelope(rid, model, run.req.chat, chunk=False)
+        body["choices"] = [P.choice(i, texts[i], run.finish[i], run.req.chat)
+                           for i in range(len(texts))]
+        body["usage"] = self._usage(run)
+        self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+        return JSONResponse(body)
+
+    async def _sse(self, run: _Run, rid: str, model: str) -> AsyncIterator[str]:
+        """The event stream of a streamed response; closing it early (client gone) aborts
+        every choice still running."""
+        chat, created = run.req.chat, int(time.time())
+        extra = {"usage": None} if run.req.include_usage else {}
+
+        def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
+            body = P.envelope(rid, model, chat, chunk=True, created=created)
+            body["choices"] = choices
+            return "data: " + json.dumps(body | extra | more, ensure_ascii=False) + "\n\n"
+
+        try:
+            if chat:  # the role first, as OpenAI does
+                yield chunk([P.choice(i, "", None, True, delta=True, first=True)
+                             for i in range(len(run.choices))])
+            async for updates in self._updates(run):
+                parts = [P.choice(i, piece, _public_reason(fin), chat, delta=True)
+                         for i, piece, fin in updates if piece or fin is not None]
+                if parts:
+                    yield chunk(parts)
+            bad = _failure(run)
+            if bad is not None:
+                yield "data: " + json.dumps(bad.body()) + "\n\n"
+            if run.req.include_usage:
+                yield chunk([], usage=self._usage(run))
+            yield "data: [DONE]\n\n"
+        finally:
+            if run.open and self.loop is not None:
+                self.loop.cancel(run.choices)
+
+
+def _public_reason(reason: str | None) -> str | None:
+    return None if reason == "error" else reason
+
+
+def _failure(run: _Run) -> ApiError | None:
+    """The error to report when a choice failed (engine error) or was aborted by shutdown."""
+    reasons = set(run.finish.values())
+    if "error" in reasons:
+        return ApiError(500, "the engine failed while serving this request (see the server "
+                        "log)", code="engine_error")
+    if "abort" in reasons:
+        return ApiError(503, "the server shut down before this request finished",
+                        code="shutting_down")
+    return None
+
+
+def _fit_error(req: GenerationRequest, message: str) -> ApiError:
+    """`Engine.check_request`'s ValueError as a 400 naming the API field."""
+    param = req.prompt_param
+    if "stop_token_ids" in message:
+        param = "stop_token_ids"
+    elif "max_new_tokens" in message and req.max_tokens is not None:
+        param = "max_tokens"
+    message = message.replace("max_new_tokens", "max_tokens").replace("params.", "")
+    if message.startswith("prompt:"):
+        message = message[len("prompt:"):].lstrip()
+    if not message.startswith(param + ":"):
+        message = f"{param}: {message}"
+    code = "context_length_exceeded" if "exceed" in message or "pages" in message else None
+    return ApiError(400, message, param=param, code=code or "invalid_value")
+
+
+async def _read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"body: expected valid JSON ({e})", code="invalid_json") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _deliverer(queue: asyncio.Queue, index: int):
+    def deliver(ids: list[int], finish: str | None) -> None:
+        queue.put_nowait((index, ids, finish))
+    return deliver
+
+
+def _noop(ids: list[int], finish: str | None) -> None:
+    return None

@@ -1,0 +1,357 @@
+"""The OpenAI API's request and response bodies: parsing, checking, building.
+
+`parse_request(body, chat=...)` turns a decoded JSON body of `/v1/completions` or
+`/v1/chat/completions` into a `GenerationRequest`, or raises `ApiError` naming the field
+(`param`) and what was expected. Every field is known: a field this server does not know is
+rejected (`unknown_parameter`), and a known one it does not implement (`logprobs`,
+`presence_penalty`, `logit_bias`, `suffix`, `echo`, `best_of`, tools, ...) is rejected unless
+it has its neutral value, since ignoring it would change what the client gets without saying
+so. Fields that change nothing the model returns (`user`, `metadata`, `store`,
+`service_tier`, `parallel_tool_calls`) are accepted and ignored.
+
+Extensions beside OpenAI's fields (as vLLM names them): `top_k` (0 or -1: off),
+`stop_token_ids` (token ids that end a choice) and `ignore_eos`.
+
+Ranges of the sampling fields are checked by `SamplingParams` itself (`sampling_params`),
+so the server and the library accept the same values; its field names map to the API's
+(`max_new_tokens` -> `max_tokens`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphdraft.serving.verify import SamplingParams
+
+MAX_N = 128
+"""Largest `n` (choices per prompt)."""
+MAX_CHOICES = 256
+"""Largest number of engine requests one HTTP request may start (prompts x n)."""
+MAX_STOP_STRINGS = 16
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI format: `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(param: str, expected: str, got: Any, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: expected {expected}, got {_show(got)}", param=param, code=code)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---------------------------------------------------------------------------------------
+# Field types (JSON level)
+# ---------------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _typed(check: Callable[[Any], bool], expected: str) -> Callable[[str, Any], Any]:
+    def parse(name: str, v: Any) -> Any:
+        if v is not None and not check(v):
+            raise invalid(name, expected, v, code="invalid_type")
+        return v
+    return parse
+
+
+_INT = _typed(_is_int, "an integer")
+_NUMBER = _typed(_is_number, "a number")
+_BOOL = _typed(lambda v: isinstance(v, bool), "true or false")
+_STRING = _typed(lambda v: isinstance(v, str), "a string")
+_ANY = _typed(lambda v: True, "anything")
+_OBJECT = _typed(lambda v: isinstance(v, Mapping), "an object")
+
+
+def _neutral(*allowed: Any, what: str) -> Callable[[str, Any], Any]:
+    """A field this server does not implement: only its neutral values are accepted."""
+    def parse(name: str, v: Any) -> Any:
+        if v is None or any(type(v) is type(a) and v == a for a in allowed):
+            return v
+        raise ApiError(400, f"{name}: not supported by this server (expected {what}), got "
+                       f"{_show(v)}", param=name, code="unsupported_parameter")
+    return parse
+
+
+def _zero_number(name: str, v: Any) -> Any:
+    _NUMBER(name, v)
+    return _neutral(0, 0.0, what="0 or null")(name, v)
+
+
+def _stop(name: str, v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid(name, "a string or a list of strings", v, code="invalid_type")
+    if not all(stops) or len(stops) > MAX_STOP_STRINGS:
+        raise invalid(name, f"at most {MAX_STOP_STRINGS} non-empty strings", v)
+    return tuple(dict.fromkeys(stops))
+
+
+def _token_list(name: str, v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise invalid(name, "a list of token ids (integers)", v, code="invalid_type")
+    if any(t < 0 for t in v):
+        raise invalid(name, "token ids >= 0", v)
+    return tuple(v)
+
+
+def _stream_options(name: str, v: Any) -> bool:
+    if v is None:
+        return False
+    if not isinstance(v, Mapping):
+        raise invalid(name, "an object such as {\"include_usage\": true}", v, code="invalid_type")
+    unknown = sorted(set(v) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError(400, f"{name}.{unknown[0]}: unknown field; expected include_usage",
+                       param=f"{name}.{unknown[0]}", code="unknown_parameter")
+    inc = v.get("include_usage", False)
+    if not isinstance(inc, bool):
+        raise invalid(f"{name}.include_usage", "true or false", inc, code="invalid_type")
+    return inc
+
+
+def _response_format(name: str, v: Any) -> Any:
+    if v is None or (isinstance(v, Mapping) and dict(v) == {"type": "text"}):
+        return v
+    raise ApiError(400, f"{name}: only {{\"type\": \"text\"}} is supported, got {_show(v)}",
+                   param=name, code="unsupported_parameter")
+
+
+COMMON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "model": _STRING, "max_tokens": _INT, "temperature": _NUMBER, "top_p": _NUMBER,
+    "top_k": _INT, "n": _INT, "stream": _BOOL, "stream_options": _stream_options,
+    "stop": _stop, "stop_token_ids": _token_list, "ignore_eos": _BOOL, "seed": _INT,
+    "presence_penalty": _zero_number, "frequency_penalty": _zero_number,
+    "logit_bias": _neutral({}, what="an empty object or null"),
+    "user": _STRING, "metadata": _OBJECT, "store": _BOOL, "service_tier": _STRING,
+}
+"""Fields of both endpoints -> their parser (raises ApiError naming the field)."""
+
+COMPLETION_FIELDS = COMMON_FIELDS | {
+    "prompt": _ANY, "echo": _neutral(False, what="false"), "suffix": _neutral(what="null"),
+    "best_of": _neutral(1, what="1 or null"), "logprobs": _neutral(what="null"),
+}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages": _ANY, "max_completion_tokens": _INT, "logprobs": _neutral(False, what="false"),
+    "top_logprobs": _neutral(0, what="0 or null"), "response_format": _response_format,
+    "tools": _neutral([], what="an empty list or null"),
+    "tool_choice": _neutral("none", "auto", what="'none', 'auto' or null"),
+    "parallel_tool_calls": _BOOL,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# The parsed request
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One HTTP request's generation: prompts (completions: text or token ids, one per prompt;
+    chat: the messages, rendered by the server's chat template), how many choices each, and
+    the sampling fields (`max_tokens` None: the largest that fits the context)."""
+
+    chat: bool
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
+    n: int = 1
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams fields other than max_new_tokens (temperature, top_p, top_k, seed,
+    stop_token_ids, ignore_eos)."""
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+
+def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
+    """A decoded JSON body -> GenerationRequest; ApiError (400) naming the first bad field."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, f"body: expected a JSON object, got {type(body).__name__}",
+                       param=None, code="invalid_type")
+    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in fields:
+            raise ApiError(400, f"{name}: unknown parameter; this endpoint accepts "
+                           f"{', '.join(sorted(fields))}", param=name, code="unknown_parameter")
+    v = {name: fields[name](name, value) for name, value in body.items()}
+    required = "messages" if chat else "prompt"
+    if body.get(required) is None:
+        raise ApiError(400, f"{required}: required", param=required,
+                       code="missing_required_parameter")
+    if v.get("stream_options") and not v.get("stream"):
+        raise ApiError(400, "stream_options: only allowed with stream: true",
+                       param="stream_options", code="invalid_value")
+    n = 1 if v.get("n") is None else v["n"]
+    if not 1 <= n <= MAX_N:
+        raise invalid("n", f"an integer in [1, {MAX_N}]", n)
+    max_tokens = v.get("max_tokens")
+    if chat and v.get("max_completion_tokens") is not None:
+        max_tokens = v["max_completion_tokens"]
+    prompts = () if chat else parse_prompts(body["prompt"])
+    if len(prompts) * n > MAX_CHOICES:
+        raise invalid("n", f"prompts x n <= {MAX_CHOICES}", f"{len(prompts)} x {n}")
+    top_k = v.get("top_k")
+    sampling = {
+        "temperature": 1.0 if v.get("temperature") is None else v["temperature"],
+        "top_p": 1.0 if v.get("top_p") is None else v["top_p"],
+        "top_k": 0 if top_k is None or top_k == -1 else top_k,
+        "seed": v.get("seed"),
+        "stop_token_ids": v.get("stop_token_ids", ()),
+        "ignore_eos": bool(v.get("ignore_eos")),
+    }
+    messages = tuple(check_messages(body["messages"])) if chat else ()
+    req = GenerationRequest(chat=chat, model=v.get("model"), prompts=prompts, messages=messages,
+                            n=n, max_tokens=max_tokens, sampling=sampling,
+                            stop=v.get("stop", ()), stream=bool(v.get("stream")),
+                            include_usage=bool(v.get("stream_options")))
+    sampling_params(req, max_tokens or 1)  # the ranges, checked by SamplingParams itself
+    return req
+
+
+def parse_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """`prompt`: a string, a list of token ids, or a list of either (a batch)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+        items, batch = [prompt], False
+    elif isinstance(prompt, list):
+        items, batch = prompt, True
+    else:
+        raise invalid("prompt", "a string, a list of token ids, or a list of those", prompt,
+                      code="invalid_type")
+    if not items:
+        raise invalid("prompt", "at least one prompt", prompt)
+    out: list[str | tuple[int, ...]] = []
+    for i, p in enumerate(items):
+        where = f"prompt[{i}]" if batch else "prompt"
+        if isinstance(p, str):
+            if not p:
+                raise invalid(where, "a non-empty string", p)
+            out.append(p)
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            out.append(tuple(p))
+        else:
+            raise invalid(where, "a non-empty string or a non-empty list of token ids", p,
+                          code="invalid_type")
+    return tuple(out)
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages`: a non-empty list of {"role", "content"}; content a string or a list of
+    {"type": "text", "text"} parts (joined). ApiError naming `messages[i].field`."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "a non-empty list of {role, content} objects", messages,
+                      code="invalid_type" if not isinstance(messages, list) else "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise invalid(f"messages[{i}]", "an object with role and content", m,
+                          code="invalid_type")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise invalid(f"messages[{i}].role", "one of system, developer, user, assistant, "
+                          "tool", role)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None
+                     for p in content]
+            if any(not isinstance(p, str) for p in parts):
+                raise invalid(f"messages[{i}].content", "a string or a list of "
+                              "{\"type\": \"text\", \"text\": ...} parts", content)
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", "a string", content, code="invalid_type")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+API_NAMES = {"max_new_tokens": "max_tokens"}
+"""SamplingParams field -> the API field a client sent."""
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int,
+                    stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The request's SamplingParams (`max_tokens` as max_new_tokens; `stop_token_ids` added to
+    the request's own); ApiError naming the API field SamplingParams rejected."""
+    kw = dict(req.sampling)
+    kw["stop_token_ids"] = tuple(dict.fromkeys(tuple(kw.get("stop_token_ids", ()))
+                                               + tuple(stop_token_ids)))
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, **kw)
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        name = text.split(":", 1)[0]
+        param = API_NAMES.get(name, name if name in COMMON_FIELDS else None)
+        if param is not None and name != param:
+            text = param + text[len(name):]
+        raise ApiError(400, text, param=param, code="invalid_value") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Response bodies
+# ---------------------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(rid: str, model: str, chat: bool, chunk: bool, created: int | None = None
+             ) -> dict[str, Any]:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
+    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool, *, delta: bool = False,
+           first: bool = False) -> dict[str, Any]:
+    """One choice of a response (`delta`: of a stream chunk; `first`: the chunk that carries
+    the chat role)."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if not delta:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish_reason}
+    body: dict[str, Any] = {"role": "assistant"} if first else {}
+    if text or first:
+        body["content"] = text
+    return {"index": index, "delta": body, "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,339 @@
+"""`graphdraft serve` as its clients meet it: the real `openai` client package and raw HTTP
+against one server on 127.0.0.1 (the shipped pair on the CPU, one module-scoped server in a
+thread of this process, so the tests can read its engine's KV pages afterwards).
+
+Completions, chat, streaming, `n`, stop strings and stop token ids; greedy outputs equal
+`Engine.generate` on the same prompts; 64 concurrent streams with a fifth of them
+disconnecting mid-stream; every bad request's status and error body, the server serving on
+after them; `/metrics`. Shutdown under signals runs in a subprocess (test_server_shutdown.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from graphdraft.serving.cli import build_parser  # noqa: E402
+from graphdraft.serving.cli.serve import build_engine, model_name  # noqa: E402
+from graphdraft.serving.engine import Engine  # noqa: E402
+from graphdraft.serving.openai_api.app import OpenAIServer, ServerConfig  # noqa: E402
+from graphdraft.serving.openai_api.server import make_server  # noqa: E402
+from graphdraft.serving.verify import SamplingParams  # noqa: E402
+
+PROMPTS = ["def main():\n", "import os\n", "class A:\n    def __init__(self", "for i in range(",
+           "    return ", "# compute the mean\n", "with open(path) as f:\n", "x = [1, 2,"]
+MAX_TOKENS = 24
+STREAM_TOKENS = 12  # the 64 concurrent streams: a prefix of the greedy text
+MESSAGES = [{"role": "user", "content": "print a list"}]
+
+
+class _Records(logging.Handler):
+    """Every log record of the server's loggers (uvicorn's do not reach the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def tracebacks(self) -> list[str]:
+        return [self.format(r) for r in self.records
+                if r.exc_info or r.levelno >= logging.ERROR or "Traceback" in r.getMessage()]
+
+
+class Served:
+    def __init__(self) -> None:
+        a = build_parser().parse_args(["serve", "--device", "cpu", "--quiet",
+                                       "--max-running-requests", "16",
+                                       "--max-queued-requests", "112"])
+        self.engine, self.m = build_engine(a)
+        self.tok, self.name = self.m.tokenizer, model_name(a)
+        self.stops = tuple(self.m.stops)
+        self.refs = self._references()
+        self.api = OpenAIServer(self.engine, self.tok, ServerConfig(
+            self.name, capacity=128, stop_token_ids=self.stops, shutdown_grace_s=2.0))
+        self.log = _Records()
+        for name in ("uvicorn", "uvicorn.error", "graphdraft", "asyncio"):
+            logging.getLogger(name).addHandler(self.log)
+        self.server = make_server(self.api, "127.0.0.1", 0, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
+
+    def _references(self) -> dict[str, list[int]]:
+        """Greedy outputs of `Engine.generate` (another engine over the same models)."""
+        ref = Engine(self.m.target, self.m.cfg, self.m.head, eos_token_id=self.m.eos)
+        chat_ids = self.tok.encode(self.tok.apply_chat_template(MESSAGES))
+        prompts = [self.tok.encode(p) for p in PROMPTS] + [chat_ids]
+        params = SamplingParams(max_new_tokens=MAX_TOKENS, stop_token_ids=self.stops)
+        outs = ref.generate(prompts, params)
+        return dict(zip([*PROMPTS, "<chat>"], outs, strict=True))
+
+    def text(self, key: str, limit: int = MAX_TOKENS) -> str:
+        """The reference's text, as the server returns it (a trailing stop id is not text);
+        `limit`: the first `limit` tokens (greedy: a prefix of the longer output)."""
+        ids = self.refs[key][:limit]
+        return self.tok.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
+
+    def stop(self) -> None:
+        self.server.begin_shutdown()
+        self.thread.join(30)
+        for name in ("uvicorn", "uvicorn.error", "graphdraft", "asyncio"):
+            logging.getLogger(name).removeHandler(self.log)
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    yield s
+    s.stop()
+    assert not s.thread.is_alive()
+
+
+def _idle(s: Served, timeout: float = 30.0) -> None:
+    """Wait (bounded) until no request is live in the loop or the engine."""
+    deadline = time.monotonic() + timeout
+    while s.api.loop.live or s.engine.has_work:
+        assert time.monotonic() < deadline, "requests still live"
+        time.sleep(0.02)
+
+
+def _all_pages_free(s: Served) -> bool:
+    p = s.engine.pages
+    return p.num_free_pages == p.num_pages - 1 and not s.engine.running and not s.engine.waiting
+
+
+# --- the real client ---------------------------------------------------------------------
+def test_models_and_health(served):
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [served.name]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(served.url + "/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_greedy_completions_equal_engine_generate(served):
+    r = served.client.completions.create(model=served.name, prompt=PROMPTS[:4],
+                                         max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c, p in zip(r.choices, PROMPTS[:4], strict=True):
+        assert c.text == served.text(p), p
+        assert c.finish_reason == ("stop" if served.refs[p][-1] in served.stops else "length")
+    assert r.usage.completion_tokens == sum(len(served.refs[p]) for p in PROMPTS[:4])
+    assert r.usage.prompt_tokens == sum(len(served.tok.encode(p)) for p in PROMPTS[:4])
+    # token-id prompts, one at a time and streamed
+    ids = served.tok.encode(PROMPTS[4])
+    stream = served.client.completions.create(model=served.name, prompt=ids, stream=True,
+                                              max_tokens=MAX_TOKENS, temperature=0,
+                                              stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == served.text(PROMPTS[4])
+    assert len(chunks) > 3  # streamed as accepted, not in one piece
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        served.refs[PROMPTS[4]])
+
+
+def test_chat_streaming_and_n(served):
+    r = served.client.chat.completions.create(model=served.name, messages=MESSAGES, n=2,
+                                              max_tokens=MAX_TOKENS, temperature=0)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert c.message.role == "assistant" and c.message.content == served.text("<chat>")
+    stream = served.client.chat.completions.create(model=served.name, messages=MESSAGES,
+                                                   max_completion_tokens=MAX_TOKENS,
+                                                   temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == served.text("<chat>")
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # sampled choices: n of them, each its own stream
+    r = served.client.completions.create(model=served.name, prompt=PROMPTS[0], n=3, seed=7,
+                                         max_tokens=12, temperature=1.0,
+                                         extra_body={"top_k": 40})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    assert 3 <= r.usage.completion_tokens <= 3 * 12
+
+
+def test_stop_strings_cut_exactly(served):
+    p = PROMPTS[0]
+    full = served.text(p)
+    stop = full[6:9]
+    want = full[: full.index(stop)]
+    r = served.client.completions.create(model=served.name, prompt=p, max_tokens=MAX_TOKENS,
+                                         temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    stream = served.client.completions.create(model=served.name, prompt=p, stream=True,
+                                              max_tokens=MAX_TOKENS, temperature=0, stop=stop)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # a stop token id: the text before it, the token counted
+    ref = served.refs[p]
+    k = 5
+    r = served.client.completions.create(model=served.name, prompt=p, max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={"stop_token_ids": [ref[k]]})
+    first = ref.index(ref[k])
+    assert r.choices[0].text == served.tok.decode(ref[:first])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    _idle(served)
+    assert _all_pages_free(served)
+
+
+# --- concurrency and disconnects ---------------------------------------------------------
+async def _one_stream(client: httpx.AsyncClient, url: str, name: str, prompt: str,
+                      leave: bool) -> str | None:
+    """Stream one completion; `leave`: disconnect after the first text chunk (None)."""
+    body = {"model": name, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
+            "stream": True}
+    text = ""
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return text
+            chunk = json.loads(line[6:])
+            text += chunk["choices"][0]["text"]
+            if leave and text:
+                return None  # leaving the block closes the connection mid-stream
+    raise AssertionError("stream ended without [DONE]")
+
+
+def test_64_streams_with_a_fifth_disconnecting(served):
+    rng = random.Random(0)
+    plan = [(PROMPTS[i % len(PROMPTS)], rng.random() < 0.2) for i in range(64)]
+    assert any(leave for _, leave in plan)
+
+    async def run() -> list[str | None]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(_one_stream(client, served.url, served.name, p, leave)
+                                          for p, leave in plan))
+
+    before = len(served.log.records)
+    results = asyncio.run(run())
+    for (p, leave), got in zip(plan, results, strict=True):
+        if not leave:
+            assert got == served.text(p, STREAM_TOKENS), p
+    _idle(served)
+    assert _all_pages_free(served)
+    assert served.log.tracebacks() == [] and len(served.log.records) >= before
+    metrics = httpx.get(served.url + "/metrics").text
+    assert 'graphdraft_choices_finished_total{reason="abort"}' in metrics
+
+
+# --- bad requests ------------------------------------------------------------------------
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "x", "max_tokens": 4}
+MSG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [
+    (C, b"{not json", 400, None, "invalid_json"),
+    (C, b"[1, 2]", 400, None, "invalid_type"),
+    (C, OK | {"max_tokens": "10"}, 400, "max_tokens", "invalid_type"),
+    (C, OK | {"temperature": "hot"}, 400, "temperature", "invalid_type"),
+    (C, OK | {"stream": "yes"}, 400, "stream", "invalid_type"),
+    (C, OK | {"n": 1.5}, 400, "n", "invalid_type"),
+    (C, OK | {"stop": [1]}, 400, "stop", "invalid_type"),
+    (C, OK | {"top_p": 0}, 400, "top_p", "invalid_value"),
+    (C, OK | {"top_p": 1.5}, 400, "top_p", "invalid_value"),
+    (C, OK | {"temperature": -1}, 400, "temperature", "invalid_value"),
+    (C, OK | {"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    (C, OK | {"top_k": -5}, 400, "top_k", "invalid_value"),
+    (C, OK | {"n": 0}, 400, "n", "invalid_value"),
+    (C, OK | {"n": 1000}, 400, "n", "invalid_value"),
+    (C, OK | {"model": "gpt-4"}, 404, "model", "model_not_found"),
+    (C, OK | {"prompt": ""}, 400, "prompt", "invalid_value"),
+    (C, OK | {"prompt": []}, 400, "prompt", "invalid_value"),
+    (C, OK | {"prompt": [99999]}, 400, "prompt", "invalid_value"),
+    (C, {"max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
+    (C, OK | {"foo": 1}, 400, "foo", "unknown_parameter"),
+    (C, OK | {"repetition_penalty": 1.2}, 400, "repetition_penalty", "unknown_parameter"),
+    (C, OK | {"logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    (C, OK | {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    (C, OK | {"echo": True}, 400, "echo", "unsupported_parameter"),
+    (C, OK | {"logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+    (C, OK | {"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    (C, OK | {"max_tokens": 1000}, 400, "max_tokens", "context_length_exceeded"),
+    (C, OK | {"stop_token_ids": [1, 2, 3, 4, 5]}, 400, "stop_token_ids", "invalid_value"),
+    (CH, MSG | {"messages": []}, 400, "messages", "invalid_value"),
+    (CH, MSG | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
+    (CH, MSG | {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
+     "invalid_type"),
+    (CH, MSG | {"tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    (CH, MSG | {"prompt": "x"}, 400, "prompt", "unknown_parameter"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD,
+                         ids=[f"{i}-{b if isinstance(b, bytes) else sorted(b)[-1]}"
+                              for i, (_, b, *_rest) in enumerate(BAD)])
+def test_bad_requests_answer_the_openai_error_format(served, path, body, status, param, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(served.url + path, headers={"content-type": "application/json"}, timeout=30,
+                   **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["code"] == code, err
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["message"].startswith(param.split("[")[0]), err["message"]
+
+
+def test_the_server_serves_on_after_bad_requests(served):
+    assert httpx.get(served.url + "/v1/nothing").status_code == 404
+    assert httpx.get(served.url + C).status_code == 405
+    r = served.client.completions.create(model=served.name, prompt=PROMPTS[1], temperature=0,
+                                         max_tokens=MAX_TOKENS)
+    assert r.choices[0].text == served.text(PROMPTS[1])
+    _idle(served)
+    assert _all_pages_free(served)
+
+
+def test_full_queue_answers_503(served):
+    loop = served.api.loop
+    capacity, loop.capacity = loop.capacity, 0
+    try:
+        r = httpx.post(served.url + C, json=OK, timeout=30)
+    finally:
+        loop.capacity = capacity
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_error"
+    assert httpx.post(served.url + C, json=OK, timeout=30).status_code == 200
+
+
+def test_metrics_are_prometheus_text(served):
+    text = httpx.get(served.url + "/metrics").text
+    for name in ("graphdraft_requests_total", "graphdraft_prompt_tokens_total",
+                 "graphdraft_generation_tokens_total",
+                 "graphdraft_time_to_first_token_seconds_bucket",
+                 "graphdraft_inter_token_latency_seconds_bucket",
+                 "graphdraft_accept_length_bucket", "graphdraft_graph_replays_total",
+                 "graphdraft_eager_runs_total", "graphdraft_queue_depth",
+                 "graphdraft_kv_pages_used", "graphdraft_running_requests"):
+        assert name in text, name
+    assert 'graphdraft_requests_total{endpoint="completions",status="400"}' in text
+    used = next(line for line in text.splitlines() if line.startswith("graphdraft_kv_pages_used"))
+    assert float(used.split()[-1]) == 0.0
