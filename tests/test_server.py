@@ -325,6 +325,8 @@ def test_full_queue_answers_503(served):
 
 
 def test_metrics_are_prometheus_text(served):
+    assert httpx.post(served.url + C, json=OK | {"n": 0}, timeout=30).status_code == 400
+    _idle(served)
     text = httpx.get(served.url + "/metrics").text
     for name in ("graphdraft_requests_total", "graphdraft_prompt_tokens_total",
                  "graphdraft_generation_tokens_total",
@@ -353,3 +355,27 @@ def test_the_load_generator_against_the_server(served):
     assert all(r["tokens"] == 6 for r in res if not r.get("left"))
     _idle(served)
     assert _all_pages_free(served)
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(served, monkeypatch):
+    """A step that raises (here: injected) ends the live requests with an engine error (500,
+    logged with its traceback); their pages go back and the next request is served."""
+    real, calls = served.engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected step failure")
+        return real()
+
+    monkeypatch.setattr(served.engine, "step", failing_once)
+    r = httpx.post(served.url + C, json=OK | {"max_tokens": 20}, timeout=60)
+    monkeypatch.undo()
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    assert any("injected step failure" in t for t in served.log.tracebacks())
+    _idle(served)
+    assert _all_pages_free(served)
+    r = served.client.completions.create(model=served.name, prompt=PROMPTS[2], temperature=0,
+                                         max_tokens=MAX_TOKENS)
+    assert r.choices[0].text == served.text(PROMPTS[2])
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}

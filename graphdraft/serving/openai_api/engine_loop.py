@@ -93,6 +93,9 @@ class EngineLoop:
     def submit(self, choices: list[Choice]) -> None:
         """Queue `choices` (all or none); ServerBusy when full or shutting down."""
         with self._lock:
+            if self.failed is not None or not self.thread.is_alive():
+                raise ServerBusy("the engine loop has stopped (see the server log)",
+                                 "unavailable")
             if self._closed:
                 raise ServerBusy("the server is shutting down", "shutting_down")
             if self._pending + len(choices) > self.capacity:
@@ -168,9 +171,11 @@ class EngineLoop:
         for c in choices:
             try:
                 c.req = self.engine.add_request(c.prompt, c.params)
-            except ValueError as e:  # checked before submit; kept for safety
-                log.warning("request rejected by the engine: %s", e)
+            except Exception as e:  # noqa: BLE001 (checked before submit: not expected)
+                log.error("request rejected by the engine: %s: %s", type(e).__name__, e,
+                          exc_info=not isinstance(e, ValueError))
                 self._release_count(1)
+                self.metrics.finished.labels(reason="error").inc()
                 self.loop.call_soon_threadsafe(c.deliver, [], "error")
                 continue
             self._live[c] = None
@@ -243,6 +248,7 @@ class EngineLoop:
             waiting=len(e.waiting), running=len(e.running),
             kv_pages_used=pages.num_pages - 1 - pages.num_free_pages,
             kv_pages_total=pages.num_pages - 1, steps=self._steps,
+            max_accept=e.cfg.speculative_num_steps + 1,
             step_errors=self._step_errors, accept_hist=dict(self._accept_hist),
             graphs=self._graphs)
 

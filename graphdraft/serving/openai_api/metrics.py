@@ -37,6 +37,9 @@ class EngineState:
     step_errors: int = 0
     accept_hist: dict[int, int] = field(default_factory=dict)
     """Cumulative decode rows by accept length."""
+    max_accept: int = 1
+    """The longest accept length of a chain cycle (S + 1): the histogram's buckets are
+    1..max(max_accept, longest seen), the same at every scrape."""
     graphs: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Forward family -> (graph replays, eager runs), cumulative."""
 
@@ -58,8 +61,8 @@ class _EngineCollector(Collector):
                                   "engine steps that raised", value=s.step_errors)
         hist = sorted(s.accept_hist.items())
         buckets, acc = [], 0
-        for length, rows in hist:
-            acc += rows
+        for length in range(1, max([s.max_accept, *s.accept_hist]) + 1):
+            acc += s.accept_hist.get(length, 0)
             buckets.append((str(float(length)), acc))
         buckets.append(("+Inf", acc))
         yield HistogramMetricFamily(
