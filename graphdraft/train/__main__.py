@@ -1,5 +1,6 @@
 """`python -m graphdraft.train {target,head,all,evaluate} [flags]`: train or evaluate the
-byte-level pair.
+byte-level pair; `python -m graphdraft.train real --target DIR_OR_GGUF --out DIR` trains an
+EAGLE-3 head for a pretrained chat target (`graphdraft.train.real`, `make train-real`).
 
 `--recipe gpu` is the one-GPU recipe (`make train-gpu`): batch 64 x 256 for both stages,
 bf16 autocast, eager steps (`--compile` to compile them), time caps (target 1.5 min, pool
@@ -133,6 +134,10 @@ def run_evaluate(a: argparse.Namespace, d: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["real"]:  # a pretrained chat target's head: graphdraft.train.real
+        from graphdraft.train.real import main as real_main
+        return real_main(argv[1:])
     p = parser()
     a = p.parse_args(argv)
     if a.threads:
