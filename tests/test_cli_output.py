@@ -61,3 +61,15 @@ def test_several_prompts_are_readable_blocks_or_json_lines(capsys):
 def test_json_and_json_lines_conflict(capsys):
     assert main(GEN + ["--prompt", "x", "--json", "--json-lines"]) == 2
     assert "--json-lines" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--dp-size", "2"], "--dp-size"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["serve", "--random-models"], "tokenizer"),
+])
+def test_serve_flag_errors_are_one_line(capsys, argv, needle):
+    assert main(argv + ["--device", "cpu", "--quiet"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and needle in cap.err

@@ -74,6 +74,10 @@ def build_engine(a: argparse.Namespace):
 
 
 def serve(a: argparse.Namespace) -> int:
+    if a.dp_size != 1:
+        raise CliError(f"--dp-size: expected 1 for serve (one engine per server), got {a.dp_size}")
+    if a.port > 65535:
+        raise CliError(f"--port: expected a TCP port in 0..65535, got {a.port}")
     if a.shutdown_timeout < 0:
         raise CliError(f"--shutdown-timeout: expected a number of seconds >= 0, got "
                        f"{a.shutdown_timeout}")
