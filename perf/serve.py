@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(load_tokenizer(target), Path(a.prompts), a.prompt_tokens)
     with mp.get_context("spawn").Pool(a.client_workers) as pool:
         report = server_phase(a, prompts, pool, out)
+    (out / "serve-server-phase.json").write_text(json.dumps(report, indent=2) + "\n")
     offline = offline_phase(a, prompts)
     for row in report["rows"]:
         row["offline_tps"] = offline[row["concurrency"]]
