@@ -56,7 +56,7 @@ class RealHeadRun:
     """A converted target directory (config.json, safetensors, tokenizer.json) or a .gguf file."""
     out: str
     seed: int = 0
-    code_prompts: int = 6000
+    code_prompts: int = 8000
     prose_prompts: int = 2240
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
@@ -371,10 +371,11 @@ def train_real_head(run: RealHeadRun) -> dict:
     return summary
 
 
-GPU_RECIPE = {"device": "cuda", "code_prompts": 6000, "prose_prompts": 2240,
-              "gen_max_minutes": 1.5, "batch": 32, "steps": 20000, "max_minutes": 3.0,
+GPU_RECIPE = {"device": "cuda", "code_prompts": 8000, "prose_prompts": 2240,
+              "gen_max_minutes": 1.4, "batch": 32, "steps": 20000, "max_minutes": 2.4,
               "log_every": 100}
-"""One GPU, about 5 minutes: ~8,000 prompts (responses capped at 1.5 minutes), a 3-minute head."""
+"""One GPU, about 5 minutes: up to ~10,000 prompts (responses for as many as 1.4 minutes
+allow), then a 2.4-minute head."""
 CPU_SMOKE_RECIPE = {"device": "cpu", "code_prompts": 6, "prose_prompts": 6, "max_new_tokens": 12,
                     "max_prompt_tokens": 200,
                     "gen_chunk": 16, "batch": 2, "steps": 4, "draft_vocab": 96, "ffn": 64,
