@@ -88,10 +88,10 @@ def eager_forced(flag: bool = False, env_var: str = EAGER_ENV) -> bool:
 def _env_reader(var: str) -> Callable[[], str]:
     """A cheap ``os.environ.get(var, "")`` for run()'s hot path.
 
-    A missing key costs ``os.environ.get`` two exceptions (~1-2 us). CPython's
+    A missing key costs ``os.environ.get`` two exceptions. CPython's
     ``os.environ`` keeps its entries, encoded, in the dict ``_data`` (which
-    ``os.environ[...] = ...`` and ``del`` update); read it directly (~0.1 us)
-    when it is there, else fall back to the public call.
+    ``os.environ[...] = ...`` and ``del`` update); read it directly (a dict
+    lookup) when it is there, else fall back to the public call.
     """
     env = os.environ
     data, enc, dec = (getattr(env, a, None) for a in ("_data", "encodekey", "decodevalue"))
@@ -151,7 +151,7 @@ class GraphStats:
     an already compiled bucket adds 0. ``built``: of those, the ones Triton's compiler built
     here (misses of its on-disk cache; the rest were loaded from it: ``capture.compiles.
     thread_builds``). ``worker_built``: kernels that precompile worker processes built for this
-    forward at that size (``graphdraft.kernels.precompile_workers``), before this process loaded
+    forward at that size (``graphdraft.startup``), before this process loaded
     them. ``precompile_seconds``: wall time of :meth:`CapturedForward.precompile` per size it ran.
     """
 

@@ -8,7 +8,7 @@ temporary `TRITON_CACHE_DIR` builds the Llama-3.1-8B-shaped target and its EAGLE
 `max_running_requests` = the top, `max_context_len` 1024: a small KV pool) and times
 `engine.capture_graphs()` (the default configuration: cycle graphs per draft length and the
 draft multi-step, the cost table timed at the end) with the default precompile workers
-(`--workers`, default: `RuntimeConfig.precompile_workers` None, min(16, CPU count)); then a
+(`--workers`, default: `RuntimeConfig.precompile_workers` None: `config.PRECOMPILE_WORKERS_DEFAULT`); then a
 second subprocess does the same with that cache warm (`--warm-repeats` times, default 3:
 `warm_s` is the median), and for the first top, alternated with those, the same with every
 bucket warmed up (the marker's list of first-launch sizes hidden: `warm_every_bucket_s`, the
@@ -19,7 +19,7 @@ Per run: capture seconds, the worker phase (processes, wall seconds, each worker
 seconds), kernels Triton's compiler built in this process (`GraphStats.built`: cache misses)
 and in the workers (`GraphStats.worker_built`), specializations loaded or built in this
 process (`capture.triton_compiles`), new entries of the on-disk cache, and per captured forward
-(every `CapturedForward` attribute of the engine and its drafter) its sizes, seconds, compiles
+(`graphdraft.startup.forwards.forwards`: its key `[family, k]`) its sizes, seconds, compiles
 and pool MiB.
 
 Writes `DIR/capture.json`: `cold_s`, `warm_s`, `triton_compiles_cold` (kernels built anywhere,
@@ -67,8 +67,9 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     from capture import cache_dir, cache_entries, triton_compiles
     from capture.compiles import builds_counted, triton_builds
     from graphdraft.config import RuntimeConfig
-    from graphdraft.kernels.precompile_workers import default_workers
-    from graphdraft.kernels.warmup import captured_forwards, worker_report
+    from graphdraft.startup.forwards import forwards
+    from graphdraft.startup.spec import default_workers
+    from graphdraft.startup.warmup import worker_report
     from graphdraft.serving.engine import CAPTURE_COST_REPLAYS, Engine
     from perf.models_8b import build_pair
 
@@ -103,11 +104,10 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         Path(prof_dir).mkdir(parents=True, exist_ok=True)
         (Path(prof_dir) / f"{result.stem}.txt").write_text(buf.getvalue())
     seconds = time.perf_counter() - t0
-    owners = [engine] + ([engine.drafter] if getattr(engine, "drafter", None) is not None else [])
     per_forward = {}
     warm = {"warmup_s": 0.0, "record_s": 0.0, "replay_timing_s": 0.0, "warmup_runs": 0,
             "graphs": 0}
-    for attr, f in captured_forwards(*owners).items():
+    for key, f in forwards(engine):
         st = f.stats
         # per size: warm-up (`warmup_iters` eager runs; eager_seconds is the last one), the
         # capture itself, its first replay (uploads the graph; replay_seconds)
@@ -119,7 +119,7 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
         warm["warmup_runs"] += f.warmup_iters * len(st.eager_seconds)  # warmed-up sizes
         warm["graphs"] += len(f.captured_sizes)
         per_forward[f.name] = {
-            "attribute": attr,
+            "key": list(key),
             "sizes": f.captured_sizes,
             "capture_s": round(st.total_capture_seconds, 4),
             "precompile_s": round(st.total_precompile_seconds, 4),
@@ -255,7 +255,7 @@ def _spawn(max_bs: int, cache: Path, result: Path, timeout_s: float,
 @contextlib.contextmanager
 def _every_bucket_warmup(cache: Path):
     """While active, the warm markers in `cache` hold no list of the sizes that must warm
-    up (`precompile_workers.warmup_tasks`), so a warm start warms up every bucket; yields
+    up (`startup.marker.warmup_tasks`), so a warm start warms up every bucket; yields
     how many markers had one. Restored after."""
     saved = {}
     for marker in cache.glob("graphdraft-precompiled-*.json"):

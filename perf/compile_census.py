@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 python -m perf.compile_census [--max-bs 64,160] [--out DIR]   # on a CPU
     python3 -m perf.compile_census --device cuda [--max-bs 64,160] [--out DIR]        # on a GPU
 
-A kernel is compiled once per specialization key (`warmup.specialization_key`: constexprs,
+A kernel is compiled once per specialization key (`kernels.keys.specialization_key`: constexprs,
 launch options, argument dtypes, the value specialization of ints (== 1, % 16) and the 16-byte
 alignment of pointers). The census runs every forward a CUDA capture would capture (the cycle
 graph per draft length and the draft multi-step; the split-mode verify / draft-decode forwards
@@ -19,7 +19,7 @@ lists per kernel its distinct keys and which argument tells them apart:
 * `option` (a launch option such as num_warps / num_stages).
 
 The engine is the Llama-3.1-8B-shaped target and its EAGLE-3 head (`perf.models_8b`) with
-2 target layers (`precompile_workers.reduced_target_config`: `tests/test_precompile_workers.py`
+2 target layers (`startup.spec.reduced_target_config`: `tests/test_precompile_workers.py`
 pins that a 2-layer engine launches exactly the full engine's keys) and the full vocabularies
 (no shrinking), weights left uninitialised (a dry run reads none through a Triton kernel).
 The keys do not depend on the device beyond the SM count (132 on a CPU: an H200's).
@@ -43,27 +43,26 @@ __all__ = ["census", "census_total", "explain", "gpu_dry_keys", "gpu_forwards", 
            "plan_census", "main"]
 
 
-def gpu_forwards(engine) -> dict[str, object]:
-    """The captured forwards `Engine.capture_graphs` captures on a GPU, by attribute name:
-    in the cycle mode the cycle graph per draft length, else the split-mode verify and draft
-    decode forwards; the drafter's multi-step when it drafts more than one step. (On a CPU
-    every forward is disabled, so `active` cannot tell.)"""
-    from graphdraft.kernels.warmup import captured_forwards
+def gpu_forwards(engine) -> dict[tuple, object]:
+    """The captured forwards `Engine.capture_graphs` captures on a GPU, by their key
+    (`graphdraft.startup.forwards.forwards`): in the cycle mode the cycle graph per draft
+    length, else the split-mode verify and draft decode forwards; the drafter's multi-step
+    when it drafts more than one step. (On a CPU every forward is disabled, so `active`
+    cannot tell.)"""
+    from graphdraft.startup.forwards import forwards
 
     out = {}
     cycle_mode = getattr(engine, "_cycle_mode", True)
-    for attr, f in captured_forwards(engine).items():
-        cycle = f.name.startswith("spec_cycle")
-        if cycle == cycle_mode:
-            out[attr] = f
     drafter = getattr(engine, "drafter", None)
-    if drafter is not None:
-        for attr, f in captured_forwards(drafter).items():
-            if f.name == "draft_multi_step":
-                if getattr(drafter, "S", 2) > 1:
-                    out[attr] = f
-            elif not cycle_mode and f.name.startswith("draft_decode"):
-                out[attr] = f
+    for key, f in forwards(engine):
+        if f.name == "draft_multi_step":
+            take = drafter is not None and getattr(drafter, "S", 2) > 1
+        elif f.name.startswith("draft_decode"):
+            take = not cycle_mode
+        else:
+            take = f.name.startswith("spec_cycle") == cycle_mode
+        if take:
+            out[key] = f
     return out
 
 
@@ -91,11 +90,11 @@ def gpu_launch_options():
 
 def gpu_dry_keys(run):
     """The keys an H200 would compile for `run()`: every kernel's launches recorded and skipped
-    (`KeyRecorder(launch=False)` of `warmup.all_kernels()`) under the GPU's launch options
+    (`KeyRecorder(launch=False)` of `kernels.keys.all_kernels()`) under the GPU's launch options
     (`gpu_launch_options`), in inference mode. Returns the recorder."""
     import torch
 
-    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+    from graphdraft.kernels.keys import KeyRecorder, all_kernels
 
     rec = KeyRecorder(all_kernels(), launch=False)
     with torch.inference_mode(), rec, gpu_launch_options():
@@ -106,9 +105,9 @@ def gpu_dry_keys(run):
 def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: bool | None = None,
            prefill: bool = False, keep: bool = False, rec=None):
     """Run every forward of `gpu_forwards(engine)` at each of `sizes` (default: each forward's
-    whole schedule) under a `KeyRecorder` of `kernels` (default: `warmup.all_kernels()`),
+    whole schedule) under a `KeyRecorder` of `kernels` (default: `kernels.keys.all_kernels()`),
     the engine's (and drafter's) buffers reset to neutral rows before each run and after;
-    with `prefill`, also the plan's prefill probes (`precompile_workers.prefill_probes`, their
+    with `prefill`, also the plan's prefill probes (`startup.probes.prefill_probes`, their
     context `("prefill", tokens)`: what the first requests launch); `keep`: the recorder keeps
     each new key's launch arguments (`KeyRecorder.kept`);
     `launch=False`: a dry run (keys only; the integer tensors the skipped launches would have
@@ -119,13 +118,12 @@ def census(engine, sizes=None, *, launch: bool = False, kernels=None, gpu_like: 
     own). Return the recorder: `keys[kernel]`, and `where[kernel][key]` = {(forward name, bs)}."""
     import torch
 
-    from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+    from graphdraft.kernels.keys import KeyRecorder, all_kernels
+    from graphdraft.startup.forwards import owner_resets
+    from graphdraft.startup.probes import prefill_probes, probe_prefill_dry
 
     forwards = gpu_forwards(engine)
-    resets = [getattr(engine, "_reset_neutral", None),
-              getattr(getattr(engine, "drafter", None), "_reset_neutral", None)]
-    resets = [r for r in resets if r is not None]
-    from graphdraft.kernels.precompile_workers import prefill_probes, probe_prefill_dry
+    resets = owner_resets(engine)
 
     if rec is None:
         rec = KeyRecorder(kernels if kernels is not None else all_kernels(), launch=launch,
@@ -223,7 +221,7 @@ def build_engine_8b(max_bs: int, device: str = "cpu"):
     import torch
 
     from graphdraft.config import RuntimeConfig
-    from graphdraft.kernels.precompile_workers import reduced_target_config
+    from graphdraft.startup.spec import reduced_target_config
     from graphdraft.models.eagle3 import Eagle3DraftHead
     from graphdraft.models.llama import LlamaForCausalLM
     from graphdraft.serving.engine import Engine

@@ -75,9 +75,9 @@ def _record(top: int, demo: bool = False) -> list[dict]:
 
 
 def encode_entry(kernel: str, args, kwargs: dict, where: list[str]) -> dict:
-    """One recorded launch (`warmup.KeyRecorder.kept`) as an entry of the compile phase: the
-    kernel's name, its arguments as JSON (`precompile_workers.encode_arg`), where it runs."""
-    from graphdraft.kernels.precompile_workers import encode_arg
+    """One recorded launch (`kernels.keys.KeyRecorder.kept`) as an entry of the compile phase: the
+    kernel's name, its arguments as JSON (`startup.entries.encode_arg`), where it runs."""
+    from graphdraft.startup.entries import encode_arg
 
     return {"kernel": kernel, "args": [encode_arg(a) for a in args],
             "kwargs": {k: encode_arg(v) for k, v in kwargs.items()}, "where": list(where)}
@@ -148,8 +148,8 @@ def _compile(entries: list[dict], arch: int) -> list[dict]:
     import triton.language as tl
     from triton.runtime import driver
 
-    from graphdraft.kernels.precompile_workers import decode_arg
-    from graphdraft.kernels.warmup import all_kernels
+    from graphdraft.kernels.keys import all_kernels
+    from graphdraft.startup.entries import decode_arg
 
     driver.set_active(_TargetOnlyDriver(arch))
     from triton.backends.nvidia.compiler import get_ptxas

@@ -52,7 +52,7 @@ def child(mode: str, ckpt: Path, max_bs: int, result: Path, device: str = "cuda"
 
     from graphdraft.config import RuntimeConfig
     from graphdraft.io.checkpoint import load_model_pair, open_model_pair
-    from graphdraft.kernels.warmup import worker_report
+    from graphdraft.startup.warmup import worker_report
     from graphdraft.serving.engine import Engine
 
     cfg = RuntimeConfig(cuda_graph_max_bs=max_bs, max_running_requests=max_bs,

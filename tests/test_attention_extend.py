@@ -240,7 +240,7 @@ def test_fp32_prefill_tile_compiles_for_sm90_without_spills(tmp_path):
     machine (`perf.kernel_resources`' compile phase: no GPU needed): 16 rows, no register
     spills (the 128-row tile it took before spilled 110 KB a thread at D = 128)."""
     from graphdraft.kernels import extend_attention as ea
-    from graphdraft.kernels.warmup import KeyRecorder
+    from graphdraft.kernels.keys import KeyRecorder
     from perf.compile_census import gpu_launch_options
     from perf.kernel_resources import compile_entries, encode_entry
 

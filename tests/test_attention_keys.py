@@ -2,7 +2,7 @@
 
 Every mode a capture or a prefill launches (decode: one split or several, q rows gathered by
 q_index or not; extend: uniform or ragged rows, one split or several) runs under one Triton
-specialization key per tile, recorded on the host (`warmup.KeyRecorder`, a dry run with a
+specialization key per tile, recorded on the host (`kernels.keys.KeyRecorder`, a dry run with a
 CUDA device's launch options: `perf.compile_census.gpu_launch_options`), so a cold start
 compiles each kernel once per tile. A mode flag made a constexpr again, specialized as an int
 (1 vs 0), or a pointer whose dtype changes with the mode gives these launches a second key.

@@ -7,7 +7,7 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels.config import TORCH, TRITON
-from graphdraft.kernels.warmup import KeyRecorder, all_kernels
+from graphdraft.kernels.keys import KeyRecorder, all_kernels
 
 R, S, P, PS, CTX, V = 7, 3, 6, 4, 24, 50
 

@@ -22,7 +22,7 @@ from graphdraft.kernels import config as kernel_config
 from graphdraft.kernels import gemv, pdl
 from graphdraft.kernels.config import ENV_VARS, TORCH, TRITON, KernelConfig
 from graphdraft.kernels.gemv import gemv_config
-from graphdraft.kernels.warmup import KeyRecorder
+from graphdraft.kernels.keys import KeyRecorder
 from graphdraft.models.attention import AttentionMetadata, PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.layers import init_random_

@@ -2,7 +2,7 @@
 each kernel under one Triton specialization key (what the JIT compiles per key), and the
 kernels still match their torch references at those sizes.
 
-The keys are computed on the host as Triton's launcher does (`warmup.specialization_key`:
+The keys are computed on the host as Triton's launcher does (`keys.specialization_key`:
 constexprs, launch options, value specialization of ints and pointer alignment), so the
 check runs under the interpreter, which compiles nothing itself.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdraft.kernels import warmup
+from graphdraft.kernels import keys
 from graphdraft.kernels.argmax import argmax_stage2, argmax_with_map, argmax_with_map_ref
 from graphdraft.kernels.buckets import representative_sizes, row_bucket, rows_block
 from graphdraft.kernels.cache_loc import (
@@ -33,14 +33,15 @@ from graphdraft.kernels.gemv import (
 from graphdraft.kernels.norm import rms_norm, rms_norm_cat, rms_norm_ref
 from graphdraft.kernels.rope import rope_and_store_kv, rope_and_store_kv_partials
 from graphdraft.kernels.stage_inputs import stage_decode_inputs, stage_decode_inputs_ref
+from graphdraft.startup import warmup
 from perf.compile_census import gpu_dry_keys
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS = warmup.kernels()
+KERNELS = keys.kernels()
 
 
 def _record(names):
-    return warmup.KeyRecorder({n: KERNELS[n] for n in names})
+    return keys.KeyRecorder({n: KERNELS[n] for n in names})
 
 
 def _one_key_per_bucket(rec, name, sizes, bucket_of):
@@ -61,17 +62,17 @@ def test_key_sees_value_specialization_and_do_not_specialize():
     base = dict(BLOCK=16, FIRST=False, pdl_trigger=1, PDL=False, EARLY=False)
 
     def key(n_reqs, page_size):
-        return warmup.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, n_reqs, 4, 4, 1,
+        return keys.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, n_reqs, 4, 4, 1,
                                          page_size, t, t, **base)
 
     assert key(1, 5) == key(16, 5) == key(17, 5)
     assert len({key(3, 1), key(3, 16), key(3, 17)}) == 3
     assert key(3, 17) == key(3, 19)
     # the PDL trigger is a runtime argument: one variant on either side of its row limit
-    assert warmup.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, 3, 4, 4, 1, 17, t, t,
+    assert keys.specialization_key(k, t, t, t, t, 3, 1, 3, 1, 1, 3, 4, 4, 1, 17, t, t,
                                      **(base | {"pdl_trigger": 0})) == key(3, 17)
     # alignment: a pointer one element past an aligned one is a different key
-    assert warmup.specialization_key(k, t[1:], t, t, t, 3, 1, 3, 1, 1, 2, 4, 4, 1, 5, t, t,
+    assert keys.specialization_key(k, t[1:], t, t, t, 3, 1, 3, 1, 1, 2, 4, 4, 1, 5, t, t,
                                      **base) != key(2, 5)
 
 
@@ -384,7 +385,7 @@ def test_gpu_draft_capture_second_size_of_a_bucket_launches_known_keys():
     orig = drafter.decode_graphs._forward
 
     def forward(bs):
-        with warmup.KeyRecorder() as rec:
+        with keys.KeyRecorder() as rec:
             out = orig(bs)
         seen.setdefault(bs, set()).update((n, k) for n, ks in rec.keys.items() for k in ks)
         return out
@@ -413,7 +414,7 @@ def _chain_keys(run, sizes):
     """Keys of the chain's kernels (attention excluded: not these modules) per size."""
     out = {}
     for bs in sizes:
-        with torch.inference_mode(), warmup.KeyRecorder() as rec:
+        with torch.inference_mode(), keys.KeyRecorder() as rec:
             run(bs)
         out[bs] = {(n, k) for n, ks in rec.keys.items() for k in ks}
     return out

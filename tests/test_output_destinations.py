@@ -14,7 +14,7 @@ from graphdraft.kernels.cache_loc import (
 )
 from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.kernels.gemv import gemv_config, linear_small_m_argmax, linear_small_m_residual_norm
-from graphdraft.kernels.warmup import KeyRecorder
+from graphdraft.kernels.keys import KeyRecorder
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,16 +1,17 @@
-"""Precompile worker processes (`graphdraft.kernels.precompile_workers`): the premise (the plan's
+"""Precompile worker processes (`graphdraft.startup`): the premise (the plan's
 reduced-layer engine launches exactly the Triton specialization keys of the full engine), the
 plan (one entry per distinct key, whose decoded arguments give that key back, for one engine
 or several), the worker processes (claims: every entry compiled once), failures, the
 warm-cache marker, and the config.
 
-The keys are computed on the host as Triton's launcher does (`warmup.specialization_key`), so
+The keys are computed on the host as Triton's launcher does (`keys.specialization_key`), so
 the premise is checked under the interpreter, for every kernel of `graphdraft.kernels`
-(attention's included: `warmup.all_kernels`).
+(attention's included: `keys.all_kernels`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,10 +21,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphdraft.config import ModelConfig, RuntimeConfig
-from graphdraft.kernels import precompile_workers as pw
-from graphdraft.kernels import warmup
+from graphdraft.config import (
+    PRECOMPILE_WORKERS_CAP,
+    PRECOMPILE_WORKERS_ENV,
+    ModelConfig,
+    RuntimeConfig,
+)
+from graphdraft.kernels import keys
 from graphdraft.kernels.buckets import representative_sizes
+from graphdraft.startup import compile as compile_
+from graphdraft.startup import entries as sentries
+from graphdraft.startup import forwards as sf
+from graphdraft.startup import marker, probes, warmup, workers
+from graphdraft.startup import phase as sphase
+from graphdraft.startup import plan as splan
+from graphdraft.startup import spec as wspec
 
 TARGET = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=64, num_hidden_layers=6, vocab_size=61,
@@ -55,15 +67,14 @@ def _full_engine(target_cfg: ModelConfig = TARGET, **kw):
 
 
 def _keys(engine, sizes):
-    """{(forward attribute, bs): {(kernel, key)}} over every captured forward of the engine and
+    """{(forward key, bs): {(kernel, key)}} over every captured forward of the engine and
     its drafter (run eagerly: the code their graphs capture)."""
-    forwards = warmup.captured_forwards(engine, engine.drafter)
     out = {}
-    for attr, f in forwards.items():
+    for attr, f in sf.forwards(engine):
         for bs in sizes:
             engine._reset_neutral()
             engine.drafter._reset_neutral()
-            with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
+            with torch.inference_mode(), keys.KeyRecorder(keys.all_kernels()) as rec:
                 f._forward(bs)
             out[(attr, bs)] = {(n, k) for n, ks in rec.keys.items() for k in ks}
     return out
@@ -71,17 +82,17 @@ def _keys(engine, sizes):
 
 # ------------------------------------------------------------------ the premise
 def test_reduced_config_keeps_shapes_and_maps_aux_ids():
-    r = pw.reduced_target_config(TARGET)
+    r = wspec.reduced_target_config(TARGET)
     assert r.num_hidden_layers == 2 and r.aux_layer_ids() == (1, 1, 1)
     assert (r.hidden_size, r.intermediate_size, r.vocab_size, r.head_dim) == (32, 64, 61, 8)
     assert len(r.aux_layer_ids()) == len(TARGET.aux_layer_ids())  # fc width k * H unchanged
-    r0 = pw.reduced_target_config(TARGET.replace(aux_hidden_state_layer_ids=(0, 2, 5)))
+    r0 = wspec.reduced_target_config(TARGET.replace(aux_hidden_state_layer_ids=(0, 2, 5)))
     assert r0.aux_layer_ids() == (0, 1, 1)
-    one = pw.reduced_target_config(TARGET.replace(num_hidden_layers=1,
+    one = wspec.reduced_target_config(TARGET.replace(num_hidden_layers=1,
                                                   aux_hidden_state_layer_ids=(0, 0, 0)))
     assert one.num_hidden_layers == 1 and one.aux_layer_ids() == (0, 0, 0)
     # the default ids of a deep target: [2, L//2, L-3] -> every one a later layer
-    deep = pw.reduced_target_config(TARGET.replace(num_hidden_layers=32,
+    deep = wspec.reduced_target_config(TARGET.replace(num_hidden_layers=32,
                                                    aux_hidden_state_layer_ids=None))
     assert deep.aux_layer_ids() == (1, 1, 1)
 
@@ -92,10 +103,10 @@ def test_reduced_engine_launches_the_full_engines_keys():
     of the full 6-layer engine (every kernel module, attention included), and at least one
     kernel of the layer stack (so the check can fail)."""
     full = _full_engine()
-    spec, why = pw.engine_spec(full)
+    spec, why = wspec.engine_spec(full)
     assert spec is not None, why
     assert spec.target.num_hidden_layers == 2 and spec.runtime.num_kv_pages == full.cfg.num_kv_pages
-    reduced = pw.build_engine(spec)
+    reduced = wspec.build_engine(spec)
     assert len(reduced.target.layers) == 2 and reduced.kv.num_pages == full.kv.num_pages
     sizes = (1, 3)
     assert len(representative_sizes(sizes, (1, 4))) == 2
@@ -125,7 +136,7 @@ def _gpu_tasks(monkeypatch, engine):
 
     on = {id(f) for f in gpu_forwards(engine).values()}
     monkeypatch.setattr(CapturedForward, "active", property(lambda self: id(self) in on))
-    return pw.tasks_of(engine)
+    return sf.tasks_of(engine)
 
 
 def _recorded_keys(engine):
@@ -143,24 +154,23 @@ def _recorded_keys(engine):
 
 
 def _entry_key(entry):
-    kernel = warmup.all_kernels()[entry.kernel]
-    return (entry.kernel, warmup.specialization_key(
-        kernel, *[pw.decode_arg(a) for a in entry.args],
-        **{k: pw.decode_arg(v) for k, v in entry.kwargs.items()}))
+    kernel = keys.all_kernels()[entry.kernel]
+    return (entry.kernel, keys.specialization_key(
+        kernel, *[sentries.decode_arg(a) for a in entry.args],
+        **{k: sentries.decode_arg(v) for k, v in entry.kwargs.items()}))
 
 
 def _launched_by(engine, task):
     """{(kernel, key)} that `task` launches for real (a captured forward at its size, or a
     prefill probe), from the engine's neutral state."""
-    owner, attr, bs = task
+    family, k, bs = task
     engine._reset_neutral()
     engine.drafter._reset_neutral()
-    with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
-        if attr == pw.PREFILL:
-            pw.probe_prefill(engine, bs)
+    with torch.inference_mode(), keys.KeyRecorder(keys.all_kernels()) as rec:
+        if family == sf.PREFILL:
+            probes.probe_prefill(engine, bs)
         else:
-            o = engine if owner == "engine" else engine.drafter
-            warmup.captured_forwards(o)[attr]._forward(bs)
+            sf.forward_of(engine, (family, k))._forward(bs)
     return {(n, k) for n, ks in rec.keys.items() for k in ks}
 
 
@@ -179,14 +189,14 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
 
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
-    graphs = [t for t in tasks if t[1] != pw.PREFILL]
-    probes = [t for t in tasks if t[1] == pw.PREFILL]
+    graphs = [t for t in tasks if t[0] != sf.PREFILL]
+    probes = [t for t in tasks if t[0] == sf.PREFILL]
     assert tasks == graphs + probes
-    assert probes == [("engine", pw.PREFILL, n) for n in (8, 32)]  # ragged tiles 16 and 128
+    assert probes == [(sf.PREFILL, None, n) for n in (8, 32)]  # ragged tiles 16 and 128
     assert len(graphs) >= 8 and len({bs for _, _, bs in graphs}) < len(e.schedule)  # buckets
-    spec, _ = pw.engine_spec(e)
-    entries, n_keys, needs = pw.plan_keys([(0, spec, tasks)])
-    entries = [pw.PlanEntry.from_json(json.loads(json.dumps(x.to_json()))) for x in entries]
+    spec, _ = wspec.engine_spec(e)
+    entries, n_keys, needs = splan.plan_keys([(0, spec, tasks)])
+    entries = [sentries.PlanEntry.from_json(json.loads(json.dumps(x.to_json()))) for x in entries]
     got = [_entry_key(x) for x in entries]
     assert len(got) == len(set(got)) == n_keys
     by_probe = {t: _launched_by(e, t) for t in probes}
@@ -199,7 +209,7 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     # capture task's keys not planned yet in capture order (heavy kernels first within a
     # task), then the probes' other keys; each entry's task is the first capture launching it
     ctxs = [[t for (_, t) in needs_of(needs, j)] for j in range(len(entries))]
-    lead = [j for j, x in enumerate(entries) if pw._heavy_rank(x.kernel) < pw._PLAN_NOW
+    lead = [j for j, x in enumerate(entries) if splan.heavy_rank(x.kernel) < splan._PLAN_NOW
             and any(t in probes for t in ctxs[j])]
     assert lead == list(range(len(lead))) and lead  # a prefix
     assert any(entries[j].kernel.startswith("extend_attention.") for j in lead)
@@ -207,18 +217,17 @@ def test_plan_entries_give_back_exactly_the_launched_keys(monkeypatch):
     # (none here since commit_pack's prefill flag is a runtime argument: a suffix if any)
     assert tail == list(range(len(entries) - len(tail), len(entries)))
     middle = entries[len(lead): len(entries) - len(tail)]
-    order = [(graphs.index(x.task), pw._heavy_rank(x.kernel)) for x in middle]
+    order = [(graphs.index(x.task), splan.heavy_rank(x.kernel)) for x in middle]
     assert order == sorted(order)
     rank = {t: r for r, t in enumerate(graphs)}
     for j, x in enumerate(entries):  # the first capture task that launches it, if any
         capture = [t for (_, t) in needs_of(needs, j) if t in rank]
         assert x.task == (min(capture, key=rank.__getitem__) if capture else x.task)
     # each task needs exactly the keys it launches (for real, at its size: the census's run)
-    owners = {"engine": e, "drafter": e.drafter}
     for t in tasks:
-        owner, attr, bs = t
+        family, k, bs = t
         launched = (by_probe[t] if t in by_probe
-                    else by_run[(warmup.captured_forwards(owners[owner])[attr].name, bs)])
+                    else by_run[(sf.forward_of(e, (family, k)).name, bs)])
         assert {got[j] for j in needs[(0, t)]} == launched, t
 
 
@@ -234,17 +243,17 @@ def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
     from capture import CapturedForward
 
     monkeypatch.setattr(CapturedForward, "active", property(lambda self: True))
-    tasks_b = pw.tasks_of(base)
+    tasks_b = sf.tasks_of(base)
     assert tasks_b
-    (ss, _), (sb, _) = pw.engine_spec(spec_e), pw.engine_spec(base)
+    (ss, _), (sb, _) = wspec.engine_spec(spec_e), wspec.engine_spec(base)
     batches = []
-    both, n, _ = pw.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)], emit=batches.append)
+    both, n, _ = splan.plan_keys([(0, ss, tasks_s), (1, sb, tasks_b)], emit=batches.append)
     # streamed as planned: the batches, in order, are the plan (tasks fixed up after)
     assert len(batches) > 3 and all(batches)
     assert [(x.kernel, x.args, x.kwargs) for b in batches for x in b] == \
         [(x.kernel, x.args, x.kwargs) for x in both]
-    alone_s, *_ = pw.plan_keys([(0, ss, tasks_s)])
-    alone_b, *_ = pw.plan_keys([(1, sb, tasks_b)])
+    alone_s, *_ = splan.plan_keys([(0, ss, tasks_s)])
+    alone_b, *_ = splan.plan_keys([(1, sb, tasks_b)])
     keys = lambda es: {_entry_key(x) for x in es}  # noqa: E731
     assert len(both) == n == len(keys(both)) == len(keys(alone_s) | keys(alone_b))
     assert keys(alone_b) - keys(alone_s)  # the target-only engine launches keys of its own
@@ -252,22 +261,22 @@ def test_one_plan_for_two_engines_has_each_key_once(monkeypatch):
 
 
 def test_arguments_that_cannot_be_encoded_are_named():
-    assert pw.encode_arg(None) is None and pw.encode_arg(3) == 3 and pw.encode_arg(0.5) == 0.5
+    assert sentries.encode_arg(None) is None and sentries.encode_arg(3) == 3 and sentries.encode_arg(0.5) == 0.5
     t = torch.zeros(8, dtype=torch.bfloat16)
-    assert pw.encode_arg(t) == {"tensor": "bfloat16", "aligned": t.data_ptr() % 16 == 0}
-    assert pw.encode_arg(t[1:]) == {"tensor": "bfloat16", "aligned": False}
-    m = pw.decode_arg(pw.encode_arg(t[1:]))
+    assert sentries.encode_arg(t) == {"tensor": "bfloat16", "aligned": t.data_ptr() % 16 == 0}
+    assert sentries.encode_arg(t[1:]) == {"tensor": "bfloat16", "aligned": False}
+    m = sentries.decode_arg(sentries.encode_arg(t[1:]))
     assert m.dtype == torch.bfloat16 and m.data_ptr() % 16 != 0
     with pytest.raises(TypeError, match="cannot encode a launch argument of type list"):
-        pw.encode_arg([1, 2])
+        sentries.encode_arg([1, 2])
 
 
 def test_default_workers_and_config_validation():
-    assert pw.default_workers(_runtime(precompile_workers=3)) == 3
-    assert pw.default_workers(_runtime(precompile_workers=None)) == 0  # CPU
+    assert wspec.default_workers(_runtime(precompile_workers=3)) == 3
+    assert wspec.default_workers(_runtime(precompile_workers=None)) == 0  # CPU
     cuda_like = SimpleNamespace(precompile_workers=None, device="cuda", dp_size=1)
-    assert 1 <= pw.default_workers(cuda_like) <= pw.MAX_DEFAULT_WORKERS
-    assert pw.default_workers(SimpleNamespace(precompile_workers=None, device="cuda",
+    assert 1 <= wspec.default_workers(cuda_like) <= PRECOMPILE_WORKERS_CAP
+    assert wspec.default_workers(SimpleNamespace(precompile_workers=None, device="cuda",
                                               dp_size=2)) == 0
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="precompile_workers"):
@@ -296,20 +305,20 @@ def test_engine_spec_refuses_what_a_worker_cannot_rebuild():
 
     target, _ = make_models()
     e = Engine(target, runtime(), drafter=None)
-    spec, why = pw.engine_spec(e)
+    spec, why = wspec.engine_spec(e)
     assert spec is not None and spec.head is None and why == ""
     e.drafter = ScriptedDrafter(e, "random")
-    spec, why = pw.engine_spec(e)
+    spec, why = wspec.engine_spec(e)
     assert spec is None and "ScriptedDrafter" in why
 
 
 def test_run_workers_skips_without_work_and_rejects_bad_counts():
     e = _full_engine()  # CPU: nothing is captured, so there is nothing to compile
-    assert pw.run_workers(e, 0).skipped == "precompile_workers=0"
-    assert pw.run_workers(e, 4).skipped == "nothing to capture"
+    assert sphase.run_workers(e, 0).skipped == "precompile_workers=0"
+    assert sphase.run_workers(e, 4).skipped == "nothing to capture"
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="precompile_workers"):
-            pw.run_workers(e, bad)
+            sphase.run_workers(e, bad)
 
 
 # ------------------------------------------------------------------ the worker process
@@ -319,39 +328,39 @@ def _write_plan(workdir, entries, device="cpu", pause=0.0):
     import time
 
     (workdir / "claims").mkdir(exist_ok=True)
-    pw._write_atomic(workdir / "plan.json", {"device": device, "target": None})
+    workers.write_atomic(workdir / "plan.json", {"device": device, "target": None})
     half = len(entries) // 2
     for c, part in enumerate((entries[:half], entries[half:])):
-        pw._write_atomic(workdir / f"plan.{c}.json", {"entries": [x.to_json() for x in part]})
+        workers.write_atomic(workdir / f"plan.{c}.json", {"entries": [x.to_json() for x in part]})
         time.sleep(pause)
-    pw._write_atomic(workdir / "plan.end", {"chunks": 2, "entries": len(entries)})
+    workers.write_atomic(workdir / "plan.end", {"chunks": 2, "entries": len(entries)})
 
 
 @pytest.mark.parametrize("how", ["fork", "spawn"])
 def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_path, how):
     """The real worker server (forked from this process, or where there is no fork the
-    command `python -m graphdraft.kernels.precompile_workers DIR 2` with the environment
+    command `python -m graphdraft.startup.workers DIR 2` with the environment
     `run_workers` gives it), 2 workers, on the CPU, started before the plan exists: each
     worker waits for the plan's header, claims entries as its chunks arrive (the second half
     a while after the first; Triton's warm-up is a no-op under the interpreter: nothing
     built), writes a progress line per entry and its JSON; the server exits 0 after the end
     marker; every entry is claimed by exactly one."""
     if how == "spawn":
-        monkeypatch.delattr(pw.os, "fork")
+        monkeypatch.delattr(workers.os, "fork")
     e = _full_engine()
     tasks = _gpu_tasks(monkeypatch, e)
-    spec, _ = pw.engine_spec(e)
-    entries, *_ = pw.plan_keys([(0, spec, tasks)])
-    env = pw._env(pw.dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
+    spec, _ = wspec.engine_spec(e)
+    entries, *_ = splan.plan_keys([(0, spec, tasks)])
+    env = workers.worker_env(dataclasses.replace(spec, cache_dir=str(tmp_path / "cache")))
     env["TRITON_INTERPRET"] = "1"
     (tmp_path / "claims").mkdir()
-    server = pw._launch(tmp_path, 2, tmp_path / "server.txt", env)
+    server = workers.launch_server(tmp_path, 2, tmp_path / "server.txt", env)
     _write_plan(tmp_path, entries, pause=0.5)
     assert server.wait(timeout=300) == 0, (tmp_path / "server.txt").read_text()[-3000:]
     data = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
     assert sum(d["compiled"] for d in data) == len(entries) > 10
     assert sorted(int(c.name) for c in (tmp_path / "claims").iterdir()) == list(range(len(entries)))
-    assert [pw._read_progress(tmp_path / f"out{i}.json") for i in range(2)] == \
+    assert [workers.read_progress(tmp_path / f"out{i}.json") for i in range(2)] == \
         [d["compiled"] for d in data]
     for d in data:  # builds per entry index (none under the interpreter)
         assert all(0 <= j < len(entries) and n == 0 for j, n in d["built"])
@@ -361,9 +370,9 @@ def test_worker_processes_claim_every_entry_once_and_report(monkeypatch, tmp_pat
 def test_the_server_reports_a_failed_worker(monkeypatch, tmp_path):
     """A worker that raises: its traceback in its log, the server stops the other and writes
     failed.json (which worker, its status), exit status 1."""
-    monkeypatch.setattr(pw, "worker_main", lambda workdir, i: 1 / (i - 1) and 0)
-    monkeypatch.setattr(pw.os, "getppid", lambda: 1)  # the parent check stays quiet
-    rc = pw.server_main(tmp_path, 2)
+    monkeypatch.setattr(workers, "worker_main", lambda workdir, i: 1 / (i - 1) and 0)
+    monkeypatch.setattr(workers.os, "getppid", lambda: 1)  # the parent check stays quiet
+    rc = workers.server_main(tmp_path, 2)
     assert rc == 1
     assert json.loads((tmp_path / "failed.json").read_text()) == {"worker": 1, "status": 1}
     assert "ZeroDivisionError" in (tmp_path / "log1.txt").read_text()
@@ -375,7 +384,7 @@ def test_a_worker_without_a_plan_gives_up(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "_build", build._build)  # the worker's C-build flags: undone after
     (tmp_path / "claims").mkdir()
-    assert pw.worker_main(tmp_path, 0, timeout_s=0.05) == 3
+    assert workers.worker_main(tmp_path, 0, timeout_s=0.05) == 3
 
 
 def _fake_active(monkeypatch, engine, builds: int = 1):
@@ -411,10 +420,10 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
         started.append(p)
         return p
 
-    monkeypatch.setattr(pw, "_launch", launch)
-    with pytest.raises(pw.PrecompileWorkerError,
+    monkeypatch.setattr(sphase, "launch_server", launch)
+    with pytest.raises(sphase.PrecompileWorkerError,
                        match=r"worker 2 failed \(exit status 3\)(.|\n)*worker exploded"):
-        pw.run_workers(e, 3, progress=False)
+        sphase.run_workers(e, 3, progress=False)
     assert len(started) == 1 and started[0].poll() is not None
 
     def launch_dies(workdir, n, log_path, env):
@@ -422,10 +431,10 @@ def test_failed_worker_is_a_clear_error_and_precompile_falls_back(monkeypatch, t
             return subprocess.Popen([sys.executable, "-c", "import sys; print('no torch'); "
                                      "sys.exit(4)"], stdout=log, stderr=subprocess.STDOUT)
 
-    monkeypatch.setattr(pw, "_launch", launch_dies)
-    with pytest.raises(pw.PrecompileWorkerError, match=r"exit status 4(.|\n)*no torch"):
-        pw.run_workers(e, 3, progress=False)
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch_dies)
+    with pytest.raises(sphase.PrecompileWorkerError, match=r"exit status 4(.|\n)*no torch"):
+        sphase.run_workers(e, 3, progress=False)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     with caplog.at_level(logging.WARNING):
         counts = warmup.precompile_engine(e, progress=False, workers=3)
     assert "compiling in this process instead" in caplog.text
@@ -444,7 +453,7 @@ def _idle_server(monkeypatch, started: list, dirs: list | None = None) -> None:
         started.append(p)
         return p
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
 
 
 def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_path):
@@ -457,9 +466,9 @@ def test_a_failed_plan_is_a_worker_error_and_stops_the_workers(monkeypatch, tmp_
     def boom(plans, emit=None, event=None):
         raise RuntimeError("dry run exploded")
 
-    monkeypatch.setattr(pw, "plan_keys", boom)
-    with pytest.raises(pw.PrecompileWorkerError, match="plan failed: RuntimeError: dry run"):
-        pw.run_workers(e, 2, progress=False)
+    monkeypatch.setattr(sphase, "plan_keys", boom)
+    with pytest.raises(sphase.PrecompileWorkerError, match="plan failed: RuntimeError: dry run"):
+        sphase.run_workers(e, 2, progress=False)
     assert len(started) == 1 and all(p.poll() is not None for p in started)
 
 
@@ -475,9 +484,9 @@ def test_a_failed_plan_header_is_a_worker_error_and_stops_the_workers(monkeypatc
     def no_target():
         raise OSError("driver unavailable")
 
-    monkeypatch.setattr(pw, "current_target", no_target)
-    with pytest.raises(pw.PrecompileWorkerError, match="plan failed: OSError: driver unavailable"):
-        pw.run_workers(e, 2, progress=False)
+    monkeypatch.setattr(sphase, "current_target", no_target)
+    with pytest.raises(sphase.PrecompileWorkerError, match="plan failed: OSError: driver unavailable"):
+        sphase.run_workers(e, 2, progress=False)
     assert len(started) == 1 and all(p.poll() is not None for p in started)
     assert not dirs[0].exists()  # the phase's folder (and any chunk) removed
 
@@ -492,9 +501,9 @@ def test_worker_timeout_is_an_error(monkeypatch, tmp_path):
             return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    monkeypatch.setattr(pw, "_launch", launch)
-    with pytest.raises(pw.PrecompileWorkerError, match="did not finish within 1 s"):
-        pw.run_workers(e, 2, progress=False, timeout_s=1.0)
+    monkeypatch.setattr(sphase, "launch_server", launch)
+    with pytest.raises(sphase.PrecompileWorkerError, match="did not finish within 1 s"):
+        sphase.run_workers(e, 2, progress=False, timeout_s=1.0)
 
 
 def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
@@ -506,7 +515,7 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     e = _full_engine(max_running_requests=16, cuda_graph_max_bs=16)
     _fake_active(monkeypatch, e)
     launched = []
-    all_tasks = pw.tasks_of(e)
+    all_tasks = sf.tasks_of(e)
 
     def launch(workdir, n, log_path, env):
         assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
@@ -524,21 +533,20 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
             return subprocess.Popen([sys.executable, "-c", code], stdout=log,
                                     stderr=subprocess.STDOUT)
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     warmup.precompile_engine(e, progress=False, workers=2)
     rep = warmup.worker_report(e)
     assert rep is not None and rep.skipped is None and rep.workers == len(launched) == 2
     assert rep.compiled == [0, 0] and rep.compiled_here == rep.keys > 10
     assert rep.worker_plan_wait_s == [0.05, 0.05] and rep.plan_s > 0
     assert rep.total_built == 2 * 2 * rep.keys
-    owners = {"engine": e, "drafter": e.drafter}
-    assert all_tasks[-1][1] == pw.PREFILL  # a probe's builds are in the totals only
-    spec, _ = pw.engine_spec(e)
-    per_task = Counter(x.task for x in pw.plan_keys([(0, spec, all_tasks)])[0])
-    assert sum(n for t, n in per_task.items() if t[1] != pw.PREFILL) < rep.keys
-    for owner, attr, bs in [t for t in all_tasks if t[1] != pw.PREFILL]:
-        f = getattr(owners[owner], attr)
-        assert f.stats.worker_built[bs] == 4 * per_task[(owner, attr, bs)]
+    assert all_tasks[-1][0] == sf.PREFILL  # a probe's builds are in the totals only
+    spec, _ = wspec.engine_spec(e)
+    per_task = Counter(x.task for x in splan.plan_keys([(0, spec, all_tasks)])[0])
+    assert sum(n for t, n in per_task.items() if t[0] != sf.PREFILL) < rep.keys
+    for family, k, bs in [t for t in all_tasks if t[0] != sf.PREFILL]:
+        f = sf.forward_of(e, (family, k))
+        assert f.stats.worker_built[bs] == 4 * per_task[(family, k, bs)]
         # one warm-up per bucket: its representative (largest) size, captured first
         assert f.warmup_iters == 1 and f.warmup_sizes == set(representative_sizes(
             f.batch_sizes, (1, e.cfg.spec_num_tokens), kernels=e.cfg.kernels))
@@ -554,7 +562,7 @@ def test_workers_report_builds_then_marker_skips_them(monkeypatch, tmp_path):
     # one worker would compile everything serially: none starts
     launched.clear()
     e3 = _full_engine(max_running_requests=12, cuda_graph_max_bs=12)
-    assert pw.run_workers(e3, 1, progress=False).skipped == "one worker only" and not launched
+    assert sphase.run_workers(e3, 1, progress=False).skipped == "one worker only" and not launched
 
 
 def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
@@ -584,7 +592,7 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
                 f"for o in {outs!r}: pathlib.Path(o).write_text(body)\n")
         return subprocess.Popen([sys.executable, "-c", code])
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     assert warmup.start_precompile([base, spec_e], workers=2, progress=False)
     assert len(phases) == 1 and warmup.precompile_running(base) and \
         warmup.precompile_running(spec_e)
@@ -592,9 +600,9 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
     assert shared is shared1 and (i0, i1) == (0, 1)
     phase = shared.phase
     for index, e in enumerate((base, spec_e)):  # warm-ups per engine, as if planned alone
-        spec, _ = pw.engine_spec(e)
-        alone = {x.task for x in pw.plan_keys([(0, spec, pw.tasks_of(e))])[0]
-                 if x.task[1] != pw.PREFILL}
+        spec, _ = wspec.engine_spec(e)
+        alone = {x.task for x in splan.plan_keys([(0, spec, sf.tasks_of(e))])[0]
+                 if x.task[0] != sf.PREFILL}
         assert set(phase.first_tasks(index)) == alone and alone
     assert {x.engine for x in phase._entries} == {0, 1}  # shared keys: planned once, by base
     with pytest.raises(RuntimeError, match="already runs"):
@@ -620,16 +628,16 @@ def test_one_started_phase_serves_both_engines_captures(monkeypatch, tmp_path):
     assert all(phase._is_done(j) for (i, _), js in phase._needs.items() if i == 0 for j in js)
     rep = warmup.worker_report(base)
     assert rep is not None and rep.skipped is None and rep.workers == 2
-    assert rep.tasks == len(pw.tasks_of(base)) + len(pw.tasks_of(spec_e))
+    assert rep.tasks == len(sf.tasks_of(base)) + len(sf.tasks_of(spec_e))
     spec_e.capture_graphs(progress=False, precompile_workers=2)
     assert len(phases) == 1 and warmup.worker_report(spec_e) is rep
     for index, e in enumerate((base, spec_e)):
-        stats = sum(f.stats.worker_built[bs] for _, fw in warmup._forwards_of(e)
-                    for f in fw.values() for bs in f.batch_sizes)
-        want = sum(n for (o, a, _), n in rep.built_of(index).items() if a != pw.PREFILL)
+        stats = sum(f.stats.worker_built[bs] for _, f in sf.forwards(e) for bs in f.batch_sizes)
+        want = sum(n for (family, _, _), n in rep.built_of(index).items()
+                   if family != sf.PREFILL)
         assert stats == want and (want > 0 or index == 0)
     assert sum(rep.built_of(1).values()) > 0  # the head's kernels: the speculative engine's
-    assert pw.is_warm(base) and pw.is_warm(spec_e)
+    assert marker.is_warm(base) and marker.is_warm(spec_e)
     phases.clear()
     assert not warmup.start_precompile([base, spec_e], workers=2, progress=False)
     assert not phases and "warm" in warmup.worker_report(base).skipped
@@ -656,16 +664,16 @@ def test_meanwhile_runs_beside_the_plan_and_its_failure_stops_the_phase(monkeypa
         code = f"import pathlib\nfor o in {outs!r}: pathlib.Path(o).write_text({body!r})"
         return subprocess.Popen([sys.executable, "-c", code])
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     began, planned = threading.Event(), []
-    real_plan = pw.plan_keys
+    real_plan = splan.plan_keys
 
     def plan(*args, **kw):  # the plan waits until the read has begun: they overlap
         assert began.wait(10)
         planned.append(True)
         return real_plan(*args, **kw)
 
-    monkeypatch.setattr(pw, "plan_keys", plan)
+    monkeypatch.setattr(sphase, "plan_keys", plan)
     done = []
 
     def read():
@@ -682,13 +690,13 @@ def test_meanwhile_runs_beside_the_plan_and_its_failure_stops_the_phase(monkeypa
         began.set()
         raise OSError("disk gone")
 
-    for marker in (tmp_path / "cache").glob("graphdraft-precompiled-*.json"):
-        marker.unlink()  # cold again: the phase starts, then the read fails
+    for m in (tmp_path / "cache").glob("graphdraft-precompiled-*.json"):
+        m.unlink()  # cold again: the phase starts, then the read fails
     with pytest.raises(OSError, match="disk gone"):
         warmup.start_precompile([base, spec_e], workers=2, progress=False, meanwhile=fail)
     assert not warmup.precompile_running(base) and not warmup.precompile_running(spec_e)
     assert all(f.before_capture is None for e in (base, spec_e)
-               for _, fw in warmup._forwards_of(e) for f in fw.values())
+               for _, f in sf.forwards(e))
 
 
 def test_counters_tell_builds_from_loads():
@@ -709,15 +717,15 @@ def test_counters_tell_builds_from_loads():
 
 def test_env_var_sets_the_default(monkeypatch):
     cuda_like = SimpleNamespace(precompile_workers=None, device="cuda", dp_size=1)
-    monkeypatch.setenv(pw.ENV, "3")
-    assert pw.default_workers(cuda_like) == 3
-    monkeypatch.setenv(pw.ENV, "0")
-    assert pw.default_workers(cuda_like) == 0
-    assert pw.default_workers(SimpleNamespace(precompile_workers=2, device="cuda",
+    monkeypatch.setenv(PRECOMPILE_WORKERS_ENV, "3")
+    assert wspec.default_workers(cuda_like) == 3
+    monkeypatch.setenv(PRECOMPILE_WORKERS_ENV, "0")
+    assert wspec.default_workers(cuda_like) == 0
+    assert wspec.default_workers(SimpleNamespace(precompile_workers=2, device="cuda",
                                               dp_size=1)) == 2  # the field wins
-    monkeypatch.setenv(pw.ENV, "many")
-    with pytest.raises(ValueError, match=pw.ENV):
-        pw.default_workers(cuda_like)
+    monkeypatch.setenv(PRECOMPILE_WORKERS_ENV, "many")
+    with pytest.raises(ValueError, match=PRECOMPILE_WORKERS_ENV):
+        wspec.default_workers(cuda_like)
 
 
 # ------------------------------------------------------------------ on the GPU
@@ -764,9 +772,9 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     assert rep is not None and rep.skipped is None, rep
     assert rep.workers == 2 and rep.total_built > 0 and rep.keys > 0, rep
     assert sum(rep.compiled) + rep.compiled_here == rep.keys, rep  # every key once
-    forwards = warmup.captured_forwards(e, e.drafter)
+    forwards = dict(sf.forwards(e))
     assert sum(f.stats.total_built for f in forwards.values()) == 0
-    captures = sum(n for (_, attr, _), n in rep.built_of(0).items() if attr != pw.PREFILL)
+    captures = sum(n for (family, _, _), n in rep.built_of(0).items() if family != sf.PREFILL)
     assert 0 < captures < rep.total_built  # the prefill probes' builds: in the totals only
     assert sum(f.stats.total_worker_built for f in forwards.values()) == captures
     assert all(f.captured_sizes == e.schedule for f in forwards.values() if f.active)
@@ -782,7 +790,7 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     e2 = engine()
     e2.capture_graphs(progress=False, precompile_workers=2)
     assert "warm" in warmup.worker_report(e2).skipped
-    forwards2 = warmup.captured_forwards(e2, e2.drafter)
+    forwards2 = dict(sf.forwards(e2))
     assert all(f.captured_sizes == e2.schedule for f in forwards2.values() if f.active)
     assert sum(f.stats.total_built for f in forwards2.values()) == 0
     assert sum(f.stats.total_precompile_seconds for f in forwards2.values()) == 0  # no pass
@@ -829,10 +837,9 @@ def test_gpu_weights_read_while_two_engines_compile(monkeypatch, tmp_path):
     rep = warmup.worker_report(spec)
     assert rep is not None and rep.skipped is None and warmup.worker_report(base) is rep, rep
     assert rep.workers == 2 and sum(rep.compiled) + rep.compiled_here == rep.keys, rep
-    assert pw.is_warm(base) and pw.is_warm(spec)
+    assert marker.is_warm(base) and marker.is_warm(spec)
     for e in (base, spec):
-        fw = warmup.captured_forwards(e, *([e.drafter] if e.drafter is not None else []))
-        assert all(f.captured_sizes == e.schedule for f in fw.values() if f.active)
+        assert all(f.captured_sizes == e.schedule for _, f in sf.forwards(e) if f.active)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 20]
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     graph_out = [e.generate(prompts, params) for e in (base, spec)]
@@ -850,28 +857,28 @@ def test_plan_bytes_counts_the_reduced_engine(monkeypatch):
     shared embedding, the KV pools at 2 layers, the overhead; the worker count is what the
     free memory holds beside it and 4 GiB for the capture, a CUDA context each."""
     e = _full_engine()
-    spec, _ = pw.engine_spec(e)
-    layer = pw._param_bytes(e.target.layers[0])
+    spec, _ = wspec.engine_spec(e)
+    layer = wspec._param_bytes(e.target.layers[0])
     head = sum(t.numel() * t.element_size() for t in e.drafter.head.parameters()
                if t.data_ptr() != e.target.embed_tokens.data_ptr())
-    want = (pw._param_bytes(e.target) - 4 * layer + head + e.drafter.kv_pool.nbytes()
-            + e.kv.nbytes() * 2 // 6 + pw.PLAN_OVERHEAD_BYTES)
-    assert pw.plan_bytes(e, spec) == want
-    assert pw.memory_cap(e, spec, 5) == 5  # no CUDA: unchanged
-    cuda_spec = pw.dataclasses.replace(spec, device="cuda:0")
+    want = (wspec._param_bytes(e.target) - 4 * layer + head + e.drafter.kv_pool.nbytes()
+            + e.kv.nbytes() * 2 // 6 + wspec.PLAN_OVERHEAD_BYTES)
+    assert wspec.plan_bytes(e, spec) == want
+    assert wspec.memory_cap(e, spec, 5) == 5  # no CUDA: unchanged
+    cuda_spec = dataclasses.replace(spec, device="cuda:0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    ctx = pw.WORKER_CONTEXT_BYTES
+    ctx = wspec.WORKER_CONTEXT_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda d=None: ((4 << 30) + want + 2 * ctx + 1, 80 << 30))
-    assert pw.memory_cap(e, cuda_spec, 5) == 2
+    assert wspec.memory_cap(e, cuda_spec, 5) == 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: ((4 << 30) + want, 80 << 30))
-    assert pw.memory_cap(e, cuda_spec, 5) == 0
+    assert wspec.memory_cap(e, cuda_spec, 5) == 0
 
 
 def test_build_launcher_runs_the_compiled_kernels_init_hook_and_never_raises():
     """Workers build each kernel's host launcher right after compiling it (Triton 3.6 builds
     it at the first launch otherwise: in the main process, after the workers)."""
-    from graphdraft.kernels.precompile_workers import build_launcher
+    from graphdraft.startup.compile import build_launcher
 
     class Compiled:
         def __init__(self, fail: bool) -> None:
@@ -936,16 +943,16 @@ def test_workers_take_the_compile_target_from_the_plan(monkeypatch):
 
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_active", fake)
-    assert not pw._use_target(None, "cuda:0") and not pw._use_target(["cuda", 90, 32], "cpu")
-    assert pw._use_target(["cuda", 90, 32], "cuda:1")
+    assert not compile_.use_target(None, "cuda:0") and not compile_.use_target(["cuda", 90, 32], "cpu")
+    assert compile_.use_target(["cuda", 90, 32], "cuda:1")
     t = fake.get_current_target()
     assert (t.backend, t.arch, t.warp_size) == ("cuda", 90, 32)
     assert fake.get_current_device() == 1 and fake.get_current_stream(1) == 0
     compiled = SimpleNamespace(src="SRC", metadata="META",
                                _init_handles=lambda: (_ for _ in ()).throw(AssertionError))
-    assert pw.build_launcher(compiled, load=False) and fake.launched == [("SRC", "META")]
+    assert compile_.build_launcher(compiled, load=False) and fake.launched == [("SRC", "META")]
     monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_target=None))
-    assert not pw._use_target(["cuda", 90, 32], "cuda:0")
+    assert not compile_.use_target(["cuda", 90, 32], "cuda:0")
 
 
 def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp_path):
@@ -959,18 +966,17 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     tasks = _gpu_tasks(monkeypatch, e)
     assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
     phase = warmup._PHASES[e][0].phase
-    owners = {"engine": e, "drafter": e.drafter}
     assert set(phase._needs) == {(0, t) for t in tasks}
     assert set().union(*phase._needs.values()) == set(range(len(phase._entries)))
     first = phase.first_tasks(0)
     assert first and set(first) < set(tasks)  # some captures launch no kernel of their own
-    assert tasks[-1][1] == pw.PREFILL and all(t[1] != pw.PREFILL for t in first)  # captures
-    tasks = [t for t in tasks if t[1] != pw.PREFILL]  # the captures' tasks
-    for owner, attr, bs in tasks:  # the capture order: gates in plan order
-        f = getattr(owners[owner], attr)
-        assert (bs in f.warmup_sizes) == ((owner, attr, bs) in first)  # warm-ups: first tasks
+    assert tasks[-1][0] == sf.PREFILL and all(t[0] != sf.PREFILL for t in first)  # captures
+    tasks = [t for t in tasks if t[0] != sf.PREFILL]  # the captures' tasks
+    for family, k, bs in tasks:  # the capture order: gates in plan order
+        f = sf.forward_of(e, (family, k))
+        assert (bs in f.warmup_sizes) == ((family, k, bs) in first)  # warm-ups: first tasks
         f.before_capture(bs)
-        assert all(phase._is_done(j) for j in phase._needs[(0, (owner, attr, bs))])
+        assert all(phase._is_done(j) for j in phase._needs[(0, (family, k, bs))])
     rep = warmup.finish_precompile(e)
     assert rep is not None and rep.skipped is None and warmup.worker_report(e) is rep
     assert sum(rep.compiled) + rep.compiled_here == rep.keys == len(phase._entries)
@@ -988,18 +994,17 @@ def test_an_overlapped_phase_gates_each_task_on_its_own_kernels(monkeypatch, tmp
     assert all(len(r) == 4 and 0 <= r[3] <= r[2] for r in line)  # the launcher's share
     assert len(rep.worker_ready_s) == 2 and all(0 <= t <= rep.wall_s for t in rep.worker_ready_s)
     assert all(w > 0 and i == 0 for i, _, _, w in rep.gate_waits)
-    assert all(f.before_capture is None for o in owners.values()
-               for f in warmup.captured_forwards(o).values())
-    assert pw.is_warm(e) and warmup.finish_precompile(e) is None  # ended once
+    assert all(f.before_capture is None for _, f in sf.forwards(e))
+    assert marker.is_warm(e) and warmup.finish_precompile(e) is None  # ended once
     # the marker keeps the first tasks: a warm start warms up exactly those
-    assert pw.warmup_tasks(e) == first
-    for f in warmup.captured_forwards(e.drafter).values():
+    assert marker.warmup_tasks(e) == first
+    for _, f in sf.forwards(e):
         f.warmup_sizes = None
     warmup.precompile_engine(e, progress=False, workers=2, overlap=True)
     assert "warm" in warmup.worker_report(e).skipped
-    for owner, attr, bs in tasks:
-        f = getattr(owners[owner], attr)
-        assert (bs in f.warmup_sizes) == ((owner, attr, bs) in first)
+    for family, k, bs in tasks:
+        f = sf.forward_of(e, (family, k))
+        assert (bs in f.warmup_sizes) == ((family, k, bs) in first)
 
 
 def test_a_waiting_gate_compiles_only_its_own_kernels(monkeypatch, tmp_path):
@@ -1012,17 +1017,17 @@ def test_a_waiting_gate_compiles_only_its_own_kernels(monkeypatch, tmp_path):
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
     _idle_server(monkeypatch, [])
-    report, phase = pw.start_workers(e, 2, progress=False)
+    report, phase = sphase.start_workers(e, 2, progress=False)
     try:
-        captures = [t for t in tasks if t[1] != pw.PREFILL]
+        captures = [t for t in tasks if t[0] != sf.PREFILL]
         own = phase._needs[(0, captures[0])]
         for j in own[1:]:  # a worker has all but the first
-            assert pw._claim(phase._workdir, j)
+            assert compile_.claim(phase._workdir, j)
 
         def finish_own() -> None:
             time.sleep(0.3)
             for j in own[1:]:
-                pw._mark_done(phase._workdir, j)
+                compile_.mark_done(phase._workdir, j)
 
         worker = threading.Thread(target=finish_own)
         worker.start()
@@ -1043,11 +1048,10 @@ def test_plan_order_follows_the_capture_order(monkeypatch):
 
     e = _full_engine(max_running_requests=8, cuda_graph_max_bs=8)
     tasks = _gpu_tasks(monkeypatch, e)
-    assert tasks[-1][1] == pw.PREFILL  # the prefill probes last (no capture)
-    tasks = [t for t in tasks if t[1] != pw.PREFILL]
+    assert tasks[-1][0] == sf.PREFILL  # the prefill probes last (no capture)
+    tasks = [t for t in tasks if t[0] != sf.PREFILL]
     seq = e.capture_sequence()
-    fwd = {**{("engine", a): f for a, f in warmup.captured_forwards(e).items()},
-           **{("drafter", a): f for a, f in warmup.captured_forwards(e.drafter).items()}}
+    fwd = dict(sf.forwards(e))
     ranks = [next(i for i, f in enumerate(seq) if f is fwd[(o, a)]) for o, a, _ in tasks]
     assert ranks == sorted(ranks)
     for o, a, _ in tasks:  # within a forward: largest first
@@ -1066,10 +1070,10 @@ def test_an_overlapped_precompile_of_a_warm_engine_reports_the_skip(monkeypatch,
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     e = _full_engine()
     _gpu_tasks(monkeypatch, e)
-    assert pw.mark_warm(e) is not None
+    assert marker.mark_warm(e) is not None
     assert warmup.precompile_engine(e, progress=False, workers=2, overlap=True) == {}
     assert e not in warmup._PHASES and "warm" in warmup.worker_report(e).skipped
-    assert all(f.warmup_sizes for f in warmup.captured_forwards(e.drafter).values() if f.active)
+    assert all(f.warmup_sizes for _, f in sf.forwards(e) if f.active)
 
 
 def test_prefill_probes_and_a_probe_leaves_the_engine_as_it_was():
@@ -1080,23 +1084,23 @@ def test_prefill_probes_and_a_probe_leaves_the_engine_as_it_was():
 
     e = _full_engine(max_context_len=512, max_num_batched_tokens=1024)
     cap = 512 - 1 - (e.n_row + 3)
-    assert pw._prefill_row_cap(e) == cap
+    assert probes.prefill_row_cap(e) == cap
     # a row per ragged tile case (2 heads a kv head: 8 and 64 tokens), then 2 rows of the
     # longest prompt (the chunk holds 2)
-    assert pw.prefill_probes(e) == [8, 64, 2 * cap]
-    assert pw.prefill_probes(_full_engine()) == [8, 32]  # the 32-token chunk caps them
+    assert probes.prefill_probes(e) == [8, 64, 2 * cap]
+    assert probes.prefill_probes(_full_engine()) == [8, 32]  # the 32-token chunk caps them
     free = e.pages.num_free_pages
     before = e.states.valid_cache_lengths.clone()
     with torch.inference_mode():
-        pw.probe_prefill(e, 64)
+        probes.probe_prefill(e, 64)
     assert not e.has_work and e.stats.steps == 1 and e.stats.prefill_tokens == 64
     assert e.pages.num_free_pages == free and torch.equal(e.states.valid_cache_lengths, before)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="tokens: expected an int >= 1"):
-            pw.probe_prefill(e, bad)
+            probes.probe_prefill(e, bad)
     e.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="expected an idle engine"):
-        pw.probe_prefill(e, 8)
+        probes.probe_prefill(e, 8)
     assert len(e.waiting) == 1  # the caller's request is untouched
 
 
@@ -1111,12 +1115,12 @@ def test_serving_after_the_plan_launches_no_key_it_lacks(monkeypatch):
     # alignment specialization of its logits, as the 8B's 128256 rows have)
     e = _full_engine(TARGET.replace(vocab_size=64), max_running_requests=4, cuda_graph_max_bs=4)
     tasks = _gpu_tasks(monkeypatch, e)
-    spec, _ = pw.engine_spec(e)
-    entries, _, _ = pw.plan_keys([(0, spec, tasks)])
+    spec, _ = wspec.engine_spec(e)
+    entries, _, _ = splan.plan_keys([(0, spec, tasks)])
     planned = {_entry_key(x) for x in entries}
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (18, 30, 22, 5)]
-    with torch.inference_mode(), warmup.KeyRecorder(warmup.all_kernels()) as rec:
+    with torch.inference_mode(), keys.KeyRecorder(keys.all_kernels()) as rec:
         e.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     served = {(n, k) for n, ks in rec.keys.items() for k in ks}
     missing = sorted({n for n, _ in served - planned})
@@ -1140,7 +1144,7 @@ def test_a_forked_child_never_collects_what_the_parent_left(tmp_path):
         a = Cycle()
         a.me = a
         del a  # garbage, not collected yet
-        pid = pw._fork(tmp_path / "log.txt", lambda: (gc.collect(), 0)[1])
+        pid = workers._fork(tmp_path / "log.txt", lambda: (gc.collect(), 0)[1])
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert not (tmp_path / f"del{pid}").exists()  # frozen in the child
@@ -1165,19 +1169,19 @@ def test_quick_launcher_builds_append_the_flags_to_tritons_c_builds(monkeypatch)
         return "so"
 
     monkeypatch.setattr(build, "_build", fake)
-    assert pw.quick_launcher_builds(("-O0",)) and pw.quick_launcher_builds()  # the last flags
+    assert compile_.quick_launcher_builds(("-O0",)) and compile_.quick_launcher_builds()  # the last flags
     assert build._build("a", "a.c", "d", [], [], [], ["-x"]) == "so"
     build._build("b", "b.c", "d", [], [], [], ccflags=[], language="c++")
     build._build("c", "c.c", "d", [], [], [], None)
-    assert calls == [("a", ["-x", *pw.LAUNCHER_CFLAGS], "c"), ("b", list(pw.LAUNCHER_CFLAGS), "c++"),
-                     ("c", list(pw.LAUNCHER_CFLAGS), "c")]
-    assert pw.LAUNCHER_CFLAGS == ("-O1",)
+    assert calls == [("a", ["-x", *compile_.LAUNCHER_CFLAGS], "c"), ("b", list(compile_.LAUNCHER_CFLAGS), "c++"),
+                     ("c", list(compile_.LAUNCHER_CFLAGS), "c")]
+    assert compile_.LAUNCHER_CFLAGS == ("-O1",)
 
     def no_flags(name, src, srcdir, library_dirs, include_dirs, libraries):
         return "so"
 
     monkeypatch.setattr(build, "_build", no_flags)
-    assert not pw.quick_launcher_builds() and build._build is no_flags
+    assert not compile_.quick_launcher_builds() and build._build is no_flags
 
 
 def test_a_c_module_builds_and_loads_with_the_launcher_flags(monkeypatch, tmp_path):
@@ -1188,7 +1192,7 @@ def test_a_c_module_builds_and_loads_with_the_launcher_flags(monkeypatch, tmp_pa
 
     monkeypatch.setattr(build, "_build", getattr(build._build, "_graphdraft_original", build._build))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert pw.quick_launcher_builds(("-DGD_PROBE=1", *pw.LAUNCHER_CFLAGS))
+    assert compile_.quick_launcher_builds(("-DGD_PROBE=1", *compile_.LAUNCHER_CFLAGS))
     src = ("#include <Python.h>\n#ifndef GD_PROBE\n#error expected the appended flags\n#endif\n"
            "static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"gd_probe\", NULL, -1, NULL};\n"
            "PyMODINIT_FUNC PyInit_gd_probe(void) { return PyModule_Create(&m); }\n")
@@ -1212,7 +1216,7 @@ def test_a_phase_no_capture_adopts_is_stopped_at_once(monkeypatch, tmp_path):
                                       start_new_session=True))
         return procs[-1]
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     assert not warmup.start_precompile([e], workers=2, progress=False)
     assert procs and dirs, "the phase should have started (the plan runs before adoption)"
     assert procs[0].poll() is not None and not dirs[0].exists()
@@ -1236,7 +1240,7 @@ def test_an_engine_dropped_before_its_capture_stops_its_phase(monkeypatch, tmp_p
                                       start_new_session=True))
         return procs[-1]
 
-    monkeypatch.setattr(pw, "_launch", launch)
+    monkeypatch.setattr(sphase, "launch_server", launch)
     assert warmup.start_precompile([e], workers=2, progress=False)
     assert warmup.precompile_running(e) and procs[0].poll() is None and dirs[0].exists()
     del e

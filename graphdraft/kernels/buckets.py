@@ -19,7 +19,7 @@ schedule compiles a handful of variants per kernel, not one per size:
 The thresholds come from a `KernelConfig` (`kernels=`; None: the default config): the one the
 launches run under. `row_bucket(rows)` names the combination; `representative_sizes` picks one batch size of a
 schedule per distinct combination (the sizes a warm-up must run to compile what every size
-of the schedule needs: `kernels.warmup`).
+of the schedule needs: `graphdraft.startup.warmup`).
 """
 
 from __future__ import annotations

@@ -87,8 +87,6 @@ from graphdraft.kernels.cycle_kernels import (
     neutral_slot0,
     prepare_rows,
 )
-from graphdraft.kernels.precompile_workers import cost_cache_path, default_workers
-from graphdraft.kernels.warmup import finish_precompile, precompile_engine, start_precompile
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM, TargetOutput
@@ -116,6 +114,9 @@ from graphdraft.serving.policy import (
 from graphdraft.serving.request import Request
 from graphdraft.serving.tree_cycle import EngineTrees
 from graphdraft.serving.verify import SamplingParams, request_seed
+from graphdraft.startup.marker import cost_cache_path
+from graphdraft.startup.spec import default_workers
+from graphdraft.startup.warmup import finish_precompile, precompile_engine, start_precompile
 
 log = logging.getLogger(__name__)
 
