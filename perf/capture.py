@@ -67,10 +67,10 @@ def child(max_bs: int, result: Path, workers: int | None = None) -> None:
     from capture import cache_dir, cache_entries, triton_compiles
     from capture.compiles import builds_counted, triton_builds
     from graphdraft.config import RuntimeConfig
+    from graphdraft.serving.engine import CAPTURE_COST_REPLAYS, Engine
     from graphdraft.startup.forwards import forwards
     from graphdraft.startup.spec import default_workers
     from graphdraft.startup.warmup import worker_report
-    from graphdraft.serving.engine import CAPTURE_COST_REPLAYS, Engine
     from perf.models_8b import build_pair
 
     t_start = time.perf_counter()

@@ -221,10 +221,10 @@ def build_engine_8b(max_bs: int, device: str = "cpu"):
     import torch
 
     from graphdraft.config import RuntimeConfig
-    from graphdraft.startup.spec import reduced_target_config
     from graphdraft.models.eagle3 import Eagle3DraftHead
     from graphdraft.models.llama import LlamaForCausalLM
     from graphdraft.serving.engine import Engine
+    from graphdraft.startup.spec import reduced_target_config
     from perf.models_8b import LLAMA31_8B, LLAMA31_8B_HEAD
 
     dtype = torch.bfloat16

@@ -46,7 +46,7 @@ class FloorBytes:
 
     @property
     def weights_only(self) -> int:
-        """DESIGN.md's anchor floor: `steps` x the per-step weights (no fc, KV or hidden)."""
+        """The anchor floor: `steps` x the per-step weights (no fc, KV or hidden)."""
         return self.steps * self.weights_per_step
 
 

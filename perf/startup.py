@@ -52,8 +52,8 @@ def child(mode: str, ckpt: Path, max_bs: int, result: Path, device: str = "cuda"
 
     from graphdraft.config import RuntimeConfig
     from graphdraft.io.checkpoint import load_model_pair, open_model_pair
-    from graphdraft.startup.warmup import worker_report
     from graphdraft.serving.engine import Engine
+    from graphdraft.startup.warmup import worker_report
 
     cfg = RuntimeConfig(cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                         max_context_len=max_context_len, device=device, dtype=dtype)

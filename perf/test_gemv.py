@@ -36,7 +36,7 @@ def test_gemv_vs_cublas(name: str, m: int, benchmark: Any, device_info: dict[str
     assert (got - ref).norm() / ref.norm() < 1e-2  # bf16 outputs up to ~12: 1 ulp is 0.0625
     cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), copies)
     triton_ = graph_time_us(lambda i: linear_small_m(x, ws[i % copies], out=out), copies)
-    floor = n * k * 2 / device_info["copy_bw"] * 1e6  # weights read once, as DESIGN.md counts
+    floor = n * k * 2 / device_info["copy_bw"] * 1e6  # weights read once (the weights-only floor)
     info = {"gemv_shape": name, "m": m, "cublas_us": cublas, "triton_gemv_us": triton_,
             "weights_floor_us": floor, "cublas_bw_share": floor / cublas,
             "triton_bw_share": floor / triton_}

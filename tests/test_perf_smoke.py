@@ -45,14 +45,14 @@ TINY = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
 def test_floor_bytes_for_the_8b_head():
     # qkv 6144x8192 + o 4096x4096 + gate_up 28672x4096 + down 4096x14336 + lm_head 32000x4096, bf16
     weights = (6144 * 8192 + 4096 * 4096 + 28672 * 4096 + 4096 * 14336 + 32000 * 4096) * 2
-    assert weights == 748_683_264  # DESIGN.md's "749 MB per step"
+    assert weights == 748_683_264  # 749 MB per step
     assert weight_bytes_per_step(LLAMA31_8B_HEAD) == weights
     fb = floor_bytes(LLAMA31_8B_HEAD, bs=2, kv_len=4096, steps=3)
     assert fb.fc == 4096 * 12288 * 2
     assert fb.kv_per_step == 2 * 4096 * 2 * 8 * 128 * 2
     assert fb.hidden_in == 2 * 4 * 12288 * 2
     assert fb.total == 3 * weights + fb.fc + 3 * fb.kv_per_step + fb.hidden_in
-    # DESIGN.md anchor: 3 steps x 749 MB at 4.27 TB/s is about 526 us.
+    # the anchor: 3 steps x 749 MB at 4.27 TB/s is about 526 us.
     info = floor_info(LLAMA31_8B_HEAD, 1, 1000, bandwidth=4.27e12)
     assert info["weights_floor_us"] == pytest.approx(526, abs=1)
     assert info["floor_us"] > info["weights_floor_us"]

@@ -1,4 +1,4 @@
-"""Tree acceptance (TREE.md sections 4 and 7.9): greedy walk, sampled target-only acceptance.
+"""Tree acceptance (`graphdraft.kernels.tree_accept`): greedy walk, sampled target-only acceptance.
 
 The statistical runs use the vectorised torch reference over 2e5 rows (one call per case);
 the Triton kernel (interpreter on CPU) is checked equal to the reference on small batches.

@@ -1,4 +1,5 @@
-"""Tree configuration, beams -> candidate store, and the tree build (TREE.md sections 0-2, 7.5).
+"""Tree configuration, beams -> candidate store, and the tree build (`runtime.tree`,
+`runtime.beams`, `kernels.tree_build`).
 
 Candidate stores come from `graphdraft.runtime.beams` fed random draft logits with ties (few distinct
 values), certain tokens (p = 1.0), -inf and NaN, so the invariants are checked on stores the

@@ -1,5 +1,5 @@
 """Compaction after tree acceptance: the accepted path's KV to the front, and the hidden gather
-(TREE.md sections 3, 5 and 7.8)."""
+(`graphdraft.kernels.kv_move`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Before a process compiles a kernel or loads one from the on-disk cache, Triton computes once
 its compiler key (`triton_key()`: a sha256 of its own sources and of its libtriton shared
-library, about 500 MB): 0.37 s of a warm `capture_graphs` of the 8B pair (2.57 s under
-cProfile, H200 host, 2026-12-05 run Z), paid at the first launch, and again in each precompile
+library, about 500 MB): a visible share of a warm `capture_graphs` of the 8B pair
+(perf/RESULTS.md 2026-12-05h, run Z), paid at the first launch, and again in each precompile
 worker. The hashing releases the GIL, so it can run beside other work: `prefetch()` starts it
 in a daemon thread, once per process (importing `graphdraft.serving.engine` does so on a CUDA
 machine, so it runs while the caller loads or builds its weights); `wait()` joins that thread

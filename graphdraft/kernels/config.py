@@ -82,34 +82,33 @@ class KernelConfig:
     gemv_block_k: int | None = None
     gemv_num_stages: int | None = None
     gemv_swap_ab: bool = True
-    """Measured on an H100 (perf/RESULTS.md 2026-12-05j, A/B alternated in one run): the 8B
-    target's verify forward 0.4-1.9 % faster at bs 1-8 (bs 8: 6.68 -> 6.55 ms), equal at
-    bs 16; the speculative cycle at bs 8 7.57 -> 7.36 ms, equal at bs 16 and 64."""
+    """On: the 8B target's verify forward faster at bs 1-8 and equal at 16, the cycle faster at
+    bs 8 and equal at 16 and 64 (H100, A/B in one run: perf/RESULTS.md 2026-12-05j)."""
     small_m_max: int = 32
-    """Measured on an H200 (perf/RESULTS.md, fourth session): 32 drafts bs 32 in 773 us instead
-    of 819 (16); 64 was slower from bs 8 up (qkv at 64 rows: 40 us on the GEMV, 31 on cuBLAS)."""
+    """32: faster drafts at bs 32 than 16; 64 was slower from bs 8 up (H200: perf/RESULTS.md,
+    fourth session)."""
     gemv_pdl: bool = True
-    """Measured 1.5-4 us per call faster at bs 1, neutral at bs 8 (perf/RESULTS.md, third session)."""
+    """On: faster at bs 1, neutral at bs 8 (perf/RESULTS.md, third session, and "Figures moved out of the code")."""
     stream_evict_first: bool = True
-    """Measured 8.6 us per call faster at bs 1, neutral at bs 8."""
+    """On: faster at bs 1, neutral at bs 8 (perf/RESULTS.md, "Figures moved out of the code")."""
     finish_maxnreg: int | None = 128
     finish_norm_max_m: int = 1
     pdl: bool = True
     pdl_max_rows: int = 4
-    """PDL on every small kernel took a draft call from 642 to 633 us at bs 1, but from 685 to
-    710 us at bs 8 (perf/RESULTS.md, third session run 8)."""
+    """4: PDL on every small kernel sped a draft call up at bs 1 but slowed it at bs 8
+    (perf/RESULTS.md, third session run 8)."""
     pdl_early_loads: bool = True
     decode_block_n: int = 64
     extend_tiles: tuple[tuple[int, int, int], ...] = EXTEND_TILES
     """(BLOCK_M, BLOCK_N, num_warps) for the tile cases BLOCK_M 16, 32, 64, 128, in that order
-    (`extend_attention.tile_config`). The 128-row case (prefill chunks) at 4 warps: an 8k
-    prefill in 1.43 ms instead of 1.82 at 8 warps (H200, perf/RESULTS.md 2026-12-04c)."""
+    (`extend_attention.tile_config`). The 128-row case (prefill chunks) at 4 warps: a faster 8k
+    prefill than at 8 (H200, perf/RESULTS.md 2026-12-04c)."""
     extend_num_stages: int = 2
-    """2 stages: one layer's N = 4 verify attention at kv 4096 took 116 / 256 / 991 us at bs 8 /
-    64 / 256 against 127 / 332 / 1057 us with 3 (H200, perf/RESULTS.md 2026-12-04c)."""
+    """2 stages: one layer's N = 4 verify attention at kv 4096 faster than with 3 at bs 8, 64
+    and 256 (H200, perf/RESULTS.md 2026-12-04c)."""
     extend_prefill_stages: int = 3
-    """Stages of the 128-row case: the 8k prefill at (128, 64, 4) took 1.44 ms with 3, 1.81
-    with 2 (H200, perf/RESULTS.md 2026-12-04d)."""
+    """Stages of the 128-row case: 3 gave a faster 8k prefill at (128, 64, 4) than 2 (H200,
+    perf/RESULTS.md 2026-12-04d)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:

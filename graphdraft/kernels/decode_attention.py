@@ -23,7 +23,7 @@ runtime choices of its prologue / epilogue (`num_splits == 1`, the `gather` flag
 specialized), never of its KV loop, and its pointers keep one dtype each (the output, the fp32
 partials and log-sum-exps, int64 q_index: a `placeholders.placeholder` where a mode reads none).
 
-Second segment (tree drafting's beams, TREE.md section 1): with ``extra_slots`` ``[T, W]``
+Second segment (tree drafting's beams, `graphdraft.runtime.beams`): with ``extra_slots`` ``[T, W]``
 int64 and ``num_extra`` (host int, ``0 <= num_extra <= W``) row t also attends to the cache
 slots ``extra_slots[t, :num_extra]`` (token granular: a beam's ancestors in the draft scratch
 region), in the same online softmax: the split holding the row's last prefix position walks

@@ -76,9 +76,9 @@ MAX_MASK_TOKENS = 64
 """mask_bits words are int64: at most 64 new tokens per row with a mask."""
 MAX_CHUNK = 512
 """Preferred upper bound on positions per split. 512, not the decode kernel's 256: one
-layer's N = 4 verify attention at bs 8, kv 4096 (64 programs) took 47.1 us at 8 splits
-against 52.1 us at the 16 that 256 asked for (H200, perf/RESULTS.md 2026-12-05e); where
-programs are few (bs 1) the programs-per-SM term sets the splits either way."""
+layer's N = 4 verify attention at bs 8, kv 4096 (64 programs) was faster at 8 splits than at
+the 16 that 256 asked for (H200, perf/RESULTS.md 2026-12-05e); where programs are few (bs 1)
+the programs-per-SM term sets the splits either way."""
 TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 RAGGED_TILE_CASES = (16, 128)
@@ -86,15 +86,14 @@ RAGGED_TILE_CASES = (16, 128)
 smallest (rows of a few tokens, as a verify row's) or the largest. Rows of 5-31 tokens
 (G = 4) take the 128-row tile rather than a 32- or 64-row one of their own: their attention
 is short either way, and a cold start compiles two fewer tiles that no captured graph
-launches (2-3 s each of a worker under the H200 run's 16 side by side, perf/RESULTS.md
-2026-12-05)."""
+launches (seconds of a worker each: perf/RESULTS.md 2026-12-05 and "Figures moved out of the code")."""
 FMA_TILE_CASES = (16,)
 """The case fp32 dots compiled for a GPU use (an fp32 model, exact: no TF32), whatever the rows'
 length (with more grouped heads, the smallest case that holds them). Those dots run on the
 FMA units with a whole tile's operands and accumulators in registers: compiled for sm_90
-(Triton 3.6, `perf.kernel_resources`), the 128-row tile spills 3.4 KB a thread at D = 32 (the
-shipped pair's prefill) and 110 KB at D = 128 (38 s of compile), the 32-row tile 27 KB at
-D = 128 (at 8 warps: nothing, 95 registers), the 16-row tile nothing (80 / 114 registers). The
+(Triton 3.6, `perf.kernel_resources`), the 128-row tile spills at D = 32 (the shipped pair's
+prefill) and far more at D = 128, the 32-row tile at D = 128 (at 8 warps: nothing), the 16-row
+tile nothing (perf/RESULTS.md 2026-12-05f: the spills and compile seconds). The
 prefill then shares the verify's compiled kernel; a tile of more rows (more than 16 grouped
 heads) gets at least 4 warps a 16 rows."""
 
@@ -281,6 +280,22 @@ def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_start
     return R
 
 
+def _launch_shape(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int, *,
+                  ragged: bool, dot_fp32: bool, num_splits: int | None, device: torch.device,
+                  kc: KernelConfig) -> tuple[int, int, int, int, int, int]:
+    """`paged_extend_attention`'s launch: (BLOCK_M, BLOCK_N, num_warps, query blocks a row,
+    KV splits, KV positions a split). Ragged rows without mask bits (prefill chunks): the
+    16- or 128-row tile only; fp32 dots compiled for a GPU: the 16-row tile (FMA_TILE_CASES)."""
+    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=ragged,
+                                          fma=dot_fp32 and not interpreting())
+    n_qb = triton.cdiv(max_extend, block_m // g_pad)
+    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, device)
+              if num_splits is None else max(1, int(num_splits)))
+    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
+    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    return block_m, block_n, warps, n_qb, splits, chunk
+
+
 def paged_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -325,17 +340,10 @@ def paged_extend_attention(
         return out
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
-    # ragged rows without mask bits (prefill chunks): the 16- or 128-row tile only; fp32
-    # dots compiled for a GPU: the 16-row tile (FMA_TILE_CASES)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
-    block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc,
-                                          ragged=not uniform_n and mask_bits is None,
-                                          fma=dot_fp32 and not interpreting())
-    n_qb = triton.cdiv(max_extend, block_m // g_pad)
-    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, q.device)
-              if num_splits is None else max(1, int(num_splits)))
-    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
-    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    block_m, block_n, warps, n_qb, splits, chunk = _launch_shape(
+        R, Hkv, g_pad, max_extend, max_kv_len, ragged=not uniform_n and mask_bits is None,
+        dot_fp32=dot_fp32, num_splits=num_splits, device=q.device, kc=kc)
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:

@@ -2,7 +2,7 @@
 
 A draft step at small batch is a handful of matrix-vector products whose weights
 are read once from HBM; cuBLAS leaves bandwidth on the table for the narrow ones
-(DESIGN.md: o_proj at 34% of copy bandwidth at M=1). Each program streams one
+(measured in perf/RESULTS.md). Each program streams one
 `[BLOCK_N, K / split]` slab of `w` once and multiplies it by all M rows (M == 1:
 CUDA-core dot products; M > 1: `tl.dot` on a 16-, 32- or 64-row tile). When N alone gives too
 few programs, K is split and the fp32 partials `[split, M, N]` are summed in a
@@ -42,13 +42,14 @@ Settings (`kernels/config.KernelConfig`, each wrapper's `kernels=`; None: the de
   gemv_pdl            launch with programmatic dependent launch (CUDA): the programs start while
                       the previous kernel finishes and wait (`gdc_wait`) for its writes before
                       reading x; each lets the next launch start once its K loop is done.
-                      Measured 1.5-4 us per call faster at bs 1, neutral at bs 8; prefetching the
-                      first weight tiles into L2 before the wait measured 35-300 us slower
-                      (perf/RESULTS.md, third session): not done.
+                      Faster at bs 1, neutral at bs 8; prefetching the first weight tiles
+                      into L2 before the wait measured slower: not done (perf/RESULTS.md,
+                      third session, and "Figures moved out of the code").
   stream_evict_first  load weights `evict_first`: each is read once per draft step, so keeping
                       it in L2 only pushes out what the small kernels between the GEMVs reuse
-                      (8.6 us per call faster at bs 1, neutral at bs 8; marking the 32 MiB
-                      o_proj `evict_last` to keep it in L2 across steps measured no faster).
+                      (faster at bs 1, neutral at bs 8; marking the 32 MiB o_proj
+                      `evict_last` to keep it in L2 across steps measured no faster;
+                      perf/RESULTS.md "Figures moved out of the code").
   finish_maxnreg      register cap of M == 1 launches that carry a finisher (None: the
                       compiler's choice).
   finish_norm_max_m   rows up to which the residual + RMSNorm runs in the GEMV's last program.
@@ -284,8 +285,8 @@ def _residual_norm_row(row, ws_ptr, M, N, res_ptr, stride_res, res_idx_ptr, has_
                        BLOCK: tl.constexpr):
     """Row m: `h = round(sum_s ws[s, m]) + residual[r]` (a dtype add; r = res_index[m] with
     `has_res_index`, else m) -> `h[m]`, then `out[m] = RMSNorm(h[m])` (`norm.rms_norm_row`);
-    the row in registers (one pass: two passes of 1024 columns measured 9 us per draft call
-    slower)."""
+    the row in registers (one pass: two passes of 1024 columns measured slower per draft call,
+    perf/RESULTS.md "Figures moved out of the code")."""
     row = tl.cast(row, tl.int64)  # a loop index (a python int when interpreting) or program id
     r_row = row
     if has_res_index:

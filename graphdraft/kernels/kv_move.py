@@ -1,4 +1,4 @@
-"""After tree acceptance: compact the accepted path to the front (TREE.md sections 3 and 5).
+"""After tree acceptance: compact the accepted path to the front (KV and hidden states).
 
 KV move, per layer (K and V together): the accepted path's node `path[d]` was verified at
 logical position `L + path[d]`; its KV moves to `L + d` for `d = 1 .. accept_len - 1` (node 0,

@@ -21,8 +21,7 @@ Settings (`kernels/config.KernelConfig`, passed as `kernels=`; a launch without 
 `kernel_config.default()`): `pdl` (off: the small kernels launch plainly; the GEMV has its own
 switch, `gemv_pdl`), `pdl_max_rows` (small kernels over more rows do not let the next kernel
 launch early: 4, measured on an H200, perf/RESULTS.md third session run 8: PDL on every small
-kernel took a draft call from 642 to 633 us at bs 1, but from 685 to 710 us at bs 8; the
-cause at bs 8 is not known) and `pdl_early_loads` (kernels that take `EARLY` load their
+kernel sped a draft call up at bs 1 but slowed it at bs 8; the cause at bs 8 is not known) and `pdl_early_loads` (kernels that take `EARLY` load their
 metadata before waiting; off: after). Every launch on CUDA carries the PDL attribute and the
 row limit is a runtime argument (`pdl_trigger`), so one compiled variant serves every batch
 size (a constexpr and a launch option per side of the limit had compiled each kernel twice).

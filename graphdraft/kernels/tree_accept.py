@@ -1,4 +1,4 @@
-"""Tree acceptance (TREE.md section 4): one walk per row from the root down the verified tree.
+"""Tree acceptance: one walk per row from the root down the verified tree.
 
 Inputs (tree of `graphdraft.kernels.tree_build`): tokens, first_child, next_sibling `[B, n]`
 int64. Greedy: target `[B*n]` int64, the target's argmax at every node (verify row `r*n + i`).

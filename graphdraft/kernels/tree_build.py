@@ -1,4 +1,4 @@
-"""Tree build (TREE.md section 2): the candidate store -> the `n`-node verify tree of each row.
+"""Tree build: the candidate store -> the `n`-node verify tree of each row.
 
 Inputs: cand_score `[B, M]` float32 (cumulative log-prob), cand_tok `[B, M]` int64 (target ids),
 cand_parent `[B, M]` int64 (flat candidate index of the parent, -1 = child of the root),

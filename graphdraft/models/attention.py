@@ -12,7 +12,7 @@ Two forms of metadata:
   instead of once per token. The torch path expands the rows to the per-token form and runs
   the same plain attention.
 
-Tree drafting's beams (`BeamMetadata`, TREE.md section 1): query t attends to positions
+Tree drafting's beams (`BeamMetadata`, `graphdraft.runtime.beams`): query t attends to positions
 `[0, kv_lens[t])` of its request (the committed draft prefix, read through the page table)
 and then to the explicit cache slots `extra_slots[t, :num_extra]` (its ancestors' and its
 own KV in the draft scratch region), never to another beam's: `ops.paged_attention` with
