@@ -239,10 +239,11 @@ def precompile_running(engine) -> bool:
 
 def _owner_groups(engine) -> list[list[tuple[ForwardKey, CapturedForward]]]:
     """`forwards(engine)` split into the drafter's and the others (each group writes only its
-    owner's buffers): the drafter's are those of its graph registry (`drafter.graphs`) where
-    it has one, else its `CapturedForward` attributes."""
+    owner's buffers): the drafter's are those of its graph registry (`drafter.graphs()`)
+    where it has one, else its `CapturedForward` attributes."""
     drafter = getattr(engine, "drafter", None)
-    registry = getattr(drafter, "graphs", None) if drafter is not None else None
+    graphs = getattr(drafter, "graphs", None) if drafter is not None else None
+    registry = graphs() if callable(graphs) else graphs
     if registry is not None and hasattr(registry, "forwards"):
         mine = {id(f) for f in registry.forwards()}
     else:
