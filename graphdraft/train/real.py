@@ -285,7 +285,7 @@ def head_copy(head: Eagle3DraftHead, dtype: torch.dtype, embed: torch.Tensor,
     """`head` in `dtype` around the embedding `embed` (its device), hot tokens kept;
     `via`: round every weight through that dtype first (what a checkpoint holds)."""
     out = Eagle3DraftHead(head.config, dtype, embed_tokens=embed,
-                          hot_token_ids=head.hot_token_ids.to(embed.device))
+                          hot_token_ids=head.hot_token_ids.to(embed.device)).to(embed.device)
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
         if n != "embed_tokens":
             dst.copy_((src.to(via) if via is not None else src).to(dtype))
