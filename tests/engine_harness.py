@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from capture import GraphRegistry
 from graphdraft.config import ModelConfig, RuntimeConfig
 from graphdraft.models.random_models import random_model_pair
+from graphdraft.runtime.batch import ForwardContext
 from graphdraft.runtime.drafter import DrafterStats
 from graphdraft.serving.engine import Engine
 
@@ -42,8 +44,13 @@ class ScriptedDrafter:
     """Drafts from a script: `oracle` (the target's own greedy text) or `random` tokens.
 
     `expected[tuple(prompt)]` holds prompt + the target-only greedy output.
-    Column 0 follows the drafter contract (the last verified token).
+    Column 0 follows the drafter contract (the last verified token). It reads tensors on
+    the host, so it is not `capturable`: the Engine runs its `draft` eagerly (the split
+    cycle) and only with k = S.
     """
+
+    capturable = False
+    variable_draft_length = False
 
     def __init__(self, engine: Engine, mode: str, seed: int = 0,
                  expected: dict[tuple, list[int]] | None = None) -> None:
@@ -53,22 +60,47 @@ class ScriptedDrafter:
         self.steps = engine.cfg.speculative_num_steps
         self.calls = 0
 
-    # the rest of `graphdraft.runtime.drafter_protocol.Drafter`: no graphs, no zero-copy hidden buffer
-    supports_cycle = False
+    # --- `graphdraft.runtime.drafter_protocol.Drafter` ---------------------------------
+    def bind(self, binding) -> None:
+        mb, n = binding.cfg.max_bs, binding.cfg.spec_num_tokens
+        dev = binding.cfg.device
+        self.inputs = binding.inputs
+        self.tokens = torch.zeros(mb * n, dtype=torch.int64, device=dev)
+        self.accept = torch.zeros(mb, dtype=torch.int32, device=dev)
+
+    def graphs(self) -> GraphRegistry:
+        return GraphRegistry()
+
+    def reset_neutral(self) -> None:
+        self.tokens.zero_()
+        self.accept.zero_()
+
+    def hidden_buffer(self, bs: int, n: int) -> None:
+        return None
+
+    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
+        return self.tokens[: rows * n].view(rows, n)
+
+    def accept_lengths(self, rows: int) -> torch.Tensor:
+        return self.accept[:rows]
+
+    def draft(self, bs: int, k: int) -> torch.Tensor:
+        ctx = ForwardContext(bs=bs, num_extends=0, input_num_tokens=bs * (self.steps + 1))
+        return self.run(ctx, None, self.tokens[: bs * (k + 1)], self.accept[:bs])
+
+    def draft_mixed(self, ctx, hidden, output_tokens, accept_lengths) -> torch.Tensor:
+        return self.run(ctx, hidden, output_tokens, accept_lengths)
+
+    def on_cycle(self, k: int) -> None:
+        pass
 
     @property
     def stats(self) -> DrafterStats:
         return DrafterStats(calls=getattr(self, "calls", 0))
 
-    def capture_graphs(self, progress: bool = True) -> None:
-        pass
-
-    def decode_hidden_buffer(self, bs: int) -> None:
-        return None
-
     def run(self, ctx, hidden, output_tokens, accept_lengths):
         n, ne = self.steps + 1, ctx.num_extends
-        ib = self.engine.inputs
+        ib = self.inputs
         seq = ib.seq_lens[: ctx.bs].tolist()
         slots = ib.req_pool_indices[: ctx.bs].tolist()
         by_slot = {r.slot: r.prompt for r in self.engine.running}
@@ -81,7 +113,7 @@ class ScriptedDrafter:
                 a = max(1, min(int(accept_lengths[i]), n))
                 col0 = int(output_tokens[ne + (i - ne) * n + a - 1])
                 c = seq[i] - n + int(accept_lengths[i])
-            if slots[i] == 0:  # an inert row (a request done on device, not yet retired)
+            if slots[i] == 0:  # an inert row (padded, or done on device, not yet retired)
                 drafts = [0] * (n - 1)
             elif self.mode == "oracle":
                 exp = self.expected[tuple(by_slot[slots[i]])]

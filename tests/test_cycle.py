@@ -219,13 +219,13 @@ def test_validation_sync_raises_in_the_same_step():
 
 def test_launch_reads_no_device_value(monkeypatch):
     """A steady decode step's launch (cycle) and a mixed step's launch do no host read of a
-    device value: every read path of torch.Tensor is trapped while `_launch` runs."""
+    device value: every read path of torch.Tensor is trapped while `launch` runs."""
     target, head = make_models(3)
     ps = prompts(12, 3)
     cfg = runtime(speculative_num_steps=3)  # the torch path (the interpreter reads on the host)
     expected = target_only(target, cfg, ps, 8)
     eng = Engine(target, cfg, head)
-    real_launch = eng._launch
+    real_launch = eng.launch
 
     def trap(*a, **k):
         raise AssertionError("host read of a device value during launch")
@@ -236,7 +236,7 @@ def test_launch_reads_no_device_value(monkeypatch):
                 m.setattr(torch.Tensor, name, trap)
             return real_launch(*a, **k)
 
-    eng._launch = launch
+    eng.launch = launch
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in ps[:2]]
     eng.step()  # prefill
     eng.step()  # decode
@@ -257,7 +257,7 @@ def test_state_snapshot_restore_replays_a_cycle_identically():
         eng.step()
     eng.drain()
     snap = eng.state_snapshot()
-    pbs = padded_batch_size(eng.schedule, 3)  # as Engine._launch pads
+    pbs = padded_batch_size(eng.schedule, 3)  # as Engine.launch pads
     first = eng.cycle_graphs.run(pbs).clone()
     after = eng.state_snapshot()
     eng.restore_state(snap)
@@ -275,8 +275,7 @@ def test_every_forward_runs_at_exactly_the_staged_padded_size(cycle_graph):
     target, head = make_models(3)
     eng = Engine(target, runtime(cycle_graph=cycle_graph, cuda_graph_bs=(2, 4, 6)), head)
     calls = []
-    forwards = [eng.cycle_graphs, eng.verify_graphs, eng.drafter.decode_graphs,
-                eng.drafter.multi_step_graphs]
+    forwards = eng.graph_registry.forwards()
     for f in forwards:
         def record(bs, padded_bs=None, _run=f.run, _name=f.name):
             calls.append((_name, bs, padded_bs))

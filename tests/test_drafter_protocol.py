@@ -5,66 +5,75 @@ from __future__ import annotations
 import pytest
 
 from graphdraft.runtime.drafter import EagleDrafter
-from graphdraft.runtime.drafter_protocol import check_drafter
+from graphdraft.runtime.drafter_protocol import DRAFTER_MEMBERS, DraftBinding, check_drafter
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import ScriptedDrafter, make_models, runtime
 from tests.test_engine import prompts, target_only
 
 
-class _DelegatingCycleDrafter:
-    """A cycle drafter that is not an `EagleDrafter` (nor a subclass): every protocol member
-    forwards to one built after the Engine (the drafter needs the Engine's buffers)."""
+class _DelegatingDrafter:
+    """A drafter that is not an `EagleDrafter` (nor a subclass): it builds one over the
+    buffers `bind` hands it and forwards every protocol member to it."""
 
-    supports_cycle = True
-    inner: EagleDrafter | None = None
+    capturable = True
+    variable_draft_length = True
 
-    def __init__(self) -> None:
-        self.cycle_calls = 0
+    def __init__(self, head) -> None:
+        self.head, self.inner, self.draft_calls = head, None, 0
 
-    stats = property(lambda self: self.inner.stats if self.inner else None)
-    decode_graphs = property(lambda self: self.inner.decode_graphs if self.inner else None)
-    multi_step_graphs = property(lambda self: self.inner.multi_step_graphs if self.inner else None)
+    def bind(self, binding: DraftBinding) -> None:
+        self.inner = EagleDrafter(self.head, binding.cfg, req_to_page=binding.req_to_page,
+                                  input_buffers=binding.inputs, runtime_states=binding.states,
+                                  graph_pool=binding.graph_pool, on_oom=binding.on_oom)
+        self.inner.bind(binding)
 
-    def run(self, *args, **kw):
-        return self.inner.run(*args, **kw)
-
-    def capture_graphs(self, progress: bool = True) -> None:
-        self.inner.capture_graphs(progress)
-
-    def decode_hidden_buffer(self, bs):
-        return self.inner.decode_hidden_buffer(bs)
-
-    def cycle_tokens(self, rows):
-        return self.inner.cycle_tokens(rows)
-
-    def cycle_accept_lengths(self):
-        return self.inner.cycle_accept_lengths()
-
-    def draft_staged(self, bs):
-        self.cycle_calls += 1
-        return self.inner.draft_staged(bs)
+    def graphs(self):
+        return self.inner.graphs()
 
     def reset_neutral(self) -> None:
         self.inner.reset_neutral()
 
+    def hidden_buffer(self, bs, n):
+        return self.inner.hidden_buffer(bs, n)
 
-def test_a_cycle_drafter_that_is_not_an_eagle_drafter_runs_inside_the_cycle():
+    def accepted_tokens(self, rows, n):
+        return self.inner.accepted_tokens(rows, n)
+
+    def accept_lengths(self, rows):
+        return self.inner.accept_lengths(rows)
+
+    def draft(self, bs, k):
+        self.draft_calls += 1
+        return self.inner.draft(bs, k)
+
+    def draft_mixed(self, ctx, hidden, output_tokens, accept_lengths):
+        return self.inner.draft_mixed(ctx, hidden, output_tokens, accept_lengths)
+
+    def on_cycle(self, k):
+        self.inner.on_cycle(k)
+
+
+def test_a_drafter_that_is_not_an_eagle_drafter_runs_inside_the_cycle():
     target, head = make_models(3)
     ps = prompts(5, 3)
     cfg = runtime(speculative_num_steps=3)
     ref = Engine(target, cfg, head)
     expected = ref.generate(ps, SamplingParams(max_new_tokens=10))
-    proxy = _DelegatingCycleDrafter()
+    proxy = _DelegatingDrafter(head)
     eng = Engine(target, cfg, drafter=proxy)
-    proxy.inner = EagleDrafter(head, eng.cfg, req_to_page=eng.pages.req_to_page,
-                               input_buffers=eng.inputs, runtime_states=eng.states,
-                               graph_pool=eng.graph_pool)
     assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == expected
     assert eng.stats.mean_accept_length == ref.stats.mean_accept_length
-    assert proxy.cycle_calls == eng.graph_summary()["spec_cycle"][1] > 0  # drafted in the cycle
-    assert "draft_decode" in eng.graph_summary()  # its graphs are reported
+    assert proxy.draft_calls == eng.graph_summary()["spec_cycle"][1] > 0  # drafted in the cycle
+    assert "draft_multi_step" in eng.graph_summary()  # its graphs are registered
     assert proxy.inner.stats.decode_calls == ref.drafter.stats.decode_calls
+
+
+def test_an_eagle_drafter_of_another_engine_is_rejected():
+    target, head = make_models(3)
+    other = Engine(target, runtime(), head)
+    with pytest.raises(ValueError, match="^drafter: expected the EagleDrafter built over this"):
+        Engine(target, runtime(), drafter=other.drafter)
 
 
 def test_a_drafter_without_the_cycle_runs_eagerly_and_stays_exact():
@@ -79,30 +88,23 @@ def test_a_drafter_without_the_cycle_runs_eagerly_and_stays_exact():
     assert eng.generate(ps, SamplingParams(max_new_tokens=12)) == expected
     assert eng.stats.mean_accept_length > 3.5  # the oracle's drafts were used
     assert eng.drafter.stats.calls == eng.drafter.calls > 0
-    assert "draft_decode" not in eng.graph_summary()
+    eager = eng.graph_summary()["draft_decode"]
+    assert eager[0] == 0 and eager[1] > 0  # not capturable: its draft ran eagerly
 
 
 class _NoRun:
-    supports_cycle = False
-    stats = None
+    capturable = False
+    variable_draft_length = False
 
-    def capture_graphs(self, progress=True):
-        pass
-
-    def decode_hidden_buffer(self, bs):
-        return None
-
-
-class _HalfCycle(ScriptedDrafter):
-    supports_cycle = True  # claims the cycle seam without its members
+    def __getattr__(self, name):
+        if name in DRAFTER_MEMBERS[2:] and name != "draft_mixed":
+            return lambda *a, **kw: None
+        raise AttributeError(name)
 
 
 @pytest.mark.parametrize("bad, missing", [
-    (_NoRun(), "lacks run"),
-    (object(), "lacks run, capture_graphs, decode_hidden_buffer, stats, supports_cycle"),
-    (_HalfCycle.__new__(_HalfCycle), "CycleDrafter protocol (graphdraft.runtime.drafter_protocol), "
-     "_HalfCycle lacks cycle_tokens, cycle_accept_lengths, draft_staged, reset_neutral, "
-     "decode_graphs, multi_step_graphs"),
+    (_NoRun(), "lacks draft_mixed"),
+    (object(), "lacks " + ", ".join(DRAFTER_MEMBERS)),
 ])
 def test_an_object_missing_protocol_members_is_rejected_naming_drafter(bad, missing):
     target, _ = make_models(3)
@@ -115,9 +117,11 @@ def test_an_object_missing_protocol_members_is_rejected_naming_drafter(bad, miss
         check_drafter(bad)
 
 
-def test_supports_cycle_must_be_a_bool():
+@pytest.mark.parametrize("flag", ["capturable", "variable_draft_length"])
+def test_the_protocol_flags_must_be_bools(flag):
     class Truthy(ScriptedDrafter):
-        supports_cycle = 1
+        pass
 
-    with pytest.raises(ValueError, match="^drafter: expected supports_cycle to be a bool"):
+    setattr(Truthy, flag, 1)
+    with pytest.raises(ValueError, match=f"^drafter: expected {flag} to be a bool"):
         check_drafter(Truthy.__new__(Truthy))

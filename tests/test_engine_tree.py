@@ -105,7 +105,7 @@ def test_topk1_through_the_new_fields_is_the_chain_bit_for_bit():
     outs = [e.generate(prompts, params) for e in engines]
     assert outs[0] == outs[1]
     a, b = engines
-    assert b.tree_spec is None and b._tree is None and b.n_row == a.n_row == 4
+    assert b.tree_spec is None and b.mode.name == "chain" and b.n_row == a.n_row == 4
     for la, lb in zip(a.kv.k + a.kv.v, b.kv.k + b.kv.v, strict=True):
         assert torch.equal(la, lb)
     assert torch.equal(a.drafter.kv_pool.k[0], b.drafter.kv_pool.k[0])
@@ -208,4 +208,4 @@ def test_triton_path_under_the_interpreter_equals_target_only():
                                kernel_backend="triton", dtype="float32"), head)
     e.capture_graphs(progress=False)
     assert e.generate(prompts, params) == ref
-    assert e._tree.drafter.use_triton
+    assert e.mode.name == "tree" and e.mode.trees.drafter.use_triton

@@ -76,9 +76,11 @@ def test_default_captured_steps_and_policy_modes():
     assert Engine(target, _adaptive(speculative_num_steps=1), head).steps == (0, 1)
     eng = Engine(target, _adaptive(speculative_policy_steps=(0, 2, 3)), head)
     assert eng.steps == (0, 2, 3) and eng.policy.mode == "adaptive"
-    assert [f.name for f in eng._cycle_by_k.values()] == ["spec_cycle_k0", "spec_cycle_k2",
-                                                          "spec_cycle"]
-    assert eng.cycle_graphs is eng._cycle_by_k[3]
+    cycles = eng.graph_registry.family("spec_cycle")
+    assert [cycles[k].name for k in sorted(cycles)] == ["spec_cycle_k0", "spec_cycle_k2",
+                                                        "spec_cycle"]
+    assert list(cycles) == [3, 2, 0]  # captured widest first (the shared pool's reuse)
+    assert eng.cycle_graphs is cycles[3]
     base = Engine(target, _adaptive())  # target-only: one cycle of width 1, k = 0
     assert base.steps == (0,) and base.policy.mode == "fixed"
 

@@ -55,14 +55,14 @@ def test_every_captured_bs_and_k_graph_equals_eager_and_split(dtype):
     outs = _lockstep(engines, ps, joins, _params)
     assert outs[0] == outs[1] == outs[2]
     g = engines[0]
-    for k, f in g._cycle_by_k.items():  # every k replayed, no cycle of the graph engine eager
+    for k, f in g.graph_registry.family("spec_cycle").items():  # every k replayed, no cycle of the graph engine eager
         assert f.stats.total_replays > 0 and f.stats.total_eager == 0, k
     # cycle mode captured no split-mode graphs; the split engine captured them per k
-    assert all(not f.captured_sizes for f in g._verify_by_k.values())
-    assert all(not f.captured_sizes for f in g.drafter.decode_forwards())
+    assert all(not f.captured_sizes for f in g.graph_registry.family("target_verify").values())
+    assert all(not f.captured_sizes for f in g.graph_registry.family("draft_decode").values())
     s = engines[2]
-    assert all(f.stats.total_replays > 0 for f in s._verify_by_k.values())
-    assert all(f.stats.total_replays > 0 for f in s.drafter.decode_forwards())
+    assert all(f.stats.total_replays > 0 for f in s.graph_registry.family("target_verify").values())
+    assert all(f.stats.total_replays > 0 for f in s.graph_registry.family("draft_decode").values())
 
 
 def test_graph_equals_eager_at_each_captured_bs_for_each_k():
@@ -93,7 +93,7 @@ def test_graph_equals_eager_at_each_captured_bs_for_each_k():
             for k in ref:
                 assert torch.equal(ref[k], got[k]), (bs, k)
         assert [r.output for r in outs[0]] == [r.output for r in outs[1]]
-    for k, f in engines[0]._cycle_by_k.items():
+    for k, f in engines[0].graph_registry.family("spec_cycle").items():
         assert set(f.stats.replays) >= set(SIZES), (k, dict(f.stats.replays))
 
 

@@ -29,8 +29,8 @@ def test_failed_forward_leaves_engine_consistent(where, monkeypatch):
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12)) for p in ps]
     eng.step()
     eng.step()
-    obj = eng if where == "target" else eng.drafter
-    name = "_target_decode" if where == "target" else "_decode"  # what the cycle calls
+    obj = eng.mode if where == "target" else eng.drafter
+    name = "target_decode" if where == "target" else "_decode"  # what the cycle calls
     original = getattr(obj, name)
 
     def boom(*a, **k):

@@ -1,4 +1,4 @@
-"""Top-k beam bookkeeping of tree drafting (TREE.md section 1), in fixed-shape torch.
+"""Top-k beam bookkeeping of tree drafting, in fixed-shape torch.
 
 Per draft level the drafter hands over its log-its; this module keeps the `k` beams of every
 row, their cumulative log-probabilities, the candidate store the tree is built from, and the
@@ -207,7 +207,7 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
     st.cand_parent[:, off:off + k * k].copy_(st.beam_cand.unsqueeze(2).expand(bs, k, k)
                                              .reshape(bs, k * k))
     if j == spec.steps - 1:
-        return  # level K: no forward follows, no re-rank (TREE.md section 1)
+        return  # level K: no forward follows, no re-rank
     flat = cum.view(bs, k * k)
     if k == 1:
         sel = torch.zeros(bs, 1, dtype=torch.int64, device=dev)

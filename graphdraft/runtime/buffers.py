@@ -130,11 +130,11 @@ class CycleBuffers:
     slot_rows     [max_bs] int64       each row's request slot (host-staged when the rows
                                        change; 0: a padded row)
     tokens        [max_tokens] int64   accepted tokens of prefill / mixed steps and of
-                                       engines without a cycle drafter (with one, a decode
-                                       cycle writes them into its `cycle_tokens`)
+                                       target-only decode cycles (with a drafter, a decode
+                                       cycle writes them into its `Drafter.accepted_tokens`)
     accept        [max_bs] int32       accepted tokens per row after the stop cut (0: inert)
-    draft_accept  [max_bs] int32       max(accept, 1) for drafters that do not run inside the cycle
-                                       (a `CycleDrafter`'s `cycle_accept_lengths()` otherwise)
+    draft_accept  [max_bs] int32       max(accept, 1) of target-only decode cycles (with a
+                                       drafter: its `Drafter.accept_lengths`)
     finish        [max_bs] int32       0 running, 1 stop token, 2 max_new_tokens
     err           [max_bs] int32       error bits (engine.ERR_*), read one step later
     pack          [max_bs, N + 3] int32  tokens (N), accept, finish, err: the one D2H copy

@@ -34,13 +34,19 @@ reproduces graph numerics exactly.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from capture import (
+    CapturedForward,
+    GraphPool,
+    GraphRegistry,
+    batch_size_schedule,
+    eager_forced,
+    padded_batch_size,
+)
 from graphdraft import ops
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.config import RuntimeConfig
@@ -49,6 +55,7 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
 from graphdraft.runtime.batch import ForwardContext, ForwardMode
 from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.drafter_protocol import DraftBinding
 from graphdraft.runtime.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
@@ -92,11 +99,9 @@ class EagleDrafter:
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
         self.graph_pool = graph_pool or GraphPool()
-        self._graphs_enabled, self._on_oom = enabled, on_oom
         self.decode_graphs = CapturedForward(
             "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
             enabled=enabled, on_oom=on_oom)
-        self._decode_by_k = {self.S: self.decode_graphs}  # split mode's k -> decode forward
         self.multi_step_graphs = CapturedForward(
             "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
             enabled=enabled and self.S > 1, on_oom=on_oom)
@@ -127,7 +132,7 @@ class EagleDrafter:
 
     def capture_sequence(self) -> list[CapturedForward]:
         """The forwards `capture_graphs` captures, in that order."""
-        return [*self._decode_by_k.values(), self.multi_step_graphs]
+        return [self.decode_graphs, self.multi_step_graphs]
 
     def _reset_neutral(self) -> None:
         mb = self.cfg.max_bs
@@ -237,61 +242,67 @@ class EagleDrafter:
         return self.bufs.first_hidden[: bs * n]
 
     # ------------------------------------------------------------------
-    # The Engine's cycle seam (`graphdraft.runtime.drafter_protocol.CycleDrafter`): the cycle graph
-    # writes the accepted tokens and accept lengths straight into this drafter's buffers and
-    # runs its decode body in the same graph.
+    # The Engine's drafter protocol (`graphdraft.runtime.drafter_protocol.Drafter`): the cycle
+    # graph writes the accepted tokens and accept lengths straight into this drafter's
+    # buffers and runs its decode body in the same graph.
     # ------------------------------------------------------------------
-    supports_cycle = True
+    capturable = True
+    variable_draft_length = True
 
-    def cycle_tokens(self, rows: int, n: int | None = None) -> torch.Tensor:
-        """`[rows, n]` view (default n = N) of `DraftBuffers.first_input_ids`: the first
-        step's ids."""
-        n = self.N if n is None else n
+    def bind(self, binding: DraftBinding) -> None:
+        """The Engine that built this drafter binds it (its own buffers: nothing to allocate);
+        ValueError naming `drafter` for another Engine's buffers. The standalone
+        `decode_graphs` (`run` of decode batches) are not captured then: the Engine's cycle
+        runs `draft`."""
+        if binding.inputs is not self.inputs or binding.states is not self.states:
+            raise ValueError("drafter: expected the EagleDrafter built over this Engine's "
+                             "buffers (input_buffers, runtime_states)")
+        self.decode_graphs = CapturedForward("draft_decode", self._decode, self.schedule,
+                                             pool=self.graph_pool, enabled=False)
+
+    def graphs(self) -> GraphRegistry:
+        """The multi-step chain (`draft_multi_step`) of prefill / mixed steps."""
+        reg = GraphRegistry()
+        reg.add("draft_multi_step", None, self.multi_step_graphs)
+        return reg
+
+    def hidden_buffer(self, bs: int, n: int) -> torch.Tensor:
+        """`decode_hidden_buffer(bs, n)`."""
+        return self.decode_hidden_buffer(bs, n)
+
+    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
+        """`[rows, n]` view of `DraftBuffers.first_input_ids`: the first step's ids."""
         return self.bufs.first_input_ids[: rows * n].view(rows, n)
 
-    def cycle_accept_lengths(self) -> torch.Tensor:
-        """`DraftBuffers.accept_lengths` `[max_bs]` int32."""
-        return self.bufs.accept_lengths
+    def accept_lengths(self, rows: int) -> torch.Tensor:
+        """`DraftBuffers.accept_lengths[:rows]` int32."""
+        return self.bufs.accept_lengths[:rows]
 
-    def draft_staged(self, bs: int, k: int | None = None) -> torch.Tensor:
-        """`_decode(bs, k)`: the decode draft of k steps (default S) over staged buffers ->
+    def draft(self, bs: int, k: int) -> torch.Tensor:
+        """`_decode(bs, k)`: the decode draft of k steps over the staged buffers ->
         next_tokens[:bs] `[bs, S + 1]`."""
         return self._decode(bs, k)
 
-    def decode_graphs_for(self, k: int) -> CapturedForward:
-        """The split mode's decode-draft graphs of k steps (`draft_decode` for k = S, else
-        `draft_decode_k{k}`; built by `use_draft_lengths`)."""
-        try:
-            return self._decode_by_k[k]
-        except KeyError:
-            raise ValueError(f"k: expected a draft length with decode graphs "
-                             f"{sorted(self._decode_by_k)}, got {k}") from None
+    def draft_mixed(self, ctx: ForwardContext, hidden_states: torch.Tensor | None,
+                    output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> torch.Tensor:
+        """`run(..., copy_output=False)`."""
+        return self.run(ctx, hidden_states, output_tokens, accept_lengths, copy_output=False)
 
-    def use_draft_lengths(self, steps, *, capture_decode: bool = True) -> None:
-        """Build the split mode's decode-draft forwards for every k of `steps` (0..S) before
-        `capture_graphs`. `capture_decode=False`: no decode-draft graph is captured at all
-        (the Engine's cycle graph runs the decode body; the forwards stay, eager)."""
-        ks = sorted(set(int(k) for k in steps))
-        if not ks or ks[0] < 0 or ks[-1] > self.S:
-            raise ValueError(f"steps: expected draft lengths in 0..{self.S}, got {list(steps)}")
-        enabled = self._graphs_enabled and capture_decode
-        self.decode_graphs = CapturedForward(
-            "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
-            enabled=enabled, on_oom=self._on_oom)
-        self._decode_by_k = {self.S: self.decode_graphs}
-        for k in ks:
-            if k != self.S:
-                self._decode_by_k[k] = CapturedForward(
-                    f"draft_decode_k{k}", functools.partial(self._decode, k=k), self.schedule,
-                    pool=self.graph_pool, enabled=enabled, on_oom=self._on_oom)
-
-    def decode_forwards(self) -> list[CapturedForward]:
-        """Every decode-draft forward (k = S first)."""
-        return list(self._decode_by_k.values())
+    def on_cycle(self, k: int) -> None:
+        """Count a decode cycle (it drafted once, inside the Engine's cycle)."""
+        self.stats.calls += 1
+        self.stats.decode_calls += 1
 
     def reset_neutral(self) -> None:
-        """`_reset_neutral()`: input, draft and next_tokens buffers back to neutral values."""
+        """The head's kernel path, and the input, draft and next_tokens buffers back to
+        neutral values."""
+        self._use_head_kernels()
         self._reset_neutral()
+
+    def first_step_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[m, H]`: the first draft step's (pre-norm) hidden state of the given batch rows
+        `rows [m]` of the last `run` (a prefill row: at its last token)."""
+        return self.bufs.hidden.index_select(0, rows)
 
     # ------------------------------------------------------------------
     # Public entry point

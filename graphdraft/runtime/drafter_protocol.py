@@ -1,107 +1,146 @@
-"""What the Engine needs from a drafter: the `Drafter` protocol and its cycle seam.
+"""What the Engine needs from a drafter: the `Drafter` protocol, every member of which it uses.
 
-`Drafter` is every drafter: the Engine calls `run` after an eager target forward (prefill and
-mixed steps, and decode steps of drafters that do not run inside the cycle), `capture_graphs`
-from `Engine.capture_graphs`, and `decode_hidden_buffer(bs)` for the view `[bs * N, kH]` its
-target's decode forward may write the aux hidden states into (None: the drafter has no such
-buffer; `run` gets the target's own tensor).
+Shapes: `bs` rows (a padded batch size inside the cycle), `N = S + 1` tokens a decode row
+verifies at the full draft length `S = speculative_num_steps`, `n = k + 1` at draft length
+`k`, `kH` the target's aux hidden width.
 
-`CycleDrafter` is a drafter whose decode draft runs *inside* the Engine's speculative cycle
-(one CUDA graph: prepare, verify, accept, draft, commit), over persistent buffers the Engine
-writes directly: `supports_cycle` is True, and the Engine
-  - writes the accepted tokens `[rows, N]` into `cycle_tokens(rows)` (the draft's first-step
-    ids) and each row's accept length into `cycle_accept_lengths()` `[max_bs]` int32,
-  - calls `draft_staged(bs)` -> `next_tokens [bs, S + 1]` int32 (a view of the drafter's own
-    buffer) inside the cycle, or replays `decode_graphs` in the split mode,
-  - calls `reset_neutral()` around capture, reports `decode_graphs` / `multi_step_graphs` in
-    its metrics, counts each cycle in `stats.calls` / `stats.decode_calls`, and passes
-    `copy_output=False` to `run`.
-`graphdraft.runtime.drafter.EagleDrafter` is the one cycle drafter; any other drafter is run eagerly.
-
-Draft lengths below S (the Engine's speculation policy, `graphdraft.serving.policy`): a cycle
-drafter that also has `use_draft_lengths(steps, capture_decode=...)` drafts any k of `steps`
-inside the cycle: `draft_staged(bs, k)` (k = 0: the KV-only step, nothing drafted), `cycle_tokens(rows, k + 1)`,
-`decode_hidden_buffer(bs, k + 1)`, `decode_graphs_for(k)` (split mode) and
-`decode_forwards()` (metrics). Without it the Engine keeps k = S (the calls above, no k).
+The Engine binds a drafter once (`bind(DraftBinding)`: its shared buffers and settings), then
+per decode cycle of draft length k, inside one CUDA graph when `capturable`:
+  verify   the target writes its aux hidden states into `hidden_buffer(bs, n)` (or, None,
+           keeps them: a drafter that reads no hidden state),
+  accept   writes the accepted tokens into `accepted_tokens(bs, n)` and each row's accept
+           length into `accept_lengths(bs)`,
+  draft    `draft(bs, k)` -> the next drafts `[bs, S + 1]` int32 (column 0 the last accepted
+           token; columns k + 1.. repeat column k; k = 0: nothing drafted), read from those
+           buffers, `DraftBinding.inputs` (the rows' slots `req_pool_indices`, `seq_lens`)
+           and `DraftBinding.states.valid_cache_lengths` (before this cycle's commit),
+  commit   the Engine stores the drafts in the slot state for the next cycle's verify.
+Prefill and mixed steps run eagerly: `draft_mixed(ctx, hidden, output_tokens, accept)`.
+The drafter's own captured forwards (if any) are in `graphs()`; the Engine captures them with
+its own. Nothing else of a drafter is read or written from outside.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from capture import GraphPool, GraphRegistry
+from graphdraft.config import RuntimeConfig
 from graphdraft.runtime.batch import ForwardContext
-
-DRAFTER_METHODS = ("run", "capture_graphs", "decode_hidden_buffer")
-DRAFTER_ATTRIBUTES = ("stats", "supports_cycle")
-CYCLE_METHODS = ("cycle_tokens", "cycle_accept_lengths", "draft_staged", "reset_neutral")
-CYCLE_ATTRIBUTES = ("decode_graphs", "multi_step_graphs")
+from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
 
 
+@dataclass(frozen=True)
+class DraftBinding:
+    """The Engine's state a drafter may read (never write, except where a member's docstring
+    says), handed to `Drafter.bind` once, before anything else.
+
+    cfg             the runtime configuration (max_bs, S, page size, kernels, device, dtype)
+    inputs          the target's `InputBuffers` of the step (ids `[T]`, positions, KV slots,
+                    `req_pool_indices [bs]`, `seq_lens [bs]`, `extend_lens`, shifted prefill
+                    ids), written by the Engine before the verify; the drafter may reuse them
+                    after the verify (the `EagleDrafter` stages its own first step there)
+    states          `RuntimeStates` (`valid_cache_lengths [R]`: committed tokens per slot)
+    req_to_page     `[R, max_pages]` int32: the page table every KV pool of the Engine shares
+    graph_pool      the memory pool the Engine's graphs are captured into
+    graphs_enabled  whether CUDA graphs are captured at all (off: every forward runs eagerly)
+    on_oom          "drop" or "raise": what a capture that runs out of memory does
+    """
+
+    cfg: RuntimeConfig
+    inputs: InputBuffers
+    states: RuntimeStates
+    req_to_page: torch.Tensor
+    graph_pool: GraphPool
+    graphs_enabled: bool
+    on_oom: str
+
+
+@runtime_checkable
 class Drafter(Protocol):
-    """Any drafter the Engine can run (eagerly, after its target forward)."""
+    """A drafter the Engine runs (see the module docstring for the order of the calls)."""
 
-    supports_cycle: bool
-    stats: Any
+    capturable: bool
+    """`draft` may run inside a CUDA graph (no host sync, fixed buffer addresses). False: the
+    Engine runs it eagerly between its verify graph and its eager commit."""
 
-    def run(self, ctx: ForwardContext, hidden_states: torch.Tensor | None,
-            output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> torch.Tensor:
-        """-> next_tokens `[bs, S + 1]` int32 (column 0 the last verified token)."""
+    variable_draft_length: bool
+    """`draft(bs, k)` drafts any k in 0..S (the speculation policy may pick k per cycle);
+    False: the Engine always calls it with k = S."""
+
+    def bind(self, binding: DraftBinding) -> None:
+        """Called once by the Engine before any other member: allocate buffers for
+        `binding.cfg.max_bs` rows, keep what it needs; ValueError naming `drafter` when the
+        drafter cannot serve this configuration."""
         ...
 
-    def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the drafter's own graphs, if any (a drafter without graphs: nothing)."""
-        ...
-
-    def decode_hidden_buffer(self, bs: int) -> torch.Tensor | None:
-        """The `[bs * N, kH]` view a decode `run` reads hidden states from, or None."""
-        ...
-
-
-class CycleDrafter(Drafter, Protocol):
-    """A drafter whose decode draft runs inside the Engine's cycle graph (see the module)."""
-
-    decode_graphs: Any
-    multi_step_graphs: Any
-
-    def run(self, ctx: ForwardContext, hidden_states: torch.Tensor | None,
-            output_tokens: torch.Tensor, accept_lengths: torch.Tensor, *,
-            copy_output: bool = True) -> torch.Tensor: ...
-
-    def cycle_tokens(self, rows: int) -> torch.Tensor:
-        """`[rows, N]` int64 view: where the cycle's accept writes the accepted tokens."""
-        ...
-
-    def cycle_accept_lengths(self) -> torch.Tensor:
-        """`[max_bs]` int32: where the cycle's accept writes each row's accept length."""
-        ...
-
-    def draft_staged(self, bs: int) -> torch.Tensor:
-        """The decode draft over `bs` staged rows (graph-capturable) -> `[bs, S + 1]` int32."""
+    def graphs(self) -> GraphRegistry:
+        """The drafter's own captured forwards (`(family, k)` keys; empty if none), in the
+        order they should be captured; the Engine captures them with its own."""
         ...
 
     def reset_neutral(self) -> None:
-        """Every buffer the cycle reads back to its neutral (padded-row) values."""
+        """Every buffer the cycle reads back to its neutral (padded-row) values; called around
+        capture (graphs are recorded over inert rows)."""
         ...
+
+    def hidden_buffer(self, bs: int, n: int) -> torch.Tensor | None:
+        """`[bs * n, kH]` where the target's decode verify writes its aux hidden states (the
+        drafter reads them in `draft`), or None: the drafter reads no hidden state."""
+        ...
+
+    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
+        """`[rows, n]` int64 view, unit column stride: where the acceptance writes each decode
+        row's tokens (row j's first `accept_lengths[j]` are accepted, the last of them the new
+        last verified token)."""
+        ...
+
+    def accept_lengths(self, rows: int) -> torch.Tensor:
+        """`[rows]` int32 view: where the acceptance writes each row's accept length (0: an
+        inert row, padded or done; its drafts are discarded)."""
+        ...
+
+    def draft(self, bs: int, k: int) -> torch.Tensor:
+        """The decode draft of k tokens over `bs` rows (after the acceptance wrote them) ->
+        `[bs, S + 1]` int32 (column 0 the last accepted token, columns 1..k the drafts,
+        columns k + 1..S repeating column k; k = 0: all column 0). Capturable when
+        `capturable`; valid until the next call."""
+        ...
+
+    def draft_mixed(self, ctx: ForwardContext, hidden_states: torch.Tensor | None,
+                    output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> torch.Tensor:
+        """A prefill / mixed step's draft (eager): `ctx` the target batch (prefill rows first),
+        `hidden_states [ctx.input_num_tokens, kH]` (or None), `output_tokens
+        [num_extends + num_decodes * N]` (the target's token after each sampled position),
+        `accept_lengths [bs]` (prefill rows 1) -> `[bs, S + 1]` int32 as `draft`."""
+        ...
+
+    def on_cycle(self, k: int) -> None:
+        """Host bookkeeping after each decode cycle was launched (e.g. counting); no device
+        work (the cycle ran `draft` inside its graph)."""
+        ...
+
+
+DRAFTER_MEMBERS = ("capturable", "variable_draft_length", "bind", "graphs", "reset_neutral",
+                   "hidden_buffer", "accepted_tokens", "accept_lengths", "draft", "draft_mixed",
+                   "on_cycle")
 
 
 def check_drafter(drafter: object) -> Drafter:
     """Raise ValueError naming `drafter` and the missing members when `drafter` does not meet
-    the `Drafter` protocol (or, with `supports_cycle` True, the `CycleDrafter` protocol);
-    returns it unchanged."""
-    missing = [m for m in DRAFTER_METHODS if not callable(getattr(drafter, m, None))]
-    missing += [a for a in DRAFTER_ATTRIBUTES if not hasattr(drafter, a)]
-    cycle = getattr(drafter, "supports_cycle", False)
-    if not missing and not isinstance(cycle, bool):
-        raise ValueError(f"drafter: expected supports_cycle to be a bool, got "
-                         f"{type(cycle).__name__}")
-    if not missing and cycle:
-        missing += [m for m in CYCLE_METHODS if not callable(getattr(drafter, m, None))]
-        missing += [a for a in CYCLE_ATTRIBUTES if not hasattr(drafter, a)]
+    the `Drafter` protocol; returns it unchanged."""
+    missing = [m for m in DRAFTER_MEMBERS if not hasattr(drafter, m)]
+    missing += [m for m in DRAFTER_MEMBERS[2:] if hasattr(drafter, m)
+                and not callable(getattr(drafter, m))]
     if missing:
-        kind = "CycleDrafter" if cycle is True else "Drafter"
-        raise ValueError(f"drafter: expected an object meeting the {kind} protocol "
+        raise ValueError(f"drafter: expected an object meeting the Drafter protocol "
                          f"(graphdraft.runtime.drafter_protocol), {type(drafter).__name__} lacks "
-                         f"{', '.join(missing)}")
+                         f"{', '.join(dict.fromkeys(missing))}")
+    for flag in DRAFTER_MEMBERS[:2]:
+        value = getattr(drafter, flag)
+        if not isinstance(value, bool):
+            raise ValueError(f"drafter: expected {flag} to be a bool, got {type(value).__name__}")
     return drafter  # type: ignore[return-value]

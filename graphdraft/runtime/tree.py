@@ -1,7 +1,7 @@
 """Tree drafting: the configuration `(K steps, k beams, n verified nodes)`, its derived sizes,
 the static draft-scratch slot arithmetic, and the total order on candidate scores.
 
-Design: /work/shared/TREE.md. Symbols (TREE.md section 0):
+Symbols (the other tree modules use them):
 
     K = steps             draft levels (first step + K-1 decode steps), `speculative_num_steps`
     k = topk              beams per step, `speculative_eagle_topk` (1 = chain)
@@ -94,7 +94,7 @@ class TreeSpec:
                 f"speculative_num_draft_tokens: expected <= 1 + topk + (steps-1)*topk^2 = {m + 1} "
                 f"for speculative_num_steps={steps}, speculative_eagle_topk={topk}, got {n}")
 
-    # Short names of TREE.md.
+    # The short symbols of the module docstring.
     @property
     def K(self) -> int:  # noqa: N802 - the design's symbol
         return self.steps

@@ -1,4 +1,4 @@
-"""Tree drafting with `k` beams (TREE.md section 1): an EAGLE-3 head's first step, its `K-1`
+"""Tree drafting with `k` beams: an EAGLE-3 head's first step, its `K-1`
 beam-expanding decode steps, and the tree build, over fixed-shape buffers (no host sync, the
 same code eagerly and inside a captured CUDA graph).
 
@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from graphdraft import ops
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
+from graphdraft.kernels.tree_build import TreeBuffers
 from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.runtime.beams import BeamState, decode_step, first_step
@@ -197,8 +198,8 @@ class TreeDrafter:
                         hid_out=hid_out, hid_next=hid_in, greedy_ids=out.ids if chain else None,
                         temperature=temp)
         tree = self.tree.rows(bs)
-        build = build_tree if self.use_triton else build_tree_ref
-        build(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree)
+        ops.build_tree(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree,
+                       kernels=self.kernels)
         return tree
 
     def draft(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,

@@ -17,13 +17,15 @@ needs), so every rank issues collectives of identical sizes; padded rows are zer
 does the same in its MLP (its LM head stays replicated); a head left whole needs no
 communication at all.
 
-Lock-step, once per engine step (`lockstep_step`, called by `Engine.step` when the engine's
-models carry a `DataParallel`): every rank plans its step, then ONE all-gather of
+Lock-step, once per engine step (`LockstepPlanner`, the `Engine.planner` of an engine whose
+models carry a `DataParallel`; it drives the Engine's public planning interface
+`plan_step` / `launch` / `retire_launched`): every rank plans its step, then ONE all-gather of
 `PLAN_FIELDS` (a few ints per rank) gives every rank the same table, and `lockstep_plan`
 (a pure function of that table) decides for all of them:
 
   mixed        any rank has a prefill row -> every rank runs the engine's eager mixed step
-               (a decode-only rank too), else every rank runs the decode cycle
+               (a decode-only rank runs its rows through the split cycle: verify, then
+               draft, at its own padded size), else every rank runs the decode cycle
   padded_bs    decode cycle: the graph schedule's size for the largest rank batch (every
                rank stages that many rows; its own first, then inert slot-0 rows)
   rows         mixed step: the largest token / row count any rank's forward needs (the
@@ -49,7 +51,7 @@ captured sizes, then `CapturedForward.restrict_to` the intersection), so a size 
 out-of-memory on one rank falls back on all.
 
 `dp_size = 1` (the default) never builds a `DataParallel`: no model carries one, the
-Engine's `dp` is None and every code path is today's. Data parallelism with tensor
+Engine's `dp` is None and its planner the `planning.LocalPlanner`. Data parallelism with tensor
 parallelism of attention inside each rank (tp_size > 1 and dp_size > 1 together) is not
 supported: `shard_dense_` refuses a tensor-parallel model.
 
@@ -63,6 +65,8 @@ list, records every collective `(name, shape)` this rank issues (tests compare r
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +79,7 @@ from torch import nn
 
 from capture import padded_batch_size
 from graphdraft.parallel import check_rank
+from graphdraft.sampling import SamplingParams
 from graphdraft.serving.request import Request
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -307,71 +312,70 @@ def agree_sizes(dp: DataParallel, sizes: Sequence[int], max_size: int) -> list[i
     return [i + 1 for i in range(max_size) if all(r[i] for r in table)]
 
 
-def agree_captured(engine) -> None:
+def agree_captured(dp: DataParallel, forwards: Sequence, max_size: int) -> None:
     """After capture: every captured forward keeps the sizes every rank captured
     (`CapturedForward.restrict_to` the intersection; the same forwards on every rank)."""
-    top = engine.cfg.max_bs
-    for f in engine._captured_forwards():
-        f.restrict_to(agree_sizes(engine.dp, f.captured_sizes, top))
+    for f in forwards:
+        f.restrict_to(agree_sizes(dp, f.captured_sizes, max_size))
 
 
 # ---------------------------------------------------------------------------
-# The engine's lock-step step
+# The engine's lock-step planner
 # ---------------------------------------------------------------------------
-def _idle_request():
+def _idle_request() -> Request:
     """The inert decode row an idle rank runs: slot 0, already finished (never emits)."""
-    from graphdraft.serving.verify import SamplingParams
-
     return Request(rid=-1, prompt=[0], params=SamplingParams(max_new_tokens=1), slot=0,
                    finish_reason="idle")
 
 
-def _decode_forwards(engine) -> list:
-    """The captured forwards a decode cycle replays (the cycle, or verify + draft decode)."""
-    if engine._own_drafter and engine.cfg.cycle_graph:
-        return [engine.cycle_graphs]
-    return [f for f in engine._captured_forwards() if f is not engine.cycle_graphs
-            and f.name != "draft_multi_step"]
+class LockstepPlanner:
+    """The planner of a data-parallel Engine (`Engine.planner`): every step, the ranks agree
+    on one plan (one all-gather of a few ints: `local_plan` rows -> `lockstep_plan`) and
+    launch it together (a dummy row when idle), through the Engine's public planning
+    interface (`plan_step`, `launch`, `retire_launched`, `decode_forwards`,
+    `graph_registry`)."""
 
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+        self.any_work = True  # some rank had work at the last agreement (True: before any)
 
-def lockstep_step(engine) -> list:
-    """`Engine.step` of a data-parallel engine: plan, agree (one all-gather of a few ints),
-    launch the agreed step (a dummy row when idle), retire the previous one."""
-    import contextlib
+    def agree(self, engine, work) -> tuple[StepPlan, object]:
+        """The agreed plan for this rank's `work` (a `planning.StepWork`), and the work to
+        launch (the idle dummy row when this rank has none but others do)."""
+        rows, dreqs = work.rows, work.dreqs
+        mine = local_plan(engine.schedule, engine.n_row,
+                          prefill_lens=[len(r.input_ids) for r in rows], num_decodes=len(dreqs),
+                          mid_chunk=work.all_mid_chunk,
+                          replay=replay_mask(engine.decode_forwards(), engine.schedule),
+                          has_work=engine.has_work)
+        plan = lockstep_plan(self.dp.all_gather_ints(mine), engine.schedule)
+        self.any_work = plan.any_work
+        if self.dp.decisions is not None:
+            self.dp.decisions.append(plan)
+        if plan.any_rows and not rows and not dreqs:
+            work = dataclasses.replace(work, dreqs=[_idle_request()])
+        return plan, work
 
-    dp = engine.dp
-    engine._admit()
-    rows, preqs, dreqs = engine._schedule()
-    mid = bool(rows) and not dreqs and all(r.next_ids is not None and r.next_ids[-1] >= 0
-                                           for r in rows)
-    mine = local_plan(engine.schedule, engine.n_row, prefill_lens=[len(r.input_ids) for r in rows],
-                      num_decodes=len(dreqs), mid_chunk=mid,
-                      replay=replay_mask(_decode_forwards(engine), engine.schedule),
-                      has_work=engine.has_work)
-    plan = lockstep_plan(dp.all_gather_ints(mine), engine.schedule)
-    engine._lockstep, engine._lockstep_work = plan, plan.any_work
-    if dp.decisions is not None:
-        dp.decisions.append(plan)
-    launched = False
-    if plan.any_rows:
-        if not rows and not dreqs:
-            dreqs = [_idle_request()]
+    @contextlib.contextmanager
+    def launching(self, engine, plan: StepPlan):
+        """Around the launch: the agreed token rows (`DataParallel.rows`), every forward eager
+        when the plan says so."""
         with contextlib.ExitStack() as stack:
             if plan.eager:
-                for f in engine._captured_forwards():
+                for f in engine.graph_registry.forwards():
                     stack.enter_context(f.forced_eager())
-            dp.rows = plan.rows
+            self.dp.rows = plan.rows
             try:
-                engine._launch(rows, preqs, dreqs)
+                yield
             finally:
-                dp.rows = None
-                engine._lockstep = None
-        launched = True
-    finished: list = []
-    keep = 1 if launched and engine.cfg.validation_mode != "sync" else 0
-    while len(engine._in_flight) > keep:
-        finished += engine._retire(engine._in_flight.popleft())
-    return finished
+                self.dp.rows = None
+
+    def keep_stepping(self, engine) -> bool:
+        return self.any_work
+
+    def expect_work(self) -> None:
+        """A serving loop starts: step until the ranks agree there is no work left."""
+        self.any_work = True
 
 
 # ---------------------------------------------------------------------------

@@ -29,8 +29,7 @@ that cycle (one step later, completed by then: `CycleTimer`, no sync), and `obse
 the median of the last `window` real cycles per (padded bs, k), which replaces the capture-time
 figure once measured (a median: one slow cycle, e.g. the first after an idle GPU, moves nothing;
 an EMA let one such cycle price a k out for good, since an unchosen k is never timed again).
-(The capture-time replays run inert rows: on the H200 at bs 1 they priced a k = 1 cycle 1.09x
-a target-only step, real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.5 ms.)
+The capture-time replays run inert rows, so they price real cycles low (perf/RESULTS.md).
 
 `SpeculationPolicy`:
   "fixed"     always `num_steps` drafts;
@@ -39,29 +38,29 @@ a target-only step, real cycles cost 1.18x; at bs 256 k = 3 priced 23 ms ran 28.
               accepts: the prior is a few pseudo-trials, outweighed after a few cycles), over
               the eligible k:
               - safety: k > 0 only when its score at alpha's upper bound beats k = 0;
-              - margin: k > 0 only when its score beats k = 0's by `spec_margin` (2 %): where
+              - margin: k > 0 only when its score beats k = 0's by `spec_margin`: where
                 speculation breaks even, k = 0 (deterministic cost) beats a bet whose
                 realized accept and cost estimate both carry noise;
               - hysteresis: a current k > 0 of that bs stays (while eligible) unless another
-                k > 0 scores more than `hysteresis` (3 %) above it, so k = 1 and k = S near
+                k > 0 scores more than `hysteresis` above it, so k = 1 and k = S near
                 their crossover do not flap (between k = 0 and k > 0 the margin alone: k = 0
                 is sticky anyway, the estimate moves only when a probe observes);
               - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
                 decisions with no observation of a k > 0 step (`probe_every`, stretched so that
-                the expected loss of probes is at most `probe_budget` (0.3 %) of the target-only
+                the expected loss of probes is at most `probe_budget` of the target-only
                 time: the lower the estimate, the rarer), `probe_cycles` consecutive decisions
-                (default 2) return the smallest k > 0 of `steps` (counted as one probe), so a
+                return the smallest k > 0 of `steps` (counted as one probe), so a
                 regime change is noticed. Two, because a k = 0 cycle drafts nothing (the
                 drafter's KV-only step): the first probe cycle verifies filler (no observation)
                 and drafts; the second verifies those drafts.
               - cost probes: while a k > 0 is chosen, another eligible k > 0 whose score lies
-                within `cost_probe_margin` (10 %) of it runs `cost_probe_cycles` (3) consecutive
+                within `cost_probe_margin` of it runs `cost_probe_cycles` consecutive
                 cycles when its cost at that bs is still extrapolated, and again (a refresh, its
                 old samples dropped) once it has not run for `refresh_interval` decisions: the
-                interval spends at most `cost_refresh_budget` (0.5 %) of the time on refreshes
-                at the score gap, at least `cost_refresh` (16) decisions. So two close k are
-                compared on measured, current costs: a cost measured during a slow spell (the
-                H200 ran 4 consecutive k = 3 cycles at bs 128 9-32 % slow) or at shorter contexts
+                interval spends at most `cost_refresh_budget` of the time on refreshes
+                at the score gap, at least `cost_refresh` decisions. So two close k are
+                compared on measured, current costs: a cost measured during a slow spell (a few
+                consecutive slow cycles, perf/RESULTS.md) or at shorter contexts
                 cannot keep a close k out for good.
 """
 

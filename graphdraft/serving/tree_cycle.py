@@ -1,4 +1,4 @@
-"""The tree speculative cycle (TREE.md sections 3-5) and a runner that drives it.
+"""The tree speculative cycle, a runner that drives it, and the Engine's tree decode mode.
 
 `TreeCycle` holds the cycle's device stages over fixed-shape buffers (first `bs` rows of
 buffers allocated for `max_bs`); every stage is graph-capturable (no host sync, no
@@ -36,23 +36,20 @@ import functools
 import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
+from graphdraft import ops
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, philox4x32_ref
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.cycle_kernels import commit_pack
-from graphdraft.kernels.kv_move import (
-    gather_accepted_hidden,
-    gather_accepted_hidden_ref,
-    move_accepted_kv,
-    move_accepted_kv_ref,
-)
-from graphdraft.kernels.tree_accept import tree_accept, tree_accept_ref
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
+from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
+from graphdraft.serving.cycles.base import CycleParts, DecodeMode
+from graphdraft.serving.data_parallel import StepPlan
+from graphdraft.serving.request import Request
 
 __all__ = ["EngineTrees", "SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResult",
            "chain_pool_view", "row_target_probs"]
@@ -200,26 +197,28 @@ class TreeCycle:
         self.target_ids[: bs * n].copy_(torch.argmax(logits, dim=-1))
         outs = dict(accept_len=self.accept_len[:bs], accept_index=self.accept_index[:bs],
                     out_tokens=self.out_tokens(bs), bonus=self.bonus[:bs])
-        fn = tree_accept if self.use_triton else tree_accept_ref
+        kc = self.drafter.kernels
         if not self.sampling:
-            fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling,
-               target=self.target_ids[: bs * n], **outs)
+            ops.tree_accept(self.spec, tree.tokens, tree.first_child, tree.next_sibling,
+                            target=self.target_ids[: bs * n], kernels=kc, **outs)
             return
         rep = lambda t: t[:bs].repeat_interleave(n)                          # [bs*n]
         probs = row_target_probs(logits, rep(self.temperature), rep(self.top_k), rep(self.top_p),
                                  self.target_ids[: bs * n])
-        fn(self.spec, tree.tokens, tree.first_child, tree.next_sibling, probs=probs,
-           coins=self.coins[:bs], final_coin=self.final_coin[:bs], **outs)
+        ops.tree_accept(self.spec, tree.tokens, tree.first_child, tree.next_sibling, probs=probs,
+                        coins=self.coins[:bs], final_coin=self.final_coin[:bs], kernels=kc,
+                        **outs)
 
     def compact(self, bs: int) -> None:
         """Target KV of the accepted path to `L .. L+acc-1`; its aux hidden to `hid_c`."""
         n, P = self.spec.n, self.spec.P
-        move = move_accepted_kv if self.use_triton else move_accepted_kv_ref
-        gather = gather_accepted_hidden if self.use_triton else gather_accepted_hidden_ref
-        move(self.kv.k, self.kv.v, self.backend.req_to_page, self.req[:bs], self.prefix_len[:bs],
-             self.accept_index[:bs], self.accept_len[:bs], self.backend.page_size)
-        gather(self.aux[: bs * n], self.accept_index[:bs], self.accept_len[:bs], n,
-               self.drafter.first_hidden[: bs * P])
+        kc = self.drafter.kernels
+        ops.move_accepted_kv(self.kv.k, self.kv.v, self.backend.req_to_page, self.req[:bs],
+                             self.prefix_len[:bs], self.accept_index[:bs], self.accept_len[:bs],
+                             self.backend.page_size, kernels=kc)
+        ops.gather_accepted_hidden(self.aux[: bs * n], self.accept_index[:bs],
+                                   self.accept_len[:bs], n, self.drafter.first_hidden[: bs * P],
+                                   kernels=kc)
 
     def draft_and_commit(self, bs: int) -> torch.Tensor:
         """The drafter's first step (L, accept_len), L += accept_len, the beam steps and tree
@@ -610,10 +609,11 @@ class EngineTrees:
         c.compact(bs)
         c.draft_and_commit(bs)
         self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
-        commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
-                    err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
-                    last_token=st.last_token, drafts=st.drafts, emitted=st.emitted, done=st.done,
-                    pack=cb.pack[:bs], prefill=False, use_triton=self.drafter.use_triton)
+        ops.commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
+                        err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
+                        last_token=st.last_token, drafts=st.drafts, emitted=st.emitted,
+                        done=st.done, pack=cb.pack[:bs], prefill=False,
+                        kernels=self.drafter.kernels)
         return cb.pack[:bs]
 
     def coins(self, bs: int, c: TreeCycle) -> None:
@@ -667,3 +667,96 @@ class EngineTrees:
 
     def forwards(self) -> list[CapturedForward]:
         return list(self.graphs.values())
+
+
+class TreeMode(DecodeMode):
+    """Tree drafting as an Engine decode mode (`cycles.base.DecodeMode`;
+    `RuntimeConfig.speculative_eagle_topk > 1`, the built-in EAGLE-3 drafter only).
+
+    Verify width n = `TreeSpec.n`; one draft KV pool (`EngineTrees`: the `TreeDrafter`'s pool
+    is the chain pool's pages plus the beam scratch pages; `chain_drafter`, the Engine's
+    `EagleDrafter`, gets the view of its first pages, so the draft KV it writes during
+    prefill is the prefix the beams attend to). Decode cycle: `EngineTrees.run`, one graph
+    per padded bs and kind (greedy ("tree_cycle", None) / sampled ("tree_cycle_sampled",
+    None), the sampled one whenever any running request samples). Prefill / mixed steps
+    (eager): the decode rows run the tree cycle first (its graph at their padded size); the
+    prefill rows run the chain's prefill (target, first-token accept, the chain drafter's
+    first step for the draft KV, its multi-step skipped) and `EngineTrees.expand_prefilled`
+    drafts the first tree of each prompt whose last chunk ran. The policy stays fixed."""
+
+    name = "tree"
+    precompiles = False
+
+    def __init__(self, parts: CycleParts, trees: EngineTrees, chain_drafter) -> None:
+        super().__init__(parts, trees.spec.n, (parts.cfg.speculative_num_steps,))
+        self.trees, self.drafter = trees, chain_drafter
+        for fwd in trees.graphs.values():
+            parts.registry.add(fwd.name, None, fwd)
+
+    def run(self, bs: int, pbs: int, k: int, running: list[Request]) -> None:
+        sampled = any(not r.params.greedy for r in running)
+        self.trees.graphs[sampled].run(pbs, padded_bs=pbs)
+
+    def drafts_made(self, k: int) -> int:
+        return self.n_row - 1
+
+    def drafter_cycle(self, k: int) -> None:
+        """The tree drafter drafted inside the cycle; the chain drafter did not run."""
+
+    def reset_neutral(self) -> None:
+        super().reset_neutral()
+        self.drafter.reset_neutral()
+        self.trees.reset_neutral()
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        t = self.trees.trees
+        return {f"trees.{f}": getattr(t, f) for f in t.TREE_FIELDS}
+
+    def decode_forwards(self) -> list[CapturedForward]:
+        return self.trees.forwards()
+
+    def cost_forwards(self) -> dict[int, CapturedForward]:
+        return {}
+
+    def mixed(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request],
+              plan: StepPlan) -> None:
+        """Pack rows: prefill rows first, then decode rows (the order the Engine records)."""
+        ne, nd = len(rows), len(dreqs)
+        cb = self.parts.cycle
+        dec_pack = None
+        if nd:
+            pnd = self.padded(nd)
+            self.parts.stage_rows([r.slot for r in dreqs] + [0] * (pnd - nd))
+            self.run(nd, pnd, max(self.steps), self.parts.running())
+            dec_pack = cb.pack[:nd].clone()
+        if ne:
+            self._prefill(rows, preqs)
+        if nd:
+            cb.pack[ne: ne + nd].copy_(dec_pack)
+
+    def _prefill(self, rows: list[BatchRow], preqs: list[Request]) -> None:
+        p = self.parts
+        ne, cb = len(rows), p.cycle
+        pctx = write_batch(p.inputs, p.pages, rows)
+        ctx = ForwardContext(bs=ne, num_extends=ne, input_num_tokens=pctx.input_num_tokens,
+                             all_extends_mid_chunk=pctx.all_extends_mid_chunk)
+        out = self.target_forward(ctx, rows, capture_aux=True)
+        final = [r.slot if row.end == len(r.prompt) else 0
+                 for row, r in zip(rows, preqs, strict=True)]
+        p_tok = cb.tokens[:ne].view(ne, 1)
+        cb.err[:ne] = 0
+        accept = self.drafter.accept_lengths(ne)
+        self.accept(0, 0, ne, 1, out.logits[:ne], p.host_tensor(final), p_tok, accept)
+        accept = accept.clone()
+        accept[:] = 1
+        dctx = ForwardContext(bs=ne, num_extends=ne, input_num_tokens=ctx.input_num_tokens,
+                              all_extends_mid_chunk=True)  # first step only (draft KV)
+        nxt = self.drafter.draft_mixed(dctx, out.aux_hidden, cb.tokens[:ne], accept)
+        self.commit(0, ne, p_tok, nxt[:ne], prefill=True)
+        last = [i for i, s in enumerate(final) if s]
+        if last:
+            idx = p.host_tensor(last)
+            self.trees.expand_prefilled(
+                p.host_tensor([final[i] for i in last]),
+                p.host_tensor([len(preqs[i].prompt) for i in last]),
+                p_tok[:, 0].index_select(0, idx), self.drafter.first_step_hidden(idx))

@@ -1,0 +1,225 @@
+"""What every decode mode shares: the Engine's state it runs over and the cycle's device steps.
+
+`CycleParts` is the Engine's state a mode runs over (buffers, pools, page table, the slot
+state, the graph registry). `DecodeMode` holds it and the device functions of a decode cycle
+(each run eagerly or inside a captured graph; identical code):
+  prepare  rows' slots (`CycleBuffers.slot_rows`) -> `InputBuffers` (ids from last_token /
+           drafts, positions, KV slots, seq lens); padded and done rows inert (slot 0)
+  verify   the target over the prepared rows (`target_decode`)
+  accept   the acceptance kernel (greedy and sampled rows, stop ids, max_new; reads the
+           sampling columns of `SlotState`)
+  commit   valid_cache_lengths, last_token, drafts, emitted, done; the pack row
+           `[N + 3]` (tokens, accept, finish, error bits) the host reads one step late
+A mode (`TargetOnlyMode`, `ChainMode`, `SplitChainMode` in `cycles.chain`; `TreeMode` in
+`graphdraft.serving.tree_cycle`) is chosen once, when the Engine is built; the Engine's step
+calls the same members whatever the mode (`DecodeMode`'s interface below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from capture import CapturedForward, GraphPool, GraphRegistry, padded_batch_size
+from graphdraft import ops
+from graphdraft.config import RuntimeConfig
+from graphdraft.kernels.cycle_kernels import neutral_slot0
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.models.llama import LlamaForCausalLM, TargetOutput
+from graphdraft.runtime.batch import BatchRow, ForwardContext
+from graphdraft.runtime.buffers import CycleBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.kv_cache import KVPool, PageTable
+from graphdraft.runtime.slot_state import SlotState
+from graphdraft.serving.data_parallel import StepPlan
+from graphdraft.serving.request import Request
+
+
+@dataclass
+class CycleParts:
+    """The Engine's state a decode mode runs over (owned by the Engine, shared by reference)."""
+
+    cfg: RuntimeConfig
+    target: LlamaForCausalLM
+    kv: KVPool                      # the target's KV pool
+    backend: PagedAttentionBackend  # the target's attention backend
+    pages: PageTable
+    inputs: InputBuffers
+    states: RuntimeStates           # valid_cache_lengths
+    slots: SlotState
+    cycle: CycleBuffers             # slot_rows in; tokens, accept, finish, err, pack out
+    schedule: list[int]             # captured batch sizes
+    graph_pool: GraphPool
+    registry: GraphRegistry         # every captured forward, in capture order
+    graphs_enabled: bool
+    on_oom: str
+    stage_rows: Callable[[list[int]], None]             # slot_rows[:len] <- slots (H2D)
+    host_tensor: Callable[[list[int]], torch.Tensor]    # an int64 device tensor of values
+    running: Callable[[], list[Request]]                # the Engine's running requests
+
+
+class DecodeMode:
+    """Base of the decode modes: the cycle's device steps over `CycleParts`.
+
+    Interface the Engine calls (each mode implements or inherits it):
+      n_row                  tokens a decode row verifies (N; 1 target-only)
+      steps                  the draft lengths k it has a cycle for (the policy picks one)
+      name                   "none", "chain" or "tree" (metrics)
+      run(bs, pbs, k, reqs)  one decode cycle over the staged rows `slot_rows[:pbs]` (bs real)
+      mixed(rows, preqs, dreqs, plan)  a prefill / mixed step (eager), pack rows prefill first
+      drafts_made(k)         drafts each decode row holds after a cycle of k
+      reset_neutral()        every buffer the cycle reads back to its neutral values
+      capture(progress)      capture this mode's forwards (registry order; inert rows only)
+      decode_forwards()      the forwards a decode cycle replays (data-parallel replay mask)
+      cost_forwards()        per k, the forward whose captured sizes a cost table can time
+      state_tables()         extra per-slot tables a state snapshot includes
+      lookahead              KV positions reserved past prompt + max_new
+      precompiles            whether start-up may precompile its kernels in workers
+      drafter_cycle(k)       host bookkeeping after a decode cycle was launched
+    """
+
+    name = "none"
+    precompiles = True
+    draft_hook = None  # benchmark only: `ChainMode.draft_hook`
+
+    def __init__(self, parts: CycleParts, n_row: int, steps: tuple[int, ...]) -> None:
+        self.parts, self.n_row, self.steps = parts, n_row, steps
+
+    # --- interface defaults ------------------------------------------------------------
+    @property
+    def lookahead(self) -> int:
+        return self.n_row + self.parts.cfg.speculative_num_steps
+
+    def drafts_made(self, k: int) -> int:
+        return k
+
+    def drafter_cycle(self, k: int) -> None:
+        """No drafter: nothing to count."""
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def reset_neutral(self) -> None:
+        p = self.parts
+        p.inputs.pad_rows(0, p.cfg.max_bs)
+        p.inputs.pad_tokens(0, p.cfg.max_bs * self.n_row)
+        p.cycle.reset()
+        st = p.slots
+        neutral_slot0(p.states.valid_cache_lengths, st.last_token, st.drafts, st.emitted,
+                          st.done)
+
+    def capture(self, progress: bool) -> None:
+        """Capture every registered forward (registry order), neutral before and after."""
+        self.reset_neutral()
+        for fwd in self.parts.registry.forwards():
+            fwd.capture(progress=progress)
+        self.reset_neutral()
+
+    def forward(self, family: str, fn, enabled: bool, k: int | None = None) -> CapturedForward:
+        """A `CapturedForward` of `fn(bs)` over the schedule, registered as (family, k)."""
+        p = self.parts
+        name = family if k is None else f"{family}_k{k}"
+        fwd = CapturedForward(name, fn, p.schedule, pool=p.graph_pool, enabled=enabled,
+                              on_oom=p.on_oom)
+        return p.registry.add(family, k, fwd)
+
+    # --- the cycle's device steps -------------------------------------------------------
+    def prepare(self, row0: int, tok0: int, rows: int, n: int) -> None:
+        """Decode rows [row0, row0 + rows) from `slot_rows` into `InputBuffers` (n tokens each,
+        from token tok0): ids from last_token / drafts[:n - 1], positions and KV slots from
+        valid_cache_lengths and the page table. Padded (slot 0), done and bad rows are inert:
+        the dummy slot 0 at positions 0..n-1. Sets `err` of these rows (fresh each step)."""
+        p = self.parts
+        ib, st, cb, cfg = p.inputs, p.slots, p.cycle, p.cfg
+        t = rows * n
+        ops.prepare_rows(cb.slot_rows[row0: row0 + rows], n, done=st.done,
+                         vcl=p.states.valid_cache_lengths, last_token=st.last_token,
+                         drafts=st.drafts, req_to_page=p.pages.req_to_page,
+                         page_size=cfg.page_size, max_context_len=cfg.max_context_len,
+                         vocab=p.target.config.vocab_size,
+                         input_ids=ib.input_ids[tok0: tok0 + t],
+                         positions=ib.positions[tok0: tok0 + t],
+                         out_cache_loc=ib.out_cache_loc[tok0: tok0 + t],
+                         req=ib.req_pool_indices[row0: row0 + rows],
+                         seq_lens=ib.seq_lens[row0: row0 + rows],
+                         extend_lens=ib.extend_lens[row0: row0 + rows],
+                         err=cb.err[row0: row0 + rows], kernels=cfg.kernels)
+
+    def target_decode(self, bs: int, n: int, aux_out: torch.Tensor | None = None,
+                      capture_aux: bool = False) -> TargetOutput:
+        """Target forward over `bs` prepared rows x n tokens (graph-capturable); its aux hidden
+        states go into `aux_out` `[bs * n, kH]` when given (the drafter's buffer: no copy)."""
+        p = self.parts
+        t, ib = bs * n, p.inputs
+        meta = p.backend.uniform_row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs], n)
+        if aux_out is not None and aux_out.dtype != p.target.embed_tokens.dtype:
+            aux_out = None
+        return p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
+                        p.backend, meta, None, capture_aux=capture_aux, aux_out=aux_out)
+
+    def target_forward(self, ctx: ForwardContext, rows: list[BatchRow],
+                       capture_aux: bool) -> TargetOutput:
+        """Eager target forward over a prefill / mixed batch written into `InputBuffers`
+        (prefill rows' last position and decode rows' N positions get logits)."""
+        p = self.parts
+        ib, bs = p.inputs, ctx.bs
+        t = ctx.input_num_tokens
+        meta = p.backend.row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
+                                      ib.extend_lens[:bs], max(len(r.input_ids) for r in rows))
+        logit_rows, tok = [], 0
+        for r in rows:
+            if r.is_prefill:
+                logit_rows.append(tok + len(r.input_ids) - 1)
+            else:
+                logit_rows.extend(range(tok, tok + self.n_row))
+            tok += len(r.input_ids)
+        idx = p.host_tensor(logit_rows)
+        return p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
+                        p.backend, meta, idx, capture_aux=capture_aux)
+
+    def accept(self, row0: int, tok0: int, rows: int, n: int, logits: torch.Tensor,
+               slots: torch.Tensor, tokens: torch.Tensor, draft_accept: torch.Tensor) -> None:
+        """The acceptance over rows [row0, row0 + rows) whose logits are `logits [rows * n, V]`;
+        `slots`: the rows' slots as prepared (0 for padded, done and flagged rows: inert);
+        writes `tokens [rows, n]` and `draft_accept [rows]` (the drafter's accept lengths)."""
+        p = self.parts
+        cb = p.cycle
+        cand = p.inputs.input_ids[tok0: tok0 + rows * n].view(rows, n)
+        ops.accept_tokens(logits, cand, slots, p.inputs.seq_lens[row0: row0 + rows], p.slots,
+                          tokens=tokens, accept=cb.accept[row0: row0 + rows],
+                          draft_accept=draft_accept, finish=cb.finish[row0: row0 + rows],
+                          err=cb.err[row0: row0 + rows], kernels=p.cfg.kernels)
+
+    def commit(self, row0: int, rows: int, tokens: torch.Tensor,
+               next_tokens: torch.Tensor | None, prefill: bool) -> None:
+        """State after the step for rows [row0, row0 + rows): valid_cache_lengths (decode:
+        += accept; prefill rows: their seq len), last_token, drafts `next_tokens [rows, S + 1]`
+        (None: no drafter), emitted, done; then the rows' pack. Rows that accepted nothing
+        (inert, mid-chunk) change no slot's tokens."""
+        p = self.parts
+        cb, st, ib = p.cycle, p.slots, p.inputs
+        sl = slice(row0, row0 + rows)
+        ops.commit_pack(tokens, next_tokens[:rows] if next_tokens is not None else None,
+                        accept=cb.accept[sl], finish=cb.finish[sl], err=cb.err[sl],
+                        req=ib.req_pool_indices[sl], seq_lens=ib.seq_lens[sl],
+                        vcl=p.states.valid_cache_lengths, last_token=st.last_token,
+                        drafts=st.drafts, emitted=st.emitted, done=st.done, pack=cb.pack[sl],
+                        prefill=prefill, kernels=p.cfg.kernels)
+
+    def padded(self, bs: int) -> int:
+        return padded_batch_size(self.parts.schedule, bs) or bs
+
+    # --- interface the modes implement --------------------------------------------------
+    def run(self, bs: int, pbs: int, k: int, reqs: list[Request]) -> None:
+        raise NotImplementedError
+
+    def mixed(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request],
+              plan: StepPlan) -> None:
+        raise NotImplementedError
+
+    def decode_forwards(self) -> list[CapturedForward]:
+        raise NotImplementedError
+
+    def cost_forwards(self) -> dict[int, CapturedForward]:
+        raise NotImplementedError
