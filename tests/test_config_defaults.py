@@ -143,3 +143,24 @@ def test_init_random_draws_on_the_gpu():
     again = LlamaForCausalLM(cfg, torch.bfloat16).cuda()
     init_random_(again, 3, std=0.2)
     assert torch.equal(again.embed_tokens, m.embed_tokens)  # deterministic on the device
+
+
+def test_the_precompile_workers_default_is_stated_once(monkeypatch, capsys):
+    """`precompile_workers=None`: min(PRECOMPILE_WORKERS_CAP, CPU count) on CUDA, the value
+    `startup.spec.default_workers` computes and the words --help prints (one constant)."""
+    import os
+    from types import SimpleNamespace
+
+    from graphdraft.serving.cli import build_parser
+    from graphdraft.startup.spec import default_workers
+
+    monkeypatch.delenv(config_mod.PRECOMPILE_WORKERS_ENV, raising=False)
+    cuda = SimpleNamespace(precompile_workers=None, device="cuda", dp_size=1)
+    for cpus, want in ((64, config_mod.PRECOMPILE_WORKERS_CAP), (3, 3)):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cpus: c)
+        assert default_workers(cuda) == want
+    words = f"min({config_mod.PRECOMPILE_WORKERS_CAP}, CPU count)"
+    assert words in RuntimeConfig.precompile_workers_default == config_mod.PRECOMPILE_WORKERS_DEFAULT
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    assert words in " ".join(capsys.readouterr().out.split())  # --help wraps lines
