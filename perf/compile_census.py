@@ -52,11 +52,11 @@ def gpu_forwards(engine) -> dict[tuple, object]:
     from graphdraft.startup.forwards import forwards
 
     out = {}
-    cycle_mode = getattr(engine, "_cycle_mode", True)
-    drafter = getattr(engine, "drafter", None)
+    cycle_mode = getattr(engine.mode, "fused", True)  # the fused cycle graph, else split
+    drafter = engine.drafter
     for key, f in forwards(engine):
         if f.name == "draft_multi_step":
-            take = drafter is not None and getattr(drafter, "S", 2) > 1
+            take = drafter is not None and drafter.S > 1
         elif f.name.startswith("draft_decode"):
             take = not cycle_mode
         else:

@@ -258,6 +258,20 @@ def test_models_hold_the_config_they_were_built_with():
                ops.move_accepted_kv, ops.gather_accepted_hidden, ops.accept_control):
         params = inspect.signature(op).parameters
         assert "use_triton" not in params and "kernels" in params, op.__name__
+    from graphdraft.kernels import (
+        accept,
+        accept_control,
+        cycle_kernels,
+        kv_move,
+        tree_accept,
+        tree_build,
+    )
+
+    for wrapper in (accept.accept_tokens, cycle_kernels.prepare_rows, cycle_kernels.commit_pack,
+                    tree_build.build_tree, tree_accept.tree_accept, kv_move.move_accepted_kv,
+                    kv_move.gather_accepted_hidden, accept_control.accept_control):
+        params = inspect.signature(wrapper).parameters  # the Triton wrappers: one call shape
+        assert "use_triton" not in params and "kernels" in params, wrapper.__name__
 
 
 _SETTING_NAMES = ("SMALL_M_MAX", "GEMV_PDL", "STREAM_EVICT_FIRST", "FINISH_MAXNREG",

@@ -459,7 +459,7 @@ def test_precompile_engine_runs_one_size_per_bucket(monkeypatch, parallel):
     import threading
     from types import SimpleNamespace
 
-    from capture import CapturedForward
+    from capture import CapturedForward, GraphRegistry
     from capture import graphs as graphs_mod
 
     calls, lock = [], threading.Lock()
@@ -479,11 +479,16 @@ def test_precompile_engine_runs_one_size_per_bucket(monkeypatch, parallel):
     cf = {name: CapturedForward(name, fwd(name), sched, compile_counter=lambda: counter["n"])
           for name in ("target_verify", "draft_decode", "draft_multi_step")}
     resets = []
-    drafter = SimpleNamespace(decode_graphs=cf["draft_decode"],
-                              multi_step_graphs=cf["draft_multi_step"],
+    drafter_graphs = GraphRegistry()
+    drafter_graphs.add("draft_decode", None, cf["draft_decode"])
+    drafter_graphs.add("draft_multi_step", None, cf["draft_multi_step"])
+    registry = GraphRegistry()
+    registry.add("target_verify", None, cf["target_verify"])
+    registry.extend(drafter_graphs)
+    drafter = SimpleNamespace(graphs=lambda: drafter_graphs,
                               _reset_neutral=lambda: resets.append(len(calls)))
-    engine = SimpleNamespace(cfg=SimpleNamespace(spec_num_tokens=4),
-                             verify_graphs=cf["target_verify"], drafter=drafter)
+    engine = SimpleNamespace(cfg=SimpleNamespace(spec_num_tokens=4), graph_registry=registry,
+                             drafter=drafter)
     counts = warmup.precompile_engine(engine, progress=False, parallel=parallel)
     assert set(counts) == set(cf) and all(v == 0 for v in counts.values())
     reps = representative_sizes(sched, (1, 4))

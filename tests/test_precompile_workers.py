@@ -97,6 +97,40 @@ def test_reduced_config_keeps_shapes_and_maps_aux_ids():
     assert deep.aux_layer_ids() == (1, 1, 1)
 
 
+_MADE: list = []
+
+
+def _recording_factory(target, runtime, head):
+    """An engine factory ("tests.test_precompile_workers:_recording_factory") that records
+    what it was given."""
+    from graphdraft.serving.engine import Engine
+
+    _MADE.append((target, runtime, head))
+    return Engine(target, runtime, head)
+
+
+def test_the_workers_engine_comes_from_the_specs_factory():
+    """`engine_spec` names the engine's class as its factory (start-up imports no serving
+    module); `build_engine` calls the factory the spec names with the random-weight models;
+    a bad factory is a ValueError naming it."""
+    full = _full_engine()
+    spec, _ = wspec.engine_spec(full)
+    assert spec.factory == "graphdraft.serving.engine:Engine"
+    assert wspec.engine_spec(full, factory="x.y:z")[0].factory == "x.y:z"
+    _MADE.clear()
+    name = "tests.test_precompile_workers:_recording_factory"
+    made = wspec.build_engine(dataclasses.replace(spec, factory=name))
+    (target, runtime, head), = _MADE
+    assert made.target is target and runtime is spec.runtime and head is not None
+    assert len(target.layers) == 2 and head.config == spec.head
+    for bad, match in (("no_colon", "expected 'module:function'"),
+                       ("graphdraft.no_such_module:f", "cannot import"),
+                       ("graphdraft.config:NO_SUCH", "cannot import"),
+                       ("graphdraft.config:PRECOMPILE_WORKERS_CAP", "expected a callable")):
+        with pytest.raises(ValueError, match=f"^factory: {match}"):
+            wspec.resolve_factory(bad)
+
+
 def test_reduced_engine_launches_the_full_engines_keys():
     """A worker's engine (`build_engine(engine_spec(full))`: 2 target layers, random weights)
     launches, for every captured forward at two sizes of two buckets, exactly the kernel keys

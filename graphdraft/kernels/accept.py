@@ -249,17 +249,12 @@ def _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, 
 def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, state, *, tokens: torch.Tensor, accept: torch.Tensor,
                   draft_accept: torch.Tensor, finish: torch.Tensor, err: torch.Tensor,
-                  kernels: KernelConfig | None = None, use_triton: bool | None = None) -> None:
+                  kernels: KernelConfig | None = None) -> None:
     """Triton path (`graphdraft.ops.accept_tokens` chooses): the module docstring's writes for
     `rows = cand.shape[0]` rows. `state`: a `graphdraft.runtime.slot_state.SlotState`
     (temperature, top_p, top_k, seed, stop_ids, max_new, emitted, done per slot). `err` is ORed
     into, not overwritten. Graph-capturable. `kernels`: the launch settings (None: the default;
-    these two launches read none). `use_triton=False`: the old call shape, runs
-    `accept_tokens_ref` (call `ops.accept_tokens(..., kernels=...)` instead)."""
-    if use_triton is False:
-        accept_tokens_ref(logits, cand, slots, seq_lens, state, tokens=tokens, accept=accept,
-                          draft_accept=draft_accept, finish=finish, err=err)
-        return
+    these two launches read none)."""
     rows, n = cand.shape
     _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n)
     if rows == 0:

@@ -84,20 +84,11 @@ def _check_prepare(rows, n, input_ids, positions, out_cache_loc, req, seq_lens, 
 
 def prepare_rows(slot_rows, n, *, done, vcl, last_token, drafts, req_to_page, page_size,
                  max_context_len, vocab, input_ids, positions, out_cache_loc, req, seq_lens,
-                 extend_lens, err, kernels: KernelConfig | None = None,
-                 use_triton: bool | None = None) -> None:
+                 extend_lens, err, kernels: KernelConfig | None = None) -> None:
     """Triton path (`graphdraft.ops.prepare_rows` chooses): the module docstring's prepare over
     `rows = len(slot_rows)` rows; destinations are the rows' / tokens' slices (`[rows]`,
     `[rows * n]`). Graph-capturable. `kernels`: the launch settings (None: the default; this
-    launch reads none). `use_triton=False`: the old call shape, runs `prepare_rows_ref` (call
-    `ops.prepare_rows(..., kernels=...)` instead)."""
-    if use_triton is False:
-        prepare_rows_ref(slot_rows, n, done=done, vcl=vcl, last_token=last_token, drafts=drafts,
-                         req_to_page=req_to_page, page_size=page_size,
-                         max_context_len=max_context_len, vocab=vocab, input_ids=input_ids,
-                         positions=positions, out_cache_loc=out_cache_loc, req=req,
-                         seq_lens=seq_lens, extend_lens=extend_lens, err=err)
-        return
+    launch reads none)."""
     rows = slot_rows.shape[0]
     _check_prepare(rows, n, input_ids, positions, out_cache_loc, req, seq_lens, extend_lens, err)
     if rows == 0:
@@ -198,18 +189,12 @@ def _check_pack(tokens, pack) -> tuple[int, int, int]:
 
 
 def commit_pack(tokens, next_tokens, *, accept, finish, err, req, seq_lens, vcl, last_token,
-                drafts, emitted, done, pack, prefill: bool, kernels: KernelConfig | None = None,
-                use_triton: bool | None = None) -> None:
+                drafts, emitted, done, pack, prefill: bool,
+                kernels: KernelConfig | None = None) -> None:
     """Triton path (`graphdraft.ops.commit_pack` chooses): the module docstring's commit and
     pack over `rows = tokens.shape[0]` rows: tokens `[rows, n]`, next_tokens `[rows, S + 1]` or
     None, pack `[rows, N + 3]` (N >= n). `kernels`: the launch settings (None: the default;
-    this launch reads none). `use_triton=False`: the old call shape, runs `commit_pack_ref`
-    (call `ops.commit_pack(..., kernels=...)` instead)."""
-    if use_triton is False:
-        commit_pack_ref(tokens, next_tokens, accept=accept, finish=finish, err=err, req=req,
-                        seq_lens=seq_lens, vcl=vcl, last_token=last_token, drafts=drafts,
-                        emitted=emitted, done=done, pack=pack, prefill=prefill)
-        return
+    this launch reads none)."""
     rows, n, nrow = _check_pack(tokens, pack)
     if rows == 0:
         return

@@ -1,8 +1,9 @@
 """The captured forwards of an engine, listed once, and the start-up's tasks over them.
 
 `forwards(engine)` is the one list every start-up step reads (the precompile plan, the warm-up
-sizes, the workers' builds per forward, the warm marker): `(key, CapturedForward)` pairs in
-capture order, `key = (family, k)` as in `capture.GraphRegistry` (`engine.graph_registry`).
+sizes, the workers' builds per forward, the warm marker): the engine's graph registry
+(`engine.graph_registry.items()`), `(key, CapturedForward)` pairs in capture order,
+`key = (family, k)`.
 A task is one forward at one batch size, `(family, k, bs)`, or `(PREFILL, None, tokens)`: one
 eager prefill step of that many prompt tokens (`probes.probe_prefill`). A throw-away engine
 built from the same shapes (`spec.build_engine`) lists the same keys, so a task names the same
@@ -11,7 +12,7 @@ forward in every process.
 
 from __future__ import annotations
 
-from capture import CapturedForward
+from capture import CapturedForward, GraphRegistry
 from graphdraft.kernels.buckets import representative_sizes
 from graphdraft.startup.probes import prefill_probes
 
@@ -28,32 +29,15 @@ PREFILL = "prefill"
 """A task's family for an eager prefill step (no captured forward): `probes.prefill_probes`."""
 
 
-def _discovered(engine) -> list[tuple[ForwardKey, CapturedForward]]:
-    """The engine's and its drafter's `CapturedForward` attributes, keyed `("engine.<attr>",
-    None)` / `("drafter.<attr>", None)`, in `engine.capture_sequence()` order where the
-    engine has one (the others after, in discovery order). For an engine without a graph
-    registry (`engine.graph_registry`)."""
-    owners = [("engine", engine)]
-    if getattr(engine, "drafter", None) is not None:
-        owners.append(("drafter", engine.drafter))
-    found: list[tuple[ForwardKey, CapturedForward]] = []
-    for owner_name, owner in owners:
-        for attr, v in vars(owner).items():
-            if isinstance(v, CapturedForward) and all(v is not f for _, f in found):
-                found.append(((f"{owner_name}.{attr}", None), v))
-    seq = getattr(engine, "capture_sequence", None)
-    rank = {id(f): i for i, f in enumerate(seq())} if callable(seq) else {}
-    return sorted(found, key=lambda kf: rank.get(id(kf[1]), len(rank)))
-
-
 def forwards(engine) -> list[tuple[ForwardKey, CapturedForward]]:
-    """Every captured forward of `engine` (its drafter's included), in capture order:
-    `engine.graph_registry.items()`; an engine without a registry: its `CapturedForward`
-    attributes (`_discovered`)."""
+    """Every captured forward of `engine` (its drafter's included), in capture order: its
+    graph registry's `(key, forward)` pairs (`engine.graph_registry`, a
+    `capture.GraphRegistry`). ValueError when the engine has none."""
     registry = getattr(engine, "graph_registry", None)
-    if registry is not None:
-        return list(registry.items())
-    return _discovered(engine)
+    if not isinstance(registry, GraphRegistry):
+        raise ValueError(f"engine: expected a graph_registry (capture.GraphRegistry), got "
+                         f"{type(registry).__name__}")
+    return registry.items()
 
 
 def forward_of(engine, key: ForwardKey) -> CapturedForward:

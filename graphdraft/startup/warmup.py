@@ -238,16 +238,10 @@ def precompile_running(engine) -> bool:
 
 
 def _owner_groups(engine) -> list[list[tuple[ForwardKey, CapturedForward]]]:
-    """`forwards(engine)` split into the drafter's and the others (each group writes only its
-    owner's buffers): the drafter's are those of its graph registry (`drafter.graphs()`)
-    where it has one, else its `CapturedForward` attributes."""
+    """`forwards(engine)` split into the drafter's (its graph registry, `drafter.graphs()`)
+    and the others: each group writes only its owner's buffers. Empty groups left out."""
     drafter = getattr(engine, "drafter", None)
-    graphs = getattr(drafter, "graphs", None) if drafter is not None else None
-    registry = graphs() if callable(graphs) else graphs
-    if registry is not None and hasattr(registry, "forwards"):
-        mine = {id(f) for f in registry.forwards()}
-    else:
-        mine = {id(v) for v in vars(drafter).values()} if drafter is not None else set()
+    mine = {id(f) for f in drafter.graphs().forwards()} if drafter is not None else set()
     groups = [[kf for kf in forwards(engine) if id(kf[1]) not in mine],
               [kf for kf in forwards(engine) if id(kf[1]) in mine]]
     return [g for g in groups if g]
