@@ -92,8 +92,8 @@ def build_launcher(compiled, load: bool = True) -> bool:
     system compiler at a kernel's first launch (`CudaLauncher`: `compile_module_from_src`,
     cached by its source), not at `warmup`: an H200 run spent most of the main process's
     capture warm-ups on those builds after the workers had compiled every kernel
-    (perf/RESULTS.md 2026-12-04f). `load`: `CompiledKernel._init_handles()` (builds the launcher and loads the
-    module into this process's CUDA context); else only the launcher
+    (perf/RESULTS.md 2026-12-04f). `load`: `CompiledKernel._init_handles()` (builds the
+    launcher and loads the module into this process's CUDA context); else only the launcher
     (`driver.active.launcher_cls`: no CUDA context needed, what a worker does). Returns whether
     it ran (False: no such hook, e.g. the interpreter, or it failed: the first launch then
     builds it, as before)."""
@@ -177,7 +177,8 @@ def use_target(target: list | None, device: str) -> bool:
     """Point Triton's driver at `target` and `device` without a CUDA context: the compile
     target, the current device and stream it asks for are answered from the plan, so a worker
     never initialises CUDA (16 workers initialising CUDA side by side took seconds each on the
-    H200: perf/RESULTS.md "Figures moved out of the code"). False (nothing changed) without a target or where the driver differs."""
+    H200: perf/RESULTS.md "Figures moved out of the code"). False (nothing changed) without a
+    target or where the driver differs."""
     if target is None or not device.startswith("cuda"):
         return False
     try:

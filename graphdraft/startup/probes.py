@@ -28,9 +28,9 @@ def prefill_probes(engine) -> list[int]:
     length picks each extend-attention tile case of ragged rows
     (`extend_attention.RAGGED_TILE_CASES` over the target's grouped heads: 4 and 32 tokens
     for 4 heads a kv head; split KV), and a full chunk (`max_num_batched_tokens` over rows of
-    the longest prompt: few KV splits or one). What a prefill launches depends on its tokens only through such buckets (the tile
-    and splits, GEMV or cuBLAS by rows): a chunk of another bucket compiles its kernels at
-    its first use."""
+    the longest prompt: few KV splits or one). What a prefill launches depends on its tokens
+    only through such buckets (the tile and splits, GEMV or cuBLAS by rows): a chunk of
+    another bucket compiles its kernels at its first use."""
     cfg, mc = engine.cfg, engine.target.config
     g_pad = triton.next_power_of_2(max(1, mc.num_attention_heads // mc.num_key_value_heads))
     cap = prefill_row_cap(engine)

@@ -249,8 +249,9 @@ def launch_server(workdir: Path, n: int, log_path: Path, env: dict):
     """Start the worker server (`server_main`: `n` workers) in a session of its own (a
     timeout kills the whole group). Forked from this process where it can (torch, Triton and
     the kernels are imported already: a fresh interpreter spent seconds importing them on the
-    H200 machine, perf/RESULTS.md "Figures moved out of the code"; the server and its workers never touch CUDA, so a fork of a process that
-    uses CUDA is safe, as for a DataLoader's workers); else a fresh interpreter
+    H200 machine, perf/RESULTS.md "Figures moved out of the code"; the server and its workers
+    never touch CUDA, so a fork of a process that uses CUDA is safe, as for a DataLoader's
+    workers); else a fresh interpreter
     (`python -m graphdraft.startup.workers DIR N`) with the environment `env`."""
     env = dict(env, **{_SPAWNED_ENV: repr(time.time())})
     if hasattr(os, "fork"):
