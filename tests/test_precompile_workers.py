@@ -1280,3 +1280,17 @@ def test_an_engine_dropped_before_its_capture_stops_its_phase(monkeypatch, tmp_p
     del e
     gc.collect()
     assert procs[0].poll() is not None and not dirs[0].exists()
+
+
+def test_forwards_are_the_engines_registry_in_capture_order():
+    """`forwards(engine)`: the graph registry's (key, forward) pairs, capture order; an object
+    without a registry is a ValueError naming what was expected."""
+    e = _full_engine()
+    assert sf.forwards(e) == e.graph_registry.items()
+    assert [f for _, f in sf.forwards(e)] == e.capture_sequence()
+    key, f = sf.forwards(e)[0]
+    assert sf.forward_of(e, key) is f
+    with pytest.raises(KeyError, match="no captured forward"):
+        sf.forward_of(e, ("no_such_family", None))
+    with pytest.raises(ValueError, match="^engine: expected a graph_registry"):
+        sf.forwards(SimpleNamespace(drafter=None))
