@@ -1,20 +1,21 @@
 """`graphdraft serve` as its clients meet it: the real `openai` client package and raw HTTP
-against one server on 127.0.0.1 (the shipped pair on the CPU, one module-scoped server in a
-thread of this process, so the tests can read its engine's KV pages afterwards).
+against one server on 127.0.0.1 (the shipped pair on the CPU; one module-scoped server: its
+HTTP app in a thread of this process, its engine in a spawned engine process, whose state
+the tests read after each test: every KV page free, nothing running).
 
 Completions, chat, streaming, `n`, stop strings and stop token ids; greedy outputs equal
 `Engine.generate` on the same prompts; 64 concurrent streams with a fifth of them
 disconnecting mid-stream; every bad request's status and error body, the server serving on
-after them; `/metrics`. Shutdown under signals runs in a subprocess (test_server_shutdown.py).
+after them; `/metrics`; the HTTP side's limits equal `Engine.check_request`. Shutdown under
+signals runs in a subprocess (test_server_shutdown.py); a failing step and a killed engine
+process in test_server_engine_core.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
-import threading
 import time
 
 import pytest
@@ -24,12 +25,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+import graphdraft.serving.cli.models as models  # noqa: E402
 from graphdraft.serving.cli import build_parser  # noqa: E402
-from graphdraft.serving.cli.serve import build_engine, model_name  # noqa: E402
 from graphdraft.serving.engine import Engine  # noqa: E402
-from graphdraft.serving.openai_api.app import OpenAIServer, ServerConfig  # noqa: E402
-from graphdraft.serving.openai_api.server import make_server  # noqa: E402
 from graphdraft.serving.verify import SamplingParams  # noqa: E402
+from tests.server_harness import Served as ServedBase  # noqa: E402
 
 PROMPTS = ["def main():\n", "import os\n", "class A:\n    def __init__(self", "for i in range(",
            "    return ", "# compute the mean\n", "with open(path) as f:\n", "x = [1, 2,"]
@@ -38,55 +38,29 @@ STREAM_TOKENS = 12  # the 64 concurrent streams: a prefix of the greedy text
 MESSAGES = [{"role": "user", "content": "print a list"}]
 
 
-class _Records(logging.Handler):
-    """Every log record of the server's loggers (uvicorn's do not reach the root logger)."""
+class Served(ServedBase):
+    """The module's server, with greedy references from `Engine.generate` built in this
+    process while the engine process starts."""
 
     def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def tracebacks(self) -> list[str]:
-        return [self.format(r) for r in self.records
-                if r.exc_info or r.levelno >= logging.ERROR or "Traceback" in r.getMessage()]
-
-
-class Served:
-    def __init__(self) -> None:
-        a = build_parser().parse_args(["serve", "--device", "cpu", "--quiet",
-                                       "--max-running-requests", "16",
-                                       "--max-queued-requests", "112"])
-        self.engine, self.m = build_engine(a)
-        self.tok, self.name = self.m.tokenizer, model_name(a)
-        self.stops = tuple(self.m.stops)
-        self.refs = self._references()
-        self.api = OpenAIServer(self.engine, self.tok, ServerConfig(
-            self.name, capacity=128, stop_token_ids=self.stops, shutdown_grace_s=2.0))
-        self.log = _Records()
-        for name in ("uvicorn", "uvicorn.error", "graphdraft", "asyncio"):
-            logging.getLogger(name).addHandler(self.log)
-        self.server = make_server(self.api, "127.0.0.1", 0, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(meanwhile=self._references)
+        self.refs, self.ref_engine = self.extra
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
                                     timeout=120)
 
-    def _references(self) -> dict[str, list[int]]:
-        """Greedy outputs of `Engine.generate` (another engine over the same models)."""
-        ref = Engine(self.m.target, self.m.cfg, self.m.head, eos_token_id=self.m.eos)
-        chat_ids = self.tok.encode(self.tok.apply_chat_template(MESSAGES))
-        prompts = [self.tok.encode(p) for p in PROMPTS] + [chat_ids]
-        params = SamplingParams(max_new_tokens=MAX_TOKENS, stop_token_ids=self.stops)
+    def _references(self):
+        """Greedy outputs of `Engine.generate` (an engine of this process over the same
+        models and flags as the server's)."""
+        a = build_parser().parse_args(["serve", "--device", "cpu", "--quiet",
+                                       "--max-running-requests", "16"])
+        m = models.load(a)
+        tok = m.tokenizer
+        ref = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos)
+        chat_ids = tok.encode(tok.apply_chat_template(MESSAGES))
+        prompts = [tok.encode(p) for p in PROMPTS] + [chat_ids]
+        params = SamplingParams(max_new_tokens=MAX_TOKENS, stop_token_ids=tuple(m.stops))
         outs = ref.generate(prompts, params)
-        return dict(zip([*PROMPTS, "<chat>"], outs, strict=True))
+        return dict(zip([*PROMPTS, "<chat>"], outs, strict=True)), ref
 
     def text(self, key: str, limit: int = MAX_TOKENS) -> str:
         """The reference's text, as the server returns it (a trailing stop id is not text);
@@ -94,32 +68,21 @@ class Served:
         ids = self.refs[key][:limit]
         return self.tok.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
 
-    def stop(self) -> None:
-        self.server.begin_shutdown()
-        self.thread.join(30)
-        for name in ("uvicorn", "uvicorn.error", "graphdraft", "asyncio"):
-            logging.getLogger(name).removeHandler(self.log)
-
 
 @pytest.fixture(scope="module")
 def served():
     s = Served()
     yield s
     s.stop()
-    assert not s.thread.is_alive()
+    assert s.engine.process.exitcode == 0  # told to exit, it did (not terminated)
 
 
 def _idle(s: Served, timeout: float = 30.0) -> None:
-    """Wait (bounded) until no request is live in the loop or the engine."""
-    deadline = time.monotonic() + timeout
-    while s.api.loop.live or s.engine.has_work:
-        assert time.monotonic() < deadline, "requests still live"
-        time.sleep(0.02)
+    s.idle(timeout)
 
 
 def _all_pages_free(s: Served) -> bool:
-    p = s.engine.pages
-    return p.num_free_pages == p.num_pages - 1 and not s.engine.running and not s.engine.waiting
+    return s.all_pages_free()
 
 
 # --- the real client ---------------------------------------------------------------------
@@ -313,12 +276,12 @@ def test_the_server_serves_on_after_bad_requests(served):
 
 
 def test_full_queue_answers_503(served):
-    loop = served.api.loop
-    capacity, loop.capacity = loop.capacity, 0
+    engine = served.engine
+    capacity, engine.capacity = engine.capacity, 0
     try:
         r = httpx.post(served.url + C, json=OK, timeout=30)
     finally:
-        loop.capacity = capacity
+        engine.capacity = capacity
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_error"
     assert httpx.post(served.url + C, json=OK, timeout=30).status_code == 200
@@ -357,25 +320,36 @@ def test_the_load_generator_against_the_server(served):
     assert _all_pages_free(served)
 
 
-def test_a_failing_step_fails_its_requests_not_the_server(served, monkeypatch):
-    """A step that raises (here: injected) ends the live requests with an engine error (500,
-    logged with its traceback); their pages go back and the next request is served."""
-    real, calls = served.engine.step, []
-
-    def failing_once():
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected step failure")
-        return real()
-
-    monkeypatch.setattr(served.engine, "step", failing_once)
-    r = httpx.post(served.url + C, json=OK | {"max_tokens": 20}, timeout=60)
-    monkeypatch.undo()
-    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
-    assert any("injected step failure" in t for t in served.log.tracebacks())
-    _idle(served)
-    assert _all_pages_free(served)
-    r = served.client.completions.create(model=served.name, prompt=PROMPTS[2], temperature=0,
-                                         max_tokens=MAX_TOKENS)
-    assert r.choices[0].text == served.text(PROMPTS[2])
-    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+def test_limits_check_like_the_engine(served):
+    """The HTTP process's `EngineLimits` (sent by the engine process) accept and reject
+    exactly what `Engine.check_request` does, with the same messages."""
+    from graphdraft.serving.openai_api.limits import EngineLimits
+    ref = served.ref_engine
+    limits = served.engine.limits
+    assert limits == EngineLimits.of(ref)
+    rng = random.Random(1)
+    vocab = limits.vocab_size
+    cases = [([], SamplingParams()), ([vocab], SamplingParams()), ([1, 2], SamplingParams()),
+             ([1] * 10, SamplingParams(stop_token_ids=(1, 2, 3, 4, 5))),
+             ([1] * 10, SamplingParams(stop_token_ids=(1, 2, 3), ignore_eos=True))]
+    for _ in range(200):
+        n = rng.choice([1, 5, 100, 200, 255, 256, 300, 600, 2000])
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        stops = tuple(rng.sample(range(vocab), rng.randrange(0, 6)))
+        cases.append((prompt, SamplingParams(max_new_tokens=rng.choice([1, 16, 200, 1000, 4000]),
+                                             stop_token_ids=stops,
+                                             ignore_eos=rng.random() < 0.3)))
+    verdicts = set()
+    for prompt, params in cases:
+        want = got = None
+        try:
+            ref.check_request(prompt, params)
+        except ValueError as e:
+            want = str(e)
+        try:
+            limits.check(prompt, params)
+        except ValueError as e:
+            got = str(e)
+        assert got == want, (len(prompt), params)
+        verdicts.add(want is None)
+    assert verdicts == {True, False}

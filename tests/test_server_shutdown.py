@@ -1,7 +1,9 @@
-"""`python -m graphdraft serve` stopped by signals while it streams (a subprocess each, the
-shipped pair on the CPU): the first SIGTERM stops accepting connections, lets the live stream
-end (finished or aborted at --shutdown-timeout) with `data: [DONE]`, and exits 0 with nothing
-on stdout and no traceback; a second signal exits at once."""
+"""`python -m graphdraft serve` stopped by signals while it streams (a subprocess each, in its
+own session like a terminal's foreground job; the shipped pair on the CPU): Ctrl-C (SIGINT
+to the whole process group: the server and its engine process) stops accepting connections,
+lets the live stream end (finished or aborted at --shutdown-timeout) with `data: [DONE]`, and
+exits 0 with nothing on stdout and no traceback; a second SIGTERM exits at once. Either way
+the engine process is gone afterwards."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "graphdraft", "serve", "--device", "cpu", "--port", "0",
              "--quiet", "--max-context-len", "256", *flags],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
         self.err: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -40,6 +43,7 @@ class ServeProcess:
             assert time.monotonic() < deadline, "server did not start: " + "".join(self.err)
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{m.group(1)}"
+        self.engine_pid = int(re.search(r"engine process (\d+) ready", "".join(self.err))[1])
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -55,6 +59,26 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        if _alive(self.engine_pid):
+            os.kill(self.engine_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class StreamClient(threading.Thread):
@@ -98,13 +122,13 @@ def _refused(url: str) -> bool:
     return False
 
 
-def test_sigterm_while_streaming_ends_the_stream_and_exits_0():
+def test_ctrl_c_while_streaming_ends_the_stream_and_exits_0():
     s = ServeProcess("--shutdown-timeout", "1")
     try:
         client = StreamClient(s.url, max_tokens=200)
         client.start()
         assert client.first.wait(60) and client.error is None
-        s.proc.send_signal(signal.SIGTERM)
+        os.killpg(s.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the job
         deadline = time.monotonic() + 10
         while not _refused(s.url):  # no new connections once the shutdown began
             assert time.monotonic() < deadline
@@ -114,6 +138,7 @@ def test_sigterm_while_streaming_ends_the_stream_and_exits_0():
         s.kill()
     client.join(10)
     assert rc == 0, err
+    assert _gone(s.engine_pid), "the engine process outlived the server"
     assert out == ""  # stdout holds results only: a server has none
     assert "Traceback" not in err and "stopped" in err
     assert client.error is None and client.done  # the client saw the stream end
@@ -134,6 +159,7 @@ def test_a_second_signal_exits_at_once():
         s.proc.send_signal(signal.SIGTERM)
         rc, _, err = s.finish(timeout=10)
         assert time.monotonic() - t0 < 5
+        assert _gone(s.engine_pid), "the engine process outlived the server"
     finally:
         s.kill()
     assert rc == 128 + signal.SIGTERM, err

@@ -1,14 +1,16 @@
 """`graphdraft serve`: an OpenAI-compatible HTTP server over the speculative engine.
 
-Loads the model pair as `generate` does (every model and runtime flag applies), captures the
-CUDA graphs, then serves `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat
-template), `/v1/models`, `/health` and `/metrics` on `--host:--port`
-(`graphdraft.serving.openai_api`). Status lines go to stderr; stdout stays empty.
+Two processes: this one serves HTTP and spawns the engine process, which loads the model
+pair as `generate` does (every model and runtime flag applies; `engine_for_core` is its
+factory), captures the CUDA graphs and steps the Engine. Once it is ready, this process
+serves `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template),
+`/v1/models`, `/health` and `/metrics` on `--host:--port` (`graphdraft.serving.openai_api`).
+Status lines go to stderr; stdout stays empty.
 
 Capacity: `--max-running-requests` requests run at once and `--max-queued-requests` more
 wait; beyond that a request answers 503. SIGTERM / Ctrl-C: stop accepting, let live
-requests finish for `--shutdown-timeout` seconds, abort the rest, exit 0; a second signal
-exits at once.
+requests finish for `--shutdown-timeout` seconds, abort the rest, end the engine process,
+exit 0; a second signal ends both at once.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from graphdraft.serving.cli.args import CliError, int_at_least
 
 log = logging.getLogger("graphdraft.serving.cli")
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The interpreter's thread switch interval while serving (default 5 ms): the engine-loop
-thread, back from a device wait, takes the GIL from a busy event loop within this time
-rather than 5 ms later (a step of a small model takes a few ms)."""
+ENGINE_FACTORY = "graphdraft.serving.cli.serve:engine_for_core"
+"""What the engine process calls to build its Engine (`EngineCoreSpec.factory`)."""
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -65,15 +65,54 @@ def build_engine(a: argparse.Namespace):
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds results only
         m = models.load(a, read=False)
         if m.tokenizer is None:
-            raise CliError("--target: the model pair has no tokenizer (--random-models has "
-                           "none; a --target needs tokenizer.json and the `tokenizers` package)")
+            raise CliError(NO_TOKENIZER)
         engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos, seed=a.seed)
         read_while_compiling(m, [engine], m.cfg, a.quiet)
         capture(engine, "speculative", a.quiet)
     return engine, m
 
 
-def serve(a: argparse.Namespace) -> int:
+def engine_for_core(a: argparse.Namespace):
+    """The engine process's factory: (Engine with graphs captured, info for the HTTP process:
+    stop_token_ids, tokenizer_dir, device). A user error is an EngineBuildError (one line)."""
+    from graphdraft.serving.openai_api.engine_core import EngineBuildError
+
+    _engine_process_logging(a.log_level)
+    try:
+        engine, m = build_engine(a)
+        info = {"stop_token_ids": list(m.stops), "tokenizer_dir": tokenizer_dir(a),
+                "device": str(m.cfg.device)}
+    except CliError as e:
+        raise EngineBuildError(str(e)) from None
+    return engine, info
+
+
+def _engine_process_logging(level: str) -> None:
+    """The engine process's 'graphdraft' and 'capture' loggers at --log-level on stderr, in
+    the CLI's format (a spawned process starts with logging unconfigured)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("graphdraft", "capture"):
+        lg = logging.getLogger(name)
+        lg.setLevel(level.upper())
+        lg.addHandler(handler)
+        lg.propagate = False
+
+
+def tokenizer_dir(a: argparse.Namespace) -> str | None:
+    """The directory the served tokenizer is read from (None: the pair has none)."""
+    if a.target:
+        return models.converted_target(a.target)
+    if a.random_models or not models.shipped_pair_available():
+        return None
+    return str(models.SHIPPED_TARGET)
+
+
+NO_TOKENIZER = ("--target: the model pair has no tokenizer (--random-models has none; a "
+                "--target needs tokenizer.json and the `tokenizers` package)")
+
+
+def _check_flags(a: argparse.Namespace) -> None:
     if a.dp_size != 1:
         raise CliError(f"--dp-size: expected 1 for serve (one engine per server), got {a.dp_size}")
     if a.port > 65535:
@@ -81,27 +120,60 @@ def serve(a: argparse.Namespace) -> int:
     if a.shutdown_timeout < 0:
         raise CliError(f"--shutdown-timeout: expected a number of seconds >= 0, got "
                        f"{a.shutdown_timeout}")
+    if not a.target and tokenizer_dir(a) is None:
+        raise CliError(NO_TOKENIZER)
+
+
+def start_engine(a: argparse.Namespace, capacity: int):
+    """(EngineClient with its engine process ready, the tokenizer, the ready info); CliError
+    for a user error the engine process reported."""
+    from graphdraft.serving.openai_api.engine_client import EngineClient, EngineStartError
+    from graphdraft.serving.openai_api.engine_core import EngineCoreSpec
+
+    client = EngineClient(EngineCoreSpec(ENGINE_FACTORY, argparse.Namespace(**vars(a))),
+                          capacity=capacity)
+    try:
+        info = client.start()
+    except EngineStartError as e:
+        if e.details:
+            log.debug("the engine process's traceback:\n%s", e.details)
+        if e.user_error:
+            raise CliError(str(e)) from None
+        raise RuntimeError(f"the engine process: {e}") from None
+    tokenizer = models.load_tokenizer(info["tokenizer_dir"]) if info["tokenizer_dir"] else None
+    if tokenizer is None:
+        client.stop()
+        raise CliError(NO_TOKENIZER)
+    return client, tokenizer, info
+
+
+def serve(a: argparse.Namespace) -> int:
+    _check_flags(a)
     try:
         from graphdraft.serving.openai_api.app import OpenAIServer, ServerConfig
         from graphdraft.serving.openai_api.server import make_server
     except ImportError as e:
         raise CliError(f"serve: needs the server packages ({e.name} is missing): pip install "
                        "'graphdraft[serve]'") from None
-    engine, m = build_engine(a)
-    config = ServerConfig(model_name=model_name(a),
-                          capacity=a.max_running_requests + a.max_queued_requests,
-                          stop_token_ids=tuple(m.stops), shutdown_grace_s=a.shutdown_timeout)
-    api = OpenAIServer(engine, m.tokenizer, config)
-    server = make_server(api, a.host, a.port, log_level=a.log_level)
-    _announce_when_started(server, a, config.model_name)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    server.run()
+    client, tokenizer, info = start_engine(a, a.max_running_requests + a.max_queued_requests)
+    try:
+        config = ServerConfig(model_name=model_name(a),
+                              stop_token_ids=tuple(info["stop_token_ids"]),
+                              shutdown_grace_s=a.shutdown_timeout)
+        api = OpenAIServer(client, tokenizer, config)
+        print(f"graphdraft serve: engine process {client.pid} ready ({info['device']})",
+              file=sys.stderr, flush=True)
+        server = make_server(api, a.host, a.port, log_level=a.log_level)
+        _announce_when_started(server, a, config.model_name)
+        server.run()
+    finally:
+        client.stop()
     if a.metrics_json:
         import dataclasses
 
         from graphdraft.serving.cli.report import write_json
         write_json(a.metrics_json, {"engine": dataclasses.asdict(api.metrics.state),
-                                    "device": m.cfg.device})
+                                    "device": info["device"]})
     print("graphdraft serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -1,18 +1,23 @@
 """The ASGI application (Starlette): the OpenAI routes over one `EngineLoop`.
 
-  GET  /health                 200 {"status": "ok"} while serving; 503 once shutting down
+  GET  /health                 200 {"status": "ok"} while serving; 503 {"status":
+                               "unavailable", "reason"} once shutting down or when the
+                               engine process is gone
   GET  /metrics                Prometheus text format (`metrics.ServerMetrics`)
   GET  /v1/models              the one served model (its id: `--served-model-name`)
   GET  /v1/models/{model}
   POST /v1/completions         prompt: text, token ids, or a batch of either
   POST /v1/chat/completions    messages rendered with the checkpoint's chat template
 
-A generation request is checked whole before anything is queued (`protocol.parse_request`,
-the model name, the prompt's encoding, `Engine.check_request` for every choice: a request
-that can never fit the context answers 400); then its choices (prompts x n engine requests)
-go to the engine loop at once, or the request answers 503 (full, or shutting down). A
-streamed response is server-sent events (`data: {chunk}` per engine step that produced text,
-then `data: [DONE]`); a client that disconnects, from a stream or while waiting for a whole
+The Engine runs in its own process (`engine_core`); this process holds an `EngineClient`
+to it and does the HTTP work, the detokenization and the stop strings. A generation request
+is checked whole before anything is queued (`protocol.parse_request`, the model name, the
+prompt's encoding, the Engine's limits for every choice (`limits.EngineLimits.check`): a
+request that can never fit the context answers 400); then its choices (prompts x n engine
+requests) go to the engine process at once, or the request answers 503 (full, shutting down,
+or the engine process gone). A streamed response is server-sent events: one `data: {chunk}`
+per wake-up with every token that arrived since the last write (of every choice), then
+`data: [DONE]`; a client that disconnects, from a stream or while waiting for a whole
 response, has its requests aborted at once. Every error is the OpenAI error body.
 """
 
@@ -34,9 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from graphdraft.io.tokenizer import Tokenizer
-from graphdraft.serving.engine import Engine
 from graphdraft.serving.openai_api import protocol as P
-from graphdraft.serving.openai_api.engine_loop import Choice, EngineLoop, ServerBusy
+from graphdraft.serving.openai_api.engine_client import Choice, EngineClient, ServerBusy
 from graphdraft.serving.openai_api.metrics import ServerMetrics
 from graphdraft.serving.openai_api.protocol import ApiError, GenerationRequest
 from graphdraft.serving.openai_api.text import ChoiceText
@@ -53,8 +57,6 @@ class ServerConfig:
     """What the app serves with (the CLI fills it from `graphdraft serve`'s flags)."""
 
     model_name: str
-    capacity: int
-    """Choices live at once (running + queued); more answer 503."""
     stop_token_ids: tuple[int, ...] = ()
     """Ids that end every request (the tokenizer's EOS / end-of-turn), unless ignore_eos."""
     shutdown_grace_s: float = 10.0
@@ -77,12 +79,15 @@ class _Run:
 
 
 class OpenAIServer:
-    """The routes and their state; `app` is the ASGI application."""
+    """The routes and their state; `app` is the ASGI application. `engine`: a started
+    `EngineClient` (its process ready); the app attaches it to its event loop at start-up
+    and stops it (the engine process exits) at shutdown."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.limits = engine.limits
         self.metrics = ServerMetrics()
-        self.loop: EngineLoop | None = None
+        self.attached = False
         self.created = int(time.time())
         routes = [Route("/health", self.health), Route("/metrics", self.prometheus),
                   Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
@@ -95,23 +100,24 @@ class OpenAIServer:
     # --- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
-                               self.config.capacity)
-        self.loop.start()
+        self.engine.attach(asyncio.get_running_loop(), self.metrics)
+        self.attached = True
         try:
             yield
         finally:
-            self.loop.stop()
+            self.engine.stop()
 
     def begin_shutdown(self) -> None:
-        """Refuse new requests; live ones get `shutdown_grace_s`, then are aborted."""
-        if self.loop is not None:
-            self.loop.begin_shutdown(self.config.shutdown_grace_s)
+        """Refuse new requests; live ones get `shutdown_grace_s`, then are aborted (any
+        thread)."""
+        self.engine.begin_shutdown(self.config.shutdown_grace_s)
 
     # --- small routes ----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        ok = self.loop is not None and self.loop.healthy
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+        if self.attached and self.engine.healthy:
+            return JSONResponse({"status": "ok"})
+        reason = self.engine.failure or ("shutting down" if self.attached else "starting")
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503)
 
     async def prometheus(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -119,7 +125,7 @@ class OpenAIServer:
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.config.model_name, "object": "model", "created": self.created,
-                "owned_by": "graphdraft", "max_model_len": self.engine.cfg.max_context_len}
+                "owned_by": "graphdraft", "max_model_len": self.limits.max_context_len}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -187,10 +193,10 @@ class OpenAIServer:
         run = _Run(req, choices, texts, sum(len(p) for p in prompts))
         for i, c in enumerate(choices):
             c.deliver = _deliverer(run.queue, i)
-        if self.loop is None:
+        if not self.attached:
             raise ApiError(503, "the server is starting", code="unavailable")
         try:
-            self.loop.submit(choices)
+            self.engine.submit(choices)
         except ServerBusy as e:
             raise ApiError(503, str(e), code=e.reason) from None
         return run
@@ -213,8 +219,8 @@ class OpenAIServer:
         return out
 
     def _params(self, req: GenerationRequest, prompt: list[int]) -> SamplingParams:
-        """The choice's SamplingParams, checked against the engine (400 if it can never
-        fit); without max_tokens: 16 for completions, the largest that fits for chat."""
+        """The choice's SamplingParams, checked against the Engine's limits (400 if it can
+        never fit); without max_tokens: 16 for completions, the largest that fits for chat."""
         stops = () if req.sampling.get("ignore_eos") else self.config.stop_token_ids
         max_tokens = req.max_tokens
         if max_tokens is None and not req.chat:
@@ -223,20 +229,20 @@ class OpenAIServer:
             max_tokens = self._largest_fit(req, prompt, stops)
         params = P.sampling_params(req, max_tokens, stops)
         try:
-            self.engine.check_request(prompt, params)
+            self.limits.check(prompt, params)
         except ValueError as e:
             raise _fit_error(req, str(e)) from None
         return params
 
     def _largest_fit(self, req: GenerationRequest, prompt: list[int], stops) -> int:
-        """The largest max_tokens `Engine.check_request` accepts for `prompt` (1 if none)."""
+        """The largest max_tokens the Engine's limits accept for `prompt` (1 if none)."""
         def fits(m: int) -> bool:
             try:
-                self.engine.check_request(prompt, P.sampling_params(req, m, stops))
+                self.limits.check(prompt, P.sampling_params(req, m, stops))
             except ValueError:
                 return False
             return True
-        lo, hi = 1, self.engine.cfg.max_context_len
+        lo, hi = 1, self.limits.max_context_len
         if not fits(lo):
             return lo  # check_request then reports why
         while lo < hi:
@@ -258,7 +264,7 @@ class OpenAIServer:
                     continue
                 piece = text.push(ids, fin)
                 if text.stopped and fin is None:
-                    self.loop.cancel([run.choices[i]])
+                    self.engine.cancel([run.choices[i]])
                 if text.done:
                     run.finish[i] = text.finish_reason_override or fin or "stop"
                 prev = out.get(i)
@@ -287,12 +293,12 @@ class OpenAIServer:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                self.loop.cancel(run.choices)
+                self.engine.cancel(run.choices)
         if not work.done() or work.cancelled():
             self.metrics.requests.labels(endpoint=endpoint, status="499").inc()
             return Response(status_code=499)
         work.result()
-        bad = _failure(run)
+        bad = _failure(run, self.engine.failure)
         if bad is not None:
             return self._error(bad, endpoint)
         body = P.envelope(rid, model, run.req.chat, chunk=False)
@@ -322,27 +328,29 @@ class OpenAIServer:
                          for i, piece, fin in updates if piece or fin is not None]
                 if parts:
                     yield chunk(parts)
-            bad = _failure(run)
+            bad = _failure(run, self.engine.failure)
             if bad is not None:
                 yield "data: " + json.dumps(bad.body()) + "\n\n"
             if run.req.include_usage:
                 yield chunk([], usage=self._usage(run))
             yield "data: [DONE]\n\n"
         finally:
-            if run.open and self.loop is not None:
-                self.loop.cancel(run.choices)
+            if run.open:
+                self.engine.cancel(run.choices)
 
 
 def _public_reason(reason: str | None) -> str | None:
     return None if reason == "error" else reason
 
 
-def _failure(run: _Run) -> ApiError | None:
-    """The error to report when a choice failed (engine error) or was aborted by shutdown."""
+def _failure(run: _Run, engine_failure: str | None) -> ApiError | None:
+    """The error to report when a choice failed (engine error, the engine process gone) or
+    was aborted by shutdown."""
     reasons = set(run.finish.values())
     if "error" in reasons:
-        return ApiError(500, "the engine failed while serving this request (see the server "
-                        "log)", code="engine_error")
+        what = engine_failure or "the engine failed"
+        return ApiError(500, f"{what} while serving this request (see the server log)",
+                        code="engine_error")
     if "abort" in reasons:
         return ApiError(503, "the server shut down before this request finished",
                         code="shutting_down")
@@ -350,7 +358,7 @@ def _failure(run: _Run) -> ApiError | None:
 
 
 def _fit_error(req: GenerationRequest, message: str) -> ApiError:
-    """`Engine.check_request`'s ValueError as a 400 naming the API field."""
+    """`EngineLimits.check`'s ValueError as a 400 naming the API field."""
     param = req.prompt_param
     if "stop_token_ids" in message:
         param = "stop_token_ids"

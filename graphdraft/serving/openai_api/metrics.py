@@ -1,13 +1,15 @@
 """The server's Prometheus metrics (`GET /metrics`, the text exposition format).
 
-HTTP side (updated by the handlers): `graphdraft_requests_total{endpoint, status}`.
-Engine side (updated by the engine loop thread, `EngineLoop`): prompt and generation token
-counters, finished choices by finish reason, time to first token, inter-token latency and
-end-to-end latency histograms (host clock, from the request's arrival at the loop to the
-tokens reaching the event loop), and an `EngineState` that the loop replaces after every
-step, exposed at scrape time by a collector: queue depth (requests waiting for a slot),
-running requests, KV pages in use and in all, the accept length histogram (decode rows by
-tokens accepted per verify) and graph replays and eager runs per captured forward family.
+All of them live in the HTTP process. Updated by the handlers:
+`graphdraft_requests_total{endpoint, status}`. Updated as the engine process's messages
+arrive (`engine_client.EngineClient`): prompt and generation token counters, finished
+choices by finish reason, time to first token, inter-token latency and end-to-end latency
+histograms (host clock of the HTTP process, from the request's submission to the tokens
+reaching its event loop). The `EngineState` the engine process sends (every few tens of
+milliseconds while busy, once when idle) is exposed at scrape time by a collector: queue
+depth (requests waiting for a slot), running requests, KV pages in use and in all, the
+accept length histogram (decode rows by tokens accepted per verify) and graph replays and
+eager runs per captured forward family.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.
 
 @dataclass(frozen=True)
 class EngineState:
-    """What the engine loop read after its last step (replaced whole, never mutated)."""
+    """The engine process's state as last sent (replaced whole, never mutated)."""
 
     waiting: int = 0
     running: int = 0
@@ -42,6 +44,10 @@ class EngineState:
     1..max(max_accept, longest seen), the same at every scrape."""
     graphs: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Forward family -> (graph replays, eager runs), cumulative."""
+    finished: int = 0
+    """Requests the engine process reported finished (any reason), cumulative."""
+    has_work: bool = False
+    """Whether the Engine had requests or launched steps when the state was read."""
 
 
 class _EngineCollector(Collector):
@@ -95,13 +101,13 @@ class ServerMetrics:
         self.generation_tokens = Counter("graphdraft_generation_tokens",
                                          "tokens generated", registry=r)
         self.ttft = Histogram("graphdraft_time_to_first_token_seconds",
-                              "arrival at the engine loop to the first token", registry=r,
+                              "submission to the engine to the first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("graphdraft_inter_token_latency_seconds",
                              "gap between a choice's token deliveries over the tokens delivered",
                              registry=r, buckets=ITL_BUCKETS)
         self.e2e = Histogram("graphdraft_request_latency_seconds",
-                             "arrival at the engine loop to the last token", registry=r,
+                             "submission to the engine to the last token", registry=r,
                              buckets=LATENCY_BUCKETS)
         self.state = EngineState()
         r.register(_EngineCollector(self))

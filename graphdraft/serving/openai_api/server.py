@@ -3,8 +3,9 @@
 The first SIGTERM or SIGINT (Ctrl-C): the listening socket closes (no new connections),
 new requests on open connections answer 503, live requests may finish for
 `shutdown_grace_s` seconds and are then aborted (a stream ends with finish reason "abort"
-and `data: [DONE]`), and `serve` returns normally (exit code 0). A second signal exits the
-process at once (`os._exit`, code 128 + the signal number).
+and `data: [DONE]`), the engine process is told to exit and joined, and `serve` returns
+normally (exit code 0). A second signal kills the engine process and exits at once
+(`os._exit`, code 128 + the signal number).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class GracefulServer(uvicorn.Server):
         self.signals += 1
         if self.signals > 1:
             print("graphdraft serve: second signal, exiting now", file=sys.stderr, flush=True)
+            self.api.engine.kill()
             os._exit(128 + sig)
         log.warning("shutting down (signal %d): no new requests; live ones get %.0f s, then are "
                     "aborted; a second signal exits at once", sig,
@@ -64,7 +66,7 @@ class GracefulServer(uvicorn.Server):
 def make_server(api: OpenAIServer, host: str, port: int, log_level: str = "warning",
                 fd: int | None = None) -> GracefulServer:
     """A server for `api`; uvicorn cancels what still runs `shutdown_grace_s` + 5 s after the
-    shutdown began (after the engine loop aborted it)."""
+    shutdown began (after the engine process aborted it)."""
     config = uvicorn.Config(api.app, host=host, port=port, fd=fd, log_level=log_level,
                             lifespan="on", access_log=False,
                             timeout_graceful_shutdown=int(api.config.shutdown_grace_s) + 5)

@@ -1,0 +1,285 @@
+"""The engine-core process: it owns the `Engine`, steps it, and talks to the HTTP process.
+
+`run_engine_core(spec, sock)` is the process's entry point (started by
+`engine_client.EngineClient` with multiprocessing's spawn context). It builds the Engine by
+calling `spec.factory` (a 'module:function' name) with `spec.args`, sends ("ready", info)
+(the Engine's limits, its process id, the factory's info), then runs `EngineCore.run`:
+
+  loop: read every command that arrived (without waiting while the Engine has work; idle,
+        it sleeps in `select` until a command comes) and apply it: add requests, abort
+        them, begin the shutdown, exit; one `Engine.step()`; collect every live request's new
+        token ids and finish reasons; send them in ONE ("out", outputs, state) message.
+
+The socket never blocks the loop: when the HTTP process has not read the last message yet,
+the next steps' outputs are merged (per request) and sent as one message once the socket
+takes it, so the Engine steps at its own pace whatever the HTTP side does. The engine state
+for /metrics (`metrics.EngineState` fields) rides along every STATE_INTERVAL_S while busy
+and once when the Engine turns idle. Every FOLD_INTERVAL_S the Engine's accept lengths and
+graph use are folded into the state and its recorder reset (a long-running server's memory
+stays flat).
+
+A step that raises: a request the Engine flagged (`Engine.step`'s ValueError) ends with
+finish reason "error", the others go on; any other exception ends every live request with
+"error" (their pages go back) and its traceback goes to the server's log ("log" message);
+the process serves on. SIGINT and SIGTERM are ignored here (a Ctrl-C in a terminal reaches
+both processes; the HTTP process shuts this one down); a watchdog ends the process when its
+parent is gone, and the loop ends when the socket closes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from graphdraft.serving.openai_api.limits import EngineLimits
+from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
+from graphdraft.serving.verify import SamplingParams
+
+FOLD_INTERVAL_S = 0.5
+STATE_INTERVAL_S = 0.05
+IDLE_WAIT_S = 0.25
+PARENT_CHECK_S = 0.5
+
+
+class EngineBuildError(Exception):
+    """Raised by an engine factory for an error the user can fix (a bad flag or checkpoint):
+    its message is one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class EngineCoreSpec:
+    """How the engine-core process builds its Engine (picklable: plain data only)."""
+
+    factory: str
+    """'module:function', called in the engine process as `function(args)`; returns
+    (engine, info): the Engine and a dict of plain data for the HTTP process (the CLI's
+    factory sends stop_token_ids, tokenizer_dir and device)."""
+    args: Any
+    """The factory's argument, e.g. the command line's argparse.Namespace."""
+
+
+def resolve_factory(name: str) -> Callable[[Any], tuple[Any, dict]]:
+    module, _, function = name.partition(":")
+    if not module or not function:
+        raise ValueError(f"factory: expected 'module:function', got {name!r}")
+    return getattr(importlib.import_module(module), function)
+
+
+def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
+    """The engine-core process: build the Engine, say ready (or why not), serve until told
+    to exit or until the HTTP process is gone."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _watch_parent(os.getppid())
+    try:
+        engine, info = resolve_factory(spec.factory)(spec.args)
+    except BaseException as e:  # noqa: BLE001 (the HTTP process says why)
+        user = isinstance(e, (EngineBuildError, ValueError))
+        message = str(e) if user else f"{type(e).__name__}: {e}"
+        _send_now(sock, ("failed", message, "user" if user else "internal",
+                         "" if user else traceback.format_exc()))
+        return
+    ready = dict(info, pid=os.getpid(), limits=asdict(EngineLimits.of(engine)))
+    if not _send_now(sock, ("ready", ready)):
+        return
+    sock.setblocking(False)
+    EngineCore(engine, sock).run()
+
+
+def _send_now(sock: socket.socket, message: Any) -> bool:
+    try:
+        sock.sendall(encode(message))
+    except OSError:
+        return False
+    return True
+
+
+def _watch_parent(ppid: int) -> None:
+    """End this process (at once) when the process that started it is gone."""
+    def watch() -> None:
+        while os.getppid() == ppid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+    threading.Thread(target=watch, name="graphdraft-parent-watch", daemon=True).start()
+
+
+class EngineCore:
+    """The step loop of the module docstring over `engine` and the socket `sock`."""
+
+    def __init__(self, engine: Any, sock: socket.socket) -> None:
+        self.engine, self.sock = engine, sock
+        self.reader, self.outbox = FrameReader(sock), Outbox(sock)
+        self.selector = selectors.DefaultSelector()
+        self._events = selectors.EVENT_READ
+        self.selector.register(sock, self._events)
+        self.live: dict[int, list] = {}       # rid -> [Request, ids sent]
+        self.outputs: dict[int, list] = {}    # rid -> [new ids, finish reason] not sent yet
+        self.deadline: float | None = None
+        self.exiting = False
+        self.finished = self.steps = self.step_errors = 0
+        self.accept_hist: dict[int, int] = {}
+        self.graphs: dict[str, tuple[int, int]] = {}
+        self.last_fold = self.last_state = 0.0
+        self.dirty = True  # the state changed since it was last sent
+
+    def run(self) -> None:
+        try:
+            while not self.exiting:
+                self._receive(wait=not self.engine.has_work)
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self._abort_all("abort")
+                if self.engine.has_work:
+                    self._step()
+                self._collect()
+                self._fold()
+                self._send()
+        except PeerGone:
+            pass  # the HTTP process is gone: nobody left to serve
+        finally:
+            self._abort_all("abort")
+
+    # --- commands ----------------------------------------------------------------------------
+    def _receive(self, wait: bool) -> None:
+        if wait:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
+            if events != self._events:
+                self.selector.modify(self.sock, events)
+                self._events = events
+            self.selector.select(IDLE_WAIT_S)
+        for message in self.reader.read():
+            self._apply(message)
+
+    def _apply(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            for rid, prompt, fields in message[1]:
+                self._add(rid, prompt, fields)
+        elif kind == "abort":
+            for rid in message[1]:
+                entry = self.live.pop(rid, None)
+                if entry is not None:
+                    self.engine.abort(entry[0])
+                    self._output(rid, [], "abort")
+        elif kind == "shutdown":
+            self.deadline = time.monotonic() + float(message[1])
+        elif kind == "exit":
+            self.exiting = True
+        self.dirty = True
+
+    def _add(self, rid: int, prompt: list[int], fields: dict[str, Any]) -> None:
+        try:
+            req = self.engine.add_request(prompt, SamplingParams(**fields))
+        except Exception as e:  # noqa: BLE001 (the HTTP side checked it: not expected)
+            self._log(logging.ERROR, f"request rejected by the engine: {type(e).__name__}: {e}")
+            self._output(rid, [], "error")
+            return
+        self.live[rid] = [req, 0]
+
+    # --- stepping ----------------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except ValueError as e:  # requests the engine flagged end with "error"; others go on
+            self.step_errors += 1
+            self._log(logging.WARNING, f"engine step: {e}")
+        except Exception:  # noqa: BLE001 (the server never dies from one step)
+            self.step_errors += 1
+            self._log(logging.ERROR, "engine step failed; aborting every live request\n"
+                      + traceback.format_exc())
+            self._abort_all("error")
+        self.steps += 1
+        self.dirty = True
+
+    def _collect(self) -> None:
+        """Every live request's new ids (and its finish reason once it ended) into `outputs`."""
+        done = []
+        for rid, entry in self.live.items():
+            r = entry[0]
+            n = len(r.output)
+            if n == entry[1] and r.finish_reason is None:
+                continue
+            ids = r.output[entry[1]:n]
+            entry[1] = n
+            self._output(rid, ids, r.finish_reason)
+            if r.finish_reason is not None:
+                done.append(rid)
+        for rid in done:
+            del self.live[rid]
+
+    def _output(self, rid: int, ids: list[int], finish: str | None) -> None:
+        pending = self.outputs.get(rid)
+        if pending is None:
+            self.outputs[rid] = [ids, finish]
+        else:
+            pending[0] += ids
+            pending[1] = finish or pending[1]
+        if finish is not None:
+            self.finished += 1
+
+    def _abort_all(self, reason: str) -> None:
+        for rid, (req, _) in list(self.live.items()):
+            if not req.finished:
+                self.engine.abort(req)
+            self._output(rid, [], reason)
+        self.live.clear()
+        self.dirty = True
+
+    # --- messages to the HTTP process --------------------------------------------------------
+    def _send(self) -> None:
+        """One "out" message with everything collected since the last one, unless the last
+        one is still being written (then the outputs keep merging until it is)."""
+        if self.outbox and not self.outbox.flush():
+            return
+        now = time.monotonic()
+        state_due = self.dirty and (not self.engine.has_work
+                                    or now - self.last_state >= STATE_INTERVAL_S)
+        if not self.outputs and not state_due:
+            return
+        state = self.state() if state_due else None
+        if state is not None:
+            self.last_state, self.dirty = now, False
+        self.outbox.put(("out", [(rid, ids, fin) for rid, (ids, fin) in self.outputs.items()],
+                         state))
+        self.outputs = {}
+        self.outbox.flush()
+
+    def _log(self, level: int, text: str) -> None:
+        self.outbox.put(("log", level, text))
+
+    def state(self) -> dict[str, Any]:
+        """The engine state for /metrics and /health (`metrics.EngineState` fields)."""
+        e = self.engine
+        pages = e.pages
+        return {"waiting": len(e.waiting), "running": len(e.running),
+                "kv_pages_used": pages.num_pages - 1 - pages.num_free_pages,
+                "kv_pages_total": pages.num_pages - 1, "steps": self.steps,
+                "step_errors": self.step_errors, "accept_hist": dict(self.accept_hist),
+                "max_accept": e.cfg.speculative_num_steps + 1, "graphs": dict(self.graphs),
+                "finished": self.finished, "has_work": bool(e.has_work)}
+
+    def _fold(self) -> None:
+        """Every FOLD_INTERVAL_S: the Engine's accept lengths into the state's histogram,
+        its graph use read, its recorder reset."""
+        now = time.monotonic()
+        if now - self.last_fold < FOLD_INTERVAL_S:
+            return
+        self.last_fold = now
+        snap = self.engine.metrics_snapshot()
+        rows = snap["accept_length"]["histogram"]
+        for length, n in rows.items():
+            self.accept_hist[int(length)] = self.accept_hist.get(int(length), 0) + n
+        self.engine.metrics.reset()
+        graphs = {name: (g["replays"], sum(g["eager"].values()))
+                  for name, g in snap.get("graphs", {}).items()}
+        if rows or graphs != self.graphs:
+            self.graphs, self.dirty = graphs, True
