@@ -37,16 +37,17 @@ PROMPTS = [[5, 17, 3, 44, 9, 12], [60, 1, 2], [33, 33, 8, 19, 50, 7, 21, 4, 11],
 # The scenarios (identical code for 1 rank and for each of the 2 ranks)
 # ---------------------------------------------------------------------------
 def _record(eng: Engine) -> tuple[list, list]:
-    """Wrap the engine's target forward and drafter to keep every step's logits and drafts."""
+    """Wrap the decode mode's eager target forward (`DecodeMode.target_forward`: every step on
+    a CPU is eager) and the drafter's run to keep every step's logits and drafts."""
     logits, drafts = [], []
-    target_forward = eng._target_forward
+    target_forward = eng.mode.target_forward
 
-    def fwd(ctx, rows):
-        out = target_forward(ctx, rows)
+    def fwd(ctx, rows, capture_aux):
+        out = target_forward(ctx, rows, capture_aux)
         logits.append(out.logits.clone())
         return out
 
-    eng._target_forward = fwd
+    eng.mode.target_forward = fwd
     if eng.drafter is not None:
         run = eng.drafter.run
 
