@@ -1,1 +1,1 @@
-"""Checkpoints (safetensors, HF layout) and the shipped byte tokenizer."""
+"""Checkpoints (safetensors, HF layout), GGUF conversion, tokenizers and chat templates."""
