@@ -2,7 +2,7 @@
 
 `python -m perf.serve --out DIR` (GPU):
   1. starts `python -m graphdraft serve` (the shipped pair unless --target/--draft) in a
-     subprocess and waits for it;
+     subprocess and waits for it (its HTTP process and the engine process it spawns);
   2. per concurrency c (1, 8, 32, 64, 128): a closed loop of c streaming clients (each sends
      its next request when the last one ended; the clients spread over worker processes so
      that the load generator is not the bottleneck), `--reps` repetitions after one warm-up
@@ -10,8 +10,8 @@
      `--prompts` (HumanEval's 164 prompts, their last `--prompt-tokens` tokens);
   3. a soak (`--soak N`, default 10,000 requests at concurrency 128, a fifth of them
      disconnecting after a few chunks; capped by `--soak-seconds`), then reads /metrics: every
-     KV page must be free and nothing queued or running; the server's resident memory is
-     sampled through the soak;
+     KV page must be free and nothing queued or running; the resident memory of the server's
+     two processes is sampled through the soak;
   4. SIGTERM to the server (it must exit 0), then the offline baseline: the same prompts and
      parameters through one Engine in this process, closed loop with c requests live
      (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight).
@@ -138,6 +138,7 @@ class ServerProcess:
                 raise RuntimeError("server did not start:\n" + "".join(self.lines))
             time.sleep(0.1)
         self.url = f"http://{m.group(1)}:{m.group(2)}"
+        self.engine_pid = int(re.search(r"engine process (\d+) ready", "".join(self.lines))[1])
 
     def _pump(self) -> None:
         for line in self.proc.stderr:
@@ -145,9 +146,18 @@ class ServerProcess:
             self.log.write(line)
             self.log.flush()
 
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory (MB) of the HTTP process ("http"), the engine process ("engine")
+        and both ("total")."""
+        def rss(pid: int) -> float:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                return 0.0
+            return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+        out = {"http": rss(self.proc.pid), "engine": rss(self.engine_pid)}
+        out["total"] = out["http"] + out["engine"]
+        return {k: round(v, 1) for k, v in out.items()}
 
     def metrics(self) -> dict[str, float]:
         import httpx
@@ -167,6 +177,19 @@ class ServerProcess:
             rc = -9
         self.log.close()
         return rc
+
+    def engine_left(self, timeout: float = 5.0) -> bool:
+        """Whether the engine process still runs `timeout` s after the server exited."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                stat = Path(f"/proc/{self.engine_pid}/stat").read_text()
+            except OSError:
+                return False
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+            time.sleep(0.1)
+        return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,7 +259,9 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
             report["soak"] = soak(a, server, prompts, pool)
     finally:
         report["server_exit_code"] = server.stop()
-    print(f"server exit code {report['server_exit_code']}", flush=True)
+        report["engine_process_left"] = server.engine_left()
+    print(f"server exit code {report['server_exit_code']}, engine process left: "
+          f"{report['engine_process_left']}", flush=True)
     return report
 
 
@@ -264,7 +289,7 @@ def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]],
             break
         time.sleep(0.2)
     out = {"requests": done, "target": a.soak, "disconnected": left, "failed": failed,
-           "seconds": round(time.monotonic() - t0, 1), "rss_mb": [round(x, 1) for x in rss],
+           "seconds": round(time.monotonic() - t0, 1), "rss_mb": rss,
            "kv_pages_used_after": m.get("graphdraft_kv_pages_used"),
            "running_after": m.get("graphdraft_running_requests"),
            "queued_after": m.get("graphdraft_queue_depth"),
