@@ -353,3 +353,55 @@ def test_limits_check_like_the_engine(served):
         assert got == want, (len(prompt), params)
         verdicts.add(want is None)
     assert verdicts == {True, False}
+
+
+def test_the_engine_core_steps_on_while_nobody_reads(served):
+    """`EngineCore` over an Engine of this process (in a thread), its socket's buffers at
+    their smallest and the reading end left unread: the Engine serves every request to the
+    end anyway (the outputs merge while the socket is backed up); read afterwards, each
+    request's ids (from fewer messages than steps) equal `Engine.generate`'s."""
+    import dataclasses
+    import socket
+    import threading as th
+
+    from graphdraft.serving.openai_api.engine_core import EngineCore
+    from graphdraft.serving.openai_api.wire import FrameReader, encode
+
+    ours, theirs = socket.socketpair()
+    for s, opt in ((theirs, socket.SO_SNDBUF), (ours, socket.SO_RCVBUF)):
+        s.setsockopt(socket.SOL_SOCKET, opt, 1)  # the kernel's minimum
+    theirs.setblocking(False)
+    engine = served.ref_engine
+    core = EngineCore(engine, theirs)
+    params = SamplingParams(max_new_tokens=MAX_TOKENS, stop_token_ids=served.stops)
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    keys = [*PROMPTS, *PROMPTS]
+    ours.sendall(encode(("add", [(i, served.tok.encode(p), fields)
+                                 for i, p in enumerate(keys)])))
+    thread = th.Thread(target=core.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while core.steps == 0 or engine.has_work or core.live:  # nothing read meanwhile
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    assert core.outbox or core.outputs  # backed up: the outputs waited, the Engine did not
+    ours.setblocking(False)
+    reader, got, finish, frames = FrameReader(ours), {}, {}, 0
+    while len(finish) < len(keys):
+        assert time.monotonic() < deadline
+        for _kind, outputs, _state in (m for m in reader.read() if m[0] == "out"):
+            frames += bool(outputs)
+            for rid, ids, fin in outputs:
+                got.setdefault(rid, []).extend(ids)
+                if fin is not None:
+                    finish[rid] = fin
+        time.sleep(0.005)
+    ours.sendall(encode(("exit",)))
+    thread.join(10)
+    assert not thread.is_alive()
+    for rid, key in enumerate(keys):
+        assert got[rid] == served.refs[key], key
+        assert finish[rid] == ("stop" if served.refs[key][-1] in served.stops else "length")
+    assert frames < core.steps
+    ours.close()
+    theirs.close()
