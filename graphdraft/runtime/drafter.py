@@ -30,6 +30,11 @@ step of a prefill/mixed batch). Around a decode replay the host issues two launc
 the caller's inputs (`stage_decode_inputs`) and copying next_tokens out. Decode batches are
 always padded to the graph schedule (also when graphs are off), so `enforce_eager`
 reproduces graph numerics exactly.
+
+Inside the `Engine` the drafter meets `graphdraft.runtime.drafter_protocol.Drafter`: the
+Engine's decode cycle writes the accepted tokens and accept lengths straight into its
+buffers and runs `draft(bs, k)` (the decode body of any k in 0..S) inside its own cycle
+graph; `decode_graphs` are then not captured (`bind`), `multi_step_graphs` are (`graphs`).
 """
 
 from __future__ import annotations
