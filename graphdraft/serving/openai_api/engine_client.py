@@ -20,9 +20,10 @@ engine process lets live ones finish for `grace_s` seconds, then aborts them.
 `stop()`: ("exit",), then join the process (terminate, then kill, if it lingers): the engine
 process never outlives the server. `kill()`: at once (a second signal).
 
-When the engine process dies (its sentinel or the socket's end of stream): every live
-choice ends with finish reason "error", `failure` says what happened (and the server's log,
-once), new requests answer 503, and `healthy` turns False.
+When the engine process dies (its sentinel, the socket's end of stream, or a liveness check
+every LIVENESS_CHECK_S): every live choice ends with finish reason "error", `failure` says
+what happened (and the server's log, once), new requests answer 503, and `healthy` turns
+False.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ log = logging.getLogger("graphdraft.serving.openai_api")
 
 EXIT_JOIN_S = 10.0
 """How long `stop()` waits for the engine process to exit before terminating it."""
+LIVENESS_CHECK_S = 1.0
+"""How often the event loop also asks whether the engine process still runs (its sentinel and
+socket may stay open in a process it forked, e.g. a precompile worker)."""
 
 
 class ServerBusy(Exception):
@@ -112,6 +116,7 @@ class EngineClient:
         self._writing = False
         self._reader: FrameReader | None = None
         self._outbox: Outbox | None = None
+        self._liveness: asyncio.TimerHandle | None = None
 
     # --- start-up (blocking: before the server serves) -------------------------------------
     def start(self, timeout: float | None = None) -> dict[str, Any]:
@@ -180,6 +185,13 @@ class EngineClient:
         self.loop, self.metrics = loop, metrics
         loop.add_reader(self.sock.fileno(), self._on_readable)
         loop.add_reader(self.process.sentinel, self._on_exit)
+        self._check_liveness()
+
+    def _check_liveness(self) -> None:
+        if not self.process.is_alive():
+            self._on_exit()
+            return
+        self._liveness = self.loop.call_later(LIVENESS_CHECK_S, self._check_liveness)
 
     def submit(self, choices: list[Choice]) -> None:
         """Send `choices` to the engine (all or none); ServerBusy when it takes none now."""
@@ -272,6 +284,9 @@ class EngineClient:
     def _detach(self) -> None:
         if self.loop is None or self.loop.is_closed() or self.sock is None:
             return
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
         if self.sock.fileno() >= 0:
             self.loop.remove_reader(self.sock.fileno())
             self.loop.remove_writer(self.sock.fileno())
