@@ -44,8 +44,10 @@ lint: install
 
 # SmolLM2-135M-Instruct with its trained EAGLE-3 head (chat prompts); `python -m graphdraft
 # demo` alone serves the small byte-level pair the fast tests use.
+# (a CPU runs every forward eagerly: a few short requests; DEMO_FLAGS= for the defaults)
+DEMO_FLAGS ?= --num-prompts 4 --max-new-tokens 32
 demo: install
-	$(VPY) -m graphdraft demo --target "$(SMOLLM2_GGUF)" --draft $(SMOLLM2_HEAD)
+	$(VPY) -m graphdraft demo --target "$(SMOLLM2_GGUF)" --draft $(SMOLLM2_HEAD) $(DEMO_FLAGS)
 
 # --- GPU machine: its python3 already has torch, triton, pytest, pytest-benchmark, hypothesis.
 # The `gpu` tests in GPU_SHARDS pytest processes at once (logs under $(OUT)/gpu-tests).
