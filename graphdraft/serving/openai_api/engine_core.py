@@ -21,7 +21,10 @@ stays flat).
 A step that raises: a request the Engine flagged (`Engine.step`'s ValueError) ends with
 finish reason "error", the others go on; any other exception ends every live request with
 "error" (their pages go back) and its traceback goes to the server's log ("log" message);
-the process serves on. SIGINT and SIGTERM are ignored here (a Ctrl-C in a terminal reaches
+the process serves on. Torch's CPU threads here leave one CPU to the HTTP process (unless
+OMP_NUM_THREADS says otherwise): its busy-waiting threads on every CPU would slow the HTTP
+process, and with it the whole server, on a machine with few CPUs. SIGINT and SIGTERM are
+ignored here (a Ctrl-C in a terminal reaches
 both processes; the HTTP process shuts this one down); a watchdog ends the process when its
 parent is gone, and the loop ends when the socket closes.
 """
@@ -81,6 +84,7 @@ def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _watch_parent(os.getppid())
+    _leave_a_cpu()
     try:
         engine, info = resolve_factory(spec.factory)(spec.args)
     except BaseException as e:  # noqa: BLE001 (the HTTP process says why)
@@ -102,6 +106,17 @@ def _send_now(sock: socket.socket, message: Any) -> bool:
     except OSError:
         return False
     return True
+
+
+def _leave_a_cpu() -> None:
+    """Torch's intra-op threads: at most the CPUs this process may use less one (the HTTP
+    process's), unless the environment sets OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (cpus or 1) - 1)))
 
 
 def _watch_parent(ppid: int) -> None:
