@@ -289,6 +289,7 @@ def test_full_queue_answers_503(served):
 
 def test_metrics_are_prometheus_text(served):
     assert httpx.post(served.url + C, json=OK | {"n": 0}, timeout=30).status_code == 400
+    assert httpx.post(served.url + C, json=OK, timeout=30).status_code == 200
     _idle(served)
     text = httpx.get(served.url + "/metrics").text
     for name in ("graphdraft_requests_total", "graphdraft_prompt_tokens_total",
@@ -300,8 +301,12 @@ def test_metrics_are_prometheus_text(served):
                  "graphdraft_kv_pages_used", "graphdraft_running_requests"):
         assert name in text, name
     assert 'graphdraft_requests_total{endpoint="completions",status="400"}' in text
-    used = next(line for line in text.splitlines() if line.startswith("graphdraft_kv_pages_used"))
-    assert float(used.split()[-1]) == 0.0
+    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("graphdraft_") and "{" not in line}
+    assert values["graphdraft_kv_pages_used"] == 0.0  # the engine process's state, after
+    assert values["graphdraft_kv_pages_total"] > 0    # the requests above
+    assert values["graphdraft_engine_steps_total"] > 0
+    assert values["graphdraft_accept_length_count"] > 0
 
 
 def test_the_load_generator_against_the_server(served):

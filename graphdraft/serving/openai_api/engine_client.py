@@ -161,8 +161,9 @@ class EngineClient:
                 messages, gone = self._reader.read(), False
             except PeerGone:
                 messages, gone = [], True
-            for m in messages:
+            for i, m in enumerate(messages):
                 if m[0] == "ready":
+                    self._handle(messages[i + 1:])  # read with it: its first state
                     return m[1]
                 if m[0] == "failed":
                     self.process.join(10)
@@ -183,6 +184,7 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop, metrics: ServerMetrics) -> None:
         """Read the engine process's messages on `loop`, observing `metrics`."""
         self.loop, self.metrics = loop, metrics
+        metrics.state = self.state
         loop.add_reader(self.sock.fileno(), self._on_readable)
         loop.add_reader(self.process.sentinel, self._on_exit)
         self._check_liveness()
@@ -342,7 +344,7 @@ class EngineClient:
         if outputs:
             self._dispatch(outputs)
         if state is not None:
-            self.state = EngineState(**state)
+            self.state = self.metrics.state = EngineState(**state)
 
     def _dispatch(self, outputs: dict[int, list]) -> None:
         now, m = time.perf_counter(), self.metrics

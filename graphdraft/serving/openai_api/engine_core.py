@@ -14,8 +14,8 @@ The socket never blocks the loop: when the HTTP process has not read the last me
 the next steps' outputs are merged (per request) and sent as one message once the socket
 takes it, so the Engine steps at its own pace whatever the HTTP side does. The engine state
 for /metrics (`metrics.EngineState` fields) rides along every STATE_INTERVAL_S while busy
-and once when the Engine turns idle. Every FOLD_INTERVAL_S the Engine's accept lengths and
-graph use are folded into the state and its recorder reset (a long-running server's memory
+and once when the Engine turns idle. Every FOLD_INTERVAL_S, and when the Engine turns idle,
+the Engine's accept lengths and graph use are folded into the state and its recorder reset (a long-running server's memory
 stays flat).
 
 A step that raises: a request the Engine flagged (`Engine.step`'s ValueError) ends with
@@ -145,6 +145,7 @@ class EngineCore:
         self.accept_hist: dict[int, int] = {}
         self.graphs: dict[str, tuple[int, int]] = {}
         self.last_fold = self.last_state = 0.0
+        self.steps_folded = 0
         self.dirty = True  # the state changed since it was last sent
 
     def run(self) -> None:
@@ -283,12 +284,13 @@ class EngineCore:
                 "finished": self.finished, "has_work": bool(e.has_work)}
 
     def _fold(self) -> None:
-        """Every FOLD_INTERVAL_S: the Engine's accept lengths into the state's histogram,
-        its graph use read, its recorder reset."""
+        """Every FOLD_INTERVAL_S, and when the Engine turned idle after steps: the Engine's
+        accept lengths into the state's histogram, its graph use read, its recorder reset."""
         now = time.monotonic()
-        if now - self.last_fold < FOLD_INTERVAL_S:
+        turned_idle = self.steps > self.steps_folded and not self.engine.has_work
+        if now - self.last_fold < FOLD_INTERVAL_S and not turned_idle:
             return
-        self.last_fold = now
+        self.last_fold, self.steps_folded = now, self.steps
         snap = self.engine.metrics_snapshot()
         rows = snap["accept_length"]["histogram"]
         for length, n in rows.items():
