@@ -15,7 +15,9 @@ Engine core -> HTTP process:
   ("ready", info)                once, when the Engine is built: `info` holds the Engine's
                                  limits (`limits.EngineLimits` fields), the process id and
                                  what the engine factory reported (stop ids, tokenizer dir)
-  ("failed", message)            the Engine could not be built (then the process ends)
+  ("failed", message, kind, tb)  the Engine could not be built (then the process ends); kind
+                                 "user" (a bad flag or checkpoint: one line) or "internal"
+                                 (tb: its traceback)
   ("out", outputs, state)        outputs: [(rid, new token ids, finish reason or None), ...]
                                  since the last message (several steps when the socket was
                                  backed up); state: the engine state dict for /metrics and
