@@ -1,7 +1,8 @@
 """The engine process as the server sees it (one server of this module, its engine built by
 `tests.server_harness.faulty_engine`): a step that raises fails its requests, not the
-server; a killed engine process makes every live request fail with a clear 500, new
-requests answer 503 and /health says why, never a hang; the shutdown leaves no process."""
+server; an Engine that cannot be built is serve's one-line error; a killed engine process
+makes every live request fail with a clear 500, new requests answer 503 and /health says
+why, never a hang; the shutdown leaves no process."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def test_a_failing_step_fails_its_requests_not_the_server(served):
     after = httpx.post(served.url + C, json=BODY, timeout=60)
     assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_bad_checkpoint_is_one_line_from_the_engine_process(tmp_path, capsys):
+    """The engine process fails to build its Engine (a user error): `serve` exits 2 with the
+    one line naming the flag, as before the engine had a process of its own."""
+    from graphdraft.__main__ import main
+    argv = ["serve", "--device", "cpu", "--quiet", "--port", "0", "--target", str(tmp_path),
+            "--draft", str(tmp_path)]
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap.err
+    assert "--target" in cap.err and "config.json" in cap.err
 
 
 def _stream(url: str, out: dict) -> None:

@@ -85,6 +85,14 @@ class Choice:
     cancelled: bool = False
 
 
+def _join(process: Any, timeout: float) -> None:
+    """Wait up to `timeout` s for `process` to end, asking its pid (not its sentinel, which a
+    process it forked may still hold open)."""
+    deadline = time.monotonic() + timeout
+    while process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -166,12 +174,12 @@ class EngineClient:
                     self._handle(messages[i + 1:])  # read with it: its first state
                     return m[1]
                 if m[0] == "failed":
-                    self.process.join(10)
+                    _join(self.process, 10.0)
                     raise EngineStartError(m[1], m[2] == "user", m[3])
                 if m[0] == "log":
                     log.log(m[1], "engine process: %s", m[2])
             if gone or (not messages and not self.process.is_alive()):
-                self.process.join(5)
+                _join(self.process, 5.0)
                 raise EngineStartError("the engine process ended while starting ("
                                        f"{describe_exit(self.process.exitcode)}); see the "
                                        "messages above", False)
@@ -265,15 +273,15 @@ class EngineClient:
                 self._outbox.flush()
             except (OSError, PeerGone):
                 pass
-        p.join(timeout)
+        _join(p, timeout)
         clean = p.exitcode == 0
         if p.is_alive():
             log.warning("the engine process did not exit within %.0f s: terminating it", timeout)
             p.terminate()
-            p.join(5)
+            _join(p, 5.0)
         if p.is_alive():
             p.kill()
-            p.join(5)
+            _join(p, 5.0)
         self.sock.close()
         return clean
 
@@ -281,7 +289,7 @@ class EngineClient:
         """End the engine process at once."""
         if self.process is not None and self.process.is_alive():
             self.process.kill()
-            self.process.join(5)
+            _join(self.process, 5.0)
 
     def _detach(self) -> None:
         if self.loop is None or self.loop.is_closed() or self.sock is None:
@@ -377,10 +385,10 @@ class EngineClient:
         except PeerGone:
             pass
         self._detach()
-        self.process.join(1.0)
+        _join(self.process, 1.0)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(5)
+            _join(self.process, 5.0)
         self.failure = (f"the engine process (pid {self.process.pid}) exited unexpectedly "
                         f"({describe_exit(self.process.exitcode)})")
         log.error("%s: %d live request(s) fail, new requests answer 503, /health reports "
