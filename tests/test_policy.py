@@ -355,7 +355,7 @@ def test_measure_replay_ms_needs_cuda():
 
 
 # ---------------------------------------------------------------- the goals, simulated
-# Cycle costs shaped like the 8B measurement on one H200 (DESIGN.md): target-only step and the
+# Cycle costs shaped like the 8B measurement on one H200 (perf/RESULTS.md): target-only step and the
 # k = 3 cycle at bs 1 and 64; k = 1, 2 interpolate in k; bs 256 extrapolates.
 COSTS_8B = {(1, 0): 4.87, (64, 0): 7.22, (1, 3): 6.60, (64, 3): 13.59}
 

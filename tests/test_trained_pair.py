@@ -186,8 +186,10 @@ def test_trained_head_accepts_far_more_than_random(pair, prompts):
 def test_demo_uses_the_shipped_pair(capsys):
     assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "24", "--device", "cpu",
                  "--max-running-requests", "2"]) == 0
-    out = capsys.readouterr().out
-    assert f"model pair: {TARGET_DIR}" in out and "held-out stdlib" in out
+    cap = capsys.readouterr()
+    out = cap.out  # results; status lines (the pair, the prompts) go to stderr
+    assert f"model pair: {TARGET_DIR}" in cap.err and "model pair" not in out
+    assert "held-out stdlib" in cap.err
     assert "sample:" in out and "speed-up over target-only" in out
     assert "greedy outputs identical to target-only: True" in out
 
@@ -195,4 +197,4 @@ def test_demo_uses_the_shipped_pair(capsys):
 def test_demo_random_models_flag(capsys):
     assert main(["demo", "--random-models", "--num-prompts", "2", "--max-new-tokens", "8",
                  "--device", "cpu", "--max-running-requests", "2"]) == 0
-    assert "random weights" in capsys.readouterr().out
+    assert "random weights" in capsys.readouterr().err  # a status line

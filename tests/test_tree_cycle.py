@@ -1,5 +1,5 @@
 """The tree cycle end to end on the CPU (float64 / float32, torch path; one Triton-interpreter
-run): TREE.md section 7.
+run): the tree cycle in the Engine (ARCHITECTURE.md, "Tree drafting").
 
 - greedy tree speculative decoding == target-only greedy (tiny random pair and the shipped
   trained pair, page_size 1 and 16, several (K, k, n));

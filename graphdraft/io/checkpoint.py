@@ -201,6 +201,41 @@ def _token_ids(value: Any, name: str, where: str) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _aux_layer_ids(raw: dict, where: str, convention_arg: str | None
+                   ) -> tuple[list | None, tuple[int, ...] | None, str | None]:
+    """`eagle_aux_hidden_state_layer_ids` (top level or under `eagle_config`) -> (as written,
+    in graphdraft's convention, the convention it was read in); all None when absent."""
+    eagle_cfg = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    ids_raw = raw.get(AUX_IDS_KEY)
+    if ids_raw is None:
+        ids_raw = eagle_cfg.get(AUX_IDS_KEY)
+    if ids_raw is None:
+        return None, None, None
+    if (not isinstance(ids_raw, list) or not ids_raw
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids_raw)):
+        raise ValueError(f"{where}: {AUX_IDS_KEY}: expected a non-empty list of ints, "
+                         f"got {ids_raw!r}")
+    convention = convention_arg or raw.get(CONVENTION_KEY) or eagle_cfg.get(
+        CONVENTION_KEY) or "auto"
+    aux_ids, convention = aux_layer_ids_from_config(ids_raw, convention)
+    if min(aux_ids) < 0:
+        raise ValueError(f"{where}: {AUX_IDS_KEY}: {ids_raw} read in the {convention!r} "
+                         f"convention name target layers {list(aux_ids)}: expected ids >= 0")
+    return ids_raw, aux_ids, convention
+
+
+def _special_ids(raw: dict, d: Path, where: str) -> tuple[list[int], tuple[int, ...]]:
+    """(EOS ids of config.json then generation_config.json, without repeats; BOS ids)."""
+    eos = list(_token_ids(raw.get("eos_token_id"), "eos_token_id", where))
+    gen_path = d / GENERATION_CONFIG_NAME
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if isinstance(gen, dict):
+            eos += [t for t in _token_ids(gen.get("eos_token_id"), "eos_token_id", str(gen_path))
+                    if t not in eos]
+    return eos, _token_ids(raw.get("bos_token_id"), "bos_token_id", where)
+
+
 def read_config(path: str | os.PathLike, *, aux_ids_convention: str | None = None
                 ) -> tuple[ModelConfig, ConfigExtras]:
     """Read `path/config.json` (a target's or an EAGLE-3 head's) -> (ModelConfig, extras).
@@ -245,37 +280,13 @@ def read_config(path: str | os.PathLike, *, aux_ids_convention: str | None = Non
     if not isinstance(tie, bool):
         raise ValueError(f"{where}: tie_word_embeddings: expected true or false, got {tie!r}")
 
-    eagle_cfg = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    ids_raw = raw.get(AUX_IDS_KEY)
-    if ids_raw is None:
-        ids_raw = eagle_cfg.get(AUX_IDS_KEY)
-    aux_ids, convention = None, None
-    if ids_raw is not None:
-        if (not isinstance(ids_raw, list) or not ids_raw
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids_raw)):
-            raise ValueError(f"{where}: {AUX_IDS_KEY}: expected a non-empty list of ints, "
-                             f"got {ids_raw!r}")
-        convention = aux_ids_convention or raw.get(CONVENTION_KEY) or eagle_cfg.get(
-            CONVENTION_KEY) or "auto"
-        aux_ids, convention = aux_layer_ids_from_config(ids_raw, convention)
-        if min(aux_ids) < 0:
-            raise ValueError(f"{where}: {AUX_IDS_KEY}: {ids_raw} read in the {convention!r} "
-                             f"convention name target layers {list(aux_ids)}: expected ids >= 0")
-
+    ids_raw, aux_ids, convention = _aux_layer_ids(raw, where, aux_ids_convention)
     dtype_name = raw.get("torch_dtype", raw.get("dtype"))
     try:
         dtype = resolve_dtype(dtype_name) if isinstance(dtype_name, str) else None
     except ValueError:
         dtype = None
-
-    eos = list(_token_ids(raw.get("eos_token_id"), "eos_token_id", where))
-    gen_path = d / GENERATION_CONFIG_NAME
-    if gen_path.is_file():
-        gen = _read_json(gen_path)
-        if isinstance(gen, dict):
-            eos += [t for t in _token_ids(gen.get("eos_token_id"), "eos_token_id", str(gen_path))
-                    if t not in eos]
-    bos = _token_ids(raw.get("bos_token_id"), "bos_token_id", where)
+    eos, bos = _special_ids(raw, d, where)
 
     try:
         cfg = ModelConfig(

@@ -380,7 +380,7 @@ class Engine:
         policy this cost table; the state is snapshotted and restored around it. Returns the
         table ({} and the analytic costs kept: no CUDA, graphs off, or a fixed policy).
         `cache`: take the table an earlier run of this engine shape on this GPU measured
-        (`precompile_workers.cost_cache_path`; `cost_source` "cached": the online medians
+        (`startup.marker.cost_cache_path`; `cost_source` "cached": the online medians
         correct it from the first real cycles on) when it has every cell, else measure and
         write it there. Called by `capture_graphs`; call it from a drained engine."""
         if not isinstance(self.policy, SpeculationPolicy) or self.policy.mode != "adaptive":
@@ -575,9 +575,6 @@ class Engine:
     @property
     def lookahead(self) -> int:
         """KV positions reserved per request past its prompt and max_new_tokens."""
-        return self.mode.lookahead
-
-    def _lookahead(self) -> int:
         return self.mode.lookahead
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:

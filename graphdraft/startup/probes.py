@@ -20,7 +20,7 @@ __all__ = ["prefill_probes", "prefill_row_cap", "probe_prefill", "probe_prefill_
 
 def prefill_row_cap(engine) -> int:
     """The longest prompt `engine` accepts with one new token (`Engine.check_request`)."""
-    return max(1, engine.cfg.max_context_len - 1 - engine._lookahead())
+    return max(1, engine.cfg.max_context_len - 1 - engine.lookahead)
 
 
 def prefill_probes(engine) -> list[int]:

@@ -486,6 +486,32 @@ def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> Eagle3Dra
     return head
 
 
+def _initial_head(run: HeadRun, target: LlamaForCausalLM, cfg: ModelConfig) -> Eagle3DraftHead:
+    """The head training starts from: `run.init_from`'s (shaped `cfg`) or a new one."""
+    if run.init_from is None:
+        return new_head(target, cfg, run.seed + 1)
+    head = load_eagle3_head(run.init_from, target=target)
+    if head.config.replace(draft_vocab_size=None) != cfg:  # the saver writes Vd = V
+        raise ValueError(f"--init-from {run.init_from}: expected a head shaped {cfg}, "
+                         f"got {head.config}")
+    print(f"head: starting from {run.init_from}", flush=True)
+    return head
+
+
+def _self_distillation_pool(run: HeadRun, target: LlamaForCausalLM, corpus: Corpus,
+                            gen: torch.Generator) -> tuple[torch.Tensor | None, float]:
+    """(`run.generated` target continuations `[n, context]` or None, seconds spent)."""
+    if not run.generated:
+        return None, 0.0
+    t_gen = time.perf_counter()
+    pool = generate_pool(target, corpus.train, run.generated, run.context, gen,
+                         chunk=run.pool_chunk, max_minutes=run.pool_max_minutes)
+    pool_seconds = time.perf_counter() - t_gen
+    print(f"self-distillation pool: {pool.shape[0]} sequences of {pool.shape[1]} tokens in "
+          f"{pool_seconds:.1f} s", flush=True)
+    return pool, pool_seconds
+
+
 def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
     device = resolve_device(run.device)
     precision = resolve_precision(run.precision, device)
@@ -496,22 +522,8 @@ def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
     target, _ = load_target(run.target, torch.float32, device)
     tc = target.config
     cfg = head_config(tc, ffn=run.ffn)
-    if run.init_from is not None:
-        head = load_eagle3_head(run.init_from, target=target)
-        if head.config.replace(draft_vocab_size=None) != cfg:  # the saver writes Vd = V
-            raise ValueError(f"--init-from {run.init_from}: expected a head shaped {cfg}, "
-                             f"got {head.config}")
-        print(f"head: starting from {run.init_from}", flush=True)
-    else:
-        head = new_head(target, cfg, run.seed + 1)
-    pool, pool_seconds = None, 0.0
-    if run.generated:
-        t_gen = time.perf_counter()
-        pool = generate_pool(target, corpus.train, run.generated, run.context, gen,
-                             chunk=run.pool_chunk, max_minutes=run.pool_max_minutes)
-        pool_seconds = time.perf_counter() - t_gen
-        print(f"self-distillation pool: {pool.shape[0]} sequences of {pool.shape[1]} tokens in "
-              f"{pool_seconds:.1f} s", flush=True)
+    head = _initial_head(run, target, cfg)
+    pool, pool_seconds = _self_distillation_pool(run, target, corpus, gen)
     n_gen = round(run.batch * run.generated_fraction) if pool is not None else 0
     params = {n: p for n, p in head.named_parameters() if n != "embed_tokens"}
     for p in params.values():
