@@ -247,6 +247,30 @@ def test_sampled_generation_reproducible_with_seed():
     assert a == b
 
 
+def _drain_outputs(engine: Engine, reqs: list) -> list[list[int]]:
+    while engine.has_work:
+        engine.step()
+    return [list(r.output) for r in reqs]
+
+
+def test_seed_stream_reproduces_a_request_whatever_came_before():
+    """`add_request(seed_stream=i)`: the key is request_seed(seed, i), not the Engine's count
+    of earlier requests with that seed; the count is untouched; bad values name the argument."""
+    target, head = make_models(2)
+    p = prompts(1, 2)[0]
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=123)
+    eng = Engine(target, runtime(), head)
+    first = _drain_outputs(eng, [eng.add_request(p, params, seed_stream=i) for i in range(2)])
+    again = _drain_outputs(eng, [eng.add_request(p, params, seed_stream=i) for i in range(2)])
+    assert first == again and first[0] != first[1]
+    counted = Engine(target, runtime(), head)  # no seed_stream: streams 0, 1 by count
+    assert _drain_outputs(counted, [counted.add_request(p, params) for _ in range(2)]) == first
+    for bad, why in ((-1, params), (True, params), (0, SamplingParams(temperature=0.8))):
+        with pytest.raises(ValueError, match="^seed_stream: expected"):
+            eng.add_request(p, why, seed_stream=bad)
+    assert not eng.has_work
+
+
 def test_generate_progress_bar_shows_no_rate_off_a_gpu(capsys):
     """`generate(progress=True)` on a CPU counts tokens but prints no tokens/s: a rate measured
     off a GPU is no performance figure (the outputs are those of a run without the bar)."""

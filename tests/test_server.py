@@ -135,6 +135,13 @@ def test_chat_streaming_and_n(served):
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
     assert 3 <= r.usage.completion_tokens <= 3 * 12
+    # the same seeded request again: the same samples (choice i samples stream i)
+    again = served.client.completions.create(model=served.name, prompt=PROMPTS[0], n=3, seed=7,
+                                             max_tokens=12, temperature=1.0,
+                                             extra_body={"top_k": 40})
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    assert len(set(texts)) > 1  # the n choices are distinct streams
 
 
 def test_stop_strings_cut_exactly(served):
@@ -381,7 +388,7 @@ def test_the_engine_core_steps_on_while_nobody_reads(served):
     params = SamplingParams(max_new_tokens=MAX_TOKENS, stop_token_ids=served.stops)
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     keys = [*PROMPTS, *PROMPTS]
-    ours.sendall(encode(("add", [(i, served.tok.encode(p), fields)
+    ours.sendall(encode(("add", [(i, served.tok.encode(p), fields, None)
                                  for i, p in enumerate(keys)])))
     thread = th.Thread(target=core.run, daemon=True)
     thread.start()

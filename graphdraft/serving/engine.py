@@ -583,18 +583,29 @@ class Engine:
             stops.insert(0, self.eos_token_id)
         return stops
 
-    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None, *,
+                    seed_stream: int | None = None) -> Request:
         """Queue a request; raises ValueError (and queues nothing) when it can never be served.
 
         Seeds of sampled requests (`verify.request_seed`): without `params.seed` one drawn
-        from the Engine's `seed`; with it, derived from (seed, how many earlier requests of
-        this Engine carried the same seed), so requests sharing one SamplingParams get
-        distinct streams and the same sequence of requests reproduces the same tokens."""
+        from the Engine's `seed`; with it and `seed_stream` None, derived from (seed, how many
+        earlier requests of this Engine carried the same seed), so requests sharing one
+        SamplingParams get distinct streams and the same sequence of requests reproduces the
+        same tokens; with `seed_stream` (an int >= 0, needs `params.seed`), exactly
+        `request_seed(params.seed, seed_stream)` whatever came before (a server gives choice i
+        of a request stream i, so the same request reproduces its samples)."""
         params = self.check_request(prompt, params)
+        if seed_stream is not None and (
+                isinstance(seed_stream, bool) or not isinstance(seed_stream, int)
+                or seed_stream < 0 or params.seed is None):
+            raise ValueError(f"seed_stream: expected None, or an int >= 0 with params.seed set, "
+                             f"got {seed_stream!r} (params.seed {params.seed!r})")
         req = Request(next(self._rids), list(prompt), params)
         if not params.greedy:
             if params.seed is None:
                 req.seed = int(torch.randint(2**62, (), generator=self._seeds))
+            elif seed_stream is not None:
+                req.seed = request_seed(params.seed, seed_stream)
             else:
                 k = self._seed_uses.get(params.seed, 0)
                 self._seed_uses[params.seed] = k + 1

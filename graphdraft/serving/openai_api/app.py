@@ -187,7 +187,7 @@ class OpenAIServer:
         for prompt in prompts:
             params = self._params(req, prompt)
             for _ in range(req.n):
-                choices.append(Choice(prompt, params, deliver=_noop))
+                choices.append(Choice(prompt, params, deliver=_noop, seed_stream=len(choices)))
                 texts.append(ChoiceText(self.tokenizer, req.stop, params.stop_token_ids
                                         + self.config.stop_token_ids))
         run = _Run(req, choices, texts, sum(len(p) for p in prompts))

@@ -79,6 +79,9 @@ class Choice:
     params: SamplingParams
     deliver: Callable[[list[int], str | None], None]
     """Called on the event loop with new ids and the finish reason (None while running)."""
+    seed_stream: int | None = None
+    """With `params.seed`: the Philox stream (`Engine.add_request(seed_stream=)`), the
+    choice's index in its HTTP request, so the same request reproduces its samples."""
     rid: int = -1
     arrived: float = field(default_factory=time.perf_counter)
     last_emit: float | None = None
@@ -219,7 +222,7 @@ class EngineClient:
             c.rid = next(self._rids)
             self._choices[c.rid] = c
             items.append((c.rid, c.prompt, {f.name: getattr(c.params, f.name)
-                                            for f in fields(c.params)}))
+                                            for f in fields(c.params)}, c.seed_stream))
             self.metrics.prompt_tokens.inc(len(c.prompt))
         self._send(("add", items))
 

@@ -178,8 +178,8 @@ class EngineCore:
     def _apply(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            for rid, prompt, fields in message[1]:
-                self._add(rid, prompt, fields)
+            for rid, prompt, fields, seed_stream in message[1]:
+                self._add(rid, prompt, fields, seed_stream)
         elif kind == "abort":
             for rid in message[1]:
                 entry = self.live.pop(rid, None)
@@ -192,9 +192,12 @@ class EngineCore:
             self.exiting = True
         self.dirty = True
 
-    def _add(self, rid: int, prompt: list[int], fields: dict[str, Any]) -> None:
+    def _add(self, rid: int, prompt: list[int], fields: dict[str, Any],
+             seed_stream: int | None) -> None:
         try:
-            req = self.engine.add_request(prompt, SamplingParams(**fields))
+            params = SamplingParams(**fields)
+            req = self.engine.add_request(
+                prompt, params, seed_stream=seed_stream if params.seed is not None else None)
         except Exception as e:  # noqa: BLE001 (the HTTP side checked it: not expected)
             self._log(logging.ERROR, f"request rejected by the engine: {type(e).__name__}: {e}")
             self._output(rid, [], "error")

@@ -6,7 +6,7 @@ reads with `FrameReader` (bytes in, whole messages out) and writes through an `O
 that never blocks: what the socket does not take now stays queued for the next `flush`.
 
 HTTP process -> engine core:
-  ("add", [(rid, prompt ids, SamplingParams fields as a dict), ...])
+  ("add", [(rid, prompt ids, SamplingParams fields as a dict, seed stream or None), ...])
   ("abort", [rid, ...])          end these requests now (their KV pages go back)
   ("shutdown", grace_s)          live requests may finish for grace_s seconds, then are aborted
   ("exit",)                      abort everything and end the process
