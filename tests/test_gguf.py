@@ -137,16 +137,20 @@ def test_logits_equal_transformers_gguf_load(tmp_path, tied):
     ours, _ = load_target(out, torch.float32, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
                                               dtype=torch.float32).eval()
-    tok = load_tokenizer(out)
+    assert max_logit_diff(ours, hf, load_tokenizer(out), TEXT) < 1e-4
+
+
+def max_logit_diff(ours, hf, tok, texts: list[str]) -> float:
+    """max |logits| difference of our target and transformers' model over `texts` (printed)."""
     worst = 0.0
-    for text in TEXT:
+    for text in texts:
         ids = torch.tensor([tok.encode(text)])
         with torch.no_grad():
             a, _ = target_forward(ours, ids, capture_aux=False)
             b = hf(ids).logits
         worst = max(worst, (a - b).abs().max().item())
     print(f"max |logit diff| vs transformers' GGUF load: {worst:.2e}")
-    assert worst < 1e-4
+    return worst
 
 
 def test_tokenizer_equals_transformers_gguf_tokenizer(tiny, tmp_path):

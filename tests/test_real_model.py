@@ -104,20 +104,12 @@ def test_logits_equal_transformers_gguf_load(converted):
 
     from graphdraft.io.checkpoint import load_target
     from graphdraft.io.tokenizer import load_tokenizer
-    from graphdraft.train.forward import target_forward
+    from tests.test_gguf import max_logit_diff
     ours, _ = load_target(converted, torch.float32, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
                                               dtype=torch.float32).eval()
-    tok = load_tokenizer(converted)
-    worst = 0.0
-    for text in [_humaneval()[0], "The capital of France is", "naïve café 🙂 123"]:
-        ids = torch.tensor([tok.encode(text)])
-        with torch.no_grad():
-            a, _ = target_forward(ours, ids, capture_aux=False)
-            b = hf(ids).logits
-        worst = max(worst, (a - b).abs().max().item())
-    print(f"max |logit diff| vs transformers' GGUF load: {worst:.2e}")
-    assert worst < 1e-3
+    texts = [_humaneval()[0], "The capital of France is", "naïve café 🙂 123"]
+    assert max_logit_diff(ours, hf, load_tokenizer(converted), texts) < 1e-3
 
 
 @pytest.mark.slow
