@@ -131,6 +131,16 @@ class RuntimeConfig:
     2 <= n <= 1 + k + (steps-1)*k^2 and n <= 64; with topk 1 it must be steps + 1. None:
     steps + 1 (`tree_spec.n`; kept None so that `replace(speculative_num_steps=...)` follows)."""
 
+    # --- drafting without a head (graphdraft.runtime.ngram_drafter; README "N-gram drafting") --
+    speculative_algorithm: str = "eagle3"
+    """What drafts (`--speculative-algorithm`): "eagle3" the EAGLE-3 head (none loaded:
+    target-only); "ngram" prompt lookup (`NgramDrafter`: the tokens that followed the last
+    earlier occurrence of the request's last n tokens; no head)."""
+    ngram_min: int = 1
+    """Shortest suffix the n-gram drafter matches (`--ngram-min`), >= 1."""
+    ngram_max: int = 4
+    """Longest suffix it tries first (`--ngram-max`), ngram_min..64."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -267,6 +277,21 @@ class RuntimeConfig:
                  or isinstance(v, int) and not isinstance(v, bool), name,
                  "an int" + (" or None" if name == "speculative_num_draft_tokens" else ""))
         self.tree_spec  # noqa: B018 - TreeSpec raises on a combination that cannot be drafted
+        self._validate_ngram(need)
+
+    def _validate_ngram(self, need) -> None:
+        """The n-gram drafter's fields (`need(ok, field, expected)` raises naming the field)."""
+        need(self.speculative_algorithm in ("eagle3", "ngram"), "speculative_algorithm",
+             "'eagle3' or 'ngram'")
+        for name, hi in (("ngram_min", 64), ("ngram_max", 64)):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= hi, name,
+                 f"an int in 1..{hi}")
+        need(self.ngram_max >= self.ngram_min, "ngram_max",
+             f"an int >= ngram_min ({self.ngram_min})")
+        need(self.speculative_algorithm == "eagle3" or self.speculative_eagle_topk == 1,
+             "speculative_eagle_topk", "1 with speculative_algorithm 'ngram' (tree drafting "
+             "needs the EAGLE-3 head)")
 
     @property
     def policy_steps(self) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `paged_extend_attention` | `kernels/extend_attention.py` (`paged_extend_attention_ref`) |
 | `prepare_rows`, `commit_pack` | `kernels/cycle_kernels.py` (`*_ref`) |
 | `accept_tokens` | `kernels/accept.py` (`accept_tokens_ref`) |
+| `ngram_propose` | `kernels/ngram.py` (`ngram_propose_ref`) |
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
 | `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
@@ -49,6 +50,7 @@ from graphdraft.kernels import (
     extend_attention,
     gemv,
     kv_move,
+    ngram,
     norm,
     rope,
     stage_inputs,
@@ -379,6 +381,21 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
         accept.accept_tokens(logits, cand, slots, seq_lens, state, kernels=kc, **outputs)
     else:
         accept.accept_tokens_ref(logits, cand, slots, seq_lens, state, **outputs)
+
+
+def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, k: int,
+                  ngram_min: int, ngram_max: int, *, out: torch.Tensor, found: torch.Tensor,
+                  kernels: KernelConfig | None = None) -> None:
+    """N-gram lookup drafts of `rows` rows: history `[R, L]`, lengths `[R]`, slots `[rows]`;
+    writes `out [rows, S + 1]` (k drafts, filler past the match) and `found [rows]`
+    (`graphdraft.kernels.ngram`)."""
+    kc = _kc(kernels)
+    if kc.use_triton:
+        ngram.ngram_propose(history, lengths, slots, k, ngram_min, ngram_max, out=out,
+                            found=found, kernels=kc)
+    else:
+        ngram.ngram_propose_ref(history, lengths, slots, k, ngram_min, ngram_max, out=out,
+                                found=found)
 
 
 def commit_pack(tokens: torch.Tensor, next_tokens: torch.Tensor | None, *,

@@ -45,13 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from capture import (
-    CapturedForward,
-    GraphPool,
-    GraphRegistry,
-    batch_size_schedule,
-    eager_forced,
-)
+from capture import CapturedForward, GraphPool, GraphRegistry, batch_size_schedule, eager_forced
 from graphdraft.config import RuntimeConfig
 from graphdraft.kernels import compiler_key
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP
@@ -65,6 +59,7 @@ from graphdraft.runtime.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.runtime.drafter import EagleDrafter
 from graphdraft.runtime.drafter_protocol import DraftBinding, Drafter, check_drafter
 from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
+from graphdraft.runtime.ngram_drafter import configured_drafter
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.sampling import device_row
@@ -154,7 +149,8 @@ class Engine:
                  eos_token_id: int | None = None, seed: int | None = None) -> None:
         """`head`: an EAGLE-3 head (an `EagleDrafter` is built for it); or `drafter`: any
         object meeting `graphdraft.runtime.drafter_protocol.Drafter` (bound to this Engine's
-        buffers here; anything else: ValueError naming `drafter`); neither: target-only.
+        buffers here; anything else: ValueError naming `drafter`); neither: target-only, or the
+        n-gram drafter when `cfg.speculative_algorithm == "ngram"` (`runtime.ngram_drafter`).
         `seed` seeds sampled requests that carry none (pass the same on every
         tensor-parallel rank so that ranks sample alike)."""
         tc = target.config
@@ -162,6 +158,7 @@ class Engine:
         cfg = cfg.replace(num_kv_pages=cfg.kv_pages(tc.kv_bytes_per_token(target.dtype)) - 1)
         self.target, self.cfg, self.eos_token_id = target, cfg, eos_token_id
         self.device = torch.device(cfg.device)
+        drafter = configured_drafter(cfg, head, drafter)  # speculative_algorithm "ngram"
         self._check_inputs(target, cfg, head, drafter)
         self.tree_spec = self._check_tree(cfg, head, drafter)  # None: chain drafting
         self.pages = PageTable(cfg.max_running_requests, cfg.max_pages_per_req, cfg.total_kv_pages,
