@@ -109,6 +109,9 @@ FIELD_FLAGS = {
     "speculative_policy": "--speculative-policy",
     "speculative_eagle_topk": "--speculative-eagle-topk",
     "speculative_num_draft_tokens": "--speculative-num-draft-tokens",
+    "speculative_algorithm": "--speculative-algorithm",
+    "ngram_min": "--ngram-min",
+    "ngram_max": "--ngram-max",
     "page_size": "--page-size",
     "max_running_requests": "--max-running-requests",
     "max_context_len": "--max-context-len",
@@ -151,6 +154,15 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-num-draft-tokens", type=int_at_least(2), default=None,
                    help="tree nodes verified per request, root included (None: S + 1); "
                         "2..1 + k + (S-1)*k^2 and <= 64; with topk 1 only S + 1")
+    g.add_argument("--speculative-algorithm", choices=["eagle3", "ngram"],
+                   default=d["speculative_algorithm"].default,
+                   help="what drafts: 'eagle3' the EAGLE-3 head; 'ngram' prompt lookup (the "
+                        "tokens that followed the last earlier occurrence of the request's last "
+                        "n tokens; the target alone is loaded, no head)")
+    g.add_argument("--ngram-min", type=int_at_least(1), default=d["ngram_min"].default,
+                   help="shortest suffix the n-gram drafter matches")
+    g.add_argument("--ngram-max", type=int_at_least(1), default=d["ngram_max"].default,
+                   help="longest suffix the n-gram drafter tries first (<= 64)")
     g.add_argument("--page-size", type=int_at_least(1), default=d["page_size"].default,
                    help="tokens per KV-cache page")
     g.add_argument("--max-running-requests", type=int_at_least(1), default=16,
@@ -227,9 +239,19 @@ def check_conflicts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 f"({a.max_running_requests}), got {a.cuda_graph_max_bs}")
     if a.random_models and (a.target or a.draft):
         p.error("argument --random-models: expected no --target / --draft with it")
-    if bool(a.target) != bool(a.draft):
+    if getattr(a, "speculative_algorithm", "eagle3") == "ngram":
+        if a.draft:
+            p.error("argument --draft: expected none with --speculative-algorithm ngram (it "
+                    "drafts by lookup, without a head)")
+        if getattr(a, "speculative_eagle_topk", 1) != 1:
+            p.error("argument --speculative-eagle-topk: expected 1 with --speculative-algorithm "
+                    "ngram (tree drafting needs the EAGLE-3 head)")
+    elif bool(a.target) != bool(a.draft):
         given, missing = ("--target", "--draft") if a.target else ("--draft", "--target")
         p.error(f"argument {missing}: expected with {given} (a target and its EAGLE-3 head)")
+    if getattr(a, "ngram_max", 1) < getattr(a, "ngram_min", 1):
+        p.error(f"argument --ngram-max: expected >= --ngram-min ({a.ngram_min}), got "
+                f"{a.ngram_max}")
     if getattr(a, "dp_size", 1) > 1 and getattr(a, "command", None) == "demo":
         p.error("argument --dp-size: expected 1 for demo (generate serves data-parallel)")
     if getattr(a, "temperature", None) == 0:

@@ -195,7 +195,8 @@ def _demo(a: argparse.Namespace) -> int:
         params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, stop_token_ids=m.stops,
                                 ignore_eos=m.eos is None)
-        base = Engine(m.target, cfg, eos_token_id=m.eos, seed=a.seed)
+        base = Engine(m.target, cfg.replace(speculative_algorithm="eagle3"),  # target-only
+                      eos_token_id=m.eos, seed=a.seed)
         spec = Engine(m.target, cfg, m.head, eos_token_id=m.eos, seed=a.seed)
         for i, p in enumerate(prompts):
             try:

@@ -146,7 +146,8 @@ def _start(a: argparse.Namespace, specs: list[PromptSpec]):
     if dp is not None:
         from graphdraft.serving.data_parallel import shard_dense_
         shard_dense_(m.target, dp)
-        shard_dense_(m.head, dp)
+        if m.head is not None:  # --speculative-algorithm ngram: no head
+            shard_dense_(m.head, dp)
     prompts = encode_prompts(m.tokenizer, specs, chat=getattr(a, "chat", False),
                              system_prompt=getattr(a, "system_prompt", None))
     engine = Engine(m.target, m.cfg, m.head, eos_token_id=m.eos, seed=a.seed)

@@ -61,6 +61,8 @@ def runtime_from_args(a: argparse.Namespace, max_context_len: int | None = None)
             speculative_policy=getattr(a, "speculative_policy", "adaptive"),
             speculative_eagle_topk=getattr(a, "speculative_eagle_topk", 1),
             speculative_num_draft_tokens=getattr(a, "speculative_num_draft_tokens", None),
+            speculative_algorithm=getattr(a, "speculative_algorithm", "eagle3"),
+            ngram_min=getattr(a, "ngram_min", 1), ngram_max=getattr(a, "ngram_max", 4),
             precompile_workers=getattr(a, "precompile_workers", None))
     except ValueError as e:
         raise CliError(translate(str(e))) from e
@@ -114,7 +116,8 @@ def random_pair(cfg: RuntimeConfig, seed: int) -> tuple[LlamaForCausalLM, Eagle3
 @dataclass
 class Loaded:
     target: LlamaForCausalLM
-    head: Eagle3DraftHead
+    head: Eagle3DraftHead | None
+    """None with `--speculative-algorithm ngram` (the Engine drafts by lookup)."""
     cfg: RuntimeConfig
     tokenizer: Tokenizer | None
     eos: int | None
@@ -153,9 +156,9 @@ def load(a: argparse.Namespace, read: bool = True) -> Loaded:
     if target_dir is None:
         cfg = runtime_from_args(a)
         target, head = random_pair(cfg, a.seed)
-        return Loaded(target, head, cfg, None, None, (), "random weights (acceptance is not "
-                      "meaningful for them)")
-    from graphdraft.io.checkpoint import open_model_pair, read_config
+        return Loaded(target, None if cfg.speculative_algorithm == "ngram" else head, cfg, None,
+                      None, (), "random weights (acceptance is not meaningful for them)")
+    from graphdraft.io.checkpoint import load_target, open_model_pair, read_config
     flag = "--target/--draft" if a.target else "the shipped pair"
     try:
         tcfg, _ = read_config(target_dir)
@@ -164,8 +167,13 @@ def load(a: argparse.Namespace, read: bool = True) -> Loaded:
     # the default context, capped at what the target was built for
     cfg = runtime_from_args(a, min(DEFAULT_MAX_CONTEXT_LEN, tcfg.max_position_embeddings))
     try:
-        target, head, info, pending = open_model_pair(target_dir, draft_dir, cfg.torch_dtype,
-                                                      cfg.device)
+        if cfg.speculative_algorithm == "ngram":  # the target alone: no head is loaded
+            (target, info), head, pending = load_target(target_dir, cfg.torch_dtype,
+                                                        cfg.device), None, None
+            draft_dir = "n-gram drafts"
+        else:
+            target, head, info, pending = open_model_pair(target_dir, draft_dir,
+                                                          cfg.torch_dtype, cfg.device)
     except (ValueError, OSError, KeyError) as e:
         raise CliError(f"{flag}: {e}") from e
     tokenizer = load_tokenizer(target_dir)
