@@ -252,3 +252,20 @@ def test_greedy_ngram_in_the_cycle_graph_equals_target_only():
     replays, eager = eng.graph_summary()["spec_cycle"]
     assert replays > 0 and eager == 0 and eng.drafter.cycles >= replays  # drafted in the graph
     assert eng.stats.mean_accept_length > 1.0
+
+
+def test_start_up_rebuilds_the_ngram_engine_from_its_config():
+    """The precompile plan's throw-away engine (`startup.spec`): an n-gram engine's spec has
+    no head and its factory's engine drafts by lookup again; the plan counts its history."""
+    from graphdraft.startup import spec as wspec
+
+    target, _ = make_models(5)
+    eng = Engine(target, ngram_cfg())
+    spec, why = wspec.engine_spec(eng)
+    assert spec is not None and spec.head is None, why
+    assert spec.runtime.speculative_algorithm == "ngram"
+    rebuilt = wspec.build_engine(spec)
+    assert isinstance(rebuilt.drafter, NgramDrafter) and rebuilt.steps == eng.steps
+    assert wspec.plan_bytes(eng, spec) > eng.drafter.history.nbytes
+    own = Engine(target, runtime(), drafter=NgramDrafter())  # a caller's instance: not rebuilt
+    assert wspec.engine_spec(own)[0] is None

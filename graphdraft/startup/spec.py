@@ -35,6 +35,7 @@ from graphdraft.models.layers import init_random_
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.models.random_models import random_model_pair
 from graphdraft.runtime.drafter import EagleDrafter
+from graphdraft.runtime.ngram_drafter import NgramDrafter
 
 __all__ = ["PLAN_OVERHEAD_BYTES", "WORKER_CONTEXT_BYTES", "WorkerSpec", "build_engine",
            "default_workers", "engine_factory", "engine_spec", "memory_cap", "plan_bytes",
@@ -114,7 +115,8 @@ def resolve_factory(name: str):
 
 def engine_spec(engine, factory: str | None = None) -> tuple[WorkerSpec | None, str]:
     """The worker spec of `engine` (no tasks yet), or None and the reason when a worker cannot
-    rebuild it: a caller's drafter, tensor or data parallelism, a model that is not the
+    rebuild it: a caller's drafter (the n-gram drafter of `speculative_algorithm="ngram"` is
+    rebuilt from the config), tensor or data parallelism, a model that is not the
     built-in Llama target / EAGLE-3 head. `factory`: the engine factory ("module:function";
     None: `engine_factory(engine)`)."""
     target = getattr(engine, "target", None)
@@ -124,6 +126,8 @@ def engine_spec(engine, factory: str | None = None) -> tuple[WorkerSpec | None, 
         return None, "data parallelism"
     drafter = getattr(engine, "drafter", None)
     head = None
+    if type(drafter) is NgramDrafter and engine.cfg.speculative_algorithm == "ngram":
+        drafter = None  # the factory's engine builds it from the runtime config
     if drafter is not None:
         if type(drafter) is not EagleDrafter:
             return None, f"a caller's drafter ({type(drafter).__name__})"
@@ -162,7 +166,9 @@ def plan_bytes(engine, spec: WorkerSpec) -> int:
     per_layer = _param_bytes(target.layers[0]) if layers else 0
     total = _param_bytes(target) - (layers - spec.target.num_hidden_layers) * per_layer
     drafter = getattr(engine, "drafter", None)
-    if drafter is not None:
+    if type(drafter) is NgramDrafter:
+        total += drafter.history.nbytes
+    elif drafter is not None:
         shared = {target.embed_tokens.data_ptr()}
         total += sum(t.numel() * t.element_size() for t in drafter.head.parameters()
                      if t.data_ptr() not in shared)
