@@ -91,6 +91,32 @@ def test_ngram_propose_equals_a_python_lookup(kernels, case):
         assert int(found[r]) == f
 
 
+@pytest.mark.gpu
+def test_ngram_kernel_on_the_gpu_equals_the_torch_reference():
+    """The compiled kernel (not the interpreter) over 64 random periodic histories of up to
+    1,000 tokens (several scan blocks), every k and two n ranges."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    rows, width, s = 64, 1000, 5
+    period = torch.randint(1, 40, (rows + 1, 1), generator=g)
+    base = torch.randint(0, 6, (rows + 1, width), generator=g)
+    history = base.gather(1, torch.arange(width)[None, :] % period).to(torch.int32)
+    lengths = torch.randint(0, width + 1, (rows + 1,), generator=g).to(torch.int32)
+    lengths[0] = 0
+    slots = torch.randperm(rows + 1, generator=g)
+    for k in range(s + 1):
+        for nmin, nmax in ((1, 4), (3, 3)):
+            outs = []
+            for kernels, dev in ((TORCH, "cpu"), (TRITON, "cuda")):
+                out = torch.zeros(rows + 1, s + 1, dtype=torch.int32, device=dev)
+                found = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+                ops.ngram_propose(history.to(dev), lengths.to(dev), slots.to(dev), k, nmin,
+                                  nmax, out=out, found=found, kernels=kernels)
+                outs.append((out.cpu(), found.cpu()))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_ngram_propose_errors_name_the_argument():
     h = torch.zeros(2, 8, dtype=torch.int32)
     ln = torch.zeros(2, dtype=torch.int32)
