@@ -24,7 +24,8 @@ from tests.test_engine import prompts, target_only
 
 
 def lookup(h: list[int], k: int, nmin: int, nmax: int) -> tuple[list[int], int]:
-    """The plain Python lookup: `[S + 1]`-free form -> (drafts, found) for one history."""
+    """The plain Python lookup over one history `h` -> (the up to k tokens after the most
+    recent earlier match of its last n tokens, n from nmax down to nmin; how many)."""
     for n in range(nmax, nmin - 1, -1):
         if len(h) < n + 1:
             continue
