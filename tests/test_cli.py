@@ -26,11 +26,14 @@ def _one_line_error(capsys, argv, *needles):
     assert main(argv) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert len(lines) == 1, err            # no usage block, no traceback
-    assert "error:" in lines[0] and "Traceback" not in err
+    # one error line, last; before it at most the command's status lines (stderr): no usage
+    # block, no traceback
+    errors = [ln for ln in lines if "error:" in ln]
+    assert errors == [lines[-1]], err
+    assert "Traceback" not in err and not any(ln.startswith("usage:") for ln in lines), err
     for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+        assert n in lines[-1], lines[-1]
+    return lines[-1]
 
 
 # --- parsing -----------------------------------------------------------------------------
