@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+from graphdraft.serving.metrics import quantile  # stdlib only: no torch in the clients
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "perf" / "data" / "humaneval_prompts.jsonl"
 LEVELS = (1, 8, 32, 64, 128)
@@ -195,13 +197,6 @@ class ServerProcess:
 # ---------------------------------------------------------------------------------------
 # Summaries
 # ---------------------------------------------------------------------------------------
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
-
-
 def summarize(c: int, passes: list[dict]) -> dict:
     res = [r for p in passes for r in p["results"]]
     ok = [r for r in res if r["ok"] and not r.get("left")]
@@ -210,10 +205,10 @@ def summarize(c: int, passes: list[dict]) -> dict:
     errors = sorted({r["error"] for r in res if not r["ok"]})[:5]
     return {"concurrency": c, "server_tps": round(statistics.median(tps), 1),
             "req_per_s": round(statistics.median(rps), 2),
-            "ttft_p50_ms": round(pct([r["ttft"] for r in ok], 0.5) * 1e3, 2),
-            "ttft_p99_ms": round(pct([r["ttft"] for r in ok], 0.99) * 1e3, 2),
-            "itl_p50_ms": round(pct([r["itl"] for r in ok if r["itl"]], 0.5) * 1e3, 3),
-            "itl_p99_ms": round(pct([r["itl"] for r in ok if r["itl"]], 0.99) * 1e3, 3),
+            "ttft_p50_ms": round(quantile([r["ttft"] for r in ok], 0.5) * 1e3, 2),
+            "ttft_p99_ms": round(quantile([r["ttft"] for r in ok], 0.99) * 1e3, 2),
+            "itl_p50_ms": round(quantile([r["itl"] for r in ok if r["itl"]], 0.5) * 1e3, 3),
+            "itl_p99_ms": round(quantile([r["itl"] for r in ok if r["itl"]], 0.99) * 1e3, 3),
             "requests": len(res), "failed": len(res) - sum(1 for r in res if r["ok"]),
             "server_tps_reps": [round(x, 1) for x in tps], "errors": errors}
 

@@ -24,15 +24,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def quantile(xs: list[float], p: float) -> float:
+    """The p-quantile of `xs`, nearest rank on the sorted sample (NaN when `xs` is empty)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+
 def _quantiles(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {"p50": 0.0, "p99": 0.0, "mean": 0.0, "count": 0}
-    s = sorted(xs)
-
-    def q(p: float) -> float:  # nearest-rank on the sorted sample
-        return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
-
-    return {"p50": q(0.50), "p99": q(0.99), "mean": sum(s) / len(s), "count": len(s)}
+    return {"p50": quantile(xs, 0.50), "p99": quantile(xs, 0.99), "mean": sum(xs) / len(xs),
+            "count": len(xs)}
 
 
 @dataclass
