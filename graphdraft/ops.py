@@ -20,6 +20,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `paged_extend_attention` | `kernels/extend_attention.py` (`paged_extend_attention_ref`) |
 | `prepare_rows`, `commit_pack` | `kernels/cycle_kernels.py` (`*_ref`) |
 | `accept_tokens` | `kernels/accept.py` (`accept_tokens_ref`) |
+| `apply_logit_controls`, `count_tokens` | `kernels/logit_controls.py` (`*_ref`) |
 | `ngram_propose` | `kernels/ngram.py` (`ngram_propose_ref`) |
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
 | `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
@@ -50,6 +51,7 @@ from graphdraft.kernels import (
     extend_attention,
     gemv,
     kv_move,
+    logit_controls,
     ngram,
     norm,
     rope,
@@ -64,8 +66,9 @@ from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
 __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
-           "advance_positions_and_seq_lens", "apply_act", "argmax_with_map", "build_tree",
-           "commit_pack", "decode_draft_indices", "gather_accepted_hidden", "linear",
+           "advance_positions_and_seq_lens", "apply_act", "apply_logit_controls",
+           "argmax_with_map", "build_tree", "commit_pack", "count_tokens",
+           "decode_draft_indices", "gather_accepted_hidden", "linear",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
            "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
@@ -381,6 +384,31 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
         accept.accept_tokens(logits, cand, slots, seq_lens, state, kernels=kc, **outputs)
     else:
         accept.accept_tokens_ref(logits, cand, slots, seq_lens, state, **outputs)
+
+
+def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor, state,
+                         *, path: torch.Tensor | None = None,
+                         kernels: KernelConfig | None = None) -> None:
+    """The rows' logit_bias and repetition / frequency / presence penalties, in place on the
+    verify logits `[rows * N, V]` (candidates `cand [rows, N]`, `slots [rows]`, `state` a
+    `SlotState`; `path [rows, N]` a tree's ancestor masks, None: the chain), each position
+    counting the earlier candidates on its path as emitted (`graphdraft.kernels.logit_controls`).
+    Called once per verify, before the acceptance (and before any log-probability)."""
+    if _kc(kernels).use_triton:
+        logit_controls.apply_logit_controls(logits, cand, slots, state, path=path,
+                                            kernels=_kc(kernels))
+    else:
+        logit_controls.apply_logit_controls_ref(logits, cand, slots, state, path=path)
+
+
+def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
+                 counts: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
+    """`counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (`[rows, n]`, `[rows]`,
+    `[R, V]` int32: `SlotState.token_counts`; the commit's output counts)."""
+    if _kc(kernels).use_triton:
+        logit_controls.count_tokens(tokens, accept, slots, counts, kernels=_kc(kernels))
+    else:
+        logit_controls.count_tokens_ref(tokens, accept, slots, counts)
 
 
 def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, k: int,

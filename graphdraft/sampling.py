@@ -11,6 +11,17 @@
     with a `flag`).
 Adding a parameter: a `SamplingField` here, and the kernel that reads its column.
 
+Logit controls (`graphdraft.kernels.logit_controls`, applied to the target's logits before the
+acceptance, in vLLM's order and conventions): `logit_bias` (added to the raw logits), then
+`repetition_penalty` (a token seen in the prompt OR the output so far: positive logits divided
+by it, negative ones multiplied), `frequency_penalty` (minus the penalty times the token's
+count in the output only) and `presence_penalty` (minus the penalty once if the token occurs
+in the output only); greedy rows take the argmax after them. Then, for sampled rows, the
+temperature, `min_p` (keep tokens whose probability is >= min_p x the likeliest one's), top-k
+and top-p. Under speculation the penalties at a verify position count the earlier drafts of
+the window as emitted, so every emitted token follows exactly what target-only decoding
+would sample.
+
 Seeds (sampled requests): the Engine samples on device with Philox noise keyed by the
 request's seed and the absolute position of each sampled token, so a request's tokens depend
 only on its seed, its prompt and the models: not on the other requests of the batch, the
@@ -59,8 +70,9 @@ class Column:
 @dataclass(frozen=True)
 class SamplingField:
     """One sampling parameter: its name, Python type, default, allowed values (`range` for
-    numbers; `check` for anything else), the message naming what is expected, its device
-    column (None: host only) and its CLI flag (None: no flag) with the flag's help."""
+    numbers; `check` for anything else; `convert`: the stored form of a value, raising
+    ValueError or TypeError when it has none), the message naming what is expected, its
+    device column (None: host only) and its CLI flag (None: no flag) with the flag's help."""
 
     name: str
     type: Any
@@ -70,6 +82,7 @@ class SamplingField:
     integer: bool = False
     optional: bool = False
     check: Callable[[Any], bool] | None = None
+    convert: Callable[[Any], Any] | None = None
     column: Column | None = None
     flag: str | None = None
     help: str = ""
@@ -78,6 +91,11 @@ class SamplingField:
         """`value` as stored (a sequence becomes a tuple); ValueError naming the field."""
         if value is None and self.optional:
             return value
+        if self.convert is not None:
+            try:
+                return self.convert(value)
+            except (ValueError, TypeError):
+                raise ValueError(f"{self.name}: expected {self.expected}, got {value!r}") from None
         ok = True
         if self.integer:
             ok = isinstance(value, int) and not isinstance(value, bool)
@@ -99,6 +117,38 @@ def _token_ids(v: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v))
 
 
+MAX_LOGIT_BIAS = 300
+"""Entries of one request's `logit_bias` at most (OpenAI's bound; `SlotState.bias_ids`' width)."""
+LOGIT_BIAS_RANGE = 100.0
+"""|bias| at most (OpenAI's -100..100)."""
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """A `logit_bias` map (token id -> bias; an id may be its decimal string, as in JSON) as
+    its stored form: `((id, bias), ...)` sorted by id. ValueError / TypeError when not one."""
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2
+                                              for e in v):
+        items = [tuple(e) for e in v]
+    else:
+        raise TypeError("not a map")
+    out = {}
+    for k, b in items:
+        if isinstance(k, str) and k.isascii() and k.isdigit():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or k in out:
+            raise ValueError("bad token id")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (
+                -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE):
+            raise ValueError("bad bias")
+        out[k] = float(b)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError("too many entries")
+    return tuple(sorted(out.items()))
+
+
+
 SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_new_tokens", int, 32, "an int >= 1", Range(1), integer=True,
                   column=Column("max_new", torch.int32, 2**30), flag="--max-new-tokens",
@@ -117,6 +167,27 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("stop_token_ids", tuple[int, ...], (), "a sequence of token ids >= 0",
                   check=_token_ids),
     SamplingField("ignore_eos", bool, False, "a bool", check=lambda v: isinstance(v, bool)),
+    SamplingField("min_p", float, 0.0, "in [0, 1]", Range(0, 1),
+                  column=Column("min_p", torch.float32, 0.0), flag="--min-p",
+                  help="keep tokens with probability >= min_p x the likeliest one's, 0: off "
+                       "(needs --temperature > 0)"),
+    SamplingField("repetition_penalty", float, 1.0, "> 0", Range(0, lo_open=True),
+                  column=Column("repetition_penalty", torch.float32, 1.0),
+                  flag="--repetition-penalty",
+                  help="divide positive / multiply negative logits of tokens seen in the "
+                       "prompt or output (vLLM's convention), 1: off"),
+    SamplingField("frequency_penalty", float, 0.0, "in [-2, 2]", Range(-2, 2),
+                  column=Column("frequency_penalty", torch.float32, 0.0),
+                  flag="--frequency-penalty",
+                  help="subtract this x the token's count in the output, 0: off"),
+    SamplingField("presence_penalty", float, 0.0, "in [-2, 2]", Range(-2, 2),
+                  column=Column("presence_penalty", torch.float32, 0.0),
+                  flag="--presence-penalty",
+                  help="subtract this from tokens present in the output, 0: off"),
+    SamplingField("logit_bias", tuple[tuple[int, float], ...], (),
+                  f"a map of token id (an int >= 0 or its decimal string) -> bias in "
+                  f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], at most {MAX_LOGIT_BIAS} "
+                  f"entries", convert=_logit_bias),
 )
 """Every sampling parameter, in `SamplingParams`' field order."""
 

@@ -18,6 +18,7 @@ from graphdraft.kernels.accept import (
 from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.ops import accept_tokens
 from graphdraft.runtime.slot_state import SlotState, StopTableFullError
+from graphdraft.sampling import COLUMNS
 from graphdraft.serving.verify import SamplingParams, request_seed, target_probs, verify_greedy
 
 
@@ -30,6 +31,11 @@ def _outs(rows, n):
 
 def _state(slots=6, steps=3, width=2):
     return SlotState.allocate(slots, steps, width, "cpu")
+
+
+def _admit(st, slot, **columns):
+    """`st.admit` with every sampling column not given at its neutral value."""
+    st.admit(slot, **({c.name: c.neutral for c in COLUMNS} | columns))
 
 
 @triton.jit
@@ -54,11 +60,11 @@ def test_kernel_matches_reference_mixed_rows():
     torch.manual_seed(0)
     n, v, rows = 4, 50, 7
     st = _state()
-    st.admit(1, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop_ids=[7], max_new=100)
-    st.admit(2, temperature=0.8, top_p=1.0, top_k=0, seed=2, stop_ids=[], max_new=100)
-    st.admit(3, temperature=1.0, top_p=0.9, top_k=10, seed=3, stop_ids=[5, 6], max_new=100)
-    st.admit(4, temperature=1.3, top_p=0.7, top_k=0, seed=4, stop_ids=[], max_new=3)
-    st.admit(5, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=100)
+    _admit(st, 1, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop_ids=[7], max_new=100)
+    _admit(st, 2, temperature=0.8, top_p=1.0, top_k=0, seed=2, stop_ids=[], max_new=100)
+    _admit(st, 3, temperature=1.0, top_p=0.9, top_k=10, seed=3, stop_ids=[5, 6], max_new=100)
+    _admit(st, 4, temperature=1.3, top_p=0.7, top_k=0, seed=4, stop_ids=[], max_new=3)
+    _admit(st, 5, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=100)
     st.emitted[4] = 1
     st.done[5] = 1
     logits = torch.randn(rows * n, v, dtype=torch.float64) * 2
@@ -89,7 +95,7 @@ def test_greedy_rows_equal_verify_greedy(use_triton):
     n, v, rows = 3, 40, 6
     st = _state(slots=rows + 1)
     for s in range(1, rows + 1):
-        st.admit(s, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=1000)
+        _admit(st, s, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=1000)
     logits = torch.randn(rows * n, v)
     g = torch.argmax(logits, -1).view(rows, n)
     cand = torch.randint(0, v, (rows, n))
@@ -106,7 +112,7 @@ def test_greedy_rows_equal_verify_greedy(use_triton):
 def test_length_cut_and_stop_precedence():
     n, v = 4, 16
     st = _state()
-    st.admit(1, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=5)
+    _admit(st, 1, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[], max_new=5)
     st.emitted[1] = 3
     logits = torch.randn(n, v)
     g = torch.argmax(logits, -1)
@@ -150,7 +156,7 @@ def test_sampled_acceptance_reproduces_target_distribution():
     logits = torch.randn(n, v) * 1.5
     p = target_probs(logits, params)
     st = _state(slots=2)
-    st.admit(1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+    _admit(st, 1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
              seed=request_seed(77, 0), stop_ids=[], max_new=10**6)
     d1, d2 = int(p[0].argmax()), int(p[1].argmax())
     cand = torch.tensor([0, d1, d2]).expand(rows, n).contiguous()
@@ -177,8 +183,8 @@ def test_noise_depends_on_seed_and_position_only():
     v, n = 20, 2
     st = _state(slots=4)
     for s in (1, 2):
-        st.admit(s, temperature=1.0, top_p=1.0, top_k=0, seed=99, stop_ids=[], max_new=100)
-    st.admit(3, temperature=1.0, top_p=1.0, top_k=0, seed=98, stop_ids=[], max_new=100)
+        _admit(st, s, temperature=1.0, top_p=1.0, top_k=0, seed=99, stop_ids=[], max_new=100)
+    _admit(st, 3, temperature=1.0, top_p=1.0, top_k=0, seed=98, stop_ids=[], max_new=100)
     row = torch.randn(n, v)
     logits = torch.cat([row, torch.randn(n, v), row, row])
     cand = torch.zeros(4, n, dtype=torch.int64)
@@ -192,7 +198,7 @@ def test_noise_depends_on_seed_and_position_only():
 def test_stop_table_width_enforced():
     st = _state(width=2)
     with pytest.raises(StopTableFullError, match="stop_token_ids"):
-        st.admit(1, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[1, 2, 3], max_new=4)
+        _admit(st, 1, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=[1, 2, 3], max_new=4)
     assert int(st.stop_ids[1].max()) == -1  # nothing written
 
 

@@ -16,6 +16,7 @@ from graphdraft.kernels.accept import accept_ref
 from graphdraft.kernels.config import TORCH, TRITON
 from graphdraft.runtime.drafter_protocol import check_drafter
 from graphdraft.runtime.ngram_drafter import NgramDrafter
+from graphdraft.sampling import COLUMNS
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams, request_seed, target_probs
 from tests.engine_harness import make_models, runtime
@@ -211,8 +212,9 @@ def test_point_mass_lookup_drafts_keep_the_target_distribution():
                       torch.tensor([1]), 2, 1, 2, out=out, found=found)
     assert out[0].tolist() == [4, d1, 5] and int(found[0]) == 2
     st_ = _state(slots=2)
-    st_.admit(1, temperature=1.0, top_p=1.0, top_k=0, seed=request_seed(5, 0), stop_ids=[],
-              max_new=10**6)
+    st_.admit(1, **({c.name: c.neutral for c in COLUMNS}
+                    | dict(temperature=1.0, top_p=1.0, top_k=0, seed=request_seed(5, 0),
+                           max_new=10**6)), stop_ids=[])
     cand = out.long().expand(rows, n).contiguous()
     seq = torch.arange(rows, dtype=torch.int32) * 5 + 40
     o = _outs(rows, n)

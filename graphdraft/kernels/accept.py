@@ -11,7 +11,9 @@ a prefill chunk that is not the last; also inert when `done[s]`):
   1. target token t_j at each position j < N, from the slot's parameters:
      temperature[s] == 0: argmax (first index of the max);
      otherwise sample-then-compare: x = logits / T; keep x >= the top_k-th largest value
-     (bisection, ITERS steps, only when 0 < top_k < V); softmax; keep p >= the top_p
+     (bisection, ITERS steps, only when 0 < top_k < V) and, when min_p[s] > 0, x >= max(x) +
+     log(min_p) (min_p: p >= min_p * p_max, before top-p as vLLM orders them); softmax; keep
+     p >= the top_p
      threshold (bisection on the largest tau with mass(p >= tau) >= top_p, only when
      top_p < 1); inverse-CDF draw over the kept mass with one uniform
      u = noise(seed[s], position start + j).
@@ -76,8 +78,8 @@ def _uniform(seed, pos):
 # specialized (N == 1 at k = 0 would compile a variant per k; scalar loads / stores only).
 @triton.jit(do_not_specialize=["stride_t", "N"],  # row views at any row offset: one variant
             do_not_specialize_on_alignment=["slots", "seq_lens", "tokens"])
-def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, seed, done,
-                  tokens, stride_t, N, V, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, min_p, seed,
+                  done, tokens, stride_t, N, V, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Program (r, j): the target token t_j of row r (step 1 of the module docstring)."""
     pid = tl.program_id(0)
     r = pid // N
@@ -131,6 +133,9 @@ def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, 
                 else:
                     hi = mid
             thr = lo
+        mp = tl.load(min_p + s).to(tl.float32)
+        if mp > 0:
+            thr = tl.maximum(thr, mx + tl.log(mp))
         z = 0.0
         for c in range(0, V, BLOCK):
             ok = c + cols < V
@@ -252,8 +257,8 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
                   kernels: KernelConfig | None = None) -> None:
     """Triton path (`graphdraft.ops.accept_tokens` chooses): the module docstring's writes for
     `rows = cand.shape[0]` rows. `state`: a `graphdraft.runtime.slot_state.SlotState`
-    (temperature, top_p, top_k, seed, stop_ids, max_new, emitted, done per slot). `err` is ORed
-    into, not overwritten. Graph-capturable. `kernels`: the launch settings (None: the default;
+    (temperature, top_p, top_k, min_p, seed, stop_ids, max_new, emitted, done per slot). `err`
+    is ORed into, not overwritten. Graph-capturable. `kernels`: the launch settings (None: the default;
     these two launches read none)."""
     rows, n = cand.shape
     _check(logits, cand, slots, seq_lens, tokens, accept, draft_accept, finish, err, rows, n)
@@ -263,7 +268,7 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
     w = state.stop_ids.shape[1]
     _token_kernel[(rows * n,)](
         logits, logits.stride(0), slots, seq_lens, state.temperature, state.top_p, state.top_k,
-        state.seed, state.done, tokens, tokens.stride(0), n, v,
+        state.min_p, state.seed, state.done, tokens, tokens.stride(0), n, v,
         BLOCK=min(4096, triton.next_power_of_2(v)), ITERS=ITERS, num_warps=8)
     _accept_kernel[(rows,)](
         tokens, tokens.stride(0), cand, cand.stride(0), slots, state.stop_ids, state.max_new,
@@ -356,6 +361,8 @@ def accept_ref(logits, cand, slots, seq_lens, state, *, tokens, accept, draft_ac
     use_k = (tk > 0) & (tk < v)
     thr_k = _bisect(lambda m: (xs >= m).sum(-1, keepdim=True) >= tk, mn, mx)
     thr = torch.where(use_k, thr_k, torch.full_like(thr_k, -float("inf")))
+    mp = state.min_p[s].to(torch.float32)[:, None, None]
+    thr = torch.where(mp > 0, torch.maximum(thr, mx + torch.log(mp)), thr)
     e = torch.exp(xs - mx)
     kept = xs >= thr
     z = torch.where(kept, e, 0.0).sum(-1, keepdim=True)

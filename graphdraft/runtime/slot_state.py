@@ -13,23 +13,40 @@ Tables (R = max_running_requests + 1, S = speculative_num_steps, W = stop_table_
   stop_ids     [R, W] int64  stop token ids (EOS unless ignore_eos, then stop_token_ids); -1: unused
   emitted      [R] int32     tokens emitted so far
   done         [R] int32     1 once a stop token or max_new was reached (the row is inert after)
+  token_counts [R, V] int32  per token id: its count in the request's output so far (bits
+                             0..29) | `PROMPT_FLAG` (bit 30) when it occurs in the prompt:
+                             what the penalties read (repetition_penalty: prompt and output,
+                             frequency / presence: output only, vLLM's convention). Reset to
+                             the prompt's flags at admission, counted by the commit
+                             (`ops.count_tokens`); 4 * R * V bytes (e.g. 65 slots x 128256
+                             ids: 33 MB), allocated once with the other tables.
+  bias_ids     [R, B] int32  the request's `logit_bias` ids (B = `sampling.MAX_LOGIT_BIAS`),
+  bias_values  [R, B] float32  their biases, and
+  bias_len     [R] int32     how many are used (0: no bias)
 plus one `[R]` column per sampling field with a device column (`graphdraft.sampling.COLUMNS`:
-max_new, temperature, top_p, top_k, seed; each field's dtype and neutral value are there).
-`valid_cache_lengths` stays in `RuntimeStates` (the drafter reads it too).
+max_new, temperature, top_p, top_k, seed, min_p, repetition_penalty, frequency_penalty,
+presence_penalty; each field's dtype and neutral value are there). The logit controls
+(`graphdraft.kernels.logit_controls`) read token_counts, the bias tables and the penalty
+columns; the acceptance reads min_p. `valid_cache_lengths` stays in `RuntimeStates` (the
+drafter reads it too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from graphdraft.sampling import COLUMNS
+from graphdraft.kernels.logit_controls import PROMPT_FLAG
+from graphdraft.sampling import COLUMNS, MAX_LOGIT_BIAS
 
 
 class StopTableFullError(ValueError):
     """A request has more stop token ids than the device stop table holds."""
 
 
-_STATE_TABLES = ("last_token", "drafts", "stop_ids", "emitted", "done")
+_STATE_TABLES = ("last_token", "drafts", "stop_ids", "emitted", "done", "token_counts",
+                 "bias_ids", "bias_values", "bias_len")
 
 
 def table_names() -> list[str]:
@@ -49,13 +66,20 @@ class SlotState:
 
     @classmethod
     def allocate(cls, num_slots: int, steps: int, stop_width: int,
-                 device: str | torch.device) -> SlotState:
+                 device: str | torch.device, *, vocab: int = 0) -> SlotState:
+        """The tables for `num_slots` slots; `vocab`: token_counts' width (the target's vocab;
+        0: no counts, for callers that never apply the logit controls)."""
         def z(shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
         tables = dict(last_token=z(num_slots, torch.int64), drafts=z((num_slots, steps), torch.int64),
                       stop_ids=torch.full((num_slots, stop_width), -1, dtype=torch.int64,
                                           device=device),
-                      emitted=z(num_slots, torch.int32), done=z(num_slots, torch.int32))
+                      emitted=z(num_slots, torch.int32), done=z(num_slots, torch.int32),
+                      token_counts=z((num_slots, vocab), torch.int32),
+                      bias_ids=torch.full((num_slots, MAX_LOGIT_BIAS), -1, dtype=torch.int32,
+                                          device=device),
+                      bias_values=z((num_slots, MAX_LOGIT_BIAS), torch.float32),
+                      bias_len=z(num_slots, torch.int32))
         for c in COLUMNS:
             tables[c.name] = torch.full((num_slots,), c.neutral, dtype=c.dtype, device=device)
         return cls(tables)
@@ -68,13 +92,21 @@ class SlotState:
     def stop_width(self) -> int:
         return self.stop_ids.shape[1]
 
-    def admit(self, slot: int, *, stop_ids: list[int], **columns: float | int) -> None:
+    @property
+    def vocab(self) -> int:
+        return self.token_counts.shape[1]
+
+    def admit(self, slot: int, *, stop_ids: list[int], prompt: Sequence[int] = (),
+              logit_bias: Sequence[tuple[int, float]] = (), **columns: float | int) -> None:
         """Write slot `slot`'s row for a newly admitted request: `columns`, one value per
-        sampling column by name (`graphdraft.sampling.device_row`), `stop_ids` its stop ids.
-        Stream-ordered copies from host memory (one int64 row, one float32 row; no sync).
-        Raises StopTableFullError (writing nothing) past the stop table's width."""
+        sampling column by name (`graphdraft.sampling.device_row`), `stop_ids` its stop ids,
+        its token counts (the `prompt`'s flags, no output), its `logit_bias` entries
+        (`SamplingParams.logit_bias`). Stream-ordered copies from host memory (no sync).
+        Raises StopTableFullError past the stop table's width, ValueError naming the argument
+        for a bias or prompt id outside [0, vocab) (both writing nothing)."""
         if not 1 <= slot < self.done.shape[0]:
             raise ValueError(f"slot: expected 1..{self.done.shape[0] - 1}, got {slot}")
+        self._check_counted(prompt, logit_bias)
         if set(columns) != {c.name for c in COLUMNS}:
             raise ValueError(f"columns: expected {[c.name for c in COLUMNS]}, got {sorted(columns)}")
         if len(stop_ids) > self.stop_width:
@@ -100,11 +132,45 @@ class SlotState:
         self.stop_ids[slot] = int_row[len(ints):]
         for i, c in enumerate(flts):
             getattr(self, c.name)[slot] = flt_row[i].to(c.dtype)
+        self._admit_counts(slot, prompt, logit_bias)
+
+    def _check_counted(self, prompt: Sequence[int], logit_bias) -> None:
+        v = self.vocab
+        if len(logit_bias) > self.bias_ids.shape[1]:
+            raise ValueError(f"logit_bias: expected at most {self.bias_ids.shape[1]} entries, "
+                             f"got {len(logit_bias)}")
+        for name, ids in (("prompt", list(prompt)), ("logit_bias", [t for t, _ in logit_bias])):
+            if ids and v and not all(0 <= t < v for t in ids):
+                raise ValueError(f"{name}: expected token ids in [0, {v}), got "
+                                 f"{[t for t in ids if not 0 <= t < v][:4]}")
+        if logit_bias and not v:
+            raise ValueError("logit_bias: expected none on slot tables without token counts "
+                             "(SlotState.allocate(vocab=0))")
+
+    def _admit_counts(self, slot: int, prompt: Sequence[int], logit_bias) -> None:
+        """token_counts[slot] = the prompt's flags; the bias tables' row = `logit_bias`."""
+        dev = self.done.device
+        nb = len(logit_bias)
+        ids = torch.tensor(list(prompt) if self.vocab else [], dtype=torch.int64)
+        bias = torch.tensor([b for _, b in logit_bias], dtype=torch.float32)
+        bias_ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int32)
+        if dev.type == "cuda":
+            ids, bias, bias_ids = ids.pin_memory(), bias.pin_memory(), bias_ids.pin_memory()
+        self.token_counts[slot] = 0
+        if ids.numel():
+            self.token_counts[slot].index_fill_(0, ids.to(dev, non_blocking=True), PROMPT_FLAG)
+        self.bias_ids[slot] = -1
+        self.bias_values[slot] = 0.0
+        if nb:
+            self.bias_ids[slot, :nb] = bias_ids.to(dev, non_blocking=True)
+            self.bias_values[slot, :nb] = bias.to(dev, non_blocking=True)
+        self.bias_len[slot] = nb
 
     def release(self, slot: int) -> None:
         """Neutral row again (done, no stop, neutral sampling columns): a stale row is inert."""
         self.done[slot] = 1
         self.stop_ids[slot] = -1
+        self.bias_len[slot] = 0
         for c in COLUMNS:
             getattr(self, c.name)[slot] = c.neutral
 

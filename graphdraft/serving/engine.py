@@ -167,7 +167,7 @@ class Engine:
                          tc.num_key_value_heads, tc.head_dim, target.dtype, self.device)
         self.inputs, self.states = InputBuffers.allocate(cfg), RuntimeStates.allocate(cfg)
         self.slots = SlotState.allocate(cfg.max_running_requests + 1, cfg.speculative_num_steps,
-                                        cfg.stop_table_width, self.device)
+                                        cfg.stop_table_width, self.device, vocab=tc.vocab_size)
         n_row = 1 if head is None and drafter is None else (
             self.tree_spec.n if self.tree_spec is not None else cfg.spec_num_tokens)
         self.cycle = CycleBuffers.allocate(cfg, n_row)
@@ -621,6 +621,10 @@ class Engine:
         vocab = self.target.config.vocab_size
         if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"params.logit_bias: expected token ids in [0, {vocab}), got "
+                             f"{bad_bias[:4]}")
         stops = self._stop_ids(params)
         if len(stops) > self.cfg.stop_table_width:
             raise StopTableFullError(
@@ -648,7 +652,8 @@ class Engine:
             except OutOfPagesError:
                 self.pages.free(slot)
                 break
-            self.slots.admit(slot, stop_ids=self._stop_ids(req.params),
+            self.slots.admit(slot, stop_ids=self._stop_ids(req.params), prompt=req.prompt,
+                             logit_bias=req.params.logit_bias,
                              **device_row(req.params, req.seed))
             req.slot = slot
             self.waiting.popleft()

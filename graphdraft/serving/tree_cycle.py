@@ -56,18 +56,24 @@ __all__ = ["EngineTrees", "SlotTrees", "TreeCycle", "TreeRunner", "TreeStepResul
 
 
 def row_target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+                     top_p: torch.Tensor, greedy_ids: torch.Tensor,
+                     min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row `serving.verify.target_probs` in fixed shapes (capturable): logits `[R, V]`,
     temperature / top_p `[R]` float32, top_k `[R]` int64 (0: off), greedy_ids `[R]` (the
-    argmax) -> fp32 probabilities `[R, V]`: softmax(logits / T) restricted to the top_k
-    largest, then to the smallest prefix (by probability) whose mass before a token stays
-    below top_p, renormalised; a row with temperature 0 is one-hot at `greedy_ids`."""
+    argmax), min_p `[R]` float32 (None or 0: off) -> fp32 probabilities `[R, V]`:
+    softmax(logits / T) restricted to the top_k largest and to x >= max(x) + log(min_p)
+    (p >= min_p * p_max; the chain's acceptance kernel uses the same bound), then to the
+    smallest prefix (by probability) whose mass before a token stays below top_p,
+    renormalised; a row with temperature 0 is one-hot at `greedy_ids`."""
     r, v = logits.shape
     temp = temperature.float().unsqueeze(1)
     x = logits.float() / temp.clamp(min=1e-6)
     sx, order = torch.sort(x, dim=-1, descending=True)
     kk = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).unsqueeze(1)
     kth = sx.gather(1, kk - 1)
+    if min_p is not None:
+        mp = min_p.float().unsqueeze(1)
+        kth = torch.where(mp > 0, torch.maximum(kth, sx[:, :1] + torch.log(mp)), kth)
     x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     sp = probs.gather(1, order)                              # sorted probabilities
@@ -128,7 +134,7 @@ class TreeCycle:
     | buffer | shape | dtype |
     |---|---|---|
     | req, prefix_len | `[max_bs]` | int64 (request slot; L) |
-    | temperature, top_p | `[max_bs]` | float32 (0: greedy row; 1: no nucleus filter) |
+    | temperature, top_p, min_p | `[max_bs]` | float32 (0: greedy row; 1: no nucleus filter; 0: no min_p) |
     | top_k | `[max_bs]` | int64 (0: off) |
     | v_loc | `[max_bs*n]` | int64 (verify KV slots of `L + i`) |
     | v_seq | `[max_bs]` | int32 (`L + n`) |
@@ -157,6 +163,7 @@ class TreeCycle:
         self.temperature = torch.zeros(mb, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(mb, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(mb, **i64)
+        self.min_p = torch.zeros(mb, dtype=torch.float32, device=dev)
         self.v_loc = torch.zeros(mb * n, **i64)
         self.v_seq = torch.ones(mb, dtype=torch.int32, device=dev)
         self.aux = torch.zeros(mb * n, target.aux_hidden_width, dtype=target.dtype, device=dev)
@@ -204,7 +211,7 @@ class TreeCycle:
             return
         rep = lambda t: t[:bs].repeat_interleave(n)                          # [bs*n]
         probs = row_target_probs(logits, rep(self.temperature), rep(self.top_k), rep(self.top_p),
-                                 self.target_ids[: bs * n])
+                                 self.target_ids[: bs * n], rep(self.min_p))
         ops.tree_accept(self.spec, tree.tokens, tree.first_child, tree.next_sibling, probs=probs,
                         coins=self.coins[:bs], final_coin=self.final_coin[:bs], kernels=kc,
                         **outs)
@@ -252,6 +259,7 @@ class TreeCycle:
         self.temperature[start:stop] = 0.0
         self.top_k[start:stop] = 0
         self.top_p[start:stop] = 1.0
+        self.min_p[start:stop] = 0.0
         i = torch.arange(n, device=self.req.device)
         tree.tokens[start:stop] = 0
         tree.parents[start:stop] = torch.where(i == 0, -1, 0)
@@ -550,12 +558,15 @@ class EngineTrees:
       rows      live = slot > 0 and not done; dead rows use slot 0 (L = 0, greedy, root-only)
       load      TreeCycle.req / prefix_len / sampling tables from SlotState, the slot's tree
       coins     sampled: Philox of (the slot's seed; counter (L + 1) * 64 + node, SALT_TREE)
-      verify, accept (TreeCycle)
+      verify    TreeCycle.verify, then the logit controls in place on its logits
+                (`ops.apply_logit_controls`, each node counting its path's drafts as emitted)
+      accept    TreeCycle.accept
       cut       stop ids / max_new_tokens cut of the accept length (`stop_cut`: the chain's
                 accept kernel rules, a stop token winning over the length limit at one position)
       compact, draft_and_commit (TreeCycle), SlotTrees.store
-      commit    `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
-                last_token, emitted, done; pack `[bs, n + 3]`)
+      commit    `ops.count_tokens` and `cycle_kernels.commit_pack` over the out tokens
+                `[bs, P]` (token counts, L += accept, last_token, emitted, done; pack
+                `[bs, n + 3]`)
     `expand_prefilled` drafts the first tree of requests whose last prefill chunk ran (from
     the chain drafter's first-step hidden state at the prompt's last token).
     """
@@ -599,16 +610,21 @@ class EngineTrees:
         c.temperature[:bs].copy_(st.temperature.index_select(0, req))
         c.top_k[:bs].copy_(st.top_k.index_select(0, req))
         c.top_p[:bs].copy_(st.top_p.index_select(0, req))
+        c.min_p[:bs].copy_(st.min_p.index_select(0, req))
         tree = self.drafter.tree.rows(bs)
         self.trees.load(tree, c.req[:bs], c.prefix_len[:bs])
         if sampled:
             self.coins(bs, c)
         out = c.verify(bs)
+        ops.apply_logit_controls(out.logits, tree.tokens, c.req[:bs], st, path=tree.mask,
+                                 kernels=self.drafter.kernels)
         c.accept(bs, out.logits)
         self.stop_cut(bs, c, live)
         c.compact(bs)
         c.draft_and_commit(bs)
         self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
+        ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
+                         kernels=self.drafter.kernels)
         ops.commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
                         err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
                         last_token=st.last_token, drafts=st.drafts, emitted=st.emitted,

@@ -6,9 +6,10 @@ state, the graph registry). `DecodeMode` holds it and the device functions of a 
   prepare  rows' slots (`CycleBuffers.slot_rows`) -> `InputBuffers` (ids from last_token /
            drafts, positions, KV slots, seq lens); padded and done rows inert (slot 0)
   verify   the target over the prepared rows (`target_decode`)
-  accept   the acceptance kernel (greedy and sampled rows, stop ids, max_new; reads the
-           sampling columns of `SlotState`)
-  commit   valid_cache_lengths, last_token, drafts, emitted, done; the pack row
+  accept   the logit controls in place on the verify logits (`ops.apply_logit_controls`:
+           logit_bias, penalties), then the acceptance kernel (greedy and sampled rows, stop
+           ids, max_new; reads the sampling columns of `SlotState`)
+  commit   valid_cache_lengths, last_token, drafts, emitted, done, token counts; the pack row
            `[N + 3]` (tokens, accept, finish, error bits) the host reads one step late
 A mode (`TargetOnlyMode`, `ChainMode`, `SplitChainMode` in `cycles.chain`; `TreeMode` in
 `graphdraft.serving.tree_cycle`) is chosen once, when the Engine is built; the Engine's step
@@ -182,10 +183,13 @@ class DecodeMode:
                slots: torch.Tensor, tokens: torch.Tensor, draft_accept: torch.Tensor) -> None:
         """The acceptance over rows [row0, row0 + rows) whose logits are `logits [rows * n, V]`;
         `slots`: the rows' slots as prepared (0 for padded, done and flagged rows: inert);
-        writes `tokens [rows, n]` and `draft_accept [rows]` (the drafter's accept lengths)."""
+        writes `tokens [rows, n]` and `draft_accept [rows]` (the drafter's accept lengths).
+        First the rows' logit controls (`ops.apply_logit_controls`: logit_bias, penalties) in
+        place on `logits`: every later reader (the acceptance, log-probabilities) sees them."""
         p = self.parts
         cb = p.cycle
         cand = p.inputs.input_ids[tok0: tok0 + rows * n].view(rows, n)
+        ops.apply_logit_controls(logits, cand, slots, p.slots, kernels=p.cfg.kernels)
         ops.accept_tokens(logits, cand, slots, p.inputs.seq_lens[row0: row0 + rows], p.slots,
                           tokens=tokens, accept=cb.accept[row0: row0 + rows],
                           draft_accept=draft_accept, finish=cb.finish[row0: row0 + rows],
@@ -195,11 +199,13 @@ class DecodeMode:
                next_tokens: torch.Tensor | None, prefill: bool) -> None:
         """State after the step for rows [row0, row0 + rows): valid_cache_lengths (decode:
         += accept; prefill rows: their seq len), last_token, drafts `next_tokens [rows, S + 1]`
-        (None: no drafter), emitted, done; then the rows' pack. Rows that accepted nothing
-        (inert, mid-chunk) change no slot's tokens."""
+        (None: no drafter), emitted, done, the output token counts (`ops.count_tokens`); then
+        the rows' pack. Rows that accepted nothing (inert, mid-chunk) change no slot's tokens."""
         p = self.parts
         cb, st, ib = p.cycle, p.slots, p.inputs
         sl = slice(row0, row0 + rows)
+        ops.count_tokens(tokens, cb.accept[sl], ib.req_pool_indices[sl], st.token_counts,
+                         kernels=p.cfg.kernels)
         ops.commit_pack(tokens, next_tokens[:rows] if next_tokens is not None else None,
                         accept=cb.accept[sl], finish=cb.finish[sl], err=cb.err[sl],
                         req=ib.req_pool_indices[sl], seq_lens=ib.seq_lens[sl],

@@ -1,0 +1,265 @@
+"""Logit controls on device: logit_bias and the repetition / frequency / presence penalties of
+each row's request, applied in place to the target's verify logits before the acceptance, and
+the per-slot token counts they read (updated by the commit).
+
+Verify logits `logits [rows * N, V]`: row `r * N + j` predicts the token after candidate j of
+row r (`cand [rows, N]`: column 0 the last verified token, 1.. the drafts; a tree: node j of
+the row's verified tree). Each row's request slot `s = slots[r]` (0: inert; also inert when
+`done[s]`) carries its parameters in the slot tables (`graphdraft.runtime.slot_state`):
+
+  counts [R, V] int32   `token_counts`: bits 0..29 the token's count in the request's output
+                        so far, bit 30 (`PROMPT_FLAG`) set when it occurs in the prompt
+  bias_ids [R, W] int32, bias_values [R, W] float32, bias_len [R] int32: the request's
+                        `logit_bias` (`bias_len[s]` distinct ids, the rest unused)
+  repetition_penalty, frequency_penalty, presence_penalty [R] float32 (neutral 1, 0, 0)
+
+Position j of row r counts the candidates on its path as emitted (they are, when the verify
+accepts up to j): the chain's path is candidates 1..j; a tree's is the nodes whose bit is set
+in `path[r, j]` (the tree's ancestor mask, self included), node 0 excluded. Candidate 0 /
+the root is the last committed token, already in `counts`. With `out` = the output count of
+token v at that position (the table's count plus the path's occurrences) and `seen` = prompt
+flag or `out > 0`, in fp32 (vLLM's order and formulas):
+
+  x = logits[r * N + j, v] + bias(v)                   (logit_bias; a first launch)
+  x = seen ? (x > 0 ? x / rep : x * rep) : x           (repetition_penalty: prompt and output)
+  x = x - freq * out - pres * (out > 0)                (frequency / presence: output only)
+
+stored back in the logits' dtype after each of the two launches. Rows whose request sets no
+penalty (rep 1, freq 0, pres 0) and no bias read only their slot's four scalars.
+
+`count_tokens` (the commit): `counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (rows
+with accept 0, inert or mid-prompt, add nothing). Admission (`SlotState.admit`) resets a
+slot's row to its prompt flags.
+
+Graph-capturable (no host sync, fixed shapes). The torch references (`*_ref`) compute the same
+in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdraft.checks import expect_tensor
+from graphdraft.kernels.config import KernelConfig
+
+__all__ = ["COUNT_MASK", "PROMPT_FLAG", "apply_logit_controls", "apply_logit_controls_ref",
+           "count_tokens", "count_tokens_ref"]
+
+PROMPT_FLAG = 1 << 30
+"""`token_counts` bit: the token occurs in the request's prompt."""
+COUNT_MASK = PROMPT_FLAG - 1
+"""`token_counts` bits of the output count."""
+_PROMPT = tl.constexpr(PROMPT_FLAG)
+_MASK = tl.constexpr(COUNT_MASK)
+
+
+@triton.jit(do_not_specialize=["N", "W"],
+            do_not_specialize_on_alignment=["logits", "slots"])
+def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len, N, W,
+                 WP2: tl.constexpr):
+    """Program (r, j): logits[r * N + j, bias_ids[s, b]] += bias_values[s, b], b < bias_len[s]."""
+    pid = tl.program_id(0)
+    r = pid // N
+    s = tl.load(slots + r).to(tl.int64)
+    live = s != 0
+    if live:
+        live = tl.load(done + s) == 0
+    s = tl.where(live, s, 0)
+    nb = tl.load(bias_len + s)
+    if nb > 0:
+        w = tl.arange(0, WP2)
+        ok = w < nb
+        ids = tl.load(bias_ids + s * W + w, mask=ok, other=0).to(tl.int64)
+        val = tl.load(bias_values + s * W + w, mask=ok, other=0.0)
+        row = logits + pid.to(tl.int64) * stride_l
+        x = tl.load(row + ids, mask=ok, other=0.0).to(tl.float32) + val
+        tl.store(row + ids, x.to(logits.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["N", "stride_c", "stride_p", "stride_k"],
+            do_not_specialize_on_alignment=["logits", "cand", "path", "slots"])
+def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, done, counts,
+                    stride_k, rep_t, freq_t, pres_t, N, V, TREE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program (r * N + j, block): the penalties of the module docstring on one vocab block."""
+    pid = tl.program_id(0)
+    blk = tl.program_id(1)
+    r = pid // N
+    j = pid % N
+    r64 = r.to(tl.int64)
+    s = tl.load(slots + r).to(tl.int64)
+    live = s != 0
+    if live:
+        live = tl.load(done + s) == 0
+    s = tl.where(live, s, 0)
+    rep = tl.load(rep_t + s)
+    freq = tl.load(freq_t + s)
+    pres = tl.load(pres_t + s)
+    if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < V
+        raw = tl.load(counts + s * stride_k + cols, mask=ok, other=0)
+        prompt = (raw & _PROMPT) != 0
+        out = raw & _MASK
+        bits = 0
+        if TREE:
+            bits = tl.load(path + r64 * stride_p + j).to(tl.int64)
+        for m in range(1, N):
+            t = tl.load(cand + r64 * stride_c + m).to(tl.int64)
+            if TREE:
+                on = ((bits >> m) & 1) != 0
+            else:
+                on = m <= j
+            out += ((cols == t) & on).to(tl.int32)
+        row = logits + pid.to(tl.int64) * stride_l
+        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+        seen = prompt | (out > 0)
+        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * out.to(tl.float32) - pres * (out > 0).to(tl.float32)
+        tl.store(row + cols, x.to(logits.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["N", "stride_t", "stride_k"],
+            do_not_specialize_on_alignment=["tokens", "accept", "slots"])
+def _count_kernel(tokens, stride_t, accept, slots, counts, stride_k, N, V):
+    """Program r: counts[slots[r], tokens[r, j]] += 1 for j < accept[r]."""
+    r = tl.program_id(0)
+    s = tl.load(slots + r).to(tl.int64)
+    a = tl.load(accept + r).to(tl.int32)
+    for j in range(0, N):
+        t = tl.load(tokens + r.to(tl.int64) * stride_t + j).to(tl.int64)
+        if (j < a) & (t >= 0) & (t < V):
+            tl.atomic_add(counts + s * stride_k + t, 1)
+
+
+def _check(logits, cand, slots, state, path) -> tuple[int, int]:
+    rows, n = cand.shape
+    expect_tensor("logits", logits, shape=("rows", "V"), layout="rows")
+    if logits.shape[0] < rows * n:
+        raise ValueError(f"logits: expected at least {rows * n} rows (rows * n), "
+                         f"got {logits.shape[0]}")
+    expect_tensor("cand", cand, shape=(rows, n), layout="rows")
+    expect_tensor("slots", slots, shape=(rows,), layout="contiguous")
+    if path is not None:
+        expect_tensor("path", path, shape=(rows, n), layout="rows")
+    if state.token_counts.shape[1] != logits.shape[1]:
+        raise ValueError(f"state.token_counts: expected {logits.shape[1]} columns (the logits' "
+                         f"vocab), got {state.token_counts.shape[1]}")
+    return rows, n
+
+
+def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor, state,
+                         *, path: torch.Tensor | None = None,
+                         kernels: KernelConfig | None = None) -> None:
+    """Triton path (`graphdraft.ops.apply_logit_controls` chooses): the module docstring's
+    transform of `logits [rows * N, V]` in place. `cand [rows, N]` the candidates, `slots
+    [rows]` their slots, `state` a `SlotState` (token_counts, bias tables, penalty columns,
+    done); `path [rows, N]` int64 ancestor bit masks (a tree; None: the chain). `kernels`:
+    launch settings (None: the default; these launches read none)."""
+    rows, n = _check(logits, cand, slots, state, path)
+    if rows == 0:
+        return
+    v, w = logits.shape[1], state.bias_ids.shape[1]
+    _bias_kernel[(rows * n,)](logits, logits.stride(0), slots, state.done, state.bias_ids,
+                              state.bias_values, state.bias_len, n, w,
+                              WP2=triton.next_power_of_2(max(w, 1)), num_warps=4)
+    block = min(2048, triton.next_power_of_2(v))
+    counts = state.token_counts
+    _penalty_kernel[(rows * n, triton.cdiv(v, block))](
+        logits, logits.stride(0), cand, cand.stride(0), path if path is not None else cand,
+        path.stride(0) if path is not None else 0, slots, state.done, counts, counts.stride(0),
+        state.repetition_penalty, state.frequency_penalty, state.presence_penalty, n, v,
+        TREE=path is not None, BLOCK=block, num_warps=4)
+
+
+def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
+                 counts: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
+    """Triton path of `ops.count_tokens`: tokens `[rows, n]`, accept / slots `[rows]`, counts
+    `[R, V]` int32 (module docstring)."""
+    rows, n = tokens.shape
+    _check_counts(tokens, accept, slots, counts)
+    if rows == 0:
+        return
+    _count_kernel[(rows,)](tokens, tokens.stride(0), accept, slots, counts, counts.stride(0),
+                           n, counts.shape[1], num_warps=1)
+
+
+def _check_counts(tokens, accept, slots, counts) -> None:
+    rows, n = tokens.shape
+    expect_tensor("tokens", tokens, shape=(rows, n), layout="rows")
+    for name, t in (("accept", accept), ("slots", slots)):
+        expect_tensor(name, t, shape=(rows,), layout="contiguous")
+    expect_tensor("counts", counts, shape=("R", "V"), dtypes=torch.int32, layout="contiguous")
+
+
+# ----------------------------------------------------------------------------
+# Torch references
+# ----------------------------------------------------------------------------
+def _path_counts(cand: torch.Tensor, path: torch.Tensor | None, v: int) -> torch.Tensor:
+    """`[rows, N, V]` int32: occurrences of each token among the candidates on position j's
+    path (candidates 1..j; a tree: the set bits of `path[r, j]` but bit 0)."""
+    rows, n = cand.shape
+    dev = cand.device
+    m = torch.arange(n, device=dev)
+    if path is None:
+        on = (m[None, :] >= 1) & (m[None, :] <= m[:, None])            # [N (j), N (m)]
+        on = on.unsqueeze(0).expand(rows, n, n)
+    else:
+        on = ((path.to(torch.int64)[:, :, None] >> m) & 1).bool() & (m >= 1)
+    tok = cand.to(torch.int64).clamp(0, v - 1)
+    onehot = torch.nn.functional.one_hot(tok, v).to(torch.int32)      # [rows, N (m), V]
+    valid = ((cand >= 0) & (cand < v)).to(torch.int32)[:, :, None]
+    return torch.einsum("rjm,rmv->rjv", on.to(torch.float32),
+                        (onehot * valid).to(torch.float32)).round().to(torch.int32)
+
+
+def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
+                             state, *, path: torch.Tensor | None = None) -> None:
+    """Torch path of `apply_logit_controls` (same checks, same in-place writes)."""
+    rows, n = _check(logits, cand, slots, state, path)
+    if rows == 0:
+        return
+    v, dt = logits.shape[1], logits.dtype
+    s = slots.to(torch.int64)
+    live = (s != 0) & (state.done[s] == 0)
+    s = torch.where(live, s, torch.zeros_like(s))
+    x = logits[: rows * n].view(rows, n, v)
+    # logit_bias: a dense [rows, V] bias from the slots' entries
+    w = state.bias_ids.shape[1]
+    ids = state.bias_ids[s].to(torch.int64)                               # [rows, W]
+    used = torch.arange(w, device=ids.device) < state.bias_len[s].to(torch.int64)[:, None]
+    vals = torch.where(used, state.bias_values[s], 0.0)
+    dense = torch.zeros(rows, v, dtype=torch.float32, device=x.device)
+    dense.scatter_add_(1, torch.where(used, ids, 0), vals)
+    has_bias = used.any(1)[:, None, None]
+    x.copy_(torch.where(has_bias, (x.float() + dense[:, None, :]).to(dt), x))
+    # penalties
+    raw = state.token_counts[s]                                           # [rows, V]
+    prompt = ((raw & PROMPT_FLAG) != 0)[:, None, :]
+    out = (raw & COUNT_MASK)[:, None, :] + _path_counts(cand, path, v)     # [rows, N, V]
+    rep = state.repetition_penalty[s].float()[:, None, None]
+    freq = state.frequency_penalty[s].float()[:, None, None]
+    pres = state.presence_penalty[s].float()[:, None, None]
+    active = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    y = x.float()
+    seen = prompt | (out > 0)
+    y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+    y = y - freq * out.float() - pres * (out > 0).float()
+    x.copy_(torch.where(active, y.to(dt), x))
+
+
+def count_tokens_ref(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
+                     counts: torch.Tensor) -> None:
+    """Torch path of `count_tokens` (fixed shapes: masked entries add 0)."""
+    _check_counts(tokens, accept, slots, counts)
+    rows, n = tokens.shape
+    if rows == 0:
+        return
+    v = counts.shape[1]
+    t = tokens.to(torch.int64)
+    on = (torch.arange(n, device=t.device)[None, :] < accept.to(torch.int64)[:, None])
+    on = on & (t >= 0) & (t < v)
+    flat = slots.to(torch.int64)[:, None] * v + t.clamp(0, v - 1)
+    counts.view(-1).index_add_(0, flat.reshape(-1), on.reshape(-1).to(counts.dtype))
