@@ -101,6 +101,10 @@ class RuntimeConfig:
     the split mode (verify graph, eager accept, draft graph), bit-identical."""
     stop_table_width: int = 4
     """Stop token ids per request held on the device (EOS included); more are rejected."""
+    max_logprobs: int = 20
+    """The widest `logprobs` / `prompt_logprobs` a request may ask (0..20; more: rejected at
+    admission). Each pack row carries N * (1 + 2 * max_logprobs) int32 words of
+    log-probabilities (`graphdraft.kernels.logprobs`); only rows that ask compute them."""
     dp_size: int = 1
     """Data-parallel attention ranks (`graphdraft.serving.data_parallel`): each rank serves its own
     requests, the MLPs are split over the ranks. 1: no data parallelism (today's code path);
@@ -251,6 +255,8 @@ class RuntimeConfig:
         need(isinstance(self.cycle_graph, bool), "cycle_graph", "a bool")
         need(isinstance(self.stop_table_width, int) and self.stop_table_width >= 1,
              "stop_table_width", "an int >= 1")
+        need(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
+             and 0 <= self.max_logprobs <= 20, "max_logprobs", "an int in [0, 20]")
         need(isinstance(self.dp_size, int) and not isinstance(self.dp_size, bool)
              and self.dp_size >= 1, "dp_size", "an int >= 1")
         need(self.precompile_workers is None or (

@@ -21,6 +21,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `prepare_rows`, `commit_pack` | `kernels/cycle_kernels.py` (`*_ref`) |
 | `accept_tokens` | `kernels/accept.py` (`accept_tokens_ref`) |
 | `apply_logit_controls`, `count_tokens` | `kernels/logit_controls.py` (`*_ref`) |
+| `token_logprobs` | `kernels/logprobs.py` (`token_logprobs_ref`) |
 | `ngram_propose` | `kernels/ngram.py` (`ngram_propose_ref`) |
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
 | `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
@@ -52,6 +53,7 @@ from graphdraft.kernels import (
     gemv,
     kv_move,
     logit_controls,
+    logprobs,
     ngram,
     norm,
     rope,
@@ -72,7 +74,7 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
            "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
-           "rope_cos_sin_cache", "stage_decode_inputs", "tree_accept"]
+           "rope_cos_sin_cache", "stage_decode_inputs", "token_logprobs", "tree_accept"]
 
 
 # ---------------------------------------------------------------------------
@@ -384,6 +386,21 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
         accept.accept_tokens(logits, cand, slots, seq_lens, state, kernels=kc, **outputs)
     else:
         accept.accept_tokens_ref(logits, cand, slots, seq_lens, state, **outputs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
+                   widths: torch.Tensor, *, out: torch.Tensor, k: int,
+                   logit_rows: torch.Tensor | None = None, done: torch.Tensor | None = None,
+                   kernels: KernelConfig | None = None) -> None:
+    """Log-probabilities of the emitted `tokens [rows, n]` and the rows' top-`widths[slot]`
+    alternatives (at most k) into `out [rows, N * (1 + 2k)]` int32 (`graphdraft.kernels.logprobs`)."""
+    kc = _kc(kernels)
+    args = (logits, tokens, slots, widths)
+    kw = dict(out=out, k=k, logit_rows=logit_rows, done=done)
+    if kc.use_triton:
+        logprobs.token_logprobs(*args, kernels=kc, **kw)
+    else:
+        logprobs.token_logprobs_ref(*args, **kw)
 
 
 def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor, state,

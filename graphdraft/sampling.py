@@ -148,6 +148,21 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+MAX_LOGPROBS = 20
+"""The widest `logprobs` / `prompt_logprobs` a request may ask (OpenAI's `top_logprobs` bound;
+an Engine may allow fewer: `RuntimeConfig.max_logprobs`).
+
+Log-probabilities (`logprobs`: the emitted token's, and its `logprobs` likeliest
+alternatives; `prompt_logprobs`: each prompt token's after the first) are
+`log_softmax` of the target's logits after the request's logit controls (logit_bias and the
+penalties: they define the distribution this request is sampled from) and before the
+temperature and the truncations (top-k, top-p, min_p): the model's own distribution at
+temperature 1, the same for greedy and sampled rows and never -inf for a token a truncation
+dropped (vLLM's `processed_logprobs` minus the temperature and truncation; OpenAI's
+logprobs do not change with temperature either). Speculative and target-only decoding
+return the same values for the same tokens: each emitted token's entry comes from the verify
+logits of its own position, whether it was an accepted draft or the correction."""
+
 
 SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_new_tokens", int, 32, "an int >= 1", Range(1), integer=True,
@@ -188,6 +203,17 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   f"a map of token id (an int >= 0 or its decimal string) -> bias in "
                   f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], at most {MAX_LOGIT_BIAS} "
                   f"entries", convert=_logit_bias),
+    SamplingField("logprobs", int | None, None, f"None or an int in [0, {MAX_LOGPROBS}]",
+                  Range(0, MAX_LOGPROBS), integer=True, optional=True,
+                  column=Column("logprobs", torch.int32, -1), flag="--logprobs",
+                  help="return each generated token's log-probability and its N likeliest "
+                       "alternatives"),
+    SamplingField("prompt_logprobs", int | None, None, f"None or an int in [0, {MAX_LOGPROBS}]",
+                  Range(0, MAX_LOGPROBS), integer=True, optional=True, flag="--prompt-logprobs",
+                  help="return each prompt token's log-probability (after the first) and its "
+                       "N likeliest alternatives"),
+    SamplingField("include_stop_str_in_output", bool, False, "a bool",
+                  check=lambda v: isinstance(v, bool)),
 )
 """Every sampling parameter, in `SamplingParams`' field order."""
 
@@ -225,7 +251,8 @@ def device_row(params: Any, request_seed: int) -> dict[str, float | int]:
     row = {}
     for f in SAMPLING_FIELDS:
         if f.column is not None:
-            row[f.column.name] = request_seed if f.name == "seed" else getattr(params, f.name)
+            value = request_seed if f.name == "seed" else getattr(params, f.name)
+            row[f.column.name] = f.column.neutral if value is None else value  # logprobs
     return row
 
 

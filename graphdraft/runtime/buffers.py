@@ -137,7 +137,11 @@ class CycleBuffers:
                                        drafter: its `Drafter.accept_lengths`)
     finish        [max_bs] int32       0 running, 1 stop token, 2 max_new_tokens
     err           [max_bs] int32       error bits (engine.ERR_*), read one step later
-    pack          [max_bs, N + 3] int32  tokens (N), accept, finish, err: the one D2H copy
+    pack          [max_bs, N + 3] int32  tokens (N), accept, finish, err (a view of `wire`)
+    logprobs      [max_bs, N * (1 + 2K)] int32  the rows' log-probabilities, K =
+                                       `cfg.max_logprobs` (`graphdraft.kernels.logprobs`'
+                                       layout; a view of `wire`, written for rows that ask)
+    wire          [max_bs, N + 3 + N * (1 + 2K)] int32  pack then logprobs: the one D2H copy
     """
 
     slot_rows: torch.Tensor
@@ -147,20 +151,23 @@ class CycleBuffers:
     finish: torch.Tensor
     err: torch.Tensor
     pack: torch.Tensor
+    logprobs: torch.Tensor
+    wire: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: RuntimeConfig, n: int) -> CycleBuffers:
         b, dev = cfg.max_bs, cfg.device
+        wire = _zeros((b, n + 3 + n * (1 + 2 * cfg.max_logprobs)), torch.int32, dev)
         return cls(slot_rows=_zeros(b, torch.int64, dev),
                    tokens=_zeros(cfg.max_num_tokens, torch.int64, dev),
                    accept=_zeros(b, torch.int32, dev),
                    draft_accept=torch.ones(b, dtype=torch.int32, device=dev),
                    finish=_zeros(b, torch.int32, dev), err=_zeros(b, torch.int32, dev),
-                   pack=_zeros((b, n + 3), torch.int32, dev))
+                   pack=wire[:, : n + 3], logprobs=wire[:, n + 3:], wire=wire)
 
     def reset(self) -> None:
         """Every buffer back to its allocated value (after warm-up and capture)."""
-        for t in (self.slot_rows, self.tokens, self.accept, self.finish, self.err, self.pack):
+        for t in (self.slot_rows, self.tokens, self.accept, self.finish, self.err, self.wire):
             t.zero_()
         self.draft_accept.fill_(NEUTRAL_DRAFT_ROW["accept_lengths"])
 

@@ -50,6 +50,7 @@ from graphdraft.config import RuntimeConfig
 from graphdraft.kernels import compiler_key
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP
 from graphdraft.kernels.cycle_kernels import ERR_CACHE_LEN, ERR_DRAFTS
+from graphdraft.kernels.logprobs import unpack_row
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
@@ -79,6 +80,7 @@ from graphdraft.serving.policy import (
     measure_replay_ms,
     save_costs,
 )
+from graphdraft.serving.prompt_logprobs import ScoredStep
 from graphdraft.serving.request import Request
 from graphdraft.serving.tree_cycle import EngineTrees, TreeMode
 from graphdraft.serving.verify import SamplingParams, request_seed
@@ -141,6 +143,7 @@ class _Launched:
     k: int | None = None                 # a decode cycle's draft length (None: a mixed step)
     real_drafts: list[int] | None = None  # per row: drafts it verified that were drafted for it
     cost: tuple[int, int, float] | None = None  # a timed cycle: (padded bs, k, its extra_ms)
+    prompt_scores: ScoredStep | None = None  # prompt_logprobs its prefill chunks scored
 
 
 class Engine:
@@ -270,7 +273,7 @@ class Engine:
         self._in_flight: deque[_Launched] = deque()
         self._ring = 0
         pin = self.device.type == "cuda"
-        shape = self.cycle.pack.shape
+        shape = self.cycle.wire.shape  # pack, then the rows' log-probabilities
         self._pinned = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._events = [torch.cuda.Event(blocking=True) if pin else None for _ in range(2)]
         # timing events around each decode cycle, one per ring slot, read at its retirement
@@ -598,6 +601,10 @@ class Engine:
             raise ValueError(f"seed_stream: expected None, or an int >= 0 with params.seed set, "
                              f"got {seed_stream!r} (params.seed {params.seed!r})")
         req = Request(next(self._rids), list(prompt), params)
+        if params.logprobs is not None:
+            req.logprobs, req.top_logprobs = [], []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = [None], [[]]
         if not params.greedy:
             if params.seed is None:
                 req.seed = int(torch.randint(2**62, (), generator=self._seeds))
@@ -625,6 +632,11 @@ class Engine:
         if bad_bias:
             raise ValueError(f"params.logit_bias: expected token ids in [0, {vocab}), got "
                              f"{bad_bias[:4]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.cfg.max_logprobs:
+                raise ValueError(f"params.{name}: expected at most {self.cfg.max_logprobs} "
+                                 f"(RuntimeConfig.max_logprobs), got {asked}")
         stops = self._stop_ids(params)
         if len(stops) > self.cfg.stop_table_width:
             raise StopTableFullError(
@@ -757,7 +769,7 @@ class Engine:
                     r.drafts_ready = self.n_row - 1
         ring = self._ring
         self._ring ^= 1
-        self._pinned[ring][:bs].copy_(self.cycle.pack[:bs], non_blocking=True)
+        self._pinned[ring][:bs].copy_(self.cycle.wire[:bs], non_blocking=True)
         if cost is not None:
             self.cycle_timer.end(ring)
         event = self._events[ring]
@@ -772,7 +784,7 @@ class Engine:
         self.stats.steps += 1
         emits = [row.end == len(r.prompt) for row, r in zip(rows, preqs, strict=True)] + [True] * nd
         self._in_flight.append(_Launched(preqs + dreqs, [False] * ne + [True] * nd, emits, ring,
-                                         event, k, real, cost))
+                                         event, k, real, cost, self.mode.prompt_scores.take()))
 
     def _launch_cycle(self, bs: int, pbs: int, dreqs: list[Request]):
         """One decode cycle over `dreqs` at padded bs `pbs` -> (k, real drafts per row, the
@@ -799,8 +811,11 @@ class Engine:
         aborted first)."""
         if step.event is not None:
             step.event.synchronize()
-        data = self._pinned[step.ring][: len(step.reqs)].tolist()
         n = self.n_row
+        wire = self._pinned[step.ring][: len(step.reqs)]
+        data = wire[:, : n + 3].tolist()
+        if step.prompt_scores is not None:
+            step.prompt_scores.apply()
         finished, errors = [], []
         observed: dict[int, list[int]] = {}  # real drafts verified -> accept lengths
         real = step.real_drafts
@@ -821,6 +836,8 @@ class Engine:
                 self.stats.decode_rows += 1
                 self.stats.accepted_tokens += a
                 self.metrics.on_decode_accept(a)
+            if new and r.logprobs is not None:
+                self._read_logprobs(r, wire[i, n + 3:], len(new))
             if new:
                 r.output.extend(new)
                 r.last_verified = new[-1]
@@ -850,6 +867,14 @@ class Engine:
                              f"{len(errors)} request(s) flagged)")
         return finished
 
+    def _read_logprobs(self, r: Request, region: torch.Tensor, count: int) -> None:
+        """The first `count` positions of a row's log-probability region (pinned host
+        `[N * (1 + 2K)]` int32, `kernels.logprobs` layout) onto `r`."""
+        lps, tops = unpack_row(region, self.n_row, self.cfg.max_logprobs, count,
+                               r.params.logprobs)
+        r.logprobs.extend(lps)
+        r.top_logprobs.extend(tops)
+
     def _release(self, r: Request) -> None:
         self.metrics.on_request_finished(r.rid)
         self.running.remove(r)
@@ -870,10 +895,18 @@ class Engine:
     # ------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[list[int]]:
-        """Serve every prompt to completion; returns each request's output tokens.
+        """Serve every prompt to completion; returns each request's output tokens
+        (`generate_requests`: the finished `Request`s, with log-probabilities when asked).
 
         Every prompt is checked before any is queued: a bad one raises ValueError (naming
         its index) and leaves the engine's queue as it was."""
+        return [r.output for r in self.generate_requests(prompts, params, progress)]
+
+    def generate_requests(self, prompts: list[list[int]],
+                          params: SamplingParams | list[SamplingParams] | None = None,
+                          progress: bool = False) -> list[Request]:
+        """`generate`, returning each prompt's finished `Request` (output, finish_reason,
+        logprobs / top_logprobs / prompt_logprobs when its params asked)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: expected one SamplingParams per prompt ({len(prompts)}), "
@@ -900,4 +933,4 @@ class Engine:
         self.drain()
         if bar is not None:
             bar.close()
-        return [r.output for r in reqs]
+        return reqs

@@ -25,6 +25,13 @@ class Request:
     in_flight: int = 0                   # launched steps that emit for it, not yet retired
     drafts_ready: int = 0                # drafts its slot holds that were drafted for it (the
                                          # rest: filler), as of the last launched step
+    logprobs: list[float] | None = None  # per output token (params.logprobs set; else None)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per output token, its `params.logprobs` likeliest (token id, log-probability), best first."""
+    prompt_logprobs: list[float | None] | None = None
+    """Per prompt token (params.prompt_logprobs set): its log-probability; the first: None."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per prompt token, the `params.prompt_logprobs` likeliest alternatives (the first: [])."""
 
     @property
     def prefilling(self) -> bool:

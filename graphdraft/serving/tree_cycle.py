@@ -620,6 +620,7 @@ class EngineTrees:
                                  kernels=self.drafter.kernels)
         c.accept(bs, out.logits)
         self.stop_cut(bs, c, live)
+        self.token_logprobs(bs, c, out.logits)
         c.compact(bs)
         c.draft_and_commit(bs)
         self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
@@ -665,6 +666,18 @@ class EngineTrees:
         cb.finish[:bs].copy_(torch.where(live, fin, 0))
         cb.err[:bs].zero_()
         c.accept_len[:bs].copy_(torch.where(live, cut, acc))
+
+    def token_logprobs(self, bs: int, c: TreeCycle, logits: torch.Tensor) -> None:
+        """Log-probabilities of the accepted path's tokens `out_tokens [bs, P]` (rows that
+        asked: `SlotState.logprobs` >= 0) into `CycleBuffers.logprobs[:bs]`: token d was
+        chosen from the logits of the path's node `accept_index[r, d]`, row
+        `r * n + accept_index[r, d]` of `logits [bs * n, V]` (the chain's rule per node)."""
+        n = self.spec.n
+        rows = (c.accept_index[:bs].clamp(min=0)  # -1: past the path (not read back)
+                + torch.arange(bs, device=logits.device).unsqueeze(1) * n)
+        ops.token_logprobs(logits, c.out_tokens(bs), c.req[:bs], self.slots.logprobs,
+                           out=self.cb.logprobs[:bs], k=self.cfg.max_logprobs, logit_rows=rows,
+                           done=self.slots.done, kernels=self.drafter.kernels)
 
     # --- after a prompt's last prefill chunk (eager) ---------------------------------
     def expand_prefilled(self, req: torch.Tensor, prefix: torch.Tensor, root: torch.Tensor,
@@ -744,11 +757,11 @@ class TreeMode(DecodeMode):
             pnd = self.padded(nd)
             self.parts.stage_rows([r.slot for r in dreqs] + [0] * (pnd - nd))
             self.run(nd, pnd, max(self.steps), self.parts.running())
-            dec_pack = cb.pack[:nd].clone()
+            dec_pack = cb.wire[:nd].clone()  # pack and logprobs
         if ne:
             self._prefill(rows, preqs)
         if nd:
-            cb.pack[ne: ne + nd].copy_(dec_pack)
+            cb.wire[ne: ne + nd].copy_(dec_pack)
 
     def _prefill(self, rows: list[BatchRow], preqs: list[Request]) -> None:
         p = self.parts
@@ -756,7 +769,7 @@ class TreeMode(DecodeMode):
         pctx = write_batch(p.inputs, p.pages, rows)
         ctx = ForwardContext(bs=ne, num_extends=ne, input_num_tokens=pctx.input_num_tokens,
                              all_extends_mid_chunk=pctx.all_extends_mid_chunk)
-        out = self.target_forward(ctx, rows, capture_aux=True)
+        out = self.target_forward(ctx, rows, capture_aux=True, preqs=preqs)
         final = [r.slot if row.end == len(r.prompt) else 0
                  for row, r in zip(rows, preqs, strict=True)]
         p_tok = cb.tokens[:ne].view(ne, 1)

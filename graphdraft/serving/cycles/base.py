@@ -34,6 +34,7 @@ from graphdraft.runtime.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.slot_state import SlotState
 from graphdraft.serving.data_parallel import StepPlan
+from graphdraft.serving.prompt_logprobs import PromptLogprobs
 from graphdraft.serving.request import Request
 
 
@@ -86,6 +87,7 @@ class DecodeMode:
 
     def __init__(self, parts: CycleParts, n_row: int, steps: tuple[int, ...]) -> None:
         self.parts, self.n_row, self.steps = parts, n_row, steps
+        self.prompt_scores = PromptLogprobs(parts.cfg, parts.host_tensor)
 
     # --- interface defaults ------------------------------------------------------------
     @property
@@ -159,10 +161,12 @@ class DecodeMode:
         return p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
                         p.backend, meta, None, capture_aux=capture_aux, aux_out=aux_out)
 
-    def target_forward(self, ctx: ForwardContext, rows: list[BatchRow],
-                       capture_aux: bool) -> TargetOutput:
+    def target_forward(self, ctx: ForwardContext, rows: list[BatchRow], capture_aux: bool,
+                       preqs: list[Request] = ()) -> TargetOutput:
         """Eager target forward over a prefill / mixed batch written into `InputBuffers`
-        (prefill rows' last position and decode rows' N positions get logits)."""
+        (prefill rows' last position and decode rows' N positions get logits, in row order;
+        then, for the prefill rows of `preqs` that asked `prompt_logprobs`, every chunk
+        position whose next prompt token is known: `PromptLogprobs.score` reads those)."""
         p = self.parts
         ib, bs = p.inputs, ctx.bs
         t = ctx.input_num_tokens
@@ -175,9 +179,12 @@ class DecodeMode:
             else:
                 logit_rows.extend(range(tok, tok + self.n_row))
             tok += len(r.input_ids)
-        idx = p.host_tensor(logit_rows)
-        return p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
-                        p.backend, meta, idx, capture_aux=capture_aux)
+        scored = self.prompt_scores.plan(rows, preqs, len(logit_rows))
+        idx = p.host_tensor(logit_rows + scored.token_rows)
+        out = p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
+                       p.backend, meta, idx, capture_aux=capture_aux)
+        self.prompt_scores.score(scored, out.logits)
+        return out
 
     def accept(self, row0: int, tok0: int, rows: int, n: int, logits: torch.Tensor,
                slots: torch.Tensor, tokens: torch.Tensor, draft_accept: torch.Tensor) -> None:
@@ -194,6 +201,20 @@ class DecodeMode:
                           tokens=tokens, accept=cb.accept[row0: row0 + rows],
                           draft_accept=draft_accept, finish=cb.finish[row0: row0 + rows],
                           err=cb.err[row0: row0 + rows], kernels=p.cfg.kernels)
+        self.token_logprobs(row0, logits, slots, tokens)
+
+    def token_logprobs(self, row0: int, logits: torch.Tensor, slots: torch.Tensor,
+                       tokens: torch.Tensor, logit_rows: torch.Tensor | None = None) -> None:
+        """Log-probabilities of the emitted `tokens [rows, n]` (and the top alternatives) of
+        rows [row0, row0 + rows) that asked (`SlotState.logprobs` >= 0) into their
+        `CycleBuffers.logprobs` rows, from `logits` (the verify logits after the request's
+        logit controls; `logit_rows [rows, n]`: which logits row scored each token, None:
+        `r * n + j`). Inert rows (slot 0, done) write nothing."""
+        p = self.parts
+        rows = tokens.shape[0]
+        ops.token_logprobs(logits, tokens, slots, p.slots.logprobs,
+                           out=p.cycle.logprobs[row0: row0 + rows], k=p.cfg.max_logprobs,
+                           logit_rows=logit_rows, done=p.slots.done, kernels=p.cfg.kernels)
 
     def commit(self, row0: int, rows: int, tokens: torch.Tensor,
                next_tokens: torch.Tensor | None, prefill: bool) -> None:
