@@ -1,0 +1,485 @@
+"""Logit controls (issue #43 items 2-3): logit_bias, repetition / frequency / presence
+penalties and min_p, exact under speculation.
+
+- the kernels (`graphdraft.kernels.logit_controls`: Triton under the interpreter == torch
+  reference == vLLM's formulas written out per position, chain and tree paths; the counts);
+- min_p in the chain's acceptance kernel and the tree's `row_target_probs`;
+- the slot tables (admission, release, errors that write nothing) and `SamplingParams`;
+- engines: greedy speculative (EAGLE chain, tree, an oracle drafter whose drafts are all
+  accepted, so every window counts its drafts) == target-only, token for token, with every
+  control; sampled chain == target-only token for token (keyed noise);
+- sampled distributions (chi-square on a vocabulary of 8): the chain's and the tree's
+  acceptance emit what target-only sampling under the controls would, and the window's
+  drafts must be counted (the law without them is rejected).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from graphdraft import ops
+from graphdraft.kernels.accept import accept_ref
+from graphdraft.kernels.config import TORCH, TRITON
+from graphdraft.kernels.logit_controls import PROMPT_FLAG
+from graphdraft.kernels.tree_accept import tree_accept_ref
+from graphdraft.runtime.slot_state import SlotState
+from graphdraft.runtime.tree import TreeSpec
+from graphdraft.sampling import COLUMNS, MAX_LOGIT_BIAS, SamplingParams, request_seed
+from graphdraft.serving.engine import Engine
+from graphdraft.serving.tree_cycle import row_target_probs
+from tests.engine_harness import ScriptedDrafter, make_models, runtime
+from tests.test_accept import _chi2, _outs
+
+NEUTRAL = {c.name: c.neutral for c in COLUMNS}
+
+
+def _admit(st: SlotState, slot: int, prompt=(), logit_bias=(), **columns) -> None:
+    st.admit(slot, stop_ids=[], prompt=list(prompt), logit_bias=tuple(logit_bias),
+             **(NEUTRAL | {"max_new": 10**6} | columns))
+
+
+def vllm_penalised(x: torch.Tensor, prompt: list[int], output: list[int], rep: float,
+                   freq: float, pres: float, bias: dict[int, float]) -> torch.Tensor:
+    """One row `[V]` as vLLM transforms it (fp32): logit_bias, then repetition (prompt or
+    output), frequency (output count) and presence (output) penalties."""
+    x = x.float().clone()
+    for t, b in bias.items():
+        x[t] += b
+    v = x.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=v)[:v].float()
+    seen = counts > 0
+    if prompt:
+        seen[torch.tensor(prompt)] = True
+    r = torch.where(seen, torch.tensor(rep), torch.tensor(1.0))
+    x = torch.where(x > 0, x / r, x * r)
+    return x - freq * counts - pres * (counts > 0).float()
+
+
+def target_law(x: torch.Tensor, temperature: float, min_p: float = 0.0) -> torch.Tensor:
+    """softmax(x / T) restricted to p >= min_p * p_max, renormalised (`[V]`)."""
+    p = torch.softmax(x.double() / temperature, -1)
+    p = torch.where(p >= min_p * p.max(), p, 0.0)
+    return p / p.sum()
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------
+SLOTS = {  # slot: (prompt, earlier output, columns, logit_bias)
+    1: ([3, 4, 4, 9], [5, 5, 7], dict(repetition_penalty=1.7), {}),
+    2: ([1], [2, 2, 2, 6], dict(frequency_penalty=0.6, presence_penalty=-0.4), {}),
+    3: ([], [], {}, {0: 2.5, 11: -100.0, 30: 0.25}),
+    4: ([8, 2], [8, 1, 1], dict(repetition_penalty=0.8, frequency_penalty=1.1,
+                                presence_penalty=0.3), {2: -1.5, 8: 3.0}),
+    5: ([6], [6], dict(repetition_penalty=2.0), {6: 1.0}),  # done: left alone
+}
+
+
+def _slot_state(vocab: int) -> SlotState:
+    st = SlotState.allocate(7, 3, 2, "cpu", vocab=vocab)
+    for s, (prompt, output, cols, bias) in SLOTS.items():
+        _admit(st, s, prompt, sorted(bias.items()), **cols)
+        for t in output:
+            st.token_counts[s, t] += 1
+    st.done[5] = 1
+    return st
+
+
+def _expected(logits, cand, slots, paths, v):
+    """Per (row, position): vLLM's transform with the path's candidates as extra output."""
+    rows, n = cand.shape
+    want = logits.clone()
+    for r in range(rows):
+        s = int(slots[r])
+        if s == 0 or s == 5:
+            continue
+        prompt, output, cols, bias = SLOTS[s]
+        cols = NEUTRAL | cols
+        for j in range(n):
+            window = [int(cand[r, m]) for m in paths[r][j] if m >= 1 and 0 <= cand[r, m] < v]
+            want[r * n + j] = vllm_penalised(
+                logits[r * n + j], prompt, output + window, cols["repetition_penalty"],
+                cols["frequency_penalty"], cols["presence_penalty"], bias)
+    return want
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_kernel_equals_reference_and_vllm_formula(tree):
+    torch.manual_seed(0)
+    v, n = 37, 4
+    slots = torch.tensor([1, 0, 2, 3, 4, 5, 1])
+    rows = slots.shape[0]
+    cand = torch.randint(0, v, (rows, n))
+    cand[0, 1:] = torch.tensor([5, 3, 5])     # a repeated draft, a prompt token
+    cand[4, 1:] = torch.tensor([2, 2, 8])
+    cand[6, 1:] = torch.tensor([v + 3, -1, 4])  # out-of-range drafts count nowhere
+    if tree:  # node parents 0, 0, 1 (node 3 under node 1): ancestor bit masks, self included
+        paths_of = [[0], [0, 1], [0, 2], [0, 1, 3]]
+    else:
+        paths_of = [list(range(j + 1)) for j in range(n)]
+    path = torch.tensor([[sum(1 << m for m in p) for p in paths_of]] * rows) if tree else None
+    logits = torch.randn(rows * n, v) * 3
+    want = _expected(logits, cand, slots, [paths_of] * rows, v)
+    for kc in (TORCH, TRITON):
+        got = logits.clone()
+        ops.apply_logit_controls(got, cand, slots, _slot_state(v), path=path, kernels=kc)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=str(kc.backend))
+    assert not torch.equal(want, logits)  # the controls changed something
+
+
+def test_kernel_in_bfloat16_rounds_once_per_launch_alike():
+    torch.manual_seed(1)
+    v, n = 37, 3
+    slots = torch.tensor([4, 2])
+    cand = torch.randint(0, v, (2, n))
+    logits = (torch.randn(2 * n, v) * 3).bfloat16()
+    a, b = logits.clone(), logits.clone()
+    ops.apply_logit_controls(a, cand, slots, _slot_state(v), kernels=TORCH)
+    ops.apply_logit_controls(b, cand, slots, _slot_state(v), kernels=TRITON)
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_count_tokens_counts_accepted_tokens_only():
+    v = 13
+    counts = torch.zeros(4, v, dtype=torch.int32)
+    counts[2, 5] = PROMPT_FLAG | 1
+    tokens = torch.tensor([[5, 5, 9], [1, 2, 3], [4, 4, 4], [7, 8, 9]])
+    accept = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
+    slots = torch.tensor([2, 1, 3, 0])
+    want = counts.clone()
+    for r in range(4):
+        for j in range(int(accept[r])):
+            want[slots[r], tokens[r, j]] += 1
+    for kc in (TORCH, TRITON):
+        got = counts.clone()
+        ops.count_tokens(tokens, accept, slots, got, kernels=kc)
+        assert torch.equal(got, want), kc.backend
+    assert int(want[2, 5]) == PROMPT_FLAG | 3
+
+
+@pytest.mark.parametrize("kc", [TORCH, TRITON], ids=["torch", "triton"])
+def test_min_p_in_the_acceptance_kernel(kc):
+    """Sampled rows never emit a token below min_p * p_max; greedy rows ignore min_p; the
+    Triton kernel writes what the reference writes."""
+    torch.manual_seed(2)
+    v, n, rows = 30, 2, 64
+    st = SlotState.allocate(3, 1, 1, "cpu", vocab=v)
+    _admit(st, 1, temperature=1.2, min_p=0.2, seed=5)
+    _admit(st, 2, temperature=0.0, min_p=0.9)
+    logits = torch.randn(rows * n, v) * 2
+    cand = torch.zeros(rows, n, dtype=torch.int64)
+    slots = torch.tensor([1, 2] * (rows // 2))
+    seq = torch.arange(rows, dtype=torch.int32) + 20
+    out = _outs(rows, n)
+    ops.accept_tokens(logits, cand, slots, seq, st, kernels=kc, **out)
+    ref = _outs(rows, n)
+    accept_ref(logits, cand, slots, seq, st, **ref)
+    assert torch.equal(out["tokens"], ref["tokens"])
+    p = torch.softmax(logits.view(rows, n, v) / 1.2, -1)
+    tok = out["tokens"]
+    for r in range(rows):
+        for j in range(n):
+            if r % 2 == 0:
+                assert p[r, j, tok[r, j]] >= 0.2 * p[r, j].max()
+            else:
+                assert tok[r, j] == logits[r * n + j].argmax()
+
+
+def test_row_target_probs_min_p():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 9) * 2
+    temp = torch.tensor([0.7, 1.0, 1.3, 0.0])
+    got = row_target_probs(logits, temp, torch.zeros(4, dtype=torch.int64), torch.ones(4),
+                           logits.argmax(-1), torch.tensor([0.3, 0.0, 0.05, 0.5]))
+    for r, mp in enumerate((0.3, 0.0, 0.05)):
+        torch.testing.assert_close(got[r].double(), target_law(logits[r], float(temp[r]), mp))
+    assert got[3, logits[3].argmax()] == 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# Slot tables and parameters
+# ---------------------------------------------------------------------------------------
+def test_admit_sets_prompt_flags_and_bias_release_keeps_other_slots():
+    v = 20
+    st = SlotState.allocate(4, 2, 2, "cpu", vocab=v)
+    _admit(st, 2, prompt=[3, 3, 7], logit_bias=[(1, 2.0), (19, -5.0)], repetition_penalty=1.3)
+    st.token_counts[2, 4] += 2  # an earlier output, reset by the next admission
+    _admit(st, 1, prompt=[5], logit_bias=[(0, 1.0)])
+    assert st.token_counts[2].tolist() == [PROMPT_FLAG if t in (3, 7) else 2 * (t == 4)
+                                           for t in range(v)]
+    assert st.bias_len[2] == 2 and st.bias_ids[2, :3].tolist() == [1, 19, -1]
+    assert st.bias_values[2, :2].tolist() == [2.0, -5.0]
+    before = {k: t.clone() for k, t in st.tables().items()}
+    _admit(st, 2, prompt=[4])
+    assert st.token_counts[2].tolist() == [PROMPT_FLAG * (t == 4) for t in range(v)]
+    assert st.bias_len[2] == 0
+    st.release(2)
+    assert st.repetition_penalty[2] == 1.0 and st.bias_len[2] == 0
+    for k, t in st.tables().items():  # slot 1 untouched by slot 2's admissions and release
+        assert torch.equal(t[1], before[k][1]), k
+
+
+def test_admit_rejects_bad_ids_writing_nothing():
+    st = SlotState.allocate(3, 2, 2, "cpu", vocab=10)
+    before = {k: t.clone() for k, t in st.tables().items()}
+    with pytest.raises(ValueError, match=r"^logit_bias: expected token ids in \[0, 10\)"):
+        _admit(st, 1, logit_bias=[(10, 1.0)])
+    with pytest.raises(ValueError, match=r"^prompt: expected token ids in \[0, 10\)"):
+        _admit(st, 1, prompt=[3, 12])
+    for k, t in st.tables().items():
+        assert torch.equal(t, before[k]), k
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"repetition_penalty": math.nan}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {3: 100.5}}, "logit_bias"),
+    ({"logit_bias": {3: math.inf}}, "logit_bias"),
+    ({"logit_bias": {3: True}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+])
+def test_bad_values_name_the_field(kw, name):
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        SamplingParams(**kw)
+
+
+def test_logit_bias_forms():
+    p = SamplingParams(logit_bias={"12": -3, 4: 1.5})
+    assert p.logit_bias == ((4, 1.5), (12, -3.0))
+    assert SamplingParams(logit_bias=[(4, 1.5), [12, -3]]).logit_bias == p.logit_bias
+    assert hash(p) == hash(SamplingParams(logit_bias={4: 1.5, 12: -3.0}))
+    assert len(SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)}).logit_bias) == 300
+
+
+def test_engine_rejects_a_bias_id_outside_the_vocab():
+    target, _ = make_models(0)
+    eng = Engine(target, runtime())
+    v = target.config.vocab_size
+    with pytest.raises(ValueError, match=rf"^params.logit_bias: expected token ids in \[0, {v}\)"):
+        eng.add_request([1, 2], SamplingParams(logit_bias={v: 1.0}))
+    assert not eng.waiting
+
+
+# ---------------------------------------------------------------------------------------
+# Engines: speculative == target-only
+# ---------------------------------------------------------------------------------------
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30], [5, 6]]
+
+
+def _controls(max_new: int, temperature: float = 0.0, seed: int | None = None
+              ) -> list[SamplingParams]:
+    kw = dict(max_new_tokens=max_new, temperature=temperature, seed=seed)
+    return [SamplingParams(repetition_penalty=1.6, **kw),
+            SamplingParams(frequency_penalty=2.0, **kw),
+            SamplingParams(presence_penalty=1.5, logit_bias={3: 2.0, 5: -100}, **kw),
+            SamplingParams(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4,
+                           logit_bias={"40": 1.5}, min_p=0.1, **kw),
+            SamplingParams(min_p=0.3, **kw)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_models(0)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(pair):
+    target, _ = pair
+    params = _controls(16)
+    ref = Engine(target, runtime(), eos_token_id=None).generate(PROMPTS, params)
+    plain = Engine(target, runtime(), eos_token_id=None).generate(
+        PROMPTS, [SamplingParams(max_new_tokens=16)] * len(PROMPTS))
+    # every penalty / bias changed the text (the comparisons below can fail); min_p alone
+    # is argmax-invariant
+    assert all(a != b for a, b in zip(ref[:4], plain[:4], strict=True))
+    assert ref[4] == plain[4]
+    return params, ref
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "oracle"])
+def test_greedy_speculative_equals_target_only_under_every_control(pair, greedy_reference, mode):
+    target, head = pair
+    params, ref = greedy_reference
+    if mode == "chain":
+        eng = Engine(target, runtime(), head, eos_token_id=None)
+    elif mode == "tree":
+        eng = Engine(target, runtime(speculative_eagle_topk=2, speculative_num_draft_tokens=6),
+                     head, eos_token_id=None)
+    else:  # drafts = the controlled target-only text: every window's drafts are accepted
+        eng = Engine(target, runtime(), eos_token_id=None,
+                     drafter=ScriptedDrafter.__new__(ScriptedDrafter))
+        eng.drafter.__init__(eng, "oracle", expected={tuple(p): p + r for p, r in
+                                                      zip(PROMPTS, ref, strict=True)})
+    assert eng.generate(PROMPTS, params) == ref
+    if mode == "oracle":
+        assert eng.stats.mean_accept_length > 3.5
+
+
+def test_sampled_chain_equals_target_only_token_for_token(pair):
+    """Keyed noise (seed, position): a sampled request's tokens do not depend on how many
+    drafts were accepted, so the chain's are target-only's under the controls too."""
+    target, head = pair
+    params = _controls(12, temperature=0.9, seed=7)
+    ref = Engine(target, runtime(), eos_token_id=None).generate(PROMPTS, params)
+    got = Engine(target, runtime(), head, eos_token_id=None).generate(PROMPTS, params)
+    assert got == ref
+
+
+# ---------------------------------------------------------------------------------------
+# Sampled distributions (chi-square, fail at p < 1e-4)
+# ---------------------------------------------------------------------------------------
+V8 = 8
+PROMPT8, OUT8 = [1, 6], [2, 2]
+COLS8 = dict(repetition_penalty=2.5, frequency_penalty=0.8, presence_penalty=0.3, min_p=0.02)
+BIAS8 = {0: 1.0}
+T8 = 0.9
+
+
+def _state8() -> SlotState:
+    st = SlotState.allocate(2, 3, 1, "cpu", vocab=V8)
+    _admit(st, 1, PROMPT8, sorted(BIAS8.items()), temperature=T8,
+           seed=request_seed(11, 0), **COLS8)
+    for t in OUT8:
+        st.token_counts[1, t] += 1
+    return st
+
+
+def _law(x: torch.Tensor, window: list[int]) -> torch.Tensor:
+    c = NEUTRAL | COLS8
+    y = vllm_penalised(x, PROMPT8, OUT8 + window, c["repetition_penalty"],
+                       c["frequency_penalty"], c["presence_penalty"], BIAS8)
+    return target_law(y, T8, c["min_p"])
+
+
+def test_sampled_chain_follows_target_only_law_under_controls():
+    """Rows of one slot, distinct positions: the first token ~ the controlled law, the
+    second (after the accepted draft d) ~ the law with d counted as emitted."""
+    torch.manual_seed(4)
+    rows, n = 30000, 2
+    base = torch.randn(n, V8) * 1.2 + 1.0
+    p0 = _law(base[0], [])
+    d = int(p0.argmax())
+    p1, p1_uncounted = _law(base[1], [d]), _law(base[1], [])
+    st = _state8()
+    logits = base.repeat(rows, 1)
+    cand = torch.tensor([2, d]).expand(rows, n).contiguous()
+    slots = torch.ones(rows, dtype=torch.int64)
+    ops.apply_logit_controls(logits, cand, slots, st, kernels=TORCH)
+    out = _outs(rows, n)
+    accept_ref(logits, cand, slots, torch.arange(rows, dtype=torch.int32) * 5 + 40, st, **out)
+    tok = out["tokens"]
+    assert _chi2(torch.bincount(tok[:, 0], minlength=V8), p0.float()) > 1e-4
+    sel = tok[:, 0] == d
+    second = torch.bincount(tok[sel, 1], minlength=V8)
+    assert _chi2(second, p1.float()) > 1e-4
+    assert _pvalue_loose(second, p1_uncounted) < 1e-4  # the draft must be counted
+
+
+def _pvalue_loose(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Chi-square p-value where a zero-probability cell with counts is a certain rejection."""
+    if int(counts[p == 0].sum()) > 0:
+        return 0.0
+    return _fit(counts, p)
+
+
+def _fit(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """`_chi2` (a filtered token emitted: assertion error); a point mass fits with p-value 1."""
+    if int((p > 0).sum()) == 1:
+        assert int(counts[p == 0].sum()) == 0, "a filtered-out token was emitted"
+        return 1.0
+    return _chi2(counts, p.float())
+
+
+def test_sampled_tree_follows_target_only_law_under_controls():
+    """A root with two children (tokens a, b) and a grandchild under a: the tree's sampled
+    acceptance over the controlled logits (each node counting its path) emits the first
+    token ~ the root's law and the second, given child c accepted, ~ the law with c's token
+    counted."""
+    torch.manual_seed(5)
+    rows, spec = 30000, TreeSpec(2, 2, 4)
+    n = spec.n
+    base = torch.randn(n, V8) * 0.8 + 0.5
+    p_root = _law(base[0], [])
+    a, b = [int(t) for t in p_root.argsort(descending=True)[:2]]
+    c3 = int(_law(base[1], [a]).argmax())
+    tok = torch.tensor([2, a, b, c3])
+    parents = [-1, 0, 0, 1]
+    mask = torch.tensor([(1 << i) | (sum(1 << m for m in _ancestors(parents, i)))
+                         for i in range(n)])
+    st = _state8()
+    logits = base.repeat(rows, 1)
+    cand = tok.expand(rows, n).contiguous()
+    slots = torch.ones(rows, dtype=torch.int64)
+    ops.apply_logit_controls(logits, cand, slots, st, path=mask.expand(rows, n).contiguous(),
+                             kernels=TORCH)
+    rep = lambda t, dt: torch.full((rows * n,), t, dtype=dt)  # noqa: E731
+    probs = row_target_probs(logits, rep(T8, torch.float32), rep(0, torch.int64),
+                             rep(1.0, torch.float32), logits.argmax(-1),
+                             rep(COLS8["min_p"], torch.float32))
+    first = torch.tensor([1, -1, 3, -1]).expand(rows, n).contiguous()   # root: a, b; a: c3
+    nxt = torch.tensor([-1, 2, -1, -1]).expand(rows, n).contiguous()
+    o = dict(accept_len=torch.zeros(rows, dtype=torch.int32),
+             accept_index=torch.zeros(rows, spec.P, dtype=torch.int64),
+             out_tokens=torch.zeros(rows, spec.P, dtype=torch.int64),
+             bonus=torch.zeros(rows, dtype=torch.int64))
+    g = torch.Generator().manual_seed(6)
+    tree_accept_ref(spec, cand, first, nxt, probs=probs, coins=torch.rand(rows, n, generator=g),
+                    final_coin=torch.rand(rows, generator=g), **o)
+    out, idx = o["out_tokens"], o["accept_index"]
+    assert _fit(torch.bincount(out[:, 0], minlength=V8), p_root) > 1e-4
+    for node, t in ((1, a), (2, b)):
+        sel = idx[:, 1] == node
+        second = torch.bincount(out[sel, 1], minlength=V8)
+        assert _fit(second, _law(base[node], [t])) > 1e-4, node
+    sel = idx[:, 1] == 1
+    assert _pvalue_loose(torch.bincount(out[sel, 1], minlength=V8), _law(base[1], [])) < 1e-4
+
+
+def _ancestors(parents: list[int], i: int) -> list[int]:
+    out = []
+    while parents[i] >= 0:
+        i = parents[i]
+        out.append(i)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the cycle graphs (fused chain, tree) under the controls == target-only (fp32)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_gpu_cycle_graphs_equal_target_only_under_controls(mode):
+    """Greedy and sampled requests with every control, fp32, Triton kernels, the decode
+    cycle replayed as one graph (`spec_cycle` / `tree_cycle*`): greedy == target-only token
+    for token; the chain's sampled rows too (keyed noise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, head = make_models(0, dtype=torch.float32, device="cuda")
+    cfg = dict(dtype="float32", device="cuda", kernel_backend="triton")
+    params = _controls(24) + _controls(24, temperature=0.8, seed=3)
+    prompts = PROMPTS + PROMPTS[::-1]
+    base = Engine(target, runtime(**cfg), eos_token_id=None)
+    base.capture_graphs(progress=False)
+    ref = base.generate(prompts, params)
+    extra = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
+    eng = Engine(target, runtime(**cfg, **extra), head, eos_token_id=None)
+    eng.capture_graphs(progress=False)
+    got = eng.generate(prompts, params)
+    assert got[: len(PROMPTS)] == ref[: len(PROMPTS)]
+    if mode == "chain":
+        assert got == ref
+    family = "spec_cycle" if mode == "chain" else "tree_cycle_sampled"
+    replays, eager = eng.graph_summary()[family]
+    assert replays > 0, eng.graph_summary()
