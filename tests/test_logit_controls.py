@@ -337,6 +337,36 @@ def test_sampled_chain_equals_target_only_token_for_token(pair):
     assert got == ref
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_launch_reads_no_device_value_with_controls(pair, monkeypatch, mode):
+    """Every control on (greedy and sampled rows): a step's launch (prefill, decode, a
+    request joining) does no host read of a device value (every read path of torch.Tensor
+    trapped while `launch` runs), as without them."""
+    target, head = pair
+    extra = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
+    eng = Engine(target, runtime(**extra), head, eos_token_id=None)
+    real_launch = eng.launch
+
+    def trap(*a, **k):
+        raise AssertionError("host read of a device value during launch")
+
+    def launch(*a, **k):
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__int__", "__bool__", "__float__", "numpy"):
+                m.setattr(torch.Tensor, name, trap)
+            return real_launch(*a, **k)
+
+    eng.launch = launch
+    params = _controls(6)[:4] + _controls(6, temperature=0.8, seed=1)[3:4]
+    reqs = [eng.add_request(p, q) for p, q in zip(PROMPTS[:2], params[:2], strict=True)]
+    eng.step()
+    eng.step()
+    reqs += [eng.add_request(p, q) for p, q in zip(PROMPTS[2:], params[2:], strict=True)]
+    while eng.has_work:
+        eng.step()
+    assert all(len(r.output) == 6 for r in reqs)
+
+
 # ---------------------------------------------------------------------------------------
 # Sampled distributions (chi-square, fail at p < 1e-4)
 # ---------------------------------------------------------------------------------------
