@@ -213,6 +213,27 @@ def test_64_streams_with_a_fifth_disconnecting(served):
     assert 'graphdraft_choices_finished_total{reason="abort"}' in metrics
 
 
+def test_sampling_controls_equal_engine_generate(served):
+    """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty and
+    min_p: the served text is `Engine.generate`'s under the same SamplingParams (and differs
+    from the plain greedy text)."""
+    p, n = PROMPTS[0], 12
+    ids = served.tok.encode(p)
+    space = served.tok.encode(" ")[0]
+    r = served.client.completions.create(
+        model=served.name, prompt=p, max_tokens=n, temperature=0, frequency_penalty=0.8,
+        presence_penalty=0.4, logit_bias={str(space): -100},
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    params = SamplingParams(max_new_tokens=n, stop_token_ids=tuple(served.stops),
+                            frequency_penalty=0.8, presence_penalty=0.4,
+                            logit_bias={space: -100}, repetition_penalty=1.3, min_p=0.05)
+    want = served.ref_engine.generate([ids], params)[0]
+    assert space not in want
+    text = served.tok.decode(want[:-1] if want[-1] in served.stops else want)
+    assert r.choices[0].text == text
+    assert text != served.text(p, n)
+
+
 # --- bad requests ------------------------------------------------------------------------
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK = {"prompt": "x", "max_tokens": 4}
@@ -238,11 +259,23 @@ BAD = [
     (C, OK | {"prompt": [99999]}, 400, "prompt", "invalid_value"),
     (C, {"max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
     (C, OK | {"foo": 1}, 400, "foo", "unknown_parameter"),
-    (C, OK | {"repetition_penalty": 1.2}, 400, "repetition_penalty", "unknown_parameter"),
-    (C, OK | {"logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
-    (C, OK | {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    (C, OK | {"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    (C, OK | {"min_p": "a"}, 400, "min_p", "invalid_type"),
+    (C, OK | {"min_p": 1.5}, 400, "min_p", "invalid_value"),
+    (C, OK | {"logprobs": 21}, 400, "logprobs", "invalid_value"),
+    (C, OK | {"logprobs": "2"}, 400, "logprobs", "invalid_type"),
+    (CH, MSG | {"top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    (CH, MSG | {"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", "invalid_value"),
+    (CH, MSG | {"logprobs": 1}, 400, "logprobs", "invalid_type"),
+    (C, OK | {"include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
+     "invalid_type"),
+    (C, OK | {"presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
+    (C, OK | {"frequency_penalty": "x"}, 400, "frequency_penalty", "invalid_type"),
     (C, OK | {"echo": True}, 400, "echo", "unsupported_parameter"),
-    (C, OK | {"logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+    (C, OK | {"logit_bias": {"x": 10}}, 400, "logit_bias", "invalid_value"),
+    (C, OK | {"logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value"),
+    (C, OK | {"logit_bias": [5]}, 400, "logit_bias", "invalid_type"),
+    (C, OK | {"logit_bias": {"99999": 1}}, 400, "logit_bias", "invalid_value"),
     (C, OK | {"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
     (C, OK | {"max_tokens": 1000}, 400, "max_tokens", "context_length_exceeded"),
     (C, OK | {"stop_token_ids": [1, 2, 3, 4, 5]}, 400, "stop_token_ids", "invalid_value"),

@@ -92,6 +92,8 @@ def build_parser() -> Parser:
                    help="one prompt per line, or JSONL with per-prompt sampling keys")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a request at this text (repeatable; JSONL 'stop' overrides)")
+    p.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string that ended a request in its text")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (outputs and metrics) at the end instead of "
                         "streaming text")

@@ -7,9 +7,14 @@ go to stderr. What stdout shows:
   --json-lines     one JSON object per line as text is accepted: `{"index": i, "text": delta}`,
                    then `{"index": i, "finish_reason": ..., "completion_tokens": n}` per request
   --json           one JSON document at the end (outputs and metrics), with or without --quiet
-`--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is kept;
-`graphdraft.serving.openai_api.text.ChoiceText`, the server's rule); `--chat` renders each
+`--stop TEXT` ends a request at the first occurrence of TEXT (the text before it is kept, TEXT
+too with `--include-stop-str-in-output`; no token after it is shown, counted or listed:
+`graphdraft.serving.stop_strings.ChoiceText`, the server's rule); `--chat` renders each
 prompt with the target's chat template (`graphdraft.serving.cli.prompts.encode_prompts`).
+`--logprobs N`: each token's log-probability and its N likeliest alternatives, as
+`"logprobs": [{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token",
+"logprob"}]}]` in --json outputs and beside each --json-lines piece (`--prompt-logprobs N`:
+the prompt's, in --json outputs).
 
 `--dp-size N` (data-parallel attention, `graphdraft.serving.data_parallel`): start N processes with
 `torchrun --nproc-per-node N -m graphdraft generate --dp-size N ...`; prompt i is served by
@@ -26,7 +31,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import graphdraft.serving.cli.models as models
@@ -34,7 +39,7 @@ from graphdraft.serving.cli.args import CliError, translate
 from graphdraft.serving.cli.prompts import PromptSpec, encode_prompts, gather
 from graphdraft.serving.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
 from graphdraft.serving.engine import Engine
-from graphdraft.serving.openai_api.text import ChoiceText
+from graphdraft.serving.stop_strings import ChoiceText, Token
 from graphdraft.serving.verify import SamplingParams
 
 log = logging.getLogger("graphdraft.serving.cli")
@@ -50,6 +55,8 @@ class Stream:
     sent: int = 0      # output tokens handed to `text`
     shown: str = ""
     finish_reason: str | None = None
+    tokens: list[Token] = field(default_factory=list)  # kept tokens shown so far
+    new_tokens: list[Token] = field(default_factory=list)  # those the last piece showed
 
     @property
     def stopped(self) -> bool:
@@ -61,6 +68,7 @@ def sampling_for(a: argparse.Namespace, spec: PromptSpec, stop_ids: tuple[int, .
     """The flags' SamplingParams with the prompt's overrides; CliError naming flag or line."""
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
               top_k=a.top_k, seed=None)
+    kw["include_stop_str_in_output"] = bool(getattr(a, "include_stop_str_in_output", False))
     over = dict(spec.overrides)
     stops = tuple(over.pop("stop", None) or a.stop or ())
     kw.update(over)
@@ -82,14 +90,19 @@ def run_streams(engine: Engine, streams: list[Stream],
             if s.stopped:
                 continue
             out, r = s.req.output, s.req
-            piece = s.text.push(out[s.sent:], r.finish_reason if r.finished else None)
+            lps = None if r.logprobs is None else list(
+                zip(r.logprobs[s.sent:], r.top_logprobs[s.sent:], strict=True))
+            piece = s.text.push(out[s.sent:len(out)], r.finish_reason if r.finished else None,
+                                lps)
             s.sent = len(out)
+            s.new_tokens = s.text.take_tokens()
+            s.tokens += s.new_tokens
             if s.text.stopped and not r.finished:
                 engine.abort(r)
             if s.text.done:
                 s.finish_reason = "stop" if s.text.stopped else r.finish_reason
             s.shown += piece
-            if piece or s.stopped:
+            if piece or s.stopped or s.new_tokens:
                 emit(s, piece)
 
 
@@ -104,9 +117,9 @@ def generate(a: argparse.Namespace) -> int:
     snap = engine.metrics_snapshot()
     on_gpu = m.cfg.device.startswith("cuda")
     outputs = [{"index": s.index, "prompt": specs[s.index].text, "text": s.shown,
-                "token_ids": list(s.req.output), "finish_reason": s.finish_reason,
+                "token_ids": list(s.text.token_ids), "finish_reason": s.finish_reason,
                 "params": dataclasses.asdict(s.req.params) | {"stop": list(s.text.stops)}}
-               for s in streams]
+               | _logprob_fields(s, m.tokenizer) for s in streams]
     if dp is not None:
         outputs = _gather_ranks(outputs, streams, len(specs), dp)
         if outputs is None:
@@ -169,7 +182,8 @@ def _start(a: argparse.Namespace, specs: list[PromptSpec]):
     for i, (p, sp, st) in enumerate(zip(prompts, plist, stops, strict=True)):
         if i in mine:
             text = ChoiceText(m.tokenizer, st, sp.stop_token_ids + (() if m.eos is None
-                                                                     else (m.eos,)))
+                                                                     else (m.eos,)),
+                              include_stop=sp.include_stop_str_in_output)
             streams.append(Stream(i, engine.add_request(p, sp), text))
     return engine, m, dp, streams
 
@@ -180,18 +194,49 @@ def _emitter(a: argparse.Namespace, n_prompts: int, dp: bool) -> Callable[[Strea
         if a.json or dp:  # data-parallel: rank 0 prints everything at the end
             return
         if a.json_lines:
-            line = {"index": s.index, "text": piece} if piece else None
+            line = {"index": s.index, "text": piece} if piece or s.new_tokens else None
+            if line is not None and s.req.logprobs is not None:
+                line["logprobs"] = token_entries(s.new_tokens, _tokenizer_of(s))
             if line is not None:
                 sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
             if s.stopped:
                 sys.stdout.write(json.dumps({"index": s.index, "finish_reason": s.finish_reason,
-                                             "completion_tokens": len(s.req.output)}) + "\n")
+                                             "completion_tokens": s.text.tokens}) + "\n")
         elif n_prompts == 1:
             sys.stdout.write(piece + ("\n" if s.stopped else ""))
         elif s.stopped:
             _print_block(s.index, s.shown, True)
         sys.stdout.flush()
     return emit
+
+
+def _tokenizer_of(s: Stream):
+    """The tokenizer of a stream's text (its decoder's)."""
+    return s.text.decoder.tokenizer
+
+
+def token_entries(tokens: list[Token], tokenizer) -> list[dict[str, Any]]:
+    """JSON entries of kept tokens with their log-probabilities (the module docstring)."""
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+    return [{"token_id": t.id, "token": text(t.id), "logprob": t.logprob,
+             "top_logprobs": [{"token_id": i, "token": text(i), "logprob": v} for i, v in t.top]}
+            for t in tokens]
+
+
+def _logprob_fields(s: Stream, tokenizer) -> dict[str, Any]:
+    """A --json output's `logprobs` / `prompt_logprobs` (only the ones its params asked)."""
+    out: dict[str, Any] = {}
+    r = s.req
+    if r.logprobs is not None:
+        out["logprobs"] = token_entries(s.tokens, tokenizer)
+    if r.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [None] + [
+            {"token_id": t, "token": tokenizer.decode([t], skip_special_tokens=False),
+             "logprob": lp, "top_logprobs": [{"token_id": i, "logprob": v} for i, v in top]}
+            for t, lp, top in zip(r.prompt[1:], r.prompt_logprobs[1:], r.prompt_top_logprobs[1:],
+                                  strict=True)]
+    return out
 
 
 def _print_block(index: int, text: str, many: bool) -> None:

@@ -189,7 +189,8 @@ class OpenAIServer:
             for _ in range(req.n):
                 choices.append(Choice(prompt, params, deliver=_noop, seed_stream=len(choices)))
                 texts.append(ChoiceText(self.tokenizer, req.stop, params.stop_token_ids
-                                        + self.config.stop_token_ids))
+                                        + self.config.stop_token_ids,
+                                        include_stop=params.include_stop_str_in_output))
         run = _Run(req, choices, texts, sum(len(p) for p in prompts))
         for i, c in enumerate(choices):
             c.deliver = _deliverer(run.queue, i)
@@ -250,27 +251,38 @@ class OpenAIServer:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
-    async def _updates(self, run: _Run) -> AsyncIterator[list[tuple[int, str, str | None]]]:
-        """(choice index, new text, finish reason or None) per wake-up, until every choice
-        finished; a choice ended by a stop string has its engine request aborted."""
+    async def _updates(self, run: _Run) -> AsyncIterator[list[tuple[int, str, str | None, list]]]:
+        """(choice index, new text, finish reason or None, the kept tokens that text shows:
+        `stop_strings.Token`s) per wake-up, until every choice finished; a choice ended by a
+        stop string has its engine request aborted."""
         while run.open:
             items = [await run.queue.get()]
             while not run.queue.empty():
                 items.append(run.queue.get_nowait())
             out: dict[int, list] = {}
-            for i, ids, fin in items:
+            for i, ids, fin, lps in items:
                 text = run.texts[i]
                 if text.done:
                     continue
-                piece = text.push(ids, fin)
+                piece = text.push(ids, fin, lps)
                 if text.stopped and fin is None:
                     self.engine.cancel([run.choices[i]])
                 if text.done:
                     run.finish[i] = text.finish_reason_override or fin or "stop"
                 prev = out.get(i)
-                out[i] = [i, (prev[1] if prev else "") + piece, run.finish.get(i)]
+                out[i] = [i, (prev[1] if prev else "") + piece, run.finish.get(i),
+                          (prev[3] if prev else []) + text.take_tokens()]
             if out:
                 yield [tuple(v) for v in out.values()]
+
+    def _logprobs(self, run: _Run, tokens: list) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) `logprobs` body for `tokens`; None when not asked."""
+        if run.req.sampling.get("logprobs") is None:
+            return None
+        return P.logprobs_body(tokens, self._token_text, run.req.chat)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _usage(self, run: _Run) -> dict[str, int]:
         return P.usage(run.prompt_tokens, sum(t.tokens for t in run.texts))
@@ -279,11 +291,13 @@ class OpenAIServer:
                      endpoint: str) -> Response:
         """A non-streamed response; a client gone meanwhile aborts the choices."""
         texts = [""] * len(run.choices)
+        tokens: list[list] = [[] for _ in run.choices]
 
         async def collect() -> None:
             async for updates in self._updates(run):
-                for i, piece, _ in updates:
+                for i, piece, _, toks in updates:
                     texts[i] += piece
+                    tokens[i] += toks
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -302,7 +316,8 @@ class OpenAIServer:
         if bad is not None:
             return self._error(bad, endpoint)
         body = P.envelope(rid, model, run.req.chat, chunk=False)
-        body["choices"] = [P.choice(i, texts[i], run.finish[i], run.req.chat)
+        body["choices"] = [P.choice(i, texts[i], run.finish[i], run.req.chat,
+                                    logprobs=self._logprobs(run, tokens[i]))
                            for i in range(len(texts))]
         body["usage"] = self._usage(run)
         self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
@@ -324,8 +339,9 @@ class OpenAIServer:
                 yield chunk([P.choice(i, "", None, True, delta=True, first=True)
                              for i in range(len(run.choices))])
             async for updates in self._updates(run):
-                parts = [P.choice(i, piece, _public_reason(fin), chat, delta=True)
-                         for i, piece, fin in updates if piece or fin is not None]
+                parts = [P.choice(i, piece, _public_reason(fin), chat, delta=True,
+                                  logprobs=self._logprobs(run, toks))
+                         for i, piece, fin, toks in updates if piece or fin is not None or toks]
                 if parts:
                     yield chunk(parts)
             bad = _failure(run, self.engine.failure)
@@ -362,6 +378,10 @@ def _fit_error(req: GenerationRequest, message: str) -> ApiError:
     param = req.prompt_param
     if "stop_token_ids" in message:
         param = "stop_token_ids"
+    elif "params.logit_bias" in message:
+        param = "logit_bias"
+    elif "params.logprobs" in message:
+        param = "top_logprobs" if req.chat else "logprobs"
     elif "max_new_tokens" in message and req.max_tokens is not None:
         param = "max_tokens"
     message = message.replace("max_new_tokens", "max_tokens").replace("params.", "")
@@ -390,10 +410,10 @@ async def _disconnected(request: Request) -> None:
 
 
 def _deliverer(queue: asyncio.Queue, index: int):
-    def deliver(ids: list[int], finish: str | None) -> None:
-        queue.put_nowait((index, ids, finish))
+    def deliver(ids: list[int], finish: str | None, lps: list | None = None) -> None:
+        queue.put_nowait((index, ids, finish, lps))
     return deliver
 
 
-def _noop(ids: list[int], finish: str | None) -> None:
+def _noop(ids: list[int], finish: str | None, lps: list | None = None) -> None:
     return None

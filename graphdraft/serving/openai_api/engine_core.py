@@ -228,20 +228,26 @@ class EngineCore:
             if n == entry[1] and r.finish_reason is None:
                 continue
             ids = r.output[entry[1]:n]
+            lps = None if r.logprobs is None else list(
+                zip(r.logprobs[entry[1]:n], r.top_logprobs[entry[1]:n], strict=True))
             entry[1] = n
-            self._output(rid, ids, r.finish_reason)
+            self._output(rid, ids, r.finish_reason, lps)
             if r.finish_reason is not None:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
 
-    def _output(self, rid: int, ids: list[int], finish: str | None) -> None:
+    def _output(self, rid: int, ids: list[int], finish: str | None,
+                lps: list | None = None) -> None:
+        """Queue new ids (and their (logprob, top) pairs when asked) for the next message."""
         pending = self.outputs.get(rid)
         if pending is None:
-            self.outputs[rid] = [ids, finish]
+            self.outputs[rid] = [ids, finish, lps]
         else:
             pending[0] += ids
             pending[1] = finish or pending[1]
+            if lps is not None:
+                pending[2] = (pending[2] or []) + lps
         if finish is not None:
             self.finished += 1
 
@@ -267,8 +273,8 @@ class EngineCore:
         state = self.state() if state_due else None
         if state is not None:
             self.last_state, self.dirty = now, False
-        self.outbox.put(("out", [(rid, ids, fin) for rid, (ids, fin) in self.outputs.items()],
-                         state))
+        self.outbox.put(("out", [(rid, ids, fin, lps)
+                                 for rid, (ids, fin, lps) in self.outputs.items()], state))
         self.outputs = {}
         self.outbox.flush()
 

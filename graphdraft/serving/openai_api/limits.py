@@ -26,6 +26,8 @@ class EngineLimits:
     """KV pages a request may hold at most (the pool's pages less the null page)."""
     stop_table_width: int
     eos_token_id: int | None
+    max_logprobs: int = 20
+    """The widest logprobs / prompt_logprobs a request may ask (`RuntimeConfig.max_logprobs`)."""
 
     @classmethod
     def of(cls, engine: Any) -> EngineLimits:
@@ -35,7 +37,8 @@ class EngineLimits:
                    lookahead=int(engine.lookahead), page_size=int(engine.pages.page_size),
                    pool_pages=int(engine.pages.num_pages) - 1,
                    stop_table_width=int(engine.cfg.stop_table_width),
-                   eos_token_id=engine.eos_token_id)
+                   eos_token_id=engine.eos_token_id,
+                   max_logprobs=int(engine.cfg.max_logprobs))
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
         """The ids that end the request: its stop ids, EOS first unless ignore_eos."""
@@ -50,6 +53,15 @@ class EngineLimits:
         vocab = self.vocab_size
         if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"params.logit_bias: expected token ids in [0, {vocab}), got "
+                             f"{bad_bias[:4]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"params.{name}: expected at most {self.max_logprobs} "
+                                 f"(RuntimeConfig.max_logprobs), got {asked}")
         stops = self.stop_ids(params)
         if len(stops) > self.stop_table_width:
             raise ValueError(

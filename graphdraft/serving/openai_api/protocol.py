@@ -3,14 +3,28 @@
 `parse_request(body, chat=...)` turns a decoded JSON body of `/v1/completions` or
 `/v1/chat/completions` into a `GenerationRequest`, or raises `ApiError` naming the field
 (`param`) and what was expected. Every field is known: a field this server does not know is
-rejected (`unknown_parameter`), and a known one it does not implement (`logprobs`,
-`presence_penalty`, `logit_bias`, `suffix`, `echo`, `best_of`, tools, ...) is rejected unless
+rejected (`unknown_parameter`), and a known one it does not implement
+(`suffix`, `echo`, `best_of`, tools, ...) is rejected unless
 it has its neutral value, since ignoring it would change what the client gets without saying
 so. Fields that change nothing the model returns (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`) are accepted and ignored.
 
+Sampling controls: OpenAI's `frequency_penalty` and `presence_penalty` (-2..2, on the output's
+tokens) and `logit_bias` (an object of token id -> bias in [-100, 100], at most 300 entries,
+ids within the vocabulary), and vLLM's `repetition_penalty` (> 0, on prompt and output
+tokens) and `min_p` (0..1): `SamplingParams`' fields of the same names, exact under
+speculation (`graphdraft.sampling`'s note).
+
 Extensions beside OpenAI's fields (as vLLM names them): `top_k` (0 or -1: off),
-`stop_token_ids` (token ids that end a choice) and `ignore_eos`.
+`stop_token_ids` (token ids that end a choice), `ignore_eos` and `include_stop_str_in_output`
+(return the stop string that ended a choice).
+
+Log-probabilities: `/v1/completions` `logprobs` (an int in [0, 20]: each token's
+log-probability and that many alternatives, the legacy body `tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`); `/v1/chat/completions` `logprobs: true` and `top_logprobs`
+(0..20; the body `content: [{token, logprob, bytes, top_logprobs}]`). Both become
+`SamplingParams.logprobs` (values: `graphdraft.sampling.MAX_LOGPROBS`' note); a token's
+`token` is its own decoded text, `bytes` that text's UTF-8 bytes.
 
 Ranges of the sampling fields are checked by `SamplingParams` itself (`sampling_params`),
 so the server and the library accept the same values; its field names map to the API's
@@ -21,10 +35,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphdraft.sampling import MAX_LOGPROBS
 from graphdraft.serving.verify import SamplingParams
 
 MAX_N = 128
@@ -100,11 +115,6 @@ def _neutral(*allowed: Any, what: str) -> Callable[[str, Any], Any]:
     return parse
 
 
-def _zero_number(name: str, v: Any) -> Any:
-    _NUMBER(name, v)
-    return _neutral(0, 0.0, what="0 or null")(name, v)
-
-
 def _stop(name: str, v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
@@ -141,6 +151,28 @@ def _stream_options(name: str, v: Any) -> bool:
     return inc
 
 
+def _logprobs_width(name: str, v: Any) -> int | None:
+    """An int in [0, MAX_LOGPROBS] or null (`logprobs` of completions, `top_logprobs`)."""
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise invalid(name, "an integer or null", v, code="invalid_type")
+    if not 0 <= v <= MAX_LOGPROBS:
+        raise invalid(name, f"an integer in [0, {MAX_LOGPROBS}]", v)
+    return v
+
+
+def _logprobs_asked(chat: bool, v: dict[str, Any]) -> int | None:
+    """`SamplingParams.logprobs` of a parsed body (None: not asked)."""
+    if not chat:
+        return v.get("logprobs")
+    top = v.get("top_logprobs")
+    if top is not None and not v.get("logprobs"):
+        raise ApiError(400, "top_logprobs: only allowed with logprobs: true",
+                       param="top_logprobs", code="invalid_value")
+    return (top or 0) if v.get("logprobs") else None
+
+
 def _response_format(name: str, v: Any) -> Any:
     if v is None or (isinstance(v, Mapping) and dict(v) == {"type": "text"}):
         return v
@@ -152,19 +184,20 @@ COMMON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "model": _STRING, "max_tokens": _INT, "temperature": _NUMBER, "top_p": _NUMBER,
     "top_k": _INT, "n": _INT, "stream": _BOOL, "stream_options": _stream_options,
     "stop": _stop, "stop_token_ids": _token_list, "ignore_eos": _BOOL, "seed": _INT,
-    "presence_penalty": _zero_number, "frequency_penalty": _zero_number,
-    "logit_bias": _neutral({}, what="an empty object or null"),
+    "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
+    "min_p": _NUMBER, "logit_bias": _OBJECT,
     "user": _STRING, "metadata": _OBJECT, "store": _BOOL, "service_tier": _STRING,
+    "include_stop_str_in_output": _BOOL,
 }
 """Fields of both endpoints -> their parser (raises ApiError naming the field)."""
 
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt": _ANY, "echo": _neutral(False, what="false"), "suffix": _neutral(what="null"),
-    "best_of": _neutral(1, what="1 or null"), "logprobs": _neutral(what="null"),
+    "best_of": _neutral(1, what="1 or null"), "logprobs": _logprobs_width,
 }
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages": _ANY, "max_completion_tokens": _INT, "logprobs": _neutral(False, what="false"),
-    "top_logprobs": _neutral(0, what="0 or null"), "response_format": _response_format,
+    "messages": _ANY, "max_completion_tokens": _INT, "logprobs": _BOOL,
+    "top_logprobs": _logprobs_width, "response_format": _response_format,
     "tools": _neutral([], what="an empty list or null"),
     "tool_choice": _neutral("none", "auto", what="'none', 'auto' or null"),
     "parallel_tool_calls": _BOOL,
@@ -190,7 +223,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields other than max_new_tokens (temperature, top_p, top_k, seed,
-    stop_token_ids, ignore_eos)."""
+    stop_token_ids, ignore_eos, the penalties, min_p, logit_bias, logprobs, ...)."""
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -235,6 +268,14 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         "seed": v.get("seed"),
         "stop_token_ids": v.get("stop_token_ids", ()),
         "ignore_eos": bool(v.get("ignore_eos")),
+        "frequency_penalty": v.get("frequency_penalty") or 0.0,
+        "presence_penalty": v.get("presence_penalty") or 0.0,
+        "repetition_penalty": 1.0 if v.get("repetition_penalty") is None
+        else v["repetition_penalty"],
+        "min_p": v.get("min_p") or 0.0,
+        "logit_bias": v.get("logit_bias") or {},
+        "logprobs": _logprobs_asked(chat, v),
+        "include_stop_str_in_output": bool(v.get("include_stop_str_in_output")),
     }
     messages = tuple(check_messages(body["messages"])) if chat else ()
     req = GenerationRequest(chat=chat, model=v.get("model"), prompts=prompts, messages=messages,
@@ -343,15 +384,33 @@ def envelope(rid: str, model: str, chat: bool, chunk: bool, created: int | None 
 
 
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, *, delta: bool = False,
-           first: bool = False) -> dict[str, Any]:
+           first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice of a response (`delta`: of a stream chunk; `first`: the chunk that carries
-    the chat role)."""
+    the chat role; `logprobs`: `logprobs_body`'s, None when not asked)."""
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if not delta:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+                "logprobs": logprobs, "finish_reason": finish_reason}
     body: dict[str, Any] = {"role": "assistant"} if first else {}
     if text or first:
         body["content"] = text
-    return {"index": index, "delta": body, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def logprobs_body(tokens: Sequence[Any], token_text: Callable[[int], str], chat: bool
+                  ) -> dict[str, Any]:
+    """A choice's `logprobs` for its kept `tokens` (`stop_strings.Token`s with logprob and
+    top): chat `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`, or
+    the completions legacy `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets in
+    the choice's text). `token_text(id)`: a token's own text."""
+    if chat:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            s = token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [entry(t.id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top]}
+                            for t in tokens], "refusal": None}
+    return {"tokens": [token_text(t.id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{token_text(i): v for i, v in t.top} for t in tokens],
+            "text_offset": [t.start for t in tokens]}
