@@ -95,7 +95,8 @@ class SamplingField:
             try:
                 return self.convert(value)
             except (ValueError, TypeError):
-                raise ValueError(f"{self.name}: expected {self.expected}, got {value!r}") from None
+                raise ValueError(f"{self.name}: expected {self.expected}, got "
+                                 f"{_short(value)}") from None
         ok = True
         if self.integer:
             ok = isinstance(value, int) and not isinstance(value, bool)
@@ -110,6 +111,11 @@ class SamplingField:
         if isinstance(value, (list, tuple)):
             return tuple(value)
         return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _token_ids(v: Any) -> bool:
@@ -202,7 +208,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("logit_bias", tuple[tuple[int, float], ...], (),
                   f"a map of token id (an int >= 0 or its decimal string) -> bias in "
                   f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], at most {MAX_LOGIT_BIAS} "
-                  f"entries", convert=_logit_bias),
+                  f"entries", convert=_logit_bias, flag="--logit-bias",
+                  help="JSON map of token id -> bias in [-100, 100] added to its logit, e.g. "
+                       "'{\"50256\": -100}' (at most 300 entries)"),
     SamplingField("logprobs", int | None, None, f"None or an int in [0, {MAX_LOGPROBS}]",
                   Range(0, MAX_LOGPROBS), integer=True, optional=True,
                   column=Column("logprobs", torch.int32, -1), flag="--logprobs",

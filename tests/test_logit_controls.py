@@ -272,6 +272,48 @@ def test_engine_rejects_a_bias_id_outside_the_vocab():
     assert not eng.waiting
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--logit-bias", "{x"], "argument --logit-bias: expected a map of token id"),
+    (["--logit-bias", '{"5": 500}'], "argument --logit-bias: expected a map of token id"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: expected a number > 0"),
+    (["--frequency-penalty", "-3"], "argument --frequency-penalty: expected a number in [-2, 2]"),
+    (["--presence-penalty", "x"], "argument --presence-penalty: expected a number in [-2, 2]"),
+    (["--min-p", "2"], "argument --min-p: expected a number in [0, 1]"),
+])
+def test_bad_control_flags_name_the_flag(flags, message, capsys):
+    from graphdraft.__main__ import main
+
+    assert main(["generate", "--random-models", "--prompt", "ab", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_control_flags_and_prompt_file_keys_reach_sampling_params(tmp_path):
+    import argparse
+
+    from graphdraft.serving.cli.args import CliError, add_sampling_flags
+    from graphdraft.serving.cli.generate import sampling_for
+    from graphdraft.serving.cli.prompts import read_prompt_file
+
+    p = argparse.ArgumentParser()
+    add_sampling_flags(p, 8)
+    p.add_argument("--stop", default=None)
+    a = p.parse_args(["--repetition-penalty", "1.1", "--min-p", "0.05", "--logit-bias",
+                      '{"7": -100, "9": 2}'])
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "frequency_penalty": 0.5, "logit_bias": {"3": 1}}\n'
+                 '{"prompt": "b", "presence_penalty": 9}\n')
+    specs = read_prompt_file(str(f))
+    got = sampling_for(a, specs[0], (1,), 1)[0]
+    assert (got.repetition_penalty, got.min_p, got.frequency_penalty) == (1.1, 0.05, 0.5)
+    assert got.logit_bias == ((3, 1.0),)  # the line's map replaces the flag's
+    with pytest.raises(CliError, match=r"p.jsonl:2: presence_penalty: expected in \[-2, 2\]"):
+        sampling_for(a, specs[1], (1,), 1)
+    from graphdraft.serving.cli.prompts import PromptSpec
+    plain = sampling_for(a, PromptSpec("c", "--prompt #1"), (1,), 1)[0]
+    assert plain.logit_bias == ((7, -100.0), (9, 2.0))
+
+
 # ---------------------------------------------------------------------------------------
 # Engines: speculative == target-only
 # ---------------------------------------------------------------------------------------

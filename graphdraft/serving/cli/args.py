@@ -11,6 +11,7 @@ turns into the flag (`max_context_len: ...` -> `--max-context-len: ...`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 
@@ -127,14 +128,20 @@ FIELD_FLAGS = {
     "temperature": "--temperature",
     "top_p": "--top-p",
     "top_k": "--top-k",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty",
+    "logit_bias": "--logit-bias",
 }
 """Config / SamplingParams field -> the flag that sets it (error messages name the flag)."""
 
 
 def translate(message: str) -> str:
-    """A library error message with every config field it names replaced by its flag."""
-    return re.sub(r"\b(" + "|".join(FIELD_FLAGS) + r")\b", lambda m: FIELD_FLAGS[m.group(1)],
-                  message)
+    """A library error message with every config field it names (`params.` included: the
+    Engine's request checks) replaced by its flag."""
+    return re.sub(r"\b(?:params\.)?(" + "|".join(FIELD_FLAGS) + r")\b",
+                  lambda m: FIELD_FLAGS[m.group(1)], message)
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -207,6 +214,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a random-weight pair instead of the shipped trained one")
 
 
+def json_field(f):
+    """A flag whose value is JSON converted by the sampling field `f` (`f.convert`), e.g.
+    `--logit-bias '{"50256": -100}'`."""
+    def parse(text: str):
+        try:
+            return f.validate(json.loads(text))
+        except (json.JSONDecodeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"expected {f.expected} as JSON, got {text!r}"
+                                             ) from e
+    parse.__name__ = f"JSON {f.name}"
+    return parse
+
+
+def sampling_flag_values(a: argparse.Namespace) -> dict:
+    """The sampling flags' values by `SamplingParams` field name (every field with a flag)."""
+    return {f.name: getattr(a, f.flag[2:].replace("-", "_")) for f in flag_fields()}
+
+
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """One flag per sampling field with a `flag` (`graphdraft.sampling.SAMPLING_FIELDS`: type,
     range, default and help from the record; `max_new_tokens` the command's default), then
@@ -214,8 +239,11 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     for f in flag_fields():
         r = f.range
-        kind = (int_at_least(int(r.lo)) if f.integer else
-                float_in(r.lo, r.hi, lo_open=r.lo_open, what=f"a number {f.expected}"))
+        if f.convert is not None:  # a structured value (logit_bias): JSON, checked by the field
+            kind = json_field(f)
+        else:
+            kind = (int_at_least(int(r.lo)) if f.integer else
+                    float_in(r.lo, r.hi, lo_open=r.lo_open, what=f"a number {f.expected}"))
         default = max_new_tokens if f.name == "max_new_tokens" else f.default
         g.add_argument(f.flag, type=kind, default=default, help=f.help)
     g.add_argument("--seed", type=int, default=0,

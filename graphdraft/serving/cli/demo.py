@@ -24,7 +24,7 @@ import torch
 
 import graphdraft.serving.cli.models as models
 from graphdraft.io.tokenizer import ByteLevelTokenizer
-from graphdraft.serving.cli.args import CliError, translate
+from graphdraft.serving.cli.args import CliError, sampling_flag_values, translate
 from graphdraft.serving.cli.report import (
     CPU_TIMING_NOTE,
     WallClock,
@@ -192,8 +192,7 @@ def _demo(a: argparse.Namespace) -> int:
     prompts, what = demo_prompts(a, m)
     status(f"prompts: {what}")
     try:
-        params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                                top_p=a.top_p, top_k=a.top_k, stop_token_ids=m.stops,
+        params = SamplingParams(**sampling_flag_values(a), stop_token_ids=m.stops,
                                 ignore_eos=m.eos is None)
         base = Engine(m.target, cfg.replace(speculative_algorithm="eagle3"),  # target-only
                       eos_token_id=m.eos, seed=a.seed)

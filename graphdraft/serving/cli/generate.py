@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import graphdraft.serving.cli.models as models
-from graphdraft.serving.cli.args import CliError, translate
+from graphdraft.serving.cli.args import CliError, sampling_flag_values, translate
 from graphdraft.serving.cli.prompts import PromptSpec, encode_prompts, gather
 from graphdraft.serving.cli.report import CPU_TIMING_NOTE, metrics_lines, write_json
 from graphdraft.serving.engine import Engine
@@ -66,8 +66,7 @@ class Stream:
 def sampling_for(a: argparse.Namespace, spec: PromptSpec, stop_ids: tuple[int, ...],
                  eos: int | None) -> tuple[SamplingParams, tuple[str, ...]]:
     """The flags' SamplingParams with the prompt's overrides; CliError naming flag or line."""
-    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-              top_k=a.top_k, seed=None)
+    kw = sampling_flag_values(a) | {"seed": None}
     kw["include_stop_str_in_output"] = bool(getattr(a, "include_stop_str_in_output", False))
     over = dict(spec.overrides)
     stops = tuple(over.pop("stop", None) or a.stop or ())

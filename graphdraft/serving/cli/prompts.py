@@ -3,11 +3,12 @@
 A prompt file is either plain text, one prompt per line (blank lines skipped; write `\\n`
 for a newline inside a prompt), or JSONL (a `.jsonl` name, or a first non-blank line that
 starts with `{`): one object per line with `"prompt"` and optionally the per-prompt
-sampling keys `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` and `stop` (a
-list of strings), which override the flags for that prompt. A JSONL line may hold a
-conversation instead of a prompt: `"messages": [{"role": "system" | "user" | "assistant",
-"content": "..."}, ...]` (multi-turn; the chat template renders it, ending with the
-assistant's turn to come).
+sampling keys `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` (a
+list of strings), `min_p`, `repetition_penalty`, `frequency_penalty`, `presence_penalty` and
+`logit_bias` (an object of token id -> bias), which override the flags for that prompt. A
+JSONL line may hold a conversation instead of a prompt: `"messages": [{"role": "system" |
+"user" | "assistant", "content": "..."}, ...]` (multi-turn; the chat template renders it,
+ending with the assistant's turn to come).
 
 `--chat` (`add_chat_flags`) applies the target's chat template: each `--prompt` / plain line
 becomes one user message (after `--system-prompt`, when given, as the system message), and a
@@ -26,7 +27,9 @@ from typing import Any
 
 from graphdraft.serving.cli.args import CliError
 
-PER_PROMPT_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+PER_PROMPT_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p",
+                   "repetition_penalty", "frequency_penalty", "presence_penalty",
+                   "logit_bias")
 
 
 @dataclass
