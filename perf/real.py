@@ -31,6 +31,7 @@ import gzip
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,18 +218,26 @@ class Bench:
                 "prompts": len(prompts)}
 
 
-def load_bench(a: argparse.Namespace) -> Bench:
-    from graphdraft.io.checkpoint import load_model_pair
+def load_bench(a: argparse.Namespace,
+               texts: Callable[[int], dict[str, list[str]]] | None = None) -> Bench:
+    """The target (a GGUF file, converted once, or a directory), its head (`a.draft`; None:
+    no head, perf/ngram.py) and the datasets: `texts(n)` -> {name: n user messages}
+    (default: HumanEval and prose), each under the chat template."""
+    from graphdraft.io.checkpoint import load_model_pair, load_target
     from graphdraft.io.gguf_convert import cached_conversion, is_gguf_file
     from graphdraft.io.tokenizer import load_tokenizer
     target_dir = cached_conversion(a.target) if is_gguf_file(a.target) else Path(a.target)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
-    target, head, info = load_model_pair(target_dir, a.draft, dtype, a.device)
+    if a.draft is None:
+        (target, info), head = load_target(target_dir, dtype, a.device), None
+    else:
+        target, head, info = load_model_pair(target_dir, a.draft, dtype, a.device)
     tok = load_tokenizer(target_dir)
     stops = tuple(dict.fromkeys([*info.eos_token_ids, *tok.eos_token_ids]))
     n = max(max(BATCH_SIZES), MIN_PROMPTS) if not a.smoke else 2
-    data = {"humaneval": chat_ids(tok, humaneval_prompts()[:n]),
-            "prose": chat_ids(tok, list(PROSE_EVAL)[:n])}
+    sets = texts(n) if texts is not None else {"humaneval": humaneval_prompts()[:n],
+                                               "prose": list(PROSE_EVAL)[:n]}
+    data = {name: chat_ids(tok, ts) for name, ts in sets.items()}
     room = target.config.max_position_embeddings - a.new_tokens - 32
     if a.smoke:  # the tiny smoke targets have a short context: keep each prompt's tail
         data = {k: [p[-room:] for p in ps] for k, ps in data.items()}

@@ -20,9 +20,23 @@ matches). A slot reused by a new request is rewritten by its prefill before it i
 A lookup draft is a point mass (q = one-hot): the acceptance (`kernels/accept.py`) samples
 the target's token at each position and accepts a draft exactly when it equals it, which is
 the speculative-sampling rule for a one-hot q, so greedy output equals target-only decoding
-and sampled output follows the target's distribution. Filler past a match (fewer than k
-tokens follow it, or no match) repeats the last draft: a valid token id the verify accepts
-only where the target emits it anyway.
+and sampled output follows the target's distribution.
+
+Filler. Columns past a row's match (fewer than k tokens follow it, or no match) repeat its
+last draft (`found [max_bs]` counts the real ones); they are not a sentinel that is never
+accepted, because none exists cleanly and none is needed:
+- no valid id is never accepted: every id in [0, V) can be the target's argmax or its sample,
+  and the drafts are also the verify forward's input ids, so an id outside [0, V) would read
+  past the embedding (the acceptance flags it as `ERR_TOKEN` and the step fails);
+- a per-row cap (accept at most found + 1) would be a new input of every acceptance path
+  (chain and tree, greedy and sampled, eager and inside the cycle graph) only to discard tokens;
+- accepting a filler is exact: like every lookup draft it is a point mass fixed by the
+  committed tokens alone (independent of the uniforms that sample its position), and the
+  acceptance takes it exactly when it equals the target's own token there (greedy: the argmax;
+  sampled: probability p(filler), the speculative-sampling rule for q = one-hot), so an accepted
+  filler is a token target-only decoding emits too, for free.
+The cost of filler is the verify's extra columns, which the adaptive policy prices: rows whose
+filler is rejected lower the accept estimate it picks k from.
 """
 
 from __future__ import annotations
