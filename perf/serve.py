@@ -343,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="perf/out")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--waves", type=int, default=4, help="requests per level: waves x c ...")
-    p.add_argument("--min-requests", type=int, default=64, help="... but at least this many")
+    # A repetition must last seconds, not one (2026-12-06a: 1 s repetitions of one level
+    # differed by up to 33 %): with the toy pair c = 128 x 32 waves is about 8 s on an H100.
+    p.add_argument("--waves", type=int, default=32, help="requests per level: waves x c ...")
+    p.add_argument("--min-requests", type=int, default=128, help="... but at least this many")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--prompts", default=str(PROMPTS))
