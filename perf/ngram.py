@@ -244,7 +244,13 @@ def plan(batch_sizes: tuple[int, ...], smoke: bool = False) -> list[tuple[str, f
 
 
 def run_real(a: argparse.Namespace, doc: dict, save, t_end: float) -> None:
-    """Part "real": rows into doc["rows"], cases past the deadline into doc["trimmed"]."""
+    """Part "real": rows into doc["rows"], cases past the deadline into doc["trimmed"] (all of
+    them, the model not even loaded, when less than a minute is left)."""
+    sizes = (1,) if a.smoke else real.BATCH_SIZES
+    if t_end - time.perf_counter() < 60:
+        doc["trimmed"] += [{"dataset": ds, "temperature": t, "bs": bs}
+                           for ds, t, bs in plan(sizes, a.smoke)]
+        return
     ns = argparse.Namespace(target=a.target, draft=None, device=a.device, dtype=a.dtype,
                             smoke=a.smoke, new_tokens=a.new_tokens, repeats=a.repeats)
     b = real.load_bench(ns, texts)
@@ -252,7 +258,6 @@ def run_real(a: argparse.Namespace, doc: dict, save, t_end: float) -> None:
         b.data = {name: [p[-32:] for p in ps] for name, ps in b.data.items()}
     doc.update(target=str(a.target), dtype=b.dtype, new_tokens=a.new_tokens,
                repeats=a.repeats, chat_template=True, min_prompts=real.MIN_PROMPTS)
-    sizes = (1,) if a.smoke else real.BATCH_SIZES
 
     def cfg_for(steps: int):
         return real.runtime(real.Drafting("chain", steps, 1, steps + 1), a.device, b.dtype,

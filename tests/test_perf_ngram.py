@@ -104,3 +104,14 @@ def test_smoke_with_the_real_gguf(tmp_path):
     for r in doc["rows"]:
         assert set(ngram.ROW_KEYS_8B if "cycle_ms" in r else ngram.ROW_KEYS) <= set(r)
     assert "speed-up" in proc.stdout
+
+
+def test_real_part_past_its_deadline_is_trimmed_whole_without_loading():
+    import argparse
+    import time
+
+    a = argparse.Namespace(smoke=False, target="/nonexistent.gguf")
+    doc = {"rows": [], "trimmed": []}
+    ngram.run_real(a, doc, lambda: None, time.perf_counter() + 30)
+    assert doc["rows"] == [] and len(doc["trimmed"]) == len(ngram.plan(real.BATCH_SIZES)) == 12
+    assert doc["trimmed"][0] == {"dataset": "copy", "temperature": 0.0, "bs": 1}
