@@ -9,8 +9,9 @@ fixed, `ngram_min` / `ngram_max` as below), each in steady decode:
                                    events, the state restored before each)
   cycle_over_step                  cycle_ms / target_only_step_ms (the issue's goal: <= 1.10 at bs 1)
   accept_mean                      tokens committed per decode row and cycle in those steps
-                                   (random weights and prompts: a lookup finds little, so the
-                                   kernel scans the whole history: the cost's worst case)
+                                   (random weights and prompts: it says nothing of real text;
+                                   a row without a match scans its whole history, the
+                                   lookup's worst case)
   target_tps / spec_tps / speedup  bs * 1000 / target_only_step_ms, bs * accept_mean * 1000 /
                                    cycle_ms, their ratio.
 
@@ -24,7 +25,8 @@ the target's chat template. Datasets:
 (perf/data holds HumanEval's prompts and canonical solutions, OpenAI, MIT license.)
 Engines: target only; "adaptive": n-gram with the adaptive policy (k in `ADAPTIVE_STEPS` per
 padded bs: 0 where drafting does not pay); "fixed": n-gram drafting `FIXED_K` every cycle.
-Per (dataset, temperature, bs), most wanted first (`plan`): `max(bs, MIN_PROMPTS)` prompts,
+Per (dataset, temperature, bs), most wanted first (`plan`: greedy at bs 1, 8, 32, then
+T = 0.7 likewise): `max(bs, MIN_PROMPTS)` prompts,
 `bs` at a time, `--new-tokens` each (end of turn stops one earlier); one warm-up run of each
 engine, then `--repeats` repetitions, each serving the prompts on target-only, adaptive, fixed
 in turn (CUDA-synchronised wall clock over the whole batch; tokens/s = output tokens /
