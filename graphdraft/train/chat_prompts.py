@@ -1,10 +1,11 @@
 """Training prompts for a chat model's EAGLE-3 head, built offline from what Python ships.
 
 EAGLE-3 trains its head on the target's own responses to a prompt set. Here the prompts are
-- code: every documented public function and method of the Python standard library's
-  sources (`graphdraft.io.corpus`, held-out documents excluded), asked in two of `CODE_FORMS`
-  (complete the function from its signature and docstring, write it from its summary,
-  explain it, test it);
+- code: every documented public function, method and class of the Python standard
+  library's sources (`graphdraft.io.corpus`, held-out documents excluded), each asked in
+  `forms_per_function` of `CODE_FORMS` (functions: complete it from its signature and
+  docstring, write it from its summary, explain, test, document, review, simplify it, show
+  a call) or `CLASS_FORMS` (classes);
 - prose: `PROSE_TEMPLATES` x `PROSE_TOPICS` (instructions over everyday, science, history
   and practical topics).
 Both are disjoint from the evaluation sets of `perf/real.py` (HumanEval's problems; its own
@@ -26,6 +27,17 @@ CODE_FORMS = (
     "Write a Python function `{name}` that does the following: {summary}",
     "Explain what this Python function does, step by step:\n```python\n{source}```",
     "Write a few pytest unit tests for this function:\n```python\n{stub}```",
+    "Add type hints and a clear docstring to this Python function:\n```python\n{source}```",
+    "Review this Python function: point out possible bugs and edge cases."
+    "\n```python\n{source}```",
+    "Rewrite this Python function to be shorter and easier to read:\n```python\n{source}```",
+    "Show an example call of `{name}` and explain what it returns:\n```python\n{stub}```",
+)
+CLASS_FORMS = (
+    "Implement the following Python class:\n```python\n{stub}```",
+    "Write a Python class `{name}` for the following: {summary}",
+    "Explain what this Python class is for and how to use it:\n```python\n{stub}```",
+    "Write a short usage example for this class:\n```python\n{stub}```",
 )
 PROSE_TEMPLATES = (
     "Explain {topic} in simple terms.",
@@ -44,6 +56,22 @@ PROSE_TEMPLATES = (
     "Summarize why {topic} matters today.",
     "Write a dialogue between a teacher and a student about {topic}.",
     "Create a simple step-by-step plan for getting started with {topic}.",
+    "Answer like an encyclopedia: what is {topic}?",
+    "Write three quiz questions with answers about {topic}.",
+    "Explain {topic} to an adult who knows nothing about it, in one paragraph.",
+    "What questions should a beginner ask about {topic}?",
+    "Write a short blog post introduction about {topic}.",
+    "Give an analogy that makes {topic} easier to understand.",
+    "What are common mistakes beginners make with {topic}?",
+    "Write a motivational message for someone interested in {topic}.",
+    "Summarize {topic} in exactly three sentences.",
+    "Write a short news-style report about a recent discovery related to {topic}.",
+    "How has {topic} changed over the last hundred years?",
+    "Write a tweet-length fun fact about {topic}.",
+    "Describe a day in the life of someone whose job involves {topic}.",
+    "What vocabulary words should I learn to talk about {topic}? Define each.",
+    "Argue for and against spending more public money on {topic}.",
+    "Write a short FAQ section about {topic}.",
 )
 PROSE_TOPICS = (
     "photosynthesis", "the water cycle", "volcanoes", "black holes", "the moon landing",
@@ -73,20 +101,67 @@ PROSE_TOPICS = (
     "moving to a new city", "adopting a pet", "training a dog", "caring for houseplants",
     "knitting", "woodworking", "pottery", "origami", "magic tricks", "board games",
     "puzzles", "riddles", "birthday parties", "weddings", "holidays around the world",
+    "coral reefs", "rivers and deltas", "mountain formation", "fossils", "dinosaurs",
+    "the periodic table", "chemical reactions", "atoms", "light and lenses", "sound waves",
+    "the speed of light", "nuclear energy", "batteries", "semiconductors", "lasers",
+    "the immune system", "the human brain", "bones and muscles", "digestion", "genetics",
+    "evolution", "ecosystems", "endangered species", "wolves", "owls", "octopuses", "ant colonies",
+    "butterflies", "sharks", "whales", "horses", "the Silk Road", "the Renaissance",
+    "the Vikings", "ancient Greece", "the Ming dynasty", "the Aztecs", "the Cold War",
+    "the printing of newspapers", "the telephone", "radio broadcasting", "television",
+    "photovoltaic farms", "hydroelectric dams", "irrigation", "organic farming", "beekeeping",
+    "wine making", "chocolate", "spices", "sushi", "pasta", "street food", "table manners",
+    "minimalism", "decluttering", "interior design", "gardening in small spaces",
+    "home repairs", "plumbing basics", "electric wiring safety", "car maintenance",
+    "learning to drive", "road safety", "air travel", "packing a suitcase", "travel insurance",
+    "learning mathematics", "algebra", "geometry", "probability", "statistics",
+    "prime numbers", "fractions", "the history of zero", "cryptography", "computer networks",
+    "operating systems", "programming languages", "web browsers", "search engines",
+    "data backups", "spam filters", "computer viruses", "quantum computing",
+    "virtual reality", "self-driving vehicles", "drones", "space stations", "rockets",
+    "comets", "the sun", "stars and constellations", "galaxies", "the Big Bang",
+    "economics", "banking", "credit cards", "loans and interest", "retirement savings",
+    "entrepreneurship", "marketing", "negotiation", "leadership", "customer service",
+    "teamwork", "conflict resolution", "parenting", "grandparents", "sibling rivalry",
+    "teenagers and school", "homework", "exams", "studying effectively", "note taking",
+    "critical thinking", "philosophy", "ethics", "democracy", "human rights",
+    "elections", "the United Nations", "international trade", "languages of the world",
+    "sign language", "writing systems", "dictionaries", "translation", "storytelling",
+    "fairy tales", "science fiction", "mystery novels", "biographies", "drawing portraits",
+    "sculpture", "dance", "ballet", "hip hop", "drums", "the violin", "choirs",
+    "music festivals", "film history", "animation", "stand-up comedy", "circuses",
+    "zoos", "aquariums", "national parks", "mountaineering", "skiing", "surfing",
+    "yoga", "strength training", "cycling races", "tennis", "golf", "table tennis",
+    "martial arts", "sportsmanship", "healthy breakfast", "sugar", "allergies",
+    "the common cold", "dental hygiene", "eyesight", "hearing", "aging", "mindfulness",
+    "habits", "motivation", "procrastination", "creativity", "curiosity", "gratitude",
 )
 
 
 @dataclass(frozen=True)
 class Function:
-    """A documented public function (or method) of the standard library."""
+    """A documented public function, method or class of the standard library."""
 
     name: str
     stub: str
-    """`def name(args):` and its docstring, indented as in a source file."""
+    """`def name(args):` (or `class name(bases):`) and its docstring, indented as in a source
+    file."""
     source: str
     summary: str
     """The docstring's first sentence."""
     where: str
+    is_class: bool = False
+
+
+def _definitions(tree: ast.Module) -> list[ast.FunctionDef | ast.ClassDef]:
+    """Top-level functions and classes, and the methods of top-level classes."""
+    out = []
+    for top in tree.body:
+        if isinstance(top, ast.ClassDef | ast.FunctionDef):
+            out.append(top)
+        if isinstance(top, ast.ClassDef):
+            out += [n for n in top.body if isinstance(n, ast.FunctionDef)]
+    return out
 
 
 def _functions_of(name: str, text: str, max_source: int) -> list[Function]:
@@ -94,30 +169,34 @@ def _functions_of(name: str, text: str, max_source: int) -> list[Function]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []
+    lines = text.splitlines(keepends=True)
     out = []
-    nodes = [n for top in tree.body
-             for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)]
-    for node in nodes:
-        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-            continue
+    for node in _definitions(tree):
         doc = ast.get_docstring(node)
-        if not doc or len(doc) < 24:
+        if node.name.startswith("_") or not doc or len(doc) < 24:
             continue
-        ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
         body = textwrap.indent(f'"""{doc}\n"""', "    ")
-        stub = f"def {node.name}({ast.unparse(node.args)}){ret}:\n{body}\n"
-        source = ast.get_source_segment(text, node) or stub
+        if isinstance(node, ast.ClassDef):
+            bases = ", ".join(ast.unparse(b) for b in node.bases)
+            stub = f"class {node.name}{f'({bases})' if bases else ''}:\n{body}\n"
+        else:
+            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+            stub = f"def {node.name}({ast.unparse(node.args)}){ret}:\n{body}\n"
+        source = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno]))
         if len(source) > max_source:
-            continue
+            if not isinstance(node, ast.ClassDef):
+                continue
+            source = stub  # a class is asked about from its stub
         summary = doc.strip().split("\n\n")[0].replace("\n", " ")
         summary = summary.split(". ")[0].rstrip(".") + "."
-        out.append(Function(node.name, stub, source + "\n", summary, name))
+        out.append(Function(node.name, stub, source.rstrip("\n") + "\n", summary, name,
+                            isinstance(node, ast.ClassDef)))
     return out
 
 
 def stdlib_functions(max_source: int = 2000, limit: int | None = None) -> list[Function]:
-    """Documented public functions and methods of the stdlib's training documents, in
-    document-name order; the scan stops once `limit` are found (None: all)."""
+    """Documented public functions, methods and classes of the stdlib's training documents,
+    in document-name order; the scan stops once `limit` are found (None: all)."""
     funcs = []
     for name, data in documents(lambda n: n.endswith(".py") and not is_held_out(n)):
         funcs += _functions_of(name, data.decode("utf-8", errors="replace"), max_source)
@@ -126,15 +205,16 @@ def stdlib_functions(max_source: int = 2000, limit: int | None = None) -> list[F
     return funcs
 
 
-def code_prompts(limit: int | None = None, seed: int = 0, forms_per_function: int = 2
+def code_prompts(limit: int | None = None, seed: int = 0, forms_per_function: int = 4
                  ) -> list[str]:
-    """`forms_per_function` user messages per function (distinct forms drawn with `seed`),
-    shuffled; `limit` first."""
+    """`forms_per_function` user messages per definition (distinct forms of `CODE_FORMS` /
+    `CLASS_FORMS` drawn with `seed`), shuffled; `limit` first."""
     rng = random.Random(seed)
     out = []
     need = None if limit is None else -(-limit // forms_per_function)
     for f in stdlib_functions(limit=need):
-        for form in rng.sample(CODE_FORMS, forms_per_function):
+        forms = CLASS_FORMS if f.is_class else CODE_FORMS
+        for form in rng.sample(forms, min(forms_per_function, len(forms))):
             out.append(form.format(stub=f.stub, name=f.name, summary=f.summary,
                                    source=f.source))
     rng.shuffle(out)

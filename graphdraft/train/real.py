@@ -1,30 +1,41 @@
 """Train an EAGLE-3 head for a pretrained chat target (e.g. SmolLM2-135M-Instruct), the EAGLE-3 way.
 
-1. Prompts (`graphdraft.train.chat_prompts`: stdlib functions as code requests, instruction
-   templates over everyday topics), each one user message under the target's chat template.
-2. Responses: the target's own, through graphdraft's `Engine` (target only, large batches,
-   the torch kernel path, eager), up to `max_new_tokens`, stopping at EOS / end of turn; a
-   `sampled_fraction` of them sampled at `sample_temperature`, the rest greedy.
-3. Draft vocabulary: the `draft_vocab` most frequent target ids of the responses (EOS and
-   the end-of-turn token always in), the head's `hot_token_ids` (saved as `d2t` / `t2d`).
+1. Prompts (`graphdraft.train.chat_prompts`: stdlib functions and classes as code requests,
+   instruction templates over everyday topics), each one user message under the target's
+   chat template.
+2. Responses: the target's own (`graphdraft.train.responses`): graphdraft's `Engine`, target
+   only, CUDA graphs, `gen_batch` requests live; per prompt one greedy response and
+   `responses_per_prompt - 1` sampled at `sample_temperature` (distinct seeds), up to
+   `max_new_tokens`, stopping at EOS / end of turn.
+3. Held out: whole prompts (`split_heldout`). Draft vocabulary: the `draft_vocab` most
+   frequent target ids of the training responses (EOS and the end-of-turn token always in),
+   the head's `hot_token_ids` (saved as `d2t` / `t2d`).
 4. Training (`train._train_loop`): the target frozen (its weights as loaded, bf16 on CUDA),
    its aux hidden states (`train.forward.target_forward`) the head's input; the head's
    training-time test unrolled `ttt_steps` steps (`forward.head_ttt_forward`); step k's loss
-   the cross-entropy against the target's softmax over the draft vocabulary, weighted
-   `decay ** (k - 1)`, on response positions only and only where the target's greedy token
-   is in the draft vocabulary (EAGLE-3's position mask).
+   (`train.ttt_loss`) the cross-entropy against the target's softmax over the draft
+   vocabulary, weighted `decay ** (k - 1)`, on response positions only and only where the
+   target's greedy token is in the draft vocabulary (EAGLE-3's position mask); batches of
+   similar lengths within `batch_tokens` (`LengthBatches`).
 5. The head is saved (`save_eagle3_head`, `save_dtype`) with `training.json`: the data, the
-   run, the held-out agreement and expected accept length, the wall time and the GPU.
+   run, the held-out agreement and expected accept length (overall, per prompt kind), each
+   phase's seconds and the GPU.
+
+Time: `gen_max_minutes` caps generation, `max_minutes` training, and `deadline_minutes` the
+whole run (`_deadlines`). Progress lines carry the UTC time and the seconds since the start.
 
 `python -m graphdraft.train real --target DIR_OR_GGUF --out DIR --recipe gpu` runs it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -34,8 +45,10 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.train.chat_prompts import training_prompts
 from graphdraft.train.forward import head_ttt_forward, target_forward
+from graphdraft.train.responses import Samples, generate_samples
 from graphdraft.train.train import (
     SUMMARY_NAME,
+    HeadTraining,
     _hardware,
     _optimizer,
     _round,
@@ -47,126 +60,43 @@ from graphdraft.train.train import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    ttt_loss,
 )
 
 
-@dataclass
-class RealHeadRun:
+@dataclass(kw_only=True)
+class RealHeadRun(HeadTraining):
+    """A chat target's EAGLE-3 head: the shared training settings (`HeadTraining`; `batch`
+    is the most sequences a step takes) and the data's."""
+
     target: str
     """A converted target directory (config.json, safetensors, tokenizer.json) or a .gguf file."""
     out: str
-    seed: int = 0
     code_prompts: int = 8000
     prose_prompts: int = 2240
+    responses_per_prompt: int = 2
+    """Responses per prompt: the first greedy, the others sampled at `sample_temperature`."""
+    sample_temperature: float = 0.7
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
-    sampled_fraction: float = 0.3
-    sample_temperature: float = 0.7
-    gen_chunk: int = 512
+    gen_batch: int = 512
+    """Requests the generating Engine runs at once (its largest CUDA graph)."""
+    gen_graphs: bool = True
+    """On CUDA: generate with the Engine's CUDA graphs and Triton kernels (else eagerly)."""
     gen_max_minutes: float | None = None
-    draft_vocab: int = 4096
-    ffn: int = 512
+    """No response starts after this many minutes of the generation phase (prompt encoding
+    and the engine's capture included; the live ones finish)."""
+    draft_vocab: int = 1536
+    ffn: int = 256
     ttt_steps: int = 5
-    decay: float = 0.8
-    batch: int = 32
-    steps: int = 20000
-    lr: float = 1.5e-3
-    weight_decay: float = 0.0
-    warmup: int = 100
-    max_minutes: float | None = None
-    heldout_fraction: float = 0.03
-    compile: bool = False
-    log_every: int = 100
-    save_dtype: str = "bfloat16"
-    device: str = "auto"
-    precision: str = "auto"
-    history: list = field(default_factory=list)
-
-
-@dataclass
-class Samples:
-    """Prompt + response sequences, right-padded: ids `[N, L]`, prompt_lens / lens `[N]`."""
-
-    ids: torch.Tensor
-    prompt_lens: torch.Tensor
-    lens: torch.Tensor
-    kinds: list[str]
-
-    def label_mask(self) -> torch.Tensor:
-        """`[N, L]` bool: position j's next token is a response token (j+1 in the response)."""
-        j = torch.arange(self.ids.shape[1])[None, :]
-        return (j >= self.prompt_lens[:, None] - 1) & (j < self.lens[:, None] - 1)
-
-    def subset(self, idx: list[int]) -> Samples:
-        t = torch.tensor(idx, dtype=torch.long)
-        return Samples(self.ids[t], self.prompt_lens[t], self.lens[t], [self.kinds[i] for i in idx])
-
-
-def chat_prompt_ids(tokenizer, texts: list[str], max_tokens: int) -> list[list[int] | None]:
-    """Each text as one user message under the chat template -> ids (None: over max_tokens)."""
-    out = []
-    for t in texts:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
-        out.append(ids if len(ids) <= max_tokens else None)
-    return out
-
-
-@torch.no_grad()
-def generate_samples(target: LlamaForCausalLM, tokenizer, prompts: list[tuple[str, str]],
-                     run: RealHeadRun, gen: torch.Generator) -> tuple[Samples, dict]:
-    """The target's responses to `prompts` ((kind, text)) through the Engine (module
-    docstring, step 2); stops after the chunk that passes `gen_max_minutes`."""
-    from graphdraft.config import RuntimeConfig
-    from graphdraft.serving.engine import Engine
-    from graphdraft.serving.verify import SamplingParams
-
-    device = target.embed_tokens.device
-    encoded = chat_prompt_ids(tokenizer, [t for _, t in prompts], run.max_prompt_tokens)
-    kept = [(k, ids) for (k, _), ids in zip(prompts, encoded, strict=True) if ids is not None]
-    chunk = min(len(kept), run.gen_chunk)
-    context = run.max_prompt_tokens + run.max_new_tokens
-    rc = RuntimeConfig(speculative_num_steps=1, page_size=16, max_running_requests=chunk,
-                       max_context_len=min(context + 8, target.config.max_position_embeddings),
-                       max_num_batched_tokens=16384,
-                       kv_cache_memory_gb=(chunk * (context + 64) * target.config.num_hidden_layers
-                                           * 4 * target.config.num_key_value_heads
-                                           * target.config.head_dim / 1e9) + 0.5,
-                       cuda_graph_max_bs=chunk, dtype=_dtype_name(target.dtype),
-                       device=str(device), kernel_backend="torch", enforce_eager=True,
-                       validate_inputs=False)
-    eng = Engine(target, rc, eos_token_id=tokenizer.eos_token_ids[0])
-    stops = tuple(tokenizer.eos_token_ids)
-    rows, kinds, t0 = [], [], time.perf_counter()
-    for i in range(0, len(kept), chunk):
-        if run.gen_max_minutes is not None and rows and \
-                time.perf_counter() - t0 > 60 * run.gen_max_minutes:
-            print(f"responses: stopping at {len(rows)} of {len(kept)}: the time cap "
-                  f"({run.gen_max_minutes} min) is reached", flush=True)
-            break
-        part = kept[i: i + chunk]
-        draws = torch.rand(len(part), generator=gen).tolist()
-        params = [SamplingParams(max_new_tokens=run.max_new_tokens, stop_token_ids=stops,
-                                 temperature=run.sample_temperature if d < run.sampled_fraction
-                                 else 0.0, seed=run.seed + i + j)
-                  for j, d in enumerate(draws)]
-        outs = eng.generate([ids for _, ids in part], params)
-        rows += [(ids, out) for (_, ids), out in zip(part, outs, strict=True)]
-        kinds += [k for k, _ in part]
-        print(f"responses: {len(rows)} of {len(kept)}, {time.perf_counter() - t0:.1f} s", flush=True)
-    seconds = time.perf_counter() - t0
-    length = max(len(p) + len(o) for p, o in rows)
-    ids = torch.full((len(rows), length), tokenizer.eos_token_ids[0], dtype=torch.long)
-    for r, (p, o) in enumerate(rows):
-        ids[r, : len(p) + len(o)] = torch.tensor(p + o)
-    samples = Samples(ids, torch.tensor([len(p) for p, _ in rows]),
-                      torch.tensor([len(p) + len(o) for p, o in rows]), kinds)
-    response_tokens = int((samples.lens - samples.prompt_lens).sum())
-    info = {"prompts": len(prompts), "over_max_prompt_tokens": len(prompts) - len(kept),
-            "responses": len(rows), "response_tokens": response_tokens,
-            "code": kinds.count("code"), "prose": kinds.count("prose"),
-            "seconds": round(seconds, 1)}
-    print(f"responses: {info}", flush=True)
-    return samples, info
+    batch_tokens: int = 16384
+    """Tokens a training step takes at most (its sequences padded to the longest)."""
+    heldout_fraction: float = 0.01
+    heldout_max: int = 256
+    """Held-out responses at most (whole prompts: no held-out prompt is trained on)."""
+    deadline_minutes: float | None = None
+    """The whole run's wall cap from its start: generation stops adding responses at half of
+    it, and training stops early enough to evaluate and save before it."""
 
 
 def hot_token_ids(samples: Samples, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
@@ -177,10 +107,6 @@ def hot_token_ids(samples: Samples, vocab_size: int, size: int, always: list[int
     counts = torch.bincount(samples.ids[nxt], minlength=vocab_size).float()
     counts[torch.tensor(always, dtype=torch.long)] = float("inf")
     return torch.topk(counts, min(size, vocab_size)).indices.sort().values
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
 class DraftLabels:
@@ -194,55 +120,102 @@ class DraftLabels:
     def __call__(self, target_logits: torch.Tensor, mask: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """target logits `[B, L, V]`, label mask `[B, L]` -> (probs over the draft vocab
-        `[B, L, Vd]` fp32, the greedy token's draft id `[B, L]`, the position mask `[B, L]`:
-        a response label whose greedy token is in the draft vocab)."""
+        `[B, L, Vd]` fp32, the greedy token's draft id `[B, L]` (-1: not in it), the position
+        mask `[B, L]`: a response label whose greedy token is in the draft vocab)."""
         greedy = self.to_draft[target_logits.argmax(-1)]
         probs = torch.softmax(target_logits[..., self.hot].float(), -1)
         return probs, greedy, mask & (greedy >= 0)
 
+    def coverage(self, samples: Samples) -> float:
+        """The share of `samples`' response tokens in the draft vocabulary."""
+        resp = samples.ids[torch.roll(samples.label_mask(), 1, 1)]
+        return round((self.to_draft.cpu()[resp] >= 0).float().mean().item(), 4)
 
-def masked_ttt_loss(step_logits: list[torch.Tensor], probs: torch.Tensor, greedy: torch.Tensor,
-                    mask: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step k's logits `[B, L-1, Vd]` at chain t predict position t+k+1 (labels at t+k):
-    weighted soft cross-entropy over the masked positions, and each step's top-1 agreement."""
-    length = probs.shape[1]
-    total, accs = 0.0, []
-    for k, lg in enumerate(step_logits, start=1):
-        pred, p, m = lg[:, : length - k], probs[:, k:], mask[:, k:].float()
-        ce = -(p * torch.log_softmax(pred.float(), -1)).sum(-1)
-        denom = m.sum().clamp_min(1.0)
-        total = total + decay ** (k - 1) * (ce * m).sum() / denom
-        accs.append(((pred.argmax(-1) == greedy[:, k:]).float() * m).sum() / denom)
-    return total, torch.stack(accs).detach()
+
+def _padded(length: int, width: int) -> int:
+    return min(width, -(-length // 16) * 16)
+
+
+class LengthBatches:
+    """Training batches of sequences of similar length within a token budget.
+
+    Each epoch sorts the sequences by length (ties in random order), cuts that order into
+    batches of at most `batch` sequences whose count x padded longest length (a multiple of
+    16) stays within `batch_tokens` (a longer sequence alone), and visits the batches in
+    random order: every sequence once an epoch, little padding. Calling it -> (ids `[b, l]`,
+    label mask `[b, l]`) on `device`.
+    """
+
+    def __init__(self, samples: Samples, batch: int, batch_tokens: int, device: torch.device,
+                 gen: torch.Generator) -> None:
+        self.ids, self.mask = samples.ids.to(device), samples.label_mask().to(device)
+        self.lens = samples.lens.tolist()
+        self.batch, self.batch_tokens, self.device, self.gen = batch, batch_tokens, device, gen
+        self.queue: deque[list[int]] = deque()
+        self.batches_per_epoch = len(self._plan())
+        self.mean_tokens = sum(self.lens) / self.batches_per_epoch
+        self.epochs = 0
+
+    def _plan(self) -> list[list[int]]:
+        n, width = len(self.lens), self.ids.shape[1]
+        key = torch.tensor(self.lens, dtype=torch.float64) + torch.rand(n, generator=self.gen,
+                                                                        dtype=torch.float64)
+        batches, cur = [], []
+        for i in torch.argsort(key).tolist():
+            longest = _padded(self.lens[i], width)  # ascending: the newcomer is the longest
+            if cur and (len(cur) == self.batch or (len(cur) + 1) * longest > self.batch_tokens):
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        batches.append(cur)
+        return [batches[j] for j in torch.randperm(len(batches), generator=self.gen).tolist()]
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.queue:
+            self.queue.extend(self._plan())
+            self.epochs += 1
+        idx = self.queue.popleft()
+        length = _padded(max(self.lens[i] for i in idx), self.ids.shape[1])
+        t = torch.tensor(idx, dtype=torch.long).to(self.device)
+        return self.ids[t, :length], self.mask[t, :length]
+
+
+def _agreement(ok: torch.Tensor) -> dict:
+    """ok `[positions, steps]` (step k agrees) -> per-step top-1 agreement and the chain's
+    expected accept length `1 + sum_k P(steps 1..k all agree)` for 1..steps."""
+    ok = ok.float()
+    chain = torch.cumprod(ok, -1)
+    return {"step_top1_agreement": [round(x, 4) for x in ok.mean(0).tolist()],
+            "expected_accept_length": {f"steps_{s}": round(1 + chain[:, :s].sum(-1).mean().item(), 3)
+                                       for s in range(1, ok.shape[1] + 1)},
+            "positions": int(ok.shape[0])}
 
 
 @torch.no_grad()
 def eval_real_head(target: LlamaForCausalLM, head: Eagle3DraftHead, samples: Samples,
                    labels: DraftLabels, steps: int, batch: int, precision: str) -> dict:
-    """Held-out per-step top-1 agreement (response positions) and the chain's expected accept
-    length `1 + sum_k P(steps 1..k all agree)` over chains whose `steps` labels all exist."""
+    """Held-out agreement (`_agreement`) over response positions whose `steps` labels all
+    exist, overall and per prompt kind ("by_kind")."""
     device = target.embed_tokens.device
-    oks, valid = [[] for _ in range(steps)], []
+    oks, kinds = [], []
     for i in range(0, samples.ids.shape[0], batch):
         part = samples.subset(list(range(i, min(i + batch, samples.ids.shape[0]))))
-        length = int(part.lens.max())
-        ids = part.ids[:, :length].to(device)
-        mask = part.label_mask()[:, :length].to(device)
+        ids, mask = part.ids.to(device), part.label_mask().to(device)
         with autocast(precision, device):
             tl, aux = target_forward(target, ids)
             outs = head_ttt_forward(head, ids, aux, steps)
         _, greedy, _ = labels(tl, mask)
-        n = length - steps
-        for k, lg in enumerate(outs, start=1):
-            oks[k - 1].append((lg[:, :n].argmax(-1) == greedy[:, k: k + n]).flatten())
-        valid.append(torch.stack([mask[:, k: k + n] for k in range(1, steps + 1)], -1)
-                     .all(-1).flatten())
-    ok = torch.stack([torch.cat(o) for o in oks], -1)[torch.cat(valid)].float()
-    chain = torch.cumprod(ok, -1)
-    return {"step_top1_agreement": [round(x, 4) for x in ok.mean(0).tolist()],
-            "expected_accept_length": {f"steps_{s}": round(1 + chain[:, :s].sum(-1).mean().item(), 3)
-                                       for s in range(1, steps + 1)},
-            "positions": int(ok.shape[0])}
+        n = ids.shape[1] - steps
+        ok = torch.stack([lg[:, :n].argmax(-1) == greedy[:, k: k + n]
+                          for k, lg in enumerate(outs, start=1)], -1)
+        valid = torch.stack([mask[:, k: k + n] for k in range(1, steps + 1)], -1).all(-1)
+        oks.append(ok[valid].cpu())
+        kinds += [kind for row, kind in enumerate(part.kinds) for _ in range(int(valid[row].sum()))]
+    ok = torch.cat(oks)
+    out = _agreement(ok)
+    out["by_kind"] = {k: _agreement(ok[torch.tensor([x == k for x in kinds])])
+                      for k in sorted(set(kinds))}
+    return out
 
 
 def load_chat_target(path: str, device: torch.device) -> tuple[LlamaForCausalLM, object, Path]:
@@ -292,43 +265,64 @@ def head_copy(head: Eagle3DraftHead, dtype: torch.dtype, embed: torch.Tensor,
     return out
 
 
-def _batches(train: Samples, run: RealHeadRun, device: torch.device, gen: torch.Generator):
-    ids, mask, lens = train.ids.to(device), train.label_mask().to(device), train.lens
+def split_heldout(samples: Samples, run: RealHeadRun, gen: torch.Generator
+                  ) -> tuple[Samples, Samples]:
+    """(held-out, train): whole prompts held out (every response of a held-out prompt), about
+    `heldout_fraction` of the responses, at least 8 and at most `heldout_max`."""
+    n = samples.ids.shape[0]
+    want = min(run.heldout_max, max(8, int(n * run.heldout_fraction)), n - 1)
+    by_prompt: dict[int, list[int]] = {}
+    for i, p in enumerate(samples.prompt.tolist()):
+        by_prompt.setdefault(p, []).append(i)
+    prompts = list(by_prompt)
+    held: list[int] = []
+    for j in torch.randperm(len(prompts), generator=gen).tolist():
+        if len(held) >= want:
+            break
+        held += by_prompt[prompts[j]]
+    chosen = set(held)
+    return samples.subset(sorted(held)), samples.subset([i for i in range(n) if i not in chosen])
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.randint(0, ids.shape[0], (run.batch,), generator=gen)
-        length = min(ids.shape[1], -(-int(lens[idx].max()) // 64) * 64)
-        idx = idx.to(device)
-        return ids[idx, :length], mask[idx, :length]
-    return next_batch
+
+class RunLog:
+    """Progress lines stamped with the UTC time and the seconds since the run began."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")
+        print(f"[{stamp} +{self.elapsed():6.1f} s] {msg}", flush=True)
 
 
-def train_real_head(run: RealHeadRun) -> dict:
-    """The whole recipe of the module docstring -> the summary written as training.json."""
-    t_start = time.perf_counter()
-    device = resolve_device(run.device)
-    precision = resolve_precision(run.precision, device)
-    gen = seed_everything(run.seed)
-    target, tokenizer, target_dir = load_chat_target(run.target, device)
-    prompts = training_prompts(run.code_prompts, run.prose_prompts, run.seed)
-    samples, data = generate_samples(target, tokenizer, prompts, run, gen)
-    hot = hot_token_ids(samples, target.config.vocab_size, run.draft_vocab,
-                        list(tokenizer.eos_token_ids)).to(device)
-    labels = DraftLabels(hot, target.config.vocab_size)
-    resp = samples.ids[torch.roll(samples.label_mask(), 1, 1)]
-    data["draft_vocab_coverage"] = round(
-        (labels.to_draft.cpu()[resp] >= 0).float().mean().item(), 4)
-    order = torch.randperm(samples.ids.shape[0], generator=gen).tolist()
-    n_held = max(8, int(len(order) * run.heldout_fraction))
-    held, train = samples.subset(order[:n_held]), samples.subset(order[n_held:])
-    head = new_chat_head(target, hot, run.ffn, run.seed + 1)
+FINISH_RESERVE_S = 25.0
+"""Seconds a deadline keeps after training: the held-out evaluation (at most `heldout_max`
+sequences) and the save."""
+
+
+def _deadlines(run: RealHeadRun, log: RunLog) -> tuple[float, float | None]:
+    """(when generation stops starting responses, when training must stop) as perf_counter
+    times: `gen_max_minutes` from now and half the run's deadline, the earlier; the deadline
+    less `FINISH_RESERVE_S`."""
+    now, inf = time.perf_counter(), float("inf")
+    gen = now + 60 * run.gen_max_minutes if run.gen_max_minutes is not None else inf
+    if run.deadline_minutes is None:
+        return gen, None
+    end = log.t0 + 60 * run.deadline_minutes
+    return min(gen, log.t0 + 30 * run.deadline_minutes), end - FINISH_RESERVE_S
+
+
+def train_stage(run: RealHeadRun, target: LlamaForCausalLM, head: Eagle3DraftHead,
+                labels: DraftLabels, train: Samples, device: torch.device, precision: str,
+                gen: torch.Generator, stop_at: float | None, log: RunLog) -> dict:
+    """Train `head` on `train` (module docstring, step 4) until `run.steps`, `run.max_minutes`
+    or `stop_at` (perf_counter) -> `_train_loop`'s record, plus epochs and the cap used."""
     params = {n: p for n, p in head.named_parameters() if n != "embed_tokens"}
     for p in params.values():
         p.requires_grad_(True)
-    n_params = sum(p.numel() for p in params.values())
-    print(f"head: {n_params:,} trained parameters, draft vocab {hot.numel()} "
-          f"(covers {data['draft_vocab_coverage']:.1%} of response tokens), {head.config}",
-          flush=True)
     opt = _optimizer(params, run.lr, run.weight_decay, device)
 
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]):
@@ -339,47 +333,97 @@ def train_real_head(run: RealHeadRun) -> dict:
         del tl
         with autocast(precision, device):
             outs = head_ttt_forward(head, ids, aux, run.ttt_steps)
-        return masked_ttt_loss(outs, probs, greedy, pmask, run.decay)
+        return ttt_loss(outs, greedy, run.decay, probs, pmask)
 
+    batches = LengthBatches(train, run.batch, run.batch_tokens, device, gen)
+    cap = run.max_minutes
+    if stop_at is not None:
+        left = max(0.0, stop_at - time.perf_counter()) / 60
+        cap = left if cap is None else min(cap, left)
+    log(f"head: training for at most {run.steps} steps / {cap if cap is None else round(cap, 2)} "
+        f"min, {batches.batches_per_epoch} batches an epoch (~{batches.mean_tokens:,.0f} "
+        f"tokens each)")
     step_fn = torch.compile(loss_fn) if run.compile else loss_fn
-    mean_len = float(train.lens.float().mean())
     with matmul_precision(precision):
-        res = _train_loop("head", run, device, params, opt, step_fn, loss_fn,
-                          _batches(train, run, device, gen), int(run.batch * mean_len))
+        res = _train_loop("head", replace(run, max_minutes=cap), device, params, opt, step_fn,
+                          loss_fn, batches, int(batches.mean_tokens))
     for p in params.values():
         p.requires_grad_(False)
+    res["epochs"] = round(res["steps"] / batches.batches_per_epoch, 2)
+    res["cap_minutes"] = None if cap is None else round(cap, 2)
+    res["tokens_seen"] = int(res["steps"] * batches.mean_tokens)
+    return res
+
+
+def _save(run: RealHeadRun, head: Eagle3DraftHead, target: LlamaForCausalLM,
+          held: Samples, labels: DraftLabels, precision: str, log: RunLog) -> tuple[dict, int]:
+    """Evaluate the weights as saved (`save_dtype`) on `held`, write the head -> (held-out
+    record, model.safetensors bytes)."""
     save_dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[run.save_dtype]
     shipped = head_copy(head, torch.float32, target.embed_tokens.data.float(), via=save_dt)
     ev = eval_real_head(target, shipped, held, labels, run.ttt_steps, 16, precision)
-    print(f"head held-out ({run.save_dtype} weights): {ev}", flush=True)
+    log(f"head held-out ({run.save_dtype} weights): {ev}")
     out = Path(run.out)
     save_eagle3_head(head_copy(head, save_dt, target.embed_tokens.data.to("cpu", save_dt)), out)
+    return ev, (out / "model.safetensors").stat().st_size
+
+
+def train_real_head(run: RealHeadRun) -> dict:
+    """The whole recipe of the module docstring -> the summary written as training.json."""
+    log = RunLog()
+    device = resolve_device(run.device)
+    precision = resolve_precision(run.precision, device)
+    gen = seed_everything(run.seed)
+    target, tokenizer, target_dir = load_chat_target(run.target, device)
+    phases = {"load_seconds": round(log.elapsed(), 1)}
+    log(f"target: {target_dir} ({target.dtype}, {device})")
+    prompts = training_prompts(run.code_prompts, run.prose_prompts, run.seed)
+    phases["prompts_seconds"] = round(log.elapsed() - phases["load_seconds"], 1)
+    log(f"prompts: {len(prompts)} built")
+    gen_stop, train_stop = _deadlines(run, log)
+    samples, data = generate_samples(target, tokenizer, prompts, run, gen, gen_stop, log)
+    held, train = split_heldout(samples, run, gen)
+    hot = hot_token_ids(train, target.config.vocab_size, run.draft_vocab,
+                        list(tokenizer.eos_token_ids)).to(device)
+    labels = DraftLabels(hot, target.config.vocab_size)
+    data["draft_vocab_coverage"] = labels.coverage(train)
+    head = new_chat_head(target, hot, run.ffn, run.seed + 1)
+    n_params = sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens")
+    log(f"head: {n_params:,} trained parameters, draft vocab {hot.numel()} (covers "
+        f"{data['draft_vocab_coverage']:.1%} of response tokens), {head.config}")
+    res = train_stage(run, target, head, labels, train, device, precision, gen, train_stop, log)
+    ev, size = _save(run, head, target, held, labels, precision, log)
     _sync(device)
     summary = {"model": "eagle3_head", "target": str(run.target),
                "target_config": json.loads((target_dir / "config.json").read_text()),
-               "parameters_trained": n_params, "data": data, "steps": res["steps"],
+               "parameters_trained": n_params, "safetensors_bytes": size, "data": data,
+               "steps": res["steps"], "epochs": res["epochs"], "tokens_seen": res["tokens_seen"],
                "ttt_steps": run.ttt_steps, "final_train_loss_ema": res["ema"], "heldout": ev,
                "heldout_sequences": int(held.ids.shape[0]),
-               "train_seconds": round(res["seconds"], 1),
+               "train_seconds": round(res["seconds"], 1), "train_cap_minutes": res["cap_minutes"],
                "first_step_seconds": _round(res["first_step_seconds"]),
-               "wall_seconds": round(time.perf_counter() - t_start, 1),
-               "stopped_by": res["stopped_by"], "device": str(device), "precision": precision,
-               "hardware": _hardware(device), "python": platform.python_version(),
-               "run": asdict(run)}
-    (out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(f"head: wrote {out} ({res['steps']} steps, {res['seconds']:.1f} s)", flush=True)
+               "stopped_by": res["stopped_by"], **phases,
+               "wall_seconds": round(log.elapsed(), 1), "device": str(device),
+               "precision": precision, "hardware": _hardware(device),
+               "python": platform.python_version(), "run": asdict(run)}
+    (Path(run.out) / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    log(f"head: wrote {run.out} ({res['steps']} steps, {res['seconds']:.1f} s, "
+        f"{size:,} bytes of weights)")
     return summary
 
 
-GPU_RECIPE = {"device": "cuda", "code_prompts": 8000, "prose_prompts": 2240,
-              "gen_max_minutes": 1.4, "batch": 32, "steps": 20000, "max_minutes": 2.4,
-              "log_every": 100}
-"""One GPU, about 5 minutes: up to ~10,000 prompts (responses for as many as 1.4 minutes
-allow), then a 2.4-minute head."""
+GPU_RECIPE = {"device": "cuda", "code_prompts": 24000, "prose_prompts": 12000,
+              "responses_per_prompt": 2, "gen_batch": 512, "gen_max_minutes": 1.75,
+              "batch": 64, "batch_tokens": 16384, "steps": 100000, "lr": 1.5e-3, "warmup": 200,
+              "max_minutes": 4.5, "deadline_minutes": 7.8, "compile": False, "log_every": 250}
+"""One GPU, at most 7.8 minutes from the start (conversion and loading included): responses
+for up to 1.75 minutes (encoding and the engine's capture included; CUDA graphs, 512 live),
+then up to 4.5 minutes of training, stopped earlier if the deadline needs it; the held-out
+evaluation and the save fit in the rest."""
 CPU_SMOKE_RECIPE = {"device": "cpu", "code_prompts": 6, "prose_prompts": 6, "max_new_tokens": 12,
-                    "max_prompt_tokens": 200,
-                    "gen_chunk": 16, "batch": 2, "steps": 4, "draft_vocab": 96, "ffn": 64,
-                    "ttt_steps": 3, "log_every": 1, "save_dtype": "float32"}
+                    "max_prompt_tokens": 200, "gen_batch": 8, "batch": 4, "batch_tokens": 512,
+                    "steps": 4, "draft_vocab": 96, "ffn": 64, "ttt_steps": 3, "log_every": 1,
+                    "warmup": 2, "compile": False, "save_dtype": "float32"}
 """A CPU smoke run (tests, tiny targets): a few prompts and steps, nothing learned."""
 REAL_RECIPES = {"gpu": GPU_RECIPE, "cpu-smoke": CPU_SMOKE_RECIPE}
 
@@ -394,17 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for the head")
     ap.add_argument("--recipe", choices=sorted(REAL_RECIPES), default="gpu")
     skip = {"target", "out", "history"}
-    for name, f in RealHeadRun.__dataclass_fields__.items():
-        if name in skip:
-            continue
+    fields = {f.name: f for f in dataclasses.fields(RealHeadRun) if f.name not in skip}
+    for name, f in fields.items():
         kind = {int: int, float: float, str: str, bool: int}.get(type(f.default), float)
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                         help=f"default {f.default!r} (the recipe may set it)")
     a = ap.parse_args(argv)
     values = dict(REAL_RECIPES[a.recipe])
-    values |= {k: getattr(a, k) for k in RealHeadRun.__dataclass_fields__
-               if k not in skip and getattr(a, k) is not None}
-    if "compile" in values:
-        values["compile"] = bool(values["compile"])
+    values |= {k: getattr(a, k) for k in fields if getattr(a, k) is not None}
+    for k in ("compile", "gen_graphs"):
+        if k in values:
+            values[k] = bool(values[k])
     train_real_head(RealHeadRun(target=a.target, out=a.out, **values))
     return 0

@@ -313,25 +313,48 @@ class TargetRun:
     history: list = field(default_factory=list)
 
 
-@dataclass
-class HeadRun:
+@dataclass(kw_only=True)
+class HeadTraining:
+    """The settings every EAGLE-3 head training run shares (`HeadRun`: the byte-level pair's
+    head; `graphdraft.train.real.RealHeadRun`: a pretrained chat target's), read by
+    `_train_loop`, the TTT loss and the saver. Defaults: the byte-level head's CPU run."""
+
     seed: int = 0
     steps: int = 600
     batch: int = 16
-    context: int = 256
+    """Sequences per step (`RealHeadRun`: at most this many, within `batch_tokens`)."""
     ttt_steps: int = 3
+    """Training-time test steps unrolled per start position."""
     decay: float = 0.8
-    hard_labels: bool = False
+    """Step k's loss weight is decay ** (k - 1)."""
+    ffn: int = 768
+    """The head's MLP width."""
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup: int = 10
     max_minutes: float | None = None
+    """The training loop's time cap (the first step's compile warm-up included)."""
     compile: bool = True
-    eval_windows: int = 64
     log_every: int = 10
+    save_dtype: str = "bfloat16"
+    device: str = "auto"
+    """"auto" (CUDA when available), "cpu" or "cuda"."""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on CUDA, fp32 on the CPU), "bf16", "tf32" (CUDA) or "fp32"."""
+    history: list = field(default_factory=list)
+    """The loop's log entries (filled while training)."""
+
+
+@dataclass(kw_only=True)
+class HeadRun(HeadTraining):
+    """The byte-level pair's head: corpus windows of `context` bytes (and a pool of the
+    target's own continuations)."""
+
+    context: int = 256
+    hard_labels: bool = False
+    eval_windows: int = 64
     target: str = "graphdraft/assets/target"
     out: str = "graphdraft/assets/eagle3"
-    ffn: int = 768
     generated: int = 0
     """Sequences in the self-distillation pool: a training window's first 16..192 bytes then
     the target's greedy continuation up to `context` (0: train on corpus windows only)."""
@@ -339,14 +362,10 @@ class HeadRun:
     """Share of each batch drawn from the pool (the rest: corpus windows)."""
     init_from: str | None = None
     """Start from this head checkpoint instead of a fresh initialisation."""
-    save_dtype: str = "bfloat16"
-    device: str = "auto"
-    precision: str = "auto"
     pool_chunk: int | None = None
     """Requests the pool's Engine runs at once (None: 64 on the CPU, 512 on CUDA)."""
     pool_max_minutes: float | None = None
     """Stop generating the pool after the chunk that passes this (the pool is then smaller)."""
-    history: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------
@@ -425,24 +444,35 @@ def train_target(run: TargetRun, corpus: Corpus | None = None) -> dict:
 # ---------------------------------------------------------------------------
 # Head
 # ---------------------------------------------------------------------------
-def _ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, decay: float,
-              hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted loss and per-step top-1 agreement with the target's greedy token.
+def ttt_loss(step_logits: list[torch.Tensor], greedy: torch.Tensor, decay: float,
+             probs: torch.Tensor | None = None, mask: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training-time test's loss and each step's top-1 agreement with the target.
 
-    Step k's logits at chain t predict position t+k+1: the target's logits at t+k.
+    Step k's logits `[B, L-1, Vh]` at chain t predict position t+k+1, labelled at t+k:
+    `greedy` `[B, L]` (the target's greedy token as a head id; -1: none) and, for soft
+    labels, `probs` `[B, L, Vh]` (the target's softmax over the head's vocabulary; None: the
+    cross-entropy against `greedy`). `mask` `[B, L]` (None: every position) keeps the labels
+    that count. Step k's mean over the kept positions is weighted `decay ** (k - 1)`.
+    -> (loss, agreement `[steps]`).
     """
-    length = target_logits.shape[1]
+    length = greedy.shape[1]
     total, accs = 0.0, []
     for k, lg in enumerate(step_logits, start=1):
-        pred = lg[:, : length - k]
-        tl = target_logits[:, k:]
-        if hard:
-            loss = F.cross_entropy(pred.float().reshape(-1, pred.shape[-1]), tl.argmax(-1).reshape(-1))
+        pred, g = lg[:, : length - k].float(), greedy[:, k:]
+        if probs is None:
+            ce = F.cross_entropy(pred.transpose(1, 2), g, ignore_index=-1, reduction="none")
         else:
-            p = torch.softmax(tl.float(), -1)
-            loss = -(p * torch.log_softmax(pred.float(), -1)).sum(-1).mean()
-        total = total + decay ** (k - 1) * loss
-        accs.append((pred.argmax(-1) == tl.argmax(-1)).float().mean())
+            ce = -(probs[:, k:] * torch.log_softmax(pred, -1)).sum(-1)
+        hit = (pred.argmax(-1) == g).float()
+        if mask is None:
+            total = total + decay ** (k - 1) * ce.mean()
+            accs.append(hit.mean())
+            continue
+        m = mask[:, k:].float()
+        denom = m.sum().clamp_min(1.0)
+        total = total + decay ** (k - 1) * (ce * m).sum() / denom
+        accs.append((hit * m).sum() / denom)
     return total, torch.stack(accs).detach()
 
 
@@ -544,7 +574,9 @@ def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
     def loss_fn(w: torch.Tensor, tl: torch.Tensor, aux: torch.Tensor):
         with autocast(precision, device):
             outs = head_ttt_forward(head, w, aux, run.ttt_steps)
-        return _ttt_loss(outs, tl, run.decay, run.hard_labels)
+        greedy = tl.argmax(-1)
+        probs = None if run.hard_labels else torch.softmax(tl.float(), -1)
+        return ttt_loss(outs, greedy, run.decay, probs)
 
     def make_step(teach, lossf):
         def step(w: torch.Tensor):
