@@ -121,7 +121,7 @@ demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft demo
 
 # The shipped SmolLM2 head again (graphdraft.train.real --recipe gpu: at most 7.8 minutes on one
-# GPU, the GGUF conversion included: responses through the Engine's CUDA graphs for 1.5 minutes,
+# GPU, the GGUF conversion included: responses through the Engine's CUDA graphs for 1.75 minutes,
 # then up to 4.5 minutes of training) into $(OUT)/smollm2-eagle3 (config.json, model.safetensors,
 # training.json), its log in $(OUT)/train-real.log. Then `make perf-real SMOLLM2_HEAD=that dir`.
 train-real:
