@@ -223,3 +223,61 @@ def test_graph_logprobs_equal_target_only_on_gpu(kind):
         out[name] = e.generate_requests(prompts, params)
         assert sum(r for r, _ in e.graph_summary().values()) > 0  # the graphs ran
     _assert_same_logprobs(out["spec"], out["ref"])
+
+
+@pytest.mark.gpu
+def test_logprobs_add_no_host_sync_on_gpu():
+    """The same greedy requests with and without logprobs 5 take as many synchronizing CUDA
+    calls (torch's sync debug mode counts them) over the whole run: the log-probabilities
+    come back in the step's one copy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import warnings
+
+    from graphdraft.io.checkpoint import load_model_pair
+    from graphdraft.train.evaluate import prompt_ids
+    target, head, _ = load_model_pair(ASSETS / "target", ASSETS / "eagle3", dtype="float32",
+                                      device="cuda")
+    prompts = [p[:24] for p in prompt_ids(4, 96)]
+    counts = {}
+    for width in (None, 5):
+        e = Engine(target, runtime(**{**SERVE, "device": "cuda"}), head)
+        e.capture_graphs(progress=False)
+        params = SamplingParams(max_new_tokens=16, logprobs=width)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                reqs = e.generate_requests(prompts, params)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[width] = sum("synchroniz" in str(w.message) for w in caught)
+        assert all(len(r.output) == 16 or r.finish_reason == "stop" for r in reqs)
+    assert counts[5] == counts[None], counts
+
+
+# --- the CLI -----------------------------------------------------------------------------
+def test_cli_logprobs_json_jsonl_keys_and_bad_values(tmp_path, capsys):
+    import json
+
+    from graphdraft.serving.cli import main
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "def f(x):", "logprobs": 1, "prompt_logprobs": 2}) + "\n"
+                 + json.dumps({"prompt": "import os"}) + "\n")
+    base = ["generate", "--device", "cpu", "--quiet", "--max-new-tokens", "6"]
+    assert main([*base, "--prompt-file", str(f), "--json"]) == 0
+    a, b = json.loads(capsys.readouterr().out)["outputs"]
+    assert "logprobs" not in b and "prompt_logprobs" not in b
+    kept = len(a["token_ids"]) - (a["finish_reason"] == "stop")
+    assert len(a["logprobs"]) == kept
+    assert all(len(e["top_logprobs"]) == 1 and e["logprob"] <= 0 for e in a["logprobs"])
+    prompt = a["prompt_logprobs"]
+    assert prompt[0] is None and all(len(e["top_logprobs"]) == 2 for e in prompt[1:])
+    assert len(prompt) == len(b"def f(x):")  # the shipped pair's byte tokens
+    for bad in ("21", "-1", "x"):
+        assert main([*base, "--prompt", "hi", "--logprobs", bad]) == 2
+        assert "--logprobs" in capsys.readouterr().err
+    f.write_text(json.dumps({"prompt": "hi", "logprobs": 30}) + "\n")
+    assert main([*base, "--prompt-file", str(f)]) == 2
+    assert "p.jsonl:1: logprobs: expected None or an int in [0, 20], got 30" in (
+        capsys.readouterr().err)

@@ -436,7 +436,7 @@ def test_the_engine_core_steps_on_while_nobody_reads(served):
         assert time.monotonic() < deadline
         for _kind, outputs, _state in (m for m in reader.read() if m[0] == "out"):
             frames += bool(outputs)
-            for rid, ids, fin in outputs:
+            for rid, ids, fin, _lps in outputs:
                 got.setdefault(rid, []).extend(ids)
                 if fin is not None:
                     finish[rid] = fin

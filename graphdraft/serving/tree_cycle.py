@@ -563,6 +563,8 @@ class EngineTrees:
       accept    TreeCycle.accept
       cut       stop ids / max_new_tokens cut of the accept length (`stop_cut`: the chain's
                 accept kernel rules, a stop token winning over the length limit at one position)
+      logprobs  rows that asked: the path's tokens scored from their nodes' logits
+                (`token_logprobs`) into `CycleBuffers.logprobs`
       compact, draft_and_commit (TreeCycle), SlotTrees.store
       commit    `ops.count_tokens` and `cycle_kernels.commit_pack` over the out tokens
                 `[bs, P]` (token counts, L += accept, last_token, emitted, done; pack

@@ -133,6 +133,9 @@ FIELD_FLAGS = {
     "frequency_penalty": "--frequency-penalty",
     "presence_penalty": "--presence-penalty",
     "logit_bias": "--logit-bias",
+    "prompt_logprobs": "--prompt-logprobs",
+    "logprobs": "--logprobs",
+    "include_stop_str_in_output": "--include-stop-str-in-output",
 }
 """Config / SamplingParams field -> the flag that sets it (error messages name the flag)."""
 

@@ -5,7 +5,8 @@ for a newline inside a prompt), or JSONL (a `.jsonl` name, or a first non-blank 
 starts with `{`): one object per line with `"prompt"` and optionally the per-prompt
 sampling keys `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` (a
 list of strings), `min_p`, `repetition_penalty`, `frequency_penalty`, `presence_penalty` and
-`logit_bias` (an object of token id -> bias), which override the flags for that prompt. A
+`logit_bias` (an object of token id -> bias), `logprobs`, `prompt_logprobs` (ints) and
+`include_stop_str_in_output` (a bool), which override the flags for that prompt. A
 JSONL line may hold a conversation instead of a prompt: `"messages": [{"role": "system" |
 "user" | "assistant", "content": "..."}, ...]` (multi-turn; the chat template renders it,
 ending with the assistant's turn to come).
@@ -29,7 +30,7 @@ from graphdraft.serving.cli.args import CliError
 
 PER_PROMPT_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p",
                    "repetition_penalty", "frequency_penalty", "presence_penalty",
-                   "logit_bias")
+                   "logit_bias", "logprobs", "prompt_logprobs", "include_stop_str_in_output")
 
 
 @dataclass

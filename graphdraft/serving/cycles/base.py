@@ -9,6 +9,9 @@ state, the graph registry). `DecodeMode` holds it and the device functions of a 
   accept   the logit controls in place on the verify logits (`ops.apply_logit_controls`:
            logit_bias, penalties), then the acceptance kernel (greedy and sampled rows, stop
            ids, max_new; reads the sampling columns of `SlotState`)
+  logprobs rows that asked (`SlotState.logprobs` >= 0): the emitted tokens' log-probabilities
+           and top alternatives from the same logits (`ops.token_logprobs`) into
+           `CycleBuffers.logprobs`, read back with the pack (one copy: `CycleBuffers.wire`)
   commit   valid_cache_lengths, last_token, drafts, emitted, done, token counts; the pack row
            `[N + 3]` (tokens, accept, finish, error bits) the host reads one step late
 A mode (`TargetOnlyMode`, `ChainMode`, `SplitChainMode` in `cycles.chain`; `TreeMode` in
