@@ -127,14 +127,25 @@ def _run(target, head, prompts, params, **kw):
     return e, e.generate_requests(prompts, params)
 
 
+@pytest.fixture(scope="module")
+def target_only(trained):
+    """Target-only runs of the greedy and the sampled params (computed once)."""
+    target, _, prompts = trained
+    return {sampled: _run(target, None, prompts, _sampled_params(sampled))[1]
+            for sampled in (False, True)}
+
+
+def _sampled_params(sampled: bool) -> list[SamplingParams]:
+    return _params(temperature=0.8, top_k=12, seed=5) if sampled else _params()
+
+
 @pytest.mark.parametrize("kind, sampled", [("chain", False), ("chain", True), ("tree", False)])
-def test_speculative_logprobs_equal_target_only(trained, kind, sampled):
+def test_speculative_logprobs_equal_target_only(trained, target_only, kind, sampled):
     """Sampled: the chain samples target-only's token stream exactly (Philox per position);
     sampled tree acceptance draws other (equally exact) streams: the next test checks its
     values against the sequence's logits instead."""
     target, head, prompts = trained
-    params = _params(temperature=0.8, top_k=12, seed=5) if sampled else _params()
-    _, ref = _run(target, None, prompts, params)
+    params, ref = _sampled_params(sampled), target_only[sampled]
     e, spec = _run(target, head, prompts, params, **(TREE if kind == "tree" else {}))
     assert e.stats.accepted_tokens > e.stats.decode_rows  # drafts were accepted
     _assert_same_logprobs(spec, ref)
