@@ -37,6 +37,8 @@ def _kernel_case(seed: int, rows: int, n: int, v: int, k: int, with_rows: bool):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows * n + 3, v, generator=g) * 3
     logits[0, :5] = logits[0, 7]  # ties: the lower id first
+    logits[0, v - 1] = logits[0, 7]  # and across V blocks (v = 5000)
+    logits[1, v - 2] = logits[1].max() + 1  # the best in the last block
     tokens = torch.randint(0, v, (rows, n), generator=g)
     slots = torch.arange(rows) % 5  # slot 0: inert
     widths = torch.tensor([-1, 0, k, -1, 2], dtype=torch.int32)
@@ -47,7 +49,7 @@ def _kernel_case(seed: int, rows: int, n: int, v: int, k: int, with_rows: bool):
 
 
 @pytest.mark.parametrize("with_rows", [False, True])
-@pytest.mark.parametrize("v", [37, 300])
+@pytest.mark.parametrize("v", [37, 300, 5000])  # 5000: two V blocks
 def test_kernel_matches_torch_and_log_softmax(with_rows, v, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rows, n, k = 6, 3, 4

@@ -62,13 +62,12 @@ def _logprobs_kernel(logits, stride_l, tokens, stride_t, logit_rows, stride_i, s
         row = logits + lrow * stride_l
         cols = tl.arange(0, BLOCK)
         mx = -float("inf")
-        for c in range(0, V, BLOCK):
-            x = tl.load(row + c + cols, mask=c + cols < V, other=-float("inf")).to(tl.float32)
-            mx = tl.maximum(mx, tl.max(x, 0))
         z = 0.0
-        for c in range(0, V, BLOCK):
+        for c in range(0, V, BLOCK):  # online logsumexp: one pass
             x = tl.load(row + c + cols, mask=c + cols < V, other=-float("inf")).to(tl.float32)
-            z += tl.sum(tl.exp(x - mx), 0)
+            m = tl.maximum(mx, tl.max(x, 0))
+            z = z * tl.exp(mx - m) + tl.sum(tl.exp(x - m), 0)
+            mx = m
         lse = mx + tl.log(z)
         tok = tl.load(tokens + r * stride_t + j).to(tl.int64)
         tok = tl.minimum(tl.maximum(tok, 0), V - 1)
