@@ -36,9 +36,10 @@ TREE = dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8)
 def _kernel_case(seed: int, rows: int, n: int, v: int, k: int, with_rows: bool):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows * n + 3, v, generator=g) * 3
-    logits[0, :5] = logits[0, 7]  # ties: the lower id first
-    logits[0, v - 1] = logits[0, 7]  # and across V blocks (v = 5000)
-    logits[1, v - 2] = logits[1].max() + 1  # the best in the last block
+    logits[::2, 7] = logits[::2].amax(1) + 1  # even rows: a tie for the best value ...
+    logits[:, :5] = logits[:, 7:8]  # ties: the lower id first
+    logits[:, v - 1] = logits[:, 7]  # ... across V blocks too (v = 5000)
+    logits[1::2, v - 2] = logits[1::2].amax(1) + 1  # odd rows: the best in the last block
     tokens = torch.randint(0, v, (rows, n), generator=g)
     slots = torch.arange(rows) % 5  # slot 0: inert
     widths = torch.tensor([-1, 0, k, -1, 2], dtype=torch.int32)
