@@ -20,7 +20,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `paged_extend_attention` | `kernels/extend_attention.py` (`paged_extend_attention_ref`) |
 | `prepare_rows`, `commit_pack` | `kernels/cycle_kernels.py` (`*_ref`) |
 | `accept_tokens` | `kernels/accept.py` (`accept_tokens_ref`) |
-| `apply_logit_controls`, `count_tokens` | `kernels/logit_controls.py` (`*_ref`) |
+| `apply_logit_controls`, `apply_draft_logit_controls`, `count_tokens` | `kernels/logit_controls.py` (`*_ref`) |
 | `token_logprobs` | `kernels/logprobs.py` (`token_logprobs_ref`) |
 | `ngram_propose` | `kernels/ngram.py` (`ngram_propose_ref`) |
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
@@ -68,7 +68,8 @@ from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
 __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
-           "advance_positions_and_seq_lens", "apply_act", "apply_logit_controls",
+           "advance_positions_and_seq_lens", "apply_act", "apply_draft_logit_controls",
+           "apply_logit_controls",
            "argmax_with_map", "build_tree", "commit_pack", "count_tokens",
            "decode_draft_indices", "gather_accepted_hidden", "linear",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
@@ -418,10 +419,26 @@ def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.
         logit_controls.apply_logit_controls_ref(logits, cand, slots, state, path=path)
 
 
+def apply_draft_logit_controls(logits: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
+                               state, *, col_ids: torch.Tensor | None = None,
+                               col_of: torch.Tensor | None = None,
+                               kernels: KernelConfig | None = None) -> None:
+    """The same controls on a draft step's logits `[B, Vd]` in place: each row's request as
+    after its committed tokens and the `window [B, W]` drafted since (target ids, -1: none);
+    `col_ids [Vd]` the target id of each draft column, `col_of [V]` its inverse (-1: not in
+    the draft vocabulary); None: the target's vocabulary (`graphdraft.kernels.logit_controls`)."""
+    kw = dict(col_ids=col_ids, col_of=col_of)
+    if _kc(kernels).use_triton:
+        logit_controls.apply_draft_logit_controls(logits, window, slots, state,
+                                                  kernels=_kc(kernels), **kw)
+    else:
+        logit_controls.apply_draft_logit_controls_ref(logits, window, slots, state, **kw)
+
+
 def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
                  counts: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
     """`counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (`[rows, n]`, `[rows]`,
-    `[R, V]` int32: `SlotState.token_counts`; the commit's output counts)."""
+    `[R, V]` int32: `SlotState.token_counts`; the output counts, after each acceptance)."""
     if _kc(kernels).use_triton:
         logit_controls.count_tokens(tokens, accept, slots, counts, kernels=_kc(kernels))
     else:

@@ -130,6 +130,44 @@ def test_kernel_equals_reference_and_vllm_formula(tree):
     assert not torch.equal(want, logits)  # the controls changed something
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["target-vocab", "draft-vocab"])
+def test_draft_kernel_equals_reference_and_vllm_formula(mapped):
+    """A draft step's logits `[B, Vd]`: as the target's row would be after the committed
+    tokens and the row's window of drafts (-1: none), read at the draft columns' target ids
+    (a bias on an id outside the draft vocabulary is dropped)."""
+    torch.manual_seed(6)
+    v = 37
+    vd = 23 if mapped else v
+    g = torch.Generator().manual_seed(1)
+    col_ids = torch.randperm(v, generator=g)[:vd] if mapped else None
+    col_of = None
+    if mapped:
+        col_of = torch.full((v,), -1, dtype=torch.int64)
+        col_of[col_ids] = torch.arange(vd)
+    slots = torch.tensor([1, 2, 3, 4, 5, 0])
+    window = torch.randint(0, v, (6, 3))
+    window[0, 2] = -1
+    logits = torch.randn(6, vd) * 3
+    ids = col_ids if mapped else torch.arange(v)
+    want = logits.clone()
+    for r, s in enumerate(slots.tolist()):
+        if s in (0, 5):
+            continue
+        prompt, output, cols, bias = SLOTS[s]
+        cols = NEUTRAL | cols
+        full = torch.zeros(v)
+        full[ids] = logits[r]
+        win = [t for t in window[r].tolist() if t >= 0]
+        want[r] = vllm_penalised(full, prompt, output + win, cols["repetition_penalty"],
+                                 cols["frequency_penalty"], cols["presence_penalty"], bias)[ids]
+    for kc in (TORCH, TRITON):
+        got = logits.clone()
+        ops.apply_draft_logit_controls(got, window, slots, _slot_state(v), col_ids=col_ids,
+                                       col_of=col_of, kernels=kc)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=str(kc.backend))
+    assert not torch.equal(want, logits)
+
+
 def test_kernel_in_bfloat16_rounds_once_per_launch_alike():
     torch.manual_seed(1)
     v, n = 37, 3
@@ -367,6 +405,36 @@ def test_greedy_speculative_equals_target_only_under_every_control(pair, greedy_
     assert eng.generate(PROMPTS, params) == ref
     if mode == "oracle":
         assert eng.stats.mean_accept_length > 3.5
+
+
+def test_the_drafter_proposes_under_the_controls():
+    """The EAGLE drafter reads the rows' logit controls (`DraftBinding.slots`): with the
+    tokens it drafts most often banned by logit_bias, no draft of a banned token is ever
+    stored (without the controls in the draft, they are); the output is the same either way
+    (the verify decides) and has none of them."""
+    target, head = make_models(0, draft_vocab=40)  # a draft vocabulary: ids mapped
+    plain = SamplingParams(max_new_tokens=12)
+
+    def drafts(params, controls: bool) -> tuple[list[int], list[list[int]]]:
+        eng = Engine(target, runtime(), head, eos_token_id=None)
+        if not controls:
+            eng.drafter.controls = None
+        reqs = [eng.add_request(p, params) for p in PROMPTS[:3]]
+        seen = []
+        while eng.has_work:
+            eng.step()
+            seen += [t for r in reqs if r.slot is not None
+                     for t in eng.slots.drafts[r.slot].tolist()]
+        return seen, [r.output for r in reqs]
+
+    seen, _ = drafts(plain, controls=True)
+    banned = torch.bincount(torch.tensor(seen)).topk(4).indices.tolist()
+    params = SamplingParams(max_new_tokens=12, logit_bias={t: -100 for t in banned})
+    with_controls, out = drafts(params, controls=True)
+    assert not set(with_controls) & set(banned)
+    without, out_without = drafts(params, controls=False)
+    assert set(without) & set(banned)
+    assert out == out_without and not set(t for o in out for t in o) & set(banned)
 
 
 def test_sampled_chain_equals_target_only_token_for_token(pair):

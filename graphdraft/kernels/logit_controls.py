@@ -27,9 +27,14 @@ flag or `out > 0`, in fp32 (vLLM's order and formulas):
 stored back in the logits' dtype after each of the two launches. Rows whose request sets no
 penalty (rep 1, freq 0, pres 0) and no bias read only their slot's four scalars.
 
-`count_tokens` (the commit): `counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (rows
-with accept 0, inert or mid-prompt, add nothing). Admission (`SlotState.admit`) resets a
-slot's row to its prompt flags.
+`count_tokens` (after each acceptance, before the draft): `counts[slots[r], tokens[r, j]] +=
+1` for j < accept[r] (rows with accept 0, inert or mid-prompt, add nothing). Admission
+(`SlotState.admit`) resets a slot's row to its prompt flags.
+
+A draft step's logits (`apply_draft_logit_controls`, the drafter proposing under the same
+controls so that its proposals are the ones the verify accepts): one position per row, the
+row's `window` of tokens drafted since the last acceptance counted as emitted; a draft
+vocabulary maps column c to target id `col_ids[c]` (bias entries outside it are dropped).
 
 Graph-capturable (no host sync, fixed shapes). The torch references (`*_ref`) compute the same
 in the same order.
@@ -44,7 +49,8 @@ import triton.language as tl
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.config import KernelConfig
 
-__all__ = ["COUNT_MASK", "PROMPT_FLAG", "apply_logit_controls", "apply_logit_controls_ref",
+__all__ = ["COUNT_MASK", "PROMPT_FLAG", "apply_draft_logit_controls",
+           "apply_draft_logit_controls_ref", "apply_logit_controls", "apply_logit_controls_ref",
            "count_tokens", "count_tokens_ref"]
 
 PROMPT_FLAG = 1 << 30
@@ -57,9 +63,10 @@ _MASK = tl.constexpr(COUNT_MASK)
 
 @triton.jit(do_not_specialize=["N", "W"],
             do_not_specialize_on_alignment=["logits", "slots"])
-def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len, N, W,
-                 WP2: tl.constexpr):
-    """Program (r, j): logits[r * N + j, bias_ids[s, b]] += bias_values[s, b], b < bias_len[s]."""
+def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len, col_of, N, W,
+                 MAPPED: tl.constexpr, WP2: tl.constexpr):
+    """Program (r, j): logits[r * N + j, c(bias_ids[s, b])] += bias_values[s, b] for b <
+    bias_len[s]; c(t) = t, or `col_of[t]` when MAPPED (-1: the id has no column)."""
     pid = tl.program_id(0)
     r = pid // N
     s = tl.load(slots + r).to(tl.int64)
@@ -73,17 +80,23 @@ def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len,
         ok = w < nb
         ids = tl.load(bias_ids + s * W + w, mask=ok, other=0).to(tl.int64)
         val = tl.load(bias_values + s * W + w, mask=ok, other=0.0)
+        if MAPPED:
+            ids = tl.load(col_of + ids, mask=ok, other=-1).to(tl.int64)
+            ok = ok & (ids >= 0)
         row = logits + pid.to(tl.int64) * stride_l
         x = tl.load(row + ids, mask=ok, other=0.0).to(tl.float32) + val
         tl.store(row + ids, x.to(logits.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["N", "stride_c", "stride_p", "stride_k"],
+@triton.jit(do_not_specialize=["N", "NC", "stride_c", "stride_p", "stride_k"],
             do_not_specialize_on_alignment=["logits", "cand", "path", "slots"])
 def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, done, counts,
-                    stride_k, rep_t, freq_t, pres_t, N, V, TREE: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Program (r * N + j, block): the penalties of the module docstring on one vocab block."""
+                    stride_k, rep_t, freq_t, pres_t, col_ids, N, NC, V, MODE: tl.constexpr,
+                    MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r * N + j, block): the penalties of the module docstring on one block of
+    columns. MODE 0 (chain): candidates 1..j count; 1 (tree): the set bits of path[r, j] but
+    bit 0; 2 (a draft's window): every one of the row's NC tokens (-1: none). MAPPED: column
+    c scores token `col_ids[c]` (a draft vocabulary's target ids)."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     r = pid // N
@@ -100,19 +113,24 @@ def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, don
     if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         ok = cols < V
-        raw = tl.load(counts + s * stride_k + cols, mask=ok, other=0)
+        tid = cols.to(tl.int64)
+        if MAPPED:
+            tid = tl.load(col_ids + cols, mask=ok, other=-1).to(tl.int64)
+        raw = tl.load(counts + s * stride_k + tid, mask=ok & (tid >= 0), other=0)
         prompt = (raw & _PROMPT) != 0
         out = raw & _MASK
         bits = 0
-        if TREE:
+        if MODE == 1:
             bits = tl.load(path + r64 * stride_p + j).to(tl.int64)
-        for m in range(1, N):
+        for m in range(0, NC):
             t = tl.load(cand + r64 * stride_c + m).to(tl.int64)
-            if TREE:
-                on = ((bits >> m) & 1) != 0
+            if MODE == 0:
+                on = (m >= 1) & (m <= j)
+            elif MODE == 1:
+                on = (m >= 1) & (((bits >> m) & 1) != 0)
             else:
-                on = m <= j
-            out += ((cols == t) & on).to(tl.int32)
+                on = t >= 0
+            out += ((tid == t) & on).to(tl.int32)
         row = logits + pid.to(tl.int64) * stride_l
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
         seen = prompt | (out > 0)
@@ -134,20 +152,47 @@ def _count_kernel(tokens, stride_t, accept, slots, counts, stride_k, N, V):
             tl.atomic_add(counts + s * stride_k + t, 1)
 
 
-def _check(logits, cand, slots, state, path) -> tuple[int, int]:
+def _check(logits, cand, slots, state, path, positions: int) -> int:
     rows, n = cand.shape
     expect_tensor("logits", logits, shape=("rows", "V"), layout="rows")
-    if logits.shape[0] < rows * n:
-        raise ValueError(f"logits: expected at least {rows * n} rows (rows * n), "
+    if logits.shape[0] < rows * positions:
+        raise ValueError(f"logits: expected at least {rows * positions} rows, "
                          f"got {logits.shape[0]}")
     expect_tensor("cand", cand, shape=(rows, n), layout="rows")
     expect_tensor("slots", slots, shape=(rows,), layout="contiguous")
     if path is not None:
         expect_tensor("path", path, shape=(rows, n), layout="rows")
-    if state.token_counts.shape[1] != logits.shape[1]:
-        raise ValueError(f"state.token_counts: expected {logits.shape[1]} columns (the logits' "
-                         f"vocab), got {state.token_counts.shape[1]}")
-    return rows, n
+    return rows
+
+
+def _check_vocab(logits, state, col_ids, col_of) -> None:
+    v = state.token_counts.shape[1]
+    if col_ids is None:
+        if v != logits.shape[1]:
+            raise ValueError(f"state.token_counts: expected {logits.shape[1]} columns (the "
+                             f"logits' vocab), got {v}")
+        return
+    expect_tensor("col_ids", col_ids, shape=(logits.shape[1],), layout="contiguous")
+    expect_tensor("col_of", col_of, shape=(v,), layout="contiguous")
+
+
+def _launch(logits, cand, slots, state, path, *, mode: int, positions: int, col_ids=None,
+            col_of=None) -> None:
+    rows, nc = cand.shape
+    v, w = logits.shape[1], state.bias_ids.shape[1]
+    mapped = col_ids is not None
+    _bias_kernel[(rows * positions,)](
+        logits, logits.stride(0), slots, state.done, state.bias_ids, state.bias_values,
+        state.bias_len, col_of if mapped else slots, positions, w, MAPPED=mapped,
+        WP2=triton.next_power_of_2(max(w, 1)), num_warps=4)
+    block = min(2048, triton.next_power_of_2(v))
+    counts = state.token_counts
+    _penalty_kernel[(rows * positions, triton.cdiv(v, block))](
+        logits, logits.stride(0), cand, cand.stride(0), path if path is not None else cand,
+        path.stride(0) if path is not None else 0, slots, state.done, counts, counts.stride(0),
+        state.repetition_penalty, state.frequency_penalty, state.presence_penalty,
+        col_ids if mapped else slots, positions, nc, v, MODE=mode, MAPPED=mapped, BLOCK=block,
+        num_warps=4)
 
 
 def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor, state,
@@ -158,20 +203,26 @@ def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.
     [rows]` their slots, `state` a `SlotState` (token_counts, bias tables, penalty columns,
     done); `path [rows, N]` int64 ancestor bit masks (a tree; None: the chain). `kernels`:
     launch settings (None: the default; these launches read none)."""
-    rows, n = _check(logits, cand, slots, state, path)
-    if rows == 0:
-        return
-    v, w = logits.shape[1], state.bias_ids.shape[1]
-    _bias_kernel[(rows * n,)](logits, logits.stride(0), slots, state.done, state.bias_ids,
-                              state.bias_values, state.bias_len, n, w,
-                              WP2=triton.next_power_of_2(max(w, 1)), num_warps=4)
-    block = min(2048, triton.next_power_of_2(v))
-    counts = state.token_counts
-    _penalty_kernel[(rows * n, triton.cdiv(v, block))](
-        logits, logits.stride(0), cand, cand.stride(0), path if path is not None else cand,
-        path.stride(0) if path is not None else 0, slots, state.done, counts, counts.stride(0),
-        state.repetition_penalty, state.frequency_penalty, state.presence_penalty, n, v,
-        TREE=path is not None, BLOCK=block, num_warps=4)
+    rows = _check(logits, cand, slots, state, path, cand.shape[1])
+    _check_vocab(logits, state, None, None)
+    if rows:
+        _launch(logits, cand, slots, state, path, mode=0 if path is None else 1,
+                positions=cand.shape[1])
+
+
+def apply_draft_logit_controls(logits: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
+                               state, *, col_ids: torch.Tensor | None = None,
+                               col_of: torch.Tensor | None = None,
+                               kernels: KernelConfig | None = None) -> None:
+    """Triton path of `ops.apply_draft_logit_controls`: a draft step's logits `[B, Vd]` in
+    place, as the target's would be after the row's committed tokens and the `window [B, W]`
+    (target ids; -1: none) drafted since. `col_ids [Vd]`: the target id of each draft column
+    (None: Vd = V), `col_of [V]`: its inverse (-1: not in the draft vocabulary)."""
+    rows = _check(logits, window, slots, state, None, 1)
+    _check_vocab(logits, state, col_ids, col_of)
+    if rows:
+        _launch(logits, window, slots, state, None, mode=2, positions=1, col_ids=col_ids,
+                col_of=col_of)
 
 
 def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
@@ -197,13 +248,17 @@ def _check_counts(tokens, accept, slots, counts) -> None:
 # ----------------------------------------------------------------------------
 # Torch references
 # ----------------------------------------------------------------------------
-def _path_counts(cand: torch.Tensor, path: torch.Tensor | None, v: int) -> torch.Tensor:
-    """`[rows, N, V]` int32: occurrences of each token among the candidates on position j's
-    path (candidates 1..j; a tree: the set bits of `path[r, j]` but bit 0)."""
+def _path_counts(cand: torch.Tensor, path: torch.Tensor | None, v: int,
+                 window: bool = False) -> torch.Tensor:
+    """`[rows, P, V]` int32: occurrences of each token among the candidates counted at each
+    position (chain: candidates 1..j; a tree: the set bits of `path[r, j]` but bit 0; a
+    draft's `window`: all of the row's tokens, one position)."""
     rows, n = cand.shape
     dev = cand.device
     m = torch.arange(n, device=dev)
-    if path is None:
+    if window:
+        on = torch.ones(rows, 1, n, dtype=torch.bool, device=dev)
+    elif path is None:
         on = (m[None, :] >= 1) & (m[None, :] <= m[:, None])            # [N (j), N (m)]
         on = on.unsqueeze(0).expand(rows, n, n)
     else:
@@ -215,18 +270,18 @@ def _path_counts(cand: torch.Tensor, path: torch.Tensor | None, v: int) -> torch
                         (onehot * valid).to(torch.float32)).round().to(torch.int32)
 
 
-def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
-                             state, *, path: torch.Tensor | None = None) -> None:
-    """Torch path of `apply_logit_controls` (same checks, same in-place writes)."""
-    rows, n = _check(logits, cand, slots, state, path)
-    if rows == 0:
-        return
-    v, dt = logits.shape[1], logits.dtype
+def _controls_ref(logits, extra, slots, state, positions: int, col_ids=None) -> None:
+    """`logits [rows * P, Vc]` in place; `extra [rows, P, V]` the counted candidates; column
+    c scores target id `col_ids[c]` (None: c)."""
+    rows = slots.shape[0]
+    vc, dt = logits.shape[1], logits.dtype
+    v = state.token_counts.shape[1]
     s = slots.to(torch.int64)
     live = (s != 0) & (state.done[s] == 0)
     s = torch.where(live, s, torch.zeros_like(s))
-    x = logits[: rows * n].view(rows, n, v)
-    # logit_bias: a dense [rows, V] bias from the slots' entries
+    x = logits[: rows * positions].view(rows, positions, vc)
+    cols = (torch.arange(vc, device=x.device) if col_ids is None else col_ids.to(torch.int64))
+    # logit_bias: a dense [rows, V] bias from the slots' entries, read at the columns' ids
     w = state.bias_ids.shape[1]
     ids = state.bias_ids[s].to(torch.int64)                               # [rows, W]
     used = torch.arange(w, device=ids.device) < state.bias_len[s].to(torch.int64)[:, None]
@@ -234,11 +289,11 @@ def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: to
     dense = torch.zeros(rows, v, dtype=torch.float32, device=x.device)
     dense.scatter_add_(1, torch.where(used, ids, 0), vals)
     has_bias = used.any(1)[:, None, None]
-    x.copy_(torch.where(has_bias, (x.float() + dense[:, None, :]).to(dt), x))
+    x.copy_(torch.where(has_bias, (x.float() + dense[:, cols][:, None, :]).to(dt), x))
     # penalties
-    raw = state.token_counts[s]                                           # [rows, V]
+    raw = state.token_counts[s][:, cols]                                  # [rows, Vc]
     prompt = ((raw & PROMPT_FLAG) != 0)[:, None, :]
-    out = (raw & COUNT_MASK)[:, None, :] + _path_counts(cand, path, v)     # [rows, N, V]
+    out = (raw & COUNT_MASK)[:, None, :] + extra[:, :, cols]              # [rows, P, Vc]
     rep = state.repetition_penalty[s].float()[:, None, None]
     freq = state.frequency_penalty[s].float()[:, None, None]
     pres = state.presence_penalty[s].float()[:, None, None]
@@ -248,6 +303,29 @@ def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: to
     y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
     y = y - freq * out.float() - pres * (out > 0).float()
     x.copy_(torch.where(active, y.to(dt), x))
+
+
+def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
+                             state, *, path: torch.Tensor | None = None) -> None:
+    """Torch path of `apply_logit_controls` (same checks, same in-place writes)."""
+    rows = _check(logits, cand, slots, state, path, cand.shape[1])
+    _check_vocab(logits, state, None, None)
+    if rows:
+        _controls_ref(logits, _path_counts(cand, path, logits.shape[1]), slots, state,
+                      cand.shape[1])
+
+
+def apply_draft_logit_controls_ref(logits: torch.Tensor, window: torch.Tensor,
+                                   slots: torch.Tensor, state, *,
+                                   col_ids: torch.Tensor | None = None,
+                                   col_of: torch.Tensor | None = None) -> None:
+    """Torch path of `apply_draft_logit_controls` (same checks, same in-place writes)."""
+    rows = _check(logits, window, slots, state, None, 1)
+    _check_vocab(logits, state, col_ids, col_of)
+    if rows:
+        v = state.token_counts.shape[1]
+        _controls_ref(logits, _path_counts(window, None, v, window=True), slots, state, 1,
+                      col_ids)
 
 
 def count_tokens_ref(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,

@@ -62,8 +62,32 @@ from graphdraft.runtime.batch import ForwardContext, ForwardMode
 from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
 from graphdraft.runtime.drafter_protocol import DraftBinding
 from graphdraft.runtime.kv_cache import KVPool
+from graphdraft.runtime.slot_state import SlotState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftControls:
+    """What the drafter needs to propose under the rows' logit controls: the Engine's
+    `SlotState` (`slots`), the target id of each draft column `col_ids [Vd]` and its inverse
+    `col_of [V]` (-1: not drafted; both None when the head drafts the target's vocabulary),
+    and `no_window [max_bs, 1]` (-1: nothing drafted since the acceptance, the first step)."""
+
+    slots: SlotState
+    col_ids: torch.Tensor | None
+    col_of: torch.Tensor | None
+    no_window: torch.Tensor
+
+    @classmethod
+    def build(cls, slots: SlotState, hot_token_ids: torch.Tensor | None, max_bs: int,
+              device: torch.device) -> DraftControls:
+        col_of = None
+        if hot_token_ids is not None:
+            col_of = torch.full((slots.vocab,), -1, dtype=torch.int64, device=device)
+            col_of[hot_token_ids.long()] = torch.arange(hot_token_ids.shape[0], device=device)
+        no_window = torch.full((max_bs, 1), -1, dtype=torch.int64, device=device)
+        return cls(slots, hot_token_ids, col_of, no_window)
 
 
 @dataclass
@@ -111,6 +135,9 @@ class EagleDrafter:
             "draft_multi_step", self._multi_step, self.schedule, pool=self.graph_pool,
             enabled=enabled and self.S > 1, on_oom=on_oom)
         self.stats = DrafterStats()
+        self.controls: DraftControls | None = None
+        """The Engine's logit controls (`bind`): drafts proposed under the rows' penalties
+        and logit_bias (None: a standalone drafter, the head's own greedy pick)."""
 
     def _use_head_kernels(self) -> None:
         """Point the head's layers at this drafter's kernel path (a head shared by two drafters
@@ -181,10 +208,29 @@ class EagleDrafter:
                                ib.out_cache_loc[:num_tokens], self.kv_pool.layer(0))
             return b.next_tokens[:bs]
         metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
-        self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
-                  self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
-                  ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1], hidden_out=b.hidden[:bs])
+        out = self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
+                        self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
+                        ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1],
+                        hidden_out=b.hidden[:bs])
+        self._controlled_pick(out, req, None, b.next_tokens[:bs, 1])
         return b.next_tokens[:bs]
+
+    def _controlled_pick(self, out, req: torch.Tensor, window: torch.Tensor | None,
+                         tokens_out: torch.Tensor) -> None:
+        """Under the rows' logit controls (`controls`): the draft step's logits `out.logits
+        [B, Vd]` transformed in place (the rows' committed tokens and `window [B, W]`, the
+        drafts since, counted as emitted) and the pick redone into `out.ids` and
+        `tokens_out` (rows without controls pick what the head picked: their logits are
+        unchanged). Graph-capturable; nothing without controls."""
+        c = self.controls
+        if c is None:
+            return
+        kc = self.cfg.kernels
+        win = window if window is not None else c.no_window[: req.shape[0]]
+        ops.apply_draft_logit_controls(out.logits, win, req, c.slots, col_ids=c.col_ids,
+                                       col_of=c.col_of, kernels=kc)
+        ops.argmax_with_map(out.logits, self.head.hot_token_ids, out=out.ids,
+                            tokens_out=tokens_out, kernels=kc)
 
     def _decode(self, bs: int, k: int | None = None):
         """A decode batch's whole draft over `bs` staged rows of k + 1 tokens (the verify of
@@ -228,6 +274,8 @@ class EagleDrafter:
         for i in range(1, steps):
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
                             self.backend, metadata, tokens_out=b.next_tokens[:bs, i + 1])
+            self._controlled_pick(out, req, b.next_tokens[:bs, 1: i + 1],
+                                  b.next_tokens[:bs, i + 1])
             ids, hidden = out.ids, out.hidden
             if i + 1 < steps:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,
@@ -264,6 +312,9 @@ class EagleDrafter:
                              "buffers (input_buffers, runtime_states)")
         self.decode_graphs = CapturedForward("draft_decode", self._decode, self.schedule,
                                              pool=self.graph_pool, enabled=False)
+        if binding.slots is not None and binding.slots.vocab:
+            self.controls = DraftControls.build(binding.slots, self.head.hot_token_ids,
+                                                self.cfg.max_bs, self.device)
 
     def graphs(self) -> GraphRegistry:
         """The multi-step chain (`draft_multi_step`) of prefill / mixed steps."""

@@ -31,6 +31,7 @@ from capture import GraphPool, GraphRegistry
 from graphdraft.config import RuntimeConfig
 from graphdraft.runtime.batch import ForwardContext
 from graphdraft.runtime.buffers import InputBuffers, RuntimeStates
+from graphdraft.runtime.slot_state import SlotState
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class DraftBinding:
     graph_pool      the memory pool the Engine's graphs are captured into
     graphs_enabled  whether CUDA graphs are captured at all (off: every forward runs eagerly)
     on_oom          "drop" or "raise": what a capture that runs out of memory does
+    slots           the Engine's `SlotState` (None: not given): a drafter may read the rows'
+                    logit controls there (penalties, counts, logit_bias; counted through this
+                    cycle's accepted tokens when `draft` runs) to propose what the verify,
+                    which applies them, accepts (`ops.apply_draft_logit_controls`)
     """
 
     cfg: RuntimeConfig
@@ -57,6 +62,7 @@ class DraftBinding:
     graph_pool: GraphPool
     graphs_enabled: bool
     on_oom: str
+    slots: SlotState | None = None
 
 
 @runtime_checkable

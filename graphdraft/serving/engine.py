@@ -237,7 +237,7 @@ class Engine:
                                    kv_pool=trees.chain_kv if trees else None)
         if drafter is not None:
             drafter.bind(DraftBinding(cfg, self.inputs, self.states, self.pages.req_to_page,
-                                      self.graph_pool, enabled, on_oom))
+                                      self.graph_pool, enabled, on_oom, self.slots))
         # Data-parallel attention (graphdraft.serving.data_parallel): the models' dense layers
         # split with shard_dense_ (dp_size > 1); then the ranks agree on every step.
         self.dp = self._data_parallel(target, head, cfg, drafter)

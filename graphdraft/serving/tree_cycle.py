@@ -565,10 +565,10 @@ class EngineTrees:
                 accept kernel rules, a stop token winning over the length limit at one position)
       logprobs  rows that asked: the path's tokens scored from their nodes' logits
                 (`token_logprobs`) into `CycleBuffers.logprobs`
+      count     `ops.count_tokens` of the out tokens within the cut (the penalties' counts)
       compact, draft_and_commit (TreeCycle), SlotTrees.store
-      commit    `ops.count_tokens` and `cycle_kernels.commit_pack` over the out tokens
-                `[bs, P]` (token counts, L += accept, last_token, emitted, done; pack
-                `[bs, n + 3]`)
+      commit    `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
+                last_token, emitted, done; pack `[bs, n + 3]`)
     `expand_prefilled` drafts the first tree of requests whose last prefill chunk ran (from
     the chain drafter's first-step hidden state at the prompt's last token).
     """
@@ -622,12 +622,12 @@ class EngineTrees:
                                  kernels=self.drafter.kernels)
         c.accept(bs, out.logits)
         self.stop_cut(bs, c, live)
+        ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
+                         kernels=self.drafter.kernels)
         self.token_logprobs(bs, c, out.logits)
         c.compact(bs)
         c.draft_and_commit(bs)
         self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
-        ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
-                         kernels=self.drafter.kernels)
         ops.commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
                         err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
                         last_token=st.last_token, drafts=st.drafts, emitted=st.emitted,
