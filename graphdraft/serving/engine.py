@@ -432,8 +432,9 @@ class Engine:
 
     @property
     def pinned_packs(self) -> list[torch.Tensor]:
-        """The two pinned host copies `[max_bs, N + 3]` int32 of `cycle.pack` (one per step
-        parity; a step's rows are valid once its event completed: `drain()` waits)."""
+        """The two pinned host copies `[max_bs, N + 3 + N * (1 + 2K)]` int32 of `cycle.wire`
+        (the pack, then the log-probabilities; one per step parity; a step's rows are valid
+        once its event completed: `drain()` waits)."""
         return self._pinned
 
     # ------------------------------------------------------------------
