@@ -51,9 +51,10 @@ def test_gpu_like_launches_one_pdl_variant_at_every_size():
 # The pinned census of the tiny pair's schedule 1, 2, 4 (and to 16) with a GPU's launch options.
 # Raise these only with a reason (a new kernel or a new functional variant), never because
 # the schedule's sizes compile their own variants.
-PINNED_TOTAL = {4: 29, 16: 30}  # 25 / 26 before issue 43's kernels (one key each: the logit
-# controls' bias, penalty and count kernels, the log-probabilities); 41 / 56, then 33 / 38,
-# then 26 / 27 before that: a PDL variant per
+PINNED_TOTAL = {4: 32, 16: 33}  # 25 / 26 before issue 43's kernels: the logit controls'
+# bias (target / draft vocabulary), penalty (verify / draft window) and count kernels, the
+# log-probabilities, the drafter's argmax first stage (its pick redone under the controls);
+# 41 / 56, then 33 / 38, then 26 / 27 before that: a PDL variant per
 # side of its row limit, pointer alignments per row offset, the GEMV's norm tile where it has
 # no norm; then every mode flag of a kernel (GEMV, attention, RoPE, norms, argmax, commit) a
 # constexpr; then the fused-norm finisher at 2-4 rows (now single rows only)
@@ -74,16 +75,18 @@ def test_census_total_is_pinned(top):
 
 def test_demo_census_is_pinned_and_fp32_prefill_shares_the_verify_tile():
     """`graphdraft demo`'s two engines (the shipped pair in fp32, graphs to 8) with a GPU's
-    launch options: 29 keys (24 before issue 43: the logit controls' bias, penalty and count
-    kernels one key each, the log-probabilities two (its pack row width NP: 1 for the
-    target-only engine, 4 for the speculative one); 25 while the fp32 prefill took the 128-row
+    launch options: 31 keys (24 before issue 43: the logit controls' bias and count kernels
+    one key each, the penalty kernel two (the verify's candidates, the draft's window), the
+    log-probabilities two (its pack row width NP: 1 for the target-only engine, 4 for the
+    speculative one), the drafter's argmax first stage (its pick redone under the controls);
+    25 while the fp32 prefill took the 128-row
     extend tile, the demo's longest compile: `extend_attention.FMA_TILE_CASES`); one
     extend-attention key, launched by the prefill probes and the cycle graphs alike."""
     from perf.compile_census import demo_census
 
     rec, (base, spec) = demo_census()
     assert base.drafter is None and spec.drafter is not None
-    assert rec.total() == 29, report(rec)["kernels"]
+    assert rec.total() == 31, report(rec)["kernels"]
     (key,) = rec.keys["extend_attention._extend_split_kernel"]
     where = {f for f, _ in rec.where["extend_attention._extend_split_kernel"][key]}
     assert "prefill" in where and any(f.startswith("spec_cycle") for f in where), where

@@ -86,7 +86,8 @@ class DraftControls:
         if hot_token_ids is not None:
             col_of = torch.full((slots.vocab,), -1, dtype=torch.int64, device=device)
             col_of[hot_token_ids.long()] = torch.arange(hot_token_ids.shape[0], device=device)
-        no_window = torch.full((max_bs, 1), -1, dtype=torch.int64, device=device)
+        # int32 as `next_tokens`' drafts (the later steps' windows): one kernel variant
+        no_window = torch.full((max_bs, 1), -1, dtype=torch.int32, device=device)
         return cls(slots, hot_token_ids, col_of, no_window)
 
 
