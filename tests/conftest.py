@@ -1,7 +1,8 @@
 """Test set-up: Triton's interpreter on CPU, and the `gpu` marker.
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates, so it is set here,
-before any test module imports a kernel.
+before any test module imports a kernel; under it, `tests/triton_interpreter.py` drops the
+interpreter's re-patching at every nested helper call.
 """
 
 import os
@@ -13,6 +14,11 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()  # nested helper calls skip Triton's re-patching
 
 
 def pytest_collection_modifyitems(config, items):
