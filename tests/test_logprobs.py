@@ -23,10 +23,10 @@ from tests.engine_harness import runtime
 
 ASSETS = Path(graphdraft.__file__).resolve().parent / "assets"
 TOL = 1e-5
-"""fp32: |a - b| <= TOL * max(1, |b|). The emitted tokens' values agree within TOL absolute; a
+"""fp32: |a - b| <= TOL * max(1, |b|) (absolute for log-probabilities in [-1, 0]); a
 top entry deep in the tail (log-probability -8 and below) inherits the fp32 rounding of its
 logit, which differs by ~1e-6 relative between a tree-masked verify forward and a one-token
-decode forward (the kernels themselves are exact against torch: the kernel test above)."""
+decode forward (the kernels themselves are exact against torch: the kernel test below)."""
 SERVE = dict(max_running_requests=3, cuda_graph_max_bs=3, max_num_batched_tokens=24,
              max_context_len=128, dtype="float32")
 TREE = dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8)
@@ -117,7 +117,8 @@ def _assert_same_logprobs(spec, ref) -> None:
     for a, b in zip(spec, ref, strict=True):
         assert a.output == b.output
         assert len(a.logprobs) == len(a.output) == len(a.top_logprobs)
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < TOL
+        assert all(abs(x - y) <= TOL * max(1.0, abs(y))
+                   for x, y in zip(a.logprobs, b.logprobs, strict=True))
         for ta, tb in zip(a.top_logprobs, b.top_logprobs, strict=True):
             assert len(ta) == len(tb) == a.params.logprobs
             assert [t for t, _ in ta] == [t for t, _ in tb]
