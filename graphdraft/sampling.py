@@ -220,6 +220,7 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   Range(0, MAX_LOGPROBS), integer=True, optional=True, flag="--prompt-logprobs",
                   help="return each prompt token's log-probability (after the first) and its "
                        "N likeliest alternatives"),
+    # host only: the front ends' stop-string rule (`graphdraft.serving.stop_strings`) reads it
     SamplingField("include_stop_str_in_output", bool, False, "a bool",
                   check=lambda v: isinstance(v, bool)),
 )
