@@ -407,27 +407,30 @@ def test_greedy_speculative_equals_target_only_under_every_control(pair, greedy_
         assert eng.stats.mean_accept_length > 3.5
 
 
-def test_the_drafter_proposes_under_the_controls():
-    """The EAGLE drafter reads the rows' logit controls (`DraftBinding.slots`): with the
-    tokens it drafts most often banned by logit_bias, no draft of a banned token is ever
-    stored (without the controls in the draft, they are); the output is the same either way
-    (the verify decides) and has none of them."""
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_the_drafter_proposes_under_the_controls(mode):
+    """The drafters read the rows' logit controls (the EAGLE drafter through
+    `DraftBinding.slots`, the tree drafter's beams through `EngineTrees`): with the tokens
+    they draft most often banned by logit_bias, no draft of a banned token is ever stored
+    (without the controls in the draft, some are); the output is the same either way (the
+    verify decides) and has none of them."""
     target, head = make_models(0, draft_vocab=40)  # a draft vocabulary: ids mapped
-    plain = SamplingParams(max_new_tokens=12)
+    extra = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
 
     def drafts(params, controls: bool) -> tuple[list[int], list[list[int]]]:
-        eng = Engine(target, runtime(), head, eos_token_id=None)
+        eng = Engine(target, runtime(**extra), head, eos_token_id=None)
+        drafter = eng.mode.trees.drafter if mode == "tree" else eng.drafter
+        table = eng.mode.trees.trees.tokens[:, 1:] if mode == "tree" else eng.slots.drafts
         if not controls:
-            eng.drafter.controls = None
+            drafter.controls = None
         reqs = [eng.add_request(p, params) for p in PROMPTS[:3]]
         seen = []
         while eng.has_work:
             eng.step()
-            seen += [t for r in reqs if r.slot is not None
-                     for t in eng.slots.drafts[r.slot].tolist()]
+            seen += [t for r in reqs if r.slot is not None for t in table[r.slot].tolist()]
         return seen, [r.output for r in reqs]
 
-    seen, _ = drafts(plain, controls=True)
+    seen, _ = drafts(SamplingParams(max_new_tokens=12), controls=True)
     banned = torch.bincount(torch.tensor(seen)).topk(4).indices.tolist()
     params = SamplingParams(max_new_tokens=12, logit_bias={t: -100 for t in banned})
     with_controls, out = drafts(params, controls=True)

@@ -60,35 +60,11 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
 from graphdraft.runtime.batch import ForwardContext, ForwardMode
 from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.drafter_protocol import DraftBinding
 from graphdraft.runtime.kv_cache import KVPool
-from graphdraft.runtime.slot_state import SlotState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftControls:
-    """What the drafter needs to propose under the rows' logit controls: the Engine's
-    `SlotState` (`slots`), the target id of each draft column `col_ids [Vd]` and its inverse
-    `col_of [V]` (-1: not drafted; both None when the head drafts the target's vocabulary),
-    and `no_window [max_bs, 1]` (-1: nothing drafted since the acceptance, the first step)."""
-
-    slots: SlotState
-    col_ids: torch.Tensor | None
-    col_of: torch.Tensor | None
-    no_window: torch.Tensor
-
-    @classmethod
-    def build(cls, slots: SlotState, hot_token_ids: torch.Tensor | None, max_bs: int,
-              device: torch.device) -> DraftControls:
-        col_of = None
-        if hot_token_ids is not None:
-            col_of = torch.full((slots.vocab,), -1, dtype=torch.int64, device=device)
-            col_of[hot_token_ids.long()] = torch.arange(hot_token_ids.shape[0], device=device)
-        # int32 as `next_tokens`' drafts (the later steps' windows): one kernel variant
-        no_window = torch.full((max_bs, 1), -1, dtype=torch.int32, device=device)
-        return cls(slots, hot_token_ids, col_of, no_window)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from graphdraft.kernels.tree_build import TreeBuffers
 from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool
 from graphdraft.runtime.tree import TreeSpec, scratch_slots
 
@@ -114,6 +115,13 @@ class TreeDrafter:
         """Sampled rows score candidates at their temperature (`expand`); False: at T 1 (an
         A/B switch for measurements, read when a draft is traced or captured)."""
         self.tree = TreeBuffers.allocate(spec, max_bs, dev)
+        self.beam_window = torch.full((max_bs * k, max(spec.steps - 1, 1)), -1,
+                                      dtype=torch.int32, device=dev)
+        self.controls: DraftControls | None = None
+        """The Engine's logit controls (`serving.tree_cycle.EngineTrees` sets them; None: the
+        head's own logits): every level's logits transformed as the verify transforms the
+        target's, each beam's path so far (`beam_window [max_bs*k, K-1]`, target ids, -1
+        unused) counted as emitted."""
 
     @property
     def use_triton(self) -> bool:
@@ -169,8 +177,13 @@ class TreeDrafter:
         hot = self.head.hot_token_ids
         chain = k == 1
         temp = temperature if (self.rank_at_temperature and not chain) else None
+        ctl = self.controls is not None
+        if ctl:  # the pick is redone from the transformed logits (chain: no head ids)
+            self._controlled(logits, req, None)
         first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                   greedy_ids=ids if chain else None, temperature=temp)
+                   greedy_ids=ids if chain and not ctl else None, temperature=temp)
+        if ctl:
+            self._window_start(bs)
         bk = bs * k
         hid_in, hid_out = self.hid_in[:bk], self.hid_out[:bk]
         if spec.steps > 1:
@@ -194,13 +207,41 @@ class TreeDrafter:
                                     st.anc.view(bk, spec.anc_width), j)
             out = self.head(self.beam_ids[:bk], self.beam_pos[:bk], hid_in, self.beam_loc[:bk],
                             self.kv.layer(0), self.backend, meta, hidden_out=hid_out)
+            if ctl:
+                self._controlled(out.logits, self.beam_req[:bk], self.beam_window[:bk, :j])
             decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                        hid_out=hid_out, hid_next=hid_in, greedy_ids=out.ids if chain else None,
-                        temperature=temp)
+                        hid_out=hid_out, hid_next=hid_in,
+                        greedy_ids=out.ids if chain and not ctl else None, temperature=temp)
+            if ctl and j < spec.steps - 1:
+                self._window_follow(bs, j)
         tree = self.tree.rows(bs)
         ops.build_tree(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree,
                        kernels=self.kernels)
         return tree
+
+    def _controlled(self, logits: torch.Tensor, slots: torch.Tensor,
+                    window: torch.Tensor | None) -> None:
+        """`logits [R, Vd]` in place under the rows' logit controls (`slots [R]`, `window
+        [R, j]` the beams' paths; None: level 1, nothing drafted yet)."""
+        c = self.controls
+        win = window if window is not None else c.no_window[: slots.shape[0]]
+        ops.apply_draft_logit_controls(logits, win, slots, c.slots, col_ids=c.col_ids,
+                                       col_of=c.col_of, kernels=self.kernels)
+
+    def _window_start(self, bs: int) -> None:
+        """Each beam's path after level 1: its token."""
+        bk, st = bs * self.spec.topk, self.beams.rows(bs)
+        w = self.beam_window[:bk]
+        w.fill_(-1)
+        w[:, 0].copy_(st.beam_tok.reshape(bk))
+
+    def _window_follow(self, bs: int, j: int) -> None:
+        """After level j + 1's re-rank: beam b's path = its parent beam's path + its token."""
+        k, st = self.spec.topk, self.beams.rows(bs)
+        w = self.beam_window[: bs * k].view(bs, k, -1)
+        kept = w[:, :, :j].gather(1, st.parent_beam.unsqueeze(2).expand(bs, k, j))
+        w[:, :, :j].copy_(kept)
+        w[:, :, j].copy_(st.beam_tok)
 
     def draft(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,
               accept_len: torch.Tensor, root: torch.Tensor) -> TreeBuffers:

@@ -44,6 +44,7 @@ from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
+from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.runtime.tree_drafter import TreeDrafter
@@ -584,6 +585,9 @@ class EngineTrees:
                                    num_pages=cfg.total_kv_pages,
                                    max_context_len=cfg.max_context_len, max_bs=cfg.max_bs,
                                    kernels=cfg.kernels, device=cfg.device)
+        if slots.vocab:  # the beams propose under the rows' logit controls
+            self.drafter.controls = DraftControls.build(slots, head.hot_token_ids, cfg.max_bs,
+                                                        self.drafter.device)
         self.chain_kv = chain_pool_view(self.drafter.kv, cfg.total_kv_pages)
         self.cycles = {False: TreeCycle(target, self.drafter, kv, backend, sampling=False),
                        True: TreeCycle(target, self.drafter, kv, backend, sampling=True)}
