@@ -317,6 +317,7 @@ def test_engine_rejects_a_bias_id_outside_the_vocab():
     (["--frequency-penalty", "-3"], "argument --frequency-penalty: expected a number in [-2, 2]"),
     (["--presence-penalty", "x"], "argument --presence-penalty: expected a number in [-2, 2]"),
     (["--min-p", "2"], "argument --min-p: expected a number in [0, 1]"),
+    (["--min-p", "0.1"], "argument --min-p: has no effect when greedy"),
 ])
 def test_bad_control_flags_name_the_flag(flags, message, capsys):
     from graphdraft.__main__ import main

@@ -290,3 +290,5 @@ def check_conflicts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error("argument --top-p: has no effect when greedy; expected --temperature > 0")
         if a.top_k != 0:
             p.error("argument --top-k: has no effect when greedy; expected --temperature > 0")
+        if getattr(a, "min_p", 0.0) != 0:
+            p.error("argument --min-p: has no effect when greedy; expected --temperature > 0")
