@@ -226,6 +226,16 @@ def test_min_p_in_the_acceptance_kernel(kc):
                 assert tok[r, j] == logits[r * n + j].argmax()
 
 
+def test_verify_target_probs_min_p():
+    from graphdraft.serving.verify import target_probs
+
+    torch.manual_seed(8)
+    logits = torch.randn(3, 9) * 2
+    got = target_probs(logits, SamplingParams(temperature=0.8, min_p=0.25))
+    for r in range(3):
+        torch.testing.assert_close(got[r].double(), target_law(logits[r], 0.8, 0.25))
+
+
 def test_row_target_probs_min_p():
     torch.manual_seed(3)
     logits = torch.randn(4, 9) * 2

@@ -18,6 +18,8 @@ for j < accept) and `accept_lengths [nd]` int32 in 1..N.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from graphdraft.sampling import SamplingParams, request_seed
@@ -27,11 +29,15 @@ __all__ = ["SamplingParams", "request_seed", "target_probs", "verify_greedy", "v
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`[M, V]` logits -> fp32 probabilities after temperature, top-k and top-p."""
+    """`[M, V]` logits -> fp32 probabilities after temperature, top-k, min_p and top-p (the
+    logits as the request's logit controls left them: `graphdraft.kernels.logit_controls`)."""
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
+    if params.min_p > 0:  # p >= min_p * p_max
+        bound = x.amax(-1, keepdim=True) + math.log(params.min_p)
+        x = x.masked_fill(x < bound, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
