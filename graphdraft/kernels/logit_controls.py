@@ -1,6 +1,7 @@
 """Logit controls on device: logit_bias and the repetition / frequency / presence penalties of
-each row's request, applied in place to the target's verify logits before the acceptance, and
-the per-slot token counts they read (updated by the commit).
+each row's request, applied in place to the target's verify logits before the acceptance (and
+to the drafters' logits), and the per-slot token counts they read (counted after each
+acceptance).
 
 Verify logits `logits [rows * N, V]`: row `r * N + j` predicts the token after candidate j of
 row r (`cand [rows, N]`: column 0 the last verified token, 1.. the drafts; a tree: node j of
