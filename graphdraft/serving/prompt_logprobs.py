@@ -62,6 +62,7 @@ class ScoredStep:
         for c in self.chunks:
             r = c.request
             if r.prompt_logprobs is not None and r.finish_reason in (None, "stop", "length"):
+                del r.prompt_logprobs[c.first:], r.prompt_top_logprobs[c.first:]  # in place
                 for i in range(c.count):
                     lps, tops = unpack_row(self.host[row + i], 1, self.k, 1, c.width)
                     r.prompt_logprobs.append(lps[0])
