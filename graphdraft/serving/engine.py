@@ -61,13 +61,14 @@ from graphdraft.runtime.drafter import EagleDrafter
 from graphdraft.runtime.drafter_protocol import DraftBinding, Drafter, check_drafter
 from graphdraft.runtime.kv_cache import KVPool, OutOfPagesError, PageTable
 from graphdraft.runtime.ngram_drafter import configured_drafter
-from graphdraft.runtime.slot_state import SlotState, StopTableFullError
+from graphdraft.runtime.slot_state import SlotState
 from graphdraft.runtime.tree import TreeSpec
 from graphdraft.sampling import device_row
 from graphdraft.serving import data_parallel
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
 from graphdraft.serving.cycles.chain import ChainMode, TargetOnlyMode
 from graphdraft.serving.data_parallel import StepPlan
+from graphdraft.serving.limits import EngineLimits
 from graphdraft.serving.metrics import ServingMetrics
 from graphdraft.serving.planning import LocalPlanner, StepWork
 from graphdraft.serving.policy import (
@@ -578,12 +579,6 @@ class Engine:
         """KV positions reserved per request past its prompt and max_new_tokens."""
         return self.mode.lookahead
 
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
-        stops = list(dict.fromkeys(params.stop_token_ids))
-        if self.eos_token_id is not None and not params.ignore_eos and self.eos_token_id not in stops:
-            stops.insert(0, self.eos_token_id)
-        return stops
-
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, *,
                     seed_stream: int | None = None) -> Request:
         """Queue a request; raises ValueError (and queues nothing) when it can never be served.
@@ -601,11 +596,7 @@ class Engine:
                 or seed_stream < 0 or params.seed is None):
             raise ValueError(f"seed_stream: expected None, or an int >= 0 with params.seed set, "
                              f"got {seed_stream!r} (params.seed {params.seed!r})")
-        req = Request(next(self._rids), list(prompt), params)
-        if params.logprobs is not None:
-            req.logprobs, req.top_logprobs = [], []
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs, req.prompt_top_logprobs = [None], [[]]
+        req = Request(next(self._rids), list(prompt), params)  # its logprob lists as asked
         if not params.greedy:
             if params.seed is None:
                 req.seed = int(torch.randint(2**62, (), generator=self._seeds))
@@ -621,36 +612,12 @@ class Engine:
 
     def check_request(self, prompt: list[int], params: SamplingParams | None = None
                       ) -> SamplingParams:
-        """Raise ValueError naming the argument when `prompt` / `params` can never be served;
-        returns the params to use (defaults for None). Changes nothing."""
+        """Raise ValueError naming the argument when `prompt` / `params` can never be served
+        (`EngineLimits.check`); returns the params to use (defaults for None). Changes nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        vocab = self.target.config.vocab_size
-        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"params.logit_bias: expected token ids in [0, {vocab}), got "
-                             f"{bad_bias[:4]}")
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.cfg.max_logprobs:
-                raise ValueError(f"params.{name}: expected at most {self.cfg.max_logprobs} "
-                                 f"(RuntimeConfig.max_logprobs), got {asked}")
-        stops = self._stop_ids(params)
-        if len(stops) > self.cfg.stop_table_width:
-            raise StopTableFullError(
-                f"params.stop_token_ids: expected at most {self.cfg.stop_table_width} stop ids "
-                f"with EOS (RuntimeConfig.stop_table_width), got {len(stops)}")
-        need = len(prompt) + params.max_new_tokens + self.mode.lookahead
-        if need > self.cfg.max_context_len:
-            raise ValueError(f"prompt: {len(prompt)} tokens + max_new_tokens "
-                             f"{params.max_new_tokens} + look-ahead {self.mode.lookahead} exceed "
-                             f"max_context_len ({self.cfg.max_context_len})")
-        if self.pages.pages_needed(None, need) > self.pages.num_pages - 1:
-            raise ValueError(f"prompt: needs {self.pages.pages_needed(None, need)} KV pages, the "
-                             f"pool has {self.pages.num_pages - 1}")
+        EngineLimits.of(self).check(prompt, params)
         return params
 
     def _admit(self) -> None:
@@ -665,8 +632,8 @@ class Engine:
             except OutOfPagesError:
                 self.pages.free(slot)
                 break
-            self.slots.admit(slot, stop_ids=self._stop_ids(req.params), prompt=req.prompt,
-                             logit_bias=req.params.logit_bias,
+            self.slots.admit(slot, stop_ids=EngineLimits.of(self).stop_ids(req.params),
+                             prompt=req.prompt, logit_bias=req.params.logit_bias,
                              **device_row(req.params, req.seed))
             req.slot = slot
             self.waiting.popleft()
@@ -837,8 +804,11 @@ class Engine:
                 self.stats.decode_rows += 1
                 self.stats.accepted_tokens += a
                 self.metrics.on_decode_accept(a)
-            if new and r.logprobs is not None:
-                self._read_logprobs(r, wire[i, n + 3:], len(new))
+            if new and r.logprobs is not None:  # the row's logprobs region: kernels.logprobs
+                lps, tops = unpack_row(wire[i, n + 3:], n, self.cfg.max_logprobs, len(new),
+                                       r.params.logprobs)
+                r.logprobs += lps
+                r.top_logprobs += tops
             if new:
                 r.output.extend(new)
                 r.last_verified = new[-1]
@@ -867,14 +837,6 @@ class Engine:
                              f"the request was aborted (error bits {err:#x}, "
                              f"{len(errors)} request(s) flagged)")
         return finished
-
-    def _read_logprobs(self, r: Request, region: torch.Tensor, count: int) -> None:
-        """The first `count` positions of a row's log-probability region (pinned host
-        `[N * (1 + 2K)]` int32, `kernels.logprobs` layout) onto `r`."""
-        lps, tops = unpack_row(region, self.n_row, self.cfg.max_logprobs, count,
-                               r.params.logprobs)
-        r.logprobs.extend(lps)
-        r.top_logprobs.extend(tops)
 
     def _release(self, r: Request) -> None:
         self.metrics.on_request_finished(r.rid)

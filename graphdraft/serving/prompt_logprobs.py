@@ -11,6 +11,13 @@ the raw model too) and one non-blocking copy brings them into pinned memory; the
 reads them when it retires the step (`apply`), one step late like every token, with no sync
 of its own. Eager only (prefill steps are). The prompt's first token has no log-probability
 (None), as in vLLM.
+
+Each scored token also gets its rank (`token_ranks`): 1 + the number of vocabulary entries
+whose logit is strictly larger than its own, counted by torch on the device beside the
+kernel, in the logits' own dtype (exact: log_softmax is a shift, so a strictly larger
+logprob is a strictly larger logit; tied entries share a rank; vLLM counts `>=` instead, the
+same where nothing ties). It rides in the same copy (one int32 column past the kernel's
+`[1 + 2K]` words).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels.logprobs import unpack_row
+
+RANK_CHUNK_ELEMENTS = 1 << 26
+"""Logits entries compared at once by `token_ranks` (bounds its `[rows, V]` bool temporary)."""
 
 
 @dataclass
@@ -48,25 +58,30 @@ class ScorePlan:
 
 @dataclass
 class ScoredStep:
-    """A launched step's prompt scores: host (pinned) `[m, 1 + 2K]` int32 rows in chunk order,
-    valid once the step's event completed."""
+    """A launched step's prompt scores: host (pinned) `[m, 2 + 2K]` int32 rows in chunk order
+    (`kernels.logprobs`' `[1 + 2K]` words, then the rank), valid once the step's event
+    completed."""
 
     host: torch.Tensor
     chunks: list[ScoredChunk]
     k: int
 
     def apply(self) -> None:
-        """Append each chunk's log-probabilities to its request (`Request.prompt_logprobs`,
-        `Request.prompt_top_logprobs`; an aborted request's are dropped)."""
-        row = 0
+        """Append each chunk's log-probabilities and ranks to its request
+        (`Request.prompt_logprobs`, `prompt_top_logprobs`, `prompt_ranks`; an aborted
+        request's are dropped)."""
+        row, width = 0, 1 + 2 * self.k
+        ranks = self.host[:, width].tolist()
         for c in self.chunks:
             r = c.request
             if r.prompt_logprobs is not None and r.finish_reason in (None, "stop", "length"):
                 del r.prompt_logprobs[c.first:], r.prompt_top_logprobs[c.first:]  # in place
+                del r.prompt_ranks[c.first:]
                 for i in range(c.count):
-                    lps, tops = unpack_row(self.host[row + i], 1, self.k, 1, c.width)
+                    lps, tops = unpack_row(self.host[row + i, :width], 1, self.k, 1, c.width)
                     r.prompt_logprobs.append(lps[0])
                     r.prompt_top_logprobs.append(tops[0])
+                r.prompt_ranks += ranks[row: row + c.count]
             row += c.count
 
 
@@ -102,10 +117,12 @@ class PromptLogprobs:
         for c in plan.chunks:
             widths += [c.width] * c.count
         slots = torch.arange(1, m + 1, device=dev)
-        out = torch.zeros((m, 1 + 2 * k), dtype=torch.int32, device=dev)
-        ops.token_logprobs(logits[plan.base: plan.base + m], self.host_tensor(plan.targets)
-                           .view(m, 1), slots, self.host_tensor(widths).to(torch.int32),
-                           out=out, k=k, kernels=self.cfg.kernels)
+        out = torch.zeros((m, 2 + 2 * k), dtype=torch.int32, device=dev)
+        rows, targets = logits[plan.base: plan.base + m], self.host_tensor(plan.targets)
+        ops.token_logprobs(rows, targets.view(m, 1), slots,
+                           self.host_tensor(widths).to(torch.int32), out=out[:, : 1 + 2 * k],
+                           k=k, kernels=self.cfg.kernels)
+        out[:, 1 + 2 * k] = token_ranks(rows, targets)
         host = torch.empty(out.shape, dtype=torch.int32, pin_memory=dev.type == "cuda")
         host.copy_(out, non_blocking=True)
         self._pending = ScoredStep(host, plan.chunks, k)
@@ -113,3 +130,17 @@ class PromptLogprobs:
     def take(self) -> ScoredStep | None:
         pending, self._pending = self._pending, None
         return pending
+
+
+def token_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`[m]` int32: 1 + the number of entries of row i of `logits [m, V]` strictly larger than
+    `logits[i, tokens[i]]` (`tokens [m]` ids in [0, V)), on `logits`' device without a sync;
+    at most `RANK_CHUNK_ELEMENTS` entries compared at once."""
+    m, v = logits.shape
+    out = torch.empty(m, dtype=torch.int32, device=logits.device)
+    step = max(1, RANK_CHUNK_ELEMENTS // max(v, 1))
+    for a in range(0, m, step):
+        x = logits[a: a + step]
+        own = x.gather(1, tokens[a: a + step].view(-1, 1).to(torch.int64))
+        out[a: a + step] = (x > own).sum(1) + 1
+    return out

@@ -32,6 +32,16 @@ class Request:
     """Per prompt token (params.prompt_logprobs set): its log-probability; the first: None."""
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per prompt token, the `params.prompt_logprobs` likeliest alternatives (the first: [])."""
+    prompt_ranks: list[int | None] | None = None
+    """Per prompt token, its rank: 1 + the vocabulary entries likelier than it (the first: None)."""
+
+    def __post_init__(self) -> None:
+        """The log-probability lists its params ask for, empty (the prompt's: its first
+        token's None / [] entries)."""
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs, self.top_logprobs = [], []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs, self.prompt_ranks = [None], [[]], [None]
 
     @property
     def prefilling(self) -> bool:
