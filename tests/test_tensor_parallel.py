@@ -42,8 +42,8 @@ def _record(eng: Engine) -> tuple[list, list]:
     logits, drafts = [], []
     target_forward = eng.mode.target_forward
 
-    def fwd(ctx, rows, capture_aux):
-        out = target_forward(ctx, rows, capture_aux)
+    def fwd(ctx, rows, capture_aux, *args, **kwargs):
+        out = target_forward(ctx, rows, capture_aux, *args, **kwargs)
         logits.append(out.logits.clone())
         return out
 
