@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,12 +38,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from graphdraft.io.tokenizer import Tokenizer
+from graphdraft.io.tokenizer import IncrementalDecoder, Tokenizer
 from graphdraft.serving.openai_api import protocol as P
 from graphdraft.serving.openai_api.engine_client import Choice, EngineClient, ServerBusy
 from graphdraft.serving.openai_api.metrics import ServerMetrics
 from graphdraft.serving.openai_api.protocol import ApiError, GenerationRequest
-from graphdraft.serving.openai_api.text import ChoiceText
+from graphdraft.serving.openai_api.text import ChoiceText, Token
 from graphdraft.serving.verify import SamplingParams
 
 log = logging.getLogger("graphdraft.serving.openai_api")
@@ -72,6 +72,8 @@ class _Run:
     prompt_tokens: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finish: dict[int, str] = field(default_factory=dict)
+    prompt_scores: dict[int, list] = field(default_factory=dict)
+    """Choice index -> its prompt's (logprob, rank, top) per token (prompt_logprobs asked)."""
 
     @property
     def open(self) -> bool:
@@ -260,7 +262,9 @@ class OpenAIServer:
             while not run.queue.empty():
                 items.append(run.queue.get_nowait())
             out: dict[int, list] = {}
-            for i, ids, fin, lps in items:
+            for i, ids, fin, lps, prompt in items:
+                if prompt is not None:
+                    run.prompt_scores[i] = prompt
                 text = run.texts[i]
                 if text.done:
                     continue
@@ -285,7 +289,35 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _usage(self, run: _Run) -> dict[str, int]:
-        return P.usage(run.prompt_tokens, sum(t.tokens for t in run.texts))
+        done = 0 if run.req.score_only else sum(t.tokens for t in run.texts)
+        return P.usage(run.prompt_tokens, done)
+
+    def _prompt_logprobs(self, run: _Run, i: int) -> list | None:
+        """Choice `i`'s `prompt_logprobs` body (None: not asked or not scored)."""
+        scores = run.prompt_scores.get(i)
+        if scores is None:
+            return None
+        return P.prompt_logprobs_body(run.choices[i].prompt, scores, self._token_text)
+
+    def _echoed(self, run: _Run, i: int, text: str, tokens: list) -> tuple[str, list]:
+        """Choice `i`'s text and kept tokens with its prompt first (`echo`; `score_only`: the
+        prompt alone): the prompt as sent (token ids: decoded), its tokens with their
+        log-probabilities (the first's None) and offsets, the completion's shifted after."""
+        prompt, src = run.choices[i].prompt, run.req.prompts[i // run.req.n]
+        scores = run.prompt_scores.get(i) or [(None, None, ())] * len(prompt)
+        decoder, entries, at = IncrementalDecoder(self.tokenizer), [], 0
+        for t, (lp, _, top) in zip(prompt, scores, strict=True):
+            piece = decoder.push([t])
+            entries.append(Token(t, at, at + len(piece), lp, tuple(top)))
+            at += len(piece)
+        if entries:  # bytes of a character the prompt never completed
+            entries[-1] = replace(entries[-1], end=at + len(decoder.flush()))
+        head = src if isinstance(src, str) else self.tokenizer.decode(prompt)
+        if run.req.score_only:
+            return head, entries
+        n = len(head)
+        return head + text, entries + [replace(t, start=t.start + n, end=t.end + n)
+                                       for t in tokens]
 
     async def _whole(self, request: Request, run: _Run, rid: str, model: str,
                      endpoint: str) -> Response:
@@ -316,9 +348,18 @@ class OpenAIServer:
         if bad is not None:
             return self._error(bad, endpoint)
         body = P.envelope(rid, model, run.req.chat, chunk=False)
+        if run.req.echo:
+            for i in range(len(texts)):
+                texts[i], tokens[i] = self._echoed(run, i, texts[i], tokens[i])
         body["choices"] = [P.choice(i, texts[i], run.finish[i], run.req.chat,
                                     logprobs=self._logprobs(run, tokens[i]))
                            for i in range(len(texts))]
+        if run.req.sampling.get("prompt_logprobs") is not None:
+            if run.req.chat:  # one prompt: beside the choices, as vLLM puts it
+                body["prompt_logprobs"] = self._prompt_logprobs(run, 0)
+            else:
+                for i, c in enumerate(body["choices"]):
+                    c["prompt_logprobs"] = self._prompt_logprobs(run, i)
         body["usage"] = self._usage(run)
         self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
         return JSONResponse(body)
@@ -380,6 +421,8 @@ def _fit_error(req: GenerationRequest, message: str) -> ApiError:
         param = "stop_token_ids"
     elif "params.logit_bias" in message:
         param = "logit_bias"
+    elif "params.prompt_logprobs" in message:
+        param = "prompt_logprobs"
     elif "params.logprobs" in message:
         param = "top_logprobs" if req.chat else "logprobs"
     elif "max_new_tokens" in message and req.max_tokens is not None:
@@ -410,10 +453,12 @@ async def _disconnected(request: Request) -> None:
 
 
 def _deliverer(queue: asyncio.Queue, index: int):
-    def deliver(ids: list[int], finish: str | None, lps: list | None = None) -> None:
-        queue.put_nowait((index, ids, finish, lps))
+    def deliver(ids: list[int], finish: str | None, lps: list | None = None,
+                prompt: list | None = None) -> None:
+        queue.put_nowait((index, ids, finish, lps, prompt))
     return deliver
 
 
-def _noop(ids: list[int], finish: str | None, lps: list | None = None) -> None:
+def _noop(ids: list[int], finish: str | None, lps: list | None = None,
+          prompt: list | None = None) -> None:
     return None

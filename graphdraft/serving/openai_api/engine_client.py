@@ -77,9 +77,11 @@ class Choice:
 
     prompt: list[int]
     params: SamplingParams
-    deliver: Callable[[list[int], str | None, list | None], None]
-    """Called on the event loop with new ids, the finish reason (None while running) and the
-    ids' (logprob, top alternatives) pairs (None: not asked)."""
+    deliver: Callable[..., None]
+    """Called on the event loop as `deliver(ids, finish, lps, prompt)`: new ids, the finish
+    reason (None while running), the ids' (logprob, top alternatives) pairs (None: not
+    asked) and, once, the prompt's (logprob, rank, top alternatives) per token (None: not
+    asked or not scored yet; `engine_core`'s outputs)."""
     seed_stream: int | None = None
     """With `params.seed`: the Philox stream (`Engine.add_request(seed_stream=)`), the
     choice's index in its HTTP request, so the same request reproduces its samples."""
@@ -343,15 +345,16 @@ class EngineClient:
         state = None
         for m in messages:
             if m[0] == "out":
-                for rid, ids, fin, lps in m[1]:
+                for rid, ids, fin, lps, prompt in m[1]:
                     have = outputs.get(rid)
                     if have is None:
-                        outputs[rid] = [ids, fin, lps]
+                        outputs[rid] = [ids, fin, lps, prompt]
                     else:
                         have[0] = have[0] + ids
                         have[1] = fin or have[1]
                         if lps is not None:
                             have[2] = (have[2] or []) + lps
+                        have[3] = prompt or have[3]
                 state = m[2] if m[2] is not None else state
             elif m[0] == "log":
                 log.log(m[1], "engine process: %s", m[2])
@@ -362,7 +365,7 @@ class EngineClient:
 
     def _dispatch(self, outputs: dict[int, list]) -> None:
         now, m = time.perf_counter(), self.metrics
-        for rid, (ids, fin, lps) in outputs.items():
+        for rid, (ids, fin, lps, prompt) in outputs.items():
             if fin is None:
                 c = self._choices.get(rid)
             else:
@@ -380,7 +383,7 @@ class EngineClient:
             if fin is not None:
                 m.finished.labels(reason=fin).inc()
                 m.e2e.observe(now - c.arrived)
-            c.deliver(ids, fin, lps)
+            c.deliver(ids, fin, lps, prompt)
 
     def _on_exit(self) -> None:
         """The engine process died (it was not told to exit): fail what is live."""
@@ -402,4 +405,4 @@ class EngineClient:
         choices, self._choices = list(self._choices.values()), {}
         for c in choices:
             self.metrics.finished.labels(reason="error").inc()
-            c.deliver([], "error", None)
+            c.deliver([], "error", None, None)

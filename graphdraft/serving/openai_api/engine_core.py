@@ -10,6 +10,11 @@ calling `spec.factory` (a 'module:function' name) with `spec.args`, sends ("read
         them, begin the shutdown, exit; one `Engine.step()`; collect every live request's new
         token ids and finish reasons; send them in ONE ("out", outputs, state) message.
 
+An output is (rid, new ids, finish reason or None, the ids' (logprob, top) pairs or None,
+the prompt's scores or None): a request that asked `prompt_logprobs` gets its prompt's
+(logprob, rank, top) per token (the first: (None, None, [])) once, in the output where
+every prefill chunk has been scored (no later than its first token).
+
 The socket never blocks the loop: when the HTTP process has not read the last message yet,
 the next steps' outputs are merged (per request) and sent as one message once the socket
 takes it, so the Engine steps at its own pace whatever the HTTP side does. The engine state
@@ -137,8 +142,8 @@ class EngineCore:
         self.selector = selectors.DefaultSelector()
         self._events = selectors.EVENT_READ
         self.selector.register(sock, self._events)
-        self.live: dict[int, list] = {}       # rid -> [Request, ids sent]
-        self.outputs: dict[int, list] = {}    # rid -> [new ids, finish reason] not sent yet
+        self.live: dict[int, list] = {}       # rid -> [Request, ids sent, prompt scores sent]
+        self.outputs: dict[int, list] = {}    # rid -> [new ids, finish, lps, prompt] not sent
         self.deadline: float | None = None
         self.exiting = False
         self.finished = self.steps = self.step_errors = 0
@@ -202,7 +207,7 @@ class EngineCore:
             self._log(logging.ERROR, f"request rejected by the engine: {type(e).__name__}: {e}")
             self._output(rid, [], "error")
             return
-        self.live[rid] = [req, 0]
+        self.live[rid] = [req, 0, False]
 
     # --- stepping ----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -225,34 +230,40 @@ class EngineCore:
         for rid, entry in self.live.items():
             r = entry[0]
             n = len(r.output)
-            if n == entry[1] and r.finish_reason is None:
+            prompt = None
+            if not entry[2] and r.prompt_ranks is not None and len(r.prompt_ranks) == len(r.prompt):
+                prompt, entry[2] = list(zip(r.prompt_logprobs, r.prompt_ranks,
+                                            r.prompt_top_logprobs, strict=True)), True
+            if n == entry[1] and r.finish_reason is None and prompt is None:
                 continue
             ids = r.output[entry[1]:n]
             lps = None if r.logprobs is None else list(
                 zip(r.logprobs[entry[1]:n], r.top_logprobs[entry[1]:n], strict=True))
             entry[1] = n
-            self._output(rid, ids, r.finish_reason, lps)
+            self._output(rid, ids, r.finish_reason, lps, prompt)
             if r.finish_reason is not None:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
 
     def _output(self, rid: int, ids: list[int], finish: str | None,
-                lps: list | None = None) -> None:
-        """Queue new ids (and their (logprob, top) pairs when asked) for the next message."""
+                lps: list | None = None, prompt: list | None = None) -> None:
+        """Queue new ids (and their (logprob, top) pairs when asked; the prompt's scores once)
+        for the next message."""
         pending = self.outputs.get(rid)
         if pending is None:
-            self.outputs[rid] = [ids, finish, lps]
+            self.outputs[rid] = [ids, finish, lps, prompt]
         else:
             pending[0] += ids
             pending[1] = finish or pending[1]
             if lps is not None:
                 pending[2] = (pending[2] or []) + lps
+            pending[3] = prompt or pending[3]
         if finish is not None:
             self.finished += 1
 
     def _abort_all(self, reason: str) -> None:
-        for rid, (req, _) in list(self.live.items()):
+        for rid, (req, *_) in list(self.live.items()):
             if not req.finished:
                 self.engine.abort(req)
             self._output(rid, [], reason)
@@ -273,8 +284,7 @@ class EngineCore:
         state = self.state() if state_due else None
         if state is not None:
             self.last_state, self.dirty = now, False
-        self.outbox.put(("out", [(rid, ids, fin, lps)
-                                 for rid, (ids, fin, lps) in self.outputs.items()], state))
+        self.outbox.put(("out", [(rid, *out) for rid, out in self.outputs.items()], state))
         self.outputs = {}
         self.outbox.flush()
 

@@ -4,7 +4,7 @@
 `/v1/chat/completions` into a `GenerationRequest`, or raises `ApiError` naming the field
 (`param`) and what was expected. Every field is known: a field this server does not know is
 rejected (`unknown_parameter`), and a known one it does not implement
-(`suffix`, `echo`, `best_of`, tools, ...) is rejected unless
+(`suffix`, `best_of`, tools, ...) is rejected unless
 it has its neutral value, since ignoring it would change what the client gets without saying
 so. Fields that change nothing the model returns (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`) are accepted and ignored.
@@ -25,6 +25,18 @@ log-probability and that many alternatives, the legacy body `tokens`, `token_log
 (0..20; the body `content: [{token, logprob, bytes, top_logprobs}]`). Both become
 `SamplingParams.logprobs` (values: `graphdraft.sampling.MAX_LOGPROBS`' note); a token's
 `token` is its own decoded text, `bytes` that text's UTF-8 bytes.
+
+Prompt log-probabilities (vLLM's extension, both endpoints, not with `stream`):
+`prompt_logprobs` (an int in [0, 20]) returns, per prompt token, a map token id -> {logprob,
+rank, decoded_token} holding the prompt token (its rank: 1 + the vocabulary entries with a
+strictly larger log-probability) and the `prompt_logprobs` likeliest tokens (ranks 1, 2, ...
+as they rank), None for the first token (`prompt_logprobs_body`): in each choice of
+`/v1/completions`, beside the choices of `/v1/chat/completions` (one prompt), as vLLM does.
+`/v1/completions` `echo: true` (not with `stream`) returns the prompt before the completion:
+its text first, and with `logprobs` its tokens' entries first (the first token's null, as
+OpenAI and vLLM do; `prompt_logprobs` defaults to `logprobs` then); `max_tokens: 0` with echo
+scores the prompt alone (no completion, `completion_tokens` 0), as log-likelihood
+evaluations ask.
 
 Ranges of the sampling fields are checked by `SamplingParams` itself (`sampling_params`),
 so the server and the library accept the same values; its field names map to the API's
@@ -173,6 +185,18 @@ def _logprobs_asked(chat: bool, v: dict[str, Any]) -> int | None:
     return (top or 0) if v.get("logprobs") else None
 
 
+def _echo(v: dict[str, Any], max_tokens: int | None) -> tuple[bool, bool]:
+    """(echo, score only) of a parsed body; `prompt_logprobs` and `echo` are refused with
+    `stream` (vLLM refuses the first too: the prompt's scores come whole)."""
+    stream = bool(v.get("stream"))
+    for name in ("prompt_logprobs", "echo"):
+        if stream and v.get(name) not in (None, False):
+            raise ApiError(400, f"{name}: not available with stream: true", param=name,
+                           code="invalid_value")
+    echo = bool(v.get("echo"))
+    return echo, echo and max_tokens == 0
+
+
 def _response_format(name: str, v: Any) -> Any:
     if v is None or (isinstance(v, Mapping) and dict(v) == {"type": "text"}):
         return v
@@ -187,12 +211,12 @@ COMMON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
     "min_p": _NUMBER, "logit_bias": _OBJECT,
     "user": _STRING, "metadata": _OBJECT, "store": _BOOL, "service_tier": _STRING,
-    "include_stop_str_in_output": _BOOL,
+    "include_stop_str_in_output": _BOOL, "prompt_logprobs": _logprobs_width,
 }
 """Fields of both endpoints -> their parser (raises ApiError naming the field)."""
 
 COMPLETION_FIELDS = COMMON_FIELDS | {
-    "prompt": _ANY, "echo": _neutral(False, what="false"), "suffix": _neutral(what="null"),
+    "prompt": _ANY, "echo": _BOOL, "suffix": _neutral(what="null"),
     "best_of": _neutral(1, what="1 or null"), "logprobs": _logprobs_width,
 }
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -227,6 +251,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False
+    """Completions: the prompt returned before the completion (its text, its tokens' logprobs)."""
+    score_only: bool = False
+    """echo with max_tokens 0: the prompt alone is returned (one token is generated, unused)."""
 
     @property
     def prompt_param(self) -> str:
@@ -257,6 +285,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     max_tokens = v.get("max_tokens")
     if chat and v.get("max_completion_tokens") is not None:
         max_tokens = v["max_completion_tokens"]
+    echo, score_only = _echo(v, max_tokens)
+    max_tokens = 1 if score_only else max_tokens
     prompts = () if chat else parse_prompts(body["prompt"])
     if len(prompts) * n > MAX_CHOICES:
         raise invalid("n", f"prompts x n <= {MAX_CHOICES}", f"{len(prompts)} x {n}")
@@ -276,12 +306,16 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         "logit_bias": v.get("logit_bias") or {},
         "logprobs": _logprobs_asked(chat, v),
         "include_stop_str_in_output": bool(v.get("include_stop_str_in_output")),
+        "prompt_logprobs": v.get("prompt_logprobs"),
     }
+    if echo and sampling["prompt_logprobs"] is None:
+        sampling["prompt_logprobs"] = sampling["logprobs"]  # vLLM's rule
     messages = tuple(check_messages(body["messages"])) if chat else ()
     req = GenerationRequest(chat=chat, model=v.get("model"), prompts=prompts, messages=messages,
                             n=n, max_tokens=max_tokens, sampling=sampling,
                             stop=v.get("stop", ()), stream=bool(v.get("stream")),
-                            include_usage=bool(v.get("stream_options")))
+                            include_usage=bool(v.get("stream_options")), echo=echo,
+                            score_only=score_only)
     sampling_params(req, max_tokens or 1)  # the ranges, checked by SamplingParams itself
     return req
 
@@ -403,7 +437,8 @@ def logprobs_body(tokens: Sequence[Any], token_text: Callable[[int], str], chat:
     """A choice's `logprobs` for its kept `tokens` (`stop_strings.Token`s with logprob and
     top): chat `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`, or
     the completions legacy `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets in
-    the choice's text). `token_text(id)`: a token's own text."""
+    the choice's text; an echoed first prompt token's logprob and top are null).
+    `token_text(id)`: a token's own text."""
     if chat:
         def entry(t: int, lp: float) -> dict[str, Any]:
             s = token_text(t)
@@ -412,5 +447,24 @@ def logprobs_body(tokens: Sequence[Any], token_text: Callable[[int], str], chat:
                             for t in tokens], "refusal": None}
     return {"tokens": [token_text(t.id) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{token_text(i): v for i, v in t.top} for t in tokens],
+            "top_logprobs": [None if t.logprob is None else {token_text(i): v for i, v in t.top}
+                             for t in tokens],
             "text_offset": [t.start for t in tokens]}
+
+
+def prompt_logprobs_body(prompt: Sequence[int], scores: Sequence[tuple],
+                         token_text: Callable[[int], str]) -> list[dict[int, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id:
+    {logprob, rank, decoded_token}} with the prompt token first and its top alternatives
+    after (one entry per id). `scores`: per token (logprob, rank, [(id, logprob), ...] best
+    first), the engine's. A top entry's rank: 1 + the entries above it with a strictly larger
+    log-probability (ties share a rank, as the prompt token's rank counts)."""
+    out: list[dict[int, Any] | None] = [None]
+    for tok, (lp, rank, top) in zip(prompt[1:], scores[1:], strict=True):
+        entry = {tok: {"logprob": lp, "rank": rank, "decoded_token": token_text(tok)}}
+        for j, (i, v) in enumerate(top):
+            if i not in entry:
+                above = sum(1 for _, u in top[:j] if u > v)
+                entry[i] = {"logprob": v, "rank": 1 + above, "decoded_token": token_text(i)}
+        out.append(entry)
+    return out
