@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         target, head = smoke_pair()
         data = measure(target, head, (1, 2), device="cpu", dtype="float32", prompt_len=24,
-                       repeats=min(a.repeats, 2), timing=dict(warmup=1, blocks=1, block=2))
+                       repeats=min(a.repeats, 2), timing=dict(warmup=0, blocks=1, block=1))
     else:
         from perf.models_8b import build_pair
         target, head = build_pair(device)
