@@ -265,7 +265,7 @@ BAD_PROMPT_LOGPROBS = [
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", "invalid_value"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs", "invalid_value"),
     ("/v1/completions", {"prompt_logprobs": "2"}, "prompt_logprobs", "invalid_type"),
-    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+    ("/v1/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs",
      "invalid_value"),
     ("/v1/completions", {"echo": True, "stream": True}, "echo", "invalid_value"),
     ("/v1/completions", {"echo": "yes"}, "echo", "invalid_type"),

@@ -188,9 +188,9 @@ def _logprobs_asked(chat: bool, v: dict[str, Any]) -> int | None:
 def _echo(v: dict[str, Any], max_tokens: int | None) -> tuple[bool, bool]:
     """(echo, score only) of a parsed body; `prompt_logprobs` and `echo` are refused with
     `stream` (vLLM refuses the first too: the prompt's scores come whole)."""
-    stream = bool(v.get("stream"))
-    for name in ("prompt_logprobs", "echo"):
-        if stream and v.get(name) not in (None, False):
+    asked = {"prompt_logprobs": v.get("prompt_logprobs") is not None, "echo": bool(v.get("echo"))}
+    for name, on in asked.items():
+        if on and v.get("stream"):
             raise ApiError(400, f"{name}: not available with stream: true", param=name,
                            code="invalid_value")
     echo = bool(v.get("echo"))
