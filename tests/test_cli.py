@@ -152,7 +152,8 @@ def test_prompt_needed_and_per_prompt_params_checked():
         gather(None, None)
     with pytest.raises(CliError, match="--prompt-file .*missing.txt: expected a readable"):
         gather(None, "/nonexistent/missing.txt")
-    a = argparse.Namespace(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=["##"])
+    a = build_parser().parse_args(["generate", "--prompt", "x", "--max-new-tokens", "8",
+                                   "--stop", "##"])
     params, stops = sampling_for(a, PromptSpec("x", "--prompt #1"), (257,), 257)
     assert params.max_new_tokens == 8 and stops == ("##",) and params.stop_token_ids == (257,)
     spec = PromptSpec("x", "--prompt-file f.jsonl:4", {"temperature": 0.7, "top_p": 2.0})
