@@ -5,7 +5,6 @@ result. The runs use the shipped pair (or a saved tiny pair) on the CPU, a few t
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
