@@ -288,6 +288,9 @@ def test_cli_logprobs_json_jsonl_keys_and_bad_values(tmp_path, capsys):
     assert all(len(e["top_logprobs"]) == 1 and e["logprob"] <= 0 for e in a["logprobs"])
     prompt = a["prompt_logprobs"]
     assert prompt[0] is None and all(len(e["top_logprobs"]) == 2 for e in prompt[1:])
+    for e in prompt[1:]:  # rank: 1 + the entries likelier than the prompt token
+        above = sum(t["logprob"] > e["logprob"] for t in e["top_logprobs"])
+        assert e["rank"] >= 1 + above and (e["rank"] > 2 or e["rank"] == 1 + above)
     assert len(prompt) == len(b"def f(x):")  # the shipped pair's byte tokens
     for bad in ("21", "-1", "x"):
         assert main([*base, "--prompt", "hi", "--logprobs", bad]) == 2

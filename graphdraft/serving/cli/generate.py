@@ -232,9 +232,10 @@ def _logprob_fields(s: Stream, tokenizer) -> dict[str, Any]:
     if r.prompt_logprobs is not None:
         out["prompt_logprobs"] = [None] + [
             {"token_id": t, "token": tokenizer.decode([t], skip_special_tokens=False),
-             "logprob": lp, "top_logprobs": [{"token_id": i, "logprob": v} for i, v in top]}
-            for t, lp, top in zip(r.prompt[1:], r.prompt_logprobs[1:], r.prompt_top_logprobs[1:],
-                                  strict=True)]
+             "logprob": lp, "rank": rank,
+             "top_logprobs": [{"token_id": i, "logprob": v} for i, v in top]}
+            for t, lp, rank, top in zip(r.prompt[1:], r.prompt_logprobs[1:], r.prompt_ranks[1:],
+                                        r.prompt_top_logprobs[1:], strict=True)]
     return out
 
 
