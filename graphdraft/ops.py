@@ -420,14 +420,19 @@ def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.
 
 
 def apply_draft_logit_controls(logits: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
-                               state, *, col_ids: torch.Tensor | None = None,
+                               state, *, accepted: torch.Tensor | None = None,
+                               accepted_len: torch.Tensor | None = None,
+                               col_ids: torch.Tensor | None = None,
                                col_of: torch.Tensor | None = None,
                                kernels: KernelConfig | None = None) -> None:
     """The same controls on a draft step's logits `[B, Vd]` in place: each row's request as
-    after its committed tokens and the `window [B, W]` drafted since (target ids, -1: none);
-    `col_ids [Vd]` the target id of each draft column, `col_of [V]` its inverse (-1: not in
-    the draft vocabulary); None: the target's vocabulary (`graphdraft.kernels.logit_controls`)."""
-    kw = dict(col_ids=col_ids, col_of=col_of)
+    after its committed tokens (`state.token_counts`), this cycle's accepted tokens not yet
+    counted (`accepted [A, n]`, the first `accepted_len [A]` of row `r // (B / A)`: a tree's
+    beams share their request's row; both None: none pending) and the `window [B, W]`
+    drafted since (target ids, -1: none); `col_ids [Vd]` the target id of each draft column,
+    `col_of [V]` its inverse (-1: not in the draft vocabulary); None: the target's vocabulary
+    (`graphdraft.kernels.logit_controls`)."""
+    kw = dict(accepted=accepted, accepted_len=accepted_len, col_ids=col_ids, col_of=col_of)
     if _kc(kernels).use_triton:
         logit_controls.apply_draft_logit_controls(logits, window, slots, state,
                                                   kernels=_kc(kernels), **kw)
@@ -438,7 +443,8 @@ def apply_draft_logit_controls(logits: torch.Tensor, window: torch.Tensor, slots
 def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
                  counts: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
     """`counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (`[rows, n]`, `[rows]`,
-    `[R, V]` int32: `SlotState.token_counts`; the output counts, after each acceptance)."""
+    `[R, V]` int32: `SlotState.token_counts`; the output counts, in each commit: after the
+    draft, so a cycle that fails before its commit counts nothing)."""
     if _kc(kernels).use_triton:
         logit_controls.count_tokens(tokens, accept, slots, counts, kernels=_kc(kernels))
     else:

@@ -130,11 +130,14 @@ def test_kernel_equals_reference_and_vllm_formula(tree):
     assert not torch.equal(want, logits)  # the controls changed something
 
 
+@pytest.mark.parametrize("group", [0, 1, 2], ids=["no-accepted", "accepted", "beams"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["target-vocab", "draft-vocab"])
-def test_draft_kernel_equals_reference_and_vllm_formula(mapped):
+def test_draft_kernel_equals_reference_and_vllm_formula(mapped, group):
     """A draft step's logits `[B, Vd]`: as the target's row would be after the committed
-    tokens and the row's window of drafts (-1: none), read at the draft columns' target ids
-    (a bias on an id outside the draft vocabulary is dropped)."""
+    tokens, the cycle's accepted tokens not yet counted (the first `accepted_len` of
+    `accepted` row `r // group`; group 0: none given) and the row's window of drafts (-1:
+    none), read at the draft columns' target ids (a bias on an id outside the draft
+    vocabulary is dropped)."""
     torch.manual_seed(6)
     v = 37
     vd = 23 if mapped else v
@@ -149,6 +152,12 @@ def test_draft_kernel_equals_reference_and_vllm_formula(mapped):
     window[0, 2] = -1
     logits = torch.randn(6, vd) * 3
     ids = col_ids if mapped else torch.arange(v)
+    acc = dict(accepted=None, accepted_len=None)
+    if group:
+        a = 6 // group
+        acc = dict(accepted=torch.randint(0, v, (a, 4)),
+                   accepted_len=torch.tensor([4, 0, 2, 1, 3, 4][:a], dtype=torch.int32))
+        acc["accepted"][0, :2] = torch.tensor([5, 5])  # a repeat: counted twice
     want = logits.clone()
     for r, s in enumerate(slots.tolist()):
         if s in (0, 5):
@@ -158,14 +167,44 @@ def test_draft_kernel_equals_reference_and_vllm_formula(mapped):
         full = torch.zeros(v)
         full[ids] = logits[r]
         win = [t for t in window[r].tolist() if t >= 0]
+        if group:
+            ra = r // group
+            win += acc["accepted"][ra, : int(acc["accepted_len"][ra])].tolist()
         want[r] = vllm_penalised(full, prompt, output + win, cols["repetition_penalty"],
                                  cols["frequency_penalty"], cols["presence_penalty"], bias)[ids]
     for kc in (TORCH, TRITON):
         got = logits.clone()
         ops.apply_draft_logit_controls(got, window, slots, _slot_state(v), col_ids=col_ids,
-                                       col_of=col_of, kernels=kc)
+                                       col_of=col_of, kernels=kc, **acc)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=str(kc.backend))
     assert not torch.equal(want, logits)
+    if group:  # the accepted tokens changed something
+        plain = logits.clone()
+        ops.apply_draft_logit_controls(plain, window, slots, _slot_state(v), col_ids=col_ids,
+                                       col_of=col_of, kernels=TORCH)
+        assert not torch.equal(plain, want)
+
+
+@pytest.mark.parametrize("kc", [TORCH, TRITON], ids=["torch", "triton"])
+def test_draft_kernel_rejects_bad_accepted_writing_nothing(kc):
+    v = 37
+    logits = torch.randn(6, v)
+    before = logits.clone()
+    window = torch.full((6, 1), -1)
+    slots = torch.tensor([1, 2, 3, 4, 5, 0])
+    tok = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^accepted_len: expected a tensor exactly when"):
+        ops.apply_draft_logit_controls(logits, window, slots, _slot_state(v), accepted=tok[:3],
+                                       kernels=kc)
+    with pytest.raises(ValueError, match=r"^accepted: expected a number of rows dividing"):
+        ops.apply_draft_logit_controls(logits, window, slots, _slot_state(v), accepted=tok,
+                                       accepted_len=torch.ones(4, dtype=torch.int32),
+                                       kernels=kc)
+    with pytest.raises(ValueError, match=r"^accepted_len: expected"):
+        ops.apply_draft_logit_controls(logits, window, slots, _slot_state(v), accepted=tok[:3],
+                                       accepted_len=torch.ones(2, dtype=torch.int32),
+                                       kernels=kc)
+    assert torch.equal(logits, before)
 
 
 def test_kernel_in_bfloat16_rounds_once_per_launch_alike():

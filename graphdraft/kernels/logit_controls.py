@@ -1,7 +1,6 @@
 """Logit controls on device: logit_bias and the repetition / frequency / presence penalties of
 each row's request, applied in place to the target's verify logits before the acceptance (and
-to the drafters' logits), and the per-slot token counts they read (counted after each
-acceptance).
+to the drafters' logits), and the per-slot token counts they read (counted at each commit).
 
 Verify logits `logits [rows * N, V]`: row `r * N + j` predicts the token after candidate j of
 row r (`cand [rows, N]`: column 0 the last verified token, 1.. the drafts; a tree: node j of
@@ -28,14 +27,19 @@ flag or `out > 0`, in fp32 (vLLM's order and formulas):
 stored back in the logits' dtype after each of the two launches. Rows whose request sets no
 penalty (rep 1, freq 0, pres 0) and no bias read only their slot's four scalars.
 
-`count_tokens` (after each acceptance, before the draft): `counts[slots[r], tokens[r, j]] +=
-1` for j < accept[r] (rows with accept 0, inert or mid-prompt, add nothing). Admission
-(`SlotState.admit`) resets a slot's row to its prompt flags.
+`count_tokens` (in the commit, after the draft: a cycle that fails before its commit leaves
+the counts untouched): `counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (rows with
+accept 0, inert or mid-prompt, add nothing). Admission (`SlotState.admit`) resets a slot's
+row to its prompt flags.
 
 A draft step's logits (`apply_draft_logit_controls`, the drafter proposing under the same
-controls so that its proposals are the ones the verify accepts): one position per row, the
-row's `window` of tokens drafted since the last acceptance counted as emitted; a draft
-vocabulary maps column c to target id `col_ids[c]` (bias entries outside it are dropped).
+controls so that its proposals are the ones the verify accepts): one position per row, two
+windows of tokens counted as emitted beside `counts` (through the last commit): the row's
+`window [B, W]` drafted since the acceptance (-1: none), and this cycle's accepted tokens,
+not yet counted, `accepted [A, n]` with `accepted_len [A]` (entries j < accepted_len
+count), read by row `r // (B / A)` (a tree's beams `r * k + b` share their request row's);
+a draft vocabulary maps column c to target id `col_ids[c]` (bias entries outside it are
+dropped).
 
 Graph-capturable (no host sync, fixed shapes). The torch references (`*_ref`) compute the same
 in the same order.
@@ -89,15 +93,18 @@ def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len,
         tl.store(row + ids, x.to(logits.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["N", "NC", "stride_c", "stride_p", "stride_k"],
-            do_not_specialize_on_alignment=["logits", "cand", "path", "slots"])
+@triton.jit(do_not_specialize=["N", "NC", "stride_c", "stride_p", "stride_k", "stride_a", "NA",
+                               "G"],
+            do_not_specialize_on_alignment=["logits", "cand", "path", "slots", "acc",
+                                            "acc_len"])
 def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, done, counts,
-                    stride_k, rep_t, freq_t, pres_t, col_ids, N, NC, V, MODE: tl.constexpr,
-                    MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+                    stride_k, rep_t, freq_t, pres_t, col_ids, acc, stride_a, acc_len, N, NC, V,
+                    NA, G, MODE: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
     """Program (r * N + j, block): the penalties of the module docstring on one block of
     columns. MODE 0 (chain): candidates 1..j count; 1 (tree): the set bits of path[r, j] but
-    bit 0; 2 (a draft's window): every one of the row's NC tokens (-1: none). MAPPED: column
-    c scores token `col_ids[c]` (a draft vocabulary's target ids)."""
+    bit 0; 2 (a draft step): every one of the row's NC window tokens (-1: none), and the
+    accepted tokens `acc[r // G, m]` for m < acc_len[r // G] (NA columns; 0: none). MAPPED:
+    column c scores token `col_ids[c]` (a draft vocabulary's target ids)."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     r = pid // N
@@ -132,6 +139,12 @@ def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, don
             else:
                 on = t >= 0
             out += ((tid == t) & on).to(tl.int32)
+        if MODE == 2:
+            ra = (r // G).to(tl.int64)
+            na = tl.load(acc_len + ra)
+            for m in range(0, NA):
+                t = tl.load(acc + ra * stride_a + m).to(tl.int64)
+                out += ((tid == t) & (m < na) & (t >= 0)).to(tl.int32)
         row = logits + pid.to(tl.int64) * stride_l
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
         seen = prompt | (out > 0)
@@ -177,8 +190,24 @@ def _check_vocab(logits, state, col_ids, col_of) -> None:
     expect_tensor("col_of", col_of, shape=(v,), layout="contiguous")
 
 
+def _check_accepted(rows: int, accepted, accepted_len) -> int:
+    """The draft rows per accepted row (`G`; 1 without accepted tokens)."""
+    if (accepted is None) != (accepted_len is None):
+        raise ValueError("accepted_len: expected a tensor exactly when accepted is given "
+                         f"(accepted is {'None' if accepted is None else 'given'})")
+    if accepted is None:
+        return 1
+    expect_tensor("accepted", accepted, shape=("A", "n"), layout="rows")
+    a = accepted.shape[0]
+    expect_tensor("accepted_len", accepted_len, shape=(a,), layout="contiguous")
+    if (a == 0 and rows) or (a and rows % a):
+        raise ValueError(f"accepted: expected a number of rows dividing the logits' {rows} "
+                         f"rows, got {a}")
+    return rows // a if a else 1
+
+
 def _launch(logits, cand, slots, state, path, *, mode: int, positions: int, col_ids=None,
-            col_of=None) -> None:
+            col_of=None, accepted=None, accepted_len=None, group: int = 1) -> None:
     rows, nc = cand.shape
     v, w = logits.shape[1], state.bias_ids.shape[1]
     mapped = col_ids is not None
@@ -188,11 +217,14 @@ def _launch(logits, cand, slots, state, path, *, mode: int, positions: int, col_
         WP2=triton.next_power_of_2(max(w, 1)), num_warps=4)
     block = min(2048, triton.next_power_of_2(v))
     counts = state.token_counts
+    acc = accepted is not None
     _penalty_kernel[(rows * positions, triton.cdiv(v, block))](
         logits, logits.stride(0), cand, cand.stride(0), path if path is not None else cand,
         path.stride(0) if path is not None else 0, slots, state.done, counts, counts.stride(0),
         state.repetition_penalty, state.frequency_penalty, state.presence_penalty,
-        col_ids if mapped else slots, positions, nc, v, MODE=mode, MAPPED=mapped, BLOCK=block,
+        col_ids if mapped else slots, accepted if acc else cand,
+        accepted.stride(0) if acc else 0, accepted_len if acc else slots, positions, nc, v,
+        accepted.shape[1] if acc else 0, group, MODE=mode, MAPPED=mapped, BLOCK=block,
         num_warps=4)
 
 
@@ -212,18 +244,23 @@ def apply_logit_controls(logits: torch.Tensor, cand: torch.Tensor, slots: torch.
 
 
 def apply_draft_logit_controls(logits: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
-                               state, *, col_ids: torch.Tensor | None = None,
+                               state, *, accepted: torch.Tensor | None = None,
+                               accepted_len: torch.Tensor | None = None,
+                               col_ids: torch.Tensor | None = None,
                                col_of: torch.Tensor | None = None,
                                kernels: KernelConfig | None = None) -> None:
     """Triton path of `ops.apply_draft_logit_controls`: a draft step's logits `[B, Vd]` in
-    place, as the target's would be after the row's committed tokens and the `window [B, W]`
-    (target ids; -1: none) drafted since. `col_ids [Vd]`: the target id of each draft column
-    (None: Vd = V), `col_of [V]`: its inverse (-1: not in the draft vocabulary)."""
+    place, as the target's would be after the row's committed tokens (`counts`), this cycle's
+    accepted tokens `accepted [A, n]` (target ids; the first `accepted_len [A]` of row
+    `r // (B / A)`; both None: none) and the `window [B, W]` (target ids; -1: none) drafted
+    since. `col_ids [Vd]`: the target id of each draft column (None: Vd = V), `col_of [V]`:
+    its inverse (-1: not in the draft vocabulary)."""
     rows = _check(logits, window, slots, state, None, 1)
     _check_vocab(logits, state, col_ids, col_of)
+    group = _check_accepted(rows, accepted, accepted_len)
     if rows:
         _launch(logits, window, slots, state, None, mode=2, positions=1, col_ids=col_ids,
-                col_of=col_of)
+                col_of=col_of, accepted=accepted, accepted_len=accepted_len, group=group)
 
 
 def count_tokens(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,
@@ -269,6 +306,19 @@ def _path_counts(cand: torch.Tensor, path: torch.Tensor | None, v: int,
     valid = ((cand >= 0) & (cand < v)).to(torch.int32)[:, :, None]
     return torch.einsum("rjm,rmv->rjv", on.to(torch.float32),
                         (onehot * valid).to(torch.float32)).round().to(torch.int32)
+
+
+def _accepted_counts(accepted: torch.Tensor, accepted_len: torch.Tensor, v: int,
+                     group: int) -> torch.Tensor:
+    """`[A * group, 1, V]` int32: occurrences of each token among row `r // group`'s first
+    `accepted_len` accepted tokens."""
+    a, n = accepted.shape
+    on = torch.arange(n, device=accepted.device) < accepted_len.to(torch.int64)[:, None]
+    on = on & (accepted >= 0) & (accepted < v)
+    tok = accepted.to(torch.int64).clamp(0, v - 1)
+    out = torch.zeros(a, v, dtype=torch.int32, device=accepted.device)
+    out.scatter_add_(1, tok, on.to(torch.int32))
+    return out.repeat_interleave(group, 0).unsqueeze(1)
 
 
 def _controls_ref(logits, extra, slots, state, positions: int, col_ids=None) -> None:
@@ -318,15 +368,20 @@ def apply_logit_controls_ref(logits: torch.Tensor, cand: torch.Tensor, slots: to
 
 def apply_draft_logit_controls_ref(logits: torch.Tensor, window: torch.Tensor,
                                    slots: torch.Tensor, state, *,
+                                   accepted: torch.Tensor | None = None,
+                                   accepted_len: torch.Tensor | None = None,
                                    col_ids: torch.Tensor | None = None,
                                    col_of: torch.Tensor | None = None) -> None:
     """Torch path of `apply_draft_logit_controls` (same checks, same in-place writes)."""
     rows = _check(logits, window, slots, state, None, 1)
     _check_vocab(logits, state, col_ids, col_of)
+    group = _check_accepted(rows, accepted, accepted_len)
     if rows:
         v = state.token_counts.shape[1]
-        _controls_ref(logits, _path_counts(window, None, v, window=True), slots, state, 1,
-                      col_ids)
+        extra = _path_counts(window, None, v, window=True)
+        if accepted is not None:
+            extra = extra + _accepted_counts(accepted, accepted_len, v, group)
+        _controls_ref(logits, extra, slots, state, 1, col_ids)
 
 
 def count_tokens_ref(tokens: torch.Tensor, accept: torch.Tensor, slots: torch.Tensor,

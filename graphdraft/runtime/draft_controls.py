@@ -5,8 +5,12 @@ The verify applies each request's logit_bias and penalties to the target's logit
 the verify then rejects (a banned id, a repeated one). `DraftControls` holds what the drafters
 (`runtime.drafter.EagleDrafter`, `runtime.tree_drafter.TreeDrafter`) hand to
 `ops.apply_draft_logit_controls` on each draft step's logits: the Engine's `SlotState` (counts
-through the last acceptance, bias tables, penalty columns) and the draft vocabulary's map to
-target ids. Proposals never change what is emitted, only how often it is accepted.
+through the last commit, bias tables, penalty columns) and the draft vocabulary's map to
+target ids. The draft runs between the acceptance and the commit that counts its tokens (a
+cycle that fails before its commit changes no count), so each drafter also hands the
+kernel this cycle's accepted tokens and accept lengths (the chain: its first-step ids; the
+tree: the accepted path's tokens) as a second window. Proposals never change what is
+emitted, only how often it is accepted.
 """
 
 from __future__ import annotations

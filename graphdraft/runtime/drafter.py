@@ -115,6 +115,10 @@ class EagleDrafter:
         self.controls: DraftControls | None = None
         """The Engine's logit controls (`bind`): drafts proposed under the rows' penalties
         and logit_bias (None: a standalone drafter, the head's own greedy pick)."""
+        self.mixed_accepted = torch.full((cfg.max_bs, self.N), -1, dtype=torch.int64,
+                                         device=self.device)
+        """`[max_bs, N]`: a prefill / mixed step's accepted tokens per row (a prefill row's
+        first token in column 0), staged by `run` for the draft controls (`_accepted`)."""
 
     def _use_head_kernels(self) -> None:
         """Point the head's layers at this drafter's kernel path (a head shared by two drafters
@@ -189,22 +193,36 @@ class EagleDrafter:
                         self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
                         ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1],
                         hidden_out=b.hidden[:bs])
-        self._controlled_pick(out, req, None, b.next_tokens[:bs, 1])
+        self._controlled_pick(out, req, None, b.next_tokens[:bs, 1],
+                              self._accepted(bs, n if ne == 0 else None))
         return b.next_tokens[:bs]
 
+    def _accepted(self, bs: int, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's accepted tokens and their lengths `accept_lengths[:bs]`, which the
+        draft controls count as emitted (the Engine's commit counts them after the draft): a
+        decode batch's are its first-step ids viewed `[bs, n]` (n tokens a row); a prefill /
+        mixed step's (n None) are `mixed_accepted[:bs]` (`run` stages them)."""
+        b = self.bufs
+        if n is None:
+            return self.mixed_accepted[:bs], b.accept_lengths[:bs]
+        return b.first_input_ids[: bs * n].view(bs, n), b.accept_lengths[:bs]
+
     def _controlled_pick(self, out, req: torch.Tensor, window: torch.Tensor | None,
-                         tokens_out: torch.Tensor) -> None:
+                         tokens_out: torch.Tensor,
+                         accepted: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Under the rows' logit controls (`controls`): the draft step's logits `out.logits
-        [B, Vd]` transformed in place (the rows' committed tokens and `window [B, W]`, the
-        drafts since, counted as emitted) and the pick redone into `out.ids` and
-        `tokens_out` (rows without controls pick what the head picked: their logits are
-        unchanged). Graph-capturable; nothing without controls."""
+        [B, Vd]` transformed in place (the rows' committed tokens, this step's `accepted`
+        tokens (`[B, n]`, lengths `[B]`: `_accepted`) and `window [B, W]`, the drafts since,
+        counted as emitted) and the pick redone into `out.ids` and `tokens_out` (rows
+        without controls pick what the head picked: their logits are unchanged).
+        Graph-capturable; nothing without controls."""
         c = self.controls
         if c is None:
             return
         kc = self.cfg.kernels
         win = window if window is not None else c.no_window[: req.shape[0]]
-        ops.apply_draft_logit_controls(out.logits, win, req, c.slots, col_ids=c.col_ids,
+        ops.apply_draft_logit_controls(out.logits, win, req, c.slots, accepted=accepted[0],
+                                       accepted_len=accepted[1], col_ids=c.col_ids,
                                        col_of=c.col_of, kernels=kc)
         ops.argmax_with_map(out.logits, self.head.hot_token_ids, out=out.ids,
                             tokens_out=tokens_out, kernels=kc)
@@ -229,15 +247,18 @@ class EagleDrafter:
         else:
             self._first_step(bs, bs * w, 0, hidden, n=w, kv_only=k == 0)
         if k > 1:
-            self._multi_step(bs, k)
+            self._multi_step(bs, k, accepted_width=w)
         if k < self.S:
             nt = self.bufs.next_tokens[:bs]
             nt[:, k + 1:].copy_(nt[:, k: k + 1].expand(bs, self.S - k))
         return self.bufs.next_tokens[:bs]
 
-    def _multi_step(self, bs: int, k: int | None = None):
-        """Draft steps 2..k (default S) for `bs` rows; writes next_tokens[:bs, 2:k + 1]."""
+    def _multi_step(self, bs: int, k: int | None = None, accepted_width: int | None = None):
+        """Draft steps 2..k (default S) for `bs` rows; writes next_tokens[:bs, 2:k + 1].
+        `accepted_width`: a decode batch's tokens a row (its accepted tokens are the
+        first-step ids, `_accepted`); None: a prefill / mixed step's (staged by `run`)."""
         b, steps = self.bufs, (self.S if k is None else k)
+        accepted = self._accepted(bs, accepted_width)
         req = self.inputs.req_pool_indices[:bs]
         write_start = b.write_start[:bs]
         locs = b.out_cache_loc[: (steps - 1) * bs]
@@ -252,7 +273,7 @@ class EagleDrafter:
             out = self.head(ids, positions, hidden, locs[i - 1], self.kv_pool.layer(0),
                             self.backend, metadata, tokens_out=b.next_tokens[:bs, i + 1])
             self._controlled_pick(out, req, b.next_tokens[:bs, 1: i + 1],
-                                  b.next_tokens[:bs, i + 1])
+                                  b.next_tokens[:bs, i + 1], accepted)
             ids, hidden = out.ids, out.hidden
             if i + 1 < steps:
                 ops.advance_positions_and_seq_lens(seq_lens, positions,
@@ -380,6 +401,8 @@ class EagleDrafter:
             else:
                 b.accept_lengths[:bs].copy_(accept_lengths)
                 self._prepare_mixed_ids(ctx, output_tokens)
+                if self.controls is not None:
+                    self._stage_mixed_accepted(ctx, output_tokens)
             if mode == "deferred":
                 self._device_checks(ctx)
 
@@ -406,6 +429,16 @@ class EagleDrafter:
         """`next_tokens[:bs]` `[bs, S + 1]`: cloned, or the persistent view itself."""
         out = self.bufs.next_tokens[:bs]
         return out.clone() if copy else out
+
+    def _stage_mixed_accepted(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
+        """`mixed_accepted[:bs]` from a prefill / mixed step's `output_tokens` (a prefill
+        row's first token into column 0, a decode row's N tokens), read with
+        `accept_lengths` by the draft controls (`_accepted`)."""
+        ne, nd, n = ctx.num_extends, ctx.num_decodes, self.N
+        acc = self.mixed_accepted
+        acc[:ne, 0].copy_(output_tokens[:ne])
+        if nd:
+            acc[ne: ne + nd].copy_(output_tokens[ne: ne + nd * n].view(nd, n))
 
     def _prepare_mixed_ids(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
         """First-step ids of a prefill/mixed batch: shifted prompt ids, then decode rows' outputs."""

@@ -50,9 +50,11 @@ class DraftBinding:
     graphs_enabled  whether CUDA graphs are captured at all (off: every forward runs eagerly)
     on_oom          "drop" or "raise": what a capture that runs out of memory does
     slots           the Engine's `SlotState` (None: not given): a drafter may read the rows'
-                    logit controls there (penalties, counts, logit_bias; counted through this
-                    cycle's accepted tokens when `draft` runs) to propose what the verify,
-                    which applies them, accepts (`ops.apply_draft_logit_controls`)
+                    logit controls there (penalties, counts, logit_bias; counted through the
+                    last commit when `draft` runs: this cycle's accepted tokens, in
+                    `accepted_tokens` within `accept_lengths`, are counted in the commit
+                    after it) to propose what the verify, which applies them, accepts
+                    (`ops.apply_draft_logit_controls`, its `accepted` window)
     """
 
     cfg: RuntimeConfig

@@ -17,8 +17,8 @@ Tables (R = max_running_requests + 1, S = speculative_num_steps, W = stop_table_
                              0..29) | `PROMPT_FLAG` (bit 30) when it occurs in the prompt:
                              what the penalties read (repetition_penalty: prompt and output,
                              frequency / presence: output only, vLLM's convention). Reset to
-                             the prompt's flags at admission, counted after each
-                             acceptance (`ops.count_tokens`); 4 * R * V bytes (e.g. 65
+                             the prompt's flags at admission, counted in each cycle's
+                             commit (`ops.count_tokens`); 4 * R * V bytes (e.g. 65
                              slots x 128256 ids: 33 MB), allocated once with the others.
   bias_ids     [R, B] int32  the request's `logit_bias` ids (B = `sampling.MAX_LOGIT_BIAS`),
   bias_values  [R, B] float32  their biases, and

@@ -120,8 +120,9 @@ class TreeDrafter:
         self.controls: DraftControls | None = None
         """The Engine's logit controls (`serving.tree_cycle.EngineTrees` sets them; None: the
         head's own logits): every level's logits transformed as the verify transforms the
-        target's, each beam's path so far (`beam_window [max_bs*k, K-1]`, target ids, -1
-        unused) counted as emitted."""
+        target's, the cycle's accepted path not yet counted (`expand`'s `accepted`) and each
+        beam's path so far (`beam_window [max_bs*k, K-1]`, target ids, -1 unused) counted
+        as emitted."""
 
     @property
     def use_triton(self) -> bool:
@@ -160,14 +161,18 @@ class TreeDrafter:
     def expand(self, bs: int, logits: torch.Tensor, hidden: torch.Tensor, req: torch.Tensor,
                prefix: torch.Tensor, root: torch.Tensor,
                ids: torch.Tensor | None = None,
-               temperature: torch.Tensor | None = None) -> TreeBuffers:
+               temperature: torch.Tensor | None = None,
+               accepted: tuple[torch.Tensor, torch.Tensor] | None = None) -> TreeBuffers:
         """Level 1 from `logits [bs, Vd]` / `hidden [bs, H]`, the K-1 beam steps, the tree
         build (root token `root [bs]`, prefix `prefix [bs]` = Ld, the root's position);
         returns `tree.rows(bs)`. `ids [bs]`: the head's greedy target ids of `logits` (k = 1:
         chain's own selection, used as the level-1 tokens). `temperature [bs]` float32: the
         rows' sampling temperatures (0: greedy); rows with T > 0 score candidates by the
         draft's log-probs at T (`runtime.beams`, "Scores"), unless `rank_at_temperature` is
-        False (then every row at T 1, as greedy)."""
+        False (then every row at T 1, as greedy). `accepted`: the rows' tokens accepted
+        this cycle and not yet counted (`[bs, P]` and their lengths `[bs]`: a decode cycle's
+        path, counted in its commit after this draft; None: nothing pending), which the
+        logit controls count as emitted at every level."""
         spec, k = self.spec, self.spec.topk
         expect_tensor("hidden", hidden, shape=(bs, self.head.config.hidden_size))
         for name, t in (("req", req), ("prefix", prefix), ("root", root)):
@@ -179,7 +184,7 @@ class TreeDrafter:
         temp = temperature if (self.rank_at_temperature and not chain) else None
         ctl = self.controls is not None
         if ctl:  # the pick is redone from the transformed logits (chain: no head ids)
-            self._controlled(logits, req, None)
+            self._controlled(logits, req, None, accepted)
         first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
                    greedy_ids=ids if chain and not ctl else None, temperature=temp)
         if ctl:
@@ -208,7 +213,8 @@ class TreeDrafter:
             out = self.head(self.beam_ids[:bk], self.beam_pos[:bk], hid_in, self.beam_loc[:bk],
                             self.kv.layer(0), self.backend, meta, hidden_out=hid_out)
             if ctl:
-                self._controlled(out.logits, self.beam_req[:bk], self.beam_window[:bk, :j])
+                self._controlled(out.logits, self.beam_req[:bk], self.beam_window[:bk, :j],
+                                 accepted)
             decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
                         hid_out=hid_out, hid_next=hid_in,
                         greedy_ids=out.ids if chain and not ctl else None, temperature=temp)
@@ -220,13 +226,17 @@ class TreeDrafter:
         return tree
 
     def _controlled(self, logits: torch.Tensor, slots: torch.Tensor,
-                    window: torch.Tensor | None) -> None:
+                    window: torch.Tensor | None,
+                    accepted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """`logits [R, Vd]` in place under the rows' logit controls (`slots [R]`, `window
-        [R, j]` the beams' paths; None: level 1, nothing drafted yet)."""
+        [R, j]` the beams' paths; None: level 1, nothing drafted yet; `accepted` `[bs, P]`,
+        `[bs]`: the requests' pending accepted tokens, R = bs or bs * k beams)."""
         c = self.controls
         win = window if window is not None else c.no_window[: slots.shape[0]]
-        ops.apply_draft_logit_controls(logits, win, slots, c.slots, col_ids=c.col_ids,
-                                       col_of=c.col_of, kernels=self.kernels)
+        tok, lens = accepted if accepted is not None else (None, None)
+        ops.apply_draft_logit_controls(logits, win, slots, c.slots, accepted=tok,
+                                       accepted_len=lens, col_ids=c.col_ids, col_of=c.col_of,
+                                       kernels=self.kernels)
 
     def _window_start(self, bs: int) -> None:
         """Each beam's path after level 1: its token."""

@@ -230,13 +230,16 @@ class TreeCycle:
 
     def draft_and_commit(self, bs: int) -> torch.Tensor:
         """The drafter's first step (L, accept_len), L += accept_len, the beam steps and tree
-        build (root = bonus); returns pack[:bs] `[bs, P + 1]`."""
+        build (root = bonus; the logit controls, when set, count the accepted path
+        `out_tokens` within accept_len as emitted: the Engine counts it after this draft);
+        returns pack[:bs] `[bs, P + 1]`."""
         d, P = self.drafter, self.spec.P
         logits, hidden, ids = d.first_step(bs, self.req[:bs], self.prefix_len[:bs],
                                            self.accept_len[:bs])
         self.prefix_len[:bs].copy_(d.prefix[:bs])
         d.expand(bs, logits, hidden, self.req[:bs], self.prefix_len[:bs], self.bonus[:bs], ids,
-                 temperature=self.temperature[:bs] if self.sampling else None)
+                 temperature=self.temperature[:bs] if self.sampling else None,
+                 accepted=(self.out_tokens(bs), self.accept_len[:bs]))
         self.pack[:bs, :P].copy_(self.out_tokens(bs))
         self.pack[:bs, P].copy_(self.accept_len[:bs])
         return self.pack[:bs]
@@ -566,9 +569,11 @@ class EngineTrees:
                 accept kernel rules, a stop token winning over the length limit at one position)
       logprobs  rows that asked: the path's tokens scored from their nodes' logits
                 (`token_logprobs`) into `CycleBuffers.logprobs`
-      count     `ops.count_tokens` of the out tokens within the cut (the penalties' counts)
-      compact, draft_and_commit (TreeCycle), SlotTrees.store
-      commit    `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
+      compact, draft_and_commit (TreeCycle: the beams' logit controls count the accepted
+                path within the cut as emitted), SlotTrees.store
+      commit    `ops.count_tokens` of the out tokens within the cut (the penalties' counts,
+                only now: a cycle that fails before its commit counts nothing), then
+                `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
                 last_token, emitted, done; pack `[bs, n + 3]`)
     `expand_prefilled` drafts the first tree of requests whose last prefill chunk ran (from
     the chain drafter's first-step hidden state at the prompt's last token).
@@ -626,12 +631,12 @@ class EngineTrees:
                                  kernels=self.drafter.kernels)
         c.accept(bs, out.logits)
         self.stop_cut(bs, c, live)
-        ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
-                         kernels=self.drafter.kernels)
         self.token_logprobs(bs, c, out.logits)
         c.compact(bs)
         c.draft_and_commit(bs)
         self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
+        ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
+                         kernels=self.drafter.kernels)
         ops.commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
                         err=cb.err[:bs], req=c.req[:bs], seq_lens=c.v_seq[:bs], vcl=self.vcl,
                         last_token=st.last_token, drafts=st.drafts, emitted=st.emitted,

@@ -8,13 +8,16 @@ state, the graph registry). `DecodeMode` holds it and the device functions of a 
   verify   the target over the prepared rows (`target_decode`)
   accept   the logit controls in place on the verify logits (`ops.apply_logit_controls`:
            logit_bias, penalties), then the acceptance kernel (greedy and sampled rows, stop
-           ids, max_new; reads the sampling columns of `SlotState`), then the accepted
-           tokens' counts (`ops.count_tokens`: read by the penalties and the draft after it)
+           ids, max_new; reads the sampling columns of `SlotState`)
   logprobs rows that asked (`SlotState.logprobs` >= 0): the emitted tokens' log-probabilities
            and top alternatives from the same logits (`ops.token_logprobs`) into
            `CycleBuffers.logprobs`, read back with the pack (one copy: `CycleBuffers.wire`)
-  commit   valid_cache_lengths, last_token, drafts, emitted, done; the pack row
-           `[N + 3]` (tokens, accept, finish, error bits) the host reads one step late
+  draft    (a drafter's mode) proposals under the same controls, this cycle's accepted
+           tokens counted as emitted beside the counts (`ops.apply_draft_logit_controls`)
+  commit   the accepted tokens' counts (`ops.count_tokens`: the penalties' output counts,
+           updated only here, so a cycle that fails before its commit changes no count);
+           valid_cache_lengths, last_token, drafts, emitted, done; the pack row `[N + 3]`
+           (tokens, accept, finish, error bits) the host reads one step late
 A mode (`TargetOnlyMode`, `ChainMode`, `SplitChainMode` in `cycles.chain`; `TreeMode` in
 `graphdraft.serving.tree_cycle`) is chosen once, when the Engine is built; the Engine's step
 calls the same members whatever the mode (`DecodeMode`'s interface below).
@@ -196,9 +199,9 @@ class DecodeMode:
         `slots`: the rows' slots as prepared (0 for padded, done and flagged rows: inert);
         writes `tokens [rows, n]` and `draft_accept [rows]` (the drafter's accept lengths).
         First the rows' logit controls (`ops.apply_logit_controls`: logit_bias, penalties) in
-        place on `logits`: every later reader (the acceptance, log-probabilities) sees them;
-        after it the accepted tokens are counted (`ops.count_tokens`: the penalties' output
-        counts, which the drafter's proposals after this acceptance read)."""
+        place on `logits`: every later reader (the acceptance, log-probabilities) sees them.
+        Writes no per-slot state: the accepted tokens are counted in `commit` (after the
+        draft, whose proposals count them as emitted from `tokens` and the accept lengths)."""
         p = self.parts
         cb = p.cycle
         cand = p.inputs.input_ids[tok0: tok0 + rows * n].view(rows, n)
@@ -207,8 +210,6 @@ class DecodeMode:
                           tokens=tokens, accept=cb.accept[row0: row0 + rows],
                           draft_accept=draft_accept, finish=cb.finish[row0: row0 + rows],
                           err=cb.err[row0: row0 + rows], kernels=p.cfg.kernels)
-        ops.count_tokens(tokens, cb.accept[row0: row0 + rows], slots, p.slots.token_counts,
-                         kernels=p.cfg.kernels)
         self.token_logprobs(row0, logits, slots, tokens)
 
     def token_logprobs(self, row0: int, logits: torch.Tensor, slots: torch.Tensor,
@@ -226,13 +227,17 @@ class DecodeMode:
 
     def commit(self, row0: int, rows: int, tokens: torch.Tensor,
                next_tokens: torch.Tensor | None, prefill: bool) -> None:
-        """State after the step for rows [row0, row0 + rows): valid_cache_lengths (decode:
-        += accept; prefill rows: their seq len), last_token, drafts `next_tokens [rows, S + 1]`
-        (None: no drafter), emitted, done; then the rows' pack. Rows that accepted nothing
-        (inert, mid-chunk) change no slot's tokens."""
+        """State after the step for rows [row0, row0 + rows): the accepted `tokens [rows, n]`
+        counted (`ops.count_tokens` into `SlotState.token_counts`, at the rows' prepared
+        slots), valid_cache_lengths (decode: += accept; prefill rows: their seq len),
+        last_token, drafts `next_tokens [rows, S + 1]` (None: no drafter), emitted, done; then
+        the rows' pack. Rows that accepted nothing (inert, mid-chunk) change no slot's
+        tokens or counts."""
         p = self.parts
         cb, st, ib = p.cycle, p.slots, p.inputs
         sl = slice(row0, row0 + rows)
+        ops.count_tokens(tokens, cb.accept[sl], ib.req_pool_indices[sl], st.token_counts,
+                         kernels=p.cfg.kernels)
         ops.commit_pack(tokens, next_tokens[:rows] if next_tokens is not None else None,
                         accept=cb.accept[sl], finish=cb.finish[sl], err=cb.err[sl],
                         req=ib.req_pool_indices[sl], seq_lens=ib.seq_lens[sl],
