@@ -23,7 +23,7 @@ import torch
 from graphdraft import ops
 from graphdraft.kernels.accept import accept_ref
 from graphdraft.kernels.config import TORCH, TRITON
-from graphdraft.kernels.logit_controls import PROMPT_FLAG
+from graphdraft.kernels.logit_controls import COUNT_MASK, PROMPT_FLAG
 from graphdraft.kernels.tree_accept import tree_accept_ref
 from graphdraft.runtime.slot_state import SlotState
 from graphdraft.runtime.tree import TreeSpec
@@ -488,6 +488,46 @@ def test_the_drafter_proposes_under_the_controls(mode):
     without, out_without = drafts(params, controls=False)
     assert set(without) & set(banned)
     assert out == out_without and not set(t for o in out for t in o) & set(banned)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_draft_controls_see_the_cycles_accepted_tokens(pair, monkeypatch, mode):
+    """The counts change only in the commit, after the draft; every draft step's controls
+    see, per live row, the slot's counts plus its accepted window, which equals the slot's
+    counts once the step committed (decode cycles, prefill / mixed steps, requests joining)."""
+    target, head = pair
+    extra = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
+    eng = Engine(target, runtime(**extra), head, eos_token_id=None)
+    real = ops.apply_draft_logit_controls
+    seen: list[tuple[int, torch.Tensor]] = []
+
+    def spy(logits, window, slots, state, *, accepted=None, accepted_len=None, **kw):
+        group = slots.shape[0] // accepted.shape[0] if accepted is not None else 1
+        for r, s in enumerate(slots.tolist()):
+            if s == 0 or state.done[s]:
+                continue
+            c = state.token_counts[s] & COUNT_MASK
+            if accepted is not None:
+                ra = r // group
+                for t in accepted[ra, : int(accepted_len[ra])].tolist():
+                    c[t] += 1
+            seen.append((s, c))
+        real(logits, window, slots, state, accepted=accepted, accepted_len=accepted_len, **kw)
+
+    monkeypatch.setattr(ops, "apply_draft_logit_controls", spy)
+    params = _controls(8)
+    reqs = [eng.add_request(p, q) for p, q in zip(PROMPTS[:2], params[:2], strict=True)]
+    checked, step = 0, 0
+    while eng.has_work or step < 2:
+        if step == 2:
+            reqs += [eng.add_request(p, q) for p, q in zip(PROMPTS[2:], params[2:], strict=True)]
+        eng.step()
+        step += 1
+        for s, c in seen:
+            assert torch.equal(c, eng.slots.token_counts[s] & COUNT_MASK), (step, s)
+        checked += len(seen)
+        seen.clear()
+    assert checked > 3 * len(PROMPTS) and all(len(r.output) == 8 for r in reqs)
 
 
 def test_sampled_chain_equals_target_only_token_for_token(pair):
