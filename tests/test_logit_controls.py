@@ -697,11 +697,16 @@ def test_gpu_cycle_graphs_equal_target_only_under_controls(mode):
     """Greedy requests with every control beside sampled ones, fp32, the decode cycle
     replayed as one graph (`spec_cycle` / `tree_cycle_sampled`): greedy == target-only token
     for token (the torch kernel path, as the other fp32 equality tests: the Triton GEMV's
-    shapes differ between the two engines)."""
+    shapes differ between the two engines). The tree cycle is captured on the Triton kernels
+    (its KV move's torch reference is not capturable) with every matmul on cuBLAS
+    (`small_m_max=0`), the matmuls of the torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from graphdraft.kernels.config import KernelConfig
     target, head = make_models(0, dtype=torch.float32, device="cuda")
     cfg = dict(dtype="float32", device="cuda", kernel_backend="torch")
+    if mode == "tree":
+        cfg = dict(cfg, kernel_backend="triton", kernels=KernelConfig(small_m_max=0))
     params = _controls(24) + _controls(24, temperature=0.8, seed=3)
     prompts = PROMPTS + PROMPTS[::-1]
     base = Engine(target, runtime(**cfg), eos_token_id=None)

@@ -242,8 +242,8 @@ def test_graph_logprobs_equal_target_only_on_gpu(kind):
 
 @pytest.mark.gpu
 def test_logprobs_add_no_host_sync_on_gpu():
-    """The same greedy requests with and without logprobs 5 take as many synchronizing CUDA
-    calls (torch's sync debug mode counts them) over the whole run: the log-probabilities
+    """The same greedy requests with logprobs 5 take no more synchronizing CUDA calls than
+    without (torch's sync debug mode counts them) over the whole run: the log-probabilities
     come back in the step's one copy."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -268,7 +268,9 @@ def test_logprobs_add_no_host_sync_on_gpu():
                 torch.cuda.set_sync_debug_mode("default")
         counts[width] = sum("synchroniz" in str(w.message) for w in caught)
         assert all(len(r.output) == 16 or r.finish_reason == "stop" for r in reqs)
-    assert counts[5] == counts[None], counts
+    # the first engine of the process may pay a one-time sync (lazy initialisation): at most
+    # as many with logprobs as without
+    assert counts[5] <= counts[None], counts
 
 
 # --- the CLI -----------------------------------------------------------------------------
