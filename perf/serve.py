@@ -13,7 +13,7 @@
      KV page must be free and nothing queued or running; the resident memory of the server's
      two processes is sampled through the soak;
   4. SIGTERM to the server (it must exit 0), then the offline baseline: the same prompts and
-     parameters through one Engine in this process, closed loop with c requests live
+     parameters through one Engine in a fresh process, closed loop with c requests live
      (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight).
 Rows (`perf/runs/<date>-h200-serve.json`): concurrency, server_tps, offline_tps (output
 tokens/s, median over the repetitions), ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms
@@ -370,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     with mp.get_context("spawn").Pool(a.client_workers) as pool:
         report = server_phase(a, prompts, pool, out)
     (out / "serve-server-phase.json").write_text(json.dumps(report, indent=2) + "\n")
-    offline = offline_phase(a, prompts)
+    # The baseline in a fresh process as well (the server's two are fresh): not in this one,
+    # which has run the load generator and holds its results.
+    with mp.get_context("spawn").Pool(1) as one:
+        offline = one.apply(offline_phase, (a, prompts))
     for row in report["rows"]:
         row["offline_tps"] = offline[row["concurrency"]]
         row["server_over_offline"] = round(row["server_tps"] / row["offline_tps"], 3)
