@@ -4,7 +4,8 @@
 * the layers: `graphdraft/kernels/` imports nothing of `runtime/`, `serving/`, `startup/` or
   `ops`; `graphdraft/startup/` nothing of `serving/`; `capture/` nothing of `graphdraft`;
 * no function (def / async def, methods and nested functions included) is over 80 lines,
-  except the bodies of `@triton.jit` kernels.
+  except the bodies of `@triton.jit` kernels;
+* `graphdraft/serving/engine.py` (the host loop) stays under 900 lines.
 
 Each test names every offender (module, line, what), so a failure says where to look.
 """
@@ -210,3 +211,12 @@ def test_no_function_over_80_lines():
     bad = long_functions()
     assert not bad, "functions over 80 lines:\n" + "\n".join(
         f"{path}:{line} {name} ({n} lines)" for path, line, name, n in bad)
+
+
+MAX_ENGINE_LINES = 900
+"""The Engine is the host loop only (issue #39): what grows goes to the modules beside it."""
+
+
+def test_the_engine_module_stays_a_host_loop():
+    n = len((ROOT / "graphdraft" / "serving" / "engine.py").read_text().splitlines())
+    assert n < MAX_ENGINE_LINES, f"graphdraft/serving/engine.py has {n} lines (limit {MAX_ENGINE_LINES})"
