@@ -155,11 +155,13 @@ perf-ngram:
 # Sampling controls in the cycle, issue #43: the 8B-shape speculative cycle with every control on
 # each request (penalties, min_p, logit_bias, logprobs 5) vs none, bs 1 / 64 / 128, alternated
 # cycle-graph replays ($(OUT)/$(SAMPLING_TAG)-<card>-sampling.json; under 2.5 minutes on one GPU).
+# SAMPLING_FLAGS=--breakdown adds each control group alone (logprobs, penalties, min_p).
 SAMPLING_TAG ?= 2026-12-06
+SAMPLING_FLAGS ?=
 perf-sampling:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.sampling --out $(OUT) \
-		--tag $(SAMPLING_TAG)
+		--tag $(SAMPLING_TAG) $(SAMPLING_FLAGS)
 
 # Retrain the byte-level pair on one CUDA GPU (--recipe gpu: about 4 minutes on an H200) into
 # $(OUT)/target and $(OUT)/eagle3 (default perf/out: scratch, never graphdraft/assets), then

@@ -17,6 +17,10 @@ Row keys: bs, plain_ms / controls_ms (medians over the repetitions of the replay
 ratio (median of the per-repetition controls / plain ratios; the issue's goal: <= 1.05 at
 every bs), plain_step_ms / controls_step_ms (wall), the repetitions' raw figures.
 
+`--breakdown`: also one control group at a time on the same controls engine (refilled),
+against plain the same way: rows with `variant` "logprobs" (logprobs 5), "penalties" (the
+three penalties and the logit_bias), "min_p" (`breakdown` in the JSON): where the cost goes.
+
 Writes DIR/<tag>-<card>-sampling.json (card: h200 / h100 from `torch.cuda.get_device_name`)
 and prints a table. `--smoke`: the same on a tiny random pair on the CPU (a check of the
 script; CPU timings mean nothing and replays are not timed: no graphs there).
@@ -49,18 +53,26 @@ CONTROLS = dict(repetition_penalty=1.1, frequency_penalty=0.4, presence_penalty=
                 logprobs=5)
 """Every control a request carries in the `controls` variant (plus its logit_bias)."""
 ROW_KEYS = ("bs", "plain_ms", "controls_ms", "ratio")
+BREAKDOWN = {"logprobs": ("logprobs",),
+             "penalties": ("repetition_penalty", "frequency_penalty", "presence_penalty",
+                           "logit_bias"),
+             "min_p": ("min_p",)}
+"""`--breakdown`'s variants: the `controls` fields each one keeps (the rest stay off)."""
 NEW_TOKENS = 200
 
 
 def variant_params(vocab: int, seed: int = 0) -> dict[str, SamplingParams]:
-    """{"plain", "controls"}: the two variants' request parameters (same temperature; the
-    logit_bias ids drawn from `vocab` with `seed`, biases in [-2, 2])."""
+    """{"plain", "controls", and each `BREAKDOWN` group}: the variants' request parameters
+    (same temperature; the logit_bias ids drawn from `vocab` with `seed`, biases in [-2, 2])."""
     rng = random.Random(seed)
     bias = tuple((t, round(rng.uniform(-2.0, 2.0), 3))
                  for t in sorted(rng.sample(range(vocab), BIAS_ENTRIES)))
     common = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=TEMPERATURE)
-    return {"plain": SamplingParams(**common),
-            "controls": SamplingParams(**common, **CONTROLS, logit_bias=bias)}
+    every = dict(CONTROLS, logit_bias=bias)
+    groups = {name: SamplingParams(**common, **{k: every[k] for k in keep})
+              for name, keep in BREAKDOWN.items()}
+    return {"plain": SamplingParams(**common), "controls": SamplingParams(**common, **every),
+            **groups}
 
 
 def _median(xs: list[float | None]) -> float | None:
@@ -70,21 +82,23 @@ def _median(xs: list[float | None]) -> float | None:
 
 def measure_bs(engines: dict[str, Engine], params: dict[str, SamplingParams], bs: int,
                rng: random.Random, *, prompt_len: int, repeats: int,
-               timing: dict[str, int]) -> dict[str, Any]:
-    """One row: both engines filled with `bs` requests of their variant and warmed up
-    (wall ms per step recorded), then `repeats` alternated cycle replays of each."""
-    row: dict[str, Any] = {"bs": bs}
+               timing: dict[str, int], variant: str = "controls") -> dict[str, Any]:
+    """One row: the plain engine filled with `bs` plain requests, the controls engine with
+    `bs` of `variant`, both warmed up (wall ms per step recorded), then `repeats` alternated
+    cycle replays of each (the `controls_*` keys are the variant's)."""
+    row: dict[str, Any] = {"bs": bs} if variant == "controls" else {"variant": variant, "bs": bs}
+    chosen = {"plain": params["plain"], "controls": params[variant]}
     for name, engine in engines.items():
         row[f"{name}_step_ms"] = e2e.steady_step_ms(engine, bs, rng, prompt_len=prompt_len,
-                                                    params=params[name], **timing)
+                                                    params=chosen[name], **timing)
     reps: dict[str, list[float | None]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
             reps[name].append(e2e.cycle_replay_ms(engine, bs))
     controlled = engines["controls"].running
-    if not controlled or not all(
-            r.top_logprobs and len(r.top_logprobs[-1]) == CONTROLS["logprobs"] for r in controlled):
-        raise RuntimeError("the controls variant's requests returned no top logprobs")
+    if chosen["controls"].logprobs and (not controlled or not all(
+            r.top_logprobs and len(r.top_logprobs[-1]) == CONTROLS["logprobs"] for r in controlled)):
+        raise RuntimeError(f"the {variant} variant's requests returned no top logprobs")
     for engine in engines.values():
         e2e._drain(engine)
     row["plain_ms"], row["controls_ms"] = _median(reps["plain"]), _median(reps["controls"])
@@ -98,8 +112,10 @@ def measure_bs(engines: dict[str, Engine], params: dict[str, SamplingParams], bs
 
 def measure(target, head, batch_sizes: tuple[int, ...], *, device: str = "cuda",
             dtype: str = "bfloat16", prompt_len: int = e2e.PROMPT_LEN, repeats: int = 5,
-            seed: int = 0, timing: dict[str, int] | None = None) -> dict[str, Any]:
-    """The rows of the module docstring over (`target`, `head`) (tests pass a tiny pair)."""
+            seed: int = 0, timing: dict[str, int] | None = None,
+            breakdown: bool = False) -> dict[str, Any]:
+    """The rows of the module docstring over (`target`, `head`) (tests pass a tiny pair);
+    `breakdown`: also the `BREAKDOWN` variants' rows."""
     cfg = e2e.runtime(max(batch_sizes), tuple(sorted(batch_sizes)), prompt_len, device, dtype)
     t0 = time.perf_counter()
     engines = {}
@@ -109,19 +125,20 @@ def measure(target, head, batch_sizes: tuple[int, ...], *, device: str = "cuda",
     capture_s = time.perf_counter() - t0
     params = variant_params(target.config.vocab_size, seed)
     rng = random.Random(seed)
-    rows = []
+    rows, parts = [], []
     for bs in batch_sizes:
-        row = measure_bs(engines, params, bs, rng, prompt_len=prompt_len, repeats=repeats,
-                         timing=timing or {})
-        rows.append(row)
-        print(f"[sampling] bs {bs}: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+        for variant in ("controls", *(BREAKDOWN if breakdown else ())):
+            row = measure_bs(engines, params, bs, rng, prompt_len=prompt_len, repeats=repeats,
+                             timing=timing or {}, variant=variant)
+            (rows if variant == "controls" else parts).append(row)
+            print(f"[sampling] {variant} bs {bs}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)), flush=True)
     controls = {k: (list(v) if isinstance(v, tuple) else v)
                 for k, v in params["controls"].__dict__.items()
                 if k in CONTROLS or k in ("logit_bias", "temperature")}
     return {"prompt_len": prompt_len, "steps": e2e.STEPS, "repeats": repeats,
             "temperature": TEMPERATURE, "controls": controls, "capture_s": capture_s,
-            "rows": rows}
+            "rows": rows, **({"breakdown": parts} if breakdown else {})}
 
 
 def smoke_pair():
@@ -142,10 +159,11 @@ def table(data: dict[str, Any]) -> str:
     def f(v: float | None, spec: str = ".3f") -> str:
         return "-" if v is None else format(v, spec)
 
-    out = ["| bs | plain_ms | controls_ms | ratio | plain_step_ms | controls_step_ms | step ratio |",
-           "|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        out.append(f"| {r['bs']} | {f(r['plain_ms'])} | {f(r['controls_ms'])} | "
+    out = ["| variant | bs | plain_ms | controls_ms | ratio | plain_step_ms | controls_step_ms "
+           "| step ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"] + data.get("breakdown", []):
+        out.append(f"| {r.get('variant', 'controls')} | {r['bs']} | {f(r['plain_ms'])} | "
+                   f"{f(r['controls_ms'])} | "
                    f"{f(r['ratio'])}x | {f(r['plain_step_ms'])} | {f(r['controls_step_ms'])} | "
                    f"{f(r['step_ratio'])}x |")
     return "\n".join(out)
@@ -158,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None, help="file name prefix (default: today, UTC)")
     ap.add_argument("--bs", type=int_list, default=BATCH_SIZES, help="comma-separated batch sizes")
     ap.add_argument("--repeats", type=int, default=5, help="alternated repetitions per bs")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also each control group alone (logprobs, penalties, min_p)")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random pair on the CPU (bs 1, 2): a check, not a timing")
     a = ap.parse_args(argv)
@@ -172,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         target, head = smoke_pair()
         data = measure(target, head, (1, 2), device="cpu", dtype="float32", prompt_len=24,
-                       repeats=min(a.repeats, 2), timing=dict(warmup=0, blocks=1, block=1))
+                       repeats=min(a.repeats, 2), timing=dict(warmup=0, blocks=1, block=1),
+                       breakdown=a.breakdown)
     else:
         from perf.models_8b import build_pair
         target, head = build_pair(device)
-        data = measure(target, head, tuple(a.bs), repeats=a.repeats)
+        data = measure(target, head, tuple(a.bs), repeats=a.repeats, breakdown=a.breakdown)
     doc = {"device": torch.cuda.get_device_name() if card != "cpu" else "cpu (timings meaningless)",
            "card": card, "torch": torch.__version__, "smoke": a.smoke, **data,
            "wall_s": round(time.perf_counter() - t0, 1)}

@@ -23,7 +23,17 @@ def test_smoke_writes_the_rows_with_the_issue_keys(tmp_path, capsys):
     assert c["min_p"] > 0 and c["repetition_penalty"] != 1 and c["frequency_penalty"] != 0
     assert c["presence_penalty"] != 0 and c["logprobs"] == 5
     assert len(c["logit_bias"]) == sampling.BIAS_ENTRIES
-    assert "| bs | plain_ms | controls_ms |" in capsys.readouterr().out
+    assert "| variant | bs | plain_ms | controls_ms |" in capsys.readouterr().out
+    assert "breakdown" not in doc
+
+
+def test_breakdown_rows_name_their_variant(tmp_path):
+    assert sampling.main(["--smoke", "--breakdown", "--out", str(tmp_path), "--tag", "t",
+                          "--repeats", "1"]) == 0
+    doc = json.loads((tmp_path / "t-cpu-sampling.json").read_text(encoding="utf-8"))
+    assert [(r["variant"], r["bs"]) for r in doc["breakdown"]] == [
+        (v, bs) for bs in (1, 2) for v in sampling.BREAKDOWN]
+    assert all(set(sampling.ROW_KEYS) <= set(r) for r in doc["breakdown"])
 
 
 def test_variants_differ_only_in_the_controls():
@@ -31,6 +41,10 @@ def test_variants_differ_only_in_the_controls():
     plain, ctl = p["plain"].__dict__, p["controls"].__dict__
     diff = {k for k in plain if plain[k] != ctl[k]}
     assert diff == set(sampling.CONTROLS) | {"logit_bias"}
+    for name, keep in sampling.BREAKDOWN.items():  # each group: its own fields, the controls'
+        one = p[name].__dict__
+        assert {k for k in plain if plain[k] != one[k]} == set(keep)
+        assert all(one[k] == ctl[k] for k in keep)
 
 
 def test_repeats_below_one_named():
