@@ -1,9 +1,9 @@
 """A drafter written outside the package runs in the chain cycle through the public interface.
 
 `RepeatLastDrafter` proposes the last accepted token again, k times. It meets
-`graphdraft.runtime.drafter_protocol.Drafter` with its own buffers (allocated at `bind`) and
-torch ops only, so its `draft` is capturable: the Engine runs it inside the cycle graph on a
-GPU and eagerly on the CPU. Greedy speculative decoding with it equals target-only decoding.
+`graphdraft.runtime.drafter_protocol.Drafter` on the public `TokenDrafter` base (the buffers
+the acceptance writes, allocated at `bind`) with torch ops only, so its `draft` is capturable:
+the Engine runs it inside the cycle graph on a GPU and eagerly on the CPU. Greedy speculative decoding with it equals target-only decoding.
 """
 
 from __future__ import annotations
@@ -11,49 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture import GraphRegistry
-from graphdraft.runtime.drafter_protocol import DraftBinding, Drafter, check_drafter
+from graphdraft.runtime.drafter_protocol import Drafter, TokenDrafter, check_drafter
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
 from tests.test_engine import prompts, target_only
 
 
-class RepeatLastDrafter:
+class RepeatLastDrafter(TokenDrafter):
     """Drafts the last accepted token k times (any k in 0..S; capturable)."""
 
-    capturable = True
-    variable_draft_length = True
-
     def __init__(self) -> None:
-        self.cycles = 0
+        super().__init__()
         self.mixed_calls = 0
         self.drafted_k: set[int] = set()
-
-    def bind(self, binding: DraftBinding) -> None:
-        cfg = binding.cfg
-        self.S = cfg.speculative_num_steps
-        mb, n, dev = cfg.max_bs, cfg.spec_num_tokens, cfg.device
-        self.tokens = torch.zeros(mb * n, dtype=torch.int64, device=dev)    # [max_bs * N]
-        self.accept = torch.zeros(mb, dtype=torch.int32, device=dev)        # [max_bs]
-        self.next = torch.zeros(mb, self.S + 1, dtype=torch.int32, device=dev)  # [max_bs, S + 1]
-
-    def graphs(self) -> GraphRegistry:
-        return GraphRegistry()
-
-    def reset_neutral(self) -> None:
-        self.tokens.zero_()
-        self.accept.zero_()
-        self.next.zero_()
-
-    def hidden_buffer(self, bs: int, n: int) -> None:
-        return None  # reads no hidden state
-
-    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
-        return self.tokens[: rows * n].view(rows, n)
-
-    def accept_lengths(self, rows: int) -> torch.Tensor:
-        return self.accept[:rows]
 
     def _repeat(self, last: torch.Tensor, bs: int) -> torch.Tensor:
         out = self.next[:bs]
@@ -73,9 +44,6 @@ class RepeatLastDrafter:
         at = (accept_lengths[ne:].long() - 1).clamp(0, n - 1).unsqueeze(1)
         last = torch.cat([output_tokens[:ne], dec.gather(1, at).squeeze(1)])
         return self._repeat(last, ctx.bs)
-
-    def on_cycle(self, k: int) -> None:
-        self.cycles += 1
 
 
 def _serve(target, cfg, drafter, ps, max_new: int):

@@ -18,6 +18,10 @@ per decode cycle of draft length k, inside one CUDA graph when `capturable`:
 Prefill and mixed steps run eagerly: `draft_mixed(ctx, hidden, output_tokens, accept)`.
 The drafter's own captured forwards (if any) are in `graphs()`; the Engine captures them with
 its own. Nothing else of a drafter is read or written from outside.
+
+`TokenDrafter` is a base for drafters that read no hidden state (the n-gram drafter, one
+written outside the package): the buffers the acceptance writes and the protocol's trivial
+members; a subclass adds `draft` and `draft_mixed`.
 """
 
 from __future__ import annotations
@@ -152,3 +156,48 @@ def check_drafter(drafter: object) -> Drafter:
         if not isinstance(value, bool):
             raise ValueError(f"drafter: expected {flag} to be a bool, got {type(value).__name__}")
     return drafter  # type: ignore[return-value]
+
+
+class TokenDrafter:
+    """The members of `Drafter` that a drafter reading no hidden state shares. `bind` keeps
+    `binding`, `cfg` and `S` and allocates, for `cfg.max_bs` rows:
+      tokens  [max_bs * N] int64     `accepted_tokens` (the acceptance writes them)
+      accept  [max_bs] int32         `accept_lengths`
+      next    [max_bs, S + 1] int32  where a subclass writes the drafts it returns
+    No graphs of its own (`draft` runs inside the Engine's cycle graph: keep it capturable or
+    set `capturable = False`); `cycles` counts `on_cycle` calls. A subclass adds `draft` and
+    `draft_mixed` and extends `bind` / `reset_neutral` for buffers of its own."""
+
+    capturable = True
+    variable_draft_length = True
+
+    def __init__(self) -> None:
+        self.cycles = 0
+
+    def bind(self, binding: DraftBinding) -> None:
+        cfg = binding.cfg
+        self.binding, self.cfg, self.S = binding, cfg, cfg.speculative_num_steps
+        mb, n, dev = cfg.max_bs, cfg.spec_num_tokens, cfg.device
+        self.tokens = torch.zeros(mb * n, dtype=torch.int64, device=dev)
+        self.accept = torch.zeros(mb, dtype=torch.int32, device=dev)
+        self.next = torch.zeros(mb, self.S + 1, dtype=torch.int32, device=dev)
+
+    def graphs(self) -> GraphRegistry:
+        return GraphRegistry()
+
+    def reset_neutral(self) -> None:
+        self.tokens.zero_()
+        self.accept.zero_()
+        self.next.zero_()
+
+    def hidden_buffer(self, bs: int, n: int) -> None:
+        return None  # reads no hidden state
+
+    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
+        return self.tokens[: rows * n].view(rows, n)
+
+    def accept_lengths(self, rows: int) -> torch.Tensor:
+        return self.accept[:rows]
+
+    def on_cycle(self, k: int) -> None:
+        self.cycles += 1

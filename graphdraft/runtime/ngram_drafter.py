@@ -1,7 +1,7 @@
 """N-gram (prompt-lookup) drafting: drafts from the request's own tokens, no head.
 
-`NgramDrafter` meets `graphdraft.runtime.drafter_protocol.Drafter`. It keeps, per request
-slot, the token history on the device: `history [R, max_context_len]` int32 (the token at
+`NgramDrafter` meets `graphdraft.runtime.drafter_protocol.Drafter` (a `TokenDrafter`). It
+keeps, per request slot, the token history on the device: `history [R, max_context_len]` int32 (the token at
 position p in column p: the prompt, then every accepted token) and `lengths [R]` int32. The
 drafts of a row are the tokens that followed the most recent earlier occurrence of its last n
 tokens, n from `ngram_max` down to `ngram_min` (`ops.ngram_propose`, `kernels/ngram.py`).
@@ -43,54 +43,30 @@ from __future__ import annotations
 
 import torch
 
-from capture import GraphRegistry
 from graphdraft import ops
 from graphdraft.runtime.batch import ForwardContext
-from graphdraft.runtime.drafter_protocol import DraftBinding
+from graphdraft.runtime.drafter_protocol import DraftBinding, TokenDrafter
 
 
-class NgramDrafter:
+class NgramDrafter(TokenDrafter):
     """Prompt-lookup drafts for any k in 0..S, capturable; `ngram_min` / `ngram_max` from the
     bound `RuntimeConfig`. `found [max_bs]`: the real drafts of each row of the last draft."""
 
-    capturable = True
-    variable_draft_length = True
-
-    def __init__(self) -> None:
-        self.cycles = 0
-
     def bind(self, binding: DraftBinding) -> None:
+        super().bind(binding)
         cfg = binding.cfg
-        self.binding, self.cfg = binding, cfg
-        self.S, self.kernels = cfg.speculative_num_steps, cfg.kernels
+        self.kernels = cfg.kernels
         self.ngram_min, self.ngram_max = cfg.ngram_min, cfg.ngram_max
-        mb, n, dev = cfg.max_bs, cfg.spec_num_tokens, cfg.device
         rows = cfg.max_running_requests + 1  # slot 0: the dummy slot
+        dev = cfg.device
         self.history = torch.zeros(rows, cfg.max_context_len, dtype=torch.int32, device=dev)
         self.lengths = torch.zeros(rows, dtype=torch.int32, device=dev)     # [R]
-        self.tokens = torch.zeros(mb * n, dtype=torch.int64, device=dev)    # [max_bs * N]
-        self.accept = torch.zeros(mb, dtype=torch.int32, device=dev)        # [max_bs]
-        self.next = torch.zeros(mb, self.S + 1, dtype=torch.int32, device=dev)  # [max_bs, S + 1]
-        self.found = torch.zeros(mb, dtype=torch.int32, device=dev)         # [max_bs]
-
-    def graphs(self) -> GraphRegistry:
-        return GraphRegistry()
+        self.found = torch.zeros(cfg.max_bs, dtype=torch.int32, device=dev)  # [max_bs]
 
     def reset_neutral(self) -> None:
-        self.tokens.zero_()
-        self.accept.zero_()
-        self.next.zero_()
+        super().reset_neutral()
         self.found.zero_()
         self.lengths[0] = 0
-
-    def hidden_buffer(self, bs: int, n: int) -> None:
-        return None  # reads no hidden state
-
-    def accepted_tokens(self, rows: int, n: int) -> torch.Tensor:
-        return self.tokens[: rows * n].view(rows, n)
-
-    def accept_lengths(self, rows: int) -> torch.Tensor:
-        return self.accept[:rows]
 
     # --- history writes ---------------------------------------------------------------------
     def _write(self, slots: torch.Tensor, pos: torch.Tensor, toks: torch.Tensor,
@@ -153,10 +129,6 @@ class NgramDrafter:
             self._append_decode(slots[ne:bs], output_tokens[ne:].view(bs - ne, n),
                                 accept_lengths[ne:bs])
         return self._propose(slots, self.S)
-
-    def on_cycle(self, k: int) -> None:
-        self.cycles += 1
-
 
 def configured_drafter(cfg, head, drafter):
     """The drafter an Engine runs for `cfg.speculative_algorithm`: "ngram" -> a new
