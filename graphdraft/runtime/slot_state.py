@@ -118,11 +118,7 @@ class SlotState:
         int_row = torch.tensor([columns[c.name] for c in ints] + list(stop_ids)
                                + [-1] * (self.stop_width - len(stop_ids)), dtype=torch.int64)
         flt_row = torch.tensor([columns[c.name] for c in flts], dtype=torch.float32)
-        dev = self.done.device
-        if dev.type == "cuda":
-            int_row, flt_row = int_row.pin_memory(), flt_row.pin_memory()
-        int_row = int_row.to(dev, non_blocking=True)
-        flt_row = flt_row.to(dev, non_blocking=True)
+        int_row, flt_row = _stream_copies(self.done.device, int_row, flt_row)
         self.last_token[slot] = 0
         self.drafts[slot] = 0
         self.emitted[slot] = 0
@@ -149,21 +145,19 @@ class SlotState:
 
     def _admit_counts(self, slot: int, prompt: Sequence[int], logit_bias) -> None:
         """token_counts[slot] = the prompt's flags; the bias tables' row = `logit_bias`."""
-        dev = self.done.device
         nb = len(logit_bias)
-        ids = torch.tensor(list(prompt) if self.vocab else [], dtype=torch.int64)
-        bias = torch.tensor([b for _, b in logit_bias], dtype=torch.float32)
-        bias_ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int32)
-        if dev.type == "cuda":
-            ids, bias, bias_ids = ids.pin_memory(), bias.pin_memory(), bias_ids.pin_memory()
+        ids, bias, bias_ids = _stream_copies(
+            self.done.device, torch.tensor(list(prompt) if self.vocab else [], dtype=torch.int64),
+            torch.tensor([b for _, b in logit_bias], dtype=torch.float32),
+            torch.tensor([t for t, _ in logit_bias], dtype=torch.int32))
         self.token_counts[slot] = 0
         if ids.numel():
-            self.token_counts[slot].index_fill_(0, ids.to(dev, non_blocking=True), PROMPT_FLAG)
+            self.token_counts[slot].index_fill_(0, ids, PROMPT_FLAG)
         self.bias_ids[slot] = -1
         self.bias_values[slot] = 0.0
         if nb:
-            self.bias_ids[slot, :nb] = bias_ids.to(dev, non_blocking=True)
-            self.bias_values[slot, :nb] = bias.to(dev, non_blocking=True)
+            self.bias_ids[slot, :nb] = bias_ids
+            self.bias_values[slot, :nb] = bias
         self.bias_len[slot] = nb
 
     def release(self, slot: int) -> None:
@@ -176,3 +170,10 @@ class SlotState:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables().values())
+
+
+def _stream_copies(device: torch.device, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """Host tensors on `device`, copied in stream order (pinned first on CUDA: no sync)."""
+    if device.type == "cuda":
+        rows = tuple(r.pin_memory() for r in rows)
+    return [r.to(device, non_blocking=True) for r in rows]
