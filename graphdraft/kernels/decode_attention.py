@@ -15,6 +15,15 @@ Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp (`combine_
 one combine kernel of decode and extend attention). With one split, stage 1 writes the output
 directly.
 
+Splits that follow each row's length (long contexts): ``max_kv_len`` is a host bound (the
+context limit, fixed when a graph is captured), so a chunk sized from it leaves a short row of a
+long-context engine on a few splits (a 4k row of a 128k engine: 8 of 264). Past
+`ROW_SPLITS_FROM` (or with ``row_splits=True``) the grid keeps the split count chosen for
+``max_kv_len`` (the most any row uses) and each program computes its own row's chunk on the
+device from ``kv_lens[t]`` (`row_chunk`: `default_num_splits`' rule for that length, read inside
+the graph at every replay); the splits past the row's last exit at once, and the combine reads
+the ones that wrote. A row of length ``max_kv_len`` gets the host's own chunk.
+
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
 
@@ -49,7 +58,7 @@ from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
-           "default_num_splits"]
+           "default_num_splits", "row_split_fill", "row_chunk_host", "ROW_SPLITS_FROM"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REF_DTYPES = (*_DTYPES, torch.float64)
@@ -59,6 +68,12 @@ _LOG2E = 1.4426950408889634
 MAX_CHUNK = 256  # preferred upper bound on positions per split (see default_num_splits)
 NUM_WARPS = 4
 NUM_STAGES = 3
+ROW_SPLITS_FROM = 8192
+"""Largest `max_kv_len` that keeps one host-chosen chunk for every row; above it each row's chunk
+follows its own length (`row_chunk`). Contexts up to 8192 (the default `max_context_len` 4096,
+the verify study's kv 4096 + 64) launch exactly as before."""
+ROW_MAX_CHUNK = tl.constexpr(MAX_CHUNK)
+"""`MAX_CHUNK` as the kernels read it (`row_chunk`'s max_chunk in decode attention)."""
 COMBINE_SB = 16
 """Splits the combine kernel (decode's and extend's) reads per block: one value for every split
 count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
@@ -95,11 +110,26 @@ def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constex
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def row_chunk(kv_len, chunk, num_splits, row_fill, max_chunk, BLOCK: tl.constexpr):
+    """KV positions per split for a row of `kv_len` positions: `chunk` (the host's, sized for
+    max_kv_len) when `row_fill` is 0; else the host rule evaluated on the device for this row's
+    own length (`row_chunk_host`): splits = min(max(row_fill, cdiv(kv_len, max_chunk)),
+    num_splits, cdiv(kv_len, BLOCK)), at least 1, chunk = roundup(cdiv(kv_len, splits), BLOCK).
+    Shared by the decode split kernel, the combine and the extend kernel."""
+    if row_fill > 0:
+        n = tl.maximum(kv_len, 1)
+        want = tl.maximum(row_fill, tl.cdiv(n, max_chunk))
+        s = tl.maximum(tl.minimum(tl.minimum(want, num_splits), tl.cdiv(n, BLOCK)), 1)
+        chunk = tl.cdiv(tl.cdiv(n, s), BLOCK) * BLOCK
+    return chunk
+
+
 # The split count follows the rows (about 2 programs per SM): not specialized (1 / % 16 would
 # compile per batch size). One split or several is decided at run time, in the epilogue; the
 # partials' rows are strided by the count, so no vector access depends on its divisibility.
 # `gather` (1: q_index, 0: none) is not specialized either: one kernel for both.
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "gather"])
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "gather", "row_fill"])
 def _decode_split_kernel(
     q_ptr, sq_t, sq_h, q_index_ptr, gather,
     k_ptr, sk_s, sk_h,
@@ -107,20 +137,22 @@ def _decode_split_kernel(
     req_ptr, lens_ptr, page_ptr, s_page_r, s_page_p,
     o_ptr, so_t, so_h,  # final output [T, Hq, D] (written with one split)
     part_ptr, lse_ptr,  # fp32 [T, Hq, S, D], [T, Hq, S] (log2 domain), contiguous: several splits
-    scale_log2, chunk, num_splits,
+    scale_log2, chunk, num_splits, row_fill,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, DOT_FP32: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
     extra_ptr, s_extra, num_extra, EXTRA: tl.constexpr, XB: tl.constexpr,
 ):
     """EARLY (with PDL): the row's length, request, query row and first block's page ids are
-    loaded before waiting for the kernel before (pdl module doc); q and KV after."""
+    loaded before waiting for the kernel before (pdl module doc); q and KV after. `row_fill`
+    > 0: the row's own chunk (`row_chunk`, max chunk `MAX_CHUNK`)."""
     if not EARLY:
         pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + t).to(tl.int32)
+    chunk = row_chunk(kv_len, chunk, num_splits, row_fill, ROW_MAX_CHUNK, BLOCK)
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
     if split == num_splits - 1:
@@ -196,17 +228,18 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row"])  # SB: always COMBINE_SB
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row", "row_fill"])  # SB: always COMBINE_SB
 def _combine_kernel(
     part_ptr, lse_ptr, lens_ptr, per_row, o_ptr, so_t, so_h,
-    chunk, num_splits,
-    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
+    chunk, num_splits, row_fill,
+    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr, BLOCK: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Program (t, h): the log-sum-exp weighted sum of the partial outputs of row t's splits
     for head h, the stage 2 of decode and extend attention alike. `per_row` (decode): the
-    splits that wrote are those row t's length `lens[t]` reaches (`chunk` positions each), the
-    others are not read; else (extend; lens unread) every split, an empty one's lse -inf.
+    splits that wrote are those row t's length `lens[t]` reaches (`chunk` positions each, or
+    with `row_fill` > 0 the row's own chunk, `row_chunk` over BLOCK), the others are not read;
+    else (extend; lens unread) every split, an empty one's lse -inf.
     EARLY (with PDL): the row's length is loaded before waiting for the split kernel; the
     partials after."""
     if not EARLY:
@@ -217,6 +250,7 @@ def _combine_kernel(
         pdl_enter(PDL, pdl_trigger)
     active = num_splits
     if per_row:
+        chunk = row_chunk(kv_len, chunk, num_splits, row_fill, ROW_MAX_CHUNK, BLOCK)
         active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # the splits that wrote
     t = tl.cast(t, tl.int64)  # int64 offsets
     h = tl.program_id(1).to(tl.int64)
@@ -244,16 +278,18 @@ def _combine_kernel(
 
 
 def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                   kv_lens: torch.Tensor | None, chunk: int, kernels: KernelConfig) -> None:
+                   kv_lens: torch.Tensor | None, chunk: int, kernels: KernelConfig,
+                   row_fill: int = 0) -> None:
     """`_combine_kernel` over `out [T, Hq, D]` from `part [T, Hq, S, D]` / `lse [T, Hq, S]`
-    (fp32): decode passes each row's `kv_lens` and the split `chunk`, extend None (every
-    split)."""
+    (fp32): decode passes each row's `kv_lens` and the split `chunk` (`row_fill` > 0: each
+    row's own chunk, as the split kernel computed it), extend None (every split)."""
     T, Hq, splits, D = part.shape
     per_row = kv_lens is not None
     _combine_kernel[(T, Hq)](
         part, lse, kv_lens if per_row else placeholder(out.device, torch.int32), int(per_row),
-        out, out.stride(0), out.stride(1), chunk, splits,
-        D=D, D_PAD=max(16, triton.next_power_of_2(D)), SB=COMBINE_SB, num_warps=4,
+        out, out.stride(0), out.stride(1), chunk, splits, row_fill,
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), SB=COMBINE_SB,
+        BLOCK=resolve(kernels).decode_block_n, num_warps=4,
         **launch_options(out.device, T, early=True, kernels=kernels),
     )
 
@@ -276,6 +312,30 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device
     max_kv_len = max(1, max_kv_len)
     want = max(triton.cdiv(target, programs), triton.cdiv(max_kv_len, MAX_CHUNK))
     return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, block_n)))
+
+
+def row_split_fill(programs: int, splits: int, max_kv_len: int, device: torch.device,
+                   row_splits: bool | None = None) -> int:
+    """The kernels' `row_fill` for a grid of `splits` splits over `programs` (row, kv head)
+    programs: 0 (every row on the host's chunk) with one split, with ``row_splits`` False, or
+    (``row_splits`` None) when ``max_kv_len <= ROW_SPLITS_FROM``; else the splits that fill 2
+    programs per SM, ``cdiv(2 * SMs, programs)`` (>= 1), from which each row's chunk follows
+    its length (`row_chunk`)."""
+    if splits <= 1 or row_splits is False or (row_splits is None
+                                              and max_kv_len <= ROW_SPLITS_FROM):
+        return 0
+    return max(1, triton.cdiv(2 * num_sms(device), max(1, programs)))
+
+
+def row_chunk_host(kv_len: int, chunk: int, splits: int, row_fill: int, max_chunk: int,
+                   block: int) -> int:
+    """`row_chunk` on the host (the same integers): the chunk a row of `kv_len` positions
+    walks."""
+    if row_fill <= 0:
+        return chunk
+    n = max(kv_len, 1)
+    s = max(1, min(max(row_fill, triton.cdiv(n, max_chunk)), splits, triton.cdiv(n, block)))
+    return triton.cdiv(triton.cdiv(n, s), block) * block
 
 
 def check_paged_kv(q, k_cache, v_cache, req_to_page, page_size, dtypes=_DTYPES) -> None:
@@ -351,6 +411,7 @@ def paged_decode_attention(
     q_index: torch.Tensor | None = None,
     extra_slots: torch.Tensor | None = None,
     num_extra: int = 0,
+    row_splits: bool | None = None,
     kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Decode attention of q ``[T, Hq, D]`` over a paged KV cache; returns ``[T, Hq, D]``.
@@ -364,8 +425,10 @@ def paged_decode_attention(
     work buffers ``[T, Hq, S, D]`` and ``[T, Hq, S]``). With ``q_index`` ``[T]``
     (int32/int64, contiguous) row t's query is ``q[q_index[t]]`` (q is then any
     ``[R, Hq, D]``; index values must lie in ``[0, R)``). ``extra_slots`` ``[T, W]`` int64
-    (unit column stride) and ``num_extra``: the second segment (module doc). ``kernels``:
-    BLOCK_N and PDL (None: the default config).
+    (unit column stride) and ``num_extra``: the second segment (module doc). ``row_splits``:
+    each row's chunk from its own length (True), the host's chunk for every row (False), or
+    True past `ROW_SPLITS_FROM` (None; module doc). ``kernels``: BLOCK_N and PDL (None: the
+    default config).
     """
     kc = resolve(kernels)
     block_n = kc.decode_block_n
@@ -383,6 +446,7 @@ def paged_decode_attention(
     chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
     splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
     one = splits == 1
+    row_fill = row_split_fill(T * Hkv, splits, max_kv_len, q.device, row_splits)
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
         part = lse = placeholder(q.device, torch.float32)
@@ -402,7 +466,7 @@ def paged_decode_attention(
         req_pool_indices, kv_lens, req_to_page, req_to_page.stride(0), req_to_page.stride(1),
         out, out.stride(0), out.stride(1),
         part, lse,
-        float(sm_scale) * _LOG2E, chunk, splits,
+        float(sm_scale) * _LOG2E, chunk, splits, row_fill,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad,
         PAGE_SIZE=page_size, BLOCK=block_n, DOT_FP32=dot_fp32,
         PDL=pdl, EARLY=early,
@@ -412,7 +476,7 @@ def paged_decode_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
     )
     if not one:
-        combine_splits(part, lse, out, kv_lens, chunk, kc)
+        combine_splits(part, lse, out, kv_lens, chunk, kc, row_fill)
     return out
 
 
@@ -486,12 +550,13 @@ def paged_decode_attention_ref(
     q_index: torch.Tensor | None = None,
     extra_slots: torch.Tensor | None = None,
     num_extra: int = 0,
+    row_splits: bool | None = None,
 ) -> torch.Tensor:
     """The op's torch reference (`paged_decode_attention`'s arguments and checks; the torch
     path of `graphdraft.ops.paged_attention`): `paged_attention_torch` of the rows, whose
     kv_lens must not exceed ``max_kv_len`` (the kernel reads past it; this reads up to it).
-    It also takes float64. ``num_splits`` is ignored."""
-    del num_splits
+    It also takes float64. ``num_splits`` and ``row_splits`` are ignored."""
+    del num_splits, row_splits
     T = _check(q, k_cache, v_cache, req_pool_indices, kv_lens, req_to_page, page_size, out, q_index,
                REF_DTYPES)
     _check_extra(extra_slots, num_extra, T, q.device)

@@ -19,7 +19,10 @@ of ``tl.dot``, row m = token ``m // G_PAD``, head ``m % G_PAD``), and walks its 
 token of the block sees run without a mask; the rest (the causal diagonal, the mask bits)
 with one. The chunk of split s is ``[s * chunk, (s + 1) * chunk)`` cut at the block's last
 token's length (the last split runs to it), ``chunk = roundup(ceil(max_kv_len / splits),
-BLOCK_N)``. Programs past a row's end exit (a host bound sizes the grid: no sync).
+BLOCK_N)``, or past `decode_attention.ROW_SPLITS_FROM` (``row_splits``) the row's own chunk
+from its ``seq_lens[r]`` on the device (`decode_attention.row_chunk` with this module's
+`MAX_CHUNK`: a 4k row of a 128k-context engine spreads over as many splits as a 4k engine's
+would). Programs past a row's end exit (a host bound sizes the grid: no sync).
 Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine, decode
 attention's kernel (`decode_attention.combine_splits`) reading every split. Every stage-1
 program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
@@ -64,6 +67,8 @@ from graphdraft.kernels.decode_attention import (
     check_paged_kv,
     combine_splits,
     paged_attention_torch,
+    row_chunk,
+    row_split_fill,
 )
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
@@ -79,6 +84,8 @@ MAX_CHUNK = 512
 layer's N = 4 verify attention at bs 8, kv 4096 (64 programs) was faster at 8 splits than at
 the 16 that 256 asked for (H200, perf/RESULTS.md 2026-12-05e); where programs are few (bs 1)
 the programs-per-SM term sets the splits either way."""
+ROW_MAX_CHUNK = tl.constexpr(MAX_CHUNK)
+"""`MAX_CHUNK` as the kernel reads it (`row_chunk`'s max_chunk)."""
 TILE_CASES = (16, 32, 64, 128)
 """The BLOCK_M cases of `tile_config`, in the order of `KernelConfig.extend_tiles`."""
 RAGGED_TILE_CASES = (16, 128)
@@ -121,7 +128,7 @@ def tile_config(max_extend: int, g_pad: int, *, kernels: KernelConfig | None = N
 
 
 @triton.jit(do_not_specialize=["pdl_trigger", "seq_stride", "uniform_n", "chunk", "num_splits", "num_q_blocks",
-                               "hkv"])
+                               "hkv", "row_fill"])
 def _extend_split_kernel(
     q_ptr, sq_t, sq_h,
     k_ptr, sk_s, sk_h,
@@ -130,7 +137,7 @@ def _extend_split_kernel(
     page_ptr, s_page_r, s_page_p,
     o_ptr, so_t, so_h,  # final output [T, Hq, D] (written with one split)
     part_ptr, lse_ptr,  # fp32 [T, Hq, S, D], [T, Hq, S] (log2 domain), contiguous: several splits
-    scale_log2, uniform_n, chunk, num_splits, num_q_blocks, hkv,
+    scale_log2, uniform_n, chunk, num_splits, num_q_blocks, hkv, row_fill,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BITS: tl.constexpr, DOT_FP32: tl.constexpr, pdl_trigger, PDL: tl.constexpr,
@@ -142,6 +149,7 @@ def _extend_split_kernel(
     kvh = tl.program_id(2) % hkv
     split = tl.program_id(2) // hkv
     seq_len = tl.load(seq_ptr + r * seq_stride).to(tl.int32)
+    chunk = row_chunk(seq_len, chunk, num_splits, row_fill, ROW_MAX_CHUNK, BLOCK_N)
     if uniform_n > 0:  # uniform rows: extend_lens / q_starts unread
         ext = uniform_n
         q_start = r.to(tl.int64) * uniform_n
@@ -282,10 +290,12 @@ def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_start
 
 def _launch_shape(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int, *,
                   ragged: bool, dot_fp32: bool, num_splits: int | None, device: torch.device,
-                  kc: KernelConfig) -> tuple[int, int, int, int, int, int]:
+                  kc: KernelConfig, row_splits: bool | None = None
+                  ) -> tuple[int, int, int, int, int, int, int]:
     """`paged_extend_attention`'s launch: (BLOCK_M, BLOCK_N, num_warps, query blocks a row,
-    KV splits, KV positions a split). Ragged rows without mask bits (prefill chunks): the
-    16- or 128-row tile only; fp32 dots compiled for a GPU: the 16-row tile (FMA_TILE_CASES)."""
+    KV splits, KV positions a split, row_fill: `decode_attention.row_split_fill`). Ragged rows
+    without mask bits (prefill chunks): the 16- or 128-row tile only; fp32 dots compiled for a
+    GPU: the 16-row tile (FMA_TILE_CASES)."""
     block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=ragged,
                                           fma=dot_fp32 and not interpreting())
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
@@ -293,7 +303,8 @@ def _launch_shape(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int
               if num_splits is None else max(1, int(num_splits)))
     chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
     splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
-    return block_m, block_n, warps, n_qb, splits, chunk
+    row_fill = row_split_fill(R * n_qb * Hkv, splits, max_kv_len, device, row_splits)
+    return block_m, block_n, warps, n_qb, splits, chunk, row_fill
 
 
 def paged_extend_attention(
@@ -314,6 +325,7 @@ def paged_extend_attention(
     mask_bits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    row_splits: bool | None = None,
     kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of the rows' tokens q ``[T, Hq, D]`` over a paged KV cache -> ``[T, Hq, D]``.
@@ -325,8 +337,10 @@ def paged_extend_attention(
     (sizes the splits). ``mask_bits`` ``[T]`` int64: module doc. Rows must cover the tokens
     they name; query rows of q no row names are left as they are in ``out`` with one split
     (with several, the combine writes every query row: garbage where no row names it).
-    CUDA-graph capturable (with splits it allocates fp32 work buffers). ``kernels``: tiles,
-    stages and PDL (None: the default config).
+    CUDA-graph capturable (with splits it allocates fp32 work buffers). ``row_splits``: each
+    row's chunk from its own seq_len (True), the host's for every row (False), or True past
+    `decode_attention.ROW_SPLITS_FROM` (None). ``kernels``: tiles, stages and PDL (None: the
+    default config).
     """
     kc = resolve(kernels)
     R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
@@ -341,9 +355,9 @@ def paged_extend_attention(
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
-    block_m, block_n, warps, n_qb, splits, chunk = _launch_shape(
+    block_m, block_n, warps, n_qb, splits, chunk, row_fill = _launch_shape(
         R, Hkv, g_pad, max_extend, max_kv_len, ragged=not uniform_n and mask_bits is None,
-        dot_fp32=dot_fp32, num_splits=num_splits, device=q.device, kc=kc)
+        dot_fp32=dot_fp32, num_splits=num_splits, device=q.device, kc=kc, row_splits=row_splits)
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
     if one:
@@ -363,7 +377,7 @@ def paged_extend_attention(
         req_to_page, req_to_page.stride(0), req_to_page.stride(1),
         out, out.stride(0), out.stride(1),
         part, lse,
-        float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv,
+        float(sm_scale) * _LOG2E, uniform_n, chunk, splits, n_qb, Hkv, row_fill,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, MASK_BITS=mask_bits is not None,
         DOT_FP32=dot_fp32, num_warps=warps,
@@ -393,6 +407,7 @@ def paged_extend_attention_ref(
     mask_bits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    row_splits: bool | None = None,
 ) -> torch.Tensor:
     """The op's torch reference (`paged_extend_attention`'s arguments and checks; the torch
     path of `graphdraft.ops.paged_extend_attention`): each token's row, index j in it and
@@ -400,8 +415,8 @@ def paged_extend_attention_ref(
     `decode_attention.paged_attention_torch` per token over its ``max(P + j + 1, 1)``
     positions (and the mask bits), which must not exceed ``max_kv_len``. Query rows no row
     names keep ``out``'s values (zeros without ``out``). It also takes float64. ``num_splits``
-    is ignored."""
-    del num_splits
+    and ``row_splits`` are ignored."""
+    del num_splits, row_splits
     R = _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts,
                req_to_page, page_size, max_extend, uniform_n, mask_bits, out, REF_DTYPES)
     T, dev = q.shape[0], q.device
