@@ -26,8 +26,9 @@ from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.fused_inputs import SplitK, check_partials, sum_partials
 from graphdraft.kernels.pdl import launch_options, pdl_enter
 
-__all__ = ["rope_and_store_kv", "rope_and_store_kv_partials", "rope_and_store_kv_ref",
-           "rope_and_store_kv_torch", "rope_cos_sin_cache", "rope_rotate_torch"]
+__all__ = ["llama3_inv_freq", "rope_and_store_kv", "rope_and_store_kv_partials",
+           "rope_and_store_kv_ref", "rope_and_store_kv_torch", "rope_cos_sin_cache",
+           "rope_rotate_torch"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -301,16 +302,48 @@ def rope_and_store_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache[loc] = v
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama-3.1's rope scaling (HF `rope_type: "llama3"`) of the inverse frequencies
+    `[D/2]` (float64): with `factor`, `low_freq_factor` (default 1), `high_freq_factor`
+    (default 4) and `original_max_position_embeddings` (default 8192) = L, a frequency of
+    wavelength `w = 2 pi / f` is kept when `w < L / high_freq_factor`, divided by `factor` when
+    `w > L / low_freq_factor`, and in between blended: `(1 - s) f / factor + s f` with
+    `s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)`. cos / sin are not
+    rescaled (HF's attention factor for llama3 is 1). ValueError naming `rope_scaling` for a
+    missing or bad parameter."""
+    def number(key: str, default: float | None) -> float:
+        value = scaling.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_scaling: llama3 needs a number > 0 for {key!r}, got "
+                             f"{value!r}")
+        return float(value)
+
+    factor = number("factor", None)
+    low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
+    old_ctx = number("original_max_position_embeddings", 8192)
+    if high <= low:
+        raise ValueError(f"rope_scaling: llama3 needs high_freq_factor > low_freq_factor, got "
+                         f"{high!r} <= {low!r}")
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                        scaling: dict | None = None, device: str | torch.device | None = None
                        ) -> torch.Tensor:
     """The rope table `[max_positions, head_dim]` fp32: cos in the first half of the columns,
     sin in the second (the `cos_sin_cache` every RoPE path reads).
 
-    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`). `device` None: the
-    current default device (`torch.get_default_device()`), so a model built under
-    `with torch.device("cuda"):` gets its table there. Computed in float64 on the host either
-    way (the same values on every device).
+    `scaling` supports HF's Llama-3 rope scaling (`rope_type: "llama3"`, `llama3_inv_freq`;
+    None, `{}` or type "default": none). `device` None: the current default device
+    (`torch.get_default_device()`), so a model built under `with torch.device("cuda"):` gets
+    its table there. Computed in float64 on the host either way (the same values on every
+    device; angles exact to fp32 at 128k positions).
     """
     if device is None:
         device = torch.get_default_device()
@@ -318,18 +351,11 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
                                 / head_dim))
     if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling: expected a dict or None, got {scaling!r}")
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
-            factor = scaling["factor"]
-            low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-            old_ctx = scaling.get("original_max_position_embeddings", 8192)
-            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-            wavelen = 2 * torch.pi / inv_freq
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-            mid = (1 - smooth) * scaled / factor + smooth * scaled
-            is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-            inv_freq = torch.where(is_mid, mid, scaled)
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         elif kind not in (None, "default"):
             raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (expected 'llama3')")
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=cpu), inv_freq)
