@@ -272,8 +272,12 @@ def test_probe_interval_stretched_by_its_cost():
     one = _policy_at(0.0, costs, probe_every=16, probe_budget=0.005, probe_cycles=1)
     assert one.probe_interval(1) == 16 and one.probe_interval(256) == 94
     # alpha 0.3: the second probe cycle gains 1.3 tokens for 1.05 (bs 1: no loss) or 1.47
+    # (priced at alpha's Wilson lower bound: just under 0.3 with 1e6 pseudo-trials)
     mid = _policy_at(0.3, costs, probe_every=16, probe_budget=0.005)
-    assert mid.probe_interval(1) == 16 and mid.probe_interval(256) == 128
+    lo = mid.estimator.lower_bound()
+    assert 0.299 < lo < 0.3
+    assert mid.probe_interval(1) == 16
+    assert mid.probe_interval(256) == math.ceil((0.47 + 0.47 - lo) / 0.005 - 1e-9) == 129
     # the further below break-even, the rarer: alpha 0 probes less often than alpha 0.3
     assert pol.probe_interval(256) > mid.probe_interval(256)
     # extra_ms (the same for every k) shrinks the ratio, so probes come sooner

@@ -46,13 +46,32 @@ The capture-time replays run inert rows, so they price real cycles low (perf/RES
                 their crossover do not flap (between k = 0 and k > 0 the margin alone: k = 0
                 is sticky anyway, the estimate moves only when a probe observes);
               - probing: at k = 0 the estimate gets no data; after `probe_interval(bs)`
-                decisions with no observation of a k > 0 step (`probe_every`, stretched so that
-                the expected loss of probes is at most `probe_budget` of the target-only
-                time: the lower the estimate, the rarer), `probe_cycles` consecutive decisions
-                return the smallest k > 0 of `steps` (counted as one probe), so a
-                regime change is noticed. Two, because a k = 0 cycle drafts nothing (the
-                drafter's KV-only step): the first probe cycle verifies filler (no observation)
-                and drafts; the second verifies those drafts.
+                decisions with no observation of a k > 0 step, `probe_cycles` consecutive
+                decisions return the smallest k1 > 0 of `steps` (counted as one probe), so a
+                regime change is noticed. Two, because a k = 0 cycle drafts nothing: the
+                first probe cycle verifies filler (no observation) and drafts; the second
+                verifies those drafts. The schedule: I = max(`probe_every`,
+                ceil(loss / `probe_budget`)) decisions between probes, where loss, in k = 0
+                cycles, is (r - 1) + (probe_cycles - 1) * max(r - E(alpha_lo, k1), 0) at the
+                cost ratio r = cost(bs, k1) / cost(bs, 0) and alpha's Wilson lower bound
+                alpha_lo. Bounded cost: probes take at most loss / I <= `probe_budget` of the
+                target-only time whenever the true rate is >= alpha_lo; a useless head (true
+                rate 0) drives alpha_lo to 0 within a k = 0 stretch (aging shrinks the trial
+                count), where loss is its worst case probe_cycles * (r - 1): so with the
+                defaults (2 cycles, budget 0.003) a probe comes every
+                max(16, ceil(667 * (r - 1))) decisions (e.g. r = 1.1: every 67; r = 2: every
+                667) and costs at most 0.3 % of the time, whatever the drafts do. A probe
+                that sees accepts raises alpha (one observed probe cycle of `bs` rows adds
+                `bs` trials to a trial count the stretch aged down), and the eligibility
+                rules above then pick k > 0 again at once if it beats k = 0.
+              Settling on k = 0 at zero acceptance: each observed verify of k >= 1 drafts adds
+                one trial and no success per row, so after c observed cycles of at least one
+                row the point estimate is at most prior_alpha * prior_weight / (prior_weight +
+                c) (1.4 / (2 + c) with the defaults); a k > 0 stays eligible only while
+                E(alpha, k) >= (1 + spec_margin) * cost(bs, k) / cost(bs, 0), i.e. alpha >=
+                about 1 - 1 / ((1 + spec_margin) * r_k): with r_k >= 1.05, alpha >= 0.066, so
+                k = 0 from the 20th observed cycle on at bs 1 (sooner with more rows a
+                cycle: at bs 8, the 3rd). `tests/test_useless_draft_policy.py` checks both.
               - cost probes: while a k > 0 is chosen, another eligible k > 0 whose score lies
                 within `cost_probe_margin` of it runs `cost_probe_cycles` consecutive
                 cycles when its cost at that bs is still extrapolated, and again (a refresh, its
@@ -116,14 +135,16 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def _wilson_upper(successes: float, trials: float, z: float) -> float:
+def _wilson(successes: float, trials: float, z: float, side: int) -> float:
+    """Wilson score bound of a rate: upper (side +1; 1 without trials) or lower (side -1; 0
+    without trials)."""
     if trials <= 0:
-        return 1.0
+        return 1.0 if side > 0 else 0.0
     p = min(max(successes / trials, 0.0), 1.0)
     z2 = z * z
     centre = p + z2 / (2 * trials)
     half = z * math.sqrt(max(p * (1 - p) / trials + z2 / (4 * trials * trials), 0.0))
-    return min(1.0, (centre + half) / (1 + z2 / trials))
+    return min(1.0, max(0.0, (centre + side * half) / (1 + z2 / trials)))
 
 
 def _as_int_array(name: str, x: Any) -> np.ndarray:
@@ -233,7 +254,12 @@ class AcceptRateEstimator:
 
     def upper_bound(self) -> float:
         """Wilson upper bound of alpha over the effective (decayed) trial count."""
-        return _wilson_upper(self.successes, self.trials, self.z)
+        return _wilson(self.successes, self.trials, self.z, +1)
+
+    def lower_bound(self) -> float:
+        """Wilson lower bound of alpha over the effective (decayed) trial count (0 without
+        trials: a long stretch of k = 0 cycles ages it towards 0)."""
+        return _wilson(self.successes, self.trials, self.z, -1)
 
     def slot_alpha(self, slots: Any = None) -> np.ndarray:
         """Per-slot alpha estimates (all slots, or those given)."""
@@ -578,13 +604,18 @@ class SpeculationPolicy:
         that probing costs at most `probe_budget` of the target-only time. A probe of the
         smallest k1 > 0 (cost ratio r = cost(bs, k1) / cost(bs, 0), `extra_ms` added to both)
         loses, in k = 0 cycles, r - 1 on its first cycle (it verifies filler: one token a row)
-        and max(r - E(alpha, k1), 0) on each later one: the further the estimate lies below
-        break-even, the rarer the probes."""
+        and max(r - E(alpha, k1), 0) on each later one, priced at alpha's Wilson LOWER bound
+        (`AcceptRateEstimator.lower_bound`), not its point estimate: the point estimate of a
+        useless head keeps its prior's residue (aging scales successes and trials alike), so
+        it would price probes as nearly free and probe every `probe_every` decisions; the
+        lower bound falls to 0 over a k = 0 stretch (aging shrinks the trial count), where
+        a probe's price is its worst case probe_cycles * (r - 1). The further the rate lies
+        below break-even, the rarer the probes."""
         if len(self.steps) < 2 or self.costs is None:
             return self.probe_every
         k1 = self.steps[1]
         r = (self.costs.cost(padded_bs, k1) + extra_ms) / (self.costs.cost(padded_bs, 0) + extra_ms)
-        gain = expected_tokens(min(max(self.estimator.alpha, 0.0), 1.0), k1)
+        gain = expected_tokens(self.estimator.lower_bound(), k1)
         loss = max(r - 1.0, 0.0) + (self.probe_cycles - 1) * max(r - gain, 0.0)
         if self.probe_budget <= 0 or loss <= 0:
             return self.probe_every
