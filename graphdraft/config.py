@@ -125,6 +125,10 @@ class RuntimeConfig:
     speculative_policy_steps: tuple[int, ...] | None = None
     """Draft lengths the adaptive policy may pick (one cycle graph per padded bs each):
     distinct ints in 0..speculative_num_steps including 0; None: (0, 1, speculative_num_steps)."""
+    deferred_draft_kv: int = 8
+    """k = 0 cycles whose draft KV the chain drafter defers (`runtime/deferred_kv.py`: their
+    inputs kept per batch row, written in one batch before drafting resumes or when this
+    many are kept); 0: the KV-only draft step in every k = 0 cycle. At most 64."""
     # --- tree drafting (graphdraft.runtime.tree; README "Tree drafting") -----------------------
     speculative_eagle_topk: int = 1
     """Beams per draft step (`--speculative-eagle-topk`): 1 drafts a chain (today's cycle, bit
@@ -276,6 +280,8 @@ class RuntimeConfig:
                  "speculative_policy_steps", f"None or distinct ints in "
                  f"0..speculative_num_steps ({self.speculative_num_steps}) including 0")
             self.speculative_policy_steps = tuple(sorted(ks))
+        need(isinstance(self.deferred_draft_kv, int) and not isinstance(self.deferred_draft_kv, bool)
+             and 0 <= self.deferred_draft_kv <= 64, "deferred_draft_kv", "an int in [0, 64]")
         # tree drafting: the shape checks of runtime.tree.TreeSpec (ValueErrors naming the flag)
         for name in ("speculative_eagle_topk", "speculative_num_draft_tokens"):
             v = getattr(self, name)

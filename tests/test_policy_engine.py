@@ -225,12 +225,14 @@ def test_k0_stretch_keeps_draft_kv_complete():
         assert x.output[:m] == y.output[:m]
 
 
-def test_k0_cycle_drafts_nothing_and_runs_the_kv_only_step():
-    """A k = 0 cycle runs the head's KV-only step (`store_kv`), never its full forward, and
-    drafts nothing: every draft column is filler (the last verified token); its verify is
-    one token per row (the pack's other token columns are 0)."""
+@pytest.mark.parametrize("deferred", [0, 8])
+def test_k0_cycle_drafts_nothing_and_runs_the_kv_only_step(deferred):
+    """A k = 0 cycle runs the head's KV-only step (`store_kv`; with `deferred_draft_kv` > 0
+    not in the cycle: its inputs are kept for a later rebuild, tests/test_useless_draft.py),
+    never its full forward, and drafts nothing: every draft column is filler (the last
+    verified token); its verify is one token per row (the pack's other token columns are 0)."""
     target, head = make_models(8)
-    eng = Engine(target, _adaptive(), head)
+    eng = Engine(target, _adaptive(deferred_draft_kv=deferred), head)
     eng.set_policy(ForcedPolicy([0]))
     r = eng.add_request(prompts(3, 1)[0], SamplingParams(max_new_tokens=20))
     eng.step()  # prefill (the full first step and multi-step)
@@ -250,7 +252,7 @@ def test_k0_cycle_drafts_nothing_and_runs_the_kv_only_step():
         eng.drain()
     finally:
         del head.forward, head.store_kv
-    assert calls == {"forward": 0, "store_kv": 3}
+    assert calls == {"forward": 0, "store_kv": 0 if deferred else 3}
     d = eng.slots.drafts[r.slot]
     assert torch.equal(d, eng.slots.last_token[r.slot].expand_as(d).to(d.dtype))
     assert torch.equal(eng.cycle.pack[0, 1: eng.n_row], torch.zeros(eng.n_row - 1, dtype=torch.int32))
@@ -298,7 +300,7 @@ def test_metrics_snapshot_speculation_section():
     eng.generate(prompts(5, 2), SamplingParams(max_new_tokens=10))
     snap = eng.metrics_snapshot()
     assert set(snap["graphs"]) == {"spec_cycle", "target_verify", "draft_decode",
-                                   "draft_multi_step"}
+                                   "draft_multi_step", "draft_kv_rebuild"}
     by_k = snap["graphs"]["spec_cycle"]["by_k"]
     assert sum(v["eager"] for v in by_k.values()) == snap["graphs"]["spec_cycle"]["eager"]["disabled"]
     assert [by_k[k]["eager"] for k in (0, 1, 3)] == [sum(1 for _, k2 in pol.decided if k2 == k)

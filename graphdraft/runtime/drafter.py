@@ -60,6 +60,7 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
 from graphdraft.runtime.batch import ForwardContext, ForwardMode
 from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.deferred_kv import DeferredDraftKV
 from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.drafter_protocol import DraftBinding
 from graphdraft.runtime.kv_cache import KVPool
@@ -119,6 +120,9 @@ class EagleDrafter:
                                          device=self.device)
         """`[max_bs, N]`: a prefill / mixed step's accepted tokens per row (a prefill row's
         first token in column 0), staged by `run` for the draft controls (`_accepted`)."""
+        self.deferred: DeferredDraftKV | None = None
+        """The k = 0 cycles' deferred draft KV (`defer_kv`; None: `draft(bs, 0)` runs the
+        KV-only step in every k = 0 cycle)."""
 
     def _use_head_kernels(self) -> None:
         """Point the head's layers at this drafter's kernel path (a head shared by two drafters
@@ -236,10 +240,15 @@ class EagleDrafter:
         more drafts verifies them against the target, which keeps it exact). k = 0 runs the
         KV-only first step (`Eagle3DraftHead.store_kv` over the one accepted token a row: the
         draft KV of that position, so the draft cache has no hole; no attention, MLP or LM
-        head) and drafts nothing: columns 1..S repeat column 0 (all filler)."""
+        head) and drafts nothing: columns 1..S repeat column 0 (all filler). With a deferred
+        ring (`defer_kv`) a k = 0 draft only stashes that step's inputs
+        (`DeferredDraftKV.stash`) and writes the filler; `rebuild_deferred_kv` writes their
+        KV later."""
         k = self.S if k is None else k
         if not 0 <= k <= self.S:
             raise ValueError(f"k: expected draft steps in 0..{self.S}, got {k}")
+        if k == 0 and self.deferred is not None:
+            return self._defer_kv_step(bs)
         w = k + 1
         hidden = self.bufs.first_hidden[: bs * w]
         if k == self.S:
@@ -252,6 +261,41 @@ class EagleDrafter:
             nt = self.bufs.next_tokens[:bs]
             nt[:, k + 1:].copy_(nt[:, k: k + 1].expand(bs, self.S - k))
         return self.bufs.next_tokens[:bs]
+
+    def _defer_kv_step(self, bs: int) -> torch.Tensor:
+        """A k = 0 draft with the ring: the KV-only step's inputs of the one token a row (the
+        accepted id, its position and KV slot from `InputBuffers`, the verify's aux hidden
+        state) stashed, and next_tokens[:bs] = that token in every column (column 0: the
+        last verified token, as `decode_draft_indices` gathers it for one token a row)."""
+        b, ib = self.bufs, self.inputs
+        ids = b.first_input_ids[:bs]
+        self.deferred.stash(bs, ids, ib.positions[:bs], ib.out_cache_loc[:bs],
+                            b.first_hidden[:bs])
+        nt = b.next_tokens[:bs]
+        nt.copy_(ids.unsqueeze(1).expand(bs, self.S + 1))
+        return nt
+
+    def defer_kv(self, columns: int) -> DeferredDraftKV:
+        """Give this drafter a deferred draft-KV ring of `columns` cycles (`DeferredDraftKV`,
+        allocated once, before capture): from now on `draft(bs, 0)` stashes instead of
+        running the KV-only step, and the caller runs `rebuild_deferred_kv` before the draft
+        KV is read again. Returns the ring (its host counters say when)."""
+        if self.deferred is not None:
+            raise ValueError("deferred: this drafter already has a deferred draft-KV ring")
+        self.deferred = DeferredDraftKV(self.cfg.max_bs, columns, self.head.target_hidden_width,
+                                        self.head.dtype, self.device)
+        return self.deferred
+
+    def rebuild_deferred_kv(self, bs: int) -> None:
+        """Write the draft KV of every entry the ring holds in rows [0, bs) (`store_kv` over
+        `bs * P` tokens; inert entries write the dummy slot 0), then clear those rows
+        (graph-capturable: the same code eager or replayed)."""
+        ring = self.deferred
+        if ring is None:
+            raise ValueError("deferred: this drafter has no deferred draft-KV ring (defer_kv)")
+        ids, positions, locs, hidden = ring.inputs(bs)
+        self.head.store_kv(ids, positions, hidden, locs, self.kv_pool.layer(0))
+        ring.clear(bs)
 
     def _multi_step(self, bs: int, k: int | None = None, accepted_width: int | None = None):
         """Draft steps 2..k (default S) for `bs` rows; writes next_tokens[:bs, 2:k + 1].

@@ -20,7 +20,12 @@ table's columns past k repeat the last one (filler). A row whose stored drafts a
 this cycle's k verifies filler: the verify compares against the target, so it stays exact.
 k = 0 (chain) is target-only decode plus the drafter's KV-only step over the one accepted
 token (for `EagleDrafter`: the draft KV of the committed position, so later drafts attend over
-no hole).
+no hole). With `cfg.deferred_draft_kv` > 0 and a drafter that can defer it (`defer_kv`: the
+`EagleDrafter`) the k = 0 cycle only stashes that step's inputs (`runtime/deferred_kv.py`)
+and the mode registers ("draft_kv_rebuild", None), which writes them all at once; `run` and
+`mixed` replay it (at the widest padded bs stashed) before a cycle with k > 0, before a
+prefill / mixed step and before a stash into a full ring, so the draft KV is whole whenever
+the head reads it. The decision is the host's (its counters), never a device read.
 """
 
 from __future__ import annotations
@@ -68,6 +73,12 @@ class ChainMode(DecodeMode):
                          on and split_graphs and drafter.capturable) for k in widest_first}
         if drafter is not None:
             parts.registry.extend(drafter.graphs())
+        self.deferred, self.rebuild_kv = None, None
+        defer = getattr(drafter, "defer_kv", None)
+        if callable(defer) and 0 in steps and parts.cfg.deferred_draft_kv:
+            self.deferred = defer(parts.cfg.deferred_draft_kv)
+            self.rebuild_kv = self.forward("draft_kv_rebuild", drafter.rebuild_deferred_kv,
+                                           on and drafter.capturable)
         self.cycle_by_k = {k: self._add("spec_cycle", k, top,
                                         functools.partial(self.cycle, k=k), on and fused)
                            for k in widest_first}
@@ -132,7 +143,31 @@ class ChainMode(DecodeMode):
 
     # --- the mode's interface ------------------------------------------------------------
     def run(self, bs: int, pbs: int, k: int, running: list[Request]) -> None:
+        ring = self.deferred
+        if ring is not None and ring.pending and (k > 0 or ring.full):
+            self.rebuild_deferred_kv()
         self._decode(pbs, k)
+        if ring is not None and k == 0:
+            ring.stashed(pbs)
+
+    def rebuild_deferred_kv(self) -> None:
+        """Write the deferred draft KV (`EagleDrafter.rebuild_deferred_kv`, its graph at the
+        widest padded bs stashed since the last rebuild); nothing when none is pending."""
+        ring = self.deferred
+        if ring is None or not ring.pending:
+            return
+        rows = ring.rows
+        self.rebuild_kv.run(rows, padded_bs=rows)
+        ring.rebuilt()
+
+    def capture(self, progress: bool) -> None:
+        """Deferred draft KV written first (capture warm-ups stash inert rows and clear the
+        ring), then `DecodeMode.capture`."""
+        self.rebuild_deferred_kv()
+        super().capture(progress)
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        return {} if self.deferred is None else self.deferred.state_tables()
 
     def drafter_cycle(self, k: int) -> None:
         self.drafter.on_cycle(k)
@@ -160,6 +195,7 @@ class ChainMode(DecodeMode):
         an agreed data-parallel mixed step without prefill rows runs its decode rows through
         the split cycle (at its own padded size)."""
         p = self.parts
+        self.rebuild_deferred_kv()  # the step's first draft step reads the draft KV
         n, ne, nd = self.n_row, len(rows), len(dreqs)
         if ne == 0:
             pbs = self.padded(nd)
