@@ -161,7 +161,10 @@ class Clock:
         return self.deadline_s - (time.perf_counter() - self.start)
 
     def estimate(self, group: Group) -> float:
-        return group.tokens / self.rate + self.per_row_s * len(group.batch_sizes)
+        """Seconds a group may take: its prefill at `rate`, its attention's quadratic share
+        growing with the prompt (x3 at 128k), and each row's timing."""
+        prefill = group.tokens / self.rate * (1 + group.kv / 65536)
+        return prefill + self.per_row_s * len(group.batch_sizes)
 
 
 def plan_groups(setup: Setup, kv_budget: float) -> tuple[list[Group], list[dict]]:
@@ -331,7 +334,7 @@ def run_phase(kind: str, target, head, setup: Setup, groups: list[Group], cfg: R
         reqs, info = fill(engine, group.batch_sizes[0], group.kv, setup, rng)
         info["kind"] = kind
         phase.prefills.append(info)
-        clock.rate = max(1.0, info["tokens"] / max(info["seconds"], 1e-6))
+        clock.rate = max(1.0, info["tokens"] * (1 + group.kv / 65536) / max(info["seconds"], 1e-6))
         print(f"[long] {kind}: prefill {info}", flush=True)
         for bs in group.batch_sizes:
             for r in reqs[bs:]:

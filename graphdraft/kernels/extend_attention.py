@@ -25,8 +25,10 @@ from its ``seq_lens[r]`` on the device (`decode_attention.row_chunk` with this m
 would). Programs past a row's end exit (a host bound sizes the grid: no sync).
 Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine, decode
 attention's kernel (`decode_attention.combine_splits`) reading every split. Every stage-1
-program owning a token writes its partial, empty splits included (log-sum-exp -inf), so the
-combine reads all splits of every token without knowing its row.
+program owning a token writes its log-sum-exp, an empty split's -inf, so the combine reads all
+splits of every token without knowing its row; an empty split leaves its partial unwritten
+(the combine loads a partial only where its log-sum-exp is finite: a 4k row of a 128k engine's
+verify at bs 1 would otherwise write 16 MB of zeros a layer).
 
 Both stages launch with programmatic dependent launch (`kernels.pdl`), waiting first thing,
 as the decode kernel they replace did; over at most `KernelConfig.pdl_max_rows` tokens (verify
@@ -237,7 +239,7 @@ def _extend_split_kernel(
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=omask)
     else:
         row = (tok_row * (G * hkv) + heads) * num_splits + split  # [BLOCK_M]
-        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=omask & nonempty[:, None])
         tl.store(lse_ptr + row, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)),
                                          float("-inf")), mask=rmask)
 
