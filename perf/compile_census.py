@@ -47,7 +47,7 @@ def gpu_forwards(engine) -> dict[tuple, object]:
     """The captured forwards `Engine.capture_graphs` captures on a GPU, by their key
     (`graphdraft.startup.forwards.forwards`): in the cycle mode the cycle graph per draft
     length, else the split-mode verify and draft decode forwards; the drafter's multi-step
-    when it drafts more than one step. (On a CPU every forward is disabled, so `active`
+    when it drafts more than one step; the deferred draft KV's rebuild where k = 0 is captured. (On a CPU every forward is disabled, so `active`
     cannot tell.)"""
     from graphdraft.startup.forwards import forwards
 
@@ -57,6 +57,8 @@ def gpu_forwards(engine) -> dict[tuple, object]:
     for key, f in forwards(engine):
         if f.name == "draft_multi_step":
             take = drafter is not None and drafter.S > 1
+        elif f.name == "draft_kv_rebuild":  # the deferred draft KV of k = 0 cycles
+            take = True
         elif f.name.startswith("draft_decode"):
             take = not cycle_mode
         else:

@@ -199,7 +199,8 @@ def test_demo_on_cpu_prints_no_timing_and_writes_metrics(capsys, tmp_path):
     assert m["requests"] == 2 and m["output_tokens"] == 16
     assert {"ttft_s", "itl_s", "tokens_per_s", "accept_length", "graphs"} <= set(m)
     assert sum(m["accept_length"]["histogram"].values()) > 0
-    assert set(m["graphs"]) == {"spec_cycle", "target_verify", "draft_decode", "draft_multi_step"}
+    assert set(m["graphs"]) == {"spec_cycle", "target_verify", "draft_decode", "draft_multi_step",
+                                "draft_kv_rebuild"}
     # the wall clock by phase is kept in the JSON, never printed on a CPU
     assert "wall clock" not in out
     wall = snap["wall_s"]
