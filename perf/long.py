@@ -237,9 +237,9 @@ def fill(engine: Engine, bs: int, kv: int, setup: Setup, rng: random.Random
     if cuda:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    prompts = [[rng.randrange(vocab) for _ in range(kv)] for _ in range(bs)]
     t0 = time.perf_counter()
-    reqs = [engine.add_request([rng.randrange(vocab) for _ in range(kv)], params)
-            for _ in range(bs)]
+    reqs = [engine.add_request(p, params) for p in prompts]
     steps = 0
     while not all(r.slot is not None and not r.prefilling for r in reqs):
         engine.step()
