@@ -234,3 +234,46 @@ def test_gpu_graph_replays_follow_new_lengths(bs):
         graph.replay()
         ref = paged_decode_attention_ref(q, kc, vc, req, kv_lens, r2p, ps, 0.088, max_kv_len=n)
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_engine_replays_long_and_short_rows_as_eager():
+    """An Engine of a 20k-token context (row splits on) serving prompts of 300, 5,000 and
+    17,000 tokens together: the captured cycle graphs (captured once, at the bound) give the
+    eager engine's greedy text, speculative and target-only, and speculative gives the
+    target's (float32)."""
+    import random
+
+    from graphdraft.config import ModelConfig, RuntimeConfig
+    from graphdraft.models.random_models import random_model_pair
+    from graphdraft.serving.engine import Engine
+    from graphdraft.serving.verify import SamplingParams
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}
+    mc = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=512, num_hidden_layers=3, vocab_size=512,
+                     max_position_embeddings=20480, rope_theta=500000.0, rope_scaling=scaling,
+                     aux_hidden_state_layer_ids=(0, 1, 2))
+    target, head = random_model_pair(mc, mc.replace(num_hidden_layers=1), torch.float32, 0,
+                                     0.3, device="cuda")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (300, 5000, 17000)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        for spec in (False, True):
+            cfg = RuntimeConfig(max_running_requests=4, max_context_len=20000,
+                                max_num_batched_tokens=4096, cuda_graph_max_bs=4,
+                                dtype="float32", device="cuda", enforce_eager=eager,
+                                speculative_policy="fixed", kv_cache_memory_gb=1.0)
+            engine = Engine(target, cfg, head if spec else None)
+            engine.capture_graphs()
+            outs[eager, spec] = engine.generate(prompts, params)
+            if not eager:  # the decode cycles replayed graphs
+                assert sum(replays for replays, _ in engine.graph_summary().values()) > 0
+            del engine
+    assert outs[False, False] == outs[True, False]
+    assert outs[False, True] == outs[True, True]
+    assert outs[False, True] == outs[False, False]  # float32: greedy speculative == target
