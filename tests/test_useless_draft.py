@@ -20,13 +20,14 @@ from tests.test_policy_engine import ForcedPolicy, _draft_kv_rows
 
 P = 4  # ring columns: the k = 0 stretches below run past it (rebuilds of a full ring)
 # k = 0 stretches of 3 (< P), 9 (two full rings), 4 (exactly P), then resumes of k = 1 / 3
-KS = [3, 3, 0, 0, 0, 1, 3] + [0] * 9 + [3, 1] + [0] * 4 + [1, 1, 3] + [0] * 2 + [3] * 200
-JOINS = {0: [0, 1], 4: [2], 9: [3, 4], 20: [5]}  # mixed steps in and after stretches
+KS = [3, 0, 0, 0, 1, 3] + [0] * 9 + [3, 1] + [0] * 4 + [1, 3] + [0] * 2 + [3] * 200
+JOINS = {0: [0, 1], 3: [2], 8: [3]}  # mixed steps in and after stretches
+NEW = (26, 20, 24, 16)  # max_new_tokens of the prompts
 
 
 def _engine(target, head, deferred: int, dtype: str) -> Engine:
     cfg = runtime(dtype=dtype, speculative_policy="adaptive", deferred_draft_kv=deferred,
-                  max_context_len=192)
+                  max_context_len=64)
     eng = Engine(target, cfg, head)
     eng.set_policy(ForcedPolicy(KS))
     return eng
@@ -63,11 +64,12 @@ def _lockstep(deferred_engine: Engine, always_engine: Engine, ps, params, tol: f
     return outs[0], compared
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-12)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5),
+                                       pytest.param("float64", 1e-12, marks=pytest.mark.slow)])
 def test_skip_then_resume_equals_kv_only_step_every_cycle(dtype, tol):
     target, head = make_models(7, dtype=getattr(torch, dtype), draft_vocab=40)
-    ps = prompts(19, 6, lo=4, hi=14)
-    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 34, 44, 30, 38, 26)]
+    ps = prompts(19, len(NEW), lo=4, hi=12)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in NEW]
     deferred, always = _engine(target, head, P, dtype), _engine(target, head, 0, dtype)
     calls = {"store_kv": 0}
     skv = head.store_kv
@@ -79,7 +81,7 @@ def test_skip_then_resume_equals_kv_only_step_every_cycle(dtype, tol):
     rebuild = deferred.graph_registry.get("draft_kv_rebuild")
     assert rebuild is not None and always.graph_registry.get("draft_kv_rebuild") is None
     outs, compared = _lockstep(deferred, always, ps, params, tol)
-    assert compared > 20
+    assert compared >= 8
     assert sum(rebuild.stats.eager.values()) >= 5  # full rings, resumes, mixed steps
     # k = 0 cycles of the deferred engine call no head function at all
     head.store_kv = counting

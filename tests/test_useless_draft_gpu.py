@@ -20,7 +20,7 @@ from tests.engine_harness import make_models, runtime
 from tests.test_cycle_gpu import _state
 from tests.test_engine import prompts, target_only
 from tests.test_policy_engine import ForcedPolicy, _draft_kv_rows
-from tests.test_useless_draft import JOINS, KS
+from tests.test_useless_draft import JOINS, KS, NEW
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _engine(target, head, deferred: int, **kw) -> Engine:
     cfg = runtime(device="cuda", dtype="float32", speculative_policy="adaptive",
-                  deferred_draft_kv=deferred, max_context_len=192, cuda_graph_bs=(1, 2, 4, 8),
+                  deferred_draft_kv=deferred, max_context_len=64, cuda_graph_bs=(1, 2, 4, 8),
                   cuda_graph_max_bs=8, max_running_requests=8, **kw)
     eng = Engine(target, cfg, head, seed=3)
     eng.capture_graphs(progress=False)
@@ -38,8 +38,8 @@ def _engine(target, head, deferred: int, **kw) -> Engine:
 
 def test_deferred_draft_kv_in_the_cycle_graph():
     target, head = make_models(7, dtype=torch.float32, device="cuda", draft_vocab=40)
-    ps = prompts(19, 6, lo=4, hi=14)
-    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 34, 44, 30, 38, 26)]
+    ps = prompts(19, len(NEW), lo=4, hi=12)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in NEW]
     graph, eager = _engine(target, head, 4), _engine(target, head, 4, enforce_eager=True)
     always = _engine(target, head, 0)
     engines = (graph, eager, always)
@@ -69,7 +69,7 @@ def test_deferred_draft_kv_in_the_cycle_graph():
             compared += 1
         step += 1
     outs = [[r.output for r in rs] for rs in reqs]
-    assert outs[0] == outs[1] == outs[2] and compared > 20
+    assert outs[0] == outs[1] == outs[2] and compared >= 8
     want = {tuple(p): target_only(target, runtime(device="cuda", dtype="float32"), [p],
                                   m.max_new_tokens)[0] for p, m in zip(ps, params, strict=True)}
     assert outs[0] == [want[tuple(p)] for p in ps]
