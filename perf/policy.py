@@ -6,7 +6,9 @@ Two Engines over the same weights: target-only (no drafter: the baseline), and s
 with the adaptive policy's captured draft lengths K = {0, 1, 3} (one cycle graph per
 (padded bs, k); its cost table measured after capture). The speculative engine serves these
 cells over the same requests: `k0` (always k = 0: target-only decode plus the draft's KV-only
-step, what the adaptive policy pays when it stops speculating), and per regime p `fixed`
+step, deferred by default and written in batches of `RuntimeConfig.deferred_draft_kv` cycles:
+what the adaptive policy pays when it stops speculating; a head that is never accepted, p = 0,
+is `perf/useless_draft.py`'s benchmark), and per regime p `fixed`
 (always 3 drafts: `SpeculationPolicy("fixed", 3)`, the same k = 3 graphs) and `adaptive` (its
 own adaptive policy over its own copy of the capture-time costs, corrected online from its own
 cycles, and its own estimator).
