@@ -177,11 +177,12 @@ perf-sampling:
 # Long contexts, issue #42: the 8B shape at kv 4k / 8k / 32k (bs 1, 8, 32, 64 where the KV fits)
 # and 128k at bs 1 (Llama-3.1 rope scaling): target-only step, S=3 cycle and attention against
 # their floors, the prefills' seconds and memory, then perf.useless_draft's rows
-# ($(OUT)/$(LONG_TAG)-<card>-long.json; the long rows within LONG_DEADLINE_S, about 5 minutes on
-# one H200, then up to USELESS_DEADLINE_S more; LONG_FLAGS=--no-useless skips those).
+# ($(OUT)/$(LONG_TAG)-<card>-long.json; the long rows within LONG_DEADLINE_S, about 4-5 minutes
+# on one H200, then perf.useless_draft's within USELESS_DEADLINE_S plus the batch it started:
+# about 8.5 minutes in all; LONG_FLAGS=--no-useless skips those, make perf-useless runs them alone).
 LONG_TAG ?= 2026-12-06
-LONG_DEADLINE_S ?= 290
-USELESS_DEADLINE_S ?= 240
+LONG_DEADLINE_S ?= 270
+USELESS_DEADLINE_S ?= 180
 LONG_FLAGS ?=
 perf-long:
 	mkdir -p $(OUT)

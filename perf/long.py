@@ -1,8 +1,8 @@
 """Long contexts at the Llama-3.1-8B shape (issue #42 item 1): decode, the speculative cycle and
 attention at 4k-128k tokens of KV against their HBM floors.
 
-    python3 -m perf.long --out DIR [--tag 2026-12-06] [--deadline-s 290] [--no-useless]
-                         [--useless-deadline-s 240] [--kv 4096,8192,32768] [--bs 1,8,32,64]
+    python3 -m perf.long --out DIR [--tag 2026-12-06] [--deadline-s 270] [--no-useless]
+                         [--useless-deadline-s 180] [--kv 4096,8192,32768] [--bs 1,8,32,64]
         (one H200: the long-context rows within --deadline-s, then perf.useless_draft's rows
         within --useless-deadline-s; writes DIR/<tag>-<card>-long.json)
     python3 -m perf.long --tiny --out DIR [--no-useless]
@@ -385,14 +385,16 @@ def build_rows(base: Phase, spec: Phase, target, head_cfg: ModelConfig, bw: floa
     return rows
 
 
-def useless_rows(deadline_s: float) -> tuple[list[dict], str | None]:
+def useless_rows(deadline_s: float, info: dict | None = None) -> tuple[list[dict], str | None]:
     """`perf.useless_draft.run_rows` (another benchmark's rows: bs, regime "useless",
-    adaptive_tps, target_only_tps), imported here; ([], why) when it is not there."""
+    adaptive_tps, target_only_tps; its skipped sizes, capture time and cost table into
+    `info`), imported here; ([], why) when it is not there."""
     try:
         from perf import useless_draft
     except ImportError as e:
         return [], f"perf.useless_draft not importable ({e}): no useless-draft rows"
-    return list(useless_draft.run_rows(bs_list=USELESS_BS, deadline_s=deadline_s)), None
+    rows = useless_draft.run_rows(bs_list=USELESS_BS, deadline_s=deadline_s, info=info)
+    return list(rows), None
 
 
 def measure(setup: Setup, deadline_s: float, kv_budget: float | None = None) -> dict[str, Any]:
@@ -445,11 +447,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="perf/out", help="folder for <tag>-<card>-long.json")
     ap.add_argument("--tag", default=None, help="file name prefix (default: today, UTC)")
-    ap.add_argument("--deadline-s", type=float, default=290.0,
+    ap.add_argument("--deadline-s", type=float, default=270.0,
                     help="seconds for the long-context rows (rows that do not fit are left out "
-                         "and listed under 'skipped'; default 290)")
-    ap.add_argument("--useless-deadline-s", type=float, default=240.0,
-                    help="seconds handed to perf.useless_draft.run_rows (default 240)")
+                         "and listed under 'skipped'; default 270)")
+    ap.add_argument("--useless-deadline-s", type=float, default=180.0,
+                    help="seconds handed to perf.useless_draft.run_rows (a batch size started "
+                         "before it runs to its end; default 180)")
     ap.add_argument("--no-useless", action="store_true", help="skip the useless-draft rows")
     ap.add_argument("--kv", type=int_list, default=KV_LENS,
                     help="context lengths of the rows (default 4096,8192,32768)")
@@ -479,11 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_useless:
         note = "--no-useless"
     elif a.tiny:
-        note = "--tiny: the useless-draft rows need the 8B pair on a GPU"
+        note = "--tiny: the useless-draft rows need the 8B pair (python -m perf.useless_draft --tiny)"
     else:
         gc.collect()
         torch.cuda.empty_cache()
-        extra, note = useless_rows(a.useless_deadline_s)
+        data["useless_info"] = {}
+        extra, note = useless_rows(a.useless_deadline_s, data["useless_info"])
         data["rows"] += extra
     card = card_name(setup.device)
     tag = a.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")

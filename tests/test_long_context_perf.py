@@ -85,15 +85,17 @@ def test_useless_rows_are_imported_when_they_run(monkeypatch):
 
     class Fake:
         @staticmethod
-        def run_rows(bs_list, deadline_s):
+        def run_rows(bs_list, deadline_s, info=None):
             calls.append((bs_list, deadline_s))
+            info["skipped_bs"] = []
             return [{"bs": b, "regime": "useless", "adaptive_tps": 1.0, "target_only_tps": 1.0}
                     for b in bs_list]
 
     monkeypatch.setitem(sys.modules, "perf.useless_draft", Fake)
     monkeypatch.setattr("perf.useless_draft", Fake, raising=False)
-    rows, note = perf_long.useless_rows(12.5)
-    assert note is None and calls == [((1, 8, 64, 128, 256), 12.5)]
+    info = {}
+    rows, note = perf_long.useless_rows(12.5, info)
+    assert note is None and calls == [((1, 8, 64, 128, 256), 12.5)] and info == {"skipped_bs": []}
     assert [r["bs"] for r in rows] == [1, 8, 64, 128, 256]
 
 
@@ -110,3 +112,12 @@ def test_bad_deadline_is_refused():
     with pytest.raises(SystemExit):
         perf_long.parse_args(["--deadline-s", "0"])
     assert replace(_tiny(), long_kv=None).context_len == 32 + 24 + 7
+
+
+def test_the_useless_draft_module_takes_the_call_perf_long_makes():
+    """When perf/useless_draft.py is there, its run_rows accepts perf.long's keywords."""
+    import inspect
+
+    useless_draft = pytest.importorskip("perf.useless_draft")
+    inspect.signature(useless_draft.run_rows).bind(bs_list=perf_long.USELESS_BS, deadline_s=1.0,
+                                                   info={})
