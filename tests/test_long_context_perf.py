@@ -58,6 +58,18 @@ def test_tiny_run_gives_every_row_its_keys_and_floors():
     long_prefill = next(p for p in data["prefills"] if p["kv"] == 80)
     assert long_prefill["steps"] >= 80 // setup.chunk  # chunked
     assert data["rope_scaling"]["rope_type"] == "llama3"
+    assert rows[0]["step_over_floor"] == pytest.approx(
+        rows[0]["target_only_step_ms"] / rows[0]["decode_floor_ms"])
+    assert isinstance(data["goal_misses"], list)
+
+
+def test_goal_misses_name_the_row_and_the_bound():
+    row = {"bs": 8, "kv": 8192, "step_over_floor": 1.2, "cycle_over_floor": None,
+           "attention_over_floor": 1.05}
+    short = {**row, "kv": 4096, "step_over_floor": 1.0, "cycle_over_floor": 1.0,
+             "attention_over_floor": 3.0}  # attention's bound starts at 8192
+    assert perf_long.goal_misses([row, short]) == [
+        "bs 8 kv 8192: step_over_floor 1.20 > 1.15", "bs 8 kv 8192: cycle_over_floor not measured"]
 
 
 def test_budget_and_deadline_trim_rows():
