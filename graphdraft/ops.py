@@ -392,12 +392,14 @@ def accept_tokens(logits: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor,
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
                    widths: torch.Tensor, *, out: torch.Tensor, k: int,
                    logit_rows: torch.Tensor | None = None, done: torch.Tensor | None = None,
+                   accept: torch.Tensor | None = None,
                    kernels: KernelConfig | None = None) -> None:
     """Log-probabilities of the emitted `tokens [rows, n]` and the rows' top-`widths[slot]`
-    alternatives (at most k) into `out [rows, N * (1 + 2k)]` int32 (`graphdraft.kernels.logprobs`)."""
+    alternatives (at most k) into `out [rows, N * (1 + 2k)]` int32; `accept [rows]` or None:
+    only positions `j < accept[r]` (`graphdraft.kernels.logprobs`)."""
     kc = _kc(kernels)
     args = (logits, tokens, slots, widths)
-    kw = dict(out=out, k=k, logit_rows=logit_rows, done=done)
+    kw = dict(out=out, k=k, logit_rows=logit_rows, done=done, accept=accept)
     if kc.use_triton:
         logprobs.token_logprobs(*args, kernels=kc, **kw)
     else:

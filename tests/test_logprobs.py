@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import graphdraft
 from graphdraft import ops
@@ -81,6 +83,70 @@ def test_kernel_matches_torch_and_log_softmax(with_rows, v, monkeypatch):
                 assert [t for t, _ in tops[j]] == order, (backend, r, j)
                 assert all(abs(lp - float(ref[t])) < TOL for t, lp in tops[j])
                 assert [lp for _, lp in tops[j]] == sorted((lp for _, lp in tops[j]), reverse=True)
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), v=st.sampled_from([3, 9, 4096, 4097, 9000]),
+       rows=st.integers(1, 4), n=st.integers(1, 4), k=st.integers(0, 6),
+       with_accept=st.booleans(), ties=st.booleans())
+def test_split_kernel_equals_torch_on_random_cases(seed, v, rows, n, k, with_accept, ties,
+                                                    monkeypatch):
+    """The two-launch kernel (V blocks read once, their best entries merged) writes exactly
+    what the torch path writes: the same ids (ties across blocks: the lower id first), the
+    same log-probabilities to fp32 rounding, nothing past a row's accept length, nothing for
+    slots that asked none, no top entry past the vocabulary (w > V)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows * n, v, generator=g) * 4
+    if ties:  # the best value repeated in every V block
+        logits[:, :: max(1, v // 5)] = logits.amax(1, keepdim=True) + 1
+    tokens = torch.randint(0, v, (rows, n), generator=g)
+    slots = torch.randint(0, 4, (rows,), generator=g)
+    widths = torch.randint(-1, k + 1, (4,), generator=g).to(torch.int32)
+    accept = torch.randint(0, n + 1, (rows,), generator=g) if with_accept else None
+    outs = []
+    for backend in ("torch", "triton"):
+        out = torch.full((rows, pack_width(n, k)), -7, dtype=torch.int32)
+        ops.token_logprobs(logits, tokens, slots, widths, out=out, k=k, accept=accept,
+                           kernels=KernelConfig(backend=backend))
+        outs.append(out)
+    ref, got = outs
+    lp_ref, lp_got = ref.view(torch.float32), got.view(torch.float32)
+    exact = (ref == got) | ((lp_ref - lp_got).abs() <= 1e-5)
+    assert bool(exact.all()), (ref, got)
+    ids = slice(n, n + n * k)
+    assert torch.equal(ref[:, ids], got[:, ids])
+    if accept is not None:
+        for r in range(rows):
+            past = got[r, int(accept[r]): n]
+            assert torch.equal(past, torch.full_like(past, -7))
+
+
+def test_accept_limits_the_written_positions(monkeypatch):
+    """`accept`: positions j >= accept[r] are left as they were (both paths); the accepted
+    ones carry what a run without `accept` writes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows, n, k, v = 6, 3, 4, 300
+    logits, tokens, slots, widths, done, _ = _kernel_case(1, rows, n, v, k, False)
+    accept = torch.tensor([3, 0, 1, 2, 3, 1])
+    for backend in ("torch", "triton"):
+        kc = KernelConfig(backend=backend)
+        full = torch.full((rows, pack_width(n, k)), -7, dtype=torch.int32)
+        cut = full.clone()
+        ops.token_logprobs(logits, tokens, slots, widths, out=full, k=k, done=done, kernels=kc)
+        ops.token_logprobs(logits, tokens, slots, widths, out=cut, k=k, done=done,
+                           accept=accept, kernels=kc)
+        for r in range(rows):
+            for j in range(n):
+                cols = [j, *range(n + j * k, n + (j + 1) * k),
+                        *range(n + n * k + j * k, n + n * k + (j + 1) * k)]
+                want = full[r, cols] if j < accept[r] else torch.full((len(cols),), -7,
+                                                                     dtype=torch.int32)
+                assert torch.equal(cut[r, cols], want), (backend, r, j)
+    with pytest.raises(ValueError, match="accept"):
+        ops.token_logprobs(logits, tokens, slots, widths, out=cut, k=k,
+                           accept=torch.zeros(rows + 1, dtype=torch.int64))
 
 
 def test_kernel_rejects_bad_arguments():

@@ -218,12 +218,14 @@ class DecodeMode:
         rows [row0, row0 + rows) that asked (`SlotState.logprobs` >= 0) into their
         `CycleBuffers.logprobs` rows, from `logits` (the verify logits after the request's
         logit controls; `logit_rows [rows, n]`: which logits row scored each token, None:
-        `r * n + j`). Inert rows (slot 0, done) write nothing."""
+        `r * n + j`). Inert rows (slot 0, done) and positions past a row's accept length
+        (`CycleBuffers.accept`, never read back) write nothing."""
         p = self.parts
         rows = tokens.shape[0]
         ops.token_logprobs(logits, tokens, slots, p.slots.logprobs,
                            out=p.cycle.logprobs[row0: row0 + rows], k=p.cfg.max_logprobs,
-                           logit_rows=logit_rows, done=p.slots.done, kernels=p.cfg.kernels)
+                           logit_rows=logit_rows, done=p.slots.done,
+                           accept=p.cycle.accept[row0: row0 + rows], kernels=p.cfg.kernels)
 
     def commit(self, row0: int, rows: int, tokens: torch.Tensor,
                next_tokens: torch.Tensor | None, prefill: bool) -> None:
