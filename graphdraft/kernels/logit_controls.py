@@ -25,7 +25,11 @@ flag or `out > 0`, in fp32 (vLLM's order and formulas):
   x = x - freq * out - pres * (out > 0)                (frequency / presence: output only)
 
 stored back in the logits' dtype after each of the two launches. Rows whose request sets no
-penalty (rep 1, freq 0, pres 0) and no bias read only their slot's four scalars.
+penalty (rep 1, freq 0, pres 0) and no bias read only their slot's four scalars. The
+penalties' launch reads a row's `counts` once per cycle step, coalesced (one program per
+(row, block of target ids), every position of the row in it) and loads / stores only the
+logits it changes (the seen ids; with rep 1, the ids with out > 0): any other column would
+come back bit for bit, so its bytes are not moved.
 
 `count_tokens` (in the commit, after the draft: a cycle that fails before its commit leaves
 the counts untouched): `counts[slots[r], tokens[r, j]] += 1` for j < accept[r] (rows with
@@ -93,22 +97,42 @@ def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len,
         tl.store(row + ids, x.to(logits.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["N", "NC", "stride_c", "stride_p", "stride_k", "stride_a", "NA",
+@triton.jit
+def _penalize(logits, stride_l, lrow, tid, ok, col_of, prompt, out, rep, freq, pres,
+              MAPPED: tl.constexpr):
+    """The penalties at one logits row `lrow` for the target ids `tid` of a block (output
+    counts `out`, prompt flags `prompt`), loading and storing only the columns they change:
+    the seen ids when rep != 1, else the ids with out > 0 (every other column keeps its value
+    exactly: x - freq * 0 - pres * 0 == x)."""
+    seen = prompt | (out > 0)
+    upd = ok & tl.where(rep != 1.0, seen, out > 0)
+    col = tid
+    if MAPPED:
+        col = tl.load(col_of + tid, mask=upd, other=-1).to(tl.int64)
+        upd = upd & (col >= 0)
+    row = logits + lrow * stride_l
+    x = tl.load(row + col, mask=upd, other=0.0).to(tl.float32)
+    x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * out.to(tl.float32) - pres * (out > 0).to(tl.float32)
+    tl.store(row + col, x.to(logits.dtype.element_ty), mask=upd)
+
+
+@triton.jit(do_not_specialize=["P", "NC", "stride_c", "stride_p", "stride_k", "stride_a", "NA",
                                "G"],
             do_not_specialize_on_alignment=["logits", "cand", "path", "slots", "acc",
                                             "acc_len"])
 def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, done, counts,
-                    stride_k, rep_t, freq_t, pres_t, col_ids, acc, stride_a, acc_len, N, NC, V,
+                    stride_k, rep_t, freq_t, pres_t, col_of, acc, stride_a, acc_len, P, NC, VT,
                     NA, G, MODE: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (r * N + j, block): the penalties of the module docstring on one block of
-    columns. MODE 0 (chain): candidates 1..j count; 1 (tree): the set bits of path[r, j] but
-    bit 0; 2 (a draft step): every one of the row's NC window tokens (-1: none), and the
-    accepted tokens `acc[r // G, m]` for m < acc_len[r // G] (NA columns; 0: none). MAPPED:
-    column c scores token `col_ids[c]` (a draft vocabulary's target ids)."""
-    pid = tl.program_id(0)
+    """Program (r, block): the penalties of the module docstring for the target ids of one
+    block of `counts` (read once, coalesced) at each of the row's P positions (logits rows
+    r * P + j), touching only the logits columns they change. MODE 0 (chain): candidates
+    1..j count at position j; 1 (tree): the set bits of path[r, j] but bit 0; 2 (a draft
+    step, P = 1): every one of the row's NC window tokens (-1: none), and the accepted tokens
+    `acc[r // G, m]` for m < acc_len[r // G] (NA columns; 0: none). MAPPED: target id t scores
+    draft column `col_of[t]` (-1: none)."""
+    r = tl.program_id(0)
     blk = tl.program_id(1)
-    r = pid // N
-    j = pid % N
     r64 = r.to(tl.int64)
     s = tl.load(slots + r).to(tl.int64)
     live = s != 0
@@ -119,38 +143,39 @@ def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, don
     freq = tl.load(freq_t + s)
     pres = tl.load(pres_t + s)
     if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < V
-        tid = cols.to(tl.int64)
-        if MAPPED:
-            tid = tl.load(col_ids + cols, mask=ok, other=-1).to(tl.int64)
-        raw = tl.load(counts + s * stride_k + tid, mask=ok & (tid >= 0), other=0)
+        tid = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = tid < VT
+        tid = tid.to(tl.int64)
+        raw = tl.load(counts + s * stride_k + tid, mask=ok, other=0)
         prompt = (raw & _PROMPT) != 0
         out = raw & _MASK
-        bits = 0
-        if MODE == 1:
-            bits = tl.load(path + r64 * stride_p + j).to(tl.int64)
-        for m in range(0, NC):
-            t = tl.load(cand + r64 * stride_c + m).to(tl.int64)
-            if MODE == 0:
-                on = (m >= 1) & (m <= j)
-            elif MODE == 1:
-                on = (m >= 1) & (((bits >> m) & 1) != 0)
-            else:
-                on = t >= 0
-            out += ((tid == t) & on).to(tl.int32)
         if MODE == 2:
+            for m in range(0, NC):
+                t = tl.load(cand + r64 * stride_c + m).to(tl.int64)
+                out += ((tid == t) & (t >= 0)).to(tl.int32)
             ra = (r // G).to(tl.int64)
             na = tl.load(acc_len + ra)
             for m in range(0, NA):
                 t = tl.load(acc + ra * stride_a + m).to(tl.int64)
                 out += ((tid == t) & (m < na) & (t >= 0)).to(tl.int32)
-        row = logits + pid.to(tl.int64) * stride_l
-        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-        seen = prompt | (out > 0)
-        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
-        x = x - freq * out.to(tl.float32) - pres * (out > 0).to(tl.float32)
-        tl.store(row + cols, x.to(logits.dtype.element_ty), mask=ok)
+            _penalize(logits, stride_l, r64, tid, ok, col_of, prompt, out, rep, freq, pres,
+                      MAPPED)
+        elif MODE == 0:  # position j counts candidates 1..j: one more each position
+            for j in range(0, P):
+                if j >= 1:
+                    t = tl.load(cand + r64 * stride_c + j).to(tl.int64)
+                    out += (tid == t).to(tl.int32)
+                _penalize(logits, stride_l, r64 * P + j, tid, ok, col_of, prompt, out, rep,
+                          freq, pres, MAPPED)
+        else:
+            for j in range(0, P):
+                bits = tl.load(path + r64 * stride_p + j).to(tl.int64)
+                oj = out
+                for m in range(1, NC):
+                    t = tl.load(cand + r64 * stride_c + m).to(tl.int64)
+                    oj += ((tid == t) & (((bits >> m) & 1) != 0)).to(tl.int32)
+                _penalize(logits, stride_l, r64 * P + j, tid, ok, col_of, prompt, oj, rep,
+                          freq, pres, MAPPED)
 
 
 @triton.jit(do_not_specialize=["N", "stride_t", "stride_k"],
@@ -209,21 +234,22 @@ def _check_accepted(rows: int, accepted, accepted_len) -> int:
 def _launch(logits, cand, slots, state, path, *, mode: int, positions: int, col_ids=None,
             col_of=None, accepted=None, accepted_len=None, group: int = 1) -> None:
     rows, nc = cand.shape
-    v, w = logits.shape[1], state.bias_ids.shape[1]
+    w = state.bias_ids.shape[1]
     mapped = col_ids is not None
     _bias_kernel[(rows * positions,)](
         logits, logits.stride(0), slots, state.done, state.bias_ids, state.bias_values,
         state.bias_len, col_of if mapped else slots, positions, w, MAPPED=mapped,
         WP2=triton.next_power_of_2(max(w, 1)), num_warps=4)
-    block = min(2048, triton.next_power_of_2(v))
     counts = state.token_counts
+    vt = counts.shape[1]
+    block = min(2048, triton.next_power_of_2(vt))
     acc = accepted is not None
-    _penalty_kernel[(rows * positions, triton.cdiv(v, block))](
+    _penalty_kernel[(rows, triton.cdiv(vt, block))](
         logits, logits.stride(0), cand, cand.stride(0), path if path is not None else cand,
         path.stride(0) if path is not None else 0, slots, state.done, counts, counts.stride(0),
         state.repetition_penalty, state.frequency_penalty, state.presence_penalty,
-        col_ids if mapped else slots, accepted if acc else cand,
-        accepted.stride(0) if acc else 0, accepted_len if acc else slots, positions, nc, v,
+        col_of if mapped else slots, accepted if acc else cand,
+        accepted.stride(0) if acc else 0, accepted_len if acc else slots, positions, nc, vt,
         accepted.shape[1] if acc else 0, group, MODE=mode, MAPPED=mapped, BLOCK=block,
         num_warps=4)
 
