@@ -3,7 +3,9 @@
 A prompt longer than the token budget (`max_num_batched_tokens`) is prefilled in chunks, each
 attending to the KV the earlier chunks wrote; memory per step is then bounded by the chunk, not
 the prompt (the persistent token buffers hold `max_num_tokens` rows whatever the prompt).
-CPU (float64 tiny pair; the Triton path under the interpreter in float32): a 120-token prompt
+CPU: the target's forward in three chunks against one pass (last-token logits and every KV
+entry; torch path in float64 over 90 tokens, Triton under the interpreter in float32, slow); the
+Engine (float64 tiny pair; the Triton path under the interpreter in float32): a 120-token prompt
 through chunks of 24 / 50 (Triton: 50 tokens, chunks of 18) against one pass: the target's and the draft head's KV at every
 prompt position, the greedy text (target only and speculative). GPU: a 32k-token prompt of a
 small wide model prefilled in 2k chunks peaks at the memory a 4k prompt peaks at.
@@ -17,6 +19,9 @@ import pytest
 import torch
 
 from graphdraft.kernels.cache_loc import kv_slot
+from graphdraft.kernels.config import TORCH, TRITON
+from graphdraft.models.attention import PagedAttentionBackend
+from graphdraft.runtime.kv_cache import KVPool
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import make_models, runtime
@@ -71,6 +76,45 @@ def test_chunks_give_the_kv_and_text_of_one_pass(head):
         assert out == one[2]
         for a, b in zip(kv + draft_kv, one[0] + one[1], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _model_prefill(target, prompt: list[int], cuts: list[int], backend_kind: str):
+    """The target's forward over `prompt` in chunks ending at `cuts` (request slot 1, pages of
+    4 shuffled): the last chunk's last-token logits and the KV pool."""
+    mc, ps = target.config, 4
+    pages = -(-len(prompt) // ps)
+    r2p = torch.zeros(2, pages, dtype=torch.int32)
+    r2p[1] = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).to(torch.int32) + 1
+    pool = KVPool(mc.num_hidden_layers, pages + 1, ps, mc.num_key_value_heads, mc.head_dim,
+                  target.dtype, "cpu")
+    kernels = TRITON if backend_kind == "triton" else TORCH
+    target.set_kernels(kernels)
+    backend = PagedAttentionBackend(r2p, ps, len(prompt), kernels=kernels)
+    start = 0
+    for end in cuts:
+        pos = torch.arange(start, end)
+        meta = backend.row_metadata(torch.tensor([1]), torch.tensor([end], dtype=torch.int32),
+                                    torch.tensor([end - start], dtype=torch.int32), end - start)
+        out = target(torch.tensor(prompt[start:end]), pos, kv_slot(r2p, 1, pos, ps), pool,
+                     backend, meta, torch.tensor([end - start - 1]), capture_aux=False)
+        start = end
+    return out.logits, pool
+
+
+@pytest.mark.parametrize("backend_kind,dtype,cuts", [
+    ("torch", torch.float64, [32, 48, 90]),
+    pytest.param("triton", torch.float32, [13, 22, 40], marks=pytest.mark.slow)])  # ~10 s
+def test_model_chunks_give_the_logits_and_kv_of_one_pass(backend_kind, dtype, cuts):
+    """The target's forward itself: three chunks (across pages of 4 and the kernels' blocks)
+    against one pass: the last token's logits and every KV entry."""
+    target, _ = make_models(seed=5, dtype=dtype)
+    prompt = [random.Random(3).randrange(61) for _ in range(cuts[-1])]
+    one_logits, one_pool = _model_prefill(target, prompt, cuts[-1:], backend_kind)
+    logits, pool = _model_prefill(target, prompt, cuts, backend_kind)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, one_logits, **tol)
+    for a, b in zip(pool.k + pool.v, one_pool.k + one_pool.v, strict=True):
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.slow  # ~15 s of the interpreter; the kernels' own row tests are fast
