@@ -698,7 +698,9 @@ def analytic_cost_table(target: Any, head: Any, batch_sizes: Iterable[int],
       verify       one target forward over bs * (k + 1) tokens
       first step   one head forward over bs * (k + 1) tokens; k = 0: the KV-only step over bs
                    tokens (`Eagle3DraftHead.store_kv`: fc, the input norms, qkv; it keeps the
-                   draft KV complete)
+                   draft KV complete; deferred by default, `runtime/deferred_kv.py`, where a
+                   k = 0 cycle pays about a P-th of one over bs * P tokens: this nominal table
+                   keeps the whole step, a slight overprice of k = 0 on a CPU)
       multi-step   k - 1 head forwards over bs tokens
     each max(weight bytes / ANALYTIC_BANDWIDTH, 2 * params * tokens / ANALYTIC_FLOPS) +
     layers * ANALYTIC_LAYER_MS (`config.num_hidden_layers`, 1 without a config). Attention and KV reads are left out (the same for every k to first
