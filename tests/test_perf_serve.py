@@ -1,0 +1,139 @@
+"""perf/serve.py's offline baseline on the CPU (issue #41): the closed loop keeps at most c
+requests in the system under either admission rule, serves every token, counts its steps
+as the server's /metrics does, and "grouped" admits in groups (fewer prefill / mixed steps);
+the row takes the better rule's figure and names it. No timing: CPU figures mean nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from perf import serve
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from graphdraft.serving.cli import build_parser
+    from graphdraft.serving.cli.serve import build_engine
+    eng, _ = build_engine(build_parser().parse_args(["serve", "--device", "cpu", "--quiet"]))
+    return eng
+
+
+class Watch:
+    """Wraps `engine.add_request` / `step`: requests in the system after every call, and the
+    sizes of the groups added between two steps (with whether any request was live then)."""
+
+    def __init__(self, engine, monkeypatch) -> None:
+        self.live, self.peak, self.groups, self.pending = 0, 0, [], 0
+        add, step = engine.add_request, engine.step
+
+        def add_request(*args, **kwargs):
+            self.live += 1
+            self.pending += 1
+            self.peak = max(self.peak, self.live)
+            return add(*args, **kwargs)
+
+        def stepped():
+            if self.pending:
+                self.groups.append((self.pending, self.live - self.pending))
+            self.pending = 0
+            done = step()
+            self.live -= len(done)
+            return done
+
+        monkeypatch.setattr(engine, "add_request", add_request)
+        monkeypatch.setattr(engine, "step", stepped)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 200 + 10 for j in range(12 + i % 5)] for i in range(9)]
+
+
+@pytest.mark.parametrize("rule", serve.ADMISSIONS)
+def test_the_engine_serves_every_token_with_c_in_the_system(engine, monkeypatch, rule):
+    from graphdraft.serving.verify import SamplingParams
+    params = SamplingParams(max_new_tokens=MAX_TOKENS, ignore_eos=True)
+    c, n = 4, 10
+    w = Watch(engine, monkeypatch)
+    out = serve.closed_loop_offline(engine, _prompts(), params, c, n, admission=rule)
+    assert out["tokens"] == n * MAX_TOKENS
+    assert w.peak == c and w.live == 0 and not engine.has_work
+    assert sum(size for size, _ in w.groups) == n
+    assert out["steps"] == out["decode_cycles"] + out["mixed_steps"]
+    assert out["decode_cycles"] > 0 and out["mixed_steps"] >= 1
+
+
+class StaggeredEngine:
+    """The Engine's loop interface with request i finishing `2 + i % 7` steps after the step
+    that admitted it (read back by that step, as `Engine.step` returns it); a step that
+    admits is a prefill / mixed step, the others decode cycles (`graph_summary`)."""
+
+    def __init__(self) -> None:
+        self.waiting, self.running, self.cycles, self.added = [], {}, 0, 0
+
+    def add_request(self, prompt, params):
+        self.waiting.append(self.added)
+        self.added += 1
+        return self.added - 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list:
+        self.cycles += not self.waiting
+        for i in self.waiting:
+            self.running[i] = 2 + i % 7
+        self.waiting = []
+        done = [i for i, left in self.running.items() if left == 1]
+        self.running = {i: left - 1 for i, left in self.running.items() if left > 1}
+        return [type("R", (), {"output": [0] * MAX_TOKENS})() for _ in done]
+
+    def graph_summary(self) -> dict:
+        return {"spec_cycle": (self.cycles, 0)}
+
+
+def test_grouped_admits_a_quarter_of_c_at_once_in_fewer_steps(monkeypatch):
+    """Finishes spread over the steps: "immediate" admits after nearly every step,
+    "grouped" only when a quarter of c is due (or nothing is live), in fewer steps."""
+    c, n = 16, 200
+    runs = {}
+    for rule in serve.ADMISSIONS:
+        eng = StaggeredEngine()
+        with monkeypatch.context() as mp:
+            w = Watch(eng, mp)
+            out = serve.closed_loop_offline(eng, _prompts(), None, c, n, admission=rule)
+        assert out["tokens"] == n * MAX_TOKENS and w.peak == c and w.live == 0
+        assert out["mixed_steps"] == len(w.groups)
+        runs[rule] = w.groups
+    assert all(size >= c // 4 or live == 0 for size, live in runs["grouped"])
+    assert any(size < c // 4 for size, _ in runs["immediate"])
+    assert len(runs["grouped"]) < 0.6 * len(runs["immediate"]), runs
+
+
+def test_decode_cycles_count_the_cycle_family(engine):
+    assert serve.decode_cycles({"spec_cycle": (5, 2), "draft_kv_rebuild": (9, 9)}) == 7
+    assert serve.decode_cycles({}) == 0
+    assert serve.decode_cycles(engine.graph_summary()) >= 0
+
+
+def test_an_unknown_admission_is_named(engine):
+    with pytest.raises(ValueError, match="admission"):
+        serve.closed_loop_offline(engine, _prompts(), None, 2, 2, admission="eager")
+    with pytest.raises(SystemExit):
+        serve.main(["--offline-admission", "eager"])
+
+
+def test_the_row_takes_the_better_rule_and_names_it():
+    offline = {"torch_threads": 4,
+               "immediate": {8: {"tps": 100.0, "steps": 40, "mixed_steps": 20}},
+               "grouped": {8: {"tps": 150.0, "steps": 30, "mixed_steps": 6}}}
+    row = {"concurrency": 8, "server_tps": 120.0}
+    serve.add_offline(row, offline)
+    assert row["offline_tps"] == 150.0 and row["offline_admission_best"] == "grouped"
+    assert row["server_over_offline"] == 0.8
+    assert row["offline_by_admission"]["immediate"]["mixed_steps"] == 20
+    one = {"concurrency": 8, "server_tps": 120.0}
+    serve.add_offline(one, {"immediate": offline["immediate"]})
+    assert one["offline_tps"] == 100.0 and one["offline_admission_best"] == "immediate"
