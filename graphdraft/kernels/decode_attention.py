@@ -395,6 +395,17 @@ def _check_extra(extra_slots, num_extra, rows: int, device) -> None:
                          f"got {num_extra}")
 
 
+def _split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device, kc: KernelConfig,
+                num_splits: int | None) -> tuple[int, int]:
+    """(splits, chunk) of a launch sized for `max_kv_len`: `num_splits` or
+    :func:`default_num_splits`, chunks a multiple of BLOCK_N, no split left empty at the bound."""
+    block_n = kc.decode_block_n
+    splits = (default_num_splits(T, Hkv, max_kv_len, device, kernels=kc) if num_splits is None
+              else max(1, int(num_splits)))
+    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
+    return max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk))), chunk
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -441,10 +452,7 @@ def paged_decode_attention(
         out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    splits = (default_num_splits(T, Hkv, max_kv_len, q.device, kernels=kc) if num_splits is None
-              else max(1, int(num_splits)))
-    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
-    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    splits, chunk = _split_plan(T, Hkv, max_kv_len, q.device, kc, num_splits)
     one = splits == 1
     row_fill = row_split_fill(T * Hkv, splits, max_kv_len, q.device, row_splits)
     d_pad = max(16, triton.next_power_of_2(D))
