@@ -15,9 +15,9 @@
   4. SIGTERM to the server (it must exit 0), then the offline baseline: the same prompts and
      parameters through one Engine in a fresh process, closed loop with c requests in the
      system (`Engine.add_request` / `step`: `Engine.generate` keeping c requests in flight),
-     once per admission rule (`closed_loop_offline`): "immediate" (a finished request's
-     successor joins the next step) and "grouped" (successors join together once a quarter
-     of c are due). A step that admits a request is an eager prefill / mixed step, several
+     once per admission rule (`--offline-admission`, `closed_loop_offline`): "immediate" (a
+     finished request's successor joins the next step), "grouped-4" and "grouped-8"
+     (successors join together once c / 4, c / 8 are due). A step that admits a request is an eager prefill / mixed step, several
      times a graph-replayed decode cycle's host time with a small model: "immediate" makes
      one after nearly every step that finished a request, while the server's successors
      reach its engine after an HTTP round trip, several at once when the HTTP process
@@ -335,8 +335,20 @@ def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]],
     return out
 
 
-ADMISSIONS = ("immediate", "grouped")
-"""The offline loop's admission rules (`closed_loop_offline`)."""
+ADMISSIONS = ("immediate", "grouped-4", "grouped-8")
+"""The offline loop's default admission rules (`closed_loop_offline`)."""
+
+
+def admission_group(rule: str, c: int) -> int:
+    """How many successors `rule` waits for before adding them: "immediate" 1, "grouped-D"
+    (D an int >= 2) ceil(c / D); ValueError naming `admission` otherwise."""
+    if rule == "immediate":
+        return 1
+    name, _, d = rule.partition("-")
+    if name != "grouped" or not d.isdigit() or int(d) < 2:
+        raise ValueError(f"admission: expected 'immediate' or 'grouped-D' (D an int >= 2), "
+                         f"got {rule!r}")
+    return -(-c // int(d))
 
 
 def decode_cycles(graphs: dict[str, tuple[int, int]]) -> int:
@@ -393,14 +405,12 @@ def closed_loop_offline(engine, prompts: list[list[int]], params, c: int, n: int
 
     `admission` "immediate": a finished request's successor is added before the next
     `step()` (the core's rule with clients that answer at once: every step after a finish
-    admits, i.e. is an eager prefill / mixed step). "grouped": successors wait until
-    ceil(c / 4) of them are due (or no request of the loop is left running), then join one
-    step together (over HTTP, successors arrive in bursts, since the HTTP process answers
-    several steps' outputs at once). Returns output tokens, `step()` calls, decode cycles and
-    the other (prefill / mixed) steps."""
-    if admission not in ADMISSIONS:
-        raise ValueError(f"admission: expected one of {ADMISSIONS}, got {admission!r}")
-    group = 1 if admission == "immediate" else -(-c // 4)
+    admits, i.e. is an eager prefill / mixed step). "grouped-D": successors wait until
+    ceil(c / D) of them are due (or no request of the loop is left running), then join one
+    step together (over HTTP, successors reach the engine after a round trip, several at
+    once when the HTTP process answers several steps' outputs together). Returns output
+    tokens, `step()` calls, decode cycles and the other (prefill / mixed) steps."""
+    group = admission_group(admission, c)
     cycles0 = decode_cycles(engine.graph_summary())
     live, sent, tokens, steps = 0, 0, 0, 0
     while sent < n or live or engine.has_work:
@@ -423,7 +433,7 @@ def add_offline(row: dict, offline: dict[str, dict]) -> None:
     """The offline figures of `row`'s concurrency: offline_tps (the best admission rule's,
     named in offline_admission_best) and per rule its tok/s and step counts."""
     c = row["concurrency"]
-    by_rule = {rule: offline[rule][c] for rule in ADMISSIONS if rule in offline}
+    by_rule = {rule: res[c] for rule, res in offline.items() if rule != "torch_threads"}
     best = max(by_rule, key=lambda rule: by_rule[rule]["tps"])
     row["offline_tps"] = by_rule[best]["tps"]
     row["offline_admission_best"] = best
@@ -466,9 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         a.server_flags = ["--device", "cpu", *a.server_flags]
     a.levels = [int(x) for x in a.levels.split(",")]
     a.offline_admission = [x for x in a.offline_admission.split(",") if x]
-    bad = [x for x in a.offline_admission if x not in ADMISSIONS]
-    if bad or not a.offline_admission:
-        p.error(f"--offline-admission: expected names from {ADMISSIONS}, got {bad or 'none'}")
+    try:
+        if not a.offline_admission:
+            raise ValueError("admission: expected at least one rule, got none")
+        for rule in a.offline_admission:
+            admission_group(rule, 1)
+    except ValueError as e:
+        p.error(f"--offline-admission: {e}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from graphdraft.io.tokenizer import load_tokenizer

@@ -1,6 +1,6 @@
 """perf/serve.py's offline baseline on the CPU (issue #41): the closed loop keeps at most c
 requests in the system under either admission rule, serves every token, counts its steps
-as the server's /metrics does, and "grouped" admits in groups (fewer prefill / mixed steps);
+as the server's /metrics does, and "grouped-D" admits in groups (fewer prefill / mixed steps);
 the row takes the better rule's figure and names it. No timing: CPU figures mean nothing."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + j) % 200 + 10 for j in range(12 + i % 5)] for i in range(9)]
 
 
-@pytest.mark.parametrize("rule", serve.ADMISSIONS)
+@pytest.mark.parametrize("rule", ["immediate", "grouped-4"])
 def test_the_engine_serves_every_token_with_c_in_the_system(engine, monkeypatch, rule):
     from graphdraft.serving.verify import SamplingParams
     params = SamplingParams(max_new_tokens=MAX_TOKENS, ignore_eos=True)
@@ -96,10 +96,10 @@ class StaggeredEngine:
 
 def test_grouped_admits_a_quarter_of_c_at_once_in_fewer_steps(monkeypatch):
     """Finishes spread over the steps: "immediate" admits after nearly every step,
-    "grouped" only when a quarter of c is due (or nothing is live), in fewer steps."""
+    "grouped-4" only when a quarter of c is due (or nothing is live), in fewer steps."""
     c, n = 16, 200
     runs = {}
-    for rule in serve.ADMISSIONS:
+    for rule in ("immediate", "grouped-4"):
         eng = StaggeredEngine()
         with monkeypatch.context() as mp:
             w = Watch(eng, mp)
@@ -107,9 +107,9 @@ def test_grouped_admits_a_quarter_of_c_at_once_in_fewer_steps(monkeypatch):
         assert out["tokens"] == n * MAX_TOKENS and w.peak == c and w.live == 0
         assert out["mixed_steps"] == len(w.groups)
         runs[rule] = w.groups
-    assert all(size >= c // 4 or live == 0 for size, live in runs["grouped"])
+    assert all(size >= c // 4 or live == 0 for size, live in runs["grouped-4"])
     assert any(size < c // 4 for size, _ in runs["immediate"])
-    assert len(runs["grouped"]) < 0.6 * len(runs["immediate"]), runs
+    assert len(runs["grouped-4"]) < 0.6 * len(runs["immediate"]), runs
 
 
 def test_decode_cycles_count_the_cycle_family(engine):
@@ -118,20 +118,25 @@ def test_decode_cycles_count_the_cycle_family(engine):
     assert serve.decode_cycles(engine.graph_summary()) >= 0
 
 
-def test_an_unknown_admission_is_named(engine):
-    with pytest.raises(ValueError, match="admission"):
-        serve.closed_loop_offline(engine, _prompts(), None, 2, 2, admission="eager")
-    with pytest.raises(SystemExit):
-        serve.main(["--offline-admission", "eager"])
+def test_group_sizes_and_unknown_rules_named(engine):
+    assert serve.admission_group("immediate", 128) == 1
+    assert serve.admission_group("grouped-4", 128) == 32
+    assert serve.admission_group("grouped-8", 12) == 2 and serve.admission_group("grouped-8", 1) == 1
+    for bad in ("eager", "grouped", "grouped-1", "grouped-x", "batched-4"):
+        with pytest.raises(ValueError, match="admission"):
+            serve.closed_loop_offline(engine, _prompts(), None, 2, 2, admission=bad)
+    for flag in ("eager", ",", "immediate,grouped-0"):
+        with pytest.raises(SystemExit):
+            serve.main(["--offline-admission", flag])
 
 
 def test_the_row_takes_the_better_rule_and_names_it():
     offline = {"torch_threads": 4,
                "immediate": {8: {"tps": 100.0, "steps": 40, "mixed_steps": 20}},
-               "grouped": {8: {"tps": 150.0, "steps": 30, "mixed_steps": 6}}}
+               "grouped-4": {8: {"tps": 150.0, "steps": 30, "mixed_steps": 6}}}
     row = {"concurrency": 8, "server_tps": 120.0}
     serve.add_offline(row, offline)
-    assert row["offline_tps"] == 150.0 and row["offline_admission_best"] == "grouped"
+    assert row["offline_tps"] == 150.0 and row["offline_admission_best"] == "grouped-4"
     assert row["server_over_offline"] == 0.8
     assert row["offline_by_admission"]["immediate"]["mixed_steps"] == 20
     one = {"concurrency": 8, "server_tps": 120.0}
