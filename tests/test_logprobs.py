@@ -307,6 +307,34 @@ def test_graph_logprobs_equal_target_only_on_gpu(kind):
 
 
 @pytest.mark.gpu
+def test_split_kernel_equals_torch_at_the_8b_vocabulary_on_gpu():
+    """The compiled two-launch kernel at the 8B target's vocabulary (128,256 ids: 32 blocks of
+    4,096), bf16 and fp32 logits, 64 rows of 4 positions, widths up to 20 and accept lengths:
+    the torch path's ids exactly, its log-probabilities to fp32 rounding, nothing elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows, n, k, v = 64, 4, 20, 128256
+    tokens = torch.randint(0, v, (rows, n), device="cuda", generator=g)
+    slots = torch.randint(0, 6, (rows,), device="cuda", generator=g)
+    widths = torch.tensor([-1, 0, 5, 20, -1, 1], dtype=torch.int32, device="cuda")
+    accept = torch.randint(0, n + 1, (rows,), device="cuda", generator=g)
+    for dt in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(rows * n, v, device="cuda", generator=g) * 4).to(dt)
+        logits[:, 4096:: 4096] = logits.amax(1, keepdim=True)  # ties across blocks
+        outs = []
+        for backend in ("torch", "triton"):
+            out = torch.full((rows, pack_width(n, k)), -7, dtype=torch.int32, device="cuda")
+            ops.token_logprobs(logits, tokens, slots, widths, out=out, k=k, accept=accept,
+                               kernels=KernelConfig(backend=backend))
+            outs.append(out)
+        ref, got = outs
+        assert torch.equal(ref[:, n: n + n * k], got[:, n: n + n * k]), dt
+        close = (ref == got) | ((ref.view(torch.float32) - got.view(torch.float32)).abs() <= 1e-4)
+        assert bool(close.all()), dt
+
+
+@pytest.mark.gpu
 def test_logprobs_add_no_host_sync_on_gpu():
     """The same greedy requests with logprobs 5 take no more synchronizing CUDA calls than
     without (torch's sync debug mode counts them) over the whole run: the log-probabilities
