@@ -194,11 +194,8 @@ class ServerProcess:
         last = None
         while True:
             m = self.metrics()
-            family = '{forward="spec_cycle"}'
             now = {"steps": int(m.get("graphdraft_engine_steps_total", 0)),
-                   "decode_cycles": decode_cycles({"spec_cycle": (
-                       int(m.get("graphdraft_graph_replays_total" + family, 0)),
-                       int(m.get("graphdraft_eager_runs_total" + family, 0)))})}
+                   "decode_cycles": decode_cycles(graph_runs(m))}
             idle = m.get("graphdraft_running_requests", 1) == 0 and \
                 m.get("graphdraft_queue_depth", 1) == 0
             if idle and now == last or time.monotonic() > deadline:
@@ -352,9 +349,20 @@ def admission_group(rule: str, c: int) -> int:
 
 
 def decode_cycles(graphs: dict[str, tuple[int, int]]) -> int:
-    """Decode cycles run (graph replays + eager runs of the cycle family, `spec_cycle`) from
-    a {family: (replays, eager)} summary; every other launched step is a prefill / mixed one."""
-    return sum(graphs.get("spec_cycle", (0, 0)))
+    """Decode cycles run (graph replays + eager runs of the cycle's family: `spec_cycle`, or
+    `target_verify` where the cycle is split) from a {family: (replays, eager)} summary
+    (`Engine.graph_summary`); every other launched step is a prefill / mixed one."""
+    return sum(graphs.get("spec_cycle", graphs.get("target_verify", (0, 0))))
+
+
+def graph_runs(metrics: dict[str, float]) -> dict[str, tuple[int, int]]:
+    """{family: (replays, eager runs)} from /metrics samples (`ServerProcess.metrics`)."""
+    out: dict[str, list[int]] = {}
+    for key, value in metrics.items():
+        if found := re.fullmatch(r'graphdraft_(graph_replays|eager_runs)_total'
+                                 r'\{forward="([^"]+)"\}', key):
+            out.setdefault(found[2], [0, 0])[found[1] == "eager_runs"] += int(value)
+    return {family: (r, e) for family, (r, e) in out.items()}
 
 
 def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, dict]:

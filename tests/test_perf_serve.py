@@ -115,7 +115,18 @@ def test_grouped_admits_a_quarter_of_c_at_once_in_fewer_steps(monkeypatch):
 def test_decode_cycles_count_the_cycle_family(engine):
     assert serve.decode_cycles({"spec_cycle": (5, 2), "draft_kv_rebuild": (9, 9)}) == 7
     assert serve.decode_cycles({}) == 0
+    assert serve.decode_cycles({"target_verify": (3, 1), "eagle3_draft": (4, 0)}) == 4
     assert serve.decode_cycles(engine.graph_summary()) >= 0
+
+
+def test_graph_runs_read_from_metrics_samples():
+    m = {'graphdraft_graph_replays_total{forward="spec_cycle"}': 10.0,
+         'graphdraft_eager_runs_total{forward="spec_cycle"}': 2.0,
+         'graphdraft_graph_replays_total{forward="draft_kv_rebuild"}': 4.0,
+         "graphdraft_engine_steps_total": 30.0,
+         'graphdraft_requests_total{endpoint="completions",status="200"}': 5.0}
+    assert serve.graph_runs(m) == {"spec_cycle": (10, 2), "draft_kv_rebuild": (4, 0)}
+    assert serve.decode_cycles(serve.graph_runs(m)) == 12
 
 
 def test_group_sizes_and_unknown_rules_named(engine):
