@@ -397,10 +397,12 @@ def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
                 tps.append(loop.pop("tokens") / (time.perf_counter() - t0))
                 counts.update(loop)
             out[rule][c] = {"tps": round(statistics.median(tps), 1),
-                            "tps_reps": [round(x, 1) for x in tps], **counts}
+                            "tps_reps": [round(x, 1) for x in tps],
+                            **{k: round(v, 4) for k, v in counts.items()}}
             print(f"offline ({rule}) c={c}: {out[rule][c]['tps']:,.0f} tok/s "
                   f"({[round(x) for x in tps]}), steps {counts['steps']}, prefill / mixed "
-                  f"steps {counts['mixed_steps']}", flush=True)
+                  f"steps {counts['mixed_steps']} ({counts['prefill_step_s']:.2f} of "
+                  f"{counts['step_s']:.2f} s in step())", flush=True)
     return out
 
 
@@ -417,10 +419,12 @@ def closed_loop_offline(engine, prompts: list[list[int]], params, c: int, n: int
     ceil(c / D) of them are due (or no request of the loop is left running), then join one
     step together (over HTTP, successors reach the engine after a round trip, several at
     once when the HTTP process answers several steps' outputs together). Returns output
-    tokens, `step()` calls, decode cycles and the other (prefill / mixed) steps."""
+    tokens, `step()` calls, decode cycles, the other (prefill / mixed) steps, and the wall
+    seconds inside `step()`: all (step_s) and of the steps that launched prefill rows
+    (prefill_step_s; host time, a figure only on a GPU)."""
     group = admission_group(admission, c)
     cycles0 = decode_cycles(engine.graph_summary())
-    live, sent, tokens, steps = 0, 0, 0, 0
+    live, sent, tokens, steps, step_s, prefill_s = 0, 0, 0, 0, 0.0, 0.0
     while sent < n or live or engine.has_work:
         due = min(c - live, n - sent)
         if due >= group or (due > 0 and live == 0):
@@ -428,13 +432,18 @@ def closed_loop_offline(engine, prompts: list[list[int]], params, c: int, n: int
                 engine.add_request(prompts[(offset + sent) % len(prompts)], params)
             sent += due
             live += due
-        for r in engine.step():
+        prefilled, t0 = engine.stats.prefill_tokens, time.perf_counter()
+        finished = engine.step()
+        dt = time.perf_counter() - t0
+        step_s += dt
+        prefill_s += dt if engine.stats.prefill_tokens != prefilled else 0.0
+        for r in finished:
             tokens += len(r.output)
             live -= 1
         steps += 1
     cycles = decode_cycles(engine.graph_summary()) - cycles0
     return {"tokens": tokens, "steps": steps, "decode_cycles": cycles,
-            "mixed_steps": steps - cycles}
+            "mixed_steps": steps - cycles, "step_s": step_s, "prefill_step_s": prefill_s}
 
 
 def add_offline(row: dict, offline: dict[str, dict]) -> None:

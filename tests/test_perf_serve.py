@@ -62,6 +62,7 @@ def test_the_engine_serves_every_token_with_c_in_the_system(engine, monkeypatch,
     assert sum(size for size, _ in w.groups) == n
     assert out["steps"] == out["decode_cycles"] + out["mixed_steps"]
     assert out["decode_cycles"] > 0 and out["mixed_steps"] >= 1
+    assert 0 < out["prefill_step_s"] < out["step_s"]
 
 
 class StaggeredEngine:
@@ -71,6 +72,7 @@ class StaggeredEngine:
 
     def __init__(self) -> None:
         self.waiting, self.running, self.cycles, self.added = [], {}, 0, 0
+        self.stats = type("Stats", (), {"prefill_tokens": 0})()
 
     def add_request(self, prompt, params):
         self.waiting.append(self.added)
@@ -83,6 +85,7 @@ class StaggeredEngine:
 
     def step(self) -> list:
         self.cycles += not self.waiting
+        self.stats.prefill_tokens += 16 * len(self.waiting)
         for i in self.waiting:
             self.running[i] = 2 + i % 7
         self.waiting = []
