@@ -366,7 +366,8 @@ def graph_runs(metrics: dict[str, float]) -> dict[str, tuple[int, int]]:
 
 
 def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, dict]:
-    """The same prompts through one Engine in this (fresh) process, c requests in the system
+    """The same prompts through one Engine in this (fresh) process (torch threads as the
+    engine process sets its own: `engine_core.leave_a_cpu`), c requests in the system
     (closed loop), once per admission rule of `a.offline_admission`: per rule and
     concurrency, output tokens/s (median over `a.reps`) and the loop's step counts (over
     every repetition)."""
@@ -374,8 +375,10 @@ def offline_phase(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
 
     from graphdraft.serving.cli import build_parser
     from graphdraft.serving.cli.serve import build_engine
+    from graphdraft.serving.openai_api.engine_core import leave_a_cpu
     from graphdraft.serving.verify import SamplingParams
 
+    leave_a_cpu()  # the engine process's torch threads: the same Engine on the same threads
     args = build_parser().parse_args(["serve", *a.server_flags])
     engine, m = build_engine(args)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)

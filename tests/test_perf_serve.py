@@ -156,3 +156,29 @@ def test_the_row_takes_the_better_rule_and_names_it():
     one = {"concurrency": 8, "server_tps": 120.0}
     serve.add_offline(one, {"immediate": offline["immediate"]})
     assert one["offline_tps"] == 100.0 and one["offline_admission_best"] == "immediate"
+
+
+def test_the_offline_engine_gets_the_engine_process_threads(monkeypatch):
+    """`engine_core.leave_a_cpu` (called by the engine process and by the offline phase):
+    the CPUs less one, never more than before, never below one; OMP_NUM_THREADS wins."""
+    import os
+
+    import torch
+
+    from graphdraft.serving.openai_api.engine_core import leave_a_cpu
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+        torch.set_num_threads(8)
+        leave_a_cpu()
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+        leave_a_cpu()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        torch.set_num_threads(3)
+        leave_a_cpu()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

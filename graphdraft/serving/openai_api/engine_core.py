@@ -89,7 +89,7 @@ def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _watch_parent(os.getppid())
-    _leave_a_cpu()
+    leave_a_cpu()
     try:
         engine, info = resolve_factory(spec.factory)(spec.args)
     except BaseException as e:  # noqa: BLE001 (the HTTP process says why)
@@ -113,9 +113,10 @@ def _send_now(sock: socket.socket, message: Any) -> bool:
     return True
 
 
-def _leave_a_cpu() -> None:
+def leave_a_cpu() -> None:
     """Torch's intra-op threads: at most the CPUs this process may use less one (the HTTP
-    process's), unless the environment sets OMP_NUM_THREADS."""
+    process's), unless the environment sets OMP_NUM_THREADS (public: perf.serve's offline
+    baseline runs its Engine with the same threads)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
