@@ -67,6 +67,16 @@ def _position(pid, n, slots, widths, done, accept, HAS_DONE: tl.constexpr,
     return r, j, w, live
 
 
+@triton.jit
+def _logits_row(r, j, n, logit_rows, stride_i, HAS_ROWS: tl.constexpr):
+    """The logits row of (row r, position j): `logit_rows[r, j]`, else r * n + j."""
+    if HAS_ROWS:
+        lrow = tl.load(logit_rows + r * stride_i + j).to(tl.int64)
+    else:
+        lrow = (r * n + j).to(tl.int64)
+    return lrow
+
+
 @triton.jit(do_not_specialize=["stride_l", "stride_i", "n", "SPLITS"],
             do_not_specialize_on_alignment=["slots", "logit_rows", "accept"])
 def _logprobs_split_kernel(logits, stride_l, logit_rows, stride_i, slots, widths, done, accept,
@@ -80,10 +90,7 @@ def _logprobs_split_kernel(logits, stride_l, logit_rows, stride_i, slots, widths
     c = tl.program_id(1)
     r, j, w, live = _position(pid, n, slots, widths, done, accept, HAS_DONE, HAS_ACCEPT)
     if live:
-        if HAS_ROWS:
-            lrow = tl.load(logit_rows + r * stride_i + j).to(tl.int64)
-        else:
-            lrow = r * n + j
+        lrow = _logits_row(r, j, n, logit_rows, stride_i, HAS_ROWS)
         idx = c * BLOCK + tl.arange(0, BLOCK)
         ok = idx < V
         x = tl.load(logits + lrow * stride_l + idx, mask=ok, other=-float("inf")).to(tl.float32)
@@ -113,10 +120,7 @@ def _logprobs_combine_kernel(logits, stride_l, tokens, stride_t, logit_rows, str
     pid = tl.program_id(0)
     r, j, w, live = _position(pid, n, slots, widths, done, accept, HAS_DONE, HAS_ACCEPT)
     if live:
-        if HAS_ROWS:
-            lrow = tl.load(logit_rows + r * stride_i + j).to(tl.int64)
-        else:
-            lrow = r * n + j
+        lrow = _logits_row(r, j, n, logit_rows, stride_i, HAS_ROWS)
         row = logits + lrow * stride_l
         sp = tl.arange(0, SP)
         base = pid.to(tl.int64) * SPLITS
