@@ -184,7 +184,7 @@ def test_adaptive_policy_end_to_end_greedy_equals_target_only():
 def _draft_kv_rows(eng: Engine, slot: int, length: int) -> torch.Tensor:
     """The draft KV (K and V) of positions 0..length-1 of `slot`, through the page table."""
     ps = eng.cfg.page_size
-    pos = torch.arange(length)
+    pos = torch.arange(length, device=eng.pages.req_to_page.device)
     locs = eng.pages.req_to_page[slot, pos // ps] * ps + pos % ps
     pool = eng.drafter.kv_pool
     return torch.stack([pool.k[0][locs], pool.v[0][locs]])
