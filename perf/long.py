@@ -500,22 +500,28 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(kv_lens=tuple(a.kv), batch_sizes=tuple(a.bs),
                       long_kv=None if a.no_long_row else LONG_KV, device="cuda")
     data = measure(setup, a.deadline_s)
-    note = None
-    if a.no_useless:
-        note = "--no-useless"
-    elif a.tiny:
-        note = "--tiny: the useless-draft rows need the 8B pair (python -m perf.useless_draft --tiny)"
-    else:
-        gc.collect()
-        torch.cuda.empty_cache()
-        data["useless_info"] = {}
-        extra, note = useless_rows(a.useless_deadline_s, data["useless_info"])
-        data["rows"] += extra
     card = card_name(setup.device)
     tag = a.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     doc = {"device": torch.cuda.get_device_name() if card != "cpu" else "cpu (timings meaningless)",
-           "card": card, "torch": torch.__version__, "tiny": a.tiny, "useless_note": note, **data}
-    path = write_json(Path(a.out), f"{tag}-{card}-long.json", doc)
+           "card": card, "torch": torch.__version__, "tiny": a.tiny, "useless_note": None, **data}
+    path = write_json(Path(a.out), f"{tag}-{card}-long.json", doc)  # the long rows kept first
+    if a.no_useless:
+        doc["useless_note"] = "--no-useless"
+    elif a.tiny:
+        doc["useless_note"] = ("--tiny: the useless-draft rows need the 8B pair "
+                               "(python -m perf.useless_draft --tiny)")
+    else:
+        del setup  # the long phase's pair: the useless rows build their own
+        gc.collect()
+        torch.cuda.empty_cache()
+        doc["useless_info"] = {}
+        try:
+            extra, doc["useless_note"] = useless_rows(a.useless_deadline_s, doc["useless_info"])
+        except torch.OutOfMemoryError as e:  # e.g. an 80 GB card: the long rows stay written
+            extra, doc["useless_note"] = [], f"useless-draft rows: out of GPU memory ({e})"[:300]
+        doc["rows"] += extra
+        path = write_json(Path(a.out), f"{tag}-{card}-long.json", doc)
+    note = doc["useless_note"]
     print(table(doc["rows"]))
     print("goal misses: " + ("; ".join(doc["goal_misses"]) or "none"))
     if note:
