@@ -14,19 +14,27 @@ Per batch size the speculative engine serves two cells over the same requests: `
 blocks) and `k0` (always k = 0: the k = 0 cycle's own cost, the policy's probes left out).
 
 Steady decode: every row decoding; the adaptive policy first gets WARMUP steps (its docstring
-bounds the settling at 20 observed cycles at bs 1), then REPS rounds of interleaved timed
-blocks, target-only / adaptive / k0 (the two speculative cells' order alternating by round),
-each block after `lead` untimed steps of its own cell. A block is `block_steps(bs)` `step()`
-calls; tokens/s = tokens emitted over the block's CUDA-event span (host loop and copies
-included). `ratio` = median over rounds of adaptive / the target-only block of that round
-(adjacent blocks: clock drift cancels); `k0_ratio` likewise. Contexts grow one token a step
-in every cell (k = 0: one token a row a cycle), so the rows compare equal contexts.
+bounds the settling at 20 observed cycles at bs 1), then REPS rounds; a round times each
+speculative cell (adaptive, k0; their order alternating by round) right after a target-only
+block of its own, each block after `lead` untimed steps of its engine. A block is
+`block_steps(bs)` `step()` calls; tokens/s = tokens emitted over the block's CUDA-event span
+(host loop and copies included). `ratio` = median over rounds of adaptive / the target-only
+block just before it (adjacent blocks: clock drift cancels); `k0_ratio` likewise.
+
+Equal contexts: a useless draft commits one token a row a cycle whatever k, so each engine's
+contexts grow one token a step; the target-only engine takes as many steps as the speculative
+one (a block and its lead per speculative cell), so every pair of blocks starts at the same
+context (`context_gap`: the largest difference of the two engines' mean context at a pair's
+start, tokens; 0 unless a row accepted a draft). Timing one target-only block per round
+against two speculative ones (the 2026-12-06d run) let the speculative rows' contexts run
+ahead by up to 2 x (block + lead) tokens a round: at bs 64 / 128, where the KV reads are a
+large part of a step, that gap alone made the k = 0 cycle look 5-8 % slower than it is.
 
 Rows (`run_rows`): `bs`, `regime` "useless", `adaptive_tps`, `target_only_tps`, `ratio`,
 `k0_tps`, `k0_ratio`, `k_histogram` (draft lengths of the adaptive cell's timed cycles),
 `k_histogram_warmup`, `accept_mean` (tokens per decode row in its timed blocks), `probes` /
 `probe_interval` (the policy's at the end), `alpha`, `alpha_lower`, `kv_rebuilds` (deferred
-draft-KV rebuilds replayed during the timed blocks), `per_round`, `block`, `reps`.
+draft-KV rebuilds replayed during the timed blocks), `context_gap`, `per_round`, `block`, `reps`.
 Goal (issue #42): ratio >= 0.99 at every bs.
 """
 
@@ -71,7 +79,7 @@ def lead_steps(bs: int) -> int:
 
 
 def _new_tokens(bs: int, warmup: int, reps: int, cells: int) -> int:
-    """Tokens a request of an engine serving `cells` cells must be allowed: one a step (a
+    """Tokens a request of an engine timing `cells` blocks a round must be allowed: one a step (a
     useless draft accepts nothing: every cycle commits one token a row, whatever its k), 1.25x
     and 16 for slack (a request that finishes early is counted: `finished_early`); its KV
     pages are reserved for them at admission."""
@@ -80,7 +88,7 @@ def _new_tokens(bs: int, warmup: int, reps: int, cells: int) -> int:
 
 
 def _pages(sizes: tuple[int, ...], prompt_len: int, warmup: int, reps: int, cells: int) -> int:
-    """KV pages (of 16) for the widest bs x its requests' context, of an engine with `cells`."""
+    """KV pages (of 16) for the widest bs x its requests' context, `cells` blocks a round."""
     ctx = {b: prompt_len + _new_tokens(b, warmup, reps, cells) + 2 * (STEPS + 1) for b in sizes}
     return max(b * -(-c // 16) for b, c in ctx.items()) + 2 * max(sizes) + 8
 
@@ -112,8 +120,7 @@ class _Setup:
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
         self.cfg = runtime(max(sizes), sizes, ctx, device=device, dtype=dtype,
                            pages=_pages(sizes, prompt_len, warmup, reps, 2))
-        base_cfg = self.cfg.replace(speculative_policy="fixed",
-                                    num_kv_pages=_pages(sizes, prompt_len, warmup, reps, 1))
+        base_cfg = self.cfg.replace(speculative_policy="fixed")  # as many steps as `spec`
         t0 = time.perf_counter()
         self.base = Engine(self.target, base_cfg)
         self.base.capture_graphs(progress=False)
@@ -131,6 +138,23 @@ def _rebuilds(spec: Engine) -> int:
     return int(sum(f.stats.replays.values()) + sum(f.stats.eager.values()))
 
 
+def _mean_context(engine: Engine) -> float:
+    """Mean context (prompt + output tokens) of the engine's running requests, drained."""
+    engine.drain()
+    return sum(len(r.prompt) + len(r.output) for r in engine.running) / max(len(engine.running), 1)
+
+
+def _level_contexts(base: Engine, spec: Engine) -> None:
+    """Step the engine whose rows are behind (the prefill steps of the two may differ: a
+    speculative decode row takes N tokens of a mixed step's budget) until the mean contexts
+    agree to within one token (one token a row a step in steady decode, drafts useless)."""
+    for _ in range(64):
+        d = _mean_context(spec) - _mean_context(base)
+        if abs(d) < 1:
+            return
+        (base if d > 0 else spec).step()
+
+
 def _measure_bs(s: _Setup, bs: int, prompt_len: int, warmup: int, reps: int,
                 rng: torch.Generator) -> dict[str, Any]:
     """One row (module docstring)."""
@@ -139,9 +163,9 @@ def _measure_bs(s: _Setup, bs: int, prompt_len: int, warmup: int, reps: int,
     base, spec = s.base, s.spec
     reqs = []
     for p in prompts:
-        for eng, cells in ((base, 1), (spec, 2)):
+        for eng in (base, spec):
             reqs.append(eng.add_request(p, SamplingParams(
-                max_new_tokens=_new_tokens(bs, warmup, reps, cells), ignore_eos=True)))
+                max_new_tokens=_new_tokens(bs, warmup, reps, 2), ignore_eos=True)))
     adaptive = SpeculationPolicy("adaptive", STEPS, type(s.costs)(s.costs.measured()),
                                  steps=list(spec.steps))
     k0 = SpeculationPolicy("fixed", 0, steps=[0])
@@ -151,17 +175,20 @@ def _measure_bs(s: _Setup, bs: int, prompt_len: int, warmup: int, reps: int,
     for _ in range(warmup):
         spec.step()
         base.step()
-    spec.drain()
+    _level_contexts(base, spec)
     warm_k = Counter(k for _, k in list(spec.policy_history)[-warmup:])
     blk, lead = block_steps(bs), lead_steps(bs)
     blocks: dict[str, list[dict[str, Any]]] = {"target_only": [], "adaptive": [], "k0": []}
-    rebuilds = 0
+    rebuilds, gap = 0, 0.0
+    paired: dict[str, list[dict[str, Any]]] = {"adaptive": [], "k0": []}  # target-only blocks
     for rep in range(reps):
-        for _ in range(lead):
-            base.step()
-        blocks["target_only"].append(timed_block(base, blk))
         for name in (("adaptive", "k0") if rep % 2 == 0 else ("k0", "adaptive")):
             spec.set_policy(adaptive if name == "adaptive" else k0)
+            gap = max(gap, abs(_mean_context(spec) - _mean_context(base)))
+            for _ in range(lead):
+                base.step()
+            paired[name].append(timed_block(base, blk))
+            blocks["target_only"].append(paired[name][-1])
             for _ in range(lead):
                 spec.step()
             before = _rebuilds(spec)
@@ -173,10 +200,9 @@ def _measure_bs(s: _Setup, bs: int, prompt_len: int, warmup: int, reps: int,
     _abort_all(base)
     _abort_all(spec)
     tps = {name: statistics.median(b["tps"] for b in bl) for name, bl in blocks.items()}
-    per_round = [a["tps"] / t["tps"] for a, t in zip(blocks["adaptive"], blocks["target_only"],
+    per_round = [a["tps"] / t["tps"] for a, t in zip(blocks["adaptive"], paired["adaptive"],
                                                       strict=True)]
-    k0_round = [a["tps"] / t["tps"] for a, t in zip(blocks["k0"], blocks["target_only"],
-                                                    strict=True)]
+    k0_round = [a["tps"] / t["tps"] for a, t in zip(blocks["k0"], paired["k0"], strict=True)]
     timed_k = Counter(k for b in blocks["adaptive"] for k in b["ks"])
     rows = sum(b["acc_rows"] for b in blocks["adaptive"])
     st = adaptive.stats()
@@ -189,6 +215,7 @@ def _measure_bs(s: _Setup, bs: int, prompt_len: int, warmup: int, reps: int,
             "probes": st["probes"], "probe_interval": adaptive.probe_interval(bs),
             "alpha": st["alpha"], "alpha_lower": adaptive.estimator.lower_bound(),
             "kv_rebuilds": rebuilds, "deferred_draft_kv": s.cfg.deferred_draft_kv,
+            "context_gap": gap,
             "per_round": per_round, "k0_per_round": k0_round, "block": blk, "lead": lead,
             "reps": reps, "prompt_len": prompt_len, "finished_early": finished_early,
             "goal_met": statistics.median(per_round) >= GOAL and not finished_early}
