@@ -395,15 +395,20 @@ def _check_extra(extra_slots, num_extra, rows: int, device) -> None:
                          f"got {num_extra}")
 
 
-def _split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device, kc: KernelConfig,
-                num_splits: int | None) -> tuple[int, int]:
-    """(splits, chunk) of a launch sized for `max_kv_len`: `num_splits` or
-    :func:`default_num_splits`, chunks a multiple of BLOCK_N, no split left empty at the bound."""
-    block_n = kc.decode_block_n
-    splits = (default_num_splits(T, Hkv, max_kv_len, device, kernels=kc) if num_splits is None
-              else max(1, int(num_splits)))
+def fit_splits(splits: int, max_kv_len: int, block_n: int) -> tuple[int, int]:
+    """(splits, chunk) for `splits` wanted over `max_kv_len` keys: chunks a multiple of
+    `block_n`, no split left empty at the bound."""
     chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
     return max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk))), chunk
+
+
+def _split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device, kc: KernelConfig,
+                num_splits: int | None) -> tuple[int, int]:
+    """(splits, chunk) of a decode launch sized for `max_kv_len`: `num_splits` or
+    :func:`default_num_splits`, fitted by :func:`fit_splits`."""
+    splits = (default_num_splits(T, Hkv, max_kv_len, device, kernels=kc) if num_splits is None
+              else max(1, int(num_splits)))
+    return fit_splits(splits, max_kv_len, kc.decode_block_n)
 
 
 def paged_decode_attention(

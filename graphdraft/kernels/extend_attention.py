@@ -68,6 +68,7 @@ from graphdraft.kernels.decode_attention import (
     check_out,
     check_paged_kv,
     combine_splits,
+    fit_splits,
     paged_attention_torch,
     row_chunk,
     row_split_fill,
@@ -303,8 +304,7 @@ def _launch_shape(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
     splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, device)
               if num_splits is None else max(1, int(num_splits)))
-    chunk = triton.cdiv(triton.cdiv(max(1, max_kv_len), splits), block_n) * block_n
-    splits = max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk)))
+    splits, chunk = fit_splits(splits, max_kv_len, block_n)
     row_fill = row_split_fill(R * n_qb * Hkv, splits, max_kv_len, device, row_splits)
     return block_m, block_n, warps, n_qb, splits, chunk, row_fill
 
