@@ -64,6 +64,17 @@ ITERS = 32
 
 
 @triton.jit
+def live_slot(slots, done, r):
+    """Row r's slot `slots[r]` and whether it is live (not the dummy slot 0, not done); a
+    row that is not live reads slot 0's values (inert)."""
+    s = tl.load(slots + r).to(tl.int64)
+    live = s != 0
+    if live:
+        live = tl.load(done + s) == 0
+    return tl.where(live, s, 0), live
+
+
+@triton.jit
 def _uniform(seed, pos):
     # explicit 32-bit counters (c0 = position's low word, c1 = salt): the same Philox-4x32
     # stream on every Triton version, whatever width randint gives a 64-bit offset
@@ -85,11 +96,7 @@ def _token_kernel(logits, stride_l, slots, seq_lens, temperature, top_p, top_k, 
     r = pid // N
     j = pid % N
     r64 = r.to(tl.int64)
-    s = tl.load(slots + r).to(tl.int64)
-    live = s != 0
-    if live:
-        live = tl.load(done + s) == 0
-    s = tl.where(live, s, 0)
+    s, live = live_slot(slots, done, r)
     temp = tl.load(temperature + s).to(tl.float32)
     tp = tl.load(top_p + s).to(tl.float32)
     tk = tl.load(top_k + s).to(tl.int32)
@@ -197,11 +204,7 @@ def _accept_kernel(tokens, stride_t, cand, stride_c, slots, stop_ids, max_new, e
     """Program r: accept, stop cut and error bit of row r (steps 2-3) from its tokens."""
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
-    s = tl.load(slots + r).to(tl.int64)
-    live = s != 0
-    if live:
-        live = tl.load(done + s) == 0
-    s = tl.where(live, s, 0)
+    s, live = live_slot(slots, done, r)
     em = tl.load(emitted + s).to(tl.int32)
     mnew = tl.load(max_new + s).to(tl.int32)
     acc = 1

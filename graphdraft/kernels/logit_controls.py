@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from graphdraft.checks import expect_tensor
+from graphdraft.kernels.accept import live_slot
 from graphdraft.kernels.config import KernelConfig
 
 __all__ = ["COUNT_MASK", "PROMPT_FLAG", "apply_draft_logit_controls",
@@ -78,11 +79,7 @@ def _bias_kernel(logits, stride_l, slots, done, bias_ids, bias_values, bias_len,
     bias_len[s]; c(t) = t, or `col_of[t]` when MAPPED (-1: the id has no column)."""
     pid = tl.program_id(0)
     r = pid // N
-    s = tl.load(slots + r).to(tl.int64)
-    live = s != 0
-    if live:
-        live = tl.load(done + s) == 0
-    s = tl.where(live, s, 0)
+    s, live = live_slot(slots, done, r)
     nb = tl.load(bias_len + s)
     if nb > 0:
         w = tl.arange(0, WP2)
@@ -134,11 +131,7 @@ def _penalty_kernel(logits, stride_l, cand, stride_c, path, stride_p, slots, don
     r = tl.program_id(0)
     blk = tl.program_id(1)
     r64 = r.to(tl.int64)
-    s = tl.load(slots + r).to(tl.int64)
-    live = s != 0
-    if live:
-        live = tl.load(done + s) == 0
-    s = tl.where(live, s, 0)
+    s, live = live_slot(slots, done, r)
     rep = tl.load(rep_t + s)
     freq = tl.load(freq_t + s)
     pres = tl.load(pres_t + s)
