@@ -25,6 +25,9 @@ from graphdraft.serving.cli.args import CliError, int_at_least
 
 log = logging.getLogger("graphdraft.serving.cli")
 
+ADMISSION_GROUP_DEFAULT = 4
+"""--admission-group's default (`openai_api.engine_core.ADMISSION_GROUP_DEFAULT`, which this
+module does not import at start: the server packages are optional)."""
 ENGINE_FACTORY = "graphdraft.serving.cli.serve:engine_for_core"
 """What the engine process calls to build its Engine (`EngineCoreSpec.factory`)."""
 
@@ -41,6 +44,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int_at_least(0), default=1024,
                    help="requests (choices) that may wait for a slot beyond "
                         "--max-running-requests; more answer 503")
+    g.add_argument("--admission-group", type=int_at_least(0), default=ADMISSION_GROUP_DEFAULT,
+                   metavar="D",
+                   help="requests that arrive while the engine only decodes are held for at "
+                        "most one decode step until ceil(running / D) of them can start "
+                        "together in one prefill step (0: each starts at once; engine_core's "
+                        "admit_now)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C, how long live requests may finish before they "
                         "are aborted")
@@ -130,7 +139,8 @@ def start_engine(a: argparse.Namespace, capacity: int):
     from graphdraft.serving.openai_api.engine_client import EngineClient, EngineStartError
     from graphdraft.serving.openai_api.engine_core import EngineCoreSpec
 
-    client = EngineClient(EngineCoreSpec(ENGINE_FACTORY, argparse.Namespace(**vars(a))),
+    client = EngineClient(EngineCoreSpec(ENGINE_FACTORY, argparse.Namespace(**vars(a)),
+                                         admission_group=a.admission_group),
                           capacity=capacity)
     try:
         info = client.start()

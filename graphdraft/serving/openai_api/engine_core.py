@@ -6,9 +6,21 @@ calling `spec.factory` (a 'module:function' name) with `spec.args`, sends ("read
 (the Engine's limits, its process id, the factory's info), then runs `EngineCore.run`:
 
   loop: read every command that arrived (without waiting while the Engine has work; idle,
-        it sleeps in `select` until a command comes) and apply it: add requests, abort
-        them, begin the shutdown, exit; one `Engine.step()`; collect every live request's new
-        token ids and finish reasons; send them in ONE ("out", outputs, state) message.
+        it sleeps in `select` until a command comes) and apply it: add requests (held,
+        see below), abort them, begin the shutdown, exit; hand the held requests to the
+        Engine when `admit_now` says so; one `Engine.step()`; collect the new token ids and
+        finish reasons of the requests whose output changed; send them in ONE ("out",
+        outputs, state) message.
+
+Admission grouping (`admission_group` D, `graphdraft serve --admission-group`): a step that
+admits requests is the Engine's eager prefill / mixed step, many times the cost of a
+graph-replayed decode cycle, and it costs about the same for one new prompt as for several.
+Over HTTP, successors arrive one by one as their clients' round trips end, so each would get
+a mixed step of its own. The core therefore holds requests that arrive while the Engine is
+only decoding, and hands them over together once ceil(running / D) are held, or once the
+oldest has waited one step, or at once when nothing runs or the next step is a prefill /
+mixed step anyway (`admit_now`): a request's first token comes at most one decode step later,
+and trickling arrivals share one mixed step. D = 0: every request goes to the Engine at once.
 
 An output is (rid, new ids, finish reason or None, the ids' (logprob, top) pairs or None,
 the prompt's scores or None): a request that asked `prompt_logprobs` gets its prompt's
@@ -53,6 +65,8 @@ from graphdraft.serving.openai_api.limits import EngineLimits
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
 from graphdraft.serving.verify import SamplingParams
 
+ADMISSION_GROUP_DEFAULT = 4
+"""`EngineCoreSpec.admission_group`'s default (`admit_now`)."""
 FOLD_INTERVAL_S = 0.5
 STATE_INTERVAL_S = 0.05
 IDLE_WAIT_S = 0.25
@@ -74,6 +88,21 @@ class EngineCoreSpec:
     factory sends stop_token_ids, tokenizer_dir and device)."""
     args: Any
     """The factory's argument, e.g. the command line's argparse.Namespace."""
+    admission_group: int = ADMISSION_GROUP_DEFAULT
+    """D of the admission grouping (module docstring, `admit_now`); 0: no hold."""
+
+
+def admit_now(held: int, waited_steps: int, running: int, mixed_anyway: bool,
+              group: int) -> bool:
+    """Whether the `held` requests (> 0) go to the Engine before its next step: always when
+    `group` (D) is 0, nothing is `running` (no decode cycle to wait behind), the next step is
+    a prefill / mixed one anyway (`mixed_anyway`: the Engine has requests waiting or
+    prefilling), the oldest has `waited_steps` >= 1, or `held` >= ceil(running / D); else
+    they wait one decode step for more to join them."""
+    if group < 0:
+        raise ValueError(f"admission_group: expected an int >= 0, got {group}")
+    return (group == 0 or running == 0 or mixed_anyway or waited_steps >= 1
+            or held >= -(-running // group))
 
 
 def resolve_factory(name: str) -> Callable[[Any], tuple[Any, dict]]:
@@ -102,7 +131,7 @@ def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
     if not _send_now(sock, ("ready", ready)):
         return
     sock.setblocking(False)
-    EngineCore(engine, sock).run()
+    EngineCore(engine, sock, spec.admission_group).run()
 
 
 def _send_now(sock: socket.socket, message: Any) -> bool:
@@ -137,13 +166,16 @@ def _watch_parent(ppid: int) -> None:
 class EngineCore:
     """The step loop of the module docstring over `engine` and the socket `sock`."""
 
-    def __init__(self, engine: Any, sock: socket.socket) -> None:
-        self.engine, self.sock = engine, sock
+    def __init__(self, engine: Any, sock: socket.socket,
+                 admission_group: int = ADMISSION_GROUP_DEFAULT) -> None:
+        admit_now(1, 0, 0, False, admission_group)  # ValueError for a bad group
+        self.engine, self.sock, self.admission_group = engine, sock, admission_group
         self.reader, self.outbox = FrameReader(sock), Outbox(sock)
         self.selector = selectors.DefaultSelector()
         self._events = selectors.EVENT_READ
         self.selector.register(sock, self._events)
         self.live: dict[int, list] = {}       # rid -> [Request, ids sent, prompt scores sent]
+        self.held: dict[int, tuple] = {}      # rid -> (prompt, fields, seed stream, step held at)
         self.outputs: dict[int, list] = {}    # rid -> [new ids, finish, lps, prompt] not sent
         self.deadline: float | None = None
         self.exiting = False
@@ -157,18 +189,25 @@ class EngineCore:
     def run(self) -> None:
         try:
             while not self.exiting:
-                self._receive(wait=not self.engine.has_work)
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    self._abort_all("abort")
-                if self.engine.has_work:
-                    self._step()
-                self._collect()
-                self._fold()
-                self._send()
+                self.turn()
         except PeerGone:
             pass  # the HTTP process is gone: nobody left to serve
         finally:
             self._abort_all("abort")
+
+    def turn(self) -> None:
+        """One pass of the loop: commands, the held requests' admission, one step, the
+        outputs and state sent."""
+        self._receive(wait=not (self.engine.has_work or self.held))
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self._abort_all("abort")
+        if self.held:
+            self._admit_held()
+        if self.engine.has_work:
+            self._step()
+        self._collect()
+        self._fold()
+        self._send()
 
     # --- commands ----------------------------------------------------------------------------
     def _receive(self, wait: bool) -> None:
@@ -185,18 +224,32 @@ class EngineCore:
         kind = message[0]
         if kind == "add":
             for rid, prompt, fields, seed_stream in message[1]:
-                self._add(rid, prompt, fields, seed_stream)
+                self.held[rid] = (prompt, fields, seed_stream, self.steps)
         elif kind == "abort":
             for rid in message[1]:
                 entry = self.live.pop(rid, None)
                 if entry is not None:
                     self.engine.abort(entry[0])
+                if entry is not None or self.held.pop(rid, None) is not None:
                     self._output(rid, [], "abort")
         elif kind == "shutdown":
             self.deadline = time.monotonic() + float(message[1])
         elif kind == "exit":
             self.exiting = True
         self.dirty = True
+
+    def _admit_held(self) -> None:
+        """The held requests to the Engine together, when `admit_now` says so."""
+        e = self.engine
+        running = len(e.running)
+        oldest = next(iter(self.held.values()))[3]
+        if not admit_now(len(self.held), self.steps - oldest, running,
+                         bool(e.waiting) or any(r.prefilling for r in e.running),
+                         self.admission_group):
+            return
+        held, self.held = self.held, {}
+        for rid, (prompt, fields, seed_stream, _) in held.items():
+            self._add(rid, prompt, fields, seed_stream)
 
     def _add(self, rid: int, prompt: list[int], fields: dict[str, Any],
              seed_stream: int | None) -> None:
@@ -208,7 +261,7 @@ class EngineCore:
             self._log(logging.ERROR, f"request rejected by the engine: {type(e).__name__}: {e}")
             self._output(rid, [], "error")
             return
-        self.live[rid] = [req, 0, False]
+        self.live[rid] = [req, 0, req.prompt_ranks is None]  # no prompt scores asked: sent
 
     # --- stepping ----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -264,6 +317,9 @@ class EngineCore:
             self.finished += 1
 
     def _abort_all(self, reason: str) -> None:
+        for rid in self.held:
+            self._output(rid, [], reason)
+        self.held = {}
         for rid, (req, *_) in list(self.live.items()):
             if not req.finished:
                 self.engine.abort(req)
@@ -296,12 +352,12 @@ class EngineCore:
         """The engine state for /metrics and /health (`metrics.EngineState` fields)."""
         e = self.engine
         pages = e.pages
-        return {"waiting": len(e.waiting), "running": len(e.running),
+        return {"waiting": len(e.waiting) + len(self.held), "running": len(e.running),
                 "kv_pages_used": pages.num_pages - 1 - pages.num_free_pages,
                 "kv_pages_total": pages.num_pages - 1, "steps": self.steps,
                 "step_errors": self.step_errors, "accept_hist": dict(self.accept_hist),
                 "max_accept": e.cfg.speculative_num_steps + 1, "graphs": dict(self.graphs),
-                "finished": self.finished, "has_work": bool(e.has_work)}
+                "finished": self.finished, "has_work": bool(e.has_work or self.held)}
 
     def _fold(self) -> None:
         """Every FOLD_INTERVAL_S, and when the Engine turned idle after steps: the Engine's
