@@ -27,8 +27,9 @@ one (a block and its lead per speculative cell), so every pair of blocks starts 
 context (`context_gap`: the largest difference of the two engines' mean context at a pair's
 start, tokens; 0 unless a row accepted a draft). Timing one target-only block per round
 against two speculative ones (the 2026-12-06d run) let the speculative rows' contexts run
-ahead by up to 2 x (block + lead) tokens a round: at bs 64 / 128, where the KV reads are a
-large part of a step, that gap alone made the k = 0 cycle look 5-8 % slower than it is.
+ahead by up to 2 x (block + lead) tokens a round: at large bs, where the KV reads are a large
+part of a step, that gap alone made the k = 0 cycle look slower than it is (per-round ratios
+falling round after round; perf/RESULTS.md).
 
 Rows (`run_rows`): `bs`, `regime` "useless", `adaptive_tps`, `target_only_tps`, `ratio`,
 `k0_tps`, `k0_ratio`, `k_histogram` (draft lengths of the adaptive cell's timed cycles),
