@@ -23,7 +23,8 @@
      reach its engine after an HTTP round trip, several at once when the HTTP process
      answers several steps' outputs together (the step counts below say how many each side
      ran). offline_tps is the better rule's: the Engine's best closed loop, not the slowest
-     way to drive it.
+     way to drive it. The server groups its own admissions (`serve --admission-group D`,
+     after --; `engine_core.admit_now`): the report's admission_group says which D ran.
 Rows (`perf/runs/<date>-h200-serve.json`): concurrency, server_tps, offline_tps (output
 tokens/s, median over the repetitions), ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms
 (ITL: a request's (last token time - first token time) / (tokens - 1), at the client),
@@ -461,6 +462,12 @@ def add_offline(row: dict, offline: dict[str, dict]) -> None:
     row["offline_by_admission"] = by_rule
 
 
+def server_admission_group(server_flags: list[str]) -> int:
+    """The D of `serve --admission-group` that `server_flags` run (its default if absent)."""
+    from graphdraft.serving.cli import build_parser
+    return build_parser().parse_args(["serve", *server_flags]).admission_group
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             admission_group(rule, 1)
     except ValueError as e:
         p.error(f"--offline-admission: {e}")
+    server_group = server_admission_group(a.server_flags)  # a bad serve flag: now
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from graphdraft.io.tokenizer import load_tokenizer
@@ -522,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     report |= {"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens,
                "prompts": f"HumanEval ({len(prompts)} prompts)", "reps": a.reps,
                "server_flags": a.server_flags, "levels": a.levels,
-               "offline_admission": a.offline_admission,
+               "offline_admission": a.offline_admission, "admission_group": server_group,
                "offline_torch_threads": offline["torch_threads"]}
     try:
         import torch

@@ -144,6 +144,14 @@ def test_group_sizes_and_unknown_rules_named(engine):
             serve.main(["--offline-admission", flag])
 
 
+def test_the_report_names_the_servers_admission_group():
+    from graphdraft.serving.openai_api.engine_core import ADMISSION_GROUP_DEFAULT
+    assert serve.server_admission_group(["--device", "cpu"]) == ADMISSION_GROUP_DEFAULT
+    assert serve.server_admission_group(["--admission-group", "0"]) == 0
+    with pytest.raises(SystemExit):
+        serve.server_admission_group(["--admission-group", "x"])
+
+
 def test_the_row_takes_the_better_rule_and_names_it():
     offline = {"torch_threads": 4,
                "immediate": {8: {"tps": 100.0, "steps": 40, "mixed_steps": 20}},

@@ -241,12 +241,10 @@ class EngineCore:
     def _admit_held(self) -> None:
         """The held requests to the Engine together, when `admit_now` says so."""
         e = self.engine
-        running = len(e.running)
-        oldest = next(iter(self.held.values()))[3]
-        if not admit_now(len(self.held), self.steps - oldest, running,
-                         bool(e.waiting) or any(r.prefilling for r in e.running),
-                         self.admission_group):
-            return
+        waited = self.steps - next(iter(self.held.values()))[3]
+        if not admit_now(len(self.held), waited, len(e.running), bool(e.waiting),
+                         self.admission_group) and not any(r.prefilling for r in e.running):
+            return  # (a prefilling request: mixed anyway; looked for only when it decides)
         held, self.held = self.held, {}
         for rid, (prompt, fields, seed_stream, _) in held.items():
             self._add(rid, prompt, fields, seed_stream)
