@@ -277,23 +277,28 @@ class EngineCore:
         self.dirty = True
 
     def _collect(self) -> None:
-        """Every live request's new ids (and its finish reason once it ended) into `outputs`."""
-        done = []
+        """Every live request's new ids (and its finish reason once it ended) into `outputs`:
+        one length check per request that did not change, one list entry per request that
+        did (the merge of `_output` only when an unsent output of it is still queued)."""
+        done, outputs = [], self.outputs
         for rid, entry in self.live.items():
-            r = entry[0]
-            n = len(r.output)
+            r, sent = entry[0], entry[1]
+            out, fin = r.output, r.finish_reason
+            n = len(out)
             prompt = None
             if not entry[2] and r.prompt_ranks is not None and len(r.prompt_ranks) == len(r.prompt):
                 prompt, entry[2] = list(zip(r.prompt_logprobs, r.prompt_ranks,
                                             r.prompt_top_logprobs, strict=True)), True
-            if n == entry[1] and r.finish_reason is None and prompt is None:
+            if n == sent and fin is None and prompt is None:
                 continue
-            ids = r.output[entry[1]:n]
             lps = None if r.logprobs is None else list(
-                zip(r.logprobs[entry[1]:n], r.top_logprobs[entry[1]:n], strict=True))
+                zip(r.logprobs[sent:n], r.top_logprobs[sent:n], strict=True))
             entry[1] = n
-            self._output(rid, ids, r.finish_reason, lps, prompt)
-            if r.finish_reason is not None:
+            if fin is None and rid not in outputs:
+                outputs[rid] = [out[sent:n], None, lps, prompt]
+                continue
+            self._output(rid, out[sent:n], fin, lps, prompt)
+            if fin is not None:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
