@@ -105,7 +105,9 @@ class Outbox:
         return bool(self._buf)
 
     def put(self, message: Any) -> None:
-        self._buf += encode(message)
+        body = pickle.dumps(message, protocol=PROTOCOL)  # framed as `encode`, copied once
+        self._buf += len(body).to_bytes(HEADER, "big")
+        self._buf += body
 
     def flush(self) -> bool:
         """Write what the socket takes now; True when nothing is left. PeerGone when the
