@@ -25,7 +25,7 @@ from graphdraft.serving.cli.args import CliError, int_at_least
 
 log = logging.getLogger("graphdraft.serving.cli")
 
-ADMISSION_GROUP_DEFAULT = 4
+ADMISSION_GROUP_DEFAULT = 0
 """--admission-group's default (`openai_api.engine_core.ADMISSION_GROUP_DEFAULT`, which this
 module does not import at start: the server packages are optional)."""
 ENGINE_FACTORY = "graphdraft.serving.cli.serve:engine_for_core"

@@ -20,7 +20,8 @@ a mixed step of its own. The core therefore holds requests that arrive while the
 only decoding, and hands them over together once ceil(running / D) are held, or once the
 oldest has waited one step, or at once when nothing runs or the next step is a prefill /
 mixed step anyway (`admit_now`): a request's first token comes at most one decode step later,
-and trickling arrivals share one mixed step. D = 0: every request goes to the Engine at once.
+and trickling arrivals share one mixed step. D = 0 (the default): every request goes to the
+Engine at once.
 
 An output is (rid, new ids, finish reason or None, the ids' (logprob, top) pairs or None,
 the prompt's scores or None): a request that asked `prompt_logprobs` gets its prompt's
@@ -65,8 +66,9 @@ from graphdraft.serving.openai_api.limits import EngineLimits
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
 from graphdraft.serving.verify import SamplingParams
 
-ADMISSION_GROUP_DEFAULT = 4
-"""`EngineCoreSpec.admission_group`'s default (`admit_now`)."""
+ADMISSION_GROUP_DEFAULT = 0
+"""`EngineCoreSpec.admission_group`'s default (`admit_now`): off until a GPU run shows the hold
+pays (perf/RESULTS.md, 2026-12-06e)."""
 FOLD_INTERVAL_S = 0.5
 STATE_INTERVAL_S = 0.05
 IDLE_WAIT_S = 0.25
