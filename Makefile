@@ -154,7 +154,7 @@ perf-ngram:
 
 # The useless draft, issue #42: the adaptive policy with a head whose drafts are never accepted
 # (random 8B-shaped pair) vs target-only, bs 1 / 8 / 64 / 128 / 256, interleaved blocks
-# ($(OUT)/$(USELESS_TAG)-<card>-useless.json; about 3 minutes on one H200: no bs starts after
+# ($(OUT)/$(USELESS_TAG)-<card>-useless.json; about 4 minutes on one H200: no bs starts after
 # USELESS_DEADLINE_S seconds).
 USELESS_TAG ?= 2026-12-06
 USELESS_DEADLINE_S ?= 200
