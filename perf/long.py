@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import random
 import statistics
 import time
@@ -410,8 +411,8 @@ def useless_rows(deadline_s: float, info: dict | None = None) -> tuple[list[dict
     """`perf.useless_draft.run_rows` (another benchmark's rows: bs, regime "useless",
     adaptive_tps, target_only_tps; its skipped sizes, capture time and cost table into
     `info`), imported here; ([], why) when it is not there."""
-    try:
-        from perf import useless_draft
+    try:  # through sys.modules (a `from perf import` would find the package's attribute)
+        useless_draft = importlib.import_module("perf.useless_draft")
     except ImportError as e:
         return [], f"perf.useless_draft not importable ({e}): no useless-draft rows"
     rows = useless_draft.run_rows(bs_list=USELESS_BS, deadline_s=deadline_s, info=info)
