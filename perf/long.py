@@ -71,12 +71,16 @@ from perf.floors import (
     decode_floor_bytes,
     kv_bytes_per_token,
 )
-from perf.models_8b import LLAMA31_8B, LLAMA31_8B_HEAD, build_head, build_target
+from perf.models_8b import (
+    LLAMA31_8B,
+    LLAMA31_8B_HEAD,
+    LLAMA31_ROPE_SCALING,
+    build_head,
+    build_target,
+)
 from perf.real import card_name
 from perf.timing import copy_bandwidth, graph_time_us, write_json
 
-LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 KV_LENS = (4096, 8192, 32768)
 BATCH_SIZES = (1, 8, 32, 64)
 LONG_KV = 131072

@@ -23,6 +23,9 @@ LLAMA31_8B = ModelConfig(
     intermediate_size=14336, num_hidden_layers=32, vocab_size=128256,
     max_position_embeddings=8192, rope_theta=500000.0)
 """Llama-3.1-8B's shape (no rope scaling: the speed is the same)."""
+LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""Llama-3.1-8B's config.json `rope_scaling` (perf/long.py's long contexts)."""
 
 LLAMA31_8B_HEAD = ModelConfig(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

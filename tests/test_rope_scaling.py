@@ -23,10 +23,8 @@ from graphdraft.kernels.rope import (
     rope_cos_sin_cache,
 )
 from graphdraft.models.llama import LlamaForCausalLM
+from perf.models_8b import LLAMA31_ROPE_SCALING as LLAMA31
 
-LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-"""Llama-3.1-8B's config.json `rope_scaling`."""
 THETA = 500000.0
 POSITIONS = (0, 1, 2047, 8191, 8192, 32767, 65536, 131071)
 
