@@ -368,7 +368,7 @@ def test_the_load_generator_against_the_server(served):
 def test_limits_check_like_the_engine(served):
     """The HTTP process's `EngineLimits` (sent by the engine process) accept and reject
     exactly what `Engine.check_request` does, with the same messages."""
-    from graphdraft.serving.openai_api.limits import EngineLimits
+    from graphdraft.serving.limits import EngineLimits
     ref = served.ref_engine
     limits = served.engine.limits
     assert limits == EngineLimits.of(ref)

@@ -8,8 +8,6 @@ a socket between them carries commands one way and per-step token batches the ot
   protocol       request bodies -> typed `GenerationRequest`s (every field checked; an
                  `ApiError` names the field), response and stream-chunk bodies
   text           one choice's text: incremental detokenization and stop strings cut exactly
-  limits         the Engine's limits as plain numbers: requests that can never fit, checked
-                 in the HTTP process
   wire           the messages between the two processes and their framing
   engine_core    the engine process: builds the Engine, applies commands between steps,
                  sends every step's new tokens in one message

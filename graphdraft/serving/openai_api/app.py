@@ -12,7 +12,7 @@
 The Engine runs in its own process (`engine_core`); this process holds an `EngineClient`
 to it and does the HTTP work, the detokenization and the stop strings. A generation request
 is checked whole before anything is queued (`protocol.parse_request`, the model name, the
-prompt's encoding, the Engine's limits for every choice (`limits.EngineLimits.check`): a
+prompt's encoding, the Engine's limits for every choice (`serving.limits.EngineLimits.check`): a
 request that can never fit the context answers 400); then its choices (prompts x n engine
 requests) go to the engine process at once, or the request answers 503 (full, shutting down,
 or the engine process gone). A streamed response is server-sent events: one `data: {chunk}`

@@ -2,7 +2,7 @@
 
 `EngineClient.start()` spawns the engine process (multiprocessing's spawn context, daemon)
 and waits for its ("ready", info) message (blocking: before the server listens); `info`
-carries the Engine's `limits.EngineLimits`, so requests are checked here. `attach(loop,
+carries the Engine's `serving.limits.EngineLimits`, so requests are checked here. `attach(loop,
 metrics)` then hooks the socket and the process's sentinel into the asyncio loop
 (`add_reader`): every message is read and dispatched on the event loop, one callback per
 read however many messages and steps it holds, and nothing blocks the loop (a command the
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait
 from typing import Any
 
+from graphdraft.serving.limits import EngineLimits
 from graphdraft.serving.openai_api.engine_core import EngineCoreSpec, run_engine_core
-from graphdraft.serving.openai_api.limits import EngineLimits
 from graphdraft.serving.openai_api.metrics import EngineState, ServerMetrics
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, socket_pair
 from graphdraft.serving.verify import SamplingParams

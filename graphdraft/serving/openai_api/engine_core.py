@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphdraft.serving.openai_api.limits import EngineLimits
+from graphdraft.serving.limits import EngineLimits
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
 from graphdraft.serving.verify import SamplingParams
 

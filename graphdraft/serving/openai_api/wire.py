@@ -13,7 +13,7 @@ HTTP process -> engine core:
 
 Engine core -> HTTP process:
   ("ready", info)                once, when the Engine is built: `info` holds the Engine's
-                                 limits (`limits.EngineLimits` fields), the process id and
+                                 limits (`serving.limits.EngineLimits` fields), the process id and
                                  what the engine factory reported (stop ids, tokenizer dir)
   ("failed", message, kind, tb)  the Engine could not be built (then the process ends); kind
                                  "user" (a bad flag or checkpoint: one line) or "internal"
