@@ -22,12 +22,10 @@ import sys
 
 import graphdraft.serving.cli.models as models
 from graphdraft.serving.cli.args import CliError, int_at_least
+from graphdraft.serving.openai_api.engine_core import ADMISSION_GROUP_DEFAULT
 
 log = logging.getLogger("graphdraft.serving.cli")
 
-ADMISSION_GROUP_DEFAULT = 0
-"""--admission-group's default (`openai_api.engine_core.ADMISSION_GROUP_DEFAULT`, which this
-module does not import at start: the server packages are optional)."""
 ENGINE_FACTORY = "graphdraft.serving.cli.serve:engine_for_core"
 """What the engine process calls to build its Engine (`EngineCoreSpec.factory`)."""
 

@@ -41,9 +41,15 @@ class PeerGone(Exception):
     """The other process closed its end (it exited or crashed)."""
 
 
-def encode(message: Any) -> bytes:
+def _frame(message: Any) -> tuple[bytes, bytes]:
+    """(header, body) of one frame: the pickle's length (HEADER bytes, big-endian), the pickle."""
     body = pickle.dumps(message, protocol=PROTOCOL)
-    return len(body).to_bytes(HEADER, "big") + body
+    return len(body).to_bytes(HEADER, "big"), body
+
+
+def encode(message: Any) -> bytes:
+    header, body = _frame(message)
+    return header + body
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -105,8 +111,8 @@ class Outbox:
         return bool(self._buf)
 
     def put(self, message: Any) -> None:
-        body = pickle.dumps(message, protocol=PROTOCOL)  # framed as `encode`, copied once
-        self._buf += len(body).to_bytes(HEADER, "big")
+        header, body = _frame(message)  # `encode`'s frame, copied into the buffer once
+        self._buf += header
         self._buf += body
 
     def flush(self) -> bool:
