@@ -279,10 +279,9 @@ class EngineCore:
         self.dirty = True
 
     def _collect(self) -> None:
-        """Every live request's new ids (and its finish reason once it ended) into `outputs`:
-        one length check per request that did not change, one list entry per request that
-        did (the merge of `_output` only when an unsent output of it is still queued)."""
-        done, outputs = [], self.outputs
+        """Every live request's new ids (and its finish reason once it ended) into `outputs`
+        (`_output`): one length check per request that did not change."""
+        done = []
         for rid, entry in self.live.items():
             r, sent = entry[0], entry[1]
             out, fin = r.output, r.finish_reason
@@ -296,9 +295,6 @@ class EngineCore:
             lps = None if r.logprobs is None else list(
                 zip(r.logprobs[sent:n], r.top_logprobs[sent:n], strict=True))
             entry[1] = n
-            if fin is None and rid not in outputs:
-                outputs[rid] = [out[sent:n], None, lps, prompt]
-                continue
             self._output(rid, out[sent:n], fin, lps, prompt)
             if fin is not None:
                 done.append(rid)
