@@ -3,9 +3,10 @@ row keys perf/long.py reads, the deadline, the plan's token budget and bad argum
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from types import SimpleNamespace
 
 from perf import useless_draft as ud
 
