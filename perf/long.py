@@ -79,7 +79,7 @@ from perf.models_8b import (
     build_target,
 )
 from perf.real import card_name
-from perf.timing import copy_bandwidth, graph_time_us, write_json
+from perf.timing import copy_bandwidth, graph_time_us, sync, write_json
 
 KV_LENS = (4096, 8192, 32768)
 BATCH_SIZES = (1, 8, 32, 64)
@@ -228,11 +228,6 @@ def engine_config(setup: Setup, groups: list[Group]) -> RuntimeConfig:
         speculative_policy="fixed")
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def fill(engine: Engine, bs: int, kv: int, setup: Setup, rng: random.Random
          ) -> tuple[list[Request], dict[str, Any]]:
     """Admit bs requests of kv random prompt tokens and step until all decode (chunked
@@ -241,7 +236,7 @@ def fill(engine: Engine, bs: int, kv: int, setup: Setup, rng: random.Random
     vocab = engine.target.config.vocab_size
     params = SamplingParams(max_new_tokens=setup.new_tokens, ignore_eos=True)
     cuda = setup.device.startswith("cuda")
-    _sync(setup.device)
+    sync(setup.device)
     if cuda:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -271,11 +266,11 @@ def timed_steps(engine: Engine, reqs: list[Request], setup: Setup) -> tuple[floa
         engine.step()
     kv0, times = _kv_now(reqs), []
     for _ in range(setup.blocks):
-        _sync(setup.device)
+        sync(setup.device)
         t0 = time.perf_counter()
         for _ in range(setup.block):
             engine.step()
-        _sync(setup.device)
+        sync(setup.device)
         times.append((time.perf_counter() - t0) * 1e3 / setup.block)
     engine.drain()
     return statistics.median(times), (kv0 + _kv_now(reqs)) / 2
