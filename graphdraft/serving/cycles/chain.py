@@ -144,8 +144,8 @@ class ChainMode(DecodeMode):
     # --- the mode's interface ------------------------------------------------------------
     def run(self, bs: int, pbs: int, k: int, running: list[Request]) -> None:
         ring = self.deferred
-        if ring is not None and ring.pending and (k > 0 or ring.full):
-            self.rebuild_deferred_kv()
+        if ring is not None and (k > 0 or ring.full):
+            self.rebuild_deferred_kv()  # (nothing when none is pending)
         self._decode(pbs, k)
         if ring is not None and k == 0:
             ring.stashed(pbs)
