@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from graphdraft import ops
 from graphdraft.kernels.config import TORCH, TRITON, KernelConfig
 from graphdraft.kernels.extend_attention import (
+    extend_launch,
     extend_num_splits,
     paged_extend_attention,
     paged_extend_attention_ref,
@@ -183,6 +184,49 @@ def test_extend_num_splits():
     assert extend_num_splits(64, 512, 64, cpu) == 5  # the SM term, 264 / 64
     assert extend_num_splits(8, 4096, 64, cpu) == 33  # bs 1
     assert extend_num_splits(8, 100, 64, cpu) == 2  # at most the 2 KV blocks
+    # rows of several query blocks (prefill chunks): the SM term only, whatever the bound
+    for bound in (4096, 32768, 1 << 17):
+        assert extend_num_splits(128, bound, 64, cpu, many_queries=True) == 3  # 264 / 128
+    assert extend_num_splits(8, 100, 64, cpu, many_queries=True) == 2
+    assert extend_num_splits(512, 1 << 17, 64, cpu, many_queries=True) == 1
+
+
+def test_prefill_chunk_partials_do_not_grow_with_the_context():
+    """The partials of a 2k-token prefill chunk (the GPU memory test's model: 8 query / 2 kv
+    heads, D 64, bf16) are the same at a 4k, 32k and 128k bound and below 4 x SMs tiles of
+    BLOCK_M x D floats (the chunk term gave 17 splits, 71 MB, at 32k); a verify row keeps its
+    chunk term (splits follow the bound)."""
+    cpu = torch.device("cpu")
+    shapes = set()
+    for bound in (4096 + 256, 32768 + 256, 131072 + 256):
+        launch = extend_launch(1, 2, 4, 2048, bound, ragged=True, dot_fp32=False,
+                               num_splits=None, device=cpu, kernels=TORCH)
+        shape = launch.partials_shape(2048, 8, 64)
+        assert launch.query_blocks == 64 and launch.row_fill in (0, 3)
+        assert math.prod(shape) < 4 * 132 * launch.block_m * 64
+        shapes.add(shape)
+    assert shapes == {(2048, 8, 3, 64)}  # 12.6 MB of fp32
+    verify = [extend_launch(8, 8, 4, 4, bound, ragged=False, dot_fp32=False, num_splits=None,
+                            device=cpu, kernels=TORCH).splits for bound in (4096 + 64, 32768 + 64)]
+    assert verify == [9, 33]  # bs 8, N = 4: the chunk term, then the ~16 programs per SM cap
+    one = extend_launch(1, 8, 4, 8192, 8192, ragged=True, dot_fp32=False, num_splits=None,
+                        device=cpu, kernels=TORCH)
+    assert one.partials_shape(8192, 32, 128) is None  # the 8B shape's 8k prefill: one split
+
+
+@pytest.mark.parametrize("row_splits", [False, True])
+def test_prefill_chunks_on_the_default_splits(row_splits):
+    """Rows of several query blocks (40 and 33 tokens x 4 grouped heads > 128) beside a verify
+    row, on the default split count (the SM term: several splits at this size), each row's
+    chunk from the bound or from its own length."""
+    seq, ext = [70, 45, 20], [40, 33, 4]
+    args = _setup(seq, ext, [1, 2, 3], 8, 2, 16, 16, torch.float32, seed=11)
+    kw = dict(max_kv_len=80, max_extend=40)
+    launch = extend_launch(3, 2, 4, 40, 80, ragged=True, dot_fp32=True, num_splits=None,
+                           device=torch.device("cpu"), kernels=SMALL, row_splits=row_splits)
+    assert launch.splits > 1 and (launch.row_fill > 0) == row_splits
+    out = paged_extend_attention(*args, 16, 0.25, **kw, row_splits=row_splits, kernels=SMALL)
+    _close(out, paged_extend_attention_ref(*args, 16, 0.25, **kw), torch.float32)
 
 
 def test_tile_config():

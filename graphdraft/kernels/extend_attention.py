@@ -30,6 +30,16 @@ splits of every token without knowing its row; an empty split leaves its partial
 (the combine loads a partial only where its log-sum-exp is finite: a 4k row of a 128k engine's
 verify at bs 1 would otherwise write 16 MB of zeros a layer).
 
+The split count (`extend_launch`, `extend_num_splits`): rows of few tokens (verify rows;
+`many_query_rows` False) split to fill 2 programs per SM and to keep chunks within
+`MAX_CHUNK` positions (up to ~16 programs per SM): their programs walk KV with a few query rows
+each, latency bound. Rows spanning several query blocks of the largest tile (prefill chunks)
+split only to fill 2 programs per SM: their query blocks are the parallelism and each KV block
+is a whole tile of work. Their fp32 partials ``[T, Hq, splits, D]`` then do not grow with the
+context: with P = R * query blocks * Hkv programs below 2 * SMs, splits = cdiv(2 * SMs, P) and
+(for T <= R * max_extend) the partials hold fewer than ``4 * SMs * BLOCK_M * D`` floats (a
+2k-token chunk at 8 / 2 heads, D 64 took 17 splits, 71 MB, at a 32k bound; now 3, 12.6 MB).
+
 Both stages launch with programmatic dependent launch (`kernels.pdl`), waiting first thing,
 as the decode kernel they replace did; over at most `KernelConfig.pdl_max_rows` tokens (verify
 at bs 1) they let the next kernel launch at once.
@@ -54,6 +64,8 @@ The torch reference (`paged_extend_attention_ref`) is the op's torch path
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -76,8 +88,9 @@ from graphdraft.kernels.decode_attention import (
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["FMA_TILE_CASES", "RAGGED_TILE_CASES", "TILE_CASES", "paged_extend_attention", "paged_extend_attention_ref",
-           "extend_num_splits", "tile_config"]
+__all__ = ["FMA_TILE_CASES", "RAGGED_TILE_CASES", "TILE_CASES", "ExtendLaunch", "paged_extend_attention",
+           "paged_extend_attention_ref", "extend_launch", "extend_num_splits", "many_query_rows",
+           "tile_config"]
 
 _LOG2E = 1.4426950408889634
 MAX_MASK_TOKENS = 64
@@ -245,17 +258,30 @@ def _extend_split_kernel(
                                          float("-inf")), mask=rmask)
 
 
-def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+def extend_num_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device, *,
+                      many_queries: bool = False) -> int:
     """Splits for `programs` (row, query block, kv head) programs: 1 once they reach 2 per SM;
     otherwise enough for 2 per SM and chunks of <= MAX_CHUNK positions, at most ~16 programs
-    per SM, never more than the BLOCK_N blocks of `max_kv_len`."""
+    per SM, never more than the BLOCK_N blocks of `max_kv_len`. `many_queries` (rows of
+    several query blocks of the largest tile, `many_query_rows`: prefill chunks): only the 2
+    per SM, whatever `max_kv_len` (the partials' bound, module doc)."""
     programs = max(1, programs)
     target = 2 * num_sms(device)
     if programs >= target:
         return 1
     max_kv_len = max(1, max_kv_len)
+    blocks = triton.cdiv(max_kv_len, block_n)
+    if many_queries:
+        return max(1, min(triton.cdiv(target, programs), blocks))
     want = max(triton.cdiv(target, programs), triton.cdiv(max_kv_len, MAX_CHUNK))
-    return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, block_n)))
+    return max(1, min(want, triton.cdiv(8 * target, programs), blocks))
+
+
+def many_query_rows(max_extend: int, g_pad: int) -> bool:
+    """Whether rows of up to `max_extend` tokens (times `g_pad` grouped heads) span several
+    query blocks of the largest tile (`TILE_CASES`, 128 rows): prefill chunks; verify rows
+    (chain or tree) only past 128 / g_pad tokens (32 at 4 grouped heads)."""
+    return max_extend * g_pad > TILE_CASES[-1]
 
 
 def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_starts, req_to_page,
@@ -291,22 +317,44 @@ def _check(q, k_cache, v_cache, req_pool_indices, seq_lens, extend_lens, q_start
     return R
 
 
-def _launch_shape(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int, *,
+class ExtendLaunch(NamedTuple):
+    """`paged_extend_attention`'s launch (`extend_launch`): the tile (BLOCK_M, BLOCK_N,
+    num_warps), query blocks a row, KV splits, KV positions a split, and `row_fill`
+    (`decode_attention.row_split_fill`)."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    query_blocks: int
+    splits: int
+    chunk: int
+    row_fill: int
+
+    def partials_shape(self, tokens: int, q_heads: int, head_dim: int) -> tuple[int, ...] | None:
+        """The fp32 partials ``[T, Hq, splits, D]`` the launch allocates (None: one split,
+        none; the log-sum-exps ``[T, Hq, splits]`` beside them)."""
+        return None if self.splits == 1 else (tokens, q_heads, self.splits, head_dim)
+
+
+def extend_launch(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int, *,
                   ragged: bool, dot_fp32: bool, num_splits: int | None, device: torch.device,
-                  kc: KernelConfig, row_splits: bool | None = None
-                  ) -> tuple[int, int, int, int, int, int, int]:
-    """`paged_extend_attention`'s launch: (BLOCK_M, BLOCK_N, num_warps, query blocks a row,
-    KV splits, KV positions a split, row_fill: `decode_attention.row_split_fill`). Ragged rows
-    without mask bits (prefill chunks): the 16- or 128-row tile only; fp32 dots compiled for a
-    GPU: the 16-row tile (FMA_TILE_CASES)."""
+                  kernels: KernelConfig | None = None, row_splits: bool | None = None
+                  ) -> ExtendLaunch:
+    """The launch of `R` rows of at most `max_extend` tokens over `Hkv` kv heads of `g_pad`
+    grouped heads (padded) and a `max_kv_len` bound: the tile (`tile_config`; ragged rows
+    without mask bits, prefill chunks: the 16- or 128-row tile only; fp32 dots compiled for a
+    GPU: the 16-row tile, FMA_TILE_CASES), `num_splits` or `extend_num_splits` (the SM term
+    only for `many_query_rows`), fitted by `fit_splits`. Pure host arithmetic."""
+    kc = resolve(kernels)
     block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=ragged,
                                           fma=dot_fp32 and not interpreting())
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
-    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, device)
+    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, device,
+                                many_queries=many_query_rows(max_extend, g_pad))
               if num_splits is None else max(1, int(num_splits)))
     splits, chunk = fit_splits(splits, max_kv_len, block_n)
     row_fill = row_split_fill(R * n_qb * Hkv, splits, max_kv_len, device, row_splits)
-    return block_m, block_n, warps, n_qb, splits, chunk, row_fill
+    return ExtendLaunch(block_m, block_n, warps, n_qb, splits, chunk, row_fill)
 
 
 def paged_extend_attention(
@@ -357,16 +405,19 @@ def paged_extend_attention(
     max_extend = uniform_n or max_extend
     g_pad = triton.next_power_of_2(G)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
-    block_m, block_n, warps, n_qb, splits, chunk, row_fill = _launch_shape(
-        R, Hkv, g_pad, max_extend, max_kv_len, ragged=not uniform_n and mask_bits is None,
-        dot_fp32=dot_fp32, num_splits=num_splits, device=q.device, kc=kc, row_splits=row_splits)
+    launch = extend_launch(R, Hkv, g_pad, max_extend, max_kv_len,
+                           ragged=not uniform_n and mask_bits is None, dot_fp32=dot_fp32,
+                           num_splits=num_splits, device=q.device, kernels=kc,
+                           row_splits=row_splits)
+    block_m, block_n, warps, n_qb, splits, chunk, row_fill = launch
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
-    if one:
+    shape = launch.partials_shape(T, Hq, D)
+    if shape is None:
         part = lse = placeholder(q.device, torch.float32)
     else:
-        part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
+        part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     # unread tensors: dummies of the dtypes the runtime's ragged rows pass (one compiled kernel)
     ext = extend_lens if extend_lens is not None else placeholder(q.device, torch.int32)
     qs = q_starts if q_starts is not None else placeholder(q.device, torch.int64)
