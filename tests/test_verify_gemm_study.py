@@ -70,3 +70,45 @@ def test_sweep_records_errors_and_picks_the_fastest_correct_config(monkeypatch):
                                        GemmConfig(32, 32, 32, 8)], 2, float("inf"))
     assert not cut and "error" in recs[1] and recs[2]["rel_err"] > 1e-2
     assert best["config"]["group_m"] == 1 and best["us"] == 5.0
+
+
+def test_mid_m_sweep_candidates_and_a_row_on_cpu(monkeypatch, capsys):
+    """`perf.studies.mid_m_gemm`: the tiles fit the rows and shared memory, the splits stay
+    within 2.5 programs per SM; one (projection, M) row on CPU (tiny shape, the timer
+    replaced) checks every candidate against F.linear, records the fractions and prints the
+    best."""
+    import perf.timing
+    from perf.studies import mid_m_gemm as mm
+
+    for m in (128, 256, 512, 1024):
+        for n, k in mm.shapes_8b().values():
+            cs = mm.candidates(m, n, k)
+            assert cs and any(c.split == 1 for c in cs)
+            for c in cs:
+                assert c.num_stages * (c.block_m + c.block_n) * c.block_k * 2 <= 200 << 10
+                tiles = -(-m // c.block_m) * -(-n // c.block_n)
+                assert c.split == 1 or tiles * c.split <= 2.5 * mm.SMS
+                assert not c.swap_ab or c.block_m >= min(m, 128)
+    assert any(c.split > 1 for c in mm.candidates(256, 4096, 4096))  # o_proj: too few tiles
+
+    from graphdraft.kernels.gemm import GemmConfig
+
+    monkeypatch.setattr(mm, "candidates", lambda m, n, k: [GemmConfig(16, 16, 16, 1, True, 4, 2),
+                                                           GemmConfig(16, 16, 16, 2, False, 4, 2)])
+    def fake_time(fn, calls):  # cuBLAS variants 10 us, the split-1 tile 8, the split-2 tile 9
+        cfg = next((d for d in fn.__defaults__ or () if isinstance(d, GemmConfig)), None)
+        return 10.0 if cfg is None else 8.0 if cfg.split == 1 else 9.0
+
+    monkeypatch.setattr(perf.timing, "graph_time_us", fake_time)
+    ws = [torch.randn(24, 64) for _ in range(2)]
+    row = mm.shape_row("o", 24, 64, 20, ws, bw=1e12, rate=1e15, deadline=float("inf"))
+    v = row["variants"]
+    assert v["cublas"]["us"] == 10.0 and v["cublas"]["rel_err"] == 0
+    gem = {k: r for k, r in v.items() if k.startswith("gemm[")}
+    assert len(gem) == 2 and all(r["rel_err"] < 1e-5 for r in gem.values())
+    assert row["floor_us"] == pytest.approx(24 * 64 * 4 / 1e12 * 1e6)
+    best, rec = mm.best_gemm(row)
+    assert rec["us"] == 8.0 and "s1" in best
+    assert rec["bw"] == pytest.approx(24 * 64 * 4 / 8e-6 / 1e12)
+    mm.print_row(row)
+    assert "0.80x cuBLAS" in capsys.readouterr().out
