@@ -335,6 +335,16 @@ class ExtendLaunch(NamedTuple):
         none; the log-sum-exps ``[T, Hq, splits]`` beside them)."""
         return None if self.splits == 1 else (tokens, q_heads, self.splits, head_dim)
 
+    def partials(self, tokens: int, q_heads: int, head_dim: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 partials and log-sum-exps the kernel writes (`partials_shape`; one split:
+        a placeholder for both, unread)."""
+        shape = self.partials_shape(tokens, q_heads, head_dim)
+        if shape is None:
+            return placeholder(device, torch.float32), placeholder(device, torch.float32)
+        return (torch.empty(shape, dtype=torch.float32, device=device),
+                torch.empty(shape[:3], dtype=torch.float32, device=device))
+
 
 def extend_launch(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int, *,
                   ragged: bool, dot_fp32: bool, num_splits: int | None, device: torch.device,
@@ -412,12 +422,7 @@ def paged_extend_attention(
     block_m, block_n, warps, n_qb, splits, chunk, row_fill = launch
     one = splits == 1
     d_pad = max(16, triton.next_power_of_2(D))
-    shape = launch.partials_shape(T, Hq, D)
-    if shape is None:
-        part = lse = placeholder(q.device, torch.float32)
-    else:
-        part = torch.empty(shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
+    part, lse = launch.partials(T, Hq, D, q.device)
     # unread tensors: dummies of the dtypes the runtime's ragged rows pass (one compiled kernel)
     ext = extend_lens if extend_lens is not None else placeholder(q.device, torch.int32)
     qs = q_starts if q_starts is not None else placeholder(q.device, torch.int64)
