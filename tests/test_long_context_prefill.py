@@ -187,5 +187,6 @@ def test_gpu_32k_prompt_prefill_memory_is_bounded_by_the_chunk():
             engine.step()
         assert len(req.output) == 2
     msg = f"peaks {peaks}, bound {bound}, launch {launch}"
+    print(msg)  # -rP shows it on a pass
     assert peaks["32k"] <= 1.1 * peaks["4k"] + (1 << 20), msg
     assert peaks["32k"] <= bound, msg
