@@ -95,20 +95,21 @@ def test_speculative_greedy_equals_target_only(steps, page_size):
 def test_decode_steps_run_the_cycle_not_drafter_run():
     """Pure decode steps run the cycle (the drafter's decode body inside it: no `run` call,
     no staging copy; the target's aux hidden states land in the drafter's buffer); only
-    prefill / mixed steps call `drafter.run` (zero-copy view). Output still equals target-only."""
+    prefill / mixed steps call `draft_mixed` (`run`'s body: zero-copy view, no deferred device
+    checks). Output still equals target-only."""
     target, head = make_models(3)
     ps = prompts(5, 3)
     cfg = runtime(speculative_num_steps=3)
     expected = target_only(target, cfg, ps, 10)
     eng = Engine(target, cfg, head)
-    real_run, seen = eng.drafter.run, []
+    real_run, seen = eng.drafter._run, []
 
-    def run(ctx, hidden, tokens, accept, **kw):
+    def run(ctx, hidden, tokens, accept, copy_output, **kw):
         seen.append(ctx.num_extends > 0)
-        assert kw == {"copy_output": False}
-        return real_run(ctx, hidden, tokens, accept, **kw)
+        assert copy_output is False and kw == {"device_checks": False}
+        return real_run(ctx, hidden, tokens, accept, copy_output, **kw)
 
-    eng.drafter.run = run
+    eng.drafter._run = run
     assert eng.generate(ps, SamplingParams(max_new_tokens=10)) == expected
     assert seen and all(seen)
     assert eng.graph_summary()["spec_cycle"][1] > 0  # cycles ran (eagerly on CPU)

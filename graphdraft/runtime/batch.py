@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphdraft.runtime.staging import HostStaging
 
 
 class ForwardMode(enum.Enum):
@@ -87,54 +93,63 @@ class BatchRow:
         return self.start + len(self.input_ids)
 
 
-def write_batch(buffers, page_table, rows: list[BatchRow]) -> ForwardContext:
+def write_batch(buffers, page_table, rows: list[BatchRow], *,
+                staging: HostStaging | None = None) -> ForwardContext:
     """Fill `InputBuffers` for `rows` (prefill rows must come first); returns the context.
 
-    Slots are computed on the host from the page table's host-side page lists, then
-    copied in one transfer per buffer. Every row's positions must already be reserved.
-    """
-    import torch
-
+    Slots are computed on the host (vectorised) from the page table's host-side page lists,
+    then copied in one stream-ordered transfer per buffer through `staging` (a pinned ring:
+    no host sync; None: a pinned copy per buffer). Every row's positions must already be
+    reserved."""
     num_extends = sum(r.is_prefill for r in rows)
     if any(r.is_prefill for r in rows[num_extends:]):
         raise ValueError("rows: expected prefill rows before decode rows")
     ps = page_table.page_size
-    ids, positions, locs, shifted = [], [], [], []
+    lens = np.fromiter((len(r.input_ids) for r in rows), np.int64, len(rows))
+    t, bs = int(lens.sum()), len(rows)
+    page_lists = []
     for r in rows:
         pages = page_table.pages_of(r.slot)
         if len(pages) * ps < r.end:
             raise ValueError(f"rows: slot {r.slot} holds {len(pages) * ps} positions, needs {r.end}")
-        for j, tok in enumerate(r.input_ids):
-            p = r.start + j
-            ids.append(tok)
-            positions.append(p)
-            locs.append(pages[p // ps] * ps + p % ps)
-        if r.is_prefill:
-            nxt = r.next_ids if r.next_ids is not None else [-1] * len(r.input_ids)
-            if len(nxt) != len(r.input_ids):
-                raise ValueError("rows: next_ids must match input_ids in length")
-            shifted.extend(nxt)
-    t, bs = len(ids), len(rows)
+        if r.is_prefill and r.next_ids is not None and len(r.next_ids) != len(r.input_ids):
+            raise ValueError("rows: next_ids must match input_ids in length")
+        page_lists.append(pages)
     if bs > buffers.max_bs or t > buffers.max_tokens:
         raise ValueError(f"rows: {bs} rows / {t} tokens exceed the buffers "
                          f"({buffers.max_bs} / {buffers.max_tokens})")
-    dev = buffers.input_ids.device
-
-    def put(dst, values, dtype):
-        if values:
-            src = torch.tensor(values, dtype=dtype)
-            if dev.type == "cuda":
-                src = src.pin_memory()  # pageable sources make non_blocking copies synchronous
-            dst[: len(values)].copy_(src.to(dev, non_blocking=True))
-
-    put(buffers.input_ids, ids, torch.int64)
-    put(buffers.positions, positions, torch.int64)
-    put(buffers.out_cache_loc, locs, torch.int64)
-    put(buffers.shifted_prefill_ids, shifted, torch.int64)
-    put(buffers.seq_lens, [r.end for r in rows], torch.int32)
-    put(buffers.req_pool_indices, [r.slot for r in rows], torch.int64)
-    put(buffers.extend_lens, [len(r.input_ids) for r in rows], torch.int32)
+    starts = np.fromiter((r.start for r in rows), np.int64, bs)
+    row_of = np.repeat(np.arange(bs), lens)
+    first = np.cumsum(lens) - lens  # each row's first token
+    positions = starts[row_of] + np.arange(t) - first[row_of]
+    page_lens = np.fromiter((len(p) for p in page_lists), np.int64, bs)
+    flat_pages = np.fromiter(itertools.chain.from_iterable(page_lists), np.int64,
+                             int(page_lens.sum()))
+    page0 = np.cumsum(page_lens) - page_lens  # each row's first page in flat_pages
+    locs = flat_pages[page0[row_of] + positions // ps] * ps + positions % ps
+    ids = np.fromiter(itertools.chain.from_iterable(r.input_ids for r in rows), np.int64, t)
+    shifted = list(itertools.chain.from_iterable(
+        r.next_ids if r.next_ids is not None else [-1] * len(r.input_ids)
+        for r in rows[:num_extends]))
+    put = staging.copy_into if staging is not None else _pinned_copy
+    put(buffers.input_ids, ids)
+    put(buffers.positions, positions)
+    put(buffers.out_cache_loc, locs)
+    put(buffers.shifted_prefill_ids, shifted)
+    put(buffers.seq_lens, starts + lens)
+    put(buffers.req_pool_indices, [r.slot for r in rows])
+    put(buffers.extend_lens, lens)
     mid_chunk = num_extends == bs and all(
         r.next_ids is not None and r.next_ids[-1] >= 0 for r in rows)
     return ForwardContext(bs=bs, num_extends=num_extends, input_num_tokens=t,
                           all_extends_mid_chunk=bs > 0 and mid_chunk)
+
+
+def _pinned_copy(dst: torch.Tensor, values) -> None:
+    """`dst[:len(values)] = values` through a pinned copy (a pageable source would make the
+    non_blocking copy wait for the stream)."""
+    if len(values):
+        src = torch.as_tensor(np.asarray(values), dtype=dst.dtype)
+        if dst.device.type == "cuda":
+            src = src.pin_memory()
+        dst[: len(values)].copy_(src.to(dst.device, non_blocking=True))

@@ -383,8 +383,14 @@ class EagleDrafter:
 
     def draft_mixed(self, ctx: ForwardContext, hidden_states: torch.Tensor | None,
                     output_tokens: torch.Tensor, accept_lengths: torch.Tensor) -> torch.Tensor:
-        """`run(..., copy_output=False)`."""
-        return self.run(ctx, hidden_states, output_tokens, accept_lengths, copy_output=False)
+        """The Engine's prefill / mixed step: `run(..., copy_output=False)` without the
+        deferred mode's device value checks (`_device_checks`, an error word the Engine never
+        reads): as in `draft`, which checks none, every value is the Engine's own (prompts
+        and slots validated on the host when added and admitted, tokens and accept lengths
+        from its acceptance kernel, rows its prepare kernel flagged made inert). The host
+        shape checks, and `validation="sync"`'s value checks, still run."""
+        return self._run(ctx, hidden_states, output_tokens, accept_lengths, False,
+                         device_checks=False)
 
     def on_cycle(self, k: int) -> None:
         """Count a decode cycle (it drafted once, inside the Engine's cycle)."""
@@ -405,8 +411,6 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     # Public entry point
     # ------------------------------------------------------------------
-    @torch.inference_mode()
-    @nvtx_range("drafter")
     def run(self, ctx: ForwardContext, hidden_states: torch.Tensor, output_tokens: torch.Tensor,
             accept_lengths: torch.Tensor, *, copy_output: bool = True) -> torch.Tensor:
         """Draft for the target batch described by `ctx`; returns `[bs, S + 1]` int32: a new
@@ -420,6 +424,15 @@ class EagleDrafter:
         step's draft, columns 2.. copies of column 0 (README, "Using the drafter")."""
         if not isinstance(copy_output, bool):
             raise ValueError(f"copy_output: expected a bool, got {type(copy_output).__name__}")
+        return self._run(ctx, hidden_states, output_tokens, accept_lengths, copy_output,
+                         device_checks=True)
+
+    @torch.inference_mode()
+    @nvtx_range("drafter")
+    def _run(self, ctx: ForwardContext, hidden_states: torch.Tensor,
+             output_tokens: torch.Tensor, accept_lengths: torch.Tensor, copy_output: bool, *,
+             device_checks: bool) -> torch.Tensor:
+        """`run`; `device_checks`: the deferred mode's device value checks too."""
         mode = self.cfg.validation_mode
         if mode == "sync":
             self.validate(ctx, hidden_states, output_tokens, accept_lengths)
@@ -447,7 +460,7 @@ class EagleDrafter:
                 self._prepare_mixed_ids(ctx, output_tokens)
                 if self.controls is not None:
                     self._stage_mixed_accepted(ctx, output_tokens)
-            if mode == "deferred":
+            if mode == "deferred" and device_checks:
                 self._device_checks(ctx)
 
         if decode:

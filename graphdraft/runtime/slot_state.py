@@ -33,11 +33,15 @@ drafter reads it too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphdraft.kernels.logit_controls import PROMPT_FLAG
+from graphdraft.runtime.staging import HostStaging
 from graphdraft.sampling import COLUMNS, MAX_LOGIT_BIAS
 
 
@@ -55,7 +59,11 @@ def table_names() -> list[str]:
 
 
 class SlotState:
-    """The tables above as attributes (`last_token`, ..., and one per `sampling.COLUMNS`)."""
+    """The tables above as attributes (`last_token`, ..., and one per `sampling.COLUMNS`):
+    the instance dict holds the tables only (`vars(slots)`); the host-side members (the
+    staging ring, pending admissions / releases) are slots."""
+
+    __slots__ = ("__dict__", "staging", "_admitting", "_releasing", "_batch_releases")
 
     def __init__(self, tables: dict[str, torch.Tensor]) -> None:
         want = set(_STATE_TABLES) | {c.name for c in COLUMNS}
@@ -63,6 +71,12 @@ class SlotState:
             raise ValueError(f"tables: expected {sorted(want)}, got {sorted(tables)}")
         for name in table_names():
             setattr(self, name, tables[name])
+        self.staging = HostStaging(self.done.device)
+        """The pinned ring the host writes these tables through (the Engine's other small
+        host -> device copies share it)."""
+        self._admitting: list[_Admission] | None = None  # inside `admitting()`
+        self._releasing: list[int] = []
+        self._batch_releases = False  # inside `releasing()`
 
     @classmethod
     def allocate(cls, num_slots: int, steps: int, stop_width: int,
@@ -101,7 +115,8 @@ class SlotState:
         """Write slot `slot`'s row for a newly admitted request: `columns`, one value per
         sampling column by name (`graphdraft.sampling.device_row`), `stop_ids` its stop ids,
         its token counts (the `prompt`'s flags, no output), its `logit_bias` entries
-        (`SamplingParams.logit_bias`). Stream-ordered copies from host memory (no sync).
+        (`SamplingParams.logit_bias`). Stream-ordered writes from pinned staging (no host
+        sync); inside `admitting()` the row is written with the others on its exit.
         Raises StopTableFullError past the stop table's width, ValueError naming the argument
         for a bias or prompt id outside [0, vocab) (both writing nothing)."""
         if not 1 <= slot < self.done.shape[0]:
@@ -113,22 +128,33 @@ class SlotState:
             raise StopTableFullError(f"stop_token_ids: expected at most {self.stop_width} stop "
                                      f"ids with EOS (RuntimeConfig.stop_table_width), got "
                                      f"{len(stop_ids)}")
-        ints = [c for c in COLUMNS if not c.dtype.is_floating_point]
-        flts = [c for c in COLUMNS if c.dtype.is_floating_point]
-        int_row = torch.tensor([columns[c.name] for c in ints] + list(stop_ids)
-                               + [-1] * (self.stop_width - len(stop_ids)), dtype=torch.int64)
-        flt_row = torch.tensor([columns[c.name] for c in flts], dtype=torch.float32)
-        int_row, flt_row = _stream_copies(self.done.device, int_row, flt_row)
-        self.last_token[slot] = 0
-        self.drafts[slot] = 0
-        self.emitted[slot] = 0
-        self.done[slot] = 0
-        for i, c in enumerate(ints):
-            getattr(self, c.name)[slot] = int_row[i].to(c.dtype)
-        self.stop_ids[slot] = int_row[len(ints):]
-        for i, c in enumerate(flts):
-            getattr(self, c.name)[slot] = flt_row[i].to(c.dtype)
-        self._admit_counts(slot, prompt, logit_bias)
+        row = _Admission(slot, list(stop_ids), prompt if self.vocab else (), list(logit_bias),
+                         columns)
+        if slot in self._releasing:
+            self._write_releases()
+        if self._admitting is None:
+            self._write_admissions([row])
+            return
+        if any(r.slot == slot for r in self._admitting):
+            self._write_admissions(self._admitting)
+            self._admitting.clear()
+        self._admitting.append(row)
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """`admit` calls inside write their rows together when the block exits (also when one
+        raised: the rows admitted before it are written): one staging copy and one launch per
+        table whatever the number of rows."""
+        outer = self._admitting is not None
+        if not outer:
+            self._admitting = []
+        try:
+            yield
+        finally:
+            if not outer:
+                rows, self._admitting = self._admitting, None
+                if rows:
+                    self._write_admissions(rows)
 
     def _check_counted(self, prompt: Sequence[int], logit_bias) -> None:
         v = self.vocab
@@ -143,37 +169,89 @@ class SlotState:
             raise ValueError("logit_bias: expected none on slot tables without token counts "
                              "(SlotState.allocate(vocab=0))")
 
-    def _admit_counts(self, slot: int, prompt: Sequence[int], logit_bias) -> None:
-        """token_counts[slot] = the prompt's flags; the bias tables' row = `logit_bias`."""
-        nb = len(logit_bias)
-        ids, bias, bias_ids = _stream_copies(
-            self.done.device, torch.tensor(list(prompt) if self.vocab else [], dtype=torch.int64),
-            torch.tensor([b for _, b in logit_bias], dtype=torch.float32),
-            torch.tensor([t for t, _ in logit_bias], dtype=torch.int32))
-        self.token_counts[slot] = 0
-        if ids.numel():
-            self.token_counts[slot].index_fill_(0, ids, PROMPT_FLAG)
-        self.bias_ids[slot] = -1
-        self.bias_values[slot] = 0.0
-        if nb:
-            self.bias_ids[slot, :nb] = bias_ids
-            self.bias_values[slot, :nb] = bias
-        self.bias_len[slot] = nb
+    def _write_admissions(self, rows: list[_Admission]) -> None:
+        """The admitted rows' tables (validated by `admit`): one staging copy of every host
+        value, then one indexed write per table."""
+        m, w, v, nb_max = len(rows), self.stop_width, self.vocab, self.bias_ids.shape[1]
+        slots = np.fromiter((r.slot for r in rows), np.int64, m)
+        stop = np.full((m, w), -1, dtype=np.int64)
+        for i, r in enumerate(rows):
+            stop[i, : len(r.stop_ids)] = r.stop_ids
+        counted = [np.asarray(r.prompt, dtype=np.int64) + r.slot * v for r in rows if len(r.prompt)]
+        bias_at = [r.slot * nb_max + j for r in rows for j in range(len(r.logit_bias))]
+        dev = self.staging.pack(
+            (slots, torch.int64), (stop.reshape(-1), torch.int64),
+            (np.concatenate(counted) if counted else (), torch.int64), (bias_at, torch.int64),
+            ([t for r in rows for t, _ in r.logit_bias], torch.int32),
+            ([b for r in rows for _, b in r.logit_bias], torch.float32),
+            ([len(r.logit_bias) for r in rows], torch.int32),
+            *(([r.columns[c.name] for r in rows], c.dtype) for c in COLUMNS))
+        idx, stop_d, counted_d, bias_at_d, bias_ids, bias_values, bias_len = dev[:7]
+        for t in (self.last_token, self.drafts, self.emitted, self.done, self.token_counts):
+            t.index_fill_(0, idx, 0)
+        self.stop_ids.index_copy_(0, idx, stop_d.view(m, w))
+        for c, col in zip(COLUMNS, dev[7:], strict=True):
+            getattr(self, c.name).index_copy_(0, idx, col)
+        if counted_d.numel():
+            self.token_counts.view(-1).index_fill_(0, counted_d, PROMPT_FLAG)
+        self.bias_ids.index_fill_(0, idx, -1)
+        self.bias_values.index_fill_(0, idx, 0.0)
+        if bias_at_d.numel():
+            self.bias_ids.view(-1).index_copy_(0, bias_at_d, bias_ids)
+            self.bias_values.view(-1).index_copy_(0, bias_at_d, bias_values)
+        self.bias_len.index_copy_(0, idx, bias_len)
 
     def release(self, slot: int) -> None:
-        """Neutral row again (done, no stop, neutral sampling columns): a stale row is inert."""
-        self.done[slot] = 1
-        self.stop_ids[slot] = -1
-        self.bias_len[slot] = 0
+        """Neutral row again (done, no stop, neutral sampling columns): a stale row is inert.
+        No host sync; inside `releasing()` written with the others on its exit."""
+        if self._admitting and any(r.slot == slot for r in self._admitting):
+            self._write_admissions(self._admitting)
+            self._admitting.clear()
+        self._releasing.append(slot)
+        if not self._batch_releases:
+            self._write_releases()
+
+    @contextlib.contextmanager
+    def releasing(self) -> Iterator[None]:
+        """`release` calls inside write their rows together when the block exits."""
+        outer, self._batch_releases = self._batch_releases, True
+        try:
+            yield
+        finally:
+            self._batch_releases = outer
+            if not outer:
+                self._write_releases()
+
+    def _write_releases(self) -> None:
+        slots, self._releasing = self._releasing, []
+        if not slots:
+            return
+        if len(slots) == 1:  # a fill per table, nothing copied
+            s = slots[0]
+            self.done[s].fill_(1)
+            self.stop_ids[s].fill_(-1)
+            self.bias_len[s].fill_(0)
+            for c in COLUMNS:
+                getattr(self, c.name)[s].fill_(c.neutral)
+            return
+        idx = self.staging.tensor(slots)
+        self.done.index_fill_(0, idx, 1)
+        self.stop_ids.index_fill_(0, idx, -1)
+        self.bias_len.index_fill_(0, idx, 0)
         for c in COLUMNS:
-            getattr(self, c.name)[slot] = c.neutral
+            getattr(self, c.name).index_fill_(0, idx, c.neutral)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables().values())
 
 
-def _stream_copies(device: torch.device, *rows: torch.Tensor) -> list[torch.Tensor]:
-    """Host tensors on `device`, copied in stream order (pinned first on CUDA: no sync)."""
-    if device.type == "cuda":
-        rows = tuple(r.pin_memory() for r in rows)
-    return [r.to(device, non_blocking=True) for r in rows]
+
+@dataclass
+class _Admission:
+    """One validated `SlotState.admit` call, waiting to be written."""
+
+    slot: int
+    stop_ids: list[int]
+    prompt: Sequence[int]
+    logit_bias: list[tuple[int, float]]
+    columns: dict[str, float | int]

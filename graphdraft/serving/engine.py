@@ -621,23 +621,24 @@ class Engine:
         return params
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
-            need = len(req.prompt) + req.params.max_new_tokens + self.mode.lookahead
-            if self.pages.pages_needed(None, need) > self.pages.num_free_pages:
-                break  # back-pressure: wait for running requests to finish
-            slot = self.pages.alloc_slot()
-            try:
-                self.pages.reserve(slot, need)
-            except OutOfPagesError:
-                self.pages.free(slot)
-                break
-            self.slots.admit(slot, stop_ids=EngineLimits.of(self).stop_ids(req.params),
-                             prompt=req.prompt, logit_bias=req.params.logit_bias,
-                             **device_row(req.params, req.seed))
-            req.slot = slot
-            self.waiting.popleft()
-            self.running.append(req)
+        with self.slots.admitting():  # the admitted rows written together (no host sync)
+            while self.waiting and len(self.running) < self.cfg.max_running_requests:
+                req = self.waiting[0]
+                need = len(req.prompt) + req.params.max_new_tokens + self.mode.lookahead
+                if self.pages.pages_needed(None, need) > self.pages.num_free_pages:
+                    break  # back-pressure: wait for running requests to finish
+                slot = self.pages.alloc_slot()
+                try:
+                    self.pages.reserve(slot, need)
+                except OutOfPagesError:
+                    self.pages.free(slot)
+                    break
+                self.slots.admit(slot, stop_ids=EngineLimits.of(self).stop_ids(req.params),
+                                 prompt=req.prompt, logit_bias=req.params.logit_bias,
+                                 **device_row(req.params, req.seed))
+                req.slot = slot
+                self.waiting.popleft()
+                self.running.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -679,14 +680,11 @@ class Engine:
         """Write `slot_rows[:len(slots)]` (one H2D copy) when the rows changed."""
         if slots == self._staged_rows:
             return
-        self.cycle.slot_rows[: len(slots)].copy_(self._host_tensor(slots))
+        self.slots.staging.copy_into(self.cycle.slot_rows, slots)
         self._staged_rows = list(slots)
 
     def _host_tensor(self, values: list[int]) -> torch.Tensor:
-        src = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            src = src.pin_memory()
-        return src.to(self.device, non_blocking=True)
+        return self.slots.staging.tensor(values)  # pinned staging: no sync, no pin_memory
 
     def plan_step(self) -> StepWork:
         """Admit waiting requests while slots and pages last, then schedule this step's rows
@@ -824,8 +822,9 @@ class Engine:
             ms = self.cycle_timer.elapsed_ms(step.ring)
             if ms is not None:
                 self._observe_cost(step.cost[0], step.cost[1], ms, step.cost[2])
-        for r in finished:
-            self._release(r)
+        with self.slots.releasing():  # the finished rows neutral together
+            for r in finished:
+                self._release(r)
         if errors:
             for r, _ in errors:
                 r.finish_reason = "error"
@@ -842,7 +841,7 @@ class Engine:
         self.metrics.on_request_finished(r.rid)
         self.running.remove(r)
         self.pages.free(r.slot)
-        self.states.valid_cache_lengths[r.slot] = 0
+        self.states.valid_cache_lengths[r.slot].zero_()  # a fill: `[slot] = 0` would sync
         self.slots.release(r.slot)
         r.slot = None
 

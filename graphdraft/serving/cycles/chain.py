@@ -204,7 +204,7 @@ class ChainMode(DecodeMode):
             return
         bs = ne + nd
         ib, cb = p.inputs, p.cycle
-        npt = write_batch(ib, p.pages, rows).input_num_tokens
+        npt = write_batch(ib, p.pages, rows, staging=p.slots.staging).input_num_tokens
         p.stage_rows([r.slot for r in preqs] + [r.slot for r in dreqs])
         if nd:
             self.prepare(ne, npt, nd, n)
@@ -230,8 +230,8 @@ class ChainMode(DecodeMode):
 
     def _draft_mixed(self, ctx: ForwardContext, hidden: torch.Tensor | None,
                      tokens: torch.Tensor, bs: int, ne: int) -> torch.Tensor:
-        accept = self.draft_accept(bs).clone()
-        accept[:ne] = 1
+        accept = self.draft_accept(bs)  # the prefill rows' own: 1 (read by the draft only)
+        accept[:ne].fill_(1)
         return self.drafter.draft_mixed(ctx, hidden, tokens, accept)
 
 
