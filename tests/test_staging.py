@@ -115,3 +115,38 @@ def test_ring_reuse_waits_for_the_copies_still_queued():
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert o.tolist() == list(range(i, i + 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_admission_mixed_launch_and_release_issue_no_host_sync():
+    """Under torch's sync debug mode "error": admitting two requests, launching their
+    prefill / mixed step beside a decoding one, and releasing slots raise nothing (no
+    cudaStreamSynchronize, no pageable copy, no device value read on the host)."""
+    from graphdraft.serving.engine import Engine
+    from tests.engine_harness import make_models, runtime
+
+    target, head = make_models(2, dtype=torch.float32, device="cuda")
+    engine = Engine(target, runtime(device="cuda", dtype="float32"), head, seed=3)
+    engine.capture_graphs(progress=False)
+    params = SamplingParams(max_new_tokens=12)
+    engine.generate([[1, 2, 3, 4], [5, 6, 7]], params)  # kernels compiled, pools warm
+    engine.add_request([9, 8, 7, 6, 5], params)
+    engine.step()  # its prefill
+    engine.step()  # it decodes
+    for p in ([3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]):
+        engine.add_request(p, params)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan, work = engine.planner.agree(engine, engine.plan_step())
+        assert plan.mixed and work.dreqs
+        engine.launch(work, plan)
+        free = sorted(set(range(1, 7)) - {r.slot for r in engine.running})
+        with engine.slots.releasing():  # slots no request holds (rows already neutral)
+            engine.slots.release(free[0])
+            engine.slots.release(free[1])
+        engine.slots.release(free[2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine.drain()
