@@ -16,12 +16,14 @@ def _rel(a, b):
 
 
 CONFIGS = [GemmConfig(32, 32, 32, 1, True, 4, 2), GemmConfig(32, 16, 16, 3, True, 4, 2),
-           GemmConfig(16, 32, 32, 2, False, 4, 2), GemmConfig(64, 16, 32, 4, False, 4, 2)]
+           GemmConfig(16, 32, 32, 2, False, 4, 2), GemmConfig(64, 16, 32, 4, False, 4, 2),
+           GemmConfig(32, 16, 32, 1, True, 4, 2, tma=True),
+           GemmConfig(16, 32, 16, 3, False, 4, 2, tma=True)]
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (37, 70, 96), (70, 33, 160), (130, 50, 100)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (37, 70, 96), (70, 33, 160), (130, 50, 104)])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}"
-                         f"s{c.split}{'swap' if c.swap_ab else ''}")
+                         f"s{c.split}{'swap' if c.swap_ab else ''}{'tma' if c.tma else ''}")
 def test_fp32_equals_torch(m, n, k, cfg):
     """Ragged rows (clamped reads, masked stores), a K that is not a BLOCK_K multiple (the
     masked tail), splits with the last program's sum."""
@@ -57,10 +59,11 @@ def test_strided_rows_and_out_view():
     big = torch.randn(6, 300, generator=g)
     x = big[:, 100:228]  # row stride 300
     w = torch.randn(24, 128, generator=g)
-    out_big = torch.full((6, 40), float("nan"))
-    out = gemm(x, w, GemmConfig(16, 16, 32, 2, True, 4, 2), out=out_big[:, 8:32])
-    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
-    assert out_big[:, :8].isnan().all() and out_big[:, 32:].isnan().all()
+    for tma in (False, True):
+        out_big = torch.full((6, 40), float("nan"))
+        out = gemm(x, w, GemmConfig(16, 16, 32, 2, True, 4, 2, tma=tma), out=out_big[:, 8:32])
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+        assert out_big[:, :8].isnan().all() and out_big[:, 32:].isnan().all()
 
 
 def test_bad_inputs_are_named():
@@ -74,6 +77,8 @@ def test_bad_inputs_are_named():
         gemm(x.T, w, cfg)
     with pytest.raises(ValueError, match="out"):
         gemm(x, w, cfg, out=torch.empty(4, 9))
+    with pytest.raises(ValueError, match="TMA"):
+        gemm(torch.randn(4, 33)[:, :32], w, GemmConfig(16, 16, 16, tma=True))  # row stride 33
     with pytest.raises(ValueError, match="block_n"):
         GemmConfig(16, 24)
     with pytest.raises(ValueError, match="split"):
@@ -85,8 +90,10 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)])
 @pytest.mark.parametrize("cfg", [GemmConfig(128, 64, 128, 2, True, 4, 3),
                                  GemmConfig(256, 128, 64, 3, True, 8, 3),
-                                 GemmConfig(128, 128, 64, 1, False, 8, 4)],
-                         ids=["swap128s2", "swap256s3", "plain128"])
+                                 GemmConfig(128, 128, 64, 1, False, 8, 4),
+                                 GemmConfig(128, 128, 64, 2, False, 8, 4, tma=True),
+                                 GemmConfig(128, 64, 128, 1, True, 4, 4, tma=True)],
+                         ids=["swap128s2", "swap256s3", "plain128", "tma128s2", "tmaswap128"])
 def test_gpu_8b_projections_within_rounding_of_f_linear(m, n, k, cfg):
     """Every 8B projection at the verify / decode row counts: within bf16 rounding of cuBLAS
     (both against the fp32 product), deterministic across calls and under graph replay."""

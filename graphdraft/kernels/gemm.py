@@ -17,6 +17,10 @@ takes the tile and a K split per shape and row bucket (`kernels/buckets.py`'s `g
   replays and eager runs are bit-identical); the partials are read back from L2 moments
   after they were written.
 
+`GemmConfig.tma` reads the tiles through tensor descriptors (`_gemm_tma_kernel`: Hopper's
+copy engine fills shared memory, out-of-range rows and columns read as zeros) instead of
+pointer loads (`_gemm_kernel`: rows past M / N clamped, the K tail masked).
+
 Shapes: x `[M, K]` (row stride passed, unit column stride), w `[N, K]` contiguous, out
 `[M, N]` (row stride passed, unit column stride). fp32 accumulation, output in x.dtype
 (bf16 / fp16 / fp32; fp32 and the interpreter multiply in IEEE fp32).
@@ -37,12 +41,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.pdl import interpreting
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["GemmConfig", "gemm", "gemm_ref"]
+__all__ = ["GemmConfig", "gemm", "gemm_ref", "tma_ok"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -59,6 +64,9 @@ class GemmConfig:
     swap_ab: bool = True
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
+    """Read the tiles through tensor descriptors (`_gemm_tma_kernel`; x's row stride and K a
+    multiple of 16 bytes, 16-byte aligned bases) instead of pointer loads."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -71,7 +79,7 @@ class GemmConfig:
     def tile(self) -> tuple:
         """The compile-relevant part (the split is a runtime argument)."""
         return (self.block_m, self.block_n, self.block_k, self.swap_ab, self.num_warps,
-                self.num_stages)
+                self.num_stages, self.tma)
 
 
 @triton.jit
@@ -126,6 +134,51 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
         w_ptrs += BLOCK_K
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    _epilogue(acc, out_ptr, ws_ptr, counter_ptr, rm, rn, M, N, stride_om, pid_m, pid_n, pid_s,
+              split, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M", "split"])
+def _gemm_tma_kernel(x_desc, w_desc, out_ptr, ws_ptr, counter_ptr, M, N, K, stride_om,
+                     k_per_split, split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
+    """`_gemm_kernel` with the x and w tiles read through tensor descriptors (Hopper's TMA:
+    the copy engine fills shared memory, rows past M / N and columns past K read as zeros)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        if SWAP_AB:
+            a, b = w, x
+        else:
+            a, b = x, w
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _epilogue(acc, out_ptr, ws_ptr, counter_ptr, rm, rn, M, N, stride_om, pid_m, pid_n, pid_s,
+              split, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, ws_ptr, counter_ptr, rm, rn, M, N, stride_om, pid_m, pid_n, pid_s,
+              split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile `acc [BLOCK_M, BLOCK_N]` (split == 1), or its partial to the workspace
+    and, in the tile's last program to arrive, the slice-order sum of every partial."""
     if split == 1:
         _store_out(out_ptr, acc, rm, rn, M, N, stride_om)
     else:
@@ -169,6 +222,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
                       device=x.device, layout="rows")
 
 
+def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `x [M, K]` and `w [N, K]` can be read through tensor descriptors: 16-byte
+    aligned bases and row strides."""
+    e = x.element_size()
+    return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and (x.stride(0) * e) % 16 == 0
+            and (w.stride(0) * e) % 16 == 0)
+
+
 def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K] @ w [N, K]^T -> [M, N]` in x.dtype under `config` (graph-capturable; with
@@ -178,6 +239,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig,
     m, k = x.shape
     n = w.shape[0]
     c = config
+    if c.tma and not tma_ok(x, w):
+        raise ValueError(f"x, w: the TMA tiles need 16-byte aligned bases and rows (x row "
+                         f"stride {x.stride(0)}, K {k}, {x.element_size()}-byte elements)")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
@@ -191,11 +255,19 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig,
     else:
         ws = placeholder(x.device, torch.float32)  # not read (split == 1)
         counters = placeholder(x.device, torch.int32)
+    fp32_dot = x.dtype == torch.float32 or interpreting()
+    if c.tma:
+        _gemm_tma_kernel[grid](TensorDescriptor.from_tensor(x, [c.block_m, c.block_k]),
+                               TensorDescriptor.from_tensor(w, [c.block_n, c.block_k]),
+                               out, ws, counters, m, n, k, out.stride(0), k_per_split, split,
+                               BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                               SWAP_AB=c.swap_ab, FP32_DOT=fp32_dot,
+                               num_warps=c.num_warps, num_stages=c.num_stages)
+        return out
     _gemm_kernel[grid](x, w, out, ws, counters, m, n, k, x.stride(0), out.stride(0),
                        k_per_split, split,
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                       EVEN_K=k % c.block_k == 0, SWAP_AB=c.swap_ab,
-                       FP32_DOT=x.dtype == torch.float32 or interpreting(),
+                       EVEN_K=k % c.block_k == 0, SWAP_AB=c.swap_ab, FP32_DOT=fp32_dot,
                        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 

@@ -1,6 +1,6 @@
 """The 8B target's projections at M = 128..1024 rows (large-batch decode, verify): cuBLAS
 against `graphdraft.kernels.gemm` (swap-AB tiles, a K split summed by each tile's last
-program) over a few tiles and splits (GPU only; issue #42 items 2 and 3).
+program, pointer or TMA loads) over a few tiles and splits (GPU only; issue #42 items 2 and 3).
 
 `python3 -m perf.studies.mid_m_gemm --out DIR [--max-seconds 120] [--ms 128,256,512,1024]
 [--shapes qkv,o,gate_up,down,lm_head]`
@@ -13,6 +13,8 @@ recorded, not ranked). Candidates:
 
 - `cublas`: `F.linear(x, w)` (what `ops.linear` runs above the GEMV's rows today);
 - `cublas_lt`: the same under `torch.backends.cuda.preferred_blas_library("cublaslt")`;
+- `cublas_lt_bias`: `F.linear(x, w, zeros)` (torch runs a 1-D bias through cuBLASLt's bias
+  epilogue: another heuristic's tiles, the same values);
 - `cublas_no_rpr`: the same with `allow_bf16_reduced_precision_reduction` off (cuBLAS then
   may not split K with a bf16 reduction);
 - `gemm[...]`: `kernels.gemm.gemm` per `candidates(m, n, k)`.
@@ -41,18 +43,23 @@ SMS = 132  # an H100 / H200's multiprocessors: the split targets
 
 def _tiles(m: int) -> list[GemmConfig]:
     """The tiles tried at `m` rows (split 1): swap-AB with every row of a bucket in one
-    program (128 or 256 rows) and plain 128-row tiles; each pipeline within 200 KiB of
-    shared memory."""
+    program (128 or 256 rows) and plain 128-row tiles, through pointer loads and (more of
+    them) through tensor descriptors (TMA); each pipeline within 200 KiB of shared memory."""
     swap = [(128, 64, 128, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
             (256, 64, 64, 8, 3), (256, 128, 64, 8, 3), (256, 64, 128, 8, 2)]
     plain = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)]
+    swap_tma = swap + [(128, 64, 128, 4, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 6),
+                       (256, 64, 64, 8, 4), (256, 128, 64, 8, 4)]
+    plain_tma = plain + [(128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 5)]
     out = []
-    for (bm, bn, bk, w, st), swap_ab in [(t, True) for t in swap] + [(t, False) for t in plain]:
-        if swap_ab and (bm > max(128, m) or (m > 128 and bm < 256 and m <= 256 and bn < 128)):
-            continue  # every row in one program where the rows fit one
-        if st * (bm + bn) * bk * 2 > 200 << 10:
-            continue
-        out.append(GemmConfig(bm, bn, bk, 1, swap_ab, w, st))
+    for tiles, swap_ab, tma in ((swap, True, False), (plain, False, False),
+                                (swap_tma, True, True), (plain_tma, False, True)):
+        for bm, bn, bk, w, st in tiles:
+            if swap_ab and (bm > max(128, m) or (m > 128 and bm < 256 and m <= 256 and bn < 128)):
+                continue  # every row in one program where the rows fit one
+            if st * (bm + bn) * bk * 2 > 200 << 10:
+                continue
+            out.append(GemmConfig(bm, bn, bk, 1, swap_ab, w, st, tma))
     return out
 
 
@@ -66,12 +73,12 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
             if split > 1 and (tiles * split > 2.5 * SMS or k // split < 4 * t.block_k):
                 continue
             out.append(GemmConfig(t.block_m, t.block_n, t.block_k, split, t.swap_ab,
-                                  t.num_warps, t.num_stages))
+                                  t.num_warps, t.num_stages, t.tma))
     return out
 
 
 def label(c: GemmConfig) -> str:
-    return (f"gemm[{'swap ' if c.swap_ab else ''}{c.block_m}x{c.block_n}x{c.block_k} "
+    return (f"gemm[{'tma ' if c.tma else ''}{'swap ' if c.swap_ab else ''}{c.block_m}x{c.block_n}x{c.block_k} "
             f"s{c.split} w{c.num_warps} st{c.num_stages}]")
 
 
@@ -101,6 +108,8 @@ def _cublas_variants(x, ws, ref) -> dict:
     copies = len(ws)
     lin = lambda i: F.linear(x, ws[i % copies])  # noqa: E731
     rec = {"cublas": _time(lin, copies, ref)}
+    zero = torch.zeros(ws[0].shape[0], device=x.device, dtype=x.dtype)
+    rec["cublas_lt_bias"] = _time(lambda i: F.linear(x, ws[i % copies], zero), copies, ref)
     prev = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -158,7 +167,7 @@ def print_row(row: dict) -> None:
     head = (f"[mid-m] {row['name']:8s} M={row['m']:5d} floor {row['floor_us']:7.1f} us | "
             f"cuBLAS {cb.get('us', float('nan')):7.1f} (bw {cb.get('bw', 0):.2f}, rate "
             f"{cb.get('rate', 0):.2f})")
-    for key in ("cublas_lt", "cublas_no_rpr", "cublas_rpr"):
+    for key in ("cublas_lt", "cublas_lt_bias", "cublas_no_rpr", "cublas_rpr"):
         if key in v and "us" in v[key]:
             head += f" | {key} {v[key]['us']:.1f}"
     b = best_gemm(row)
