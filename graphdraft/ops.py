@@ -12,7 +12,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `rms_norm`, `rms_norm_cat` | `kernels/norm.py` (`rms_norm_residual_torch`, `rms_norm_cat_torch`) |
 | `rope_and_store_kv`, `rope_and_store_qkv` | `kernels/rope.py` (`rope_and_store_kv_torch`) |
 | `argmax_with_map` | `kernels/argmax.py` (`argmax_with_map_torch`) |
-| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); cuBLAS above |
+| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); above, the route `kernels.gemm_routes` lists per shape and row bucket (`buckets.gemm_config`, up to `kernels.gemm_max_m` rows: a `kernels/gemm.py` tile or cuBLASLt, `gemm.linear_lt`), plain cuBLAS for the rest |
 | `out_cache_loc_uniform`, `advance_positions_and_seq_lens` | `kernels/cache_loc.py` (`*_ref`) |
 | `decode_draft_indices` | `kernels/draft_indices.py` (`*_ref`) |
 | `stage_decode_inputs` | `kernels/stage_inputs.py` (`*_ref`) |
@@ -45,11 +45,13 @@ import torch
 from graphdraft.kernels import (
     accept,
     argmax,
+    buckets,
     cache_loc,
     cycle_kernels,
     decode_attention,
     draft_indices,
     extend_attention,
+    gemm,
     gemv,
     kv_move,
     logit_controls,
@@ -273,6 +275,20 @@ def apply_act(x: torch.Tensor, act: str | None, *, kernels: KernelConfig | None 
     return gemv.silu_mul_ref(x)
 
 
+def _mid_m(x: torch.Tensor, weight: torch.Tensor,
+           kc: KernelConfig) -> gemm.GemmConfig | str | None:
+    """The route the Triton path runs this (activated) matmul with (`buckets.gemm_config`:
+    measured shapes and row buckets): a `kernels.gemm` tile, `gemm.CUBLASLT`, or None for
+    plain cuBLAS."""
+    if not (kc.use_triton and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    cfg = buckets.gemm_config(x.shape[0], weight.shape[0], weight.shape[1], kernels=kc)
+    if isinstance(cfg, gemm.GemmConfig) and cfg.tma and not gemm.tma_ok(x, weight):
+        return None
+    return cfg
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
            kernels: KernelConfig | None = None) -> torch.Tensor:
     """`act(x) [M, K] @ weight [N, K]^T -> [M, N]` (no bias). act "silu_mul": x is
@@ -280,7 +296,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     kc = _kc(kernels)
     if _small_m(x, weight, kc):
         return gemv.linear_small_m(x, weight, act=act, kernels=kc)
-    return gemv.linear_ref(apply_act(x, act, kernels=kc), weight)
+    x = apply_act(x, act, kernels=kc)
+    cfg = _mid_m(x, weight, kc)
+    if cfg is None:
+        return gemv.linear_ref(x, weight)
+    return gemm.linear_lt(x, weight) if cfg == gemm.CUBLASLT else gemm.gemm(x, weight, cfg)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, *,

@@ -85,6 +85,16 @@ NOT_KV_BYTES = 35 << 30  # the 16 GB of weights, activations and the allocator's
 PREFILL_TOKENS = 8192
 
 
+def gemm_routes_of(path: str) -> tuple:
+    """The `KernelConfig.gemm_routes` a `mid_m_gemm.json` measured
+    (`perf.studies.mid_m_gemm.winners`); printed."""
+    from perf.studies.mid_m_gemm import winners
+
+    routes = winners(json.loads(Path(path).read_text())["rows"])
+    print(f"gemm routes from {path}: " + (", ".join(f"{k}: {v!r}" for k, v in routes) or "none"))
+    return routes
+
+
 def kv_budget_bytes(device: str) -> int:
     """Bytes of KV pages the benchmark may allocate: the card's memory less `NOT_KV_BYTES`
     (104 GiB on an H200, 43 GiB on an 80 GB H100; rows that do not fit are skipped)."""
@@ -574,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
                          + ",".join(map(str, KV_LENS)) + ")")
     ap.add_argument("--no-matmuls", action="store_true",
                     help="skip the per-projection matmul timings")
+    ap.add_argument("--gemm-routes", metavar="MID_M_GEMM_JSON",
+                    help="run the projections above the GEMV's rows with the routes of a "
+                         "`perf.studies.mid_m_gemm` run (`winners`: Triton tiles or cuBLASLt "
+                         "where they beat plain cuBLAS) as KernelConfig.gemm_routes instead of "
+                         "the shipped ones, for an A/B of a sweep's winners")
     args = ap.parse_args(argv)
     if args.bounds:
         rows = json.loads(Path(args.bounds).read_text())["rows"]
@@ -581,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         ap.error("--out: expected a folder for verify.json (or --bounds FILE)")
+    routes = gemm_routes_of(args.gemm_routes) if args.gemm_routes else None
     device = "cuda"
     t0 = time.time()
     torch.manual_seed(0)
@@ -607,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     mc = LLAMA31_8B
     target = build_target(device)
     kernels = KernelConfig.from_env(backend="triton") if args.kernels_from_env else TRITON
+    if routes is not None:
+        kernels = kernels.replace(gemm_routes=routes)
     target.set_kernels(kernels)
     print(f"kernels: {kernels}")
     wbytes = weight_bytes(target)
@@ -670,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     data = {"rows": rows, "prefill": pre, "prefill_tiles": tiles, "attention_alone": alone,
             "matmuls": matmuls, "copy_bandwidth_bytes_s": bw,
             "gemm_flops_s": rate, "n_verify": N_VERIFY, "page_size": PAGE_SIZE,
-            "weight_bytes": wbytes, "seconds": time.time() - t0}
+            "weight_bytes": wbytes, "seconds": time.time() - t0,
+            "gemm_routes": [[list(k), v] for k, v in kernels.gemm_routes],
+            "gemm_routes_from": args.gemm_routes or "KernelConfig.gemm_routes"}
     path = write_json(args.out, "verify.json", data)
 
     print(f"\n{'bs':>4} {'kv':>5} {'verify':>8} {'old':>8} {'decode':>8} {'hbm':>7} {'flops':>7} "

@@ -51,7 +51,7 @@ def test_every_env_var_sets_its_field(clean_env):
     values = {"GRAPHDRAFT_GEMV_TILES": ("uniform", "uniform"), "GRAPHDRAFT_GEMV_SPLIT": ("3", 3),
               "GRAPHDRAFT_GEMV_BLOCK_K": ("64", 64), "GRAPHDRAFT_GEMV_NUM_STAGES": ("2", 2),
               "GRAPHDRAFT_GEMV_SWAP_AB": ("off", False),
-              "GRAPHDRAFT_SMALL_M_MAX": ("0", 0),
+              "GRAPHDRAFT_SMALL_M_MAX": ("0", 0), "GRAPHDRAFT_GEMM_MAX_M": ("512", 512),
               "GRAPHDRAFT_GEMV_PDL": ("off", False), "GRAPHDRAFT_STREAM_EVICT_FIRST": ("0", False),
               "GRAPHDRAFT_FINISH_MAXNREG": ("none", None), "GRAPHDRAFT_FINISH_NORM_MAX_M": ("16", 16),
               "GRAPHDRAFT_PDL": ("False", False), "GRAPHDRAFT_PDL_MAX_ROWS": ("8", 8),

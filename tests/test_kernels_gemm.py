@@ -83,6 +83,12 @@ def test_bad_inputs_are_named():
         GemmConfig(16, 24)
     with pytest.raises(ValueError, match="split"):
         GemmConfig(16, 16, split=0)
+    from graphdraft.kernels.config import KernelConfig
+
+    for bad in ((((64, 48), "cublaslt"),), (((64, 48, 64), "cublas"),),
+                (((64, 48, 64), (64, 16, 32, 2, 1, 4, 2, True)),), [((64, 48, 64), "cublaslt")]):
+        with pytest.raises(ValueError, match="gemm_routes"):
+            KernelConfig(backend="triton", gemm_routes=bad)
 
 
 @pytest.mark.gpu
@@ -113,3 +119,63 @@ def test_gpu_8b_projections_within_rounding_of_f_linear(m, n, k, cfg):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+# ------------------------------------------------------------------ ops.linear's dispatch
+def test_gemm_config_buckets_and_bounds():
+    from graphdraft.kernels import buckets
+    from graphdraft.kernels.config import TORCH, TRITON
+
+    tile = GemmConfig(128, 16, 32, 2, True, 4, 2)
+    t = (128, 16, 32, 2, True, 4, 2, False)
+    TRITON = TRITON.replace(gemm_routes=(((64, 48, 64), t), ((128, 48, 64), t),
+                                         ((256, 64, 64), gemm_mod.CUBLASLT)))
+    assert [buckets.gemm_m_bucket(m) for m in (33, 65, 128, 129, 256, 1024)] == [
+        64, 128, 128, 256, 256, 1024]
+    with pytest.raises(ValueError, match="m: expected"):
+        buckets.gemm_m_bucket(1025)
+    assert buckets.gemm_config(40, 48, 64, kernels=TRITON) == tile
+    assert buckets.gemm_config(32, 48, 64, kernels=TRITON) is None  # the GEMV's rows
+    assert buckets.gemm_config(129, 48, 64, kernels=TRITON) is None  # no tile at 256
+    assert buckets.gemm_config(40, 48, 128, kernels=TRITON) is None  # another shape
+    assert buckets.gemm_config(40, 48, 64, kernels=TORCH) is None
+    assert buckets.gemm_config(40, 48, 64) is None  # the default config: the torch path
+    assert buckets.gemm_config(40, 48, 64, kernels=TRITON.replace(gemm_max_m=0)) is None
+    # row buckets: the gemm bucket where it has tiles, cuBLAS elsewhere
+    assert buckets.gemm_config(129, 64, 64, kernels=TRITON) == gemm_mod.CUBLASLT
+    assert buckets.row_bucket(100, kernels=TRITON) == buckets.row_bucket(128, kernels=TRITON)
+    assert buckets.row_bucket(40, kernels=TRITON)[0] == ("gemm", 64)
+    assert buckets.row_bucket(100, kernels=TRITON)[0] == ("gemm", 128)
+    assert buckets.row_bucket(129, kernels=TRITON)[0] == ("cublas",)  # cuBLASLt: no compile
+    assert buckets.row_bucket(40, kernels=TORCH)[0] == ("cublas",)
+
+
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_ops_linear_runs_the_listed_tile_within_rounding_of_f_linear(monkeypatch, act):
+    """`ops.linear` at rows above the GEMV's: `kernels.gemm` for a listed (bucket, N, K), the
+    same values as the torch path within bf16 rounding (act applied first, as cuBLAS's path
+    does); an unlisted shape stays on cuBLAS."""
+    from graphdraft import ops
+    from graphdraft.kernels import gemv
+    from graphdraft.kernels.config import TRITON
+
+    TRITON = TRITON.replace(gemm_routes=(((64, 48, 64), (64, 16, 32, 2, True, 4, 2, True)),
+                                         ((128, 48, 64), gemm_mod.CUBLASLT)))
+    calls = []
+    real = gemm_mod.gemm
+    monkeypatch.setattr(gemm_mod, "gemm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 128 if act else 64, generator=g).bfloat16()
+    w = (torch.randn(48, 64, generator=g) * 0.1).bfloat16()
+    got = ops.linear(x, w, act=act, kernels=TRITON)
+    assert len(calls) == 1 and calls[0].tma
+    ref = gemv.linear_ref(x, w, act=act)
+    exact = ops.apply_act(x, act, kernels=TRITON).float() @ w.float().T  # the input it read
+    assert (got.float() - exact).abs().max() <= exact.abs().max() * 2 ** -7
+    assert _rel(got, ref) < 2e-2  # ref's activation rounds on its own (silu_mul_ref)
+    ops.linear(x[:, :64], torch.randn(40, 64).bfloat16(), kernels=TRITON)  # not listed
+    ops.linear(x[:, :64].float(), w.float(), kernels=TRITON)  # fp32: cuBLAS
+    assert len(calls) == 1
+    x100 = torch.randn(100, 64, generator=g).bfloat16()  # bucket 128: cuBLASLt, F.linear's values
+    assert torch.equal(ops.linear(x100, w, kernels=TRITON), torch.nn.functional.linear(x100, w))
+    assert len(calls) == 1

@@ -48,3 +48,16 @@ def test_decode_bounds_skip_rows_without_decode_keys():
     old = {k: v for k, v in _row(64, 512, 7.9).items() if not k.startswith("decode_")}
     old["decode_ms"] = 7.9
     assert verify.decode_bounds([old]) == [] and verify.decode_bounds_lines([old]) == []
+
+
+def test_gemm_routes_of_a_sweep(tmp_path, capsys):
+    from graphdraft.kernels.config import TRITON
+
+    rows = [{"m": 128, "n": 4096, "k": 14336, "variants": {
+        "cublas": {"us": 50.8, "rel_err": 0.0}, "cublas_lt_bias": {"us": 44.3, "rel_err": 0.0}}}]
+    path = tmp_path / "mid_m_gemm.json"
+    path.write_text(json.dumps({"rows": rows}))
+    routes = verify.gemm_routes_of(str(path))
+    assert routes == (((128, 4096, 14336), "cublaslt"),)
+    assert TRITON.replace(gemm_routes=routes).gemm_routes == routes  # a valid config value
+    assert "(128, 4096, 14336): 'cublaslt'" in capsys.readouterr().out

@@ -112,3 +112,24 @@ def test_mid_m_sweep_candidates_and_a_row_on_cpu(monkeypatch, capsys):
     assert rec["bw"] == pytest.approx(24 * 64 * 4 / 8e-6 / 1e12)
     mm.print_row(row)
     assert "0.80x cuBLAS" in capsys.readouterr().out
+
+
+def test_winners_pick_routes_under_the_margin():
+    """`mid_m_gemm.winners`: per (row bucket, N, K) the fastest correct tile or cuBLASLt,
+    only under 0.97x plain cuBLAS; wrong or failed candidates never win."""
+    from graphdraft.kernels.gemm import CUBLASLT, GemmConfig
+    from perf.studies.mid_m_gemm import winners
+
+    cfg = GemmConfig(128, 64, 128, 2, True, 4, 3, True)
+
+    def row(m, n, cublas, lt, tile, tile_err=1e-4):
+        return {"m": m, "n": n, "k": 4096, "variants": {
+            "cublas": {"us": cublas, "rel_err": 0.0}, "cublas_lt_bias": {"us": lt, "rel_err": 0.0},
+            "gemm[a]": {"us": tile, "rel_err": tile_err, "config": cfg.__dict__},
+            "gemm[b]": {"error": "out of resources"}}}
+
+    rows = [row(256, 4096, 17.5, 17.4, 15.0), row(128, 4096, 50.8, 44.3, 52.9),
+            row(512, 4096, 24.7, 24.6, 24.5), row(64, 6144, 20.0, 30.0, 1.0, tile_err=0.5),
+            row(2048, 4096, 10.0, 1.0, 1.0)]
+    assert winners(rows) == (((128, 4096, 4096), CUBLASLT),
+                             ((256, 4096, 4096), (128, 64, 128, 2, True, 4, 3, True)))

@@ -20,6 +20,8 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_num_stages` | `GRAPHDRAFT_GEMV_NUM_STAGES` | int in [1, 8], or unset | unset (None) | force the software-pipeline stages of every GEMV launch the tile heuristic sizes; None: the heuristic (a tuning aid) |
 | `gemv_swap_ab` | `GRAPHDRAFT_GEMV_SWAP_AB` | bool | on | M > 1 GEMVs compute `w @ x^T` (the weights as the MMA's M side: Hopper's wgmma) instead of `x @ w^T` |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
+| `gemm_max_m` | `GRAPHDRAFT_GEMM_MAX_M` | 0..4096 | 1024 | rows up to which (above `small_m_max`) the Triton path takes the `gemm_routes` route of a listed shape (else cuBLAS; 0: never) |
+| `gemm_routes` | (none: `perf.verify --gemm-routes` replaces it) | ((row bucket, N, K), route) pairs | `GEMM_ROUTES` | per projection shape and row bucket (`buckets.gemm_m_bucket`) the route measured faster than plain cuBLAS: "cublaslt" (`gemm.linear_lt`) or a `gemm.GemmConfig` as a tuple |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
 | `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
@@ -49,6 +51,13 @@ __all__ = ["ENV_VARS", "KernelConfig", "TORCH", "TRITON", "default", "resolve"]
 
 GEMV_MAX_M = 64
 """Most rows one GEMV launch takes (`gemv.MAX_M`): the bound of the row thresholds."""
+GEMM_MAX_M = 4096
+"""The bound of `KernelConfig.gemm_max_m`."""
+GEMM_ROUTES: tuple = ()
+"""`KernelConfig.gemm_routes`' default: ((row bucket, N, K), route) for the shapes where a
+route beat plain cuBLAS in `perf/studies/mid_m_gemm.py` (perf/RESULTS.md); route "cublaslt"
+or `gemm.GemmConfig`'s fields as a tuple (block_m, block_n, block_k, split, swap_ab,
+num_warps, num_stages, tma)."""
 BACKENDS = ("triton", "torch")
 GEMV_TILES = ("wide", "uniform")
 
@@ -65,6 +74,19 @@ _EXTEND_TILES_EXPECTED = ("4 tiles (BLOCK_M, BLOCK_N, num_warps): BLOCK_M a powe
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _route_ok(entry: object) -> bool:
+    """One `gemm_routes` pair: ((bucket, N, K) positive ints, "cublaslt" or a tile tuple)."""
+    if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
+            and len(entry[0]) == 3 and all(_is_int(v) and v > 0 for v in entry[0])):
+        return False
+    route = entry[1]
+    if route == "cublaslt":
+        return True
+    return (isinstance(route, tuple) and len(route) == 8
+            and all(_is_int(v) and v > 0 for v in route[:4] + route[5:7])
+            and isinstance(route[4], bool) and isinstance(route[7], bool))
 
 
 def _pow2(v: object, lo: int, hi: int) -> bool:
@@ -87,6 +109,8 @@ class KernelConfig:
     small_m_max: int = 32
     """32: faster drafts at bs 32 than 16; 64 was slower from bs 8 up (H200: perf/RESULTS.md,
     fourth session)."""
+    gemm_max_m: int = 1024
+    gemm_routes: tuple = GEMM_ROUTES
     gemv_pdl: bool = True
     """On: faster at bs 1, neutral at bs 8 (perf/RESULTS.md, third session, and "Figures moved out of the code")."""
     stream_evict_first: bool = True
@@ -127,6 +151,11 @@ class KernelConfig:
              "gemv_num_stages", "None or an int in [1, 8]")
         need(_is_int(self.small_m_max) and 0 <= self.small_m_max <= GEMV_MAX_M, "small_m_max",
              f"an int in [0, {GEMV_MAX_M}]")
+        need(_is_int(self.gemm_max_m) and 0 <= self.gemm_max_m <= GEMM_MAX_M, "gemm_max_m",
+             f"an int in [0, {GEMM_MAX_M}]")
+        need(isinstance(self.gemm_routes, tuple) and all(_route_ok(r) for r in self.gemm_routes),
+             "gemm_routes", "a tuple of ((row bucket, N, K), route) pairs, route 'cublaslt' or "
+             "(block_m, block_n, block_k, split, swap_ab, num_warps, num_stages, tma)")
         for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads", "gemv_swap_ab"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(self.finish_maxnreg is None or (_is_int(self.finish_maxnreg) and self.finish_maxnreg >= 1),
@@ -227,6 +256,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "gemv_num_stages": ("GRAPHDRAFT_GEMV_NUM_STAGES", _int),
     "gemv_swap_ab": ("GRAPHDRAFT_GEMV_SWAP_AB", _bool),
     "small_m_max": ("GRAPHDRAFT_SMALL_M_MAX", _int),
+    "gemm_max_m": ("GRAPHDRAFT_GEMM_MAX_M", _int),
     "gemv_pdl": ("GRAPHDRAFT_GEMV_PDL", _bool),
     "stream_evict_first": ("GRAPHDRAFT_STREAM_EVICT_FIRST", _bool),
     "finish_maxnreg": ("GRAPHDRAFT_FINISH_MAXNREG", _maxnreg),
@@ -249,6 +279,7 @@ _EXPECTED = {
     "gemv_num_stages": "an int in [1, 8]",
     "gemv_swap_ab": _BOOL,
     "small_m_max": f"an int in [0, {GEMV_MAX_M}]",
+    "gemm_max_m": f"an int in [0, {GEMM_MAX_M}]",
     "gemv_pdl": _BOOL,
     "stream_evict_first": _BOOL,
     "finish_maxnreg": "an int >= 1, or 0 / 'none'",

@@ -47,7 +47,7 @@ from graphdraft.checks import expect_tensor
 from graphdraft.kernels.pdl import interpreting
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["GemmConfig", "gemm", "gemm_ref", "tma_ok"]
+__all__ = ["CUBLASLT", "GemmConfig", "gemm", "gemm_ref", "linear_lt", "tma_ok"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -270,6 +270,24 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig,
                        EVEN_K=k % c.block_k == 0, SWAP_AB=c.swap_ab, FP32_DOT=fp32_dot,
                        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
+
+
+CUBLASLT = "cublaslt"
+"""The route `buckets.gemm_config` names where cuBLASLt (`linear_lt`) beat plain cuBLAS and
+every tile here."""
+_ZERO_BIAS: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def linear_lt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x [M, K] @ w [N, K]^T` through cuBLASLt: `F.linear` with a kept zero bias `[N]` (torch
+    runs a 1-D bias through cuBLASLt's bias epilogue, whose heuristic picks other tiles than
+    plain cuBLAS's; adding zero changes no value). On CPU: the same call, torch's own
+    kernel."""
+    key = (w.device, w.dtype, w.shape[0])
+    bias = _ZERO_BIAS.get(key)
+    if bias is None:
+        bias = _ZERO_BIAS[key] = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 against `graphdraft.kernels.gemm` (swap-AB tiles, a K split summed by each tile's last
 program, pointer or TMA loads) over a few tiles and splits (GPU only; issue #42 items 2 and 3).
 
-`python3 -m perf.studies.mid_m_gemm --out DIR [--max-seconds 120] [--ms 128,256,512,1024]
-[--shapes qkv,o,gate_up,down,lm_head]`
+`python3 -m perf.studies.mid_m_gemm --out DIR [--max-seconds 120] [--ms 256,128,64,512,1024]
+[--shapes qkv,o,gate_up,down,lm_head] [--cublas-only]`
 
 For each projection and M, each candidate is timed as a CUDA graph of back-to-back calls over
 rotating weight copies larger than L2 (`perf.timing.graph_time_us`, the method of
@@ -23,7 +23,9 @@ Each is printed as its time, `bw` (the weight bytes over the time, as a fraction
 bandwidth measured in this run) and `rate` (the FLOPs over the time, as a fraction of an
 8192^3 cuBLAS GEMM's rate measured in this run), against the floor max(FLOPs / rate,
 weight bytes / bandwidth). Writes `mid_m_gemm.json` (every record) and ends with a table of
-the best `gemm` config per (projection, M) and its time over cuBLAS's.
+the best `gemm` config per (projection, M) and its time over cuBLAS's, and the routes
+(`winners`: a tile or cuBLASLt under 0.97x plain cuBLAS) in `KernelConfig.gemm_routes`'
+form; `perf.verify --gemm-routes` runs the forward with them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from graphdraft.kernels.gemm import GemmConfig, gemm
 
-MS = (256, 128, 512, 1024)
+MS = (256, 128, 64, 512, 1024)
 """Rows timed (the bs 64 verify / bs 256 decode row count first: a truncated run has it)."""
 SMS = 132  # an H100 / H200's multiprocessors: the split targets
 
@@ -161,6 +163,36 @@ def best_gemm(row: dict) -> tuple[str, dict] | None:
     return key, ok[key]
 
 
+WIN_MARGIN = 0.97
+"""A route replaces plain cuBLAS at a (bucket, N, K) only below this fraction of its time."""
+
+
+def winners(rows: list[dict], margin: float = WIN_MARGIN) -> tuple:
+    """`KernelConfig.gemm_routes` from a sweep's rows: per (row bucket of M, N, K) the fastest
+    correct `gemm` tile (its fields as a tuple) or `cublas_lt_bias` ("cublaslt"), where it took
+    under `margin` x plain cuBLAS's time; sorted by key."""
+    import dataclasses
+
+    from graphdraft.kernels.buckets import GEMM_M_BUCKETS, gemm_m_bucket
+    from graphdraft.kernels.gemm import CUBLASLT
+
+    out: dict = {}
+    for row in rows:
+        v = row["variants"]
+        if "us" not in v.get("cublas", {}) or row["m"] > GEMM_M_BUCKETS[-1]:
+            continue
+        ok = {k: r for k, r in v.items() if "us" in r and r.get("rel_err", 1) < 1e-2
+              and (k.startswith("gemm[") or k == "cublas_lt_bias")}
+        if not ok:
+            continue
+        key = min(ok, key=lambda kk: ok[kk]["us"])
+        if ok[key]["us"] < margin * v["cublas"]["us"]:
+            route = (CUBLASLT if key == "cublas_lt_bias"
+                     else dataclasses.astuple(GemmConfig(**ok[key]["config"])))
+            out[(gemm_m_bucket(row["m"]), row["n"], row["k"])] = route
+    return tuple(sorted(out.items()))
+
+
 def print_row(row: dict) -> None:
     v = row["variants"]
     cb = v["cublas"]
@@ -192,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="perf/out")
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--ms", type=int_list, default=MS, help="row counts (comma-separated)")
+    p.add_argument("--cublas-only", action="store_true",
+                   help="only the cuBLAS variants (e.g. under other CUBLASLT_WORKSPACE_SIZE)")
     p.add_argument("--shapes", default="o,down,qkv,gate_up,lm_head",
                    help="projections (comma-separated; of " + ",".join(shapes_8b()) + ")")
     a = p.parse_args(argv)
@@ -214,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                for name in names}
     for m in a.ms:  # every projection at the first M before the next M (a cut run keeps them)
         for name in names:
-            row = shape_row(name, *shapes[name], m, weights[name], bw, rate, deadline)
+            row = shape_row(name, *shapes[name], m, weights[name], bw, rate,
+                            t0 if a.cublas_only else deadline)
             res["rows"].append(row)
             print_row(row)
     res["seconds"] = time.perf_counter() - t0
@@ -228,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['name']} | {row['m']} | {row['floor_us']:.1f} | {cb['us']:.1f} | "
               f"{cb['bw']:.2f} / {cb['rate']:.2f} | {b[0]} | {b[1]['us']:.1f} | "
               f"{b[1]['bw']:.2f} / {b[1]['rate']:.2f} | {b[1]['us'] / cb['us']:.2f} |")
+    routes = winners(res["rows"])
+    print("[mid-m] routes under 0.97x plain cuBLAS (KernelConfig.gemm_routes form):")
+    for entry in routes:
+        print(f"    {entry!r},")
     print(f"[mid-m] wrote {path} ({res['seconds']:.0f} s)", flush=True)
     return 0
 
