@@ -7,6 +7,8 @@ attention at 4k-128k tokens of KV against their HBM floors.
         within --useless-deadline-s; writes DIR/<tag>-<card>-long.json)
     python3 -m perf.long --tiny --out DIR [--no-useless]
         (CPU: a tiny pair through the same code, end to end; its timings mean nothing)
+    python3 -m perf.long --attention-only --out DIR [--kv ...] [--bs ...] [--no-long-row]
+        (the attention columns alone, on synthetic pools: DIR/<tag>-<card>-long-attention.json)
 
 One target (random bf16 weights, `perf.models_8b.build_target`) with Llama-3.1's rope scaling
 (`rope_type: "llama3"`, factor 8 over 8192 positions) and a RoPE table as long as the context,
@@ -53,6 +55,7 @@ import importlib
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -276,35 +279,100 @@ def timed_steps(engine: Engine, reqs: list[Request], setup: Setup) -> tuple[floa
     return statistics.median(times), (kv0 + _kv_now(reqs)) / 2
 
 
-def attention_ms(engine: Engine, reqs: list[Request], n: int, device: str) -> float:
-    """One step's attention over every layer for these rows: the decode kernel (n = 1) or the
-    verify's extend kernel (uniform rows of n) over the engine's pool, page table and bound,
-    each row seeing its committed KV + n positions; on CUDA the median of a graph of the
-    layers' calls, elsewhere one eager pass (meaningless)."""
-    backend, kv, mc = engine.backend, engine.kv, engine.target.config
-    slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
-    seq = (engine.states.valid_cache_lengths[slots] + n).to(torch.int32)
-    q = torch.randn(len(reqs) * n, mc.num_attention_heads, mc.head_dim, dtype=engine.target.dtype,
+@dataclass(frozen=True)
+class AttentionSite:
+    """Where one step's attention reads: a layer's (K, V) caches by index, the page table and
+    bound of the engine (or of a synthetic pool), its kernel config."""
+
+    kv_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    layers: int
+    req_to_page: torch.Tensor
+    page_size: int
+    bound: int
+    kernels: Any
+
+
+def site_attention_ms(site: AttentionSite, slots: torch.Tensor, committed: torch.Tensor, n: int,
+                      mc: ModelConfig, dtype: torch.dtype, device: str) -> float:
+    """One step's attention over every layer for rows `slots` `[bs]` of `committed` `[bs]` KV
+    positions: the decode kernel (n = 1) or the verify's extend kernel (uniform rows of n),
+    each row seeing committed + n positions; on CUDA the median of a graph of the layers'
+    calls, elsewhere one eager pass (meaningless)."""
+    seq = (committed + n).to(torch.int32)
+    q = torch.randn(slots.shape[0] * n, mc.num_attention_heads, mc.head_dim, dtype=dtype,
                     device=device)
-    scale, layers = mc.head_dim ** -0.5, mc.num_hidden_layers
+    scale = mc.head_dim ** -0.5
 
     def call(i: int) -> None:
-        k, v = kv.layer(i % layers)
+        k, v = site.kv_layer(i % site.layers)
         if n == 1:
-            ops.paged_attention(q, k, v, slots, seq, backend.req_to_page, backend.page_size,
-                                scale, backend.max_context_len, kernels=backend.kernels)
+            ops.paged_attention(q, k, v, slots, seq, site.req_to_page, site.page_size, scale,
+                                site.bound, kernels=site.kernels)
         else:
-            ops.paged_extend_attention(q, k, v, slots, seq, None, None, backend.req_to_page,
-                                       backend.page_size, scale, backend.max_context_len,
-                                       uniform_n=n, kernels=backend.kernels)
+            ops.paged_extend_attention(q, k, v, slots, seq, None, None, site.req_to_page,
+                                       site.page_size, scale, site.bound, uniform_n=n,
+                                       kernels=site.kernels)
 
     with torch.inference_mode():
         if device.startswith("cuda"):
-            return graph_time_us(call, layers) * layers / 1e3
+            return graph_time_us(call, site.layers) * site.layers / 1e3
         t0 = time.perf_counter()
-        for i in range(layers):
+        for i in range(site.layers):
             call(i)
         return (time.perf_counter() - t0) * 1e3
+
+
+def attention_ms(engine: Engine, reqs: list[Request], n: int, device: str) -> float:
+    """`site_attention_ms` for these requests over the engine's pool, page table and bound."""
+    backend, mc = engine.backend, engine.target.config
+    site = AttentionSite(engine.kv.layer, mc.num_hidden_layers, backend.req_to_page,
+                         backend.page_size, backend.max_context_len, backend.kernels)
+    slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
+    return site_attention_ms(site, slots, engine.states.valid_cache_lengths[slots], n, mc,
+                             engine.target.dtype, device)
+
+
+def synthetic_site(setup: Setup, bs: int, kv: int, kernels: Any) -> AttentionSite:
+    """A paged pool of the target's layers holding bs rows of kv + the look-ahead random
+    positions (shuffled pages, page 0 unused) under the engine's bound (`Setup.context_len`)."""
+    mc, ps = setup.target_cfg, setup.page_size
+    per = -(-(kv + setup.lookahead) // ps)
+    gen = torch.Generator(device=setup.device).manual_seed(bs * 131 + kv)
+    cols = -(-setup.context_len // ps)
+    r2p = torch.zeros(bs, cols, dtype=torch.int32, device=setup.device)
+    r2p[:, :per] = (torch.randperm(bs * per, generator=gen, device=setup.device) + 1).view(
+        bs, per).to(torch.int32)
+    shape = ((bs * per + 1) * ps, mc.num_key_value_heads, mc.head_dim)
+    pool = [torch.empty(shape, dtype=setup.dtype, device=setup.device).normal_(generator=gen)
+            for _ in range(2 * mc.num_hidden_layers)]
+    return AttentionSite(lambda i: (pool[2 * i], pool[2 * i + 1]), mc.num_hidden_layers, r2p, ps,
+                         setup.context_len, kernels)
+
+
+def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -> list[dict]:
+    """The attention columns of every (bs, kv) row on synthetic pools (`synthetic_site`, one
+    per group, its largest batch): no model, no engine."""
+    rows, mc = [], setup.target_cfg
+    ms = lambda nbytes: nbytes / bw * 1e3
+    for group in groups:
+        site = synthetic_site(setup, group.batch_sizes[0], group.kv, kernels)
+        for bs in group.batch_sizes:
+            slots = torch.arange(bs, dtype=torch.int64, device=setup.device)
+            committed = torch.full((bs,), group.kv, dtype=torch.int64, device=setup.device)
+            row = {"bs": bs, "kv": group.kv, "mode": "attention_only"}
+            for key, n in (("attention", 1), ("verify_attention", STEPS + 1)):
+                row[f"{key}_ms"] = site_attention_ms(site, slots, committed, n, mc, setup.dtype,
+                                                     setup.device)
+                row[f"{key}_floor_ms"] = ms(attention_floor_bytes(mc, bs, group.kv + n,
+                                                                  setup.dtype.itemsize))
+                row[f"{key}_over_floor"] = row[f"{key}_ms"] / row[f"{key}_floor_ms"]
+            rows.append(row)
+            print(f"[long] attention only: {row}", flush=True)
+        del site
+        gc.collect()
+        if setup.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
 
 
 @dataclass
@@ -418,15 +486,37 @@ def useless_rows(deadline_s: float, info: dict | None = None) -> tuple[list[dict
     return list(rows), None
 
 
-def measure(setup: Setup, deadline_s: float, kv_budget: float | None = None) -> dict[str, Any]:
-    """Both phases within `deadline_s` (the target-only phase stops planning groups at half
-    of it, the spec phase measures the groups the first one did), the floors, the rows."""
-    clock = Clock(deadline_s)
+def _bandwidth_and_budget(setup: Setup, kv_budget: float | None) -> tuple[float, float]:
+    """The copy bandwidth measured now and the KV budget (None: the card's memory less
+    `NOT_KV_BYTES`; 8 GiB on a CPU)."""
     cuda = setup.device.startswith("cuda")
     bw = copy_bandwidth(setup.device, nbytes=(2 << 30) if cuda else (1 << 20))
     if kv_budget is None:
         kv_budget = (torch.cuda.get_device_properties(setup.device).total_memory - NOT_KV_BYTES
                      if cuda else float(8 << 30))
+    return bw, kv_budget
+
+
+def measure_attention(setup: Setup, kv_budget: float | None = None) -> dict[str, Any]:
+    """`--attention-only`: the attention columns of the rows a full run would measure (the
+    same groups, bound and kernel config), on synthetic pools: seconds, not minutes."""
+    t0 = time.perf_counter()
+    bw, kv_budget = _bandwidth_and_budget(setup, kv_budget)
+    groups, skipped = plan_groups(setup, kv_budget)
+    rows = attention_rows(setup, groups, bw, engine_config(setup, groups).kernels)
+    over = [f"bs {r['bs']} kv {r['kv']}: attention_over_floor {r['attention_over_floor']:.2f}"
+            for r in rows if r["kv"] >= ATTENTION_GOAL_KV
+            and r["attention_over_floor"] > GOALS["attention_over_floor"]]
+    return {"copy_bw": bw, "context_len": setup.context_len, "page_size": setup.page_size,
+            "kv_budget_gib": kv_budget / 2**30, "skipped": skipped, "goals": GOALS,
+            "goal_misses": over, "rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def measure(setup: Setup, deadline_s: float, kv_budget: float | None = None) -> dict[str, Any]:
+    """Both phases within `deadline_s` (the target-only phase stops planning groups at half
+    of it, the spec phase measures the groups the first one did), the floors, the rows."""
+    clock = Clock(deadline_s)
+    bw, kv_budget = _bandwidth_and_budget(setup, kv_budget)
     groups, skipped = plan_groups(setup, kv_budget)
     if not groups:
         raise SystemExit("perf.long: no row fits this card's KV budget")
@@ -481,12 +571,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bs", type=int_list, default=BATCH_SIZES,
                     help="batch sizes of the rows (default 1,8,32,64; those that fit)")
     ap.add_argument("--no-long-row", action="store_true", help="skip the 131072-token row")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only the attention columns of the rows, on synthetic KV pools of the "
+                         "same bound (no model, no engine; writes <tag>-<card>-long-attention.json)")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny pair on the CPU through the same code (timings meaningless)")
     a = ap.parse_args(argv)
     if a.deadline_s <= 0 or a.useless_deadline_s <= 0:
         ap.error("--deadline-s / --useless-deadline-s: expected seconds > 0")
     return a
+
+
+def attention_main(setup: Setup, a: argparse.Namespace, card: str, tag: str) -> int:
+    """`--attention-only`: `measure_attention`, written to <tag>-<card>-long-attention.json."""
+    data = measure_attention(setup)
+    doc = {"device": torch.cuda.get_device_name() if card != "cpu" else "cpu (timings meaningless)",
+           "card": card, "torch": torch.__version__, "tiny": a.tiny, **data}
+    path = write_json(Path(a.out), f"{tag}-{card}-long-attention.json", doc)
+    print("| bs | kv | attn ms | attn/floor | verify attn ms | verify attn/floor |")
+    print("|---|---|---|---|---|---|")
+    for r in doc["rows"]:
+        print(f"| {r['bs']} | {r['kv']} | {r['attention_ms']:.3f} | {r['attention_over_floor']:.2f}x "
+              f"| {r['verify_attention_ms']:.3f} | {r['verify_attention_over_floor']:.2f}x |")
+    print("goal misses: " + ("; ".join(doc["goal_misses"]) or "none"))
+    print(f"wrote {path} ({doc['seconds']:.0f} s)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,9 +608,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         setup = Setup(kv_lens=tuple(a.kv), batch_sizes=tuple(a.bs),
                       long_kv=None if a.no_long_row else LONG_KV, device="cuda")
-    data = measure(setup, a.deadline_s)
     card = card_name(setup.device)
     tag = a.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    if a.attention_only:
+        return attention_main(setup, a, card, tag)
+    data = measure(setup, a.deadline_s)
     doc = {"device": torch.cuda.get_device_name() if card != "cpu" else "cpu (timings meaningless)",
            "card": card, "torch": torch.__version__, "tiny": a.tiny, "useless_note": None, **data}
     path = write_json(Path(a.out), f"{tag}-{card}-long.json", doc)  # the long rows kept first

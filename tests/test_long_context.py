@@ -203,6 +203,53 @@ def test_ragged_rows_with_mask_bits_follow_their_own_chunk():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+def _combine_case(splits: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(4, 2, splits, d, generator=g)
+    lse = torch.randn(4, 2, splits, generator=g) * 3
+    return part, lse
+
+
+def _combine_torch(part, lse, active):
+    """Token t's log-sum-exp weighted sum over its splits [0, active[t]) with finite lse."""
+    out = torch.zeros(part.shape[0], part.shape[1], part.shape[3])
+    for t, a in enumerate(active):
+        w = torch.softmax(lse[t, :, :a] * math.log(2), dim=-1)  # log2 domain
+        w = torch.where(lse[t, :, :a] > float("-inf"), w, 0.0)
+        out[t] = torch.einsum("hs,hsd->hd", w, torch.nan_to_num(part[t, :, :a]) * (w[..., None] > 0))
+    return out
+
+
+@pytest.mark.parametrize("row_fill", [0, 2])
+def test_combine_reads_only_the_splits_each_row_reaches(row_fill):
+    """The combine (extend's uniform rows: 2 rows of 2 tokens, `row_div` 2, strided seq_lens)
+    reads the splits the row's length reaches (`row_chunk` over the given max chunk and block):
+    NaN partials and finite log-sum-exps past them change nothing, and an empty split inside
+    them (lse -inf, its partial unwritten: NaN here) weighs 0. More splits than one block of
+    `COMBINE_SB`."""
+    from graphdraft.kernels.decode_attention import COMBINE_SB, combine_splits
+
+    splits, block, max_chunk = COMBINE_SB + 6, 16, 16
+    part, lse = _combine_case(splits, 16, seed=row_fill)
+    seq_store = torch.tensor([[splits * 16 - 5, 0], [37, 0]], dtype=torch.int32)
+    seq_lens = seq_store[:, 0]  # stride 2
+    chunk = 16
+    active = []
+    for n in seq_lens.tolist():
+        c = row_chunk_host(n, chunk, splits, row_fill, max_chunk, block)
+        active += [min(-(-n // c), splits)] * 2
+    assert active[0] > COMBINE_SB and active[2] < splits
+    for t, a in enumerate(active):
+        part[t, :, a:] = float("nan")
+        lse[t, :, a:] = 50.0  # would dominate if read
+    lse[1, :, 3] = float("-inf")  # an empty split of token 1
+    part[1, :, 3] = float("nan")
+    out = torch.empty(4, 2, 16)
+    combine_splits(part, lse, out, seq_lens, chunk, TRITON, row_fill, row_div=2,
+                   max_chunk=max_chunk, block=block)
+    torch.testing.assert_close(out, _combine_torch(part, lse, active), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- GPU
 
 

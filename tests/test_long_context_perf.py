@@ -120,6 +120,24 @@ def test_cli_tiny_writes_the_json(tmp_path):
     assert (1, 256) in kvs and (4, 128) in kvs
 
 
+def test_attention_only_writes_the_rows_of_a_full_run(tmp_path):
+    """`--attention-only` (the tiny pair's shape, synthetic pools): the (bs, kv) rows a full run
+    would measure, each with its attention and verify-attention figures over their floors."""
+    assert perf_long.main(["--tiny", "--attention-only", "--out", str(tmp_path), "--tag", "t",
+                           "--no-long-row"]) == 0
+    doc = json.loads((tmp_path / "t-cpu-long-attention.json").read_text())
+    setup = perf_long.Setup(**{**perf_long.TINY, "long_kv": None})
+    groups, _ = perf_long.plan_groups(setup, float(8 << 30))
+    assert [(r["bs"], r["kv"]) for r in doc["rows"]] == [
+        (bs, g.kv) for g in groups for bs in g.batch_sizes]
+    assert doc["context_len"] == setup.context_len
+    for r in doc["rows"]:
+        for key in ("attention", "verify_attention"):
+            assert r[f"{key}_ms"] > 0 and r[f"{key}_floor_ms"] > 0
+            assert r[f"{key}_over_floor"] == pytest.approx(r[f"{key}_ms"] / r[f"{key}_floor_ms"])
+    assert doc["rows"][0]["verify_attention_floor_ms"] > doc["rows"][0]["attention_floor_ms"]
+
+
 def test_bad_deadline_is_refused():
     with pytest.raises(SystemExit):
         perf_long.parse_args(["--deadline-s", "0"])

@@ -12,7 +12,8 @@ once per group, and runs an fp32 online softmax over its chunk of
 only up to ``kv_lens[t]`` (the last split also takes anything past
 ``num_splits * chunk``, so ``max_kv_len`` affects speed, never correctness).
 Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp (`combine_splits`, the
-one combine kernel of decode and extend attention). With one split, stage 1 writes the output
+one combine kernel of decode and extend attention), reading only the splits the row's length
+reaches, each block of `COMBINE_SB` splits' partials beside their log-sum-exps. With one split, stage 1 writes the output
 directly.
 
 Splits that follow each row's length (long contexts): ``max_kv_len`` is a host bound (the
@@ -74,10 +75,13 @@ follows its own length (`row_chunk`). Contexts up to 8192 (the default `max_cont
 the verify study's kv 4096 + 64) launch exactly as before."""
 ROW_MAX_CHUNK = tl.constexpr(MAX_CHUNK)
 """`MAX_CHUNK` as the kernels read it (`row_chunk`'s max_chunk in decode attention)."""
-COMBINE_SB = 16
+COMBINE_SB = 64
 """Splits the combine kernel (decode's and extend's) reads per block: one value for every split
 count (a per-count power of two compiled a variant per batch size; at fewer splits the extra
-lanes are masked loads in a kernel that reads `splits * D` floats per (row, head))."""
+lanes are masked loads in a kernel that reads `splits * D` floats per (row, head)). 64, not 16:
+a block costs one memory round trip and a program walks its blocks one after the other, so a
+bs-1 row of a 128k context (256 active splits, the 32 programs of its heads) took 16 round
+trips a layer at 16 (perf/RESULTS.md 2026-12-06f: the bs-1 attention rows)."""
 
 
 @triton.jit
@@ -111,17 +115,18 @@ def attend_block(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constex
 
 
 @triton.jit
-def row_chunk(kv_len, chunk, num_splits, row_fill, max_chunk, BLOCK: tl.constexpr):
+def row_chunk(kv_len, chunk, num_splits, row_fill, max_chunk, block):
     """KV positions per split for a row of `kv_len` positions: `chunk` (the host's, sized for
     max_kv_len) when `row_fill` is 0; else the host rule evaluated on the device for this row's
     own length (`row_chunk_host`): splits = min(max(row_fill, cdiv(kv_len, max_chunk)),
-    num_splits, cdiv(kv_len, BLOCK)), at least 1, chunk = roundup(cdiv(kv_len, splits), BLOCK).
-    Shared by the decode split kernel, the combine and the extend kernel."""
+    num_splits, cdiv(kv_len, block)), at least 1, chunk = roundup(cdiv(kv_len, splits), block).
+    Shared by the decode split kernel, the combine and the extend kernel (`max_chunk` and
+    `block` constexprs there, runtime ints in the combine, which serves both)."""
     if row_fill > 0:
         n = tl.maximum(kv_len, 1)
         want = tl.maximum(row_fill, tl.cdiv(n, max_chunk))
-        s = tl.maximum(tl.minimum(tl.minimum(want, num_splits), tl.cdiv(n, BLOCK)), 1)
-        chunk = tl.cdiv(tl.cdiv(n, s), BLOCK) * BLOCK
+        s = tl.maximum(tl.minimum(tl.minimum(want, num_splits), tl.cdiv(n, block)), 1)
+        chunk = tl.cdiv(tl.cdiv(n, s), block) * block
     return chunk
 
 
@@ -228,29 +233,35 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row", "row_fill"])  # SB: always COMBINE_SB
+@triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row", "row_div", "lens_stride",
+                               "row_fill", "max_chunk", "block"])  # SB: always COMBINE_SB
 def _combine_kernel(
-    part_ptr, lse_ptr, lens_ptr, per_row, o_ptr, so_t, so_h,
-    chunk, num_splits, row_fill,
-    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr, lse_ptr, lens_ptr, per_row, row_div, lens_stride, o_ptr, so_t, so_h,
+    chunk, num_splits, row_fill, max_chunk, block,
+    D: tl.constexpr, D_PAD: tl.constexpr, SB: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Program (t, h): the log-sum-exp weighted sum of the partial outputs of row t's splits
-    for head h, the stage 2 of decode and extend attention alike. `per_row` (decode): the
-    splits that wrote are those row t's length `lens[t]` reaches (`chunk` positions each, or
-    with `row_fill` > 0 the row's own chunk, `row_chunk` over BLOCK), the others are not read;
-    else (extend; lens unread) every split, an empty one's lse -inf.
-    EARLY (with PDL): the row's length is loaded before waiting for the split kernel; the
-    partials after."""
+    for head h, the stage 2 of decode and extend attention alike. `per_row` (decode, extend's
+    uniform rows): the splits read are those the length ``lens[(t // row_div) * lens_stride]``
+    reaches (`chunk` positions each, or with `row_fill` > 0 that row's own chunk, `row_chunk`
+    over `max_chunk` and `block`), the others are not read, and a split's partial is loaded
+    beside its log-sum-exp (one memory round trip a block of SB splits; a split that wrote
+    -inf, an empty one of extend's, is weighted 0 whatever its unwritten partial holds); else
+    (extend's ragged rows; lens unread) every split, a partial only where its log-sum-exp is
+    finite. EARLY (with PDL): the row's length is loaded before waiting for the split kernel;
+    the partials after."""
     if not EARLY:
         pdl_enter(PDL, pdl_trigger)
     t = tl.program_id(0)
-    kv_len = tl.load(lens_ptr + t, mask=per_row != 0, other=0).to(tl.int32)
+    kv_len = tl.load(lens_ptr + (t // row_div) * lens_stride, mask=per_row != 0,
+                     other=0).to(tl.int32)
     if EARLY:
         pdl_enter(PDL, pdl_trigger)
     active = num_splits
     if per_row:
-        chunk = row_chunk(kv_len, chunk, num_splits, row_fill, ROW_MAX_CHUNK, BLOCK)
+        kv_len = tl.maximum(kv_len, 1)
+        chunk = row_chunk(kv_len, chunk, num_splits, row_fill, max_chunk, block)
         active = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)  # the splits that wrote
     t = tl.cast(t, tl.int64)  # int64 offsets
     h = tl.program_id(1).to(tl.int64)
@@ -264,13 +275,17 @@ def _combine_kernel(
         sp = s0 + tl.arange(0, SB)
         smask = sp < active
         lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
+        live = lse > float("-inf")
+        pmask = smask
+        if per_row == 0:  # every split of a ragged extend: load only those that wrote
+            pmask = smask & live
+        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
+                       mask=pmask[:, None] & dmask[None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty
         alpha = tl.exp2(m - m_safe)
-        live = lse > float("-inf")
         w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
-        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
-                       mask=(smask & live)[:, None] & dmask[None, :], other=0.0)
+        part = tl.where(live[:, None], part, 0.0)  # an unwritten partial may hold NaN
         acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
@@ -278,18 +293,23 @@ def _combine_kernel(
 
 
 def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                   kv_lens: torch.Tensor | None, chunk: int, kernels: KernelConfig,
-                   row_fill: int = 0) -> None:
+                   lens: torch.Tensor | None, chunk: int, kernels: KernelConfig,
+                   row_fill: int = 0, *, row_div: int = 1, max_chunk: int = MAX_CHUNK,
+                   block: int | None = None) -> None:
     """`_combine_kernel` over `out [T, Hq, D]` from `part [T, Hq, S, D]` / `lse [T, Hq, S]`
-    (fp32): decode passes each row's `kv_lens` and the split `chunk` (`row_fill` > 0: each
-    row's own chunk, as the split kernel computed it), extend None (every split)."""
+    (fp32). `lens`: each row's length (decode: `kv_lens [T]`; extend's uniform rows:
+    `seq_lens [R]`, any stride, token t in row ``t // row_div``) with the split `chunk` and
+    `row_fill` (> 0: each row's own chunk over `max_chunk` and `block`, None: the config's
+    `decode_block_n`, as the split kernel computed it): only the splits the row reaches are
+    read; None (extend's ragged rows): every split."""
     T, Hq, splits, D = part.shape
-    per_row = kv_lens is not None
+    per_row = lens is not None
     _combine_kernel[(T, Hq)](
-        part, lse, kv_lens if per_row else placeholder(out.device, torch.int32), int(per_row),
-        out, out.stride(0), out.stride(1), chunk, splits, row_fill,
-        D=D, D_PAD=max(16, triton.next_power_of_2(D)), SB=COMBINE_SB,
-        BLOCK=resolve(kernels).decode_block_n, num_warps=4,
+        part, lse, lens if per_row else placeholder(out.device, torch.int32), int(per_row),
+        max(1, int(row_div)), lens.stride(0) if per_row else 0,
+        out, out.stride(0), out.stride(1), chunk, splits, row_fill, int(max_chunk),
+        int(block if block is not None else resolve(kernels).decode_block_n),
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), SB=COMBINE_SB, num_warps=4,
         **launch_options(out.device, T, early=True, kernels=kernels),
     )
 

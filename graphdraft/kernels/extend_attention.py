@@ -24,11 +24,14 @@ from its ``seq_lens[r]`` on the device (`decode_attention.row_chunk` with this m
 `MAX_CHUNK`: a 4k row of a 128k-context engine spreads over as many splits as a 4k engine's
 would). Programs past a row's end exit (a host bound sizes the grid: no sync).
 Stage 2, grid ``(T, Hq)`` (only with several splits): the log-sum-exp combine, decode
-attention's kernel (`decode_attention.combine_splits`) reading every split. Every stage-1
-program owning a token writes its log-sum-exp, an empty split's -inf, so the combine reads all
-splits of every token without knowing its row; an empty split leaves its partial unwritten
-(the combine loads a partial only where its log-sum-exp is finite: a 4k row of a 128k engine's
-verify at bs 1 would otherwise write 16 MB of zeros a layer).
+attention's kernel (`decode_attention.combine_splits`). Every stage-1 program owning a token
+writes its log-sum-exp, an empty split's -inf, and leaves its partial unwritten (a 4k row of a
+128k engine's verify at bs 1 would otherwise write 16 MB of zeros a layer). Uniform rows: the
+combine reads the splits the row's ``seq_lens`` reaches (token t in row ``t // uniform_n``,
+its chunk by `row_chunk` as stage 1 computed it), an empty one weighted 0 (that 4k row read
+the log-sum-exps of all 258 splits of a 128k bound, 17 serial blocks, where 33 wrote), and the
+stage-1 programs of the splits past it exit at once; ragged rows: every split, a partial only
+where its log-sum-exp is finite.
 
 The split count (`extend_launch`, `extend_num_splits`): rows of few tokens (verify rows;
 `many_query_rows` False) split to fill 2 programs per SM and to keep chunks within
@@ -175,6 +178,8 @@ def _extend_split_kernel(
     j0 = qb * BLOCK_T
     if j0 >= ext:  # past this row's end
         return
+    if (uniform_n > 0) & (split * chunk >= tl.maximum(seq_len, 1)):  # the combine reads no
+        return  # split past a uniform row's length (module doc)
     prefix = seq_len - ext
     j_last = tl.minimum(j0 + BLOCK_T, ext) - 1
     block_end = tl.maximum(prefix + j_last + 1, 1)  # the block's longest token's length
@@ -442,8 +447,9 @@ def paged_extend_attention(
         num_stages=kc.extend_prefill_stages if block_m == 128 else kc.extend_num_stages,
         **launch_options(q.device, T, kernels=kc),
     )
-    if not one:
-        combine_splits(part, lse, out, None, 0, kc)
+    if not one:  # uniform rows: the splits each row's length reaches; ragged: every split
+        combine_splits(part, lse, out, seq_lens if uniform_n else None, chunk, kc, row_fill,
+                       row_div=uniform_n or 1, max_chunk=MAX_CHUNK, block=block_n)
     return out
 
 
