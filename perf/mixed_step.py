@@ -11,7 +11,10 @@ device: a host sync inside a mixed step shows here), medians over the repetition
 loop at the first level under the torch profiler: how many host syncs and copies the loop
 issued (cudaStreamSynchronize, pageable H2D copies, cudaMemcpyAsync, pin_memory calls,
 kernel launches) per step. Writes `DIR/<--name>` (JSON) and prints the rows. `--tiny`: a CPU
-check of the script (levels 2, 4 requests, 4 tokens; no figure).
+check of the script (levels 2, 4 requests, 4 tokens; no figure). Last, per level one more loop
+with a wall-clock timer around each phase of a step (`PHASES`: admission, the mixed step's
+write_batch, target forward, acceptance, draft, commit, the retirement's wait): host ms per
+mixed step and per other step ("phases").
 """
 
 from __future__ import annotations
@@ -51,6 +54,67 @@ def measure(engine, prompts, params, c: int, n: int, reps: int) -> dict:
     for key in ("tps", "mixed_step_ms", "other_step_ms", "steps", "mixed_steps", "decode_cycles"):
         row[key] = round(statistics.median(x[key] for x in runs), 3)
     return row
+
+
+PHASES = (
+    # (name, owner path, attribute): host wall time of each call, inclusive of what it calls
+    ("plan_step (admission)", "graphdraft.serving.engine:Engine", "plan_step"),
+    ("launch", "graphdraft.serving.engine:Engine", "launch"),
+    ("retire (waits for the step before)", "graphdraft.serving.engine:Engine", "retire_launched"),
+    ("mixed", "graphdraft.serving.cycles.chain:ChainMode", "mixed"),
+    ("write_batch", "graphdraft.serving.cycles.chain", "write_batch"),
+    ("prepare (decode rows)", "graphdraft.serving.cycles.base:DecodeMode", "prepare"),
+    ("target_forward", "graphdraft.serving.cycles.base:DecodeMode", "target_forward"),
+    ("accept", "graphdraft.serving.cycles.base:DecodeMode", "accept"),
+    ("draft_mixed", "graphdraft.runtime.drafter:EagleDrafter", "draft_mixed"),
+    ("draft first step", "graphdraft.runtime.drafter:EagleDrafter", "_first_step"),
+    ("draft ids / accepted staging", "graphdraft.runtime.drafter:EagleDrafter",
+     "_prepare_mixed_ids"),
+    ("commit", "graphdraft.serving.cycles.base:DecodeMode", "commit"),
+)
+
+
+def phase_times(engine, prompts, params, c: int, n: int) -> dict:
+    """Host ms per mixed step (and per other step) of each phase in `PHASES` over one closed
+    loop (wrappers installed for the loop only; a phase of a step counts when it ran)."""
+    import importlib
+
+    from perf.serve import closed_loop_offline
+
+    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name, _, _ in PHASES}
+    kind = {"mixed": False}
+    saved = []
+    for name, where, attr in PHASES:
+        module, _, cls = where.partition(":")
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        orig = getattr(owner, attr)
+
+        def timed(*args, _orig=orig, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _orig(*args, **kw)
+            finally:
+                totals[_name][1 if kind["mixed"] else 0] += time.perf_counter() - t0
+        saved.append((owner, attr, orig))
+        setattr(owner, attr, timed)
+    step = engine.step
+    counts = [0, 0]
+
+    def classified_step():
+        kind["mixed"] = bool(engine.waiting) or any(r.prefilling for r in engine.running)
+        counts[kind["mixed"]] += 1
+        return step()
+    engine.step = classified_step
+    try:
+        closed_loop_offline(engine, prompts, params, c, n)
+    finally:
+        engine.step = step
+        for owner, attr, orig in saved:
+            setattr(owner, attr, orig)
+    return {"concurrency": c, "requests": n, "mixed_steps": counts[1], "other_steps": counts[0],
+            "mixed_ms": {k: round(1e3 * v[1] / max(1, counts[1]), 3) for k, v in totals.items()},
+            "other_ms": {k: round(1e3 * v[0] / max(1, counts[0]), 3) for k, v in totals.items()}}
 
 
 def profile_counts(engine, prompts, params, c: int, n: int) -> dict:
@@ -114,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"c={c:>3}: {row['tps']:>9,.0f} tok/s; mixed step {row['mixed_step_ms']:.2f} ms "
               f"host ({row['mixed_steps']} of {row['steps']} steps), other step "
               f"{row['other_step_ms']:.2f} ms", flush=True)
+    report["phases"] = [phase_times(engine, prompts, params, c, a.requests) for c in levels]
+    for ph in report["phases"]:
+        print(f"c={ph['concurrency']:>3} phases, host ms per mixed step ({ph['mixed_steps']}) / "
+              "per other step: " + "; ".join(
+                  f"{k} {ph['mixed_ms'][k]:.2f} / {ph['other_ms'][k]:.2f}" for k in ph["mixed_ms"]),
+              flush=True)
     if engine.device.type == "cuda":
         import torch
         report["device"] = torch.cuda.get_device_name()

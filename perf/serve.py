@@ -142,9 +142,14 @@ def run_level(pool, url: str, bodies: list[dict], concurrency: int,
 # The server process
 # ---------------------------------------------------------------------------------------
 class ServerProcess:
-    def __init__(self, flags: list[str], log_path: Path) -> None:
+    def __init__(self, flags: list[str], log_path: Path, core_times: Path | None = None) -> None:
+        """`core_times`: where the engine core writes its time breakdown
+        (`engine_core.CoreTimes`; None: not written)."""
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.core_times = core_times
+        if core_times is not None:
+            env["GRAPHDRAFT_CORE_TIMES"] = str(core_times)
         self.proc = subprocess.Popen([sys.executable, "-m", "graphdraft", "serve", "--port", "0",
                                       "--quiet", *flags], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -163,6 +168,15 @@ class ServerProcess:
             self.lines.append(line)
             self.log.write(line)
             self.log.flush()
+
+    def core_snapshot(self) -> dict | None:
+        """The engine core's time breakdown as last written (None: not asked, or not yet)."""
+        if self.core_times is None:
+            return None
+        try:
+            return json.loads(self.core_times.read_text())
+        except (OSError, ValueError):
+            return None
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory (MB) of the HTTP process ("http"), the engine process ("engine")
@@ -270,7 +284,8 @@ def requests_at(c: int, a: argparse.Namespace) -> int:
 
 
 def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Path) -> dict:
-    server = ServerProcess(a.server_flags, out / "serve-server.log")
+    server = ServerProcess(a.server_flags, out / "serve-server.log",
+                           out / "core_times.json" if a.core_times else None)
     report: dict = {"rows": []}
     try:
         warm = bodies_for(prompts, 2 * max(a.levels), a.max_tokens)
@@ -278,6 +293,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
         for c in a.levels:
             n = requests_at(c, a)
             before = server.engine_counts()
+            core0 = server.core_snapshot()
             passes = [run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, r * n), c,
                                 workers=a.client_workers) for r in range(a.reps)]
             row = summarize(c, passes)
@@ -285,6 +301,9 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
             row["server_steps"] = after["steps"] - before["steps"]
             row["server_mixed_steps"] = row["server_steps"] - (after["decode_cycles"]
                                                                - before["decode_cycles"])
+            if core0 is not None:
+                row["core"] = core_delta(core0, server.core_snapshot())
+                print(f"server c={c} engine core: {json.dumps(row['core'])}", flush=True)
             print(f"server c={c}: {row['server_tps']:,.0f} tok/s, {row['req_per_s']} req/s, "
                   f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
                   f"failed {row['failed']}/{row['requests']}, steps {row['server_steps']}, "
@@ -298,6 +317,25 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
     print(f"server exit code {report['server_exit_code']}, engine process left: "
           f"{report['engine_process_left']}", flush=True)
     return report
+
+
+def core_delta(before: dict, after: dict | None) -> dict:
+    """The engine core's time breakdown over one level (`engine_core.CoreTimes`, two
+    snapshots): seconds per part of its loop, turn / step counts, and per request the mean ms
+    from its arrival in the core to its hand-over to the Engine and to its first ids."""
+    if after is None:
+        return {}
+    sec = {k: round(after["seconds"][k] - before["seconds"].get(k, 0.0), 4)
+           for k in after["seconds"]}
+    counts = {k: after["counts"][k] - before["counts"].get(k, 0) for k in after["counts"]}
+    ra, rb = after["requests"], before["requests"]
+
+    def mean_ms(key: str, n: str) -> float | None:
+        k = ra[n] - rb[n]
+        return round(1e3 * (ra[key] - rb[key]) / k, 3) if k else None
+    return {"seconds": sec, "counts": counts,
+            "arrival_to_engine_ms": mean_ms("arrival_to_engine_s", "handed_over"),
+            "arrival_to_first_ids_ms": mean_ms("arrival_to_first_ids_s", "first_ids")}
 
 
 def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]], pool) -> dict:
@@ -489,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-admission", default=",".join(ADMISSIONS),
                    help="the offline loop's admission rules, each run (closed_loop_offline); "
                         "offline_tps: the best")
+    p.add_argument("--core-times", action="store_true",
+                   help="the engine core's time breakdown per level (row 'core': seconds per "
+                        "part of its loop, mean ms from a request's arrival in the core to its "
+                        "hand-over and to its first ids; engine_core.CoreTimes)")
     p.add_argument("--tiny", action="store_true",
                    help="a CPU check of the whole script in a minute: levels 1,2, one repetition "
                         "of 4 requests, 4 tokens of 16-token prompts, no soak, one client "

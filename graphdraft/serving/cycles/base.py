@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from capture import CapturedForward, GraphPool, GraphRegistry, padded_batch_size
@@ -169,25 +170,26 @@ class DecodeMode:
                         p.backend, meta, None, capture_aux=capture_aux, aux_out=aux_out)
 
     def target_forward(self, ctx: ForwardContext, rows: list[BatchRow], capture_aux: bool,
-                       preqs: list[Request] = ()) -> TargetOutput:
-        """Eager target forward over a prefill / mixed batch written into `InputBuffers`
-        (prefill rows' last position and decode rows' N positions get logits, in row order;
-        then, for the prefill rows of `preqs` that asked `prompt_logprobs`, every chunk
-        position whose next prompt token is known: `PromptLogprobs.score` reads those)."""
+                       preqs: list[Request] = (), decode_rows: int = 0) -> TargetOutput:
+        """Eager target forward over a prefill / mixed batch written into `InputBuffers`:
+        `rows` its prefill rows, then `decode_rows` decode rows of `n_row` tokens (prefill
+        rows' last position and decode rows' N positions get logits, in row order; then, for
+        the prefill rows of `preqs` that asked `prompt_logprobs`, every chunk position whose
+        next prompt token is known: `PromptLogprobs.score` reads those)."""
         p = self.parts
         ib, bs = p.inputs, ctx.bs
         t = ctx.input_num_tokens
+        lens = np.fromiter((len(r.input_ids) for r in rows), np.int64, len(rows))
+        longest = max(int(lens.max()) if len(rows) else 1, self.n_row if decode_rows else 1)
         meta = p.backend.row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
-                                      ib.extend_lens[:bs], max(len(r.input_ids) for r in rows))
-        logit_rows, tok = [], 0
-        for r in rows:
-            if r.is_prefill:
-                logit_rows.append(tok + len(r.input_ids) - 1)
-            else:
-                logit_rows.extend(range(tok, tok + self.n_row))
-            tok += len(r.input_ids)
+                                      ib.extend_lens[:bs], longest)
+        npt = int(lens.sum())
+        logit_rows = np.concatenate([np.cumsum(lens) - 1,  # each prefill row's last token
+                                     np.arange(npt, npt + decode_rows * self.n_row)])
         scored = self.prompt_scores.plan(rows, preqs, len(logit_rows))
-        idx = p.host_tensor(logit_rows + scored.token_rows)
+        if scored.token_rows:
+            logit_rows = np.concatenate([logit_rows, scored.token_rows])
+        idx = p.host_tensor(logit_rows)
         out = p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
                        p.backend, meta, idx, capture_aux=capture_aux)
         self.prompt_scores.score(scored, out.logits)

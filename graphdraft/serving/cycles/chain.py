@@ -210,8 +210,8 @@ class ChainMode(DecodeMode):
             self.prepare(ne, npt, nd, n)
         ctx = ForwardContext(bs=bs, num_extends=ne, input_num_tokens=npt + nd * n,
                              all_extends_mid_chunk=plan.all_mid_chunk)
-        all_rows = rows + [BatchRow(r.slot, 0, [0] * n, False) for r in dreqs]
-        out = self.target_forward(ctx, all_rows, capture_aux=self.captures_aux, preqs=preqs)
+        out = self.target_forward(ctx, rows, capture_aux=self.captures_aux, preqs=preqs,
+                                  decode_rows=nd)
         # prefill rows: one token after a request's last chunk (slot 0 for the others)
         final = [r.slot if row.end == len(r.prompt) else 0
                  for row, r in zip(rows, preqs, strict=True)]

@@ -36,6 +36,13 @@ and once when the Engine turns idle. Every FOLD_INTERVAL_S, and when the Engine 
 the Engine's accept lengths and graph use are folded into the state and its recorder reset (a long-running server's memory
 stays flat).
 
+Where the core's time goes (`CoreTimes`): seconds in each part of a turn (the idle wait for
+a command, reading commands, the held requests' hand-over, `step()` split into prefill / mixed
+and decode steps, collecting outputs, folding, sending) and per request the time from its
+arrival here to its hand-over to the Engine and to its first token ids collected; written as
+JSON to the path in $GRAPHDRAFT_CORE_TIMES (unset: kept, not written) every FOLD_INTERVAL_S
+while busy and when the process ends (`perf.serve --core-times` reads it per level).
+
 A step that raises: a request the Engine flagged (`Engine.step`'s ValueError) ends with
 finish reason "error", the others go on; any other exception ends every live request with
 "error" (their pages go back) and its traceback goes to the server's log ("log" message);
@@ -50,6 +57,7 @@ parent is gone, and the loop ends when the socket closes.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import selectors
@@ -73,6 +81,41 @@ FOLD_INTERVAL_S = 0.5
 STATE_INTERVAL_S = 0.05
 IDLE_WAIT_S = 0.25
 PARENT_CHECK_S = 0.5
+
+
+CORE_TIMES_ENV = "GRAPHDRAFT_CORE_TIMES"
+
+
+class CoreTimes:
+    """Cumulative seconds per part of `EngineCore.turn` (`PARTS`), turn and step counts, and
+    per request the sums (and counts) of arrival -> hand-over and arrival -> first ids
+    collected (module docstring). `write()` writes them to `path` as JSON (None: nothing)."""
+
+    PARTS = ("idle_wait", "receive", "admit", "step_mixed", "step_decode", "collect", "fold",
+             "send")
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.counts = {"turns": 0, "steps_mixed": 0, "steps_decode": 0, "sends_deferred": 0}
+        self.requests = {"arrival_to_engine_s": 0.0, "arrival_to_first_ids_s": 0.0,
+                         "handed_over": 0, "first_ids": 0}
+        self.arrived: dict[int, float] = {}  # rid -> arrival (perf_counter), until first ids
+
+    def add(self, part: str, since: float) -> float:
+        """Add the seconds from `since` to now to `part`; returns now."""
+        now = time.perf_counter()
+        self.seconds[part] += now - since
+        return now
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"seconds": self.seconds, "counts": self.counts,
+                       "requests": self.requests}, f)
+        os.replace(tmp, self.path)
 
 
 class EngineBuildError(Exception):
@@ -187,6 +230,7 @@ class EngineCore:
         self.last_fold = self.last_state = 0.0
         self.steps_folded = 0
         self.dirty = True  # the state changed since it was last sent
+        self.times = CoreTimes(os.environ.get(CORE_TIMES_ENV))
 
     def run(self) -> None:
         try:
@@ -196,20 +240,35 @@ class EngineCore:
             pass  # the HTTP process is gone: nobody left to serve
         finally:
             self._abort_all("abort")
+            self.times.write()
 
     def turn(self) -> None:
         """One pass of the loop: commands, the held requests' admission, one step, the
-        outputs and state sent."""
-        self._receive(wait=not (self.engine.has_work or self.held))
+        outputs and state sent (each part's time into `times`)."""
+        tm = self.times
+        tm.counts["turns"] += 1
+        t = time.perf_counter()
+        wait = not (self.engine.has_work or self.held)
+        self._receive(wait=wait)
+        t = tm.add("idle_wait" if wait else "receive", t)
         if self.deadline is not None and time.monotonic() >= self.deadline:
             self._abort_all("abort")
         if self.held:
             self._admit_held()
+            t = tm.add("admit", t)
         if self.engine.has_work:
+            e = self.engine
+            part = "step_mixed" if e.waiting or any(r.prefilling for r in e.running) else \
+                "step_decode"
             self._step()
+            tm.counts["steps_" + part[5:]] += 1
+            t = tm.add(part, t)
         self._collect()
+        t = tm.add("collect", t)
         self._fold()
+        t = tm.add("fold", t)
         self._send()
+        tm.add("send", t)
 
     # --- commands ----------------------------------------------------------------------------
     def _receive(self, wait: bool) -> None:
@@ -225,8 +284,10 @@ class EngineCore:
     def _apply(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
+            now = time.perf_counter()
             for rid, prompt, fields, seed_stream in message[1]:
                 self.held[rid] = (prompt, fields, seed_stream, self.steps)
+                self.times.arrived[rid] = now
         elif kind == "abort":
             for rid in message[1]:
                 entry = self.live.pop(rid, None)
@@ -262,6 +323,10 @@ class EngineCore:
             self._output(rid, [], "error")
             return
         self.live[rid] = [req, 0, req.prompt_ranks is None]  # no prompt scores asked: sent
+        tr = self.times.requests
+        tr["arrival_to_engine_s"] += time.perf_counter() - self.times.arrived.get(
+            rid, time.perf_counter())
+        tr["handed_over"] += 1
 
     # --- stepping ----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -292,6 +357,8 @@ class EngineCore:
                                             r.prompt_top_logprobs, strict=True)), True
             if n == sent and fin is None and prompt is None:
                 continue
+            if sent == 0 and n:
+                self._first_ids(rid)
             lps = None if r.logprobs is None else list(
                 zip(r.logprobs[sent:n], r.top_logprobs[sent:n], strict=True))
             entry[1] = n
@@ -300,6 +367,12 @@ class EngineCore:
                 done.append(rid)
         for rid in done:
             del self.live[rid]
+
+    def _first_ids(self, rid: int) -> None:
+        arrived = self.times.arrived.pop(rid, None)
+        if arrived is not None:
+            self.times.requests["arrival_to_first_ids_s"] += time.perf_counter() - arrived
+            self.times.requests["first_ids"] += 1
 
     def _output(self, rid: int, ids: list[int], finish: str | None,
                 lps: list | None = None, prompt: list | None = None) -> None:
@@ -316,6 +389,7 @@ class EngineCore:
             pending[3] = prompt or pending[3]
         if finish is not None:
             self.finished += 1
+            self.times.arrived.pop(rid, None)  # (ended before its first ids)
 
     def _abort_all(self, reason: str) -> None:
         for rid in self.held:
@@ -333,6 +407,7 @@ class EngineCore:
         """One "out" message with everything collected since the last one, unless the last
         one is still being written (then the outputs keep merging until it is)."""
         if self.outbox and not self.outbox.flush():
+            self.times.counts["sends_deferred"] += 1
             return
         now = time.monotonic()
         state_due = self.dirty and (not self.engine.has_work
@@ -368,6 +443,7 @@ class EngineCore:
         if now - self.last_fold < FOLD_INTERVAL_S and not turned_idle:
             return
         self.last_fold, self.steps_folded = now, self.steps
+        self.times.write()
         snap = self.engine.metrics_snapshot()
         rows = snap["accept_length"]["histogram"]
         for length, n in rows.items():
