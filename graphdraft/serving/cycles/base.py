@@ -41,6 +41,7 @@ from graphdraft.runtime.batch import BatchRow, ForwardContext
 from graphdraft.runtime.buffers import CycleBuffers, InputBuffers, RuntimeStates
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.slot_state import SlotState
+from graphdraft.serving.cycles.mixed_graphs import MixedTargetGraphs
 from graphdraft.serving.data_parallel import StepPlan
 from graphdraft.serving.prompt_logprobs import PromptLogprobs
 from graphdraft.serving.request import Request
@@ -92,6 +93,7 @@ class DecodeMode:
     name = "none"
     precompiles = True
     draft_hook = None  # benchmark only: `ChainMode.draft_hook`
+    mixed_target: MixedTargetGraphs | None = None  # the mixed step's captured target forward
 
     def __init__(self, parts: CycleParts, n_row: int, steps: tuple[int, ...]) -> None:
         self.parts, self.n_row, self.steps = parts, n_row, steps
@@ -119,6 +121,9 @@ class DecodeMode:
         st = p.slots
         neutral_slot0(p.states.valid_cache_lengths, st.last_token, st.drafts, st.emitted,
                           st.done)
+        if self.mixed_target is not None and self.mixed_target.by_tokens:
+            p.inputs.pad_tokens(0, p.inputs.max_tokens)  # what its captures read
+            self.mixed_target.logit_rows.zero_()
 
     def capture(self, progress: bool) -> None:
         """Capture every registered forward (registry order), neutral before and after."""
@@ -175,20 +180,27 @@ class DecodeMode:
         `rows` its prefill rows, then `decode_rows` decode rows of `n_row` tokens (prefill
         rows' last position and decode rows' N positions get logits, in row order; then, for
         the prefill rows of `preqs` that asked `prompt_logprobs`, every chunk position whose
-        next prompt token is known: `PromptLogprobs.score` reads those)."""
+        next prompt token is known: `PromptLogprobs.score` reads those). With the mode's
+        `mixed_target` active, a step within its buckets runs the padded captured forward
+        (`cycles.mixed_graphs`; not when prompt log-probabilities are scored)."""
         p = self.parts
         ib, bs = p.inputs, ctx.bs
         t = ctx.input_num_tokens
         lens = np.fromiter((len(r.input_ids) for r in rows), np.int64, len(rows))
-        longest = max(int(lens.max()) if len(rows) else 1, self.n_row if decode_rows else 1)
-        meta = p.backend.row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
-                                      ib.extend_lens[:bs], longest)
         npt = int(lens.sum())
         logit_rows = np.concatenate([np.cumsum(lens) - 1,  # each prefill row's last token
                                      np.arange(npt, npt + decode_rows * self.n_row)])
         scored = self.prompt_scores.plan(rows, preqs, len(logit_rows))
+        graphs = self.mixed_target
+        if graphs is not None and graphs.active and not scored.token_rows:
+            bucket = graphs.bucket(bs, t)
+            if bucket is not None:  # the padded forward: a graph replay (`mixed_graphs`)
+                return graphs.run(bs, t, logit_rows, bucket)
         if scored.token_rows:
             logit_rows = np.concatenate([logit_rows, scored.token_rows])
+        longest = max(int(lens.max()) if len(rows) else 1, self.n_row if decode_rows else 1)
+        meta = p.backend.row_metadata(ib.req_pool_indices[:bs], ib.seq_lens[:bs],
+                                      ib.extend_lens[:bs], longest)
         idx = p.host_tensor(logit_rows)
         out = p.target(ib.input_ids[:t], ib.positions[:t], ib.out_cache_loc[:t], p.kv,
                        p.backend, meta, idx, capture_aux=capture_aux)

@@ -38,6 +38,7 @@ from capture import CapturedForward
 from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
 from graphdraft.runtime.drafter_protocol import Drafter
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
+from graphdraft.serving.cycles.mixed_graphs import MixedTargetGraphs
 from graphdraft.serving.data_parallel import StepPlan
 from graphdraft.serving.request import Request
 
@@ -63,6 +64,10 @@ class ChainMode(DecodeMode):
         next_tokens [bs, S + 1])` after drafting and before the commit; it may overwrite the
         drafts in place and must be capturable."""
         on = parts.graphs_enabled
+        # first in capture order: captured over the neutral rows `reset_neutral` leaves
+        self.mixed_target = MixedTargetGraphs(
+            parts, n_row, self.captures_aux,
+            active=on and getattr(parts.target, "tp", None) is None and parts.cfg.dp_size == 1)
         top = max(steps)
         widest_first = sorted(steps, reverse=True)
         self.verify_by_k = {k: self._add("target_verify", k, top,

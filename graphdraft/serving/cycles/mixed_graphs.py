@@ -1,0 +1,129 @@
+"""The prefill / mixed step's target forward as CUDA graphs over padded (rows, tokens) buckets.
+
+Eagerly, a mixed step's target forward (`DecodeMode.target_forward`) launches every op of
+every layer from Python; with a small model that host time is most of the step. As vLLM does
+for mixed batches, `MixedTargetGraphs` captures the forward once per token bucket
+(`token_buckets`: powers of two from `MIN_TOKENS`, at most `MAX_TOKENS` and the token
+buffers' size) and row bucket (`row_buckets`: the powers of two of the Engine's graph
+schedule and its largest size), reading everything from persistent buffers:
+
+  InputBuffers  ids / positions / KV slots `[Tb]`, rows `[R]` (req, seq_lens, extend_lens)
+  logit_rows    `[L]` int64 here: the rows whose logits the step samples, then 0 (L = min(R *
+                n_row, Tb): a mixed step samples a prefill row's last token and a decode
+                row's n_row tokens)
+
+A step of `bs` rows and `t` tokens runs the smallest bucket with R >= bs and Tb >= t:
+rows [bs, R) cover no token (extend length 0, dummy slot, seq len 1), tokens [t, Tb) are
+token 0 at position 0 writing the dummy KV slot (whatever they compute stays in the dummy
+page, which inert rows alone read); the rows' attention is bounded by max_extend = Tb. The
+returned views are the step's: logits `[L_real, V]`, aux hidden states `[t, kH]`.
+
+`active` says whether mixed steps take this path: when graphs are on and the model runs on
+one device (no tensor or data parallelism). The same padded forward then runs eagerly for a
+step outside the buckets of a captured size (`capture.CapturedForward.run`), so graph ==
+eager bit for bit; tests set `active` on a CPU Engine to run the padded path eagerly.
+Not taken (the unpadded eager forward): steps past the largest bucket, steps that score
+prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from capture import CapturedForward
+from graphdraft.models.llama import TargetOutput
+
+MIN_TOKENS = 64
+MAX_TOKENS = 4096
+"""Token buckets stop here: a larger step is prefill-bound (its launches are a small part)."""
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from MIN_TOKENS up to the first >= min(max_tokens, MAX_TOKENS), the last
+    capped at `max_tokens` (the token buffers' rows)."""
+    top = min(max_tokens, MAX_TOKENS)
+    out, b = [], MIN_TOKENS
+    while True:
+        out.append(min(b, max_tokens))
+        if b >= top:
+            return sorted(set(out))
+        b *= 2
+
+
+def row_buckets(schedule: list[int]) -> list[int]:
+    """The schedule's powers of two and its largest size (a mixed step's rows pad up to one)."""
+    top = max(schedule)
+    return sorted({s for s in schedule if s & (s - 1) == 0} | {top})
+
+
+class MixedTargetGraphs:
+    """The captured mixed-step target forwards of one decode mode (module docstring)."""
+
+    def __init__(self, parts, n_row: int, capture_aux: bool, active: bool) -> None:
+        self.parts, self.n_row, self.capture_aux = parts, n_row, capture_aux
+        self.active = active
+        ib = parts.inputs
+        self.rows = [r for r in row_buckets(parts.schedule) if r <= ib.max_bs]
+        self.tokens = token_buckets(ib.max_tokens)
+        self.logit_rows = torch.zeros(max(self.rows) * n_row, dtype=torch.int64,
+                                      device=ib.input_ids.device)
+        self.by_tokens: dict[int, CapturedForward] = {}
+        if not active:
+            return
+        for tb in sorted(self.tokens, reverse=True):
+            sizes = [r for r in self.rows if r <= tb]
+            fwd = CapturedForward(f"mixed_target_t{tb}", functools.partial(self._forward, tokens=tb),
+                                  sizes, pool=parts.graph_pool, enabled=parts.graphs_enabled,
+                                  on_oom=parts.on_oom)
+            fwd.before_capture = functools.partial(self._neutral, tokens=tb)
+            self.by_tokens[tb] = parts.registry.add("mixed_target", tb, fwd)
+
+    def bucket(self, bs: int, t: int) -> tuple[int, int] | None:
+        """(R, Tb): the smallest buckets holding `bs` rows and `t` tokens (None: none)."""
+        r = next((x for x in self.rows if x >= bs), None)
+        tb = next((x for x in self.tokens if x >= t and x >= (r or 0)), None)
+        return None if r is None or tb is None else (r, tb)
+
+    def run(self, bs: int, t: int, logit_rows, bucket: tuple[int, int]) -> TargetOutput:
+        """The forward of a step written into InputBuffers (`bs` rows, `t` tokens; its logits
+        rows `logit_rows`, a host int64 array) at `bucket` (`bucket()`)."""
+        p = self.parts
+        r, tb = bucket
+        ib = p.inputs
+        n = len(logit_rows)
+        if r > bs:  # rows past the step's: cover no token
+            ib.req_pool_indices[bs:r].fill_(0)
+            ib.seq_lens[bs:r].fill_(1)
+            ib.extend_lens[bs:r].fill_(0)
+        if tb > t:
+            ib.pad_tokens(t, tb)
+        p.slots.staging.copy_into(self.logit_rows, logit_rows)
+        width = self._logit_width(r, tb)
+        if width > n:
+            self.logit_rows[n:width].fill_(0)
+        fwd = self.by_tokens.get(tb)
+        out = fwd.run(r, padded_bs=r) if fwd is not None else self._forward(r, tokens=tb)
+        return TargetOutput(out.logits[:n], None if out.aux_hidden is None
+                            else out.aux_hidden[:t])
+
+    # --- the captured function -----------------------------------------------------------
+    def _logit_width(self, rows: int, tokens: int) -> int:
+        return min(rows * self.n_row, tokens)
+
+    def _forward(self, rows: int, tokens: int) -> TargetOutput:
+        """The target over `tokens` tokens of `rows` ragged rows (graph-capturable)."""
+        p = self.parts
+        ib = p.inputs
+        meta = p.backend.row_metadata(ib.req_pool_indices[:rows], ib.seq_lens[:rows],
+                                      ib.extend_lens[:rows], tokens)
+        idx = self.logit_rows[: self._logit_width(rows, tokens)]
+        return p.target(ib.input_ids[:tokens], ib.positions[:tokens], ib.out_cache_loc[:tokens],
+                        p.kv, p.backend, meta, idx, capture_aux=self.capture_aux)
+
+    def _neutral(self, rows: int, tokens: int) -> None:
+        """Before a capture: neutral rows and tokens (the warm-up writes only the dummy slot)."""
+        self.parts.inputs.pad_rows(0, rows)
+        self.parts.inputs.pad_tokens(0, tokens)
+        self.logit_rows.zero_()
