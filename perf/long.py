@@ -61,9 +61,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from graphdraft import ops
 from graphdraft.config import ModelConfig, RuntimeConfig
+from graphdraft.kernels import decode_attention, extend_attention
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.request import Request
 from graphdraft.serving.verify import SamplingParams
@@ -293,25 +295,34 @@ class AttentionSite:
 
 
 def site_attention_ms(site: AttentionSite, slots: torch.Tensor, committed: torch.Tensor, n: int,
-                      mc: ModelConfig, dtype: torch.dtype, device: str) -> float:
+                      mc: ModelConfig, dtype: torch.dtype, device: str,
+                      num_splits: int | None = None) -> float:
     """One step's attention over every layer for rows `slots` `[bs]` of `committed` `[bs]` KV
     positions: the decode kernel (n = 1) or the verify's extend kernel (uniform rows of n),
-    each row seeing committed + n positions; on CUDA the median of a graph of the layers'
-    calls, elsewhere one eager pass (meaningless)."""
+    each row seeing committed + n positions (`num_splits`: the Triton kernels on that split
+    count, not the rule's); on CUDA the median of a graph of the layers' calls, elsewhere one
+    eager pass (meaningless)."""
     seq = (committed + n).to(torch.int32)
     q = torch.randn(slots.shape[0] * n, mc.num_attention_heads, mc.head_dim, dtype=dtype,
                     device=device)
     scale = mc.head_dim ** -0.5
+    common = (site.req_to_page, site.page_size, scale)
 
     def call(i: int) -> None:
         k, v = site.kv_layer(i % site.layers)
-        if n == 1:
-            ops.paged_attention(q, k, v, slots, seq, site.req_to_page, site.page_size, scale,
-                                site.bound, kernels=site.kernels)
+        if num_splits is not None and n == 1:
+            decode_attention.paged_decode_attention(q, k, v, slots, seq, *common,
+                                                    max_kv_len=site.bound, num_splits=num_splits,
+                                                    kernels=site.kernels)
+        elif num_splits is not None:
+            extend_attention.paged_extend_attention(q, k, v, slots, seq, None, None, *common,
+                                                    max_kv_len=site.bound, uniform_n=n,
+                                                    num_splits=num_splits, kernels=site.kernels)
+        elif n == 1:
+            ops.paged_attention(q, k, v, slots, seq, *common, site.bound, kernels=site.kernels)
         else:
-            ops.paged_extend_attention(q, k, v, slots, seq, None, None, site.req_to_page,
-                                       site.page_size, scale, site.bound, uniform_n=n,
-                                       kernels=site.kernels)
+            ops.paged_extend_attention(q, k, v, slots, seq, None, None, *common, site.bound,
+                                       uniform_n=n, kernels=site.kernels)
 
     with torch.inference_mode():
         if device.startswith("cuda"):
@@ -349,6 +360,25 @@ def synthetic_site(setup: Setup, bs: int, kv: int, kernels: Any) -> AttentionSit
                          setup.context_len, kernels)
 
 
+SPLIT_SWEEP = (1, 2, 4, 8)
+"""`--attention-only` also times each row's attention at the rule's split count divided by
+these (the grid sized for the engine's bound; each row's chunk still follows its length)."""
+
+
+def rule_splits(site: AttentionSite, bs: int, n: int, mc: ModelConfig, device: str) -> int:
+    """The split count the kernels' rule picks for bs rows of n tokens (one query block each)
+    under the site's bound (decode: `default_num_splits`; verify: `extend_num_splits` over
+    its tile's BLOCK_N), fitted (`fit_splits`)."""
+    hkv, dev = mc.num_key_value_heads, torch.device(device)
+    if n == 1:
+        want = decode_attention.default_num_splits(bs, hkv, site.bound, dev, kernels=site.kernels)
+        return decode_attention.fit_splits(want, site.bound, site.kernels.decode_block_n)[0]
+    g_pad = triton.next_power_of_2(mc.num_attention_heads // hkv)
+    block_n = extend_attention.tile_config(n, g_pad, kernels=site.kernels)[1]
+    want = extend_attention.extend_num_splits(bs * hkv, site.bound, block_n, dev)
+    return decode_attention.fit_splits(want, site.bound, block_n)[0]
+
+
 def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -> list[dict]:
     """The attention columns of every (bs, kv) row on synthetic pools (`synthetic_site`, one
     per group, its largest batch): no model, no engine."""
@@ -366,6 +396,14 @@ def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -
                 row[f"{key}_floor_ms"] = ms(attention_floor_bytes(mc, bs, group.kv + n,
                                                                   setup.dtype.itemsize))
                 row[f"{key}_over_floor"] = row[f"{key}_ms"] / row[f"{key}_floor_ms"]
+                if kernels.use_triton:  # the split counts below the rule's (SPLIT_SWEEP)
+                    default = rule_splits(site, bs, n, mc, setup.device)
+                    row[f"{key}_splits_default"] = default
+                    for cut in SPLIT_SWEEP:
+                        if default // cut >= 1 and (cut == 1 or default // cut < default):
+                            row[f"{key}_ms[splits{default // cut}]"] = site_attention_ms(
+                                site, slots, committed, n, mc, setup.dtype, setup.device,
+                                num_splits=default // cut)
             rows.append(row)
             print(f"[long] attention only: {row}", flush=True)
         del site

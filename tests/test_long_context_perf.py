@@ -138,6 +138,23 @@ def test_attention_only_writes_the_rows_of_a_full_run(tmp_path):
     assert doc["rows"][0]["verify_attention_floor_ms"] > doc["rows"][0]["attention_floor_ms"]
 
 
+def test_attention_rows_sweep_the_split_count_on_the_triton_path():
+    """On the Triton path (the interpreter here) each row also times the kernels at the rule's
+    split count and its fractions (`SPLIT_SWEEP`), the rule's count named."""
+    from graphdraft.kernels.config import TRITON
+
+    setup = _tiny(long_kv=None, kv_lens=(40,), batch_sizes=(1,))
+    groups, _ = perf_long.plan_groups(setup, float(8 << 30))
+    small = TRITON.replace(decode_block_n=16, extend_tiles=((16, 16, 4),) * 4)
+    (row,) = perf_long.attention_rows(setup, groups, 1e9, small)
+    for key in ("attention", "verify_attention"):
+        default = row[f"{key}_splits_default"]
+        assert default > 1  # 40 + 7 positions over 16-position blocks
+        swept = {int(k.split("splits")[1].rstrip("]")) for k in row if k.startswith(f"{key}_ms[")}
+        assert swept == {default // c for c in perf_long.SPLIT_SWEEP if default // c >= 1}
+        assert all(row[f"{key}_ms[splits{s}]"] > 0 for s in swept)
+
+
 def test_bad_deadline_is_refused():
     with pytest.raises(SystemExit):
         perf_long.parse_args(["--deadline-s", "0"])
