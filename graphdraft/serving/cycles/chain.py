@@ -67,7 +67,8 @@ class ChainMode(DecodeMode):
         # first in capture order: captured over the neutral rows `reset_neutral` leaves
         self.mixed_target = MixedTargetGraphs(
             parts, n_row, self.captures_aux,
-            active=on and getattr(parts.target, "tp", None) is None and parts.cfg.dp_size == 1)
+            active=parts.inputs.input_ids.device.type == "cuda"
+            and getattr(parts.target, "tp", None) is None and parts.cfg.dp_size == 1)
         top = max(steps)
         widest_first = sorted(steps, reverse=True)
         self.verify_by_k = {k: self._add("target_verify", k, top,

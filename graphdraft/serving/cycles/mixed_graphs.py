@@ -3,9 +3,9 @@
 Eagerly, a mixed step's target forward (`DecodeMode.target_forward`) launches every op of
 every layer from Python; with a small model that host time is most of the step. As vLLM does
 for mixed batches, `MixedTargetGraphs` captures the forward once per token bucket
-(`token_buckets`: powers of two from `MIN_TOKENS`, at most `MAX_TOKENS` and the token
-buffers' size) and row bucket (`row_buckets`: the powers of two of the Engine's graph
-schedule and its largest size), reading everything from persistent buffers:
+(`token_buckets`: powers of two from `MIN_TOKENS` and their 1.5x, at most `MAX_TOKENS` and the
+token buffers' size) and row bucket (`row_buckets`: 8, 32, 128, ... and the Engine's largest
+graph size), reading everything from persistent buffers:
 
   InputBuffers  ids / positions / KV slots `[Tb]`, rows `[R]` (req, seq_lens, extend_lens)
   logit_rows    `[L]` int64 here: the rows whose logits the step samples, then 0 (L = min(R *
@@ -18,10 +18,12 @@ token 0 at position 0 writing the dummy KV slot (whatever they compute stays in 
 page, which inert rows alone read); the rows' attention is bounded by max_extend = Tb. The
 returned views are the step's: logits `[L_real, V]`, aux hidden states `[t, kH]`.
 
-`active` says whether mixed steps take this path: when graphs are on and the model runs on
-one device (no tensor or data parallelism). The same padded forward then runs eagerly for a
-step outside the buckets of a captured size (`capture.CapturedForward.run`), so graph ==
-eager bit for bit; tests set `active` on a CPU Engine to run the padded path eagerly.
+`active` says whether mixed steps take this path: on a CUDA device, the model on one device
+(no tensor or data parallelism), with graphs on or off: graphs off (`enforce_eager`,
+GRAPHDRAFT_EAGER=1) or a size without a graph runs the same padded forward eagerly, so
+graph == eager bit for bit, as for the decode cycle. The forwards are registered (captured)
+only with graphs on. On the CPU the unpadded forward runs (tests set `active` to run the
+padded one eagerly).
 Not taken (the unpadded eager forward): steps past the largest bucket, steps that score
 prompt log-probabilities.
 """
@@ -41,21 +43,31 @@ MAX_TOKENS = 4096
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Powers of two from MIN_TOKENS up to the first >= min(max_tokens, MAX_TOKENS), the last
-    capped at `max_tokens` (the token buffers' rows)."""
+    """Powers of two from MIN_TOKENS and the halfway points 1.5x (a step computes at most
+    1.5x its tokens), up to the first >= min(max_tokens, MAX_TOKENS), the last capped at
+    `max_tokens` (the token buffers' rows)."""
     top = min(max_tokens, MAX_TOKENS)
     out, b = [], MIN_TOKENS
     while True:
-        out.append(min(b, max_tokens))
-        if b >= top:
-            return sorted(set(out))
+        for x in (b, b * 3 // 2):
+            out.append(min(x, max_tokens))
+            if x >= top:
+                return sorted(set(out))
         b *= 2
 
 
+ROW_STEP = 4
+"""Row buckets: 8, 32, 128, ... (x ROW_STEP) and the largest graph size: a padded row covers
+no token, so coarse buckets cost little and keep the graphs few."""
+
+
 def row_buckets(schedule: list[int]) -> list[int]:
-    """The schedule's powers of two and its largest size (a mixed step's rows pad up to one)."""
-    top = max(schedule)
-    return sorted({s for s in schedule if s & (s - 1) == 0} | {top})
+    """8 x ROW_STEP^i below the schedule's largest size, and that size."""
+    top, out, r = max(schedule), set(), 8
+    while r < top:
+        out.add(r)
+        r *= ROW_STEP
+    return sorted(out | {top})
 
 
 class MixedTargetGraphs:
@@ -70,8 +82,8 @@ class MixedTargetGraphs:
         self.logit_rows = torch.zeros(max(self.rows) * n_row, dtype=torch.int64,
                                       device=ib.input_ids.device)
         self.by_tokens: dict[int, CapturedForward] = {}
-        if not active:
-            return
+        if not (active and parts.graphs_enabled):
+            return  # (active: the same padded forward, eagerly)
         for tb in sorted(self.tokens, reverse=True):
             sizes = [r for r in self.rows if r <= tb]
             fwd = CapturedForward(f"mixed_target_t{tb}", functools.partial(self._forward, tokens=tb),
