@@ -12,7 +12,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `rms_norm`, `rms_norm_cat` | `kernels/norm.py` (`rms_norm_residual_torch`, `rms_norm_cat_torch`) |
 | `rope_and_store_kv`, `rope_and_store_qkv` | `kernels/rope.py` (`rope_and_store_kv_torch`) |
 | `argmax_with_map` | `kernels/argmax.py` (`argmax_with_map_torch`) |
-| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); above, the route `kernels.gemm_routes` lists per shape and row bucket (`buckets.gemm_config`, up to `kernels.gemm_max_m` rows: a `kernels/gemm.py` tile or cuBLASLt, `gemm.linear_lt`), plain cuBLAS for the rest |
+| `linear`, `apply_act`, `linear_partials`, `linear_residual_rms_norm`, `linear_argmax` | `kernels/gemv.py` for at most `kernels.small_m_max` rows (`linear_ref`, `silu_mul_ref`); above, the route `kernels.gemm_routes` lists per card, shape and row bucket (`buckets.gemm_config`, up to `kernels.gemm_max_m` rows: a `kernels/gemm.py` tile or cuBLASLt, `gemm.linear_lt`), plain cuBLAS for the rest |
 | `out_cache_loc_uniform`, `advance_positions_and_seq_lens` | `kernels/cache_loc.py` (`*_ref`) |
 | `decode_draft_indices` | `kernels/draft_indices.py` (`*_ref`) |
 | `stage_decode_inputs` | `kernels/stage_inputs.py` (`*_ref`) |
@@ -283,7 +283,8 @@ def _mid_m(x: torch.Tensor, weight: torch.Tensor,
     if not (kc.use_triton and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)):
         return None
-    cfg = buckets.gemm_config(x.shape[0], weight.shape[0], weight.shape[1], kernels=kc)
+    cfg = buckets.gemm_config(x.shape[0], weight.shape[0], weight.shape[1],
+                              gemm.card_name(x.device), kernels=kc)
     if isinstance(cfg, gemm.GemmConfig) and cfg.tma and not gemm.tma_ok(x, weight):
         return None
     return cfg

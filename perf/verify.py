@@ -90,7 +90,8 @@ def gemm_routes_of(path: str) -> tuple:
     (`perf.studies.mid_m_gemm.winners`); printed."""
     from perf.studies.mid_m_gemm import winners
 
-    routes = winners(json.loads(Path(path).read_text())["rows"])
+    data = json.loads(Path(path).read_text())
+    routes = winners(data["rows"], data["gpu"])
     print(f"gemm routes from {path}: " + (", ".join(f"{k}: {v!r}" for k, v in routes) or "none"))
     return routes
 

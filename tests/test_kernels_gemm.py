@@ -85,8 +85,10 @@ def test_bad_inputs_are_named():
         GemmConfig(16, 16, split=0)
     from graphdraft.kernels.config import KernelConfig
 
-    for bad in ((((64, 48), "cublaslt"),), (((64, 48, 64), "cublas"),),
-                (((64, 48, 64), (64, 16, 32, 2, 1, 4, 2, True)),), [((64, 48, 64), "cublaslt")]):
+    for bad in (((("cpu", 64, 48), "cublaslt"),), (((64, 48, 64, 1), "cublaslt"),),
+                ((("cpu", 64, 48, 64), "cublas"),),
+                ((("cpu", 64, 48, 64), (64, 16, 32, 2, 1, 4, 2, True)),),
+                [(("cpu", 64, 48, 64), "cublaslt")]):
         with pytest.raises(ValueError, match="gemm_routes"):
             KernelConfig(backend="triton", gemm_routes=bad)
 
@@ -128,21 +130,24 @@ def test_gemm_config_buckets_and_bounds():
 
     tile = GemmConfig(128, 16, 32, 2, True, 4, 2)
     t = (128, 16, 32, 2, True, 4, 2, False)
-    TRITON = TRITON.replace(gemm_routes=(((64, 48, 64), t), ((128, 48, 64), t),
-                                         ((256, 64, 64), gemm_mod.CUBLASLT)))
+    TRITON = TRITON.replace(gemm_routes=((("cpu", 64, 48, 64), t), (("cpu", 128, 48, 64), t),
+                                         (("cpu", 256, 64, 64), gemm_mod.CUBLASLT),
+                                         (("Some GPU", 512, 48, 64), t)))
     assert [buckets.gemm_m_bucket(m) for m in (33, 65, 128, 129, 256, 1024)] == [
         64, 128, 128, 256, 256, 1024]
     with pytest.raises(ValueError, match="m: expected"):
         buckets.gemm_m_bucket(1025)
-    assert buckets.gemm_config(40, 48, 64, kernels=TRITON) == tile
-    assert buckets.gemm_config(32, 48, 64, kernels=TRITON) is None  # the GEMV's rows
-    assert buckets.gemm_config(129, 48, 64, kernels=TRITON) is None  # no tile at 256
-    assert buckets.gemm_config(40, 48, 128, kernels=TRITON) is None  # another shape
-    assert buckets.gemm_config(40, 48, 64, kernels=TORCH) is None
-    assert buckets.gemm_config(40, 48, 64) is None  # the default config: the torch path
-    assert buckets.gemm_config(40, 48, 64, kernels=TRITON.replace(gemm_max_m=0)) is None
+    assert buckets.gemm_config(40, 48, 64, "cpu", kernels=TRITON) == tile
+    assert buckets.gemm_config(32, 48, 64, "cpu", kernels=TRITON) is None  # the GEMV's rows
+    assert buckets.gemm_config(129, 48, 64, "cpu", kernels=TRITON) is None  # no tile at 256
+    assert buckets.gemm_config(40, 48, 128, "cpu", kernels=TRITON) is None  # another shape
+    assert buckets.gemm_config(40, 48, 64, "cpu", kernels=TORCH) is None
+    assert buckets.gemm_config(40, 48, 64, "cpu") is None  # the default config: the torch path
+    assert buckets.gemm_config(40, 48, 64, "cpu", kernels=TRITON.replace(gemm_max_m=0)) is None
     # row buckets: the gemm bucket where it has tiles, cuBLAS elsewhere
-    assert buckets.gemm_config(129, 64, 64, kernels=TRITON) == gemm_mod.CUBLASLT
+    assert buckets.gemm_config(129, 64, 64, "cpu", kernels=TRITON) == gemm_mod.CUBLASLT
+    assert buckets.gemm_config(129, 64, 64, "Some GPU", kernels=TRITON) is None  # another card
+    assert buckets.gemm_config(300, 48, 64, "Some GPU", kernels=TRITON) == tile
     assert buckets.row_bucket(100, kernels=TRITON) == buckets.row_bucket(128, kernels=TRITON)
     assert buckets.row_bucket(40, kernels=TRITON)[0] == ("gemm", 64)
     assert buckets.row_bucket(100, kernels=TRITON)[0] == ("gemm", 128)
@@ -159,8 +164,8 @@ def test_ops_linear_runs_the_listed_tile_within_rounding_of_f_linear(monkeypatch
     from graphdraft.kernels import gemv
     from graphdraft.kernels.config import TRITON
 
-    TRITON = TRITON.replace(gemm_routes=(((64, 48, 64), (64, 16, 32, 2, True, 4, 2, True)),
-                                         ((128, 48, 64), gemm_mod.CUBLASLT)))
+    TRITON = TRITON.replace(gemm_routes=((("cpu", 64, 48, 64), (64, 16, 32, 2, True, 4, 2, True)),
+                                         (("cpu", 128, 48, 64), gemm_mod.CUBLASLT)))
     calls = []
     real = gemm_mod.gemm
     monkeypatch.setattr(gemm_mod, "gemm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
@@ -179,3 +184,44 @@ def test_ops_linear_runs_the_listed_tile_within_rounding_of_f_linear(monkeypatch
     x100 = torch.randn(100, 64, generator=g).bfloat16()  # bucket 128: cuBLASLt, F.linear's values
     assert torch.equal(ops.linear(x100, w, kernels=TRITON), torch.nn.functional.linear(x100, w))
     assert len(calls) == 1
+
+
+def test_shipped_routes_are_valid_and_keyed_by_their_card():
+    """The default `gemm_routes` (measured on an H100 SXM) parse as routes and never apply on
+    another card (here the CPU's "cpu")."""
+    from graphdraft.kernels import buckets
+    from graphdraft.kernels.config import GEMM_ROUTES, TRITON
+
+    assert TRITON.gemm_routes == GEMM_ROUTES and GEMM_ROUTES
+    for (card, bucket, n, k), route in GEMM_ROUTES:
+        assert card.startswith("NVIDIA ") and bucket in buckets.GEMM_M_BUCKETS
+        want = route if isinstance(route, str) else GemmConfig(*route)
+        assert buckets.gemm_config(bucket, n, k, card, kernels=TRITON) == want
+        assert buckets.gemm_config(bucket, n, k, "cpu", kernels=TRITON) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [40, 100, 128, 200])
+def test_gpu_ops_linear_down_proj_within_rounding_of_f_linear(m):
+    """The 8B down_proj through `ops.linear` on the Triton path (its shipped route on this
+    card where it has one: cuBLASLt up to 128 rows on an H100) equals F.linear's values
+    within bf16 rounding, eagerly and replayed."""
+    from graphdraft import ops
+    from graphdraft.kernels.config import TRITON
+    from graphdraft.kernels.gemv import silu_mul_ref
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 2 * 14336, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(4096, 14336, device="cuda", generator=g) * 0.02).bfloat16()
+    got = ops.linear(x, w, act="silu_mul", kernels=TRITON)
+    a = ops.apply_act(x, "silu_mul", kernels=TRITON)
+    exact = a.float() @ w.float().T
+    assert (got.float() - exact).abs().max() <= exact.abs().max() * 2 ** -7
+    assert _rel(got, torch.nn.functional.linear(silu_mul_ref(x), w)) < 1e-2
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ops.linear(x, w, act="silu_mul", kernels=TRITON))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)

@@ -56,8 +56,8 @@ def test_gemm_routes_of_a_sweep(tmp_path, capsys):
     rows = [{"m": 128, "n": 4096, "k": 14336, "variants": {
         "cublas": {"us": 50.8, "rel_err": 0.0}, "cublas_lt_bias": {"us": 44.3, "rel_err": 0.0}}}]
     path = tmp_path / "mid_m_gemm.json"
-    path.write_text(json.dumps({"rows": rows}))
+    path.write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "rows": rows}))
     routes = verify.gemm_routes_of(str(path))
-    assert routes == (((128, 4096, 14336), "cublaslt"),)
+    assert routes == ((("NVIDIA H100 80GB HBM3", 128, 4096, 14336), "cublaslt"),)
     assert TRITON.replace(gemm_routes=routes).gemm_routes == routes  # a valid config value
-    assert "(128, 4096, 14336): 'cublaslt'" in capsys.readouterr().out
+    assert "('NVIDIA H100 80GB HBM3', 128, 4096, 14336): 'cublaslt'" in capsys.readouterr().out

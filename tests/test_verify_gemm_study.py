@@ -131,5 +131,5 @@ def test_winners_pick_routes_under_the_margin():
     rows = [row(256, 4096, 17.5, 17.4, 15.0), row(128, 4096, 50.8, 44.3, 52.9),
             row(512, 4096, 24.7, 24.6, 24.5), row(64, 6144, 20.0, 30.0, 1.0, tile_err=0.5),
             row(2048, 4096, 10.0, 1.0, 1.0)]
-    assert winners(rows) == (((128, 4096, 4096), CUBLASLT),
-                             ((256, 4096, 4096), (128, 64, 128, 2, True, 4, 3, True)))
+    assert winners(rows, "H") == ((("H", 128, 4096, 4096), CUBLASLT),
+                                  (("H", 256, 4096, 4096), (128, 64, 128, 2, True, 4, 3, True)))

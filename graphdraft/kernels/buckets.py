@@ -13,9 +13,9 @@ schedule compiles a handful of variants per kernel, not one per size:
 * `gemv.m_bucket(m)`: the GEMV row tile (1 | 16 | 32 | 64) and, for M <=
   `KernelConfig.finish_norm_max_m` (1), the fused-norm finisher;
 * `gemm_m_bucket(m)`: above the GEMV's rows and up to `KernelConfig.gemm_max_m`, the row
-  bucket (64 | 128 | 256 | 512 | 1024) whose measured route `gemm_config` gives for a
-  projection shape in `KernelConfig.gemm_routes` (a `kernels.gemm` tile or cuBLASLt; the
-  rest: cuBLAS);
+  bucket (64 | 128 | 256 | 512 | 1024) whose measured route `gemm_config` gives for a card
+  and projection shape in `KernelConfig.gemm_routes` (a `kernels.gemm` tile or cuBLASLt; the
+  rest: cuBLAS; only tile routes compile anything);
 * (not buckets: PDL is one variant at every row count, `KernelConfig.pdl_max_rows` a
   runtime argument of it, `kernels.pdl`; the split argmax's second stage loops over its
   splits with fixed lanes, `argmax.argmax_stage2`).
@@ -57,7 +57,7 @@ GEMM_M_BUCKETS = (64, 128, 256, 512, 1024)
 argument of the kernel, so a bucket compiles one variant per tile)."""
 
 @functools.lru_cache(maxsize=16)
-def _routes(gemm_routes: tuple) -> dict[tuple[int, int, int], GemmConfig | str]:
+def _routes(gemm_routes: tuple) -> dict[tuple[str, int, int, int], GemmConfig | str]:
     """`KernelConfig.gemm_routes` as a dict, tile tuples as `GemmConfig`s."""
     return {key: route if isinstance(route, str) else GemmConfig(*route)
             for key, route in gemm_routes}
@@ -77,16 +77,16 @@ def _gemm_rows(rows: int, kc: KernelConfig) -> bool:
     return (kc.use_triton and kc.small_m_max < rows <= min(kc.gemm_max_m, GEMM_M_BUCKETS[-1]))
 
 
-def gemm_config(m: int, n: int, k: int, *, kernels: KernelConfig | None = None
+def gemm_config(m: int, n: int, k: int, card: str, *, kernels: KernelConfig | None = None
                 ) -> GemmConfig | str | None:
-    """The route of an `[m, k] x [n, k]^T` product under `kernels` (None: the default
-    config): a `kernels.gemm` tile or `gemm.CUBLASLT` from `kernels.gemm_routes`, or None
-    where plain cuBLAS runs it (no entry for the shape at m's bucket, or m outside
-    `_gemm_rows`)."""
+    """The route of an `[m, k] x [n, k]^T` product on `card` (`gemm.card_name`) under
+    `kernels` (None: the default config): a `kernels.gemm` tile or `gemm.CUBLASLT` from
+    `kernels.gemm_routes`, or None where plain cuBLAS runs it (no entry for the card and
+    shape at m's bucket, or m outside `_gemm_rows`)."""
     kc = kernels if kernels is not None else default_config()
     if not _gemm_rows(m, kc):
         return None
-    return _routes(kc.gemm_routes).get((gemm_m_bucket(m), n, k))
+    return _routes(kc.gemm_routes).get((card, gemm_m_bucket(m), n, k))
 
 
 def row_bucket(rows: int, *, kernels: KernelConfig | None = None) -> tuple:
@@ -100,7 +100,7 @@ def row_bucket(rows: int, *, kernels: KernelConfig | None = None) -> tuple:
     if rows <= min(kc.small_m_max, GEMV_MAX_M):
         gemv_key = (gemv.m_bucket(rows), rows <= kc.finish_norm_max_m)
     elif _gemm_rows(rows, kc) and any(b == gemm_m_bucket(rows) and not isinstance(t, str)
-                                      for (b, _, _), t in kc.gemm_routes):
+                                      for (_, b, _, _), t in kc.gemm_routes):
         gemv_key = ("gemm", gemm_m_bucket(rows))
     else:
         gemv_key = ("cublas",)

@@ -21,7 +21,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `gemv_swap_ab` | `GRAPHDRAFT_GEMV_SWAP_AB` | bool | on | M > 1 GEMVs compute `w @ x^T` (the weights as the MMA's M side: Hopper's wgmma) instead of `x @ w^T` |
 | `small_m_max` | `GRAPHDRAFT_SMALL_M_MAX` | 0..64 | 32 | rows at or below which the Triton path runs the GEMV instead of cuBLAS (0: never) |
 | `gemm_max_m` | `GRAPHDRAFT_GEMM_MAX_M` | 0..4096 | 1024 | rows up to which (above `small_m_max`) the Triton path takes the `gemm_routes` route of a listed shape (else cuBLAS; 0: never) |
-| `gemm_routes` | (none: `perf.verify --gemm-routes` replaces it) | ((row bucket, N, K), route) pairs | `GEMM_ROUTES` | per projection shape and row bucket (`buckets.gemm_m_bucket`) the route measured faster than plain cuBLAS: "cublaslt" (`gemm.linear_lt`) or a `gemm.GemmConfig` as a tuple |
+| `gemm_routes` | (none: `perf.verify --gemm-routes` replaces it) | ((card, row bucket, N, K), route) pairs | `GEMM_ROUTES` | per card (`torch.cuda.get_device_name`), projection shape and row bucket (`buckets.gemm_m_bucket`) the route measured faster than plain cuBLAS on that card: "cublaslt" (`gemm.linear_lt`) or a `gemm.GemmConfig` as a tuple |
 | `gemv_pdl` | `GRAPHDRAFT_GEMV_PDL` | bool | on | launch the GEMV with programmatic dependent launch |
 | `stream_evict_first` | `GRAPHDRAFT_STREAM_EVICT_FIRST` | bool | on | load GEMV weights `evict_first` (read once per step) |
 | `finish_maxnreg` | `GRAPHDRAFT_FINISH_MAXNREG` | int >= 1, or 0 / "none" | 128 | register cap of M == 1 GEMV launches that carry a finisher (None: the compiler's choice) |
@@ -53,11 +53,16 @@ GEMV_MAX_M = 64
 """Most rows one GEMV launch takes (`gemv.MAX_M`): the bound of the row thresholds."""
 GEMM_MAX_M = 4096
 """The bound of `KernelConfig.gemm_max_m`."""
-GEMM_ROUTES: tuple = ()
-"""`KernelConfig.gemm_routes`' default: ((row bucket, N, K), route) for the shapes where a
-route beat plain cuBLAS in `perf/studies/mid_m_gemm.py` (perf/RESULTS.md); route "cublaslt"
-or `gemm.GemmConfig`'s fields as a tuple (block_m, block_n, block_k, split, swap_ab,
-num_warps, num_stages, tma)."""
+GEMM_ROUTES: tuple = (
+    (("NVIDIA H100 80GB HBM3", 64, 4096, 14336), "cublaslt"),
+    (("NVIDIA H100 80GB HBM3", 128, 4096, 14336), "cublaslt"),
+)
+"""`KernelConfig.gemm_routes`' default: ((card, row bucket, N, K), route) where a route beat
+plain cuBLAS by more than 3 % on that card in `perf/studies/mid_m_gemm.py` (perf/RESULTS.md
+2026-12-06g): on an H100 SXM, the 8B down_proj (N 4096, K 14336) at up to 128 rows through
+cuBLASLt. A route is "cublaslt" or `gemm.GemmConfig`'s fields as a tuple (block_m, block_n,
+block_k, split, swap_ab, num_warps, num_stages, tma). Other cards, shapes and buckets: plain
+cuBLAS."""
 BACKENDS = ("triton", "torch")
 GEMV_TILES = ("wide", "uniform")
 
@@ -77,9 +82,11 @@ def _is_int(v: object) -> bool:
 
 
 def _route_ok(entry: object) -> bool:
-    """One `gemm_routes` pair: ((bucket, N, K) positive ints, "cublaslt" or a tile tuple)."""
+    """One `gemm_routes` pair: ((card name, bucket, N, K: positive ints), "cublaslt" or a tile
+    tuple)."""
     if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
-            and len(entry[0]) == 3 and all(_is_int(v) and v > 0 for v in entry[0])):
+            and len(entry[0]) == 4 and isinstance(entry[0][0], str)
+            and all(_is_int(v) and v > 0 for v in entry[0][1:])):
         return False
     route = entry[1]
     if route == "cublaslt":
@@ -154,7 +161,7 @@ class KernelConfig:
         need(_is_int(self.gemm_max_m) and 0 <= self.gemm_max_m <= GEMM_MAX_M, "gemm_max_m",
              f"an int in [0, {GEMM_MAX_M}]")
         need(isinstance(self.gemm_routes, tuple) and all(_route_ok(r) for r in self.gemm_routes),
-             "gemm_routes", "a tuple of ((row bucket, N, K), route) pairs, route 'cublaslt' or "
+             "gemm_routes", "a tuple of ((card, row bucket, N, K), route) pairs, route 'cublaslt' or "
              "(block_m, block_n, block_k, split, swap_ab, num_warps, num_stages, tma)")
         for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads", "gemv_swap_ab"):
             need(isinstance(getattr(self, name), bool), name, "a bool")

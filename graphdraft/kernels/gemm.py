@@ -36,6 +36,7 @@ must not run concurrently on different streams (the forward runs its matmuls on 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ from graphdraft.checks import expect_tensor
 from graphdraft.kernels.pdl import interpreting
 from graphdraft.kernels.placeholders import placeholder
 
-__all__ = ["CUBLASLT", "GemmConfig", "gemm", "gemm_ref", "linear_lt", "tma_ok"]
+__all__ = ["CUBLASLT", "GemmConfig", "card_name", "gemm", "gemm_ref", "linear_lt", "tma_ok"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -270,6 +271,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig,
                        EVEN_K=k % c.block_k == 0, SWAP_AB=c.swap_ab, FP32_DOT=fp32_dot,
                        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
+
+
+@functools.cache
+def card_name(device: torch.device) -> str:
+    """The card a route is keyed by (`KernelConfig.gemm_routes`): the CUDA device's name
+    (`torch.cuda.get_device_name`), or the device type elsewhere ("cpu")."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
 
 
 CUBLASLT = "cublaslt"

@@ -167,8 +167,9 @@ WIN_MARGIN = 0.97
 """A route replaces plain cuBLAS at a (bucket, N, K) only below this fraction of its time."""
 
 
-def winners(rows: list[dict], margin: float = WIN_MARGIN) -> tuple:
-    """`KernelConfig.gemm_routes` from a sweep's rows: per (row bucket of M, N, K) the fastest
+def winners(rows: list[dict], card: str, margin: float = WIN_MARGIN) -> tuple:
+    """`KernelConfig.gemm_routes` from a sweep's rows on `card` (the json's "gpu"): per
+    (card, row bucket of M, N, K) the fastest
     correct `gemm` tile (its fields as a tuple) or `cublas_lt_bias` ("cublaslt"), where it took
     under `margin` x plain cuBLAS's time; sorted by key."""
     import dataclasses
@@ -189,7 +190,7 @@ def winners(rows: list[dict], margin: float = WIN_MARGIN) -> tuple:
         if ok[key]["us"] < margin * v["cublas"]["us"]:
             route = (CUBLASLT if key == "cublas_lt_bias"
                      else dataclasses.astuple(GemmConfig(**ok[key]["config"])))
-            out[(gemm_m_bucket(row["m"]), row["n"], row["k"])] = route
+            out[(card, gemm_m_bucket(row["m"]), row["n"], row["k"])] = route
     return tuple(sorted(out.items()))
 
 
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['name']} | {row['m']} | {row['floor_us']:.1f} | {cb['us']:.1f} | "
               f"{cb['bw']:.2f} / {cb['rate']:.2f} | {b[0]} | {b[1]['us']:.1f} | "
               f"{b[1]['bw']:.2f} / {b[1]['rate']:.2f} | {b[1]['us'] / cb['us']:.2f} |")
-    routes = winners(res["rows"])
+    routes = winners(res["rows"], res["gpu"])
     print("[mid-m] routes under 0.97x plain cuBLAS (KernelConfig.gemm_routes form):")
     for entry in routes:
         print(f"    {entry!r},")
