@@ -3,8 +3,11 @@ for M above the GEMV's rows (`kernels/gemv.py`) and up to about a thousand.
 
 At these M a projection is close to its ridge point (the weights read once and the FLOPs at
 the tensor cores' rate take about the same time), and cuBLAS's tiles leave SMs idle where the
-output has few tiles (o_proj, N 4096 at M 256: 64 tiles of 128 x 128 for 132 SMs). This kernel
-takes the tile and a K split per shape and row bucket (`kernels/buckets.py`'s `gemm_config`):
+output has few tiles (o_proj, N 4096 at M 256: 64 tiles of 128 x 128 for 132 SMs). `ops.linear`
+takes a route per card, shape and row bucket where one measured faster than plain cuBLAS
+(`KernelConfig.gemm_routes`, `kernels/buckets.py`'s `gemm_config`; the sweep:
+`perf/studies/mid_m_gemm.py`): cuBLASLt (`linear_lt`: cuBLASLt's own heuristic, through
+`F.linear`'s bias epilogue with a zero bias) or this kernel with a tile and a K split:
 
 * SWAP_AB: the product as `w @ x^T`, the weight slab the MMA's M side (64 or 128 weight
   rows, what Hopper's wgmma needs) and BLOCK_M rows of x its N side, so one program holds
