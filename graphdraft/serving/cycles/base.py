@@ -121,15 +121,18 @@ class DecodeMode:
         st = p.slots
         neutral_slot0(p.states.valid_cache_lengths, st.last_token, st.drafts, st.emitted,
                           st.done)
-        if self.mixed_target is not None and self.mixed_target.by_tokens:
-            p.inputs.pad_tokens(0, p.inputs.max_tokens)  # what its captures read
-            self.mixed_target.logit_rows.zero_()
+        if self.mixed_target is not None:
+            self.mixed_target.reset_neutral()
+            if self.mixed_target.by_tokens:
+                p.inputs.pad_tokens(0, p.inputs.max_tokens)  # what its captures read
 
     def capture(self, progress: bool) -> None:
         """Capture every registered forward (registry order), neutral before and after."""
         self.reset_neutral()
         for fwd in self.parts.registry.forwards():
             fwd.capture(progress=progress)
+            if self.mixed_target is not None:
+                self.mixed_target.captured(fwd)
         self.reset_neutral()
 
     def forward(self, family: str, fn, enabled: bool, k: int | None = None) -> CapturedForward:

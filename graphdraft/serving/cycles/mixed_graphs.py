@@ -12,11 +12,13 @@ graph size), reading everything from persistent buffers:
                 n_row, Tb): a mixed step samples a prefill row's last token and a decode
                 row's n_row tokens)
 
-A step of `bs` rows and `t` tokens runs the smallest bucket with R >= bs and Tb >= t:
-rows [bs, R) cover no token (extend length 0, dummy slot, seq len 1), tokens [t, Tb) are
-token 0 at position 0 writing the dummy KV slot (whatever they compute stays in the dummy
-page, which inert rows alone read); the rows' attention is bounded by max_extend = Tb. The
-returned views are the step's: logits `[L_real, V]`, aux hidden states `[t, kH]`.
+A step of `bs` rows and `t` tokens runs the smallest bucket with R >= bs and Tb >= t. The
+rows' metadata is this module's (`req`, `seq`, `ext`: the step's rows copied from
+InputBuffers, rows [bs, R) of no token, then `cover_rows` rows of the dummy request covering
+the padded tokens [t, Tb), max_context_len tokens each at most); the padded tokens are token 0
+at position 0 writing the dummy KV slot (what they compute stays in the dummy page, which
+inert rows alone read, and stays finite: each attends over written KV). The returned views
+are the step's: logits `[L_real, V]`, aux hidden states `[t, kH]`.
 
 `active` says whether mixed steps take this path: on a CUDA device, the model on one device
 (no tensor or data parallelism), with graphs on or off: graphs off (`enforce_eager`,
@@ -70,6 +72,11 @@ def row_buckets(schedule: list[int]) -> list[int]:
     return sorted(out | {top})
 
 
+def cover_rows(tokens: int, chunk: int) -> int:
+    """Rows that cover a bucket's padded tokens, `chunk` tokens each at most."""
+    return -(-tokens // chunk)
+
+
 class MixedTargetGraphs:
     """The captured mixed-step target forwards of one decode mode (module docstring)."""
 
@@ -77,10 +84,15 @@ class MixedTargetGraphs:
         self.parts, self.n_row, self.capture_aux = parts, n_row, capture_aux
         self.active = active
         ib = parts.inputs
+        self.chunk = parts.cfg.max_context_len
         self.rows = [r for r in row_buckets(parts.schedule) if r <= ib.max_bs]
         self.tokens = token_buckets(ib.max_tokens)
-        self.logit_rows = torch.zeros(max(self.rows) * n_row, dtype=torch.int64,
-                                      device=ib.input_ids.device)
+        dev = ib.input_ids.device
+        self.logit_rows = torch.zeros(max(self.rows) * n_row, dtype=torch.int64, device=dev)
+        n = max(self.rows) + cover_rows(max(self.tokens), self.chunk)
+        self.req = torch.zeros(n, dtype=ib.req_pool_indices.dtype, device=dev)
+        self.seq = torch.ones(n, dtype=ib.seq_lens.dtype, device=dev)
+        self.ext = torch.zeros(n, dtype=ib.extend_lens.dtype, device=dev)
         self.by_tokens: dict[int, CapturedForward] = {}
         if not (active and parts.graphs_enabled):
             return  # (active: the same padded forward, eagerly)
@@ -89,7 +101,6 @@ class MixedTargetGraphs:
             fwd = CapturedForward(f"mixed_target_t{tb}", functools.partial(self._forward, tokens=tb),
                                   sizes, pool=parts.graph_pool, enabled=parts.graphs_enabled,
                                   on_oom=parts.on_oom)
-            fwd.before_capture = functools.partial(self._neutral, tokens=tb)
             self.by_tokens[tb] = parts.registry.add("mixed_target", tb, fwd)
 
     def bucket(self, bs: int, t: int) -> tuple[int, int] | None:
@@ -100,42 +111,63 @@ class MixedTargetGraphs:
 
     def run(self, bs: int, t: int, logit_rows, bucket: tuple[int, int]) -> TargetOutput:
         """The forward of a step written into InputBuffers (`bs` rows, `t` tokens; its logits
-        rows `logit_rows`, a host int64 array) at `bucket` (`bucket()`)."""
+        rows `logit_rows`, a host int64 array) at `bucket` (`bucket()`): its rows, then
+        R - bs rows of no token, then the rows covering the padded tokens [t, Tb) (each a
+        row of the dummy request over at most max_context_len tokens: every token's
+        attention reads written KV, so every value stays finite)."""
         p = self.parts
         r, tb = bucket
-        ib = p.inputs
-        n = len(logit_rows)
-        if r > bs:  # rows past the step's: cover no token
-            ib.req_pool_indices[bs:r].fill_(0)
-            ib.seq_lens[bs:r].fill_(1)
-            ib.extend_lens[bs:r].fill_(0)
+        ib, staging = p.inputs, p.slots.staging
+        self.req[:bs].copy_(ib.req_pool_indices[:bs])
+        self.seq[:bs].copy_(ib.seq_lens[:bs])
+        self.ext[:bs].copy_(ib.extend_lens[:bs])
+        pad, c = tb - t, self.chunk
+        tail = [0] * (r - bs) + [min(c, max(0, pad - i * c)) for i in range(cover_rows(tb, c))]
+        staging.copy_into(self.ext[bs:], tail)
+        staging.copy_into(self.seq[bs:], [max(1, e) for e in tail])
+        self.req[bs: bs + len(tail)].zero_()
         if tb > t:
             ib.pad_tokens(t, tb)
-        p.slots.staging.copy_into(self.logit_rows, logit_rows)
+        n = len(logit_rows)
+        staging.copy_into(self.logit_rows, logit_rows)
         width = self._logit_width(r, tb)
         if width > n:
-            self.logit_rows[n:width].fill_(0)
+            self.logit_rows[n:width].zero_()
         fwd = self.by_tokens.get(tb)
         out = fwd.run(r, padded_bs=r) if fwd is not None else self._forward(r, tokens=tb)
         return TargetOutput(out.logits[:n], None if out.aux_hidden is None
                             else out.aux_hidden[:t])
+
+    def reset_neutral(self) -> None:
+        """Rows of no token (what the captures run over), logits rows 0."""
+        self.req.zero_()
+        self.seq.fill_(1)
+        self.ext.zero_()
+        self.logit_rows.zero_()
+
+    def captured(self, fwd: CapturedForward) -> None:
+        """After `fwd`'s capture: if it is one of these, the target's dummy KV page zeroed
+        again (the captures ran over rows of no token, whose tokens' values are undefined:
+        what they wrote there must not reach the inert rows that read it)."""
+        if fwd not in self.by_tokens.values():
+            return
+        p = self.parts
+        ps = p.kv.page_size
+        for k, v in zip(p.kv.k, p.kv.v, strict=True):
+            k[:ps].zero_()
+            v[:ps].zero_()
 
     # --- the captured function -----------------------------------------------------------
     def _logit_width(self, rows: int, tokens: int) -> int:
         return min(rows * self.n_row, tokens)
 
     def _forward(self, rows: int, tokens: int) -> TargetOutput:
-        """The target over `tokens` tokens of `rows` ragged rows (graph-capturable)."""
+        """The target over `tokens` tokens of `rows` ragged rows and the rows covering the
+        padded tokens (graph-capturable)."""
         p = self.parts
         ib = p.inputs
-        meta = p.backend.row_metadata(ib.req_pool_indices[:rows], ib.seq_lens[:rows],
-                                      ib.extend_lens[:rows], tokens)
+        n = rows + cover_rows(tokens, self.chunk)
+        meta = p.backend.row_metadata(self.req[:n], self.seq[:n], self.ext[:n], tokens)
         idx = self.logit_rows[: self._logit_width(rows, tokens)]
         return p.target(ib.input_ids[:tokens], ib.positions[:tokens], ib.out_cache_loc[:tokens],
                         p.kv, p.backend, meta, idx, capture_aux=self.capture_aux)
-
-    def _neutral(self, rows: int, tokens: int) -> None:
-        """Before a capture: neutral rows and tokens (the warm-up writes only the dummy slot)."""
-        self.parts.inputs.pad_rows(0, rows)
-        self.parts.inputs.pad_tokens(0, tokens)
-        self.logit_rows.zero_()
