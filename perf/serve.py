@@ -294,6 +294,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
             n = requests_at(c, a)
             before = server.engine_counts()
             core0 = server.core_snapshot()
+            m0 = server.metrics() if core0 is not None else None
             passes = [run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, r * n), c,
                                 workers=a.client_workers) for r in range(a.reps)]
             row = summarize(c, passes)
@@ -303,6 +304,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
                                                                - before["decode_cycles"])
             if core0 is not None:
                 row["core"] = core_delta(core0, server.core_snapshot())
+                row["core"]["http_ttft_ms"] = http_ttft_ms(m0, server.metrics())
                 print(f"server c={c} engine core: {json.dumps(row['core'])}", flush=True)
             print(f"server c={c}: {row['server_tps']:,.0f} tok/s, {row['req_per_s']} req/s, "
                   f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
@@ -336,6 +338,15 @@ def core_delta(before: dict, after: dict | None) -> dict:
     return {"seconds": sec, "counts": counts,
             "arrival_to_engine_ms": mean_ms("arrival_to_engine_s", "handed_over"),
             "arrival_to_first_ids_ms": mean_ms("arrival_to_first_ids_s", "first_ids")}
+
+
+def http_ttft_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The HTTP process's mean time to first token (ms) between two /metrics reads: from
+    a request's arrival there (parsed, tokenized) to its first ids dispatched."""
+    name = "graphdraft_time_to_first_token_seconds"
+    n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    s = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+    return round(1e3 * s / n, 3) if n else None
 
 
 def soak(a: argparse.Namespace, server: ServerProcess, prompts: list[list[int]], pool) -> dict:
