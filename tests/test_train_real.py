@@ -12,9 +12,12 @@ import torch.nn.functional as F
 
 from graphdraft.train.real import (
     CPU_SMOKE_RECIPE,
+    GPU_RECIPE,
     LengthBatches,
     RealHeadRun,
+    check_head_size,
     main,
+    predicted_head_bytes,
     split_heldout,
     train_real_head,
 )
@@ -113,6 +116,10 @@ def test_train_real_head_end_to_end_on_a_tiny_chat_target(tiny_chat_target, tmp_
     assert summary["steps"] == 3 and len(summary["heldout"]["step_top1_agreement"]) == 3
     assert set(summary["heldout"]["by_kind"]) <= {"code", "prose"}
     assert summary["safetensors_bytes"] == (out / "model.safetensors").stat().st_size
+    from graphdraft.io.checkpoint import read_config
+    cfg, _ = read_config(tiny_chat_target)
+    predicted = predicted_head_bytes(cfg, 48, 32, "float32")
+    assert 0 <= predicted - summary["safetensors_bytes"] <= 2048
     assert json.loads((out / "training.json").read_text())["run"]["draft_vocab"] == 48
     from safetensors import safe_open
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -122,6 +129,40 @@ def test_train_real_head_end_to_end_on_a_tiny_chat_target(tiny_chat_target, tmp_
     assert head.config.draft_vocab_size == 48 and head.config.intermediate_size == 32
     lines = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("[") and "UTC" not in ln and "s] responses:" in ln for ln in lines)
+
+
+def _smollm2_config(tmp_path):
+    """SmolLM2-135M's config, as the shipped head's training.json records it."""
+    from graphdraft.io.checkpoint import read_config
+    from graphdraft.serving.cli.models import SHIPPED_SMOLLM2_HEAD
+    record = json.loads((SHIPPED_SMOLLM2_HEAD / "training.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(record["target_config"]))
+    return read_config(tmp_path)[0], record
+
+
+def test_predicted_head_bytes_bound_the_shipped_head_and_the_gpu_recipe_fits(tmp_path):
+    """The shipped head's file is within the header bound of the prediction; the GPU recipe's
+    head fits its max_head_bytes, which keeps graphdraft/assets under 20 MB in all."""
+    from graphdraft.serving.cli.models import SHIPPED_SMOLLM2_HEAD
+    cfg, record = _smollm2_config(tmp_path)
+    run = record["run"]
+    shipped = predicted_head_bytes(cfg, run["draft_vocab"], run["ffn"], run["save_dtype"])
+    assert 0 <= shipped - record["safetensors_bytes"] <= 2048
+    gpu = RealHeadRun(target="t", out="o", **{k: v for k, v in GPU_RECIPE.items()})
+    size = check_head_size(gpu, cfg)
+    assert size <= GPU_RECIPE["max_head_bytes"] and gpu.draft_vocab > run["draft_vocab"]
+    assets = SHIPPED_SMOLLM2_HEAD.parent
+    others = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file()
+                 and f != SHIPPED_SMOLLM2_HEAD / "model.safetensors")
+    assert others + GPU_RECIPE["max_head_bytes"] < 20_000_000
+
+
+def test_a_head_over_max_head_bytes_is_refused_before_any_work(tmp_path):
+    cfg, _ = _smollm2_config(tmp_path)
+    run = RealHeadRun(target="t", out="o", draft_vocab=4096, ffn=192, max_head_bytes=7_850_000)
+    with pytest.raises(ValueError, match=r"draft_vocab=4096, ffn=192: .* over max_head_bytes"):
+        check_head_size(run, cfg)
+    assert check_head_size(RealHeadRun(target="t", out="o", max_head_bytes=None), cfg) > 0
 
 
 def test_cli_recipe_and_flags(monkeypatch):

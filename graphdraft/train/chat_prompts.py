@@ -2,10 +2,13 @@
 
 EAGLE-3 trains its head on the target's own responses to a prompt set. Here the prompts are
 - code: every documented public function, method and class of the Python standard
-  library's sources (`graphdraft.io.corpus`, held-out documents excluded), each asked in
-  `forms_per_function` of `CODE_FORMS` (functions: complete it from its signature and
-  docstring, write it from its summary, explain, test, document, review, simplify it, show
-  a call) or `CLASS_FORMS` (classes);
+  library's sources (`graphdraft.io.corpus`, held-out documents excluded). A function is
+  always asked as HumanEval asks (`HUMANEVAL_FORM` over the function laid out as a HumanEval
+  problem, `humaneval_layout`) and in `forms_per_function - 1` more of `CODE_FORMS` (write
+  it from its summary, explain, test, document, review, simplify it, show a call); a class
+  in `forms_per_function` of `CLASS_FORMS`;
+- typed problems with `>>>` examples in HumanEval's layout (`graphdraft.train.code_problems`,
+  `problem_prompts`);
 - prose: `PROSE_TEMPLATES` x `PROSE_TOPICS` (instructions over everyday, science, history
   and practical topics).
 Both are disjoint from the evaluation sets of `perf/real.py` (HumanEval's problems; its own
@@ -21,9 +24,12 @@ import textwrap
 from dataclasses import dataclass
 
 from graphdraft.io.corpus import documents, is_held_out
+from graphdraft.train.code_problems import problems
 
+HUMANEVAL_FORM = "Complete the following Python function:\n```python\n{stub}```"
+"""How `perf/real.py` asks HumanEval (its `HUMANEVAL_FORM`, the problem as `stub`)."""
 CODE_FORMS = (
-    "Complete the following Python function:\n```python\n{stub}```",
+    HUMANEVAL_FORM,
     "Write a Python function `{name}` that does the following: {summary}",
     "Explain what this Python function does, step by step:\n```python\n{source}```",
     "Write a few pytest unit tests for this function:\n```python\n{stub}```",
@@ -151,6 +157,38 @@ class Function:
     """The docstring's first sentence."""
     where: str
     is_class: bool = False
+    humaneval_stub: str = ""
+    """The definition laid out as a HumanEval problem (`humaneval_layout`; functions only)."""
+
+
+TYPING_NAMES = frozenset({"Any", "Callable", "Dict", "FrozenSet", "Iterable", "Iterator",
+                          "List", "Mapping", "Optional", "Sequence", "Set", "Tuple", "Type",
+                          "Union"})
+
+
+def humaneval_layout(node: ast.FunctionDef, doc: str) -> str:
+    """A function (a method without its `self` / `cls`) as HumanEval lays a problem out: a
+    `from typing import ...` header when its annotations use those names, two blank lines,
+    the signature, the docstring indented by four (opened on its own line or on the quotes'
+    line, by the name's length) and nothing after it."""
+    a = node.args
+    posonly, plain = list(a.posonlyargs), list(a.args)
+    first = (posonly or plain)[:1]
+    if first and first[0].arg in ("self", "cls"):
+        (posonly if posonly else plain).pop(0)
+        n_defaults = len(a.defaults)
+        a = ast.arguments(posonlyargs=posonly, args=plain, vararg=a.vararg,
+                          kwonlyargs=a.kwonlyargs, kw_defaults=a.kw_defaults, kwarg=a.kwarg,
+                          defaults=a.defaults[max(0, n_defaults - len(posonly) - len(plain)):])
+    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    names = {n.id for part in (a, node.returns) if part is not None
+             for n in ast.walk(part) if isinstance(n, ast.Name)}
+    used = sorted(names & TYPING_NAMES)
+    header = f"from typing import {', '.join(used)}\n\n\n" if used else "\n\n"
+    lines = doc.strip().splitlines()
+    body = "\n".join(f"    {ln}" if ln.strip() else "" for ln in lines)
+    opened = f'    """ {body.lstrip()}' if len(node.name) % 2 else f'    """\n{body}'
+    return f"{header}def {node.name}({ast.unparse(a)}){ret}:\n{opened}\n    \"\"\"\n"
 
 
 def _definitions(tree: ast.Module) -> list[ast.FunctionDef | ast.ClassDef]:
@@ -189,8 +227,9 @@ def _functions_of(name: str, text: str, max_source: int) -> list[Function]:
             source = stub  # a class is asked about from its stub
         summary = doc.strip().split("\n\n")[0].replace("\n", " ")
         summary = summary.split(". ")[0].rstrip(".") + "."
+        is_class = isinstance(node, ast.ClassDef)
         out.append(Function(node.name, stub, source.rstrip("\n") + "\n", summary, name,
-                            isinstance(node, ast.ClassDef)))
+                            is_class, "" if is_class else humaneval_layout(node, doc)))
     return out
 
 
@@ -207,18 +246,30 @@ def stdlib_functions(max_source: int = 2000, limit: int | None = None) -> list[F
 
 def code_prompts(limit: int | None = None, seed: int = 0, forms_per_function: int = 4
                  ) -> list[str]:
-    """`forms_per_function` user messages per definition (distinct forms of `CODE_FORMS` /
-    `CLASS_FORMS` drawn with `seed`), shuffled; `limit` first."""
+    """`forms_per_function` user messages per definition, shuffled; `limit` first. A function
+    is always asked in HumanEval's form (`HUMANEVAL_FORM` over its `humaneval_stub`), plus
+    `forms_per_function - 1` distinct other forms of `CODE_FORMS` drawn with `seed`; a class
+    in `forms_per_function` forms of `CLASS_FORMS`."""
     rng = random.Random(seed)
     out = []
     need = None if limit is None else -(-limit // forms_per_function)
     for f in stdlib_functions(limit=need):
-        forms = CLASS_FORMS if f.is_class else CODE_FORMS
-        for form in rng.sample(forms, min(forms_per_function, len(forms))):
-            out.append(form.format(stub=f.stub, name=f.name, summary=f.summary,
-                                   source=f.source))
+        if f.is_class:
+            forms = rng.sample(CLASS_FORMS, min(forms_per_function, len(CLASS_FORMS)))
+        else:
+            out.append(HUMANEVAL_FORM.format(stub=f.humaneval_stub))
+            others = CODE_FORMS[1:]
+            forms = rng.sample(others, min(forms_per_function - 1, len(others)))
+        out += [form.format(stub=f.stub, name=f.name, summary=f.summary, source=f.source)
+                for form in forms]
     rng.shuffle(out)
     return out[:limit] if limit is not None else out
+
+
+def problem_prompts(limit: int, seed: int = 0) -> list[str]:
+    """`limit` typed problems with examples (`graphdraft.train.code_problems`) in HumanEval's
+    form."""
+    return [HUMANEVAL_FORM.format(stub=p) for p in problems(limit, seed)]
 
 
 def prose_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
@@ -228,9 +279,13 @@ def prose_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
     return out[:limit] if limit is not None else out
 
 
-def training_prompts(code: int, prose: int, seed: int = 0) -> list[tuple[str, str]]:
-    """(kind, text) of up to `code` code and `prose` prose prompts, interleaved at random."""
-    items = ([("code", p) for p in code_prompts(code, seed)]
+def training_prompts(code: int, prose: int, seed: int = 0, typed_problems: int = 0,
+                     forms_per_function: int = 4) -> list[tuple[str, str]]:
+    """(kind, text) of up to `code` stdlib code prompts (`forms_per_function` each),
+    `typed_problems` typed problems (kind "code") and `prose` prose prompts, interleaved at
+    random."""
+    items = ([("code", p) for p in code_prompts(code, seed, forms_per_function)]
+             + [("code", p) for p in problem_prompts(typed_problems, seed)]
              + [("prose", p) for p in prose_prompts(prose, seed)])
     random.Random(seed + 1).shuffle(items)
     return items

@@ -1,8 +1,10 @@
 """Train an EAGLE-3 head for a pretrained chat target (e.g. SmolLM2-135M-Instruct), the EAGLE-3 way.
 
+0. The head's size (`check_head_size`: `max_head_bytes`) before anything else.
 1. Prompts (`graphdraft.train.chat_prompts`: stdlib functions and classes as code requests,
-   instruction templates over everyday topics), each one user message under the target's
-   chat template.
+   each function also laid out and asked as HumanEval asks; typed problems with `>>>`
+   examples in HumanEval's layout (`graphdraft.train.code_problems`); instruction templates
+   over everyday topics), each one user message under the target's chat template.
 2. Responses: the target's own (`graphdraft.train.responses`): graphdraft's `Engine`, target
    only, CUDA graphs, `gen_batch` requests live; per prompt one greedy response and
    `responses_per_prompt - 1` sampled at `sample_temperature` (distinct seeds), up to
@@ -73,6 +75,11 @@ class RealHeadRun(HeadTraining):
     """A converted target directory (config.json, safetensors, tokenizer.json) or a .gguf file."""
     out: str
     code_prompts: int = 8000
+    """Standard-library code prompts at most (`chat_prompts.code_prompts`)."""
+    forms_per_function: int = 4
+    """Prompts per stdlib definition: HumanEval's form and `forms_per_function - 1` others."""
+    typed_problems: int = 0
+    """Typed problems with `>>>` examples in HumanEval's layout (`code_problems`)."""
     prose_prompts: int = 2240
     responses_per_prompt: int = 2
     """Responses per prompt: the first greedy, the others sampled at `sample_temperature`."""
@@ -89,7 +96,11 @@ class RealHeadRun(HeadTraining):
     draft_vocab: int = 1536
     ffn: int = 192
     """Draft vocabulary and MLP width: for SmolLM2-135M (hidden 576) a 3.65 M-parameter head,
-    7.37 MB in bf16 with d2t / t2d (the shipped assets stay under 20 MB)."""
+    7.37 MB in bf16 with d2t / t2d; each draft id adds 1,160 bytes (a bf16 LM-head row and a
+    d2t entry), each MLP unit 3,456."""
+    max_head_bytes: int | None = None
+    """The saved model.safetensors may not exceed this (`predicted_head_bytes`, checked before
+    any response is generated); None: no limit."""
     ttt_steps: int = 5
     batch_tokens: int = 16384
     """Tokens a training step takes at most (its sequences padded to the longest)."""
@@ -236,6 +247,33 @@ def load_chat_target(path: str, device: torch.device) -> tuple[LlamaForCausalLM,
     return target, tokenizer, d
 
 
+SAFETENSORS_HEADER_BYTES = 2048
+"""A bound on the safetensors header of a saved head (its JSON of tensor names and shapes)."""
+
+
+def predicted_head_bytes(target_config, draft_vocab: int, ffn: int, save_dtype: str) -> int:
+    """model.safetensors bytes of a head `new_chat_head` builds for a target of `target_config`
+    (its weights in `save_dtype`, d2t int64 `[draft_vocab]`, t2d bool `[vocab]`), at most."""
+    cfg = target_config.replace(num_hidden_layers=1, intermediate_size=ffn,
+                                draft_vocab_size=draft_vocab, tie_word_embeddings=False)
+    with torch.device("meta"):
+        head = Eagle3DraftHead(cfg, torch.float32)
+    n = sum(p.numel() for name, p in head.named_parameters() if name != "embed_tokens")
+    width = torch.empty((), dtype=getattr(torch, save_dtype)).element_size()
+    return n * width + 8 * draft_vocab + target_config.vocab_size + SAFETENSORS_HEADER_BYTES
+
+
+def check_head_size(run: RealHeadRun, target_config) -> int:
+    """`predicted_head_bytes` of `run`'s head; ValueError naming draft_vocab / ffn when it
+    exceeds `run.max_head_bytes` (checked before any GPU minute is spent)."""
+    size = predicted_head_bytes(target_config, run.draft_vocab, run.ffn, run.save_dtype)
+    if run.max_head_bytes is not None and size > run.max_head_bytes:
+        raise ValueError(f"draft_vocab={run.draft_vocab}, ffn={run.ffn}: the head would be "
+                         f"{size:,} bytes, over max_head_bytes={run.max_head_bytes:,}; expected "
+                         f"a smaller draft vocabulary or MLP")
+    return size
+
+
 def new_chat_head(target: LlamaForCausalLM, hot: torch.Tensor, ffn: int, seed: int
                   ) -> Eagle3DraftHead:
     """An fp32 head (one layer of the target's attention shape, `ffn` MLP width, draft vocab
@@ -379,7 +417,9 @@ def train_real_head(run: RealHeadRun) -> dict:
     target, tokenizer, target_dir = load_chat_target(run.target, device)
     phases = {"load_seconds": round(log.elapsed(), 1)}
     log(f"target: {target_dir} ({target.dtype}, {device})")
-    prompts = training_prompts(run.code_prompts, run.prose_prompts, run.seed)
+    check_head_size(run, target.config)
+    prompts = training_prompts(run.code_prompts, run.prose_prompts, run.seed,
+                               run.typed_problems, run.forms_per_function)
     phases["prompts_seconds"] = round(log.elapsed() - phases["load_seconds"], 1)
     log(f"prompts: {len(prompts)} built")
     gen_stop, train_stop = _deadlines(run, log)
@@ -414,17 +454,22 @@ def train_real_head(run: RealHeadRun) -> dict:
     return summary
 
 
-GPU_RECIPE = {"device": "cuda", "code_prompts": 24000, "prose_prompts": 12000,
-              "responses_per_prompt": 2, "gen_batch": 512, "gen_max_minutes": 1.75,
-              "draft_vocab": 1536, "ffn": 192, "ttt_steps": 5, "batch": 64,
-              "batch_tokens": 16384, "steps": 100000, "lr": 1.5e-3, "warmup": 200,
-              "max_minutes": 4.5, "deadline_minutes": 7.8, "compile": False, "log_every": 250}
-"""One GPU, at most 7.8 minutes from the start (conversion and loading included): responses
-for up to 1.75 minutes (encoding and the engine's capture included; CUDA graphs, 512 live),
-then up to 4.5 minutes of training, stopped earlier if the deadline needs it; the held-out
-evaluation and the save fit in the rest."""
-CPU_SMOKE_RECIPE = {"device": "cpu", "code_prompts": 6, "prose_prompts": 6, "max_new_tokens": 12,
-                    "max_prompt_tokens": 200, "gen_batch": 8, "batch": 4, "batch_tokens": 512,
+GPU_RECIPE = {"device": "cuda", "code_prompts": 40000, "forms_per_function": 6,
+              "typed_problems": 4000, "prose_prompts": 12000, "responses_per_prompt": 2,
+              "gen_batch": 512, "gen_max_minutes": 2.25, "draft_vocab": 1920, "ffn": 192,
+              "max_head_bytes": 7_850_000, "ttt_steps": 5, "batch": 64, "batch_tokens": 16384,
+              "steps": 100000, "lr": 1.5e-3, "warmup": 200, "max_minutes": 6.6,
+              "deadline_minutes": 9.2, "compile": False, "log_every": 250}
+"""One GPU, at most 9.2 minutes from the start (loading included; convert the GGUF before):
+responses for up to 2.25 minutes (encoding and the engine's capture included; CUDA graphs, 512
+live) to every stdlib function in HumanEval's form and 5 more forms, 4,000 typed problems and
+the prose prompts, then training until the deadline (6.6 minutes at most); the held-out
+evaluation and the save fit in the rest. The head: draft vocabulary 1,920 (from 1,536: the
+shipped assets must stay under 20 MB in all, the other assets take 12.14 MB, so this head's
+weights may take 7.85 MB; 1,920 ids and MLP 192 predict 7.81 MB)."""
+CPU_SMOKE_RECIPE = {"device": "cpu", "code_prompts": 6, "typed_problems": 2, "prose_prompts": 6,
+                    "max_new_tokens": 12, "max_prompt_tokens": 200, "gen_batch": 8, "batch": 4,
+                    "batch_tokens": 512,
                     "steps": 4, "draft_vocab": 96, "ffn": 64, "ttt_steps": 3, "log_every": 1,
                     "warmup": 2, "compile": False, "save_dtype": "float32"}
 """A CPU smoke run (tests, tiny targets): a few prompts and steps, nothing learned."""
