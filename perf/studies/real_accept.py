@@ -26,7 +26,7 @@ every response position, whether draft k agrees with the target's greedy token g
   vocabulary (never acceptable), the share of each depth's rejections they cause, the accept
   length if they were accepted whenever the earlier drafts were (`oov_ceiling_*`: the most a
   larger draft vocabulary could give with this head's ranking), and the most frequent of them.
-Writes `DIR/real_accept.json`. `torch.set_num_threads(--threads)` (default 1: a shared host).
+Writes `DIR/real_accept.json` (with each set's output ids, `outputs`). `torch.set_num_threads(--threads)` (default 1: a shared host).
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def run_set(name: str, texts: list[str], target, head, tok, a) -> dict:
     res["prompts"] = len(prompts)
     res["new_tokens"] = a.new_tokens
     res["sample_output"] = tok.decode(outs[0])[:600]
+    res["outputs"] = outs
     return res
 
 
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, texts in sets.items():
         doc["sets"][name] = run_set(name, texts, target, head, tok, a)
         print(json.dumps({k: v for k, v in doc["sets"][name].items()
-                          if k not in ("sample_output", "top_oov_tokens")}), flush=True)
+                          if k not in ("sample_output", "top_oov_tokens", "outputs")}),
+              flush=True)
         out.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0
