@@ -115,13 +115,14 @@ async def closed_loop(url: str, bodies: list[dict], leave: list[int | None],
     return out
 
 
-def _worker_main(args: tuple) -> tuple[float, float, list[dict]]:
+def _worker_main(args: tuple) -> tuple[float, float, list[dict], float]:
+    """(start, end, results, CPU seconds this worker process used for them)."""
     url, bodies, leave, concurrency, start_at = args
     while time.monotonic() < start_at:  # every worker starts together
         time.sleep(0.001)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     res = asyncio.run(closed_loop(url, bodies, leave, concurrency))
-    return t0, time.monotonic(), res
+    return t0, time.monotonic(), res, time.process_time() - cpu0
 
 
 def run_level(pool, url: str, bodies: list[dict], concurrency: int,
@@ -135,7 +136,8 @@ def run_level(pool, url: str, bodies: list[dict], concurrency: int,
     start_at = time.monotonic() + 0.5
     parts = pool.map(_worker_main, [(url, b, lv, c, start_at) for b, lv, c in shares])
     wall = max(p[1] for p in parts) - min(p[0] for p in parts)
-    return {"wall_s": wall, "results": [r for p in parts for r in p[2]]}
+    return {"wall_s": wall, "results": [r for p in parts for r in p[2]],
+            "client_cpu_s": [p[3] for p in parts]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,6 +179,18 @@ class ServerProcess:
             return json.loads(self.core_times.read_text())
         except (OSError, ValueError):
             return None
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by the HTTP process and the engine process."""
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu(pid: int) -> float:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return 0.0
+            return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return {"http": cpu(self.proc.pid), "engine": cpu(self.engine_pid)}
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory (MB) of the HTTP process ("http"), the engine process ("engine")
@@ -295,9 +309,11 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
             before = server.engine_counts()
             core0 = server.core_snapshot()
             m0 = server.metrics() if core0 is not None else None
+            cpu0 = server.cpu_seconds()
             passes = [run_level(pool, server.url, bodies_for(prompts, n, a.max_tokens, r * n), c,
                                 workers=a.client_workers) for r in range(a.reps)]
             row = summarize(c, passes)
+            row["cpu"] = cpu_use(cpu0, server.cpu_seconds(), passes)
             after = server.engine_counts()
             row["server_steps"] = after["steps"] - before["steps"]
             row["server_mixed_steps"] = row["server_steps"] - (after["decode_cycles"]
@@ -308,6 +324,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
                 print(f"server c={c} engine core: {json.dumps(row['core'])}", flush=True)
             print(f"server c={c}: {row['server_tps']:,.0f} tok/s, {row['req_per_s']} req/s, "
                   f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
+                  f"CPU use (of one CPU) {json.dumps(row['cpu'])}, "
                   f"failed {row['failed']}/{row['requests']}, steps {row['server_steps']}, "
                   f"prefill / mixed steps {row['server_mixed_steps']}", flush=True)
             report["rows"].append(row)
@@ -319,6 +336,20 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
     print(f"server exit code {report['server_exit_code']}, engine process left: "
           f"{report['engine_process_left']}", flush=True)
     return report
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], passes: list[dict]) -> dict:
+    """Per level, each process's CPU use as a fraction of one CPU over the repetitions' wall
+    time (1.0: a process that used one CPU all the time, e.g. a saturated event loop): the
+    HTTP process, the engine process, and the client workers (the busiest one, and all of
+    them together)."""
+    wall = sum(p["wall_s"] for p in passes)
+    per_worker = [sum(x) for x in zip(*(p["client_cpu_s"] for p in passes), strict=True)]
+    return {"wall_s": round(wall, 3),
+            "http": round((after["http"] - before["http"]) / wall, 3),
+            "engine": round((after["engine"] - before["engine"]) / wall, 3),
+            "client_busiest": round(max(per_worker) / wall, 3),
+            "clients": round(sum(per_worker) / wall, 3)}
 
 
 def core_delta(before: dict, after: dict | None) -> dict:
