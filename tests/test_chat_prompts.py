@@ -139,6 +139,8 @@ def test_stdlib_functions_are_asked_in_humaneval_form_and_layout():
     prompts = code_prompts(limit=4 * len(funcs) + 40, forms_per_function=4)
     asked = {p for p in prompts if p.startswith(HUMANEVAL_FORM.split("{")[0])}
     assert {HUMANEVAL_FORM.format(stub=f.humaneval_stub) for f in funcs} <= asked
+    with pytest.raises(ValueError, match="forms_per_function: expected at least 1, got 0"):
+        code_prompts(limit=4, forms_per_function=0)
 
 
 def test_typed_problems_examples_are_the_reference_answers_and_not_humaneval():
@@ -157,6 +159,9 @@ def test_typed_problems_examples_are_the_reference_answers_and_not_humaneval():
         for _, args, result in calls:
             values = ast.literal_eval(f"({args},)")
             assert repr(fam.solve(*values)) == result, (fn.name, args)
+    from graphdraft.train.chat_prompts import problem_prompts
+    with pytest.raises(ValueError, match="typed_problems: expected a count >= 0, got -1"):
+        problem_prompts(-1)
     he = _humaneval_problems()
     entry = {m for p in he for m in re.findall(r"^def (\w+)\(", p, re.M)}
     assert not entry & {n for f in FAMILIES for n in f.names}

@@ -250,6 +250,8 @@ def code_prompts(limit: int | None = None, seed: int = 0, forms_per_function: in
     is always asked in HumanEval's form (`HUMANEVAL_FORM` over its `humaneval_stub`), plus
     `forms_per_function - 1` distinct other forms of `CODE_FORMS` drawn with `seed`; a class
     in `forms_per_function` forms of `CLASS_FORMS`."""
+    if forms_per_function < 1:
+        raise ValueError(f"forms_per_function: expected at least 1, got {forms_per_function}")
     rng = random.Random(seed)
     out = []
     need = None if limit is None else -(-limit // forms_per_function)
@@ -269,6 +271,8 @@ def code_prompts(limit: int | None = None, seed: int = 0, forms_per_function: in
 def problem_prompts(limit: int, seed: int = 0) -> list[str]:
     """`limit` typed problems with examples (`graphdraft.train.code_problems`) in HumanEval's
     form."""
+    if limit < 0:
+        raise ValueError(f"typed_problems: expected a count >= 0, got {limit}")
     return [HUMANEVAL_FORM.format(stub=p) for p in problems(limit, seed)]
 
 
