@@ -366,15 +366,17 @@ these (the grid sized for the engine's bound; each row's chunk still follows its
 
 
 def rule_splits(site: AttentionSite, bs: int, n: int, mc: ModelConfig, device: str) -> int:
-    """The split count the kernels pick for bs rows of n tokens under the site's bound (decode:
-    `decode_attention.decode_split_plan`; verify: `extend_attention.extend_launch`)."""
+    """The split count the kernels' rule picks for bs rows of n tokens (one query block each)
+    under the site's bound (decode: `default_num_splits`; verify: `extend_num_splits` over
+    its tile's BLOCK_N), fitted (`fit_splits`)."""
     hkv, dev = mc.num_key_value_heads, torch.device(device)
     if n == 1:
-        return decode_attention.decode_split_plan(bs, hkv, site.bound, dev, site.kernels)[0]
+        want = decode_attention.default_num_splits(bs, hkv, site.bound, dev, kernels=site.kernels)
+        return decode_attention.fit_splits(want, site.bound, site.kernels.decode_block_n)[0]
     g_pad = triton.next_power_of_2(mc.num_attention_heads // hkv)
-    return extend_attention.extend_launch(bs, hkv, g_pad, n, site.bound, ragged=False,
-                                          dot_fp32=False, num_splits=None, device=dev,
-                                          kernels=site.kernels).splits
+    block_n = extend_attention.tile_config(n, g_pad, kernels=site.kernels)[1]
+    want = extend_attention.extend_num_splits(bs * hkv, site.bound, block_n, dev)
+    return decode_attention.fit_splits(want, site.bound, block_n)[0]
 
 
 def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -> list[dict]:

@@ -20,14 +20,11 @@ import triton
 from graphdraft.kernels.config import TRITON
 from graphdraft.kernels.decode_attention import (
     MAX_CHUNK,
-    ROW_GRID_PER_SM,
     ROW_SPLITS_FROM,
-    decode_split_plan,
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
     row_chunk_host,
-    row_grid_splits,
     row_split_fill,
 )
 from graphdraft.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
@@ -66,7 +63,8 @@ def test_row_chunk_is_the_host_rule_at_the_rows_own_length(rows, hkv):
     grid's split count), covers [0, L) with at most the grid's splits, and a row at the
     bound gets the host's own chunk."""
     bound, block = 131072 + 1024, 64
-    splits, host_chunk = decode_split_plan(rows, hkv, bound, CPU)
+    splits = default_num_splits(rows, hkv, bound, CPU)
+    host_chunk = triton.cdiv(triton.cdiv(bound, splits), block) * block
     fill = row_split_fill(rows * hkv, splits, bound, CPU)
     assert fill == triton.cdiv(2 * 132, rows * hkv) or splits == 1
     for n in (1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 8192, 32768, 131072,
@@ -92,28 +90,12 @@ def test_row_splits_switch():
     assert row_split_fill(1000, 2, 1 << 17, CPU) == 1
 
 
-def test_the_grid_of_rows_that_follow_their_length():
-    """Past ROW_SPLITS_FROM the grid holds at most ROW_GRID_PER_SM programs per SM (132 SMs on
-    a CPU): bs 1 / 8 / 32 at a 131k bound (the rule asked 264 / 33 / 9); up to the bound, or
-    with row_splits False, the rule's count as before; one split stays one."""
-    bound = 131072 + 519
-    assert ROW_GRID_PER_SM == 4
-    assert [decode_split_plan(bs, 8, bound, CPU)[0] for bs in (1, 8, 32, 64)] == [65, 9, 3, 1]
-    assert [default_num_splits(bs, 8, bound, CPU) for bs in (1, 8, 32)] == [264, 33, 9]
-    assert decode_split_plan(1, 8, bound, CPU, row_splits=False)[0] == 258  # 264 fitted
-    # a bound up to 8192: as before (33 fitted to 256-position chunks: 32); forced on: the
-    # rule's 33 is under the cap of 66 (fitted: 32)
-    assert decode_split_plan(1, 8, ROW_SPLITS_FROM, CPU) == (32, 256)
-    assert decode_split_plan(1, 8, 4096, CPU, row_splits=True) == (32, 128)
-    assert row_grid_splits(264, 8, bound, CPU) == 66 and row_grid_splits(264, 8, 4096, CPU) == 264
-    assert decode_split_plan(1, 8, bound, CPU, num_splits=129)[0] == 129  # asked: not capped
-
-
 def test_a_4k_row_of_a_128k_engine_splits_as_a_4k_engine_would():
     """The case that motivated the rule: bs 1, 8 kv heads, a 131k bound."""
     bound, block = 131072 + 1024, 64
-    splits, host_chunk = decode_split_plan(1, 8, bound, CPU)
-    assert triton.cdiv(4096, host_chunk) == 2  # the host's chunk: 2 of 65 splits work
+    splits = default_num_splits(1, 8, bound, CPU)
+    host_chunk = triton.cdiv(triton.cdiv(bound, splits), block) * block
+    assert triton.cdiv(4096, host_chunk) == 8  # the host's chunk: 8 of 264 splits work
     fill = row_split_fill(8, splits, bound, CPU)
     chunk = row_chunk_host(4096, host_chunk, splits, fill, MAX_CHUNK, block)
     own = default_num_splits(1, 8, 4096, CPU)  # 33: a 4k engine's chunk of 128, 32 splits work

@@ -20,11 +20,10 @@ Splits that follow each row's length (long contexts): ``max_kv_len`` is a host b
 context limit, fixed when a graph is captured), so a chunk sized from it leaves a short row of a
 long-context engine on a few splits (a 4k row of a 128k engine: 8 of 264). Past
 `ROW_SPLITS_FROM` (or with ``row_splits=True``) the grid keeps the split count chosen for
-``max_kv_len`` (the most any row uses), capped at `ROW_GRID_PER_SM` programs per SM
-(`row_grid_splits`), and each program computes its own row's chunk on the device from
-``kv_lens[t]`` (`row_chunk`: `default_num_splits`' rule for that length within the grid, read
-inside the graph at every replay); the splits past the row's last exit at once, and the combine
-reads the ones that wrote. A row of length ``max_kv_len`` gets the host's own chunk.
+``max_kv_len`` (the most any row uses) and each program computes its own row's chunk on the
+device from ``kv_lens[t]`` (`row_chunk`: `default_num_splits`' rule for that length, read inside
+the graph at every replay); the splits past the row's last exit at once, and the combine reads
+the ones that wrote. A row of length ``max_kv_len`` gets the host's own chunk.
 
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
@@ -60,8 +59,7 @@ from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
-           "default_num_splits", "decode_split_plan", "row_grid_splits", "row_split_fill",
-           "row_chunk_host", "rows_follow_their_length", "ROW_GRID_PER_SM", "ROW_SPLITS_FROM"]
+           "default_num_splits", "row_split_fill", "row_chunk_host", "ROW_SPLITS_FROM"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REF_DTYPES = (*_DTYPES, torch.float64)
@@ -75,12 +73,6 @@ ROW_SPLITS_FROM = 8192
 """Largest `max_kv_len` that keeps one host-chosen chunk for every row; above it each row's chunk
 follows its own length (`row_chunk`). Contexts up to 8192 (the default `max_context_len` 4096,
 the verify study's kv 4096 + 64) launch exactly as before."""
-ROW_GRID_PER_SM = 4
-"""Rows that follow their length (`rows_follow_their_length`): the grid's split count at most
-this many programs per SM in all (`row_grid_splits`), whatever the chunk rule asks for the bound:
-the long rows then walk long chunks, which the split sweep of a 131k bound measured faster than
-the rule's short ones for decode and verify rows at bs 1, 8 and 32 (perf/RESULTS.md 2026-12-06h);
-short rows keep the splits they fill (`row_split_fill`)."""
 ROW_MAX_CHUNK = tl.constexpr(MAX_CHUNK)
 """`MAX_CHUNK` as the kernels read it (`row_chunk`'s max_chunk in decode attention)."""
 COMBINE_SB = 64
@@ -348,22 +340,6 @@ def default_num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int, device
     return max(1, min(want, triton.cdiv(8 * target, programs), triton.cdiv(max_kv_len, block_n)))
 
 
-def rows_follow_their_length(max_kv_len: int, row_splits: bool | None = None) -> bool:
-    """Whether each row's chunk follows its own length: ``row_splits``, or (None) a bound past
-    `ROW_SPLITS_FROM`."""
-    return bool(row_splits) if row_splits is not None else max_kv_len > ROW_SPLITS_FROM
-
-
-def row_grid_splits(splits: int, programs: int, max_kv_len: int, device: torch.device,
-                    row_splits: bool | None = None) -> int:
-    """The grid's split count when the rule picked `splits` for `programs` (row, query block,
-    kv head) programs: with rows that follow their length (`rows_follow_their_length`) at
-    most ``cdiv(ROW_GRID_PER_SM * SMs, programs)``, else `splits`."""
-    if not rows_follow_their_length(max_kv_len, row_splits):
-        return splits
-    return max(1, min(splits, triton.cdiv(ROW_GRID_PER_SM * num_sms(device), max(1, programs))))
-
-
 def row_split_fill(programs: int, splits: int, max_kv_len: int, device: torch.device,
                    row_splits: bool | None = None) -> int:
     """The kernels' `row_fill` for a grid of `splits` splits over `programs` (row, kv head)
@@ -371,7 +347,8 @@ def row_split_fill(programs: int, splits: int, max_kv_len: int, device: torch.de
     (``row_splits`` None) when ``max_kv_len <= ROW_SPLITS_FROM``; else the splits that fill 2
     programs per SM, ``cdiv(2 * SMs, programs)`` (>= 1), from which each row's chunk follows
     its length (`row_chunk`)."""
-    if splits <= 1 or not rows_follow_their_length(max_kv_len, row_splits):
+    if splits <= 1 or row_splits is False or (row_splits is None
+                                              and max_kv_len <= ROW_SPLITS_FROM):
         return 0
     return max(1, triton.cdiv(2 * num_sms(device), max(1, programs)))
 
@@ -451,18 +428,12 @@ def fit_splits(splits: int, max_kv_len: int, block_n: int) -> tuple[int, int]:
     return max(1, min(splits, triton.cdiv(max(1, max_kv_len), chunk))), chunk
 
 
-def decode_split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device,
-                      kernels: KernelConfig | None = None, num_splits: int | None = None,
-                      row_splits: bool | None = None) -> tuple[int, int]:
-    """(splits, chunk) of a decode launch sized for `max_kv_len`: `num_splits`, or
-    :func:`default_num_splits` capped by :func:`row_grid_splits` (rows that follow their
-    length), fitted by :func:`fit_splits`."""
-    kc = resolve(kernels)
-    if num_splits is None:
-        splits = row_grid_splits(default_num_splits(T, Hkv, max_kv_len, device, kernels=kc),
-                                 T * Hkv, max_kv_len, device, row_splits)
-    else:
-        splits = max(1, int(num_splits))
+def _split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device, kc: KernelConfig,
+                num_splits: int | None) -> tuple[int, int]:
+    """(splits, chunk) of a decode launch sized for `max_kv_len`: `num_splits` or
+    :func:`default_num_splits`, fitted by :func:`fit_splits`."""
+    splits = (default_num_splits(T, Hkv, max_kv_len, device, kernels=kc) if num_splits is None
+              else max(1, int(num_splits)))
     return fit_splits(splits, max_kv_len, kc.decode_block_n)
 
 
@@ -512,7 +483,7 @@ def paged_decode_attention(
         out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    splits, chunk = decode_split_plan(T, Hkv, max_kv_len, q.device, kc, num_splits, row_splits)
+    splits, chunk = _split_plan(T, Hkv, max_kv_len, q.device, kc, num_splits)
     one = splits == 1
     row_fill = row_split_fill(T * Hkv, splits, max_kv_len, q.device, row_splits)
     d_pad = max(16, triton.next_power_of_2(D))

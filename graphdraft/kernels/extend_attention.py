@@ -36,8 +36,7 @@ where its log-sum-exp is finite.
 The split count (`extend_launch`, `extend_num_splits`): rows of few tokens (verify rows;
 `many_query_rows` False) split to fill 2 programs per SM and to keep chunks within
 `MAX_CHUNK` positions (up to ~16 programs per SM): their programs walk KV with a few query rows
-each, latency bound; with rows that follow their length (past `ROW_SPLITS_FROM`) the grid
-holds at most `decode_attention.ROW_GRID_PER_SM` programs per SM (long rows, long chunks). Rows spanning several query blocks of the largest tile (prefill chunks)
+each, latency bound. Rows spanning several query blocks of the largest tile (prefill chunks)
 split only to fill 2 programs per SM: their query blocks are the parallelism and each KV block
 is a whole tile of work. Their fp32 partials ``[T, Hq, splits, D]`` then do not grow with the
 context: with P = R * query blocks * Hkv programs below 2 * SMs, splits = cdiv(2 * SMs, P) and
@@ -87,7 +86,6 @@ from graphdraft.kernels.decode_attention import (
     fit_splits,
     paged_attention_torch,
     row_chunk,
-    row_grid_splits,
     row_split_fill,
 )
 from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
@@ -361,21 +359,16 @@ def extend_launch(R: int, Hkv: int, g_pad: int, max_extend: int, max_kv_len: int
     grouped heads (padded) and a `max_kv_len` bound: the tile (`tile_config`; ragged rows
     without mask bits, prefill chunks: the 16- or 128-row tile only; fp32 dots compiled for a
     GPU: the 16-row tile, FMA_TILE_CASES), `num_splits` or `extend_num_splits` (the SM term
-    only for `many_query_rows`) capped by `decode_attention.row_grid_splits` (rows that follow
-    their length), fitted by `fit_splits`. Pure host arithmetic."""
+    only for `many_query_rows`), fitted by `fit_splits`. Pure host arithmetic."""
     kc = resolve(kernels)
     block_m, block_n, warps = tile_config(max_extend, g_pad, kernels=kc, ragged=ragged,
                                           fma=dot_fp32 and not interpreting())
     n_qb = triton.cdiv(max_extend, block_m // g_pad)
-    programs = R * n_qb * Hkv
-    if num_splits is None:
-        splits = row_grid_splits(extend_num_splits(programs, max_kv_len, block_n, device,
-                                                   many_queries=many_query_rows(max_extend, g_pad)),
-                                 programs, max_kv_len, device, row_splits)
-    else:
-        splits = max(1, int(num_splits))
+    splits = (extend_num_splits(R * n_qb * Hkv, max_kv_len, block_n, device,
+                                many_queries=many_query_rows(max_extend, g_pad))
+              if num_splits is None else max(1, int(num_splits)))
     splits, chunk = fit_splits(splits, max_kv_len, block_n)
-    row_fill = row_split_fill(programs, splits, max_kv_len, device, row_splits)
+    row_fill = row_split_fill(R * n_qb * Hkv, splits, max_kv_len, device, row_splits)
     return ExtendLaunch(block_m, block_n, warps, n_qb, splits, chunk, row_fill)
 
 
