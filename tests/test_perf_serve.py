@@ -190,3 +190,42 @@ def test_the_offline_engine_gets_the_engine_process_threads(monkeypatch):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_mixed_step_phases_count_each_kind_of_step_and_restore_the_methods(engine):
+    """perf.mixed_step's phase timer: every phase wrapper comes off again, the steps are
+    split into mixed (a prompt to prefill) and other, and a mixed step spent time in the
+    target forward and the draft (no figure: CPU)."""
+    from graphdraft.runtime.drafter import EagleDrafter
+    from graphdraft.serving.cycles.base import DecodeMode
+    from graphdraft.serving.verify import SamplingParams
+    from perf import mixed_step
+
+    before = (DecodeMode.target_forward, EagleDrafter.draft_mixed, engine.step)
+    ph = mixed_step.phase_times(engine, _prompts(), SamplingParams(max_new_tokens=MAX_TOKENS,
+                                                                   ignore_eos=True), 2, 4)
+    assert (DecodeMode.target_forward, EagleDrafter.draft_mixed, engine.step) == before
+    assert ph["mixed_steps"] >= 2 and ph["other_steps"] >= 1
+    assert set(ph["mixed_ms"]) == {name for name, _, _ in mixed_step.PHASES}
+    assert ph["mixed_ms"]["target_forward"] > 0 and ph["mixed_ms"]["draft_mixed"] > 0
+    assert ph["other_ms"]["target_forward"] == 0
+
+
+def test_cpu_use_and_core_deltas_per_level():
+    passes = [{"wall_s": 2.0, "client_cpu_s": [0.5, 1.0]}, {"wall_s": 2.0, "client_cpu_s": [0.5, 0.2]}]
+    cpu = serve.cpu_use({"http": 1.0, "engine": 3.0}, {"http": 4.0, "engine": 5.0}, passes)
+    assert cpu == {"wall_s": 4.0, "http": 0.75, "engine": 0.5, "client_busiest": 0.3,
+                   "clients": 0.55}
+    before = {"seconds": {"step_mixed": 1.0}, "counts": {"turns": 10},
+              "requests": {"arrival_to_engine_s": 0.0, "arrival_to_first_ids_s": 1.0,
+                           "handed_over": 0, "first_ids": 100}}
+    after = {"seconds": {"step_mixed": 1.5}, "counts": {"turns": 30},
+             "requests": {"arrival_to_engine_s": 0.01, "arrival_to_first_ids_s": 1.5,
+                          "handed_over": 10, "first_ids": 150}}
+    d = serve.core_delta(before, after)
+    assert d["seconds"] == {"step_mixed": 0.5} and d["counts"] == {"turns": 20}
+    assert d["arrival_to_engine_ms"] == 1.0 and d["arrival_to_first_ids_ms"] == 10.0
+    m = "graphdraft_time_to_first_token_seconds"
+    assert serve.http_ttft_ms({m + "_sum": 1.0, m + "_count": 10},
+                              {m + "_sum": 1.5, m + "_count": 20}) == 50.0
+    assert serve.core_delta(before, None) == {} and serve.http_ttft_ms({}, {}) is None
