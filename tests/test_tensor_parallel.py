@@ -38,7 +38,8 @@ PROMPTS = [[5, 17, 3, 44, 9, 12], [60, 1, 2], [33, 33, 8, 19, 50, 7, 21, 4, 11],
 # ---------------------------------------------------------------------------
 def _record(eng: Engine) -> tuple[list, list]:
     """Wrap the decode mode's eager target forward (`DecodeMode.target_forward`: every step on
-    a CPU is eager) and the drafter's run to keep every step's logits and drafts."""
+    a CPU is eager) and the drafter's prefill / mixed-step drafting (`draft_mixed`) to keep
+    every step's logits and those steps' drafts."""
     logits, drafts = [], []
     target_forward = eng.mode.target_forward
 
@@ -49,14 +50,14 @@ def _record(eng: Engine) -> tuple[list, list]:
 
     eng.mode.target_forward = fwd
     if eng.drafter is not None:
-        run = eng.drafter.run
+        draft_mixed = eng.drafter.draft_mixed
 
         def draft(*a, **kw):
-            out = run(*a, **kw)
+            out = draft_mixed(*a, **kw)
             drafts.append(out.clone())
             return out
 
-        eng.drafter.run = draft
+        eng.drafter.draft_mixed = draft
     return logits, drafts
 
 
