@@ -188,6 +188,7 @@ class Engine:
         self.mode = self._build_mode(head, drafter)
         self.n_row, self.steps = self.mode.n_row, self.mode.steps
         self.drafter = self.mode.drafter
+        self.limits = EngineLimits.of(self)  # what a request must fit (constant from here)
         self._init_policy(cfg, head)
         self._init_host_state(seed)
 
@@ -617,7 +618,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        EngineLimits.of(self).check(prompt, params)
+        self.limits.check(prompt, params)
         return params
 
     def _admit(self) -> None:
@@ -633,7 +634,7 @@ class Engine:
                 except OutOfPagesError:
                     self.pages.free(slot)
                     break
-                self.slots.admit(slot, stop_ids=EngineLimits.of(self).stop_ids(req.params),
+                self.slots.admit(slot, stop_ids=self.limits.stop_ids(req.params),
                                  prompt=req.prompt, logit_bias=req.params.logit_bias,
                                  **device_row(req.params, req.seed))
                 req.slot = slot

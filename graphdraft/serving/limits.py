@@ -1,7 +1,7 @@
 """What an Engine can serve, as plain numbers: `EngineLimits` and its request check.
 
-`Engine.check_request` is `EngineLimits.of(engine).check`. The server's engine-core process
-reads the limits once from its Engine and sends them at start-up, so the HTTP process
+`Engine.limits` is `EngineLimits.of(engine)`, built once; `Engine.check_request` is its
+`check`. The server's engine-core process sends them at start-up, so the HTTP process
 answers 400 for a request that can never fit before anything is queued, and the largest
 `max_tokens` that fits, without asking the engine (tests/test_server.py compares the two).
 """

@@ -70,7 +70,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphdraft.serving.limits import EngineLimits
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
 from graphdraft.serving.verify import SamplingParams
 
@@ -172,7 +171,7 @@ def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
         _send_now(sock, ("failed", message, "user" if user else "internal",
                          "" if user else traceback.format_exc()))
         return
-    ready = dict(info, pid=os.getpid(), limits=asdict(EngineLimits.of(engine)))
+    ready = dict(info, pid=os.getpid(), limits=asdict(engine.limits))
     if not _send_now(sock, ("ready", ready)):
         return
     sock.setblocking(False)
