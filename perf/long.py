@@ -8,7 +8,16 @@ attention at 4k-128k tokens of KV against their HBM floors.
     python3 -m perf.long --tiny --out DIR [--no-useless]
         (CPU: a tiny pair through the same code, end to end; its timings mean nothing)
     python3 -m perf.long --attention-only --out DIR [--kv ...] [--bs ...] [--no-long-row]
+                         [--fused-combine off|on|both]
         (the attention columns alone, on synthetic pools: DIR/<tag>-<card>-long-attention.json)
+
+`--fused-combine` (`KernelConfig.decode_fused_combine`, the decode attention's one-launch
+split combine): off / on set it for every measurement (the engines' kernels too); unset: the
+config's own (the environment's). `both` (with `--attention-only`): the columns above with it
+off (two launches), and on the Triton path each row also gets the decode attention with it on:
+`attention_fused_ms`, `attention_fused_over_floor`, `attention_fused_speedup` (two-launch ms /
+fused ms) and the split sweep's `attention_fused_ms[splitsN]`, timed in the same run; the
+goal misses of the fused column under `goal_misses_fused`.
 
 One target (random bf16 weights, `perf.models_8b.build_target`) with Llama-3.1's rope scaling
 (`rope_type: "llama3"`, factor 8 over 8192 positions) and a RoPE table as long as the context,
@@ -66,6 +75,7 @@ import triton
 from graphdraft import ops
 from graphdraft.config import ModelConfig, RuntimeConfig
 from graphdraft.kernels import decode_attention, extend_attention
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.request import Request
 from graphdraft.serving.verify import SamplingParams
@@ -121,6 +131,8 @@ class Setup:
     block: int = 6
     target_cfg: ModelConfig = field(default_factory=lambda: LLAMA31_8B)
     head_cfg: ModelConfig = field(default_factory=lambda: LLAMA31_8B_HEAD)
+    fused_combine: bool | None = None
+    """`KernelConfig.decode_fused_combine` of every measurement (None: the config's own)."""
 
     @property
     def lookahead(self) -> int:
@@ -225,7 +237,10 @@ def engine_config(setup: Setup, groups: list[Group]) -> RuntimeConfig:
     largest group, the context of the longest row, fixed S = 3."""
     sizes = tuple(sorted({bs for g in groups for bs in g.batch_sizes}))
     pages = max(setup.pages(g.batch_sizes[0], g.kv) for g in groups)
+    kernels = (None if setup.fused_combine is None else
+               KernelConfig.from_env(decode_fused_combine=setup.fused_combine))
     return RuntimeConfig(
+        kernels=kernels,
         speculative_num_steps=STEPS, page_size=setup.page_size, max_running_requests=sizes[-1],
         max_context_len=setup.context_len, max_num_batched_tokens=setup.chunk,
         cuda_graph_max_bs=sizes[-1], cuda_graph_bs=sizes, num_kv_pages=pages,
@@ -379,9 +394,29 @@ def rule_splits(site: AttentionSite, bs: int, n: int, mc: ModelConfig, device: s
     return decode_attention.fit_splits(want, site.bound, block_n)[0]
 
 
-def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -> list[dict]:
+def fused_columns(row: dict, site: AttentionSite, slots: torch.Tensor, committed: torch.Tensor,
+                  mc: ModelConfig, setup: Setup) -> None:
+    """`--fused-combine both`: the decode attention of this row with the fused combine on
+    (`site`'s kernels with `decode_fused_combine`), at the rule's split count and the sweep's,
+    added to `row` beside the two-launch columns it already holds."""
+    site = replace(site, kernels=site.kernels.replace(decode_fused_combine=True))
+    ms = site_attention_ms(site, slots, committed, 1, mc, setup.dtype, setup.device)
+    row["attention_fused_ms"] = ms
+    row["attention_fused_over_floor"] = ms / row["attention_floor_ms"]
+    row["attention_fused_speedup"] = row["attention_ms"] / ms
+    default = row["attention_splits_default"]
+    for cut in SPLIT_SWEEP:
+        if default // cut >= 1 and (cut == 1 or default // cut < default):
+            row[f"attention_fused_ms[splits{default // cut}]"] = site_attention_ms(
+                site, slots, committed, 1, mc, setup.dtype, setup.device,
+                num_splits=default // cut)
+
+
+def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any,
+                   compare_fused: bool = False) -> list[dict]:
     """The attention columns of every (bs, kv) row on synthetic pools (`synthetic_site`, one
-    per group, its largest batch): no model, no engine."""
+    per group, its largest batch): no model, no engine. `compare_fused` (on the Triton path):
+    also the fused-combine decode columns (`fused_columns`; `kernels` should have it off)."""
     rows, mc = [], setup.target_cfg
     ms = lambda nbytes: nbytes / bw * 1e3
     for group in groups:
@@ -404,6 +439,8 @@ def attention_rows(setup: Setup, groups: list[Group], bw: float, kernels: Any) -
                             row[f"{key}_ms[splits{default // cut}]"] = site_attention_ms(
                                 site, slots, committed, n, mc, setup.dtype, setup.device,
                                 num_splits=default // cut)
+            if compare_fused and kernels.use_triton:
+                fused_columns(row, site, slots, committed, mc, setup)
             rows.append(row)
             print(f"[long] attention only: {row}", flush=True)
         del site
@@ -535,19 +572,33 @@ def _bandwidth_and_budget(setup: Setup, kv_budget: float | None) -> tuple[float,
     return bw, kv_budget
 
 
-def measure_attention(setup: Setup, kv_budget: float | None = None) -> dict[str, Any]:
+def _attention_misses(rows: list[dict], key: str) -> list[str]:
+    """The rows at kv >= ATTENTION_GOAL_KV whose `key` (an over-floor ratio) misses its goal."""
+    return [f"bs {r['bs']} kv {r['kv']}: {key} {r[key]:.2f}" for r in rows
+            if r["kv"] >= ATTENTION_GOAL_KV and key in r
+            and r[key] > GOALS["attention_over_floor"]]
+
+
+def measure_attention(setup: Setup, kv_budget: float | None = None,
+                      compare_fused: bool = False) -> dict[str, Any]:
     """`--attention-only`: the attention columns of the rows a full run would measure (the
-    same groups, bound and kernel config), on synthetic pools: seconds, not minutes."""
+    same groups, bound and kernel config), on synthetic pools: seconds, not minutes.
+    `compare_fused` (`--fused-combine both`): the main columns with the fused combine off, the
+    fused ones beside them (`fused_columns`)."""
     t0 = time.perf_counter()
     bw, kv_budget = _bandwidth_and_budget(setup, kv_budget)
     groups, skipped = plan_groups(setup, kv_budget)
-    rows = attention_rows(setup, groups, bw, engine_config(setup, groups).kernels)
-    over = [f"bs {r['bs']} kv {r['kv']}: attention_over_floor {r['attention_over_floor']:.2f}"
-            for r in rows if r["kv"] >= ATTENTION_GOAL_KV
-            and r["attention_over_floor"] > GOALS["attention_over_floor"]]
-    return {"copy_bw": bw, "context_len": setup.context_len, "page_size": setup.page_size,
-            "kv_budget_gib": kv_budget / 2**30, "skipped": skipped, "goals": GOALS,
-            "goal_misses": over, "rows": rows, "seconds": time.perf_counter() - t0}
+    if compare_fused:
+        setup = replace(setup, fused_combine=False)
+    kernels = engine_config(setup, groups).kernels
+    rows = attention_rows(setup, groups, bw, kernels, compare_fused=compare_fused)
+    out = {"copy_bw": bw, "context_len": setup.context_len, "page_size": setup.page_size,
+           "kv_budget_gib": kv_budget / 2**30, "skipped": skipped, "goals": GOALS,
+           "decode_fused_combine": "both" if compare_fused else kernels.decode_fused_combine,
+           "goal_misses": _attention_misses(rows, "attention_over_floor"), "rows": rows}
+    if compare_fused:
+        out["goal_misses_fused"] = _attention_misses(rows, "attention_fused_over_floor")
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def measure(setup: Setup, deadline_s: float, kv_budget: float | None = None) -> dict[str, Any]:
@@ -570,6 +621,7 @@ def measure(setup: Setup, deadline_s: float, kv_budget: float | None = None) -> 
     return {"copy_bw": bw, "context_len": setup.context_len, "page_size": setup.page_size,
             "chunk_tokens": setup.chunk, "new_tokens": setup.new_tokens, "steps": STEPS,
             "rope_scaling": target.config.rope_scaling, "kv_budget_gib": kv_budget / 2**30,
+            "decode_fused_combine": cfg.kernels.decode_fused_combine,
             "capture_s": {"target_only": base.capture_s, "spec": spec.capture_s},
             "prefills": base.prefills + spec.prefills, "skipped": skipped,
             "goals": GOALS, "goal_misses": goal_misses(rows), "rows": rows,
@@ -614,15 +666,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "same bound (no model, no engine; writes <tag>-<card>-long-attention.json)")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny pair on the CPU through the same code (timings meaningless)")
+    ap.add_argument("--fused-combine", choices=("off", "on", "both"), default=None,
+                    help="KernelConfig.decode_fused_combine for every measurement (default: the "
+                         "config's own); 'both' (with --attention-only): the decode attention "
+                         "with it off and on, in one run")
     a = ap.parse_args(argv)
     if a.deadline_s <= 0 or a.useless_deadline_s <= 0:
         ap.error("--deadline-s / --useless-deadline-s: expected seconds > 0")
+    if a.fused_combine == "both" and not a.attention_only:
+        ap.error("--fused-combine both: only with --attention-only (the engines take one form)")
     return a
 
 
 def attention_main(setup: Setup, a: argparse.Namespace, card: str, tag: str) -> int:
     """`--attention-only`: `measure_attention`, written to <tag>-<card>-long-attention.json."""
-    data = measure_attention(setup)
+    data = measure_attention(setup, compare_fused=a.fused_combine == "both")
     doc = {"device": torch.cuda.get_device_name() if card != "cpu" else "cpu (timings meaningless)",
            "card": card, "torch": torch.__version__, "tiny": a.tiny, **data}
     path = write_json(Path(a.out), f"{tag}-{card}-long-attention.json", doc)
@@ -632,20 +690,32 @@ def attention_main(setup: Setup, a: argparse.Namespace, card: str, tag: str) -> 
         print(f"| {r['bs']} | {r['kv']} | {r['attention_ms']:.3f} | {r['attention_over_floor']:.2f}x "
               f"| {r['verify_attention_ms']:.3f} | {r['verify_attention_over_floor']:.2f}x |")
     print("goal misses: " + ("; ".join(doc["goal_misses"]) or "none"))
+    if "goal_misses_fused" in doc:
+        print("\n| bs | kv | attn ms (two launches) | attn ms (fused) | fused/floor | speedup |")
+        print("|---|---|---|---|---|---|")
+        for r in doc["rows"]:
+            if "attention_fused_ms" in r:
+                print(f"| {r['bs']} | {r['kv']} | {r['attention_ms']:.3f} | "
+                      f"{r['attention_fused_ms']:.3f} | {r['attention_fused_over_floor']:.2f}x | "
+                      f"{r['attention_fused_speedup']:.2f}x |")
+        print("goal misses (fused): " + ("; ".join(doc["goal_misses_fused"]) or "none"))
     print(f"wrote {path} ({doc['seconds']:.0f} s)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    fused = {"off": False, "on": True}.get(a.fused_combine)  # both / unset: None here
     if a.tiny:
-        setup = Setup(**{**TINY, "long_kv": None if a.no_long_row else TINY["long_kv"]})
+        setup = Setup(**{**TINY, "long_kv": None if a.no_long_row else TINY["long_kv"],
+                         "fused_combine": fused})
     else:
         if not torch.cuda.is_available():
             print("perf.long needs a CUDA GPU (or --tiny on the CPU)")
             return 2
         setup = Setup(kv_lens=tuple(a.kv), batch_sizes=tuple(a.bs),
-                      long_kv=None if a.no_long_row else LONG_KV, device="cuda")
+                      long_kv=None if a.no_long_row else LONG_KV, device="cuda",
+                      fused_combine=fused)
     card = card_name(setup.device)
     tag = a.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     if a.attention_only:

@@ -30,6 +30,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows let the next kernel launch only when they end (a runtime argument) |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
 | `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
+| `decode_fused_combine` | (none yet: `KernelConfig.replace`; `perf.long --fused-combine`) | bool | off | decode attention over several splits combines them in its own last program per (row, kv head) (a split counter), no second launch (`kernels/decode_attention.py`, "Fused combine") |
 | `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x4` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
 | `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 2 | software-pipeline stages of the extend attention's split kernel, tile cases of 16-64 rows (verify, draft first step) |
 | `extend_prefill_stages` | `GRAPHDRAFT_EXTEND_PREFILL_STAGES` | int >= 1 | 3 | the same for the 128-row case (prefill chunks) |
@@ -130,6 +131,11 @@ class KernelConfig:
     (perf/RESULTS.md, third session run 8)."""
     pdl_early_loads: bool = True
     decode_block_n: int = 64
+    decode_fused_combine: bool = False
+    """Off until a GPU run shows the one-launch form faster (issue #42: the bs-1 decode
+    attention at long contexts is latency bound; `perf.long --attention-only --fused-combine
+    both` measures both forms). Not measured on a GPU yet; both forms give the same output
+    (tests/test_decode_attention_fused.py)."""
     extend_tiles: tuple[tuple[int, int, int], ...] = EXTEND_TILES
     """(BLOCK_M, BLOCK_N, num_warps) for the tile cases BLOCK_M 16, 32, 64, 128, in that order
     (`extend_attention.tile_config`). The 128-row case (prefill chunks) at 4 warps: a faster 8k
@@ -163,7 +169,8 @@ class KernelConfig:
         need(isinstance(self.gemm_routes, tuple) and all(_route_ok(r) for r in self.gemm_routes),
              "gemm_routes", "a tuple of ((card, row bucket, N, K), route) pairs, route 'cublaslt' or "
              "(block_m, block_n, block_k, split, swap_ab, num_warps, num_stages, tma)")
-        for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads", "gemv_swap_ab"):
+        for name in ("gemv_pdl", "stream_evict_first", "pdl", "pdl_early_loads", "gemv_swap_ab",
+                     "decode_fused_combine"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(self.finish_maxnreg is None or (_is_int(self.finish_maxnreg) and self.finish_maxnreg >= 1),
              "finish_maxnreg", "None or an int >= 1")

@@ -13,8 +13,8 @@ only up to ``kv_lens[t]`` (the last split also takes anything past
 ``num_splits * chunk``, so ``max_kv_len`` affects speed, never correctness).
 Stage 2, grid ``(T, Hq)``: combines the splits with their log-sum-exp (`combine_splits`, the
 one combine kernel of decode and extend attention), reading only the splits the row's length
-reaches, each block of `COMBINE_SB` splits' partials beside their log-sum-exps. With one split, stage 1 writes the output
-directly.
+reaches, each block of `COMBINE_SB` splits' partials beside their log-sum-exps. With one split,
+stage 1 writes the output directly; with the fused combine (below) stage 1's last program does.
 
 Splits that follow each row's length (long contexts): ``max_kv_len`` is a host bound (the
 context limit, fixed when a graph is captured), so a chunk sized from it leaves a short row of a
@@ -28,8 +28,8 @@ the ones that wrote. A row of length ``max_kv_len`` gets the host's own chunk.
 Fused form: ``q_index`` ``[T]`` reads row t's query from ``q[q_index[t]]`` (the gather of the
 attending rows out of all the step's tokens, instead of an ``index_select`` launch before).
 
-One compiled stage-1 kernel serves every mode: one split or several and the q_index gather are
-runtime choices of its prologue / epilogue (`num_splits == 1`, the `gather` flag, not
+One compiled stage-1 kernel serves every mode of a config: one split or several and the q_index
+gather are runtime choices of its prologue / epilogue (`num_splits == 1`, the `gather` flag, not
 specialized), never of its KV loop, and its pointers keep one dtype each (the output, the fp32
 partials and log-sum-exps, int64 q_index: a `placeholders.placeholder` where a mode reads none).
 
@@ -39,8 +39,33 @@ slots ``extra_slots[t, :num_extra]`` (token granular: a beam's ancestors in the 
 region), in the same online softmax: the split holding the row's last prefix position walks
 them after its chunk, so the combine is unchanged.
 
+Fused combine (`KernelConfig.decode_fused_combine`, off by default; issue #42: at bs 1 and long
+contexts the second launch and its dependency gap are a large share of a layer's attention):
+with several splits there is no stage 2. Each stage-1 program that the row reaches
+(``split < reached``, ``reached = min(cdiv(kv_len, chunk), num_splits)`` over the row's chunk,
+`row_chunk`'s, computed on the device; the programs past it exit early and are never counted;
+a row of length 0, outside the contract, gets no output) stores its partials and
+log-sum-exps as above, then adds 1 (``sem="acq_rel"``, after a CTA barrier) to the split counter
+of its (row t, kv head); the program that reads ``reached - 1`` back is the last: it sets the
+counter to 0 again and combines the G query heads of that kv head itself (`combine_row`, the
+combine's math written once: the same function `_combine_kernel` calls, so the output equals
+the two-launch form's; its loads bypass L1, ``.cg``). With one split nothing changes.
+The split counters (`split_counters`): one persistent int32 buffer per device, zeros, at least
+``T * Hkv`` entries (counter of (t, kvh) at ``t * Hkv + kvh``), kept in `_COUNTERS` (device ->
+buffer; a larger need makes a larger buffer and keeps the old one alive, since a captured graph
+holds its address). Contract: every counter is 0 between calls (each launch leaves what it
+found), so a CUDA graph replays with no reset of its own; two launches that may run at the same
+time on one device (different streams) must not both be fused (they would share counters: the
+runtime's attention runs on one stream). A buffer is never made while a graph is being
+captured (its zeros would only be written at replay): the first fused call on a device, and
+any larger one, must run eagerly first, as an engine's first launches do (else RuntimeError).
+`FUSE` is a constexpr, not a runtime flag like `gather`: registers are allocated for a kernel's
+whole body, so a runtime branch would put the combine's ``[SB, D_PAD]`` fp32 tile into the
+unfused kernel too; the flag is one config's for all its launches, so a config still compiles
+one stage-1 variant for every mode (two configs: two).
+
 Settings (`kernels.config.KernelConfig`, `kernels=`; None: the default config): `decode_block_n`
-(BLOCK_N, 64) and the PDL switches (`kernels.pdl`). The torch reference
+(BLOCK_N, 64), `decode_fused_combine` and the PDL switches (`kernels.pdl`). The torch reference
 (`paged_decode_attention_ref`, over `paged_attention_torch`) is the op's torch path
 (`graphdraft.ops.paged_attention`): fixed shapes, no host sync, capturable.
 """
@@ -59,7 +84,8 @@ from graphdraft.kernels.pdl import interpreting, launch_options, pdl_enter
 from graphdraft.kernels.placeholders import placeholder
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_attention_torch",
-           "default_num_splits", "row_split_fill", "row_chunk_host", "ROW_SPLITS_FROM"]
+           "default_num_splits", "row_split_fill", "row_chunk_host", "split_counters",
+           "ROW_SPLITS_FROM"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REF_DTYPES = (*_DTYPES, torch.float64)
@@ -130,6 +156,43 @@ def row_chunk(kv_len, chunk, num_splits, row_fill, max_chunk, block):
     return chunk
 
 
+@triton.jit
+def combine_row(part_ptr, lse_ptr, row, active, per_row, D: tl.constexpr, D_PAD: tl.constexpr,
+                SB: tl.constexpr, CACHE: tl.constexpr):
+    """The log-sum-exp weighted sum of one (row, head)'s split partials, fp32 ``[D_PAD]``: the
+    combine math, written once (`_combine_kernel`'s program and the fused epilogue of
+    `_decode_split_kernel` call it). Splits ``[0, active)`` of the partials at
+    ``part_ptr + (row + s) * D`` and log-sum-exps (log2 domain) at ``lse_ptr + row + s``, in
+    blocks of SB with an online rescale (max-subtracted weights); a split whose log-sum-exp is
+    -inf weighs 0 whatever its partial holds, and with `per_row` 0 (every split of a ragged
+    extend) its partial is not even loaded. `CACHE`: the loads' cache modifier ("" or ".cg",
+    L2 only: the fused epilogue reads partials other programs of the same launch wrote)."""
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)  # fp32 scalars (typed loop carries)
+    m = denom + float("-inf")
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, active, SB):  # online rescale over blocks of SB splits
+        sp = s0 + tl.arange(0, SB)
+        smask = sp < active
+        lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"), cache_modifier=CACHE)
+        live = lse > float("-inf")
+        pmask = smask
+        if per_row == 0:  # every split of a ragged extend: load only those that wrote
+            pmask = smask & live
+        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
+                       mask=pmask[:, None] & dmask[None, :], other=0.0, cache_modifier=CACHE)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty
+        alpha = tl.exp2(m - m_safe)
+        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
+        part = tl.where(live[:, None], part, 0.0)  # an unwritten partial may hold NaN
+        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(w, axis=0)
+        m = m_new
+    return acc / denom
+
+
 # The split count follows the rows (about 2 programs per SM): not specialized (1 / % 16 would
 # compile per batch size). One split or several is decided at run time, in the epilogue; the
 # partials' rows are strided by the count, so no vector access depends on its divisibility.
@@ -147,8 +210,11 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, DOT_FP32: tl.constexpr,
     pdl_trigger, PDL: tl.constexpr, EARLY: tl.constexpr,
     extra_ptr, s_extra, num_extra, EXTRA: tl.constexpr, XB: tl.constexpr,
+    cnt_ptr, FUSE: tl.constexpr, SB: tl.constexpr,
 ):
-    """EARLY (with PDL): the row's length, request, query row and first block's page ids are
+    """FUSE (several splits): the fused combine (module doc): `cnt_ptr` the split counters
+    ``[>= T * Hkv]`` int32, zero on entry and on exit; SB the combine's block (`COMBINE_SB`).
+    EARLY (with PDL): the row's length, request, query row and first block's page ids are
     loaded before waiting for the kernel before (pdl module doc); q and KV after; a program
     whose split the row does not reach exits before waiting. Splits are dispatched last
     first (program 0 takes split num_splits - 1): a short row of a long bound's grid (a 4k row
@@ -237,6 +303,19 @@ def _decode_split_kernel(
         row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [G_PAD]
         tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=omask)
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=gmask)
+        if FUSE:  # the last of the row's reached splits to get here combines its G heads
+            reached = tl.minimum((kv_len + chunk - 1) // chunk, num_splits)
+            cnt = cnt_ptr + (t * tl.num_programs(1) + kvh)
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            done = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if done == reached - 1:  # the others' partials are visible after the acquire
+                tl.store(cnt, 0)  # zero again for the next call / replay (no one else adds)
+                for g2 in tl.static_range(G):
+                    head = (kvh * G + g2).to(tl.int64)
+                    base = (t.to(tl.int64) * (G * tl.num_programs(1)) + head) * num_splits
+                    o = combine_row(part_ptr, lse_ptr, base, reached, 1, D, D_PAD, SB, ".cg")
+                    tl.store(o_ptr + t.to(tl.int64) * so_t + head * so_h + d,
+                             o.to(o_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit(do_not_specialize=["pdl_trigger", "num_splits", "per_row", "row_div", "lens_stride",
@@ -272,30 +351,9 @@ def _combine_kernel(
     t = tl.cast(t, tl.int64)  # int64 offsets
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    dmask = d < D
-    row = (t * tl.num_programs(1) + h) * num_splits
-    denom = tl.sum(tl.zeros([SB], tl.float32), axis=0)  # fp32 scalars (typed loop carries)
-    m = denom + float("-inf")
-    acc = tl.zeros([D_PAD], tl.float32)
-    for s0 in range(0, active, SB):  # online rescale over blocks of SB splits
-        sp = s0 + tl.arange(0, SB)
-        smask = sp < active
-        lse = tl.load(lse_ptr + row + sp, mask=smask, other=float("-inf"))
-        live = lse > float("-inf")
-        pmask = smask
-        if per_row == 0:  # every split of a ragged extend: load only those that wrote
-            pmask = smask & live
-        part = tl.load(part_ptr + (row + sp)[:, None] * D + d[None, :],
-                       mask=pmask[:, None] & dmask[None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty
-        alpha = tl.exp2(m - m_safe)
-        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
-        part = tl.where(live[:, None], part, 0.0)  # an unwritten partial may hold NaN
-        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
-        denom = denom * alpha + tl.sum(w, axis=0)
-        m = m_new
-    tl.store(o_ptr + t * so_t + h * so_h + d, (acc / denom).to(o_ptr.dtype.element_ty), mask=dmask)
+    out = combine_row(part_ptr, lse_ptr, (t * tl.num_programs(1) + h) * num_splits, active,
+                      per_row, D, D_PAD, SB, "")
+    tl.store(o_ptr + t * so_t + h * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
 def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
@@ -421,6 +479,35 @@ def _check_extra(extra_slots, num_extra, rows: int, device) -> None:
                          f"got {num_extra}")
 
 
+COUNTERS_MIN = 4096
+"""Fewest entries of a device's split counters buffer (16 KiB: 512 rows of 8 kv heads; a fused
+launch has several splits only below 2 programs per SM unless `num_splits` forces them)."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+"""device -> its split counters (int32 zeros, module doc "Fused combine")."""
+_RETIRED: list[torch.Tensor] = []
+"""Smaller buffers a larger need replaced: kept, since a captured graph may hold their address."""
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's split counters, int32 ``[>= n]``, zero between calls (module doc "Fused
+    combine"). Made (or replaced by a larger one, ``max(n, 2 * old, COUNTERS_MIN)``) only
+    outside CUDA-graph capture: RuntimeError when capturing and the kept one is too small."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"decode_fused_combine: the split counters of {device} hold "
+            f"{0 if buf is None else buf.numel()} (row, kv head) pairs, this launch needs {n}; "
+            "they cannot be made while a CUDA graph is being captured: run this launch once "
+            "eagerly before capturing it")
+    size = max(n, COUNTERS_MIN, 2 * buf.numel() if buf is not None else 0)
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[device] = buf = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 def fit_splits(splits: int, max_kv_len: int, block_n: int) -> tuple[int, int]:
     """(splits, chunk) for `splits` wanted over `max_kv_len` keys: chunks a multiple of
     `block_n`, no split left empty at the bound."""
@@ -469,8 +556,9 @@ def paged_decode_attention(
     ``[R, Hq, D]``; index values must lie in ``[0, R)``). ``extra_slots`` ``[T, W]`` int64
     (unit column stride) and ``num_extra``: the second segment (module doc). ``row_splits``:
     each row's chunk from its own length (True), the host's chunk for every row (False), or
-    True past `ROW_SPLITS_FROM` (None; module doc). ``kernels``: BLOCK_N and PDL (None: the
-    default config).
+    True past `ROW_SPLITS_FROM` (None; module doc). ``kernels``: BLOCK_N, the fused combine
+    (one launch with several splits: module doc, "Fused combine") and PDL (None: the default
+    config).
     """
     kc = resolve(kernels)
     block_n = kc.decode_block_n
@@ -495,6 +583,9 @@ def paged_decode_attention(
     # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     extra = extra_slots is not None and num_extra > 0
+    fuse = kc.decode_fused_combine  # a constexpr of every launch of this config (module doc)
+    counters = (split_counters(q.device, T * Hkv) if fuse and not one
+                else placeholder(q.device, torch.int32))
     rest = dict(launch_options(q.device, T, early=True, kernels=kc))
     pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
@@ -512,9 +603,10 @@ def paged_decode_attention(
         extra_ptr=extra_slots if extra else placeholder(q.device, torch.int64),  # unread without EXTRA
         s_extra=extra_slots.stride(0) if extra else 0, num_extra=int(num_extra), EXTRA=extra,
         XB=max(16, triton.next_power_of_2(extra_slots.shape[1])) if extra else 16,
+        cnt_ptr=counters, FUSE=fuse, SB=COMBINE_SB,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **rest,
     )
-    if not one:
+    if not one and not fuse:
         combine_splits(part, lse, out, kv_lens, chunk, kc, row_fill)
     return out
 
