@@ -164,6 +164,9 @@ class ServerProcess:
             time.sleep(0.1)
         self.url = f"http://{m.group(1)}:{m.group(2)}"
         self.engine_pid = int(re.search(r"engine process (\d+) ready", "".join(self.lines))[1])
+        http = re.search(r"HTTP processes ([\d, ]+)", "".join(self.lines))
+        self.http_pids = [int(p) for p in http[1].split(",")] if http else [self.proc.pid]
+        """The processes serving HTTP: the server's own, or its --api-server-count ones."""
 
     def _pump(self) -> None:
         for line in self.proc.stderr:
@@ -181,7 +184,8 @@ class ServerProcess:
             return None
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system) used so far by the HTTP process and the engine process."""
+        """CPU seconds (user + system) used so far by the HTTP processes (all: "http", each:
+        "http_<pid>"; a supervisor's own time is in "http" too) and the engine process."""
         tick = os.sysconf("SC_CLK_TCK")
 
         def cpu(pid: int) -> float:
@@ -190,7 +194,9 @@ class ServerProcess:
             except OSError:
                 return 0.0
             return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        return {"http": cpu(self.proc.pid), "engine": cpu(self.engine_pid)}
+        each = {f"http_{pid}": cpu(pid) for pid in self.http_pids}
+        supervisor = cpu(self.proc.pid) if self.http_pids != [self.proc.pid] else 0.0
+        return {"http": supervisor + sum(each.values()), **each, "engine": cpu(self.engine_pid)}
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory (MB) of the HTTP process ("http"), the engine process ("engine")
@@ -201,7 +207,8 @@ class ServerProcess:
             except OSError:
                 return 0.0
             return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-        out = {"http": rss(self.proc.pid), "engine": rss(self.engine_pid)}
+        http = {self.proc.pid, *self.http_pids}
+        out = {"http": sum(rss(pid) for pid in http), "engine": rss(self.engine_pid)}
         out["total"] = out["http"] + out["engine"]
         return {k: round(v, 1) for k, v in out.items()}
 
@@ -341,12 +348,14 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
 def cpu_use(before: dict[str, float], after: dict[str, float], passes: list[dict]) -> dict:
     """Per level, each process's CPU use as a fraction of one CPU over the repetitions' wall
     time (1.0: a process that used one CPU all the time, e.g. a saturated event loop): the
-    HTTP process, the engine process, and the client workers (the busiest one, and all of
-    them together)."""
+    HTTP processes (all together, and the busiest one), the engine process, and the client
+    workers (the busiest one, and all of them together)."""
     wall = sum(p["wall_s"] for p in passes)
     per_worker = [sum(x) for x in zip(*(p["client_cpu_s"] for p in passes), strict=True)]
+    each = [after[k] - before.get(k, 0.0) for k in after if k.startswith("http_")]
     return {"wall_s": round(wall, 3),
             "http": round((after["http"] - before["http"]) / wall, 3),
+            "http_busiest": round(max(each, default=0.0) / wall, 3),
             "engine": round((after["engine"] - before["engine"]) / wall, 3),
             "client_busiest": round(max(per_worker) / wall, 3),
             "clients": round(sum(per_worker) / wall, 3)}

@@ -1,13 +1,24 @@
 """A `graphdraft serve` server for tests: the HTTP app under uvicorn in a thread of the test
 process, its engine in a spawned engine process (as `python -m graphdraft serve` runs it), on
 127.0.0.1 with the shipped pair on the CPU. Also an engine factory with an injected step
-failure (`faulty_engine`), called in the engine process by name."""
+failure (`faulty_engine`), called in the engine process by name; and `python -m graphdraft
+serve` as a subprocess (`ServeProcess`), with a streaming client in a thread
+(`StreamClient`) and process checks (`alive`, `gone`, `refused`)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+
+import httpx
 
 from graphdraft.serving.cli import build_parser
 from graphdraft.serving.cli.serve import ENGINE_FACTORY, engine_for_core, model_name
@@ -109,3 +120,126 @@ class Served:
             logging.getLogger(name).removeHandler(self.log)
         assert not self.thread.is_alive()
         assert not self.engine.process.is_alive()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServeProcess:
+    def __init__(self, *flags: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "graphdraft", "serve", "--device", "cpu", "--port", "0",
+             "--quiet", "--max-context-len", "256", *flags],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", "".join(self.err))):
+            assert self.proc.poll() is None, "".join(self.err)
+            assert time.monotonic() < deadline, "server did not start: " + "".join(self.err)
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        self.engine_pid = int(re.search(r"engine process (\d+) ready", "".join(self.err))[1])
+        http = re.search(r"HTTP processes ([\d, ]+)", "".join(self.err))
+        self.http_pids = [int(p) for p in http[1].split(",")] if http else []
+        """--api-server-count > 1: the HTTP processes (else [])"""
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        rc = self.proc.wait(timeout)
+        out = self.proc.stdout.read()
+        self._reader.join(5)
+        return rc, out, "".join(self.err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in (self.engine_pid, *self.http_pids):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class StreamClient(threading.Thread):
+    """One streamed completion in a thread: its chunks' text, and whether [DONE] came."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.text, self.reasons, self.done, self.error = "", [], False, None
+        self.server_error = None
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        body = {"prompt": "def main():\n", "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:  # aborted by the shutdown: said before [DONE]
+                            self.server_error = event["error"]
+                            continue
+                        choice = event["choices"][0]
+                        self.text += choice["text"]
+                        self.reasons.append(choice["finish_reason"])
+                        self.first.set()
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.TransportError:
+        return True
+    return False
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, name: str, prompt: str, leave: bool,
+                     max_tokens: int) -> str | None:
+    """Stream one greedy completion; `leave`: disconnect after the first text chunk (None)."""
+    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    text = ""
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return text
+            chunk = json.loads(line[6:])
+            text += chunk["choices"][0]["text"]
+            if leave and text:
+                return None  # leaving the block closes the connection mid-stream
+    raise AssertionError("stream ended without [DONE]")

@@ -66,9 +66,9 @@ def test_turns_steps_and_a_requests_first_ids_are_counted_once(tmp_path, monkeyp
     http, core_end = socket_pair()
     core_end.setblocking(False)
     core = EngineCore(_Engine(), core_end)
-    core._apply(("add", [(1, [5, 6], {"max_new_tokens": 3}, None),
+    core._apply(core.peers[0], ("add", [(1, [5, 6], {"max_new_tokens": 3}, None),
                          (2, [5], {"max_new_tokens": 3}, None)]))
-    core._apply(("abort", [2]))  # ends before its hand-over: its arrival is dropped
+    core._apply(core.peers[0], ("abort", [2]))  # ends before its hand-over: its arrival is dropped
     assert set(core.times.arrived) == {1}
     for _ in range(6):
         core.turn()

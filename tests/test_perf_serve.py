@@ -213,9 +213,13 @@ def test_mixed_step_phases_count_each_kind_of_step_and_restore_the_methods(engin
 
 def test_cpu_use_and_core_deltas_per_level():
     passes = [{"wall_s": 2.0, "client_cpu_s": [0.5, 1.0]}, {"wall_s": 2.0, "client_cpu_s": [0.5, 0.2]}]
-    cpu = serve.cpu_use({"http": 1.0, "engine": 3.0}, {"http": 4.0, "engine": 5.0}, passes)
-    assert cpu == {"wall_s": 4.0, "http": 0.75, "engine": 0.5, "client_busiest": 0.3,
-                   "clients": 0.55}
+    cpu = serve.cpu_use({"http": 1.0, "http_7": 1.0, "engine": 3.0},
+                        {"http": 4.0, "http_7": 4.0, "engine": 5.0}, passes)
+    assert cpu == {"wall_s": 4.0, "http": 0.75, "http_busiest": 0.75, "engine": 0.5,
+                   "client_busiest": 0.3, "clients": 0.55}
+    two = serve.cpu_use({"http": 1.0, "http_7": 0.4, "http_8": 0.5, "engine": 3.0},
+                        {"http": 5.0, "http_7": 2.4, "http_8": 2.5, "engine": 5.0}, passes)
+    assert two["http"] == 1.0 and two["http_busiest"] == 0.5  # (a supervisor's 0.1 s in http)
     before = {"seconds": {"step_mixed": 1.0}, "counts": {"turns": 10},
               "requests": {"arrival_to_engine_s": 0.0, "arrival_to_first_ids_s": 1.0,
                            "handed_over": 0, "first_ids": 100}}

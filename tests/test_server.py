@@ -14,7 +14,6 @@ process in test_server_engine_core.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
@@ -30,6 +29,7 @@ from graphdraft.serving.cli import build_parser  # noqa: E402
 from graphdraft.serving.engine import Engine  # noqa: E402
 from graphdraft.serving.verify import SamplingParams  # noqa: E402
 from tests.server_harness import Served as ServedBase  # noqa: E402
+from tests.server_harness import one_stream  # noqa: E402
 
 PROMPTS = ["def main():\n", "import os\n", "class A:\n    def __init__(self", "for i in range(",
            "    return ", "# compute the mean\n", "with open(path) as f:\n", "x = [1, 2,"]
@@ -170,26 +170,6 @@ def test_stop_strings_cut_exactly(served):
 
 
 # --- concurrency and disconnects ---------------------------------------------------------
-async def _one_stream(client: httpx.AsyncClient, url: str, name: str, prompt: str,
-                      leave: bool) -> str | None:
-    """Stream one completion; `leave`: disconnect after the first text chunk (None)."""
-    body = {"model": name, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
-            "stream": True}
-    text = ""
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                return text
-            chunk = json.loads(line[6:])
-            text += chunk["choices"][0]["text"]
-            if leave and text:
-                return None  # leaving the block closes the connection mid-stream
-    raise AssertionError("stream ended without [DONE]")
-
-
 def test_64_streams_with_a_fifth_disconnecting(served):
     rng = random.Random(0)
     plan = [(PROMPTS[i % len(PROMPTS)], rng.random() < 0.2) for i in range(64)]
@@ -198,7 +178,7 @@ def test_64_streams_with_a_fifth_disconnecting(served):
     async def run() -> list[str | None]:
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            return await asyncio.gather(*(_one_stream(client, served.url, served.name, p, leave)
+            return await asyncio.gather(*(one_stream(client, served.url, served.name, p, leave, STREAM_TOKENS)
                                           for p, leave in plan))
 
     before = len(served.log.records)

@@ -8,7 +8,9 @@ serves `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template
 Status lines go to stderr; stdout stays empty.
 
 Capacity: `--max-running-requests` requests run at once and `--max-queued-requests` more
-wait; beyond that a request answers 503. SIGTERM / Ctrl-C: stop accepting, let live
+wait; beyond that a request answers 503. `--api-server-count N` (> 1): N HTTP processes share
+the listening socket and the engine process, this one supervises them
+(`graphdraft.serving.openai_api.front_ends`); each takes its share of the capacity. SIGTERM / Ctrl-C: stop accepting, let live
 requests finish for `--shutdown-timeout` seconds, abort the rest, end the engine process,
 exit 0; a second signal ends both at once.
 """
@@ -48,6 +50,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "most one decode step until ceil(running / D) of them can start "
                         "together in one prefill step (0: each starts at once; engine_core's "
                         "admit_now)")
+    g.add_argument("--api-server-count", type=int_at_least(1), default=1, metavar="N",
+                   help="HTTP processes sharing the port and the one engine process (one "
+                        "Python event loop streams every response of a process: more serve "
+                        "more concurrent streams); each takes 1/N of the capacity")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C, how long live requests may finish before they "
                         "are aborted")
@@ -131,15 +137,16 @@ def _check_flags(a: argparse.Namespace) -> None:
         raise CliError(NO_TOKENIZER)
 
 
-def start_engine(a: argparse.Namespace, capacity: int):
-    """(EngineClient with its engine process ready, the tokenizer, the ready info); CliError
-    for a user error the engine process reported."""
+def start_engine(a: argparse.Namespace, capacity: int, peers: int = 0):
+    """(EngineClient with its engine process ready, `peers` more connections to it in its
+    `peer_socks`, the tokenizer, the ready info); CliError for a user error the engine process
+    reported."""
     from graphdraft.serving.openai_api.engine_client import EngineClient, EngineStartError
     from graphdraft.serving.openai_api.engine_core import EngineCoreSpec
 
     client = EngineClient(EngineCoreSpec(ENGINE_FACTORY, argparse.Namespace(**vars(a)),
                                          admission_group=a.admission_group),
-                          capacity=capacity)
+                          capacity=capacity, peers=peers)
     try:
         info = client.start()
     except EngineStartError as e:
@@ -158,16 +165,17 @@ def start_engine(a: argparse.Namespace, capacity: int):
 def serve(a: argparse.Namespace) -> int:
     _check_flags(a)
     try:
-        from graphdraft.serving.openai_api.app import OpenAIServer, ServerConfig
+        from graphdraft.serving.openai_api.app import OpenAIServer
         from graphdraft.serving.openai_api.server import make_server
     except ImportError as e:
         raise CliError(f"serve: needs the server packages ({e.name} is missing): pip install "
                        "'graphdraft[serve]'") from None
-    client, tokenizer, info = start_engine(a, a.max_running_requests + a.max_queued_requests)
+    capacity = a.max_running_requests + a.max_queued_requests
+    if a.api_server_count > 1:
+        return _serve_many(a, capacity)
+    client, tokenizer, info = start_engine(a, capacity)
     try:
-        config = ServerConfig(model_name=model_name(a),
-                              stop_token_ids=tuple(info["stop_token_ids"]),
-                              shutdown_grace_s=a.shutdown_timeout)
+        config = _config(a, info)
         api = OpenAIServer(client, tokenizer, config)
         print(f"graphdraft serve: engine process {client.pid} ready ({info['device']})",
               file=sys.stderr, flush=True)
@@ -176,14 +184,55 @@ def serve(a: argparse.Namespace) -> int:
         server.run()
     finally:
         client.stop()
+    _stopped(a, api.metrics.state, info)
+    return 0
+
+
+def _config(a: argparse.Namespace, info: dict):
+    from graphdraft.serving.openai_api.app import ServerConfig
+    return ServerConfig(model_name=model_name(a), stop_token_ids=tuple(info["stop_token_ids"]),
+                        shutdown_grace_s=a.shutdown_timeout)
+
+
+def _stopped(a: argparse.Namespace, state, info: dict) -> None:
+    """--metrics-json (the engine's last state), then the last status line."""
     if a.metrics_json:
         import dataclasses
 
         from graphdraft.serving.cli.report import write_json
-        write_json(a.metrics_json, {"engine": dataclasses.asdict(api.metrics.state),
+        write_json(a.metrics_json, {"engine": dataclasses.asdict(state),
                                     "device": info["device"]})
     print("graphdraft serve: stopped", file=sys.stderr, flush=True)
-    return 0
+
+
+def _serve_many(a: argparse.Namespace, capacity: int) -> int:
+    """--api-server-count N > 1: bind, start the engine with N more connections, spawn the
+    N HTTP processes and supervise them (`front_ends.Supervisor`)."""
+    from graphdraft.serving.openai_api.front_ends import Supervisor, listen
+
+    try:
+        listener = listen(a.host, a.port)
+    except OSError as e:
+        raise CliError(f"--host/--port: cannot listen on {a.host}:{a.port} ({e.strerror})") \
+            from None
+    try:
+        client, _, info = start_engine(a, 0, peers=a.api_server_count)
+    except BaseException:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    config = _config(a, info)
+    supervisor = Supervisor(client, listener, config, info["tokenizer_dir"], capacity,
+                            log_level=a.log_level)
+    supervisor.start()
+    print(f"graphdraft serve: engine process {client.pid} ready ({info['device']}); HTTP "
+          f"processes {', '.join(map(str, supervisor.pids))}", file=sys.stderr, flush=True)
+    print(f"graphdraft serve: model {config.model_name!r} on http://{a.host}:{port} "
+          "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+          file=sys.stderr, flush=True)
+    code = supervisor.run()
+    _stopped(a, client.state, info)
+    return code
 
 
 def _announce_when_started(server, a: argparse.Namespace, name: str) -> None:

@@ -16,4 +16,6 @@ a socket between them carries commands one way and per-step token batches the ot
   metrics        the Prometheus metrics of `/metrics`
   app            the ASGI application (Starlette): routes, server-sent events, errors
   server         running it under uvicorn with a bounded graceful shutdown on SIGTERM / Ctrl-C
+  front_ends     several HTTP processes over one engine process (`--api-server-count`): the
+                 supervisor, the shared listening socket, the HTTP process's entry point
 """

@@ -60,6 +60,9 @@ class ServerConfig:
     stop_token_ids: tuple[int, ...] = ()
     """Ids that end every request (the tokenizer's EOS / end-of-turn), unless ignore_eos."""
     shutdown_grace_s: float = 10.0
+    metrics_dir: str | None = None
+    """One of several HTTP processes (`front_ends`): where every process's metrics are
+    written and summed (`metrics.ServerMetrics`); None: this process's own."""
 
 
 @dataclass
@@ -88,7 +91,7 @@ class OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.limits = engine.limits
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.metrics_dir)
         self.attached = False
         self.created = int(time.time())
         routes = [Route("/health", self.health), Route("/metrics", self.prometheus),

@@ -15,6 +15,14 @@ next step and confirms with finish reason "abort". A choice counts against `capa
 the engine process reports it finished. Each choice's new ids and finish reason reach
 `Choice.deliver(ids, finish_reason)`; the token metrics are observed as they arrive.
 
+Several HTTP processes (`graphdraft serve --api-server-count N`): the process that starts the
+engine (`EngineClient(spec, capacity, peers=N)`) makes one more socket per other HTTP
+process (`peer_socks`, handed to them, then `release_peers()`); each of those builds
+`EngineClient.over(sock, capacity)`, a client of the running engine process that owns
+nothing: it waits for the same ready message, its `stop()` says only that this HTTP process
+leaves (its requests end), `kill()` does nothing, and the engine's end of stream is its sign
+that the engine process died.
+
 `begin_shutdown(grace_s)` (any thread, a signal handler included): no new choices; the
 engine process lets live ones finish for `grace_s` seconds, then aborts them.
 `stop()`: ("exit",), then join the process (terminate, then kill, if it lingers): the engine
@@ -113,10 +121,14 @@ def describe_exit(code: int | None) -> str:
 class EngineClient:
     """The engine process and the messages to and from it (module docstring)."""
 
-    def __init__(self, spec: EngineCoreSpec, capacity: int) -> None:
-        self.spec, self.capacity = spec, capacity
+    def __init__(self, spec: EngineCoreSpec | None, capacity: int, peers: int = 0) -> None:
+        if peers < 0:
+            raise ValueError(f"peers: expected an int >= 0, got {peers}")
+        self.spec, self.capacity, self.peers = spec, capacity, peers
         self.process: Any = None
         self.sock: Any = None
+        self.peer_socks: list[Any] = []
+        """The engine-process connections of the other HTTP processes (`launch`)."""
         self.info: dict[str, Any] = {}
         self.limits: EngineLimits | None = None
         self.state = EngineState()
@@ -138,19 +150,45 @@ class EngineClient:
         self.launch()
         return self.wait_ready(timeout)
 
+    @classmethod
+    def over(cls, sock: Any, capacity: int) -> EngineClient:
+        """A client of an engine process another HTTP process started, over its connection
+        `sock` (one of that process's `peer_socks`); `wait_ready()` next."""
+        client = cls(None, capacity)
+        client._connect(sock)
+        return client
+
+    def _connect(self, sock: Any) -> None:
+        self.sock = sock
+        sock.setblocking(False)
+        self._reader, self._outbox = FrameReader(sock), Outbox(sock)
+
+    @property
+    def owner(self) -> bool:
+        """Whether this client started (and ends) the engine process."""
+        return self.process is not None
+
     def launch(self) -> None:
-        """Spawn the engine process (it builds its Engine meanwhile)."""
-        ours, theirs = socket_pair()
+        """Spawn the engine process (it builds its Engine meanwhile), with `peers` more
+        connections in `peer_socks`."""
+        pairs = [socket_pair() for _ in range(1 + self.peers)]
+        theirs = [b for _, b in pairs]
         self.process = mp.get_context("spawn").Process(
             target=run_engine_core, args=(self.spec, theirs), name="graphdraft-engine-core",
             daemon=True)
         try:
             self.process.start()
         finally:
-            theirs.close()
-        self.sock = ours
-        ours.setblocking(False)
-        self._reader, self._outbox = FrameReader(ours), Outbox(ours)
+            for sock in theirs:
+                sock.close()
+        self.peer_socks = [a for a, _ in pairs[1:]]
+        self._connect(pairs[0][0])
+
+    def release_peers(self) -> None:
+        """Close this process's copies of `peer_socks` (their HTTP processes hold them)."""
+        for sock in self.peer_socks:
+            sock.close()
+        self.peer_socks = []
 
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the engine process's Engine; returns its ready info. EngineStartError
@@ -160,15 +198,17 @@ class EngineClient:
         except BaseException:
             self.kill()
             self.sock.close()
+            self.release_peers()
             raise
         self.limits = EngineLimits(**self.info["limits"])
         return self.info
 
     def _await_ready(self, timeout: float | None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        waited = [self.sock, self.process.sentinel] if self.owner else [self.sock]
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not wait([self.sock, self.process.sentinel], left) and left == 0.0:
+            if not wait(waited, left) and left == 0.0:
                 raise EngineStartError(f"the engine process did not start within {timeout} s",
                                        False)
             try:
@@ -180,10 +220,14 @@ class EngineClient:
                     self._handle(messages[i + 1:])  # read with it: its first state
                     return m[1]
                 if m[0] == "failed":
-                    _join(self.process, 10.0)
+                    if self.owner:
+                        _join(self.process, 10.0)
                     raise EngineStartError(m[1], m[2] == "user", m[3])
                 if m[0] == "log":
                     log.log(m[1], "engine process: %s", m[2])
+            if not self.owner and gone:
+                raise EngineStartError("the engine process closed this server's connection "
+                                       "while starting", False)
             if gone or (not messages and not self.process.is_alive()):
                 _join(self.process, 5.0)
                 raise EngineStartError("the engine process ended while starting ("
@@ -192,7 +236,7 @@ class EngineClient:
 
     @property
     def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
+        return self.process.pid if self.owner else self.info.get("pid")
 
     # --- on the event loop -----------------------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop, metrics: ServerMetrics) -> None:
@@ -200,8 +244,9 @@ class EngineClient:
         self.loop, self.metrics = loop, metrics
         metrics.state = self.state
         loop.add_reader(self.sock.fileno(), self._on_readable)
-        loop.add_reader(self.process.sentinel, self._on_exit)
-        self._check_liveness()
+        if self.owner:
+            loop.add_reader(self.process.sentinel, self._on_exit)
+            self._check_liveness()
 
     def _check_liveness(self) -> None:
         if not self.process.is_alive():
@@ -252,8 +297,8 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        return (self.failure is None and not self._closed and self.process is not None
-                and self.process.is_alive())
+        return (self.failure is None and not self._closed and self.sock is not None
+                and (not self.owner or self.process.is_alive()))
 
     @property
     def idle(self) -> bool:
@@ -269,16 +314,14 @@ class EngineClient:
         self._closed = True
         self._detach()
         p = self.process
-        if p is None:
+        if not self.owner:  # this HTTP process leaves: its requests end, the engine goes on
+            if self.sock is not None:
+                self._say_exit()
+                self.sock.close()
             return True
         if p.is_alive() and self.failure is None:
-            try:
-                self.sock.setblocking(True)
-                self.sock.settimeout(2.0)
-                self._outbox.put(("exit",))
-                self._outbox.flush()
-            except (OSError, PeerGone):
-                pass
+            self._say_exit()
+        self.release_peers()
         _join(p, timeout)
         clean = p.exitcode == 0
         if p.is_alive():
@@ -291,9 +334,18 @@ class EngineClient:
         self.sock.close()
         return clean
 
+    def _say_exit(self) -> None:
+        try:
+            self.sock.setblocking(True)
+            self.sock.settimeout(2.0)
+            self._outbox.put(("exit",))
+            self._outbox.flush()
+        except (OSError, PeerGone):
+            pass
+
     def kill(self) -> None:
-        """End the engine process at once."""
-        if self.process is not None and self.process.is_alive():
+        """End the engine process at once (a client that does not own it: nothing)."""
+        if self.owner and self.process.is_alive():
             self.process.kill()
             _join(self.process, 5.0)
 
@@ -306,7 +358,8 @@ class EngineClient:
         if self.sock.fileno() >= 0:
             self.loop.remove_reader(self.sock.fileno())
             self.loop.remove_writer(self.sock.fileno())
-        self.loop.remove_reader(self.process.sentinel)
+        if self.owner:
+            self.loop.remove_reader(self.process.sentinel)
         self._writing = False
 
     # --- messages --------------------------------------------------------------------------
@@ -387,19 +440,22 @@ class EngineClient:
 
     def _on_exit(self) -> None:
         """The engine process died (it was not told to exit): fail what is live."""
-        if self.failure is not None or self.process is None:
+        if self.failure is not None or self.sock is None:
             return
         try:
             self._handle(self._reader.read())  # what it sent before it died
         except PeerGone:
             pass
         self._detach()
-        _join(self.process, 1.0)
-        if self.process.is_alive():
-            self.process.kill()
-            _join(self.process, 5.0)
-        self.failure = (f"the engine process (pid {self.process.pid}) exited unexpectedly "
-                        f"({describe_exit(self.process.exitcode)})")
+        if self.owner:
+            _join(self.process, 1.0)
+            if self.process.is_alive():
+                self.process.kill()
+                _join(self.process, 5.0)
+            how = describe_exit(self.process.exitcode)
+        else:
+            how = "it closed this server's connection"
+        self.failure = f"the engine process (pid {self.pid}) exited unexpectedly ({how})"
         log.error("%s: %d live request(s) fail, new requests answer 503, /health reports "
                   "it", self.failure, len(self._choices))
         choices, self._choices = list(self._choices.values()), {}

@@ -28,6 +28,15 @@ the prompt's scores or None): a request that asked `prompt_logprobs` gets its pr
 (logprob, rank, top) per token (the first: (None, None, [])) once, in the output where
 every prefill chunk has been scored (no later than its first token).
 
+Several HTTP processes (`graphdraft serve --api-server-count N`): the core serves one socket
+per HTTP process (`Peer`), each with its own request ids. Inside the core a request is keyed
+`rid * len(peers) + peer index` (one peer: the rid itself); every peer gets its own requests'
+outputs and the same engine state (but `finished`: its own requests' finishes). Socket 0 is
+the owner's (the process that started the core): its ("exit",) or its end of stream ends the
+core, and the "log" messages go to it. Another peer's ("exit",) or end of stream closes that
+peer: its requests are aborted, the others go on. ("shutdown", grace_s) sets the deadline of
+the peer that sent it.
+
 The socket never blocks the loop: when the HTTP process has not read the last message yet,
 the next steps' outputs are merged (per request) and sent as one message once the socket
 takes it, so the Engine steps at its own pace whatever the HTTP side does. The engine state
@@ -156,26 +165,29 @@ def resolve_factory(name: str) -> Callable[[Any], tuple[Any, dict]]:
     return getattr(importlib.import_module(module), function)
 
 
-def run_engine_core(spec: EngineCoreSpec, sock: socket.socket) -> None:
-    """The engine-core process: build the Engine, say ready (or why not), serve until told
-    to exit or until the HTTP process is gone."""
+def run_engine_core(spec: EngineCoreSpec, socks: list[socket.socket]) -> None:
+    """The engine-core process: build the Engine, say ready (or why not) on every socket
+    (`socks[0]`: the owner's), serve until the owner says exit or is gone."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    _watch_parent(os.getppid())
+    watch_parent(os.getppid())
     leave_a_cpu()
     try:
         engine, info = resolve_factory(spec.factory)(spec.args)
     except BaseException as e:  # noqa: BLE001 (the HTTP process says why)
         user = isinstance(e, (EngineBuildError, ValueError))
         message = str(e) if user else f"{type(e).__name__}: {e}"
-        _send_now(sock, ("failed", message, "user" if user else "internal",
-                         "" if user else traceback.format_exc()))
+        failed = ("failed", message, "user" if user else "internal",
+                  "" if user else traceback.format_exc())
+        for sock in socks:
+            _send_now(sock, failed)
         return
     ready = dict(info, pid=os.getpid(), limits=asdict(engine.limits))
-    if not _send_now(sock, ("ready", ready)):
+    if not _send_now(socks[0], ("ready", ready)):
         return
-    sock.setblocking(False)
-    EngineCore(engine, sock, spec.admission_group).run()
+    for sock in socks[1:]:
+        _send_now(sock, ("ready", ready))  # (a peer gone already is closed by the loop)
+    EngineCore(engine, socks, spec.admission_group).run()
 
 
 def _send_now(sock: socket.socket, message: Any) -> bool:
@@ -198,7 +210,7 @@ def leave_a_cpu() -> None:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), (cpus or 1) - 1)))
 
 
-def _watch_parent(ppid: int) -> None:
+def watch_parent(ppid: int) -> None:
     """End this process (at once) when the process that started it is gone."""
     def watch() -> None:
         while os.getppid() == ppid:
@@ -207,21 +219,39 @@ def _watch_parent(ppid: int) -> None:
     threading.Thread(target=watch, name="graphdraft-parent-watch", daemon=True).start()
 
 
-class EngineCore:
-    """The step loop of the module docstring over `engine` and the socket `sock`."""
+class Peer:
+    """One HTTP process's socket: its reader and outbox, the selector events asked for it,
+    its shutdown deadline and its requests' finishes (module docstring)."""
 
-    def __init__(self, engine: Any, sock: socket.socket,
+    def __init__(self, sock: socket.socket, index: int) -> None:
+        self.sock, self.index = sock, index
+        sock.setblocking(False)  # the loop never waits on one peer
+        self.reader, self.outbox = FrameReader(sock), Outbox(sock)
+        self.events = selectors.EVENT_READ
+        self.deadline: float | None = None
+        self.finished = 0
+        self.open = True
+        self.owes_state = False  # a state was due while its last message was being written
+
+
+class EngineCore:
+    """The step loop of the module docstring over `engine` and the sockets `socks` (one per
+    HTTP process; one socket alone is taken as a list of one)."""
+
+    def __init__(self, engine: Any, socks: socket.socket | list[socket.socket],
                  admission_group: int = ADMISSION_GROUP_DEFAULT) -> None:
         admit_now(1, 0, 0, False, admission_group)  # ValueError for a bad group
-        self.engine, self.sock, self.admission_group = engine, sock, admission_group
-        self.reader, self.outbox = FrameReader(sock), Outbox(sock)
+        if isinstance(socks, socket.socket):
+            socks = [socks]
+        self.engine, self.admission_group = engine, admission_group
+        self.peers = [Peer(sock, i) for i, sock in enumerate(socks)]
         self.selector = selectors.DefaultSelector()
-        self._events = selectors.EVENT_READ
-        self.selector.register(sock, self._events)
-        self.live: dict[int, list] = {}       # rid -> [Request, ids sent, prompt scores sent]
-        self.held: dict[int, tuple] = {}      # rid -> (prompt, fields, seed stream, step held at)
-        self.outputs: dict[int, list] = {}    # rid -> [new ids, finish, lps, prompt] not sent
-        self.deadline: float | None = None
+        for peer in self.peers:
+            self.selector.register(peer.sock, peer.events, peer)
+        # keys: rid * len(peers) + peer index (`key`)
+        self.live: dict[int, list] = {}       # key -> [Request, ids sent, prompt scores sent]
+        self.held: dict[int, tuple] = {}      # key -> (prompt, fields, seed stream, step held at)
+        self.outputs: dict[int, list] = {}    # key -> [new ids, finish, lps, prompt] not sent
         self.exiting = False
         self.finished = self.steps = self.step_errors = 0
         self.accept_hist: dict[int, int] = {}
@@ -230,6 +260,15 @@ class EngineCore:
         self.steps_folded = 0
         self.dirty = True  # the state changed since it was last sent
         self.times = CoreTimes(os.environ.get(CORE_TIMES_ENV))
+
+    def key(self, peer: Peer, rid: int) -> int:
+        """The core's key of `peer`'s request `rid` (its rid when there is one peer)."""
+        return rid * len(self.peers) + peer.index
+
+    @property
+    def outbox(self) -> bool:
+        """Whether some peer's last message is still being written."""
+        return any(p.outbox for p in self.peers if p.open)
 
     def run(self) -> None:
         try:
@@ -250,8 +289,9 @@ class EngineCore:
         wait = not (self.engine.has_work or self.held)
         self._receive(wait=wait)
         t = tm.add("idle_wait" if wait else "receive", t)
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            self._abort_all("abort")
+        for peer in self.peers:
+            if peer.deadline is not None and time.monotonic() >= peer.deadline:
+                self._abort_all("abort", peer)
         if self.held:
             self._admit_held()
             t = tm.add("admit", t)
@@ -272,33 +312,62 @@ class EngineCore:
     # --- commands ----------------------------------------------------------------------------
     def _receive(self, wait: bool) -> None:
         if wait:
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
-            if events != self._events:
-                self.selector.modify(self.sock, events)
-                self._events = events
+            for peer in self.peers:
+                if not peer.open:
+                    continue
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
+                if events != peer.events:
+                    self.selector.modify(peer.sock, events, peer)
+                    peer.events = events
             self.selector.select(IDLE_WAIT_S)
-        for message in self.reader.read():
-            self._apply(message)
+        for peer in self.peers:
+            if not peer.open:
+                continue
+            try:
+                messages = peer.reader.read()
+            except PeerGone:
+                self._close(peer)
+                continue
+            for message in messages:
+                self._apply(peer, message)
 
-    def _apply(self, message: tuple) -> None:
+    def _apply(self, peer: Peer, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
             now = time.perf_counter()
             for rid, prompt, fields, seed_stream in message[1]:
-                self.held[rid] = (prompt, fields, seed_stream, self.steps)
-                self.times.arrived[rid] = now
+                key = self.key(peer, rid)
+                self.held[key] = (prompt, fields, seed_stream, self.steps)
+                self.times.arrived[key] = now
         elif kind == "abort":
             for rid in message[1]:
-                entry = self.live.pop(rid, None)
-                if entry is not None:
-                    self.engine.abort(entry[0])
-                if entry is not None or self.held.pop(rid, None) is not None:
-                    self._output(rid, [], "abort")
+                self._abort(self.key(peer, rid), "abort")
         elif kind == "shutdown":
-            self.deadline = time.monotonic() + float(message[1])
+            peer.deadline = time.monotonic() + float(message[1])
         elif kind == "exit":
-            self.exiting = True
+            self._close(peer)
         self.dirty = True
+
+    def _abort(self, key: int, reason: str) -> None:
+        """End request `key` (live or held) with `reason`; nothing if it already ended."""
+        entry = self.live.pop(key, None)
+        if entry is not None and not entry[0].finished:
+            self.engine.abort(entry[0])
+        if entry is not None or self.held.pop(key, None) is not None:
+            self._output(key, [], reason)
+
+    def _close(self, peer: Peer) -> None:
+        """`peer` said exit or is gone: its requests end; the owner's (peer 0): the loop ends
+        (PeerGone when it is gone, `exiting` when it said exit)."""
+        if peer.index == 0:
+            self.exiting = True
+            return
+        peer.open = False
+        self._abort_all("abort", peer)
+        self.outputs = {k: v for k, v in self.outputs.items()
+                        if k % len(self.peers) != peer.index}
+        self.selector.unregister(peer.sock)
+        peer.sock.close()
 
     def _admit_held(self) -> None:
         """The held requests to the Engine together, when `admit_now` says so."""
@@ -308,10 +377,10 @@ class EngineCore:
                          self.admission_group) and not any(r.prefilling for r in e.running):
             return  # (a prefilling request: mixed anyway; looked for only when it decides)
         held, self.held = self.held, {}
-        for rid, (prompt, fields, seed_stream, _) in held.items():
-            self._add(rid, prompt, fields, seed_stream)
+        for key, (prompt, fields, seed_stream, _) in held.items():
+            self._add(key, prompt, fields, seed_stream)
 
-    def _add(self, rid: int, prompt: list[int], fields: dict[str, Any],
+    def _add(self, key: int, prompt: list[int], fields: dict[str, Any],
              seed_stream: int | None) -> None:
         try:
             params = SamplingParams(**fields)
@@ -319,12 +388,12 @@ class EngineCore:
                 prompt, params, seed_stream=seed_stream if params.seed is not None else None)
         except Exception as e:  # noqa: BLE001 (the HTTP side checked it: not expected)
             self._log(logging.ERROR, f"request rejected by the engine: {type(e).__name__}: {e}")
-            self._output(rid, [], "error")
+            self._output(key, [], "error")
             return
-        self.live[rid] = [req, 0, req.prompt_ranks is None]  # no prompt scores asked: sent
+        self.live[key] = [req, 0, req.prompt_ranks is None]  # no prompt scores asked: sent
         tr = self.times.requests
         tr["arrival_to_engine_s"] += time.perf_counter() - self.times.arrived.get(
-            rid, time.perf_counter())
+            key, time.perf_counter())
         tr["handed_over"] += 1
 
     # --- stepping ----------------------------------------------------------------------------
@@ -346,7 +415,7 @@ class EngineCore:
         """Every live request's new ids (and its finish reason once it ended) into `outputs`
         (`_output`): one length check per request that did not change."""
         done = []
-        for rid, entry in self.live.items():
+        for key, entry in self.live.items():
             r, sent = entry[0], entry[1]
             out, fin = r.output, r.finish_reason
             n = len(out)
@@ -357,29 +426,29 @@ class EngineCore:
             if n == sent and fin is None and prompt is None:
                 continue
             if sent == 0 and n:
-                self._first_ids(rid)
+                self._first_ids(key)
             lps = None if r.logprobs is None else list(
                 zip(r.logprobs[sent:n], r.top_logprobs[sent:n], strict=True))
             entry[1] = n
-            self._output(rid, out[sent:n], fin, lps, prompt)
+            self._output(key, out[sent:n], fin, lps, prompt)
             if fin is not None:
-                done.append(rid)
-        for rid in done:
-            del self.live[rid]
+                done.append(key)
+        for key in done:
+            del self.live[key]
 
-    def _first_ids(self, rid: int) -> None:
-        arrived = self.times.arrived.pop(rid, None)
+    def _first_ids(self, key: int) -> None:
+        arrived = self.times.arrived.pop(key, None)
         if arrived is not None:
             self.times.requests["arrival_to_first_ids_s"] += time.perf_counter() - arrived
             self.times.requests["first_ids"] += 1
 
-    def _output(self, rid: int, ids: list[int], finish: str | None,
+    def _output(self, key: int, ids: list[int], finish: str | None,
                 lps: list | None = None, prompt: list | None = None) -> None:
         """Queue new ids (and their (logprob, top) pairs when asked; the prompt's scores once)
-        for the next message."""
-        pending = self.outputs.get(rid)
+        for the next message to request `key`'s peer."""
+        pending = self.outputs.get(key)
         if pending is None:
-            self.outputs[rid] = [ids, finish, lps, prompt]
+            self.outputs[key] = [ids, finish, lps, prompt]
         else:
             pending[0] += ids
             pending[1] = finish or pending[1]
@@ -388,43 +457,66 @@ class EngineCore:
             pending[3] = prompt or pending[3]
         if finish is not None:
             self.finished += 1
-            self.times.arrived.pop(rid, None)  # (ended before its first ids)
+            self.peers[key % len(self.peers)].finished += 1
+            self.times.arrived.pop(key, None)  # (ended before its first ids)
 
-    def _abort_all(self, reason: str) -> None:
-        for rid in self.held:
-            self._output(rid, [], reason)
-        self.held = {}
-        for rid, (req, *_) in list(self.live.items()):
-            if not req.finished:
-                self.engine.abort(req)
-            self._output(rid, [], reason)
-        self.live.clear()
+    def _abort_all(self, reason: str, peer: Peer | None = None) -> None:
+        """End every request (of `peer` only, when given) with `reason`."""
+        n = len(self.peers)
+        for key in [k for k in (*self.held, *self.live) if peer is None or k % n == peer.index]:
+            self._abort(key, reason)
         self.dirty = True
 
     # --- messages to the HTTP process --------------------------------------------------------
     def _send(self) -> None:
-        """One "out" message with everything collected since the last one, unless the last
-        one is still being written (then the outputs keep merging until it is)."""
-        if self.outbox and not self.outbox.flush():
-            self.times.counts["sends_deferred"] += 1
-            return
+        """To each peer, one "out" message with its requests' outputs collected since its
+        last one and the engine state when one is due (or owed to it), unless its last message
+        is still being written (then its outputs keep merging and the state waits)."""
+        ready = []
+        for peer in self.peers:
+            try:
+                if peer.open and (not peer.outbox or peer.outbox.flush()):
+                    ready.append(peer)
+                elif peer.open:
+                    self.times.counts["sends_deferred"] += 1
+            except PeerGone:
+                self._close(peer)
         now = time.monotonic()
-        state_due = self.dirty and (not self.engine.has_work
-                                    or now - self.last_state >= STATE_INTERVAL_S)
-        if not self.outputs and not state_due:
-            return
-        state = self.state() if state_due else None
-        if state is not None:
+        if self.dirty and (not self.engine.has_work or now - self.last_state >= STATE_INTERVAL_S):
             self.last_state, self.dirty = now, False
-        self.outbox.put(("out", [(rid, *out) for rid, out in self.outputs.items()], state))
-        self.outputs = {}
-        self.outbox.flush()
+            for peer in self.peers:
+                peer.owes_state = peer.open
+        if not self.outputs and not any(p.owes_state for p in ready):
+            return
+        n = len(self.peers)
+        if n == 1:
+            batches = {0: [(k, *out) for k, out in self.outputs.items()]} if ready else {}
+            self.outputs = {} if ready else self.outputs
+        else:
+            batches, wanted = {p.index: [] for p in ready}, {p.index for p in ready}
+            for key in [k for k in self.outputs if k % n in wanted]:
+                batches[key % n].append((key // n, *self.outputs.pop(key)))
+        state = None
+        for peer in ready:
+            mine, owed = batches[peer.index], peer.owes_state
+            if not mine and not owed:
+                continue
+            if owed:
+                state = state or self.state()
+                peer.owes_state = False
+            peer.outbox.put(("out", mine, dict(state, finished=peer.finished) if owed else None))
+            try:
+                peer.outbox.flush()
+            except PeerGone:
+                self._close(peer)
 
     def _log(self, level: int, text: str) -> None:
-        self.outbox.put(("log", level, text))
+        """A record for the owner's log (peer 0)."""
+        self.peers[0].outbox.put(("log", level, text))
 
     def state(self) -> dict[str, Any]:
-        """The engine state for /metrics and /health (`metrics.EngineState` fields)."""
+        """The engine state for /metrics and /health (`metrics.EngineState` fields;
+        `finished`: every peer's, replaced per peer when sent)."""
         e = self.engine
         pages = e.pages
         return {"waiting": len(e.waiting) + len(self.held), "running": len(e.running),

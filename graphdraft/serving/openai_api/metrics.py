@@ -10,6 +10,12 @@ milliseconds while busy, once when idle) is exposed at scrape time by a collecto
 depth (requests waiting for a slot), running requests, KV pages in use and in all, the
 accept length histogram (decode rows by tokens accepted per verify) and graph replays and
 eager runs per captured forward family.
+
+Several HTTP processes (`front_ends`): each counts its own requests in prometheus_client's
+multiprocess mode (files under `$PROMETHEUS_MULTIPROC_DIR`, which must be set before
+prometheus_client is first imported in the process), and `/metrics`, whichever process
+answers, sums every process's counters and histograms (`MultiProcessCollector`); the engine
+state is the one engine process's, the same in each.
 """
 
 from __future__ import annotations
@@ -86,11 +92,20 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """One server's metrics in their own registry (`registry`; `render()` for /metrics)."""
+    """One server's metrics in their own registry (`registry`; `render()` for /metrics).
+    `multiprocess_dir`: the metrics of every HTTP process writing there, summed (module
+    docstring); RuntimeError when prometheus_client was imported without it set."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess, values
+            if values.ValueClass is values.MutexValue:
+                raise RuntimeError("ServerMetrics(multiprocess_dir=...): prometheus_client was "
+                                   "imported before PROMETHEUS_MULTIPROC_DIR was set")
+            multiprocess.MultiProcessCollector(r, path=multiprocess_dir)
+            r = CollectorRegistry()  # the counters below: this process's, read from the files
         self.requests = Counter("graphdraft_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter("graphdraft_choices_finished",
@@ -110,7 +125,7 @@ class ServerMetrics:
                              "submission to the engine to the last token", registry=r,
                              buckets=LATENCY_BUCKETS)
         self.state = EngineState()
-        r.register(_EngineCollector(self))
+        self.registry.register(_EngineCollector(self))
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

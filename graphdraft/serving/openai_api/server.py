@@ -6,6 +6,12 @@ new requests on open connections answer 503, live requests may finish for
 and `data: [DONE]`), the engine process is told to exit and joined, and `serve` returns
 normally (exit code 0). A second signal kills the engine process and exits at once
 (`os._exit`, code 128 + the signal number).
+
+One of several HTTP processes (`front_ends`): the server handles SIGTERM alone (its
+supervisor sends it; a terminal's Ctrl-C reaches the supervisor, which forwards it once) and
+serves the listening socket the supervisor bound (`run(sockets=[sock])`). A second SIGTERM
+changes nothing there (the supervisor's and a service manager's may both reach it): the
+supervisor kills it when the user insists.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server with the shutdown of the module docstring (its own signal handling:
     uvicorn's re-raises the signal after a graceful exit, which would not exit 0)."""
 
-    def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer,
+                 handled: tuple[int, ...] = HANDLED_SIGNALS, supervised: bool = False) -> None:
         super().__init__(config)
-        self.api = api
+        self.api, self.handled, self.supervised = api, handled, supervised
         self.signals = 0
 
     @contextlib.contextmanager
@@ -40,7 +47,7 @@ class GracefulServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach only the main thread (tests run the server in another)
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.handled}
         try:
             yield
         finally:
@@ -49,6 +56,11 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals += 1
+        if self.supervised:  # (the supervisor said why, and kills it when the user insists)
+            if self.signals == 1:
+                log.info("HTTP process %d: shutting down (signal %d)", os.getpid(), sig)
+                self.begin_shutdown()
+            return
         if self.signals > 1:
             print("graphdraft serve: second signal, exiting now", file=sys.stderr, flush=True)
             self.api.engine.kill()
@@ -64,10 +76,12 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(api: OpenAIServer, host: str, port: int, log_level: str = "warning",
-                fd: int | None = None) -> GracefulServer:
+                supervised: bool = False) -> GracefulServer:
     """A server for `api`; uvicorn cancels what still runs `shutdown_grace_s` + 5 s after the
-    shutdown began (after the engine process aborted it)."""
-    config = uvicorn.Config(api.app, host=host, port=port, fd=fd, log_level=log_level,
+    shutdown began (after the engine process aborted it). `supervised`: one of several HTTP
+    processes (module docstring: SIGTERM only, once)."""
+    config = uvicorn.Config(api.app, host=host, port=port, log_level=log_level,
                             lifespan="on", access_log=False,
                             timeout_graceful_shutdown=int(api.config.shutdown_grace_s) + 5)
-    return GracefulServer(config, api)
+    return GracefulServer(config, api, (signal.SIGTERM,) if supervised else HANDLED_SIGNALS,
+                          supervised)
