@@ -167,6 +167,9 @@ class ServerProcess:
         http = re.search(r"HTTP processes ([\d, ]+)", "".join(self.lines))
         self.http_pids = [int(p) for p in http[1].split(",")] if http else [self.proc.pid]
         """The processes serving HTTP: the server's own, or its --api-server-count ones."""
+        stack = re.search(r" on (\w+ \+ \w+)", "".join(self.lines))
+        self.http_stack = stack[1] if stack else "unknown"
+        """The HTTP parser and event loop it serves with (`server.http_stack`)."""
 
     def _pump(self) -> None:
         for line in self.proc.stderr:
@@ -307,7 +310,8 @@ def requests_at(c: int, a: argparse.Namespace) -> int:
 def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Path) -> dict:
     server = ServerProcess(a.server_flags, out / "serve-server.log",
                            out / "core_times.json" if a.core_times else None)
-    report: dict = {"rows": []}
+    report: dict = {"rows": [], "http_processes": len(server.http_pids),
+                    "http_stack": server.http_stack}
     try:
         warm = bodies_for(prompts, 2 * max(a.levels), a.max_tokens)
         run_level(pool, server.url, warm, max(a.levels), workers=a.client_workers)

@@ -166,7 +166,7 @@ def serve(a: argparse.Namespace) -> int:
     _check_flags(a)
     try:
         from graphdraft.serving.openai_api.app import OpenAIServer
-        from graphdraft.serving.openai_api.server import make_server
+        from graphdraft.serving.openai_api.server import http_stack, make_server
     except ImportError as e:
         raise CliError(f"serve: needs the server packages ({e.name} is missing): pip install "
                        "'graphdraft[serve]'") from None
@@ -177,8 +177,8 @@ def serve(a: argparse.Namespace) -> int:
     try:
         config = _config(a, info)
         api = OpenAIServer(client, tokenizer, config)
-        print(f"graphdraft serve: engine process {client.pid} ready ({info['device']})",
-              file=sys.stderr, flush=True)
+        print(f"graphdraft serve: engine process {client.pid} ready ({info['device']}); HTTP "
+              f"on {http_stack()}", file=sys.stderr, flush=True)
         server = make_server(api, a.host, a.port, log_level=a.log_level)
         _announce_when_started(server, a, config.model_name)
         server.run()
@@ -209,6 +209,7 @@ def _serve_many(a: argparse.Namespace, capacity: int) -> int:
     """--api-server-count N > 1: bind, start the engine with N more connections, spawn the
     N HTTP processes and supervise them (`front_ends.Supervisor`)."""
     from graphdraft.serving.openai_api.front_ends import Supervisor, listen
+    from graphdraft.serving.openai_api.server import http_stack
 
     try:
         listener = listen(a.host, a.port)
@@ -226,7 +227,8 @@ def _serve_many(a: argparse.Namespace, capacity: int) -> int:
                             log_level=a.log_level)
     supervisor.start()
     print(f"graphdraft serve: engine process {client.pid} ready ({info['device']}); HTTP "
-          f"processes {', '.join(map(str, supervisor.pids))}", file=sys.stderr, flush=True)
+          f"processes {', '.join(map(str, supervisor.pids))} on {http_stack()}",
+          file=sys.stderr, flush=True)
     print(f"graphdraft serve: model {config.model_name!r} on http://{a.host}:{port} "
           "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
           file=sys.stderr, flush=True)

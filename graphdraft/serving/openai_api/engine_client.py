@@ -57,6 +57,8 @@ log = logging.getLogger("graphdraft.serving.openai_api")
 
 EXIT_JOIN_S = 10.0
 """How long `stop()` waits for the engine process to exit before terminating it."""
+PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+"""The SamplingParams fields an ("add", ...) command carries (read once, not per request)."""
 LIVENESS_CHECK_S = 1.0
 """How often the event loop also asks whether the engine process still runs (its sentinel and
 socket may stay open in a process it forked, e.g. a precompile worker)."""
@@ -269,8 +271,8 @@ class EngineClient:
         for c in choices:
             c.rid = next(self._rids)
             self._choices[c.rid] = c
-            items.append((c.rid, c.prompt, {f.name: getattr(c.params, f.name)
-                                            for f in fields(c.params)}, c.seed_stream))
+            items.append((c.rid, c.prompt, {name: getattr(c.params, name)
+                                            for name in PARAM_FIELDS}, c.seed_stream))
             self.metrics.prompt_tokens.inc(len(c.prompt))
         self._send(("add", items))
 

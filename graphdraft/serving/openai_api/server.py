@@ -75,6 +75,16 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+def http_stack() -> str:
+    """What uvicorn serves with here (its "auto" choices): the HTTP parser (httptools, else
+    the pure-Python h11) and the event loop (uvloop, else asyncio's); `.[serve]` installs the
+    faster two."""
+    import importlib.util as u
+    parser = "httptools" if u.find_spec("httptools") else "h11"
+    loop = "uvloop" if u.find_spec("uvloop") else "asyncio"
+    return f"{parser} + {loop}"
+
+
 def make_server(api: OpenAIServer, host: str, port: int, log_level: str = "warning",
                 supervised: bool = False) -> GracefulServer:
     """A server for `api`; uvicorn cancels what still runs `shutdown_grace_s` + 5 s after the
