@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from graphdraft.runtime.drafter import EagleDrafter
-from graphdraft.runtime.drafter_protocol import DRAFTER_MEMBERS, DraftBinding, check_drafter
+from graphdraft.runtime.drafter_protocol import (
+    DRAFTER_MEMBERS,
+    DefersDraftKV,
+    DraftBinding,
+    TokenDrafter,
+    check_drafter,
+)
 from graphdraft.serving.engine import Engine
 from graphdraft.serving.verify import SamplingParams
 from tests.engine_harness import ScriptedDrafter, make_models, runtime
@@ -125,3 +131,12 @@ def test_the_protocol_flags_must_be_bools(flag):
     setattr(Truthy, flag, 1)
     with pytest.raises(ValueError, match=f"^drafter: expected {flag} to be a bool"):
         check_drafter(Truthy.__new__(Truthy))
+
+
+def test_deferring_the_draft_kv_is_a_typed_capability():
+    """The chain cycle defers the k = 0 draft KV only for a drafter meeting `DefersDraftKV`
+    (the EagleDrafter), not for one that reads no hidden state."""
+    assert all(callable(getattr(EagleDrafter, m)) for m in ("defer_kv", "rebuild_deferred_kv"))
+    assert issubclass(EagleDrafter, DefersDraftKV)
+    assert not isinstance(TokenDrafter(), DefersDraftKV)
+    assert not isinstance(ScriptedDrafter.__new__(ScriptedDrafter), DefersDraftKV)

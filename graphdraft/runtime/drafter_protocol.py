@@ -136,6 +136,24 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class DefersDraftKV(Protocol):
+    """A drafter that can skip its KV-only draft step at k = 0 and write that KV later (an
+    optional capability beside `Drafter`: `EagleDrafter` has it; the chain cycle uses it when
+    `cfg.deferred_draft_kv` > 0)."""
+
+    def defer_kv(self, columns: int) -> object:
+        """From now on `draft(bs, 0)` stashes its inputs in a ring of `columns` cycles
+        (allocated once, before capture) instead of writing the draft KV; returns the ring
+        (`runtime.deferred_kv.DeferredDraftKV`: its host counters say when it must be
+        rebuilt)."""
+        ...
+
+    def rebuild_deferred_kv(self, bs: int) -> None:
+        """Write the stashed draft KV of rows [0, bs) and clear them (graph-capturable)."""
+        ...
+
+
 DRAFTER_MEMBERS = ("capturable", "variable_draft_length", "bind", "graphs", "reset_neutral",
                    "hidden_buffer", "accepted_tokens", "accept_lengths", "draft", "draft_mixed",
                    "on_cycle")

@@ -20,7 +20,7 @@ table's columns past k repeat the last one (filler). A row whose stored drafts a
 this cycle's k verifies filler: the verify compares against the target, so it stays exact.
 k = 0 (chain) is target-only decode plus the drafter's KV-only step over the one accepted
 token (for `EagleDrafter`: the draft KV of the committed position, so later drafts attend over
-no hole). With `cfg.deferred_draft_kv` > 0 and a drafter that can defer it (`defer_kv`: the
+no hole). With `cfg.deferred_draft_kv` > 0 and a drafter that can defer it (`DefersDraftKV`: the
 `EagleDrafter`) the k = 0 cycle only stashes that step's inputs (`runtime/deferred_kv.py`)
 and the mode registers ("draft_kv_rebuild", None), which writes them all at once; `run` and
 `mixed` replay it (at the widest padded bs stashed) before a cycle with k > 0, before a
@@ -36,7 +36,7 @@ import torch
 
 from capture import CapturedForward
 from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
-from graphdraft.runtime.drafter_protocol import Drafter
+from graphdraft.runtime.drafter_protocol import DefersDraftKV, Drafter
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
 from graphdraft.serving.cycles.mixed_graphs import MixedTargetGraphs
 from graphdraft.serving.data_parallel import StepPlan
@@ -80,9 +80,9 @@ class ChainMode(DecodeMode):
         if drafter is not None:
             parts.registry.extend(drafter.graphs())
         self.deferred, self.rebuild_kv = None, None
-        defer = getattr(drafter, "defer_kv", None)
-        if callable(defer) and 0 in steps and parts.cfg.deferred_draft_kv:
-            self.deferred = defer(parts.cfg.deferred_draft_kv)
+        if (isinstance(drafter, DefersDraftKV) and 0 in steps
+                and parts.cfg.deferred_draft_kv):
+            self.deferred = drafter.defer_kv(parts.cfg.deferred_draft_kv)
             self.rebuild_kv = self.forward("draft_kv_rebuild", drafter.rebuild_deferred_kv,
                                            on and drafter.capturable)
         self.cycle_by_k = {k: self._add("spec_cycle", k, top,
