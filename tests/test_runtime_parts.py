@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -70,6 +72,31 @@ def test_page_table_alloc_reserve_free_all_or_nothing():
     with pytest.raises(ValueError, match="slot"):
         pt.free(a)
     assert int(pt.req_to_page[0].abs().sum()) == 0  # the dummy row never changes
+
+
+def test_page_table_batched_writes_equal_one_by_one():
+    """Inside `batched()` the host state changes at once and the device table on exit, equal
+    to reserving one by one; a slot freed inside drops its pending writes; nested: the
+    outermost writes."""
+    def table(batched: bool) -> torch.Tensor:
+        pt = PageTable(max_reqs=4, max_pages_per_req=4, num_pages=12, page_size=2, device="cpu")
+        a, b, c = pt.alloc_slot(), pt.alloc_slot(), pt.alloc_slot()
+        with pt.batched() if batched else contextlib.nullcontext():
+            pt.reserve(a, 3)
+            with pt.batched() if batched else contextlib.nullcontext():
+                pt.reserve(b, 8)
+            if batched:
+                assert int(pt.req_to_page.abs().sum()) == 0  # not written yet
+                assert pt.capacity(b) == 8  # the host state is
+            pt.reserve(c, 2)
+            pt.free(c)  # its pending write must not land in the freed row
+            pt.reserve(a, 6)  # a's second reservation: its next page
+        return pt.req_to_page, [pt.pages_of(a), pt.pages_of(b)]
+
+    (one, pages), (batch, pages_b) = table(False), table(True)
+    assert torch.equal(one, batch) and pages == pages_b
+    assert one[1, :3].tolist() == pages[0] and one[2].tolist() == pages[1]
+    assert int(one[3].abs().sum()) == 0 and int(one[0].abs().sum()) == 0
 
 
 def test_kv_pool_shapes():

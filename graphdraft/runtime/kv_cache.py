@@ -8,17 +8,22 @@ there) and request slot 0 the reserved dummy request (its row stays all zeros).
 
 Allocation state lives on the host (free lists and each request's page list),
 so allocating and freeing never syncs with the device; the device page table
-is written only for the rows that change.
+is written only for the rows that change, from a pinned staging ring
+(`runtime.staging.HostStaging`: no pinned allocation per request), and inside
+`PageTable.batched()` once for every request reserved there (one copy, one scatter).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from graphdraft.kernels.cache_loc import kv_slot  # noqa: F401 - re-exported (its home: cache_loc)
 from graphdraft.kernels.neutral import DUMMY_PAGE, DUMMY_REQ_SLOT
+from graphdraft.runtime.staging import HostStaging
 
 
 class OutOfPagesError(RuntimeError):
@@ -69,6 +74,8 @@ class PageTable:
         self._free_slots = list(range(max_reqs, DUMMY_REQ_SLOT, -1))
         self._reqs: dict[int, _Request] = {}
         self.num_pages = num_pages
+        self.staging = HostStaging(device, capacity=1 << 16)
+        self._pending: list[tuple[int, int, list[int]]] | None = None  # inside `batched()`
 
     # --- queries ---------------------------------------------------------
     @property
@@ -114,11 +121,35 @@ class PageTable:
         new = [self._free_pages.pop() for _ in range(need)]
         start = len(req.pages)
         req.pages.extend(new)
-        src = torch.tensor(new, dtype=torch.int32)
-        if self.req_to_page.device.type == "cuda":
-            src = src.pin_memory()  # a pageable source would make the copy wait for the stream
-        self.req_to_page[slot, start:start + need] = src.to(self.req_to_page.device,
-                                                             non_blocking=True)
+        if self._pending is not None:
+            self._pending.append((slot, start, new))
+        else:
+            self.req_to_page[slot, start:start + need] = self.staging.tensor(new, torch.int32)
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Inside, `reserve` changes the host state at once and the device table on exit, for
+        every request together (one staged copy and one scatter); a slot freed inside drops
+        its pending writes. Nested: the outermost writes."""
+        if self._pending is not None:
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            self._write(pending)
+
+    def _write(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """`req_to_page[slot, start + i] = pages[i]` for every (slot, start, pages)."""
+        if not writes:
+            return
+        rows = [slot for slot, _, pages in writes for _ in pages]
+        cols = [start + i for _, start, pages in writes for i in range(len(pages))]
+        vals = [page for _, _, pages in writes for page in pages]
+        r, c, v = self.staging.pack((rows, torch.int64), (cols, torch.int64), (vals, torch.int32))
+        self.req_to_page.index_put_((r, c), v)
 
     def free(self, slot: int) -> None:
         """Return a request's pages and slot; its table row becomes zeros (the dummy page)."""
@@ -127,4 +158,6 @@ class PageTable:
             raise ValueError(f"slot: {slot} is not an allocated request slot")
         self._free_pages.extend(reversed(req.pages))
         self._free_slots.append(slot)
+        if self._pending:
+            self._pending = [w for w in self._pending if w[0] != slot]
         self.req_to_page[slot].zero_()

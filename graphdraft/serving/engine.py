@@ -622,7 +622,7 @@ class Engine:
         return params
 
     def _admit(self) -> None:
-        with self.slots.admitting():  # the admitted rows written together (no host sync)
+        with self.slots.admitting(), self.pages.batched():  # rows written together, no sync
             while self.waiting and len(self.running) < self.cfg.max_running_requests:
                 req = self.waiting[0]
                 need = len(req.prompt) + req.params.max_new_tokens + self.mode.lookahead
