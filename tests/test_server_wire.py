@@ -28,3 +28,25 @@ def test_frames_round_trip_across_partial_sends():
     assert bytes(framed._buf) == encode(messages[2])  # the framing `encode` documents
     a.close()
     b.close()
+
+
+def test_stream_chunks_encode_the_same_bytes_as_the_whole_body():
+    """`protocol.ChunkEncoder` encodes a stream's envelope once: each event equals encoding
+    the whole chunk body (with and without include_usage, non-ASCII text, a final usage)."""
+    import json
+
+    from graphdraft.serving.openai_api import protocol as P
+
+    for chat in (False, True):
+        for include_usage in (False, True):
+            enc = P.ChunkEncoder("cmpl-1", "mod\u00e8le", chat, 123, include_usage)
+            choices = [P.choice(0, "h\u00e9llo\n\"x\"", None, chat, delta=True),
+                       P.choice(1, "", "stop", chat, delta=True)]
+            body = P.envelope("cmpl-1", "mod\u00e8le", chat, chunk=True, created=123)
+            body["choices"] = choices
+            if include_usage:
+                body["usage"] = None
+            assert enc(choices) == "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+            last = json.loads(enc([], usage={"total_tokens": 3})[6:])
+            assert last["usage"] == {"total_tokens": 3} and last["choices"] == []
+            assert list(last)[-2:] == ["choices", "usage"]

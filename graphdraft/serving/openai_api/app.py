@@ -370,14 +370,8 @@ class OpenAIServer:
     async def _sse(self, run: _Run, rid: str, model: str) -> AsyncIterator[str]:
         """The event stream of a streamed response; closing it early (client gone) aborts
         every choice still running."""
-        chat, created = run.req.chat, int(time.time())
-        extra = {"usage": None} if run.req.include_usage else {}
-
-        def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-            body = P.envelope(rid, model, chat, chunk=True, created=created)
-            body["choices"] = choices
-            return "data: " + json.dumps(body | extra | more, ensure_ascii=False) + "\n\n"
-
+        chat = run.req.chat
+        chunk = P.ChunkEncoder(rid, model, chat, int(time.time()), run.req.include_usage)
         try:
             if chat:  # the role first, as OpenAI does
                 yield chunk([P.choice(i, "", None, True, delta=True, first=True)

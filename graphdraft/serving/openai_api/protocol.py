@@ -45,6 +45,7 @@ so the server and the library accept the same values; its field names map to the
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -415,6 +416,27 @@ def envelope(rid: str, model: str, chat: bool, chunk: bool, created: int | None 
              ) -> dict[str, Any]:
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
     return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+class ChunkEncoder:
+    """A stream's `data: {chunk}` events: `encoder(choices, **more)` -> the event's text (its
+    envelope, `choices`, `"usage": null` when the stream asked `include_usage`, then `more`).
+    The envelope is the same in every event of a stream: encoded once, so an event encodes its
+    choices alone (the same bytes as encoding the whole body)."""
+
+    def __init__(self, rid: str, model: str, chat: bool, created: int,
+                 include_usage: bool) -> None:
+        self.envelope = envelope(rid, model, chat, chunk=True, created=created)
+        self.extra = {"usage": None} if include_usage else {}
+        head = json.dumps(self.envelope, ensure_ascii=False)
+        self.head = f'data: {head[:-1]}, "choices": '
+        self.tail = (', "usage": null' if include_usage else "") + "}\n\n"
+
+    def __call__(self, choices: list[dict[str, Any]], **more: Any) -> str:
+        if not more:
+            return self.head + json.dumps(choices, ensure_ascii=False) + self.tail
+        body = self.envelope | {"choices": choices} | self.extra | more
+        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
 
 
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, *, delta: bool = False,
