@@ -126,12 +126,16 @@ demo-gpu:
 # 20 MB) into $(OUT)/smollm2-eagle3 (config.json, model.safetensors, training.json), its log in
 # $(OUT)/train-real.log. Then `make perf-real SMOLLM2_HEAD=that dir`. The shipped head
 # (graphdraft/assets/smollm2-eagle3, MODEL_CARD.md) came from the earlier recipe (1,536 ids, 4.5
-# minutes of training).
+# minutes of training). TRAIN_REAL_FLAGS overrides the recipe, e.g. the target's LM head and a
+# larger draft vocab: TRAIN_REAL_FLAGS="--lm-head target --draft-vocab 8192" (see
+# graphdraft.train.real; --max-head-bytes bounds the head's file).
+TRAIN_REAL_FLAGS ?=
 train-real:
 	mkdir -p $(OUT)
 	rm -f $(OUT)/smollm2-eagle3/training.json
 	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m graphdraft.train real --recipe gpu \
-		--target "$(SMOLLM2_GGUF)" --out $(OUT)/smollm2-eagle3 2>&1 | tee $(OUT)/train-real.log
+		--target "$(SMOLLM2_GGUF)" --out $(OUT)/smollm2-eagle3 $(TRAIN_REAL_FLAGS) 2>&1 \
+		| tee $(OUT)/train-real.log
 	test -f $(OUT)/smollm2-eagle3/training.json  # written last: the run finished
 
 # HumanEval + prose: chain S = 3/5/7 and the best n = 8 tree, bs 1/8/32, T 0/0.7

@@ -19,6 +19,13 @@ EAGLE-3 head directory (the published EAGLE-3 layout, e.g. EAGLE3-LLaMA3.1-Instr
          lm_head.weight [draft_vocab, H], d2t int64 [draft_vocab] (offsets: target id =
          draft id + d2t[draft id]), t2d bool [vocab], optional embed_tokens.weight (without it
          the head shares the target's embedding).
+  `graphdraft_lm_head` (graphdraft's config key, `LM_HEAD_KEY`): "own" (or absent) the head
+         ships its lm_head.weight; "target": it ships none, and the loader gathers the target's
+         lm_head rows at the draft vocabulary's target ids (d2t; none: Vd == V, every row) into
+         the head's own [draft_vocab, H] parameter, in the head's dtype on its device (as
+         EAGLE-1/-2 and Medusa reuse the target's frozen LM head; a tied target's rows are its
+         embedding's). Such a head needs target=; a file holding lm_head.weight, a missing or
+         out-of-range d2t, a target of another vocab or hidden size are errors naming them.
 
 graphdraft fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj`
 (rows [gate; up]); loading concatenates, saving splits. One table (`_target_layout`,
@@ -71,7 +78,7 @@ from typing import Any
 import torch
 
 from graphdraft.config import ModelConfig, resolve_dtype
-from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.eagle3 import LM_HEAD_SOURCES, Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,8 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONVENTION_KEY = "graphdraft_aux_layer_ids_convention"
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+LM_HEAD_KEY = "graphdraft_lm_head"
+"""A head config's key: where its LM head comes from (`eagle3.LM_HEAD_SOURCES`; absent: "own")."""
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _FLOAT_CODES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
@@ -350,15 +359,26 @@ def _target_layout(cfg: ModelConfig) -> list[_Entry]:
     return out
 
 
-def _head_layout(cfg: ModelConfig, include_embeddings: bool) -> list[_Entry]:
+def _head_layout(cfg: ModelConfig, include_embeddings: bool,
+                 include_lm_head: bool = True) -> list[_Entry]:
     h = cfg.hidden_size
     out = [_Entry("embed_tokens.weight", "embed_tokens", 0, (cfg.vocab_size, h))] if (
         include_embeddings) else []
     out.append(_Entry("fc.weight", "fc", 0, (h, cfg.num_aux_hidden_states * h)))
     out += _layer_entries("midlayer.", "midlayer.", cfg, 2 * h, hidden_norm=True)
-    out += [_Entry("norm.weight", "norm.weight", 0, (h,)),
-            _Entry("lm_head.weight", "lm_head", 0, (cfg.output_vocab_size, h))]
+    out.append(_Entry("norm.weight", "norm.weight", 0, (h,)))
+    if include_lm_head:
+        out.append(_Entry("lm_head.weight", "lm_head", 0, (cfg.output_vocab_size, h)))
     return out
+
+
+def _lm_head_source(extras: ConfigExtras) -> str:
+    """config.json's `graphdraft_lm_head` ("own" when absent); ValueError naming the key."""
+    value = extras.raw.get(LM_HEAD_KEY, "own")
+    if value not in LM_HEAD_SOURCES:
+        raise ValueError(f"{extras.path / CONFIG_NAME}: {LM_HEAD_KEY}: expected one of "
+                         f"{', '.join(map(repr, LM_HEAD_SOURCES))}, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -622,9 +642,10 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
 
     Without `embed_tokens.weight` in the checkpoint the head shares `target.embed_tokens`
     (the same Parameter, not a copy); a shipped embedding equal to the target's is shared
-    too. With a target: the dtype and device default to (and must equal) the target's, hidden
-    and vocab sizes must match, and the head's RoPE table covers the target's
-    max_position_embeddings. Without one: device defaults to "cpu".
+    too. A config with `graphdraft_lm_head: "target"` takes its LM head from the target
+    (module docstring; target= required). With a target: the dtype and device default to
+    (and must equal) the target's, hidden and vocab sizes must match, and the head's RoPE
+    table covers the target's max_position_embeddings. Without one: device defaults to "cpu".
     """
     with contextlib.ExitStack() as stack:
         head, fill, _ = _open_head(path, target, dtype, device, stack,
@@ -670,9 +691,11 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
                                                       tc.max_position_embeddings))
     elif device is None:
         device = "cpu"
+    lm_source = _lm_head_source(extras)
+    from_target = lm_source == "target"
     w = stack.enter_context(_Weights(d))
     has_embed = "embed_tokens.weight" in w.headers
-    entries = _head_layout(cfg, include_embeddings=has_embed)
+    entries = _head_layout(cfg, include_embeddings=has_embed, include_lm_head=not from_target)
     expected = {e.name: (e.shape, "float") for e in entries}
     vd, v = cfg.output_vocab_size, cfg.vocab_size
     if "d2t" in w.headers or vd != v:
@@ -683,6 +706,21 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
     if not has_embed and target is None:
         problems.insert(0, "missing tensor 'embed_tokens.weight': this head shares the "
                            "target's embedding, pass target=")
+    if from_target:
+        problems = [p for p in problems if not p.startswith("unexpected tensor 'lm_head.weight'")]
+        taken = f"{LM_HEAD_KEY} is 'target' in {CONFIG_NAME}"
+        if "lm_head.weight" in w.headers:
+            problems.insert(0, f"'lm_head.weight' is stored but {taken}: the LM head is the "
+                               f"target's rows, so the file must hold none (drop the tensor, "
+                               f"or set {LM_HEAD_KEY} to 'own')")
+        if "d2t" not in w.headers and vd != v:
+            problems = [p for p in problems if not p.startswith("missing tensor 'd2t'")]
+            problems.insert(0, f"missing tensor 'd2t' (expected shape [{vd}]): {taken}, and "
+                               f"the target rows the {vd}-id draft LM head takes are the ones "
+                               f"d2t maps the draft ids to")
+        if target is None:
+            problems.insert(0, f"{taken}: this head takes its LM head from the target, "
+                               f"pass target=")
     if problems:
         raise CheckpointError(d, problems)
     hot = _hot_token_ids(d, w, v, vd)
@@ -695,9 +733,16 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
 
     # shared: no embedding of its own (none shipped, or one equal to the read target's)
     shared = target is not None and (not has_embed or (target_read and same_embedding()))
+    if from_target:
+        lm = getattr(target, "lm_head", None)
+        if lm is None or tuple(lm.shape) != (v, cfg.hidden_size):
+            raise ValueError(f"target: its lm_head must be [{v}, {cfg.hidden_size}] (the "
+                             f"head's vocab_size, hidden_size) for {LM_HEAD_KEY} 'target' in "
+                             f"{where}, got {None if lm is None else tuple(lm.shape)}")
     with torch.device(device):
         head = Eagle3DraftHead(cfg, dt, embed_tokens=target.embed_tokens.data if shared else None,
-                               hot_token_ids=hot.to(device) if hot is not None else None)
+                               hot_token_ids=hot.to(device) if hot is not None else None,
+                               lm_head_source=lm_source)
     if shared:
         head.embed_tokens = target.embed_tokens
         entries = [e for e in entries if e.param != "embed_tokens"]
@@ -709,6 +754,8 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
             head.embed_tokens = target.embed_tokens  # its own copy is dropped
             todo = [e for e in entries if e.param != "embed_tokens"]
         _fill(head, w, todo)
+        if from_target:  # the target's rows (its own fill ran first in open_model_pair)
+            head.tie_lm_head_(target.lm_head)
 
     return head.to(device), fill, w.files
 
@@ -955,6 +1002,9 @@ def save_eagle3_head(head: Eagle3DraftHead, path: str | os.PathLike,
 
     `d2t`/`t2d` are written from `hot_token_ids` (none when the head has no draft vocab);
     `embed_tokens.weight` only with `include_embeddings` (else the loader shares the target's).
+    A head whose `lm_head_source` is "target" is written without `lm_head.weight` and with
+    `graphdraft_lm_head: "target"` (the loader gathers the target's rows again); an "own"
+    head's config has no such key.
     """
     _refuse_sharded("head", head)
     cfg = head.config
@@ -969,7 +1019,10 @@ def save_eagle3_head(head: Eagle3DraftHead, path: str | os.PathLike,
               "draft_vocab_size": cfg.output_vocab_size, "tie_word_embeddings": False}
     if ids is not None:
         config["eagle_config"] = _aux_ids_for_config(ids)
-    tensors = _tensors(head, _head_layout(cfg, include_embeddings))
+    from_target = head.lm_head_source == "target"
+    if from_target:
+        config[LM_HEAD_KEY] = "target"
+    tensors = _tensors(head, _head_layout(cfg, include_embeddings, include_lm_head=not from_target))
     if head.hot_token_ids is not None:
         hot = head.hot_token_ids.detach().to("cpu", torch.int64)
         tensors["d2t"] = hot - torch.arange(hot.numel(), dtype=torch.int64)

@@ -6,7 +6,10 @@ Weights (HF layout, `[out, in]`):
   midlayer      input_layernorm [H], hidden_norm [H], self_attn (qkv [(Hq+2Hkv)*D, 2H], o [H, Hq*D]),
                 post_attention_layernorm [H], mlp (gate_up [2F, H], down [H, F])
   norm          [H]
-  lm_head       [Vd, H]         over the draft vocab
+  lm_head       [Vd, H]         over the draft vocab; its own (`lm_head_source` "own", trained and
+                                shipped) or the target's (`lm_head_source` "target": the target's
+                                lm_head rows at hot_token_ids, gathered by `tie_lm_head_`, frozen,
+                                not shipped: `target_lm_head_rows`)
   hot_token_ids [Vd] int64      draft id -> target id (absent when Vd == V)
 
 One step over T tokens (positions `[T]`, KV slots `[T]`):
@@ -28,9 +31,10 @@ Tensor parallelism, two ways (see `graphdraft.parallel`):
               A head sharing the target's embedding keeps the full table.
   sharded     `parallel.shard_(head, tp)`: attention heads / KV heads, MLP and the
               draft-vocab LM head split like the target's (fc, norms and hot_token_ids
-              replicated); `config` becomes rank-local, so the drafter's KV pool holds
-              this rank's KV heads. Costs 2 all-reduces + 1 embedding all-reduce + 1
-              logits all-gather per draft step.
+              replicated; an LM head gathered from the target's is the head's own [Vd, H]
+              parameter by then, split the same way); `config` becomes rank-local, so the
+              drafter's KV pool holds this rank's KV heads. Costs 2 all-reduces + 1
+              embedding all-reduce + 1 logits all-gather per draft step.
   data-parallel  `data_parallel.shard_dense_(head, dp)`: only the MLP is split; it runs over
               the rows of every data-parallel rank (all-gather + reduce-scatter, 2 collectives
               per draft step); attention, embedding and LM head stay whole on every rank.
@@ -59,6 +63,37 @@ from graphdraft.models.logits import LogitsOutput, LogitsProcessor
 if TYPE_CHECKING:
     from graphdraft.parallel import TensorParallel
 
+LM_HEAD_SOURCES = ("own", "target")
+"""Where a head's LM head comes from: "own" (its own weights, trained and saved) or "target"
+(the target's lm_head rows at the draft vocabulary's target ids: frozen, never saved)."""
+
+
+def target_lm_head_rows(lm_head: torch.Tensor, hot_token_ids: torch.Tensor | None,
+                        cfg: ModelConfig) -> torch.Tensor:
+    """The draft LM head a head of `cfg` takes from its target: `lm_head` (the target's
+    `[V, H]` LM head weight, its embedding when tied) rows at `hot_token_ids` (`[Vd]` int,
+    draft id -> target id; None: the identity, Vd == V) -> `[Vd, H]`, a new tensor on
+    `lm_head`'s device in its dtype. ValueError naming the argument: `lm_head` not `[V, H]`
+    of cfg's vocab_size / hidden_size (a target of another vocabulary or width),
+    `hot_token_ids` not `[Vd]` or outside [0, V), or None with Vd != V."""
+    v, h, vd = cfg.vocab_size, cfg.hidden_size, cfg.output_vocab_size
+    if lm_head.ndim != 2 or tuple(lm_head.shape) != (v, h):
+        raise ValueError(f"lm_head: expected the target's LM head of shape ({v}, {h}) (the "
+                         f"head's vocab_size, hidden_size), got {tuple(lm_head.shape)}")
+    if hot_token_ids is None:
+        if vd != v:
+            raise ValueError(f"hot_token_ids: required for a draft vocabulary of {vd} ids "
+                             f"(the target's has {v}): the target rows the LM head takes")
+        return lm_head.detach().clone()
+    if hot_token_ids.shape != (vd,) or hot_token_ids.dtype.is_floating_point:
+        raise ValueError(f"hot_token_ids: expected an integer tensor of shape ({vd},), got "
+                         f"{hot_token_ids.dtype} {tuple(hot_token_ids.shape)}")
+    ids = hot_token_ids.to(lm_head.device, torch.int64)
+    if vd and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        raise ValueError(f"hot_token_ids: target ids must lie in [0, {v}) (the target's "
+                         f"vocabulary), got [{int(ids.min())}, {int(ids.max())}]")
+    return lm_head.detach().index_select(0, ids)
+
 
 class Eagle3MidLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -83,13 +118,18 @@ class DraftStepOutput:
 class Eagle3DraftHead(KernelsMixin, nn.Module):
     """The head. `kernels`: the kernel settings its layers and LM head run under (None: the
     default config, the torch path); `set_kernels(cfg.kernels)` sets them once after
-    construction."""
+    construction. `lm_head_source` (`LM_HEAD_SOURCES`): "target" marks an LM head taken
+    from the target (`tie_lm_head_` fills it; trainers freeze it, the saver omits it)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                  embed_tokens: torch.Tensor | None = None,
                  hot_token_ids: torch.Tensor | None = None, *,
-                 kernels: KernelConfig | None = None) -> None:
+                 kernels: KernelConfig | None = None, lm_head_source: str = "own") -> None:
         super().__init__()
+        if lm_head_source not in LM_HEAD_SOURCES:
+            raise ValueError(f"lm_head_source: expected one of {LM_HEAD_SOURCES}, got "
+                             f"{lm_head_source!r}")
+        self.lm_head_source = lm_head_source
         self.config, self.dtype = cfg, dtype
         self.global_config = cfg
         self.tp: TensorParallel | None = None
@@ -150,6 +190,21 @@ class Eagle3DraftHead(KernelsMixin, nn.Module):
         self.embed_tokens = parallel.shared_shard(memo, self.embed_tokens, shard)
         self.lm_head = parallel.shared_shard(memo, self.lm_head, shard)
         self.config, self.tp = local, tp
+
+    @torch.no_grad()
+    def tie_lm_head_(self, target_lm_head: torch.Tensor) -> None:
+        """Take the LM head from the target: `lm_head` <- `target_lm_head_rows(target_lm_head,
+        hot_token_ids)` (`target_lm_head` `[V, H]`, the target's full, unsharded weight), cast
+        to the head's dtype, copied in place (the same Parameter: modules and engines built on
+        the head stay valid), frozen (requires_grad False); `lm_head_source` becomes "target".
+        Before any sharding: ValueError on a sharded head."""
+        if self.tp is not None or self.dp is not None:
+            raise ValueError("head: already sharded; take the target's LM head before sharding "
+                             "(graphdraft.parallel.shard_)")
+        rows = target_lm_head_rows(target_lm_head, self.hot_token_ids, self.config)
+        self.lm_head.data.copy_(rows)
+        self.lm_head.requires_grad_(False)
+        self.lm_head_source = "target"
 
     def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids."""

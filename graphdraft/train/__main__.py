@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-warmup", type=int, default=None)
     p.add_argument("--hard-labels", action="store_true",
                    help="head loss against the target's greedy token instead of its softmax")
+    p.add_argument("--lm-head", choices=["own", "target"], default="own",
+                   help="own: the head's LM head is trained and saved; target: it is the "
+                        "target's, frozen and not saved (config graphdraft_lm_head)")
     p.add_argument("--target-max-minutes", type=float, default=None,
                    help="stop the target's training after this many minutes, the compile "
                         "warm-up included (a safety cap: the step count is then not reproducible)")
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                out=str(out / "target"), **common), corpus)
     if a.what in ("head", "all"):
         train_head(HeadRun(steps=r["head_steps"], batch=r["head_batch"], lr=r["head_lr"],
-                           ttt_steps=a.ttt_steps, hard_labels=a.hard_labels,
+                           ttt_steps=a.ttt_steps, hard_labels=a.hard_labels, lm_head=a.lm_head,
                            generated=r["generated"], generated_fraction=r["generated_fraction"],
                            pool_max_minutes=r["pool_max_minutes"], init_from=a.init_from,
                            warmup=r["head_warmup"], max_minutes=r["head_max_minutes"],

@@ -18,10 +18,14 @@
    (`train.ttt_loss`) the cross-entropy against the target's softmax over the draft
    vocabulary, weighted `decay ** (k - 1)`, on response positions only and only where the
    target's greedy token is in the draft vocabulary (EAGLE-3's position mask); batches of
-   similar lengths within `batch_tokens` (`LengthBatches`).
-5. The head is saved (`save_eagle3_head`, `save_dtype`) with `training.json`: the data, the
-   run, the held-out agreement and expected accept length (overall, per prompt kind), each
-   phase's seconds and the GPU.
+   similar lengths within `batch_tokens` (`LengthBatches`). `lm_head` "target"
+   (`--lm-head target`): the head's LM head is the target's rows of the draft vocabulary,
+   frozen (not in the optimizer), so a larger `draft_vocab` costs 8 bytes an id (d2t), not an
+   LM-head row.
+5. The head is saved (`save_eagle3_head`, `save_dtype`; with `lm_head` "target" without
+   its LM head, the config saying `graphdraft_lm_head: "target"`) with `training.json`: the
+   data, the run, the held-out agreement and expected accept length (overall, per prompt
+   kind), each phase's seconds and the GPU.
 
 Time: `gen_max_minutes` caps generation, `max_minutes` training, and `deadline_minutes` the
 whole run (`_deadlines`). Progress lines carry the UTC time and the seconds since the start.
@@ -62,6 +66,7 @@ from graphdraft.train.train import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    trained_parameters,
     ttt_loss,
 )
 
@@ -97,7 +102,7 @@ class RealHeadRun(HeadTraining):
     ffn: int = 192
     """Draft vocabulary and MLP width: for SmolLM2-135M (hidden 576) a 3.65 M-parameter head,
     7.37 MB in bf16 with d2t / t2d; each draft id adds 1,160 bytes (a bf16 LM-head row and a
-    d2t entry), each MLP unit 3,456."""
+    d2t entry; with `lm_head` "target" only the 8-byte d2t entry), each MLP unit 3,456."""
     max_head_bytes: int | None = None
     """The saved model.safetensors may not exceed this (`predicted_head_bytes`, checked before
     any response is generated); None: no limit."""
@@ -251,14 +256,16 @@ SAFETENSORS_HEADER_BYTES = 2048
 """A bound on the safetensors header of a saved head (its JSON of tensor names and shapes)."""
 
 
-def predicted_head_bytes(target_config, draft_vocab: int, ffn: int, save_dtype: str) -> int:
+def predicted_head_bytes(target_config, draft_vocab: int, ffn: int, save_dtype: str,
+                         lm_head: str = "own") -> int:
     """model.safetensors bytes of a head `new_chat_head` builds for a target of `target_config`
-    (its weights in `save_dtype`, d2t int64 `[draft_vocab]`, t2d bool `[vocab]`), at most."""
+    (its weights in `save_dtype`, d2t int64 `[draft_vocab]`, t2d bool `[vocab]`; `lm_head`
+    "target": no LM head), at most."""
     cfg = target_config.replace(num_hidden_layers=1, intermediate_size=ffn,
                                 draft_vocab_size=draft_vocab, tie_word_embeddings=False)
     with torch.device("meta"):
-        head = Eagle3DraftHead(cfg, torch.float32)
-    n = sum(p.numel() for name, p in head.named_parameters() if name != "embed_tokens")
+        head = Eagle3DraftHead(cfg, torch.float32, lm_head_source=lm_head)
+    n = sum(p.numel() for p in trained_parameters(head).values())  # what the saver writes
     width = torch.empty((), dtype=getattr(torch, save_dtype)).element_size()
     return n * width + 8 * draft_vocab + target_config.vocab_size + SAFETENSORS_HEADER_BYTES
 
@@ -266,18 +273,22 @@ def predicted_head_bytes(target_config, draft_vocab: int, ffn: int, save_dtype: 
 def check_head_size(run: RealHeadRun, target_config) -> int:
     """`predicted_head_bytes` of `run`'s head; ValueError naming draft_vocab / ffn when it
     exceeds `run.max_head_bytes` (checked before any GPU minute is spent)."""
-    size = predicted_head_bytes(target_config, run.draft_vocab, run.ffn, run.save_dtype)
+    size = predicted_head_bytes(target_config, run.draft_vocab, run.ffn, run.save_dtype,
+                                run.lm_head)
     if run.max_head_bytes is not None and size > run.max_head_bytes:
-        raise ValueError(f"draft_vocab={run.draft_vocab}, ffn={run.ffn}: the head would be "
-                         f"{size:,} bytes, over max_head_bytes={run.max_head_bytes:,}; expected "
-                         f"a smaller draft vocabulary or MLP")
+        hint = " or lm_head 'target'" if run.lm_head == "own" else ""
+        raise ValueError(f"draft_vocab={run.draft_vocab}, ffn={run.ffn}: the head (LM head "
+                         f"{run.lm_head}) would be {size:,} bytes, over max_head_bytes="
+                         f"{run.max_head_bytes:,}; expected a smaller draft vocabulary or "
+                         f"MLP{hint}")
     return size
 
 
-def new_chat_head(target: LlamaForCausalLM, hot: torch.Tensor, ffn: int, seed: int
-                  ) -> Eagle3DraftHead:
+def new_chat_head(target: LlamaForCausalLM, hot: torch.Tensor, ffn: int, seed: int,
+                  lm_head: str = "own") -> Eagle3DraftHead:
     """An fp32 head (one layer of the target's attention shape, `ffn` MLP width, draft vocab
-    `hot`) sharing the target's embedding; LM head rows and final norm from the target's."""
+    `hot`) sharing the target's embedding; LM head rows and final norm from the target's
+    (`lm_head` "target": the LM head stays the target's rows, `tie_lm_head_`, frozen)."""
     tc = target.config
     cfg = tc.replace(num_hidden_layers=1, intermediate_size=ffn, draft_vocab_size=hot.numel(),
                      tie_word_embeddings=False,
@@ -288,6 +299,8 @@ def new_chat_head(target: LlamaForCausalLM, hot: torch.Tensor, ffn: int, seed: i
     with torch.no_grad():
         head.lm_head.copy_(target.lm_head[hot.to(target.lm_head.device)].float())
         head.norm.weight.copy_(target.norm.weight.float())
+    if lm_head == "target":
+        head.tie_lm_head_(target.lm_head)
     head.embed_tokens = target.embed_tokens
     return head
 
@@ -295,13 +308,17 @@ def new_chat_head(target: LlamaForCausalLM, hot: torch.Tensor, ffn: int, seed: i
 @torch.no_grad()
 def head_copy(head: Eagle3DraftHead, dtype: torch.dtype, embed: torch.Tensor,
               via: torch.dtype | None = None) -> Eagle3DraftHead:
-    """`head` in `dtype` around the embedding `embed` (its device), hot tokens kept;
-    `via`: round every weight through that dtype first (what a checkpoint holds)."""
+    """`head` in `dtype` around the embedding `embed` (its device), hot tokens and LM head
+    source kept; `via`: round every weight through that dtype first (what a checkpoint holds;
+    not an LM head taken from the target, which the loader gathers in the target's dtype)."""
     out = Eagle3DraftHead(head.config, dtype, embed_tokens=embed,
-                          hot_token_ids=head.hot_token_ids.to(embed.device)).to(embed.device)
+                          hot_token_ids=head.hot_token_ids.to(embed.device),
+                          lm_head_source=head.lm_head_source).to(embed.device)
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
-        if n != "embed_tokens":
-            dst.copy_((src.to(via) if via is not None else src).to(dtype))
+        if n == "embed_tokens":
+            continue
+        rounded = via is not None and not (n == "lm_head" and head.lm_head_source == "target")
+        dst.copy_((src.to(via) if rounded else src).to(dtype))
     return out
 
 
@@ -360,7 +377,7 @@ def train_stage(run: RealHeadRun, target: LlamaForCausalLM, head: Eagle3DraftHea
                 gen: torch.Generator, stop_at: float | None, log: RunLog) -> dict:
     """Train `head` on `train` (module docstring, step 4) until `run.steps`, `run.max_minutes`
     or `stop_at` (perf_counter) -> `_train_loop`'s record, plus epochs and the cap used."""
-    params = {n: p for n, p in head.named_parameters() if n != "embed_tokens"}
+    params = trained_parameters(head)  # lm_head "target": the LM head stays frozen
     for p in params.values():
         p.requires_grad_(True)
     opt = _optimizer(params, run.lr, run.weight_decay, device)
@@ -429,10 +446,11 @@ def train_real_head(run: RealHeadRun) -> dict:
                         list(tokenizer.eos_token_ids)).to(device)
     labels = DraftLabels(hot, target.config.vocab_size)
     data["draft_vocab_coverage"] = labels.coverage(train)
-    head = new_chat_head(target, hot, run.ffn, run.seed + 1)
-    n_params = sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens")
+    head = new_chat_head(target, hot, run.ffn, run.seed + 1, run.lm_head)
+    n_params = sum(p.numel() for p in trained_parameters(head).values())
     log(f"head: {n_params:,} trained parameters, draft vocab {hot.numel()} (covers "
-        f"{data['draft_vocab_coverage']:.1%} of response tokens), {head.config}")
+        f"{data['draft_vocab_coverage']:.1%} of response tokens), LM head {run.lm_head}, "
+        f"{head.config}")
     res = train_stage(run, target, head, labels, train, device, precision, gen, train_stop, log)
     ev, size = _save(run, head, target, held, labels, precision, log)
     _sync(device)

@@ -7,6 +7,9 @@ unrolled `--ttt-steps` steps over every position of each window; loss = cross-en
 against the target's soft labels (its softmax at the position the step predicts; `--hard-labels`:
 its greedy token instead), step k weighted `decay ** (k - 1)`. The head shares (and does
 not train) the target's embedding; its LM head and final norm start from the target's.
+`lm_head` "target" (`--lm-head target`): the LM head IS the target's (frozen, not in the
+optimizer, not saved; the checkpoint's config says `graphdraft_lm_head: "target"` and the
+loader gathers the target's rows again).
 
 Both write graphdraft checkpoints (`graphdraft.io.checkpoint.save_target` / `save_eagle3_head`)
 and a `training.json` summary next to the weights.
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from graphdraft.config import ModelConfig
 from graphdraft.io.bytes_tokenizer import BOS_ID, CONFIG_KEY, EOS_ID, VOCAB_SIZE
 from graphdraft.io.checkpoint import load_eagle3_head, load_target, save_eagle3_head, save_target
-from graphdraft.models.eagle3 import Eagle3DraftHead
+from graphdraft.models.eagle3 import LM_HEAD_SOURCES, Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.train.data import Corpus, eval_windows, load_corpus, sample_windows
 from graphdraft.train.forward import head_ttt_forward, target_forward
@@ -341,8 +344,17 @@ class HeadTraining:
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     precision: str = "auto"
     """"auto" (bf16 autocast on CUDA, fp32 on the CPU), "bf16", "tf32" (CUDA) or "fp32"."""
+    lm_head: str = "own"
+    """"own": the head's LM head starts from the target's rows and is trained and saved;
+    "target": it is the target's rows of the draft vocabulary, frozen (not in the optimizer)
+    and not saved (the config's `graphdraft_lm_head: "target"`: the loader gathers them), so
+    the draft vocabulary costs no LM-head bytes."""
     history: list = field(default_factory=list)
     """The loop's log entries (filled while training)."""
+
+    def __post_init__(self) -> None:
+        if self.lm_head not in LM_HEAD_SOURCES:
+            raise ValueError(f"lm_head: expected one of {LM_HEAD_SOURCES}, got {self.lm_head!r}")
 
 
 @dataclass(kw_only=True)
@@ -444,6 +456,13 @@ def train_target(run: TargetRun, corpus: Corpus | None = None) -> dict:
 # ---------------------------------------------------------------------------
 # Head
 # ---------------------------------------------------------------------------
+def trained_parameters(head: Eagle3DraftHead) -> dict[str, torch.nn.Parameter]:
+    """The head's parameters an optimizer trains: all but the embedding (the target's, shared)
+    and, when `head.lm_head_source` is "target", the LM head (the target's rows, frozen)."""
+    frozen = {"embed_tokens"} | ({"lm_head"} if head.lm_head_source == "target" else set())
+    return {n: p for n, p in head.named_parameters() if n not in frozen}
+
+
 def ttt_loss(step_logits: list[torch.Tensor], greedy: torch.Tensor, decay: float,
              probs: torch.Tensor | None = None, mask: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,9 +517,11 @@ def eval_head(target: LlamaForCausalLM, head: Eagle3DraftHead, windows: torch.Te
     return {"step_top1_agreement": acc, "expected_accept_length": accept}
 
 
-def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> Eagle3DraftHead:
+def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int,
+             lm_head: str = "own") -> Eagle3DraftHead:
     """A freshly initialised fp32 head sharing (not copying) the target's embedding; its LM
-    head and final norm start from the target's.
+    head and final norm start from the target's (`lm_head` "target": the LM head is the
+    target's, `Eagle3DraftHead.tie_lm_head_`, frozen).
 
     Built with its own embedding, initialised, then given the target's: constructed around
     `target.embed_tokens.data`, the initialisation would overwrite the target's embedding in
@@ -512,18 +533,23 @@ def new_head(target: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> Eagle3Dra
     with torch.no_grad():
         head.lm_head.copy_(target.lm_head)
         head.norm.weight.copy_(target.norm.weight)
+    if lm_head == "target":
+        head.tie_lm_head_(target.lm_head)
     head.embed_tokens = target.embed_tokens  # shared (and frozen), as the loader shares it
     return head
 
 
 def _initial_head(run: HeadRun, target: LlamaForCausalLM, cfg: ModelConfig) -> Eagle3DraftHead:
-    """The head training starts from: `run.init_from`'s (shaped `cfg`) or a new one."""
+    """The head training starts from: `run.init_from`'s (shaped `cfg`) or a new one; with
+    `run.lm_head` "target" its LM head is the target's (frozen), whatever it started as."""
     if run.init_from is None:
-        return new_head(target, cfg, run.seed + 1)
+        return new_head(target, cfg, run.seed + 1, run.lm_head)
     head = load_eagle3_head(run.init_from, target=target)
     if head.config.replace(draft_vocab_size=None) != cfg:  # the saver writes Vd = V
         raise ValueError(f"--init-from {run.init_from}: expected a head shaped {cfg}, "
                          f"got {head.config}")
+    if run.lm_head == "target":
+        head.tie_lm_head_(target.lm_head)
     print(f"head: starting from {run.init_from}", flush=True)
     return head
 
@@ -555,11 +581,12 @@ def train_head(run: HeadRun, corpus: Corpus | None = None) -> dict:
     head = _initial_head(run, target, cfg)
     pool, pool_seconds = _self_distillation_pool(run, target, corpus, gen)
     n_gen = round(run.batch * run.generated_fraction) if pool is not None else 0
-    params = {n: p for n, p in head.named_parameters() if n != "embed_tokens"}
+    params = trained_parameters(head)
     for p in params.values():
         p.requires_grad_(True)
     n_params = sum(p.numel() for p in params.values())
-    print(f"head: {n_params:,} trained parameters (embedding shared with the target), {cfg}",
+    frozen = "embedding" + (" and LM head" if head.lm_head_source == "target" else "")
+    print(f"head: {n_params:,} trained parameters ({frozen} the target's, frozen), {cfg}",
           flush=True)
     print(f"head: device {device}, precision {precision}, batch {run.batch} x {run.context} "
           f"({n_gen} from the pool), {run.steps} steps, cap {run.max_minutes} min, "
@@ -707,10 +734,13 @@ def _round_trip(model: LlamaForCausalLM, dtype: str) -> LlamaForCausalLM:
 @torch.no_grad()
 def _round_trip_head(head: Eagle3DraftHead, target: LlamaForCausalLM, dtype: str) -> Eagle3DraftHead:
     """An fp32 copy of `head` whose weights went through `dtype`, on the target's device,
-    sharing the target's embedding."""
-    out = Eagle3DraftHead(head.config, torch.float32)
+    sharing the target's embedding (an LM head taken from the target: copied as is, the
+    loader gathers it again in the target's dtype)."""
+    out = Eagle3DraftHead(head.config, torch.float32, lm_head_source=head.lm_head_source)
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
-        if n != "embed_tokens":
+        if n == "lm_head" and head.lm_head_source == "target":
+            dst.copy_(src.detach().float())
+        elif n != "embed_tokens":
             dst.copy_(src.detach().to(_dtype(dtype)).float())
     out = out.to(target.embed_tokens.device)
     out.embed_tokens = target.embed_tokens
@@ -720,7 +750,8 @@ def _round_trip_head(head: Eagle3DraftHead, target: LlamaForCausalLM, dtype: str
 @torch.no_grad()
 def _cast_head(head: Eagle3DraftHead, target: LlamaForCausalLM, dtype: str) -> Eagle3DraftHead:
     dt = _dtype(dtype)  # a host copy (the saver writes no embedding)
-    out = Eagle3DraftHead(head.config, dt, embed_tokens=target.embed_tokens.data.to("cpu", dt))
+    out = Eagle3DraftHead(head.config, dt, embed_tokens=target.embed_tokens.data.to("cpu", dt),
+                          lm_head_source=head.lm_head_source)
     for (n, dst), (_, src) in zip(out.named_parameters(), head.named_parameters(), strict=True):
         if n != "embed_tokens":
             dst.copy_(src.to(dt))
