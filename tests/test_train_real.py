@@ -146,7 +146,8 @@ def test_predicted_head_bytes_bound_the_shipped_head_and_the_gpu_recipe_fits(tmp
     from graphdraft.serving.cli.models import SHIPPED_SMOLLM2_HEAD
     cfg, record = _smollm2_config(tmp_path)
     run = record["run"]
-    shipped = predicted_head_bytes(cfg, run["draft_vocab"], run["ffn"], run["save_dtype"])
+    shipped = predicted_head_bytes(cfg, run["draft_vocab"], run["ffn"], run["save_dtype"],
+                                   run.get("lm_head", "own"))  # (absent: heads before the key)
     assert 0 <= shipped - record["safetensors_bytes"] <= 2048
     gpu = RealHeadRun(target="t", out="o", **{k: v for k, v in GPU_RECIPE.items()})
     size = check_head_size(gpu, cfg)
