@@ -307,9 +307,15 @@ def requests_at(c: int, a: argparse.Namespace) -> int:
     return max(a.min_requests, a.waves * c)
 
 
-def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Path) -> dict:
-    server = ServerProcess(a.server_flags, out / "serve-server.log",
-                           out / "core_times.json" if a.core_times else None)
+def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Path,
+                 api_servers: int | None = None, with_soak: bool = True) -> dict:
+    """Every level against one server (its flags: `a.server_flags`, plus `--api-server-count
+    api_servers` when given; rows keyed `api_server_count`), then the soak (`with_soak`)."""
+    flags = a.server_flags if api_servers is None else [*a.server_flags, "--api-server-count",
+                                                        str(api_servers)]
+    tag = "" if api_servers is None else f"-{api_servers}"
+    server = ServerProcess(flags, out / f"serve-server{tag}.log",
+                           out / f"core_times{tag}.json" if a.core_times else None)
     report: dict = {"rows": [], "http_processes": len(server.http_pids),
                     "http_stack": server.http_stack}
     try:
@@ -325,6 +331,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
                                 workers=a.client_workers) for r in range(a.reps)]
             row = summarize(c, passes)
             row["cpu"] = cpu_use(cpu0, server.cpu_seconds(), passes)
+            row["api_server_count"] = len(server.http_pids)
             after = server.engine_counts()
             row["server_steps"] = after["steps"] - before["steps"]
             row["server_mixed_steps"] = row["server_steps"] - (after["decode_cycles"]
@@ -339,7 +346,7 @@ def server_phase(a: argparse.Namespace, prompts: list[list[int]], pool, out: Pat
                   f"failed {row['failed']}/{row['requests']}, steps {row['server_steps']}, "
                   f"prefill / mixed steps {row['server_mixed_steps']}", flush=True)
             report["rows"].append(row)
-        if a.soak:
+        if a.soak and with_soak:
             report["soak"] = soak(a, server, prompts, pool)
     finally:
         report["server_exit_code"] = server.stop()
@@ -586,6 +593,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the engine core's time breakdown per level (row 'core': seconds per "
                         "part of its loop, mean ms from a request's arrival in the core to its "
                         "hand-over and to its first ids; engine_core.CoreTimes)")
+    p.add_argument("--api-server-counts", default=None, metavar="N,M",
+                   help="the server phase once per count (serve --api-server-count N), each "
+                        "row keyed api_server_count; the soak at the last count (default: the "
+                        "serve flags' own)")
     p.add_argument("--tiny", action="store_true",
                    help="a CPU check of the whole script in a minute: levels 1,2, one repetition "
                         "of 4 requests, 4 tokens of 16-token prompts, no soak, one client "
@@ -599,6 +610,14 @@ def main(argv: list[str] | None = None) -> int:
         a.prompt_tokens, a.soak, a.client_workers = 16, 0, 1
         a.server_flags = ["--device", "cpu", *a.server_flags]
     a.levels = [int(x) for x in a.levels.split(",")]
+    try:
+        counts = ([int(x) for x in a.api_server_counts.split(",")] if a.api_server_counts
+                  else [None])
+        if any(n is not None and n < 1 for n in counts):
+            raise ValueError
+    except ValueError:
+        p.error(f"--api-server-counts: expected ints >= 1 separated by commas, got "
+                f"{a.api_server_counts!r}")
     a.offline_admission = [x for x in a.offline_admission.split(",") if x]
     try:
         if not a.offline_admission:
@@ -616,7 +635,13 @@ def main(argv: list[str] | None = None) -> int:
                    if f == "--target"), str(SHIPPED_TARGET))
     prompts = load_prompts(load_tokenizer(target), Path(a.prompts), a.prompt_tokens)
     with mp.get_context("spawn").Pool(a.client_workers) as pool:
-        report = server_phase(a, prompts, pool, out)
+        phases = [server_phase(a, prompts, pool, out, n, with_soak=i == len(counts) - 1)
+                  for i, n in enumerate(counts)]
+    report = phases[-1] | {"rows": [row for ph in phases for row in ph["rows"]]}
+    if len(phases) > 1:
+        report["servers"] = [{k: ph[k] for k in ("http_processes", "http_stack",
+                                                 "server_exit_code", "engine_process_left")}
+                             for ph in phases]
     (out / "serve-server-phase.json").write_text(json.dumps(report, indent=2) + "\n")
     # The baseline in a fresh process as well (the server's two are fresh): not in this one,
     # which has run the load generator and holds its results.
@@ -637,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / (a.name or "serve.json")).write_text(json.dumps(report, indent=2) + "\n")
     for row in report["rows"]:
         best = row["offline_by_admission"][row["offline_admission_best"]]
-        print(f"c={row['concurrency']:>3}: server {row['server_tps']:>9,.0f} tok/s, offline "
+        print(f"c={row['concurrency']:>3}, {row['api_server_count']} HTTP process(es): server "
+              f"{row['server_tps']:>9,.0f} tok/s, offline "
               f"{row['offline_tps']:>9,.0f} ({row['offline_admission_best']}), ratio "
               f"{row['server_over_offline']:.3f}, failed {row['failed']}; prefill / mixed "
               f"steps of all steps: server {row['server_mixed_steps']} / {row['server_steps']}, "

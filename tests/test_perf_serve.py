@@ -144,6 +144,13 @@ def test_group_sizes_and_unknown_rules_named(engine):
             serve.main(["--offline-admission", flag])
 
 
+@pytest.mark.parametrize("counts", ["0", "2,x", ","])
+def test_bad_api_server_counts_are_named(counts, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--api-server-counts", counts])
+    assert "--api-server-counts" in capsys.readouterr().err
+
+
 def test_the_report_names_the_servers_admission_group():
     from graphdraft.serving.openai_api.engine_core import ADMISSION_GROUP_DEFAULT
     assert serve.server_admission_group(["--device", "cpu"]) == ADMISSION_GROUP_DEFAULT
