@@ -245,3 +245,21 @@ def test_an_http_process_that_dies_ends_the_server():
         assert all(gone(p) for p in (s.engine_pid, *s.http_pids))
     finally:
         s.kill()
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag_before_the_engine_starts():
+    import socket
+    import subprocess
+    import sys
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "graphdraft", "serve", "--device", "cpu",
+                            "--api-server-count", "2", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "engine process" not in r.stderr and "Traceback" not in r.stderr
