@@ -43,7 +43,10 @@ MIN_PROMPTS = 8
 BATCH_SIZES = (1, 8, 32)
 TEMPERATURES = (0.0, 0.7)
 CHAINS = (3, 5, 7)
-TREES = ((5, 2, 8), (4, 4, 8))
+# perf/runs/2026-12-07-cpu-tree-shapes.json (perf/studies/tree_shapes.py, CPU fp32, 16 HumanEval
+# prompts x 128 tokens): the deep topk-2 trees lead at n = 8 (7/2 2.667, 6/2 2.663, 5/2 2.651
+# vs chain S = 7 2.454); 5/2 stays as the link to the 2026-12-06 H100 run (2.487 there).
+TREES = ((7, 2, 8), (6, 2, 8), (5, 2, 8))
 """Tree shapes (steps, topk, n) tried at n = 8; the best one's rows are kept."""
 PROSE_EVAL = (
     "What would happen to Earth's seasons if its axis were not tilted?",
