@@ -654,6 +654,53 @@ def load_eagle3_head(path: str | os.PathLike, target: LlamaForCausalLM | None = 
     return head
 
 
+def _served_with(cfg: ModelConfig, where: Path, target: LlamaForCausalLM | None,
+                 dtype: str | torch.dtype | None, device: str | torch.device | None):
+    """(cfg, dtype, device) of a head served with `target` (its hidden size and vocab must
+    match; its dtype and device are the head's; the head's positions reach the target's), or
+    of a head alone (device None: the CPU). ValueError naming what differs."""
+    if target is None:
+        return cfg, dtype, "cpu" if device is None else device
+    tc = target.config
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(cfg, name) != getattr(tc, name):
+            raise ValueError(f"{where}: {name}: expected the target's "
+                             f"({getattr(tc, name)}), got {getattr(cfg, name)}")
+    if dtype is not None and resolve_dtype(dtype) != target.dtype:
+        raise ValueError(f"dtype: expected the target's ({target.dtype}) for a head served "
+                         f"with it, got {dtype}")
+    here = target.embed_tokens.device
+    if device is not None and torch.device(device) != here and not (
+            torch.device(device).type == here.type and torch.device(device).index is None):
+        raise ValueError(f"device: expected the target's ({here}) for a head served with it, "
+                         f"got {device}")
+    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
+                                                  tc.max_position_embeddings))
+    return cfg, target.dtype, here
+
+
+def _target_lm_head_problems(problems: list[str], w: _Weights, vd: int, v: int,
+                             target: LlamaForCausalLM | None) -> list[str]:
+    """`problems` of a head whose config takes its LM head from the target: a stored
+    lm_head is one (not merely unexpected), a missing d2t is named with why it is needed
+    (draft vocab `vd` < the target's `v`), and no target is one."""
+    problems = [p for p in problems if not p.startswith("unexpected tensor 'lm_head.weight'")]
+    taken = f"{LM_HEAD_KEY} is 'target' in {CONFIG_NAME}"
+    if "lm_head.weight" in w.headers:
+        problems.insert(0, f"'lm_head.weight' is stored but {taken}: the LM head is the "
+                           f"target's rows, so the file must hold none (drop the tensor, "
+                           f"or set {LM_HEAD_KEY} to 'own')")
+    if "d2t" not in w.headers and vd != v:
+        problems = [p for p in problems if not p.startswith("missing tensor 'd2t'")]
+        problems.insert(0, f"missing tensor 'd2t' (expected shape [{vd}]): {taken}, and "
+                           f"the target rows the {vd}-id draft LM head takes are the ones "
+                           f"d2t maps the draft ids to")
+    if target is None:
+        problems.insert(0, f"{taken}: this head takes its LM head from the target, "
+                           f"pass target=")
+    return problems
+
+
 def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
                dtype: str | torch.dtype | None, device: str | torch.device | None,
                stack: contextlib.ExitStack, *, aux_ids_convention: str | None, target_read: bool
@@ -671,26 +718,7 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
     if cfg.num_hidden_layers != 1:
         raise ValueError(f"{where}: num_hidden_layers: expected 1 for an EAGLE-3 head, "
                          f"got {cfg.num_hidden_layers}")
-    if target is not None:
-        tc = target.config
-        for name in ("hidden_size", "vocab_size"):
-            if getattr(cfg, name) != getattr(tc, name):
-                raise ValueError(f"{where}: {name}: expected the target's "
-                                 f"({getattr(tc, name)}), got {getattr(cfg, name)}")
-        if dtype is not None and resolve_dtype(dtype) != target.dtype:
-            raise ValueError(f"dtype: expected the target's ({target.dtype}) for a head served "
-                             f"with it, got {dtype}")
-        dtype = target.dtype
-        here = target.embed_tokens.device
-        if device is not None and torch.device(device) != here and not (
-                torch.device(device).type == here.type and torch.device(device).index is None):
-            raise ValueError(f"device: expected the target's ({here}) for a head served with it, "
-                             f"got {device}")
-        device = here
-        cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
-                                                      tc.max_position_embeddings))
-    elif device is None:
-        device = "cpu"
+    cfg, dtype, device = _served_with(cfg, where, target, dtype, device)
     lm_source = _lm_head_source(extras)
     from_target = lm_source == "target"
     w = stack.enter_context(_Weights(d))
@@ -707,20 +735,7 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
         problems.insert(0, "missing tensor 'embed_tokens.weight': this head shares the "
                            "target's embedding, pass target=")
     if from_target:
-        problems = [p for p in problems if not p.startswith("unexpected tensor 'lm_head.weight'")]
-        taken = f"{LM_HEAD_KEY} is 'target' in {CONFIG_NAME}"
-        if "lm_head.weight" in w.headers:
-            problems.insert(0, f"'lm_head.weight' is stored but {taken}: the LM head is the "
-                               f"target's rows, so the file must hold none (drop the tensor, "
-                               f"or set {LM_HEAD_KEY} to 'own')")
-        if "d2t" not in w.headers and vd != v:
-            problems = [p for p in problems if not p.startswith("missing tensor 'd2t'")]
-            problems.insert(0, f"missing tensor 'd2t' (expected shape [{vd}]): {taken}, and "
-                               f"the target rows the {vd}-id draft LM head takes are the ones "
-                               f"d2t maps the draft ids to")
-        if target is None:
-            problems.insert(0, f"{taken}: this head takes its LM head from the target, "
-                               f"pass target=")
+        problems = _target_lm_head_problems(problems, w, vd, v, target)
     if problems:
         raise CheckpointError(d, problems)
     hot = _hot_token_ids(d, w, v, vd)
@@ -733,12 +748,11 @@ def _open_head(path: str | os.PathLike, target: LlamaForCausalLM | None,
 
     # shared: no embedding of its own (none shipped, or one equal to the read target's)
     shared = target is not None and (not has_embed or (target_read and same_embedding()))
-    if from_target:
-        lm = getattr(target, "lm_head", None)
-        if lm is None or tuple(lm.shape) != (v, cfg.hidden_size):
-            raise ValueError(f"target: its lm_head must be [{v}, {cfg.hidden_size}] (the "
-                             f"head's vocab_size, hidden_size) for {LM_HEAD_KEY} 'target' in "
-                             f"{where}, got {None if lm is None else tuple(lm.shape)}")
+    lm = getattr(target, "lm_head", None)
+    if from_target and (lm is None or tuple(lm.shape) != (v, cfg.hidden_size)):
+        raise ValueError(f"target: its lm_head must be [{v}, {cfg.hidden_size}] (the head's "
+                         f"vocab_size, hidden_size) for {LM_HEAD_KEY} 'target' in {where}, "
+                         f"got {None if lm is None else tuple(lm.shape)}")
     with torch.device(device):
         head = Eagle3DraftHead(cfg, dt, embed_tokens=target.embed_tokens.data if shared else None,
                                hot_token_ids=hot.to(device) if hot is not None else None,

@@ -524,6 +524,21 @@ def _split_plan(T: int, Hkv: int, max_kv_len: int, device: torch.device, kc: Ker
     return fit_splits(splits, max_kv_len, kc.decode_block_n)
 
 
+def _work_buffers(T: int, Hq: int, Hkv: int, splits: int, D: int, device: torch.device,
+                  fuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(partials fp32 `[T, Hq, splits, D]`, log-sum-exps fp32 `[T, Hq, splits]`, split
+    counters int32 `[>= T * Hkv]` (`split_counters`)) of a launch; placeholders where it reads
+    none (one split: no partials; not fused: no counters)."""
+    if splits == 1:
+        part = lse = placeholder(device, torch.float32)
+    else:
+        part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=device)
+        lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=device)
+    counters = (split_counters(device, T * Hkv) if fuse and splits > 1
+                else placeholder(device, torch.int32))
+    return part, lse, counters
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -575,17 +590,11 @@ def paged_decode_attention(
     one = splits == 1
     row_fill = row_split_fill(T * Hkv, splits, max_kv_len, q.device, row_splits)
     d_pad = max(16, triton.next_power_of_2(D))
-    if one:
-        part = lse = placeholder(q.device, torch.float32)
-    else:
-        part = torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
+    fuse = kc.decode_fused_combine  # a constexpr of every launch of this config (module doc)
+    part, lse, counters = _work_buffers(T, Hq, Hkv, splits, D, q.device, fuse)
     # Triton's interpreter multiplies bf16 dot operands as raw integers: use fp32 there.
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     extra = extra_slots is not None and num_extra > 0
-    fuse = kc.decode_fused_combine  # a constexpr of every launch of this config (module doc)
-    counters = (split_counters(q.device, T * Hkv) if fuse and not one
-                else placeholder(q.device, torch.int32))
     rest = dict(launch_options(q.device, T, early=True, kernels=kc))
     pdl, early = rest.pop("PDL"), rest.pop("EARLY")
     _decode_split_kernel[(T, Hkv, splits)](
