@@ -11,8 +11,9 @@ which vLLM's `--api-server-count` addresses the same way. With N > 1:
                                       --metrics-json, its exit); spawns the N HTTP processes and
                                       watches them and the signals
   HTTP process i (`run_api_server`)   the ASGI app under uvicorn on the shared listening socket
-                                      (the kernel spreads new connections over the processes
-                                      accepting on it), over `EngineClient.over` its own
+                                      (a new connection goes to whichever process accepts it
+                                      first; an event loop may take several at once, so the
+                                      spread is not even), over `EngineClient.over` its own
                                       connection; capacity: its share of the server's
                                       (`capacity_shares`: a request beyond its process's share
                                       answers 503)
