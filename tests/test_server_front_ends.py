@@ -5,8 +5,8 @@ The engine core serves one socket per HTTP process: each peer's request ids are 
 abort or an exit of one peer touches only its requests, each peer's state counts its own
 finishes (a fake Engine, turn by turn). Then `python -m graphdraft serve --api-server-count 2`
 as a subprocess with the real `openai` client: greedy outputs equal `Engine.generate`; 32
-concurrent streams with a fifth disconnecting leave every KV page free, each HTTP process
-counting what it served in its own counter file; /metrics, whichever process answers, counts every process's requests;
+concurrent streams with a fifth disconnecting leave every KV page free, and both HTTP
+processes served some of them (each one's own counter file); /metrics, whichever process answers, counts every process's requests;
 Ctrl-C while streaming ends the stream and exits 0 with every process gone; an HTTP process
 that dies ends the server with exit code 1.
 """
@@ -212,11 +212,10 @@ def test_32_streams_over_both_processes_with_a_fifth_disconnecting(two):
             assert got == two.refs[p][1], p
     _idle(two.url)
     assert _metric(two.url, "graphdraft_kv_pages_used") == 0
-    # each process counts what it served in its own file, and /metrics sums them. (How the
-    # kernel spreads connections over the processes sharing the socket is not asserted: an
-    # event loop that accepts several at once may take them all; seen 32 / 0 once.)
+    # the kernel spread the connections over both processes' SO_REUSEPORT sockets (by address
+    # hash: 32 connections all on one has odds 2^-31), and /metrics counts both
     gained = [_requests_served(p) - n for p, n in zip(two.http_pids, served, strict=True)]
-    assert sum(gained) == len(plan), gained
+    assert all(g >= 1 for g in gained) and sum(gained) == len(plan), gained
     assert _metric(two.url, "graphdraft_requests_total") == before_requests + len(plan)
     assert _metric(two.url, 'graphdraft_choices_finished_total{reason="abort"}') >= 1
     assert all(alive(p) for p in (two.engine_pid, *two.http_pids))

@@ -208,11 +208,11 @@ def _stopped(a: argparse.Namespace, state, info: dict) -> None:
 def _serve_many(a: argparse.Namespace, capacity: int) -> int:
     """--api-server-count N > 1: bind, start the engine with N more connections, spawn the
     N HTTP processes and supervise them (`front_ends.Supervisor`)."""
-    from graphdraft.serving.openai_api.front_ends import Supervisor, listen
+    from graphdraft.serving.openai_api.front_ends import Supervisor, reuseport_socket
     from graphdraft.serving.openai_api.server import http_stack
 
     try:
-        listener = listen(a.host, a.port)
+        listener = reuseport_socket(a.host, a.port)
     except OSError as e:
         raise CliError(f"--host/--port: cannot listen on {a.host}:{a.port} ({e.strerror})") \
             from None

@@ -5,15 +5,16 @@ server; under load it saturates one CPU and then bounds the whole server (perf/R
 2026-12-06i: the HTTP process at 0.98 CPU with 128 streams while the engine process idled),
 which vLLM's `--api-server-count` addresses the same way. With N > 1:
 
-  supervisor (`Supervisor`, in the    binds the listening socket; starts the engine process with
-  `serve` process)                    1 + N connections (`EngineClient(peers=N)`; its own is the
+  supervisor (`Supervisor`, in the    holds the port (`reuseport_socket`, not listening);
+  `serve` process)                    starts the engine process with 1 + N connections (`EngineClient(peers=N)`; its own is the
                                       control one: the engine's log, its state for
                                       --metrics-json, its exit); spawns the N HTTP processes and
                                       watches them and the signals
-  HTTP process i (`run_api_server`)   the ASGI app under uvicorn on the shared listening socket
-                                      (a new connection goes to whichever process accepts it
-                                      first; an event loop may take several at once, so the
-                                      spread is not even), over `EngineClient.over` its own
+  HTTP process i (`run_api_server`)   the ASGI app under uvicorn on its own SO_REUSEPORT
+                                      socket at that port (the kernel spreads new connections
+                                      over them by address hash: a shared socket went to
+                                      whichever event loop accepted first, once 32 of 32),
+                                      over `EngineClient.over` its own
                                       connection; capacity: its share of the server's
                                       (`capacity_shares`: a request beyond its process's share
                                       answers 503)
@@ -82,18 +83,28 @@ def capacity_shares(total: int, count: int) -> list[int]:
     return [total // count + (i < total % count) for i in range(count)]
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening TCP socket on host:port (port 0: any free one), SO_REUSEADDR,
-    inheritable by the HTTP processes."""
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: any free one) with SO_REUSEADDR and
+    SO_REUSEPORT, not listening: the supervisor's holds the port (and resolves port 0); each
+    HTTP process binds its own to the same address and listens, and the kernel spreads new
+    connections over the listening ones by their address hash."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
-    sock.set_inheritable(True)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
-def run_api_server(spec: ApiServerSpec, listener: socket.socket, engine_sock: socket.socket) -> None:
+def run_api_server(spec: ApiServerSpec, address: tuple[str, int],
+                   engine_sock: socket.socket, listening: Any = None) -> None:
     """HTTP process `spec.index`: the app over the engine connection `engine_sock`, served on
-    `listener` until SIGTERM (module docstring); exits when the supervisor is gone."""
+    its own SO_REUSEPORT socket at `address` until SIGTERM (module docstring); exits when the
+    supervisor is gone. `listening` (an Event): set once its socket listens."""
     from graphdraft.io.tokenizer import load_tokenizer
     from graphdraft.serving.openai_api.app import OpenAIServer
     from graphdraft.serving.openai_api.engine_core import watch_parent
@@ -108,6 +119,10 @@ def run_api_server(spec: ApiServerSpec, listener: socket.socket, engine_sock: so
     client = EngineClient.over(engine_sock, spec.capacity)
     client.wait_ready(spec.ready_timeout_s)
     api = OpenAIServer(client, tokenizer, spec.config)
+    listener = reuseport_socket(*address)
+    listener.listen(BACKLOG)
+    if listening is not None:
+        listening.set()
     server = make_server(api, "", 0, log_level=spec.log_level, supervised=True)
     server.run(sockets=[listener])
 
@@ -131,6 +146,7 @@ class Supervisor:
         if len(client.peer_socks) < 1:
             raise ValueError("client: expected an EngineClient launched with peers >= 1")
         self.client, self.listener = client, listener
+        self.address = listener.getsockname()[:2]
         self.grace_s = config.shutdown_grace_s
         self.metrics_dir = tempfile.mkdtemp(prefix="graphdraft-metrics-")
         count = len(client.peer_socks)
@@ -138,29 +154,45 @@ class Supervisor:
         self.specs = [ApiServerSpec(i, count, share, config, tokenizer_dir, log_level)
                       for i, share in enumerate(capacity_shares(capacity, count))]
         self.processes: list[Any] = []
+        self._listening: list[Any] = []
         self.signals = 0
         self.code = 0
         self._stopping: asyncio.Event | None = None
 
     def start(self) -> None:
         """Spawn the HTTP processes; then this process's copies of their sockets close (the
-        listening one too: only they accept)."""
+        supervisor's bound socket stays, holding the port, until the end)."""
         ctx = mp.get_context("spawn")
         previous = os.environ.get(METRICS_ENV)
         os.environ[METRICS_ENV] = self.metrics_dir
         try:
             for spec, sock in zip(self.specs, self.client.peer_socks, strict=True):
-                p = ctx.Process(target=run_api_server, args=(spec, self.listener, sock),
+                listening = ctx.Event()
+                p = ctx.Process(target=run_api_server,
+                                args=(spec, self.address, sock, listening),
                                 name=f"graphdraft-http-{spec.index}", daemon=True)
                 p.start()
                 self.processes.append(p)
+                self._listening.append(listening)
         finally:
             if previous is None:
                 os.environ.pop(METRICS_ENV, None)
             else:
                 os.environ[METRICS_ENV] = previous
             self.client.release_peers()
-            self.listener.close()
+        self._wait_listening()
+
+    def _wait_listening(self, timeout: float = 120.0) -> None:
+        """Until every HTTP process listens (then the address may be announced); RuntimeError
+        naming one that exited first or did not within `timeout`."""
+        deadline = time.monotonic() + timeout
+        for p, listening in zip(self.processes, self._listening, strict=True):
+            while not listening.wait(0.05):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    self.stop()
+                    self._end()
+                    raise RuntimeError(f"HTTP process {p.pid} did not start listening ("
+                                       f"{describe_exit(p.exitcode)}); see the messages above")
 
     @property
     def pids(self) -> list[int]:
@@ -232,4 +264,5 @@ class Supervisor:
         for p in self.processes:
             p.join(5.0)
         self.client.stop()
+        self.listener.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
