@@ -57,6 +57,7 @@ def test_every_env_var_sets_its_field(clean_env):
               "GRAPHDRAFT_PDL": ("False", False), "GRAPHDRAFT_PDL_MAX_ROWS": ("8", 8),
               "GRAPHDRAFT_PDL_EARLY_LOADS": ("no", False),
               "GRAPHDRAFT_DECODE_BLOCK_N": ("16", 16),
+              "GRAPHDRAFT_DECODE_FUSED_COMBINE": ("on", True),
               "GRAPHDRAFT_EXTEND_TILES": ("16x16x4, 32X32x2,64x64x4,128x64x8",
                                           ((16, 16, 4), (32, 32, 2), (64, 64, 4), (128, 64, 8))),
               "GRAPHDRAFT_EXTEND_NUM_STAGES": ("3", 3),
@@ -83,7 +84,7 @@ def test_every_env_var_sets_its_field(clean_env):
     ("GRAPHDRAFT_STREAM_EVICT_FIRST", "2"), ("GRAPHDRAFT_FINISH_MAXNREG", "-1"),
     ("GRAPHDRAFT_FINISH_NORM_MAX_M", "4.5"), ("GRAPHDRAFT_PDL", "yes please"),
     ("GRAPHDRAFT_PDL_MAX_ROWS", "-3"), ("GRAPHDRAFT_PDL_EARLY_LOADS", "O"),
-    ("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_EXTEND_NUM_STAGES", "0"),
+    ("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_DECODE_FUSED_COMBINE", "half"), ("GRAPHDRAFT_EXTEND_NUM_STAGES", "0"),
     ("GRAPHDRAFT_EXTEND_TILES", "16x64x4,32x64x4,64x64x4"),
     ("GRAPHDRAFT_EXTEND_TILES", "16x64x4,32x64x4,64x64x4,256x64x8"),
 ])
@@ -308,7 +309,7 @@ def test_attention_settings_default_to_the_shipped_launches():
     assert kc.extend_tiles == ((16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4))
     env = {"GRAPHDRAFT_DECODE_BLOCK_N": "32", "GRAPHDRAFT_EXTEND_NUM_STAGES": "4"}
     assert KernelConfig.from_env(env).replace(decode_block_n=64, extend_num_stages=2) == kc
-    for var, bad in (("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_DECODE_BLOCK_N", "8"),
+    for var, bad in (("GRAPHDRAFT_DECODE_BLOCK_N", "48"), ("GRAPHDRAFT_DECODE_FUSED_COMBINE", "half"), ("GRAPHDRAFT_DECODE_BLOCK_N", "8"),
                      ("GRAPHDRAFT_EXTEND_NUM_STAGES", "0"), ("GRAPHDRAFT_EXTEND_TILES", "16x64")):
         with pytest.raises(ValueError, match=f"^{var}: expected"):
             KernelConfig.from_env({var: bad})

@@ -30,7 +30,7 @@ default) and defaults. A value that does not parse raises ValueError naming the 
 | `pdl_max_rows` | `GRAPHDRAFT_PDL_MAX_ROWS` | int >= 0 | 4 | small kernels over more rows let the next kernel launch only when they end (a runtime argument) |
 | `pdl_early_loads` | `GRAPHDRAFT_PDL_EARLY_LOADS` | bool | on | kernels taking `EARLY` load their metadata before the PDL wait |
 | `decode_block_n` | `GRAPHDRAFT_DECODE_BLOCK_N` | power of two in [16, 256] | 64 | KV positions per loop step of the decode attention (`kernels/decode_attention.py`; also the split granule) |
-| `decode_fused_combine` | (none yet: `KernelConfig.replace`; `perf.long --fused-combine`) | bool | off | decode attention over several splits combines them in its own last program per (row, kv head) (a split counter), no second launch (`kernels/decode_attention.py`, "Fused combine") |
+| `decode_fused_combine` | `GRAPHDRAFT_DECODE_FUSED_COMBINE` (`perf.long --fused-combine`) | bool | off | decode attention over several splits combines them in its own last program per (row, kv head) (a split counter), no second launch (`kernels/decode_attention.py`, "Fused combine") |
 | `extend_tiles` | `GRAPHDRAFT_EXTEND_TILES` | four `BMxBNxW` (BLOCK_M, BLOCK_N, num_warps), comma-separated | `16x64x4,32x64x4,64x64x4,128x64x4` | the extend attention's tile for the 16-, 32-, 64- and 128-row cases of `extend_attention.tile_config` (a tuning aid: perf/verify.py sweeps it) |
 | `extend_num_stages` | `GRAPHDRAFT_EXTEND_NUM_STAGES` | int >= 1 | 2 | software-pipeline stages of the extend attention's split kernel, tile cases of 16-64 rows (verify, draft first step) |
 | `extend_prefill_stages` | `GRAPHDRAFT_EXTEND_PREFILL_STAGES` | int >= 1 | 3 | the same for the 128-row case (prefill chunks) |
@@ -279,6 +279,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "pdl_max_rows": ("GRAPHDRAFT_PDL_MAX_ROWS", _int),
     "pdl_early_loads": ("GRAPHDRAFT_PDL_EARLY_LOADS", _bool),
     "decode_block_n": ("GRAPHDRAFT_DECODE_BLOCK_N", _int),
+    "decode_fused_combine": ("GRAPHDRAFT_DECODE_FUSED_COMBINE", _bool),
     "extend_tiles": ("GRAPHDRAFT_EXTEND_TILES", _tiles),
     "extend_num_stages": ("GRAPHDRAFT_EXTEND_NUM_STAGES", _int),
     "extend_prefill_stages": ("GRAPHDRAFT_EXTEND_PREFILL_STAGES", _int),
@@ -302,6 +303,7 @@ _EXPECTED = {
     "pdl_max_rows": "an int >= 0",
     "pdl_early_loads": _BOOL,
     "decode_block_n": "a power of two in [16, 256]",
+    "decode_fused_combine": _BOOL,
     "extend_tiles": _EXTEND_TILES_EXPECTED + ", as BMxBNxW,BMxBNxW,...",
     "extend_num_stages": "an int >= 1",
     "extend_prefill_stages": "an int >= 1",
