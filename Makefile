@@ -122,13 +122,16 @@ demo-gpu:
 
 # An EAGLE-3 head for SmolLM2 (graphdraft.train.real --recipe gpu: at most 9.2 minutes on one GPU,
 # the GGUF conversion included: responses through the Engine's CUDA graphs for up to 2.25 minutes,
-# then training to the deadline; draft vocab 1,920, the largest that keeps the shipped assets under
-# 20 MB) into $(OUT)/smollm2-eagle3 (config.json, model.safetensors, training.json), its log in
+# then training to the deadline; the LM head is the target's tied embedding rows, gathered at
+# load and not stored, so a draft vocab of 8,192 ids and an MLP of 768 fit the 20 MB of shipped
+# assets) into $(OUT)/smollm2-eagle3 (config.json, model.safetensors, training.json), its log in
 # $(OUT)/train-real.log. Then `make perf-real SMOLLM2_HEAD=that dir`. The shipped head
-# (graphdraft/assets/smollm2-eagle3, MODEL_CARD.md) came from the earlier recipe (1,536 ids, 4.5
-# minutes of training). TRAIN_REAL_FLAGS overrides the recipe, e.g. the target's LM head and a
-# larger draft vocab: TRAIN_REAL_FLAGS="--lm-head target --draft-vocab 8192" (see
-# graphdraft.train.real; --max-head-bytes bounds the head's file).
+# (graphdraft/assets/smollm2-eagle3, MODEL_CARD.md) is this recipe's run of 2026-12-07 on one
+# H100 with TRAIN_REAL_FLAGS="--deadline-minutes 8" (5.67 minutes of training; it was run as
+# "--lm-head target --draft-vocab 8192 --ffn 768 --deadline-minutes 8" before those became the
+# recipe). TRAIN_REAL_FLAGS overrides the recipe, e.g. the head shipped before's own LM head and
+# sizes: TRAIN_REAL_FLAGS="--lm-head own --draft-vocab 1536 --ffn 192" (see graphdraft.train.real;
+# --max-head-bytes bounds the head's file).
 TRAIN_REAL_FLAGS ?=
 train-real:
 	mkdir -p $(OUT)

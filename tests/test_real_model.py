@@ -117,13 +117,16 @@ def test_logits_equal_transformers_gguf_load(converted):
                     reason="no shipped SmolLM2 head")
 def test_greedy_speculative_equals_target_only(converted):
     """The shipped head, fp32 on the CPU, chain (S = 3) and tree (3 steps, topk 2, n 6)
-    drafting: the same tokens as the target alone on HumanEval's two shortest problems."""
+    drafting: the same tokens as the target alone on HumanEval's two shortest problems. Its
+    LM head is the target's (tied embedding) rows of its 8,192 draft ids, gathered at load."""
     from graphdraft.config import RuntimeConfig
     from graphdraft.io.checkpoint import load_model_pair
     from graphdraft.io.tokenizer import load_tokenizer
     from graphdraft.serving.engine import Engine
     from graphdraft.serving.verify import SamplingParams
     target, head, _ = load_model_pair(converted, SHIPPED_SMOLLM2_HEAD, torch.float32, "cpu")
+    assert head.lm_head_source == "target" and head.hot_token_ids.shape == (8192,)
+    assert torch.equal(head.lm_head, target.lm_head[head.hot_token_ids])
     tok = load_tokenizer(converted)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": (
         f"Complete the following Python function:\n```python\n{p}```")}]))

@@ -141,8 +141,9 @@ def _smollm2_config(tmp_path):
 
 
 def test_predicted_head_bytes_bound_the_shipped_head_and_the_gpu_recipe_fits(tmp_path):
-    """The shipped head's file is within the header bound of the prediction; the GPU recipe's
-    head fits its max_head_bytes, which keeps graphdraft/assets under 20 MB in all."""
+    """The shipped head's file is within the header bound of the prediction; it is the GPU
+    recipe's head (LM head from the target, draft vocab 8,192, MLP 768), which fits its
+    max_head_bytes, which keeps graphdraft/assets under 20 MB in all."""
     from graphdraft.serving.cli.models import SHIPPED_SMOLLM2_HEAD
     cfg, record = _smollm2_config(tmp_path)
     run = record["run"]
@@ -151,7 +152,13 @@ def test_predicted_head_bytes_bound_the_shipped_head_and_the_gpu_recipe_fits(tmp
     assert 0 <= shipped - record["safetensors_bytes"] <= 2048
     gpu = RealHeadRun(target="t", out="o", **{k: v for k, v in GPU_RECIPE.items()})
     size = check_head_size(gpu, cfg)
-    assert size <= GPU_RECIPE["max_head_bytes"] and gpu.draft_vocab > run["draft_vocab"]
+    assert size <= GPU_RECIPE["max_head_bytes"] and size == shipped
+    recipe = (gpu.lm_head, gpu.draft_vocab, gpu.ffn, gpu.save_dtype)
+    assert recipe == (run.get("lm_head", "own"), run["draft_vocab"], run["ffn"],
+                      run["save_dtype"]) == ("target", 8192, 768, "bfloat16")
+    config = json.loads((SHIPPED_SMOLLM2_HEAD / "config.json").read_text())
+    assert (config["graphdraft_lm_head"], config["draft_vocab_size"],
+            config["intermediate_size"]) == ("target", 8192, 768)
     assets = SHIPPED_SMOLLM2_HEAD.parent
     others = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file()
                  and f != SHIPPED_SMOLLM2_HEAD / "model.safetensors")
