@@ -18,15 +18,24 @@ HEAD = TARGET.replace(num_hidden_layers=1, intermediate_size=48, num_aux_hidden_
 
 
 def make_models(seed: int = 0, dtype: torch.dtype = torch.float64, device: str = "cpu",
-                draft_vocab: int | None = None):
+                draft_vocab: int | None = None, layers: int = 4):
+    """The tiny pair (`TARGET`, `HEAD`; std 0.5). `layers`: the target's layer count, 4 or
+    2 (aux ids (1, 1, 1) then). 2 for the interpreted Triton paths: every layer launches the
+    same kernels (an aux capture keeps a reference, it launches nothing), so the first layer
+    and a later one launch them all, at half the interpreted time of four."""
+    if layers not in (2, 4):
+        raise ValueError(f"layers: expected 2 or 4, got {layers!r}")
     hot = None
+    target_cfg = TARGET if layers == 4 else TARGET.replace(
+        num_hidden_layers=2, aux_hidden_state_layer_ids=(1, 1, 1))
     head_cfg = HEAD
     if draft_vocab is not None:
         head_cfg = HEAD.replace(draft_vocab_size=draft_vocab)
         hot = torch.randperm(TARGET.vocab_size, generator=torch.Generator().manual_seed(seed))[
             :draft_vocab]
     # std 0.5: peaked logits, so greedy text is not one token repeated
-    target, head = random_model_pair(TARGET, head_cfg, dtype, seed, std=0.5, hot_token_ids=hot)
+    target, head = random_model_pair(target_cfg, head_cfg, dtype, seed, std=0.5,
+                                     hot_token_ids=hot)
     return target.to(device), head.to(device)
 
 

@@ -93,7 +93,7 @@ def test_engine_triton_path_matches_torch_path(monkeypatch):
         return kernel(*a, **kw)
 
     monkeypatch.setattr(extend_attention, "paged_extend_attention", spy)
-    target, head = make_models(3, dtype=torch.float32)
+    target, head = make_models(3, dtype=torch.float32, layers=2)
     prompts = [[(5 * i + 3 * j) % 50 + 1 for j in range(4 + 5 * i)] for i in range(2)]
     params = SamplingParams(max_new_tokens=6)
     outs = []

@@ -440,7 +440,7 @@ def test_engine_verify_one_key_set_per_bucket():
     from graphdraft.serving.engine import Engine
     from tests.engine_harness import make_models, runtime
 
-    target, head = make_models(dtype=torch.bfloat16, draft_vocab=40)
+    target, head = make_models(dtype=torch.bfloat16, draft_vocab=40, layers=2)
     cfg = runtime(dtype="bfloat16", kernel_backend="triton", max_running_requests=8,
                   cuda_graph_max_bs=8, max_num_batched_tokens=64)
     e = Engine(target, cfg, head)

@@ -138,7 +138,7 @@ def test_drafter_launch_order_keeps_the_early_load_rule(launches, steps):
 
 
 def test_engine_launch_order_keeps_the_early_load_rule(launches):
-    target, head = make_models(5, dtype=torch.float32)
+    target, head = make_models(5, dtype=torch.float32, layers=2)
     eng = Engine(target, runtime(dtype="float32", kernel_backend="triton"), head)
     prompts = [[(7 * i + 3 * j) % 50 + 1 for j in range(5 + 3 * i)] for i in range(2)]
     eng.generate(prompts, SamplingParams(max_new_tokens=4))

@@ -445,7 +445,7 @@ def test_forced_switches_on_the_triton_kernels_interpreted():
     """The Triton path (prepare, verify attention of k + 1 tokens a row, accept, first draft
     step of k + 1 tokens, commit) under the interpreter: greedy == target-only through k = 0,
     1 and 3."""
-    target, head = make_models(3, dtype=torch.float32, draft_vocab=40)
+    target, head = make_models(3, dtype=torch.float32, draft_vocab=40, layers=2)
     ps = prompts(5, 2, lo=3, hi=8)
     cfg = _adaptive(dtype="float32", kernel_backend="triton", cuda_graph_bs=(1, 2))
     expected = target_only(target, cfg.replace(kernel_backend="torch"), ps, 7)

@@ -314,7 +314,7 @@ def test_sampled_rows_beside_greedy_rows(tiny, tiny_ref):
 def test_triton_path_matches_torch_path_under_interpreter():
     """The kernels the GPU runs (extend attention with mask bits, decode attention's second
     segment, tree build, tree accept, KV move, hidden gather) give the torch path's tokens."""
-    target, head = make_models(seed=2, dtype=torch.float32)
+    target, head = make_models(seed=2, dtype=torch.float32, layers=2)
     spec = TreeSpec(3, 2, 5)
     prompts = [p[:4] for p in PROMPTS[:2]]
     outs = []
