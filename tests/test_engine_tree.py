@@ -85,12 +85,15 @@ def test_stop_id_and_max_new_cut_inside_the_tree(trained):
         # a stop id first emitted inside an accepted path (not at its end), else out[6]
         firsts = [j for j in range(1, 16) if out.index(out[j]) == j]
         at = next((j for j in firsts if j + 1 not in ends), out.index(out[6]))
-        got = e.generate([p], SamplingParams(max_new_tokens=16, stop_token_ids=[out[at]]))[0]
-        assert got == out[: at + 1], i
+        # the stop id and max_new_tokens cut inside paths too, as requests of one batch (each
+        # row drafts and accepts as it does alone: float64 greedy, rows independent)
+        cuts = [m for m in range(2, 9) if m not in ends]
+        got = e.generate([p] * (1 + len(cuts)),
+                         [SamplingParams(max_new_tokens=16, stop_token_ids=[out[at]])]
+                         + [SamplingParams(max_new_tokens=m) for m in cuts])
+        assert got[0] == out[: at + 1], i
+        assert got[1:] == [out[:m] for m in cuts], i
         inside += at + 1 not in ends
-        for m in range(2, 9):  # max_new_tokens cut inside paths too
-            if m not in ends:
-                assert e.generate([p], SamplingParams(max_new_tokens=m))[0] == out[:m]
     assert inside >= 1  # else this test proves little
 
 
@@ -199,9 +202,10 @@ def test_abort_between_cycles_leaves_the_others_exact(trained):
 
 
 def test_triton_path_under_the_interpreter_equals_target_only():
-    """The tree Engine on the Triton kernels (interpreter; float32): tree build / accept,
-    KV move, commit_pack, beam attention; `capture_graphs` is a no-op off CUDA."""
-    target, head = make_models(seed=0, dtype=torch.float32)
+    """The tree Engine on the Triton kernels (interpreter; float32; two target layers): tree
+    build / accept, KV move, commit_pack, beam attention; `capture_graphs` is a no-op off
+    CUDA."""
+    target, head = make_models(seed=0, dtype=torch.float32, layers=2)
     prompts, params = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=5)
     ref = Engine(target, runtime(dtype="float32"), None).generate(prompts, params)
     e = Engine(target, runtime(speculative_eagle_topk=2, speculative_num_draft_tokens=5,
