@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from perf.compile_census import census, explain, gpu_forwards, report
-from tests.test_precompile_workers import _full_engine, engine_to_8_and_its_census
+from tests.test_precompile_workers import SHALLOW, _full_engine, engine_to_8_and_its_census
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def test_dry_run_records_the_keys_of_real_launches():
     reads (launched once per test process), the dry run's engine a fresh one of the same
     config (a dry run zeroes the integer tensors its skipped launches would have written)."""
     _, real = engine_to_8_and_its_census()
-    dry = census(_full_engine(max_running_requests=8, cuda_graph_max_bs=8), launch=False,
-                 gpu_like=False)
+    dry = census(_full_engine(SHALLOW, max_running_requests=8, cuda_graph_max_bs=8),
+                 launch=False, gpu_like=False)
     assert real.total() > 20
     assert dict(real.keys) == dict(dry.keys)
     assert {n: dict(w) for n, w in real.where.items()} == {n: dict(w) for n, w in dry.where.items()}
