@@ -122,7 +122,7 @@ def test_decode_attention_default_splits():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("B", [1, 3, 16])
+@pytest.mark.parametrize("B", [1, 3, 8])
 def test_decode_attention_gathers_q_rows(dtype, splits, B):
     """q_index: row t's query read from q[q_index[t]] inside the kernel, the same bytes as an
     index_select before it."""
