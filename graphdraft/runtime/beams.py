@@ -29,7 +29,8 @@ draft's estimate of `p_T` (same tokens per beam; the re-rank across beams and th
 selection across depths change). The verify still decides: exactness does not depend on it.
 
 "The k best": the order of `graphdraft.runtime.tree.score_key` (higher first, ties to the lower index,
-NaN as -inf), so the tree build's tie rule and this one agree. With `k = 1` the token is
+NaN as -inf), so the tree build's tie rule and this one agree (`best_k`: that order in fewer
+launches than `topk(score_key(x))`, which a graph of a small model pays per kernel). With `k = 1` the token is
 chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
 (`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit. With `k = 1` a
 caller may hand the head's own greedy ids (`greedy_ids [R]`, target ids: the fused argmax
@@ -45,9 +46,14 @@ import torch
 
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.argmax import argmax_with_map_ref
-from graphdraft.runtime.tree import TreeSpec, score_key
+from graphdraft.runtime.tree import TreeSpec
 
-__all__ = ["BeamState", "first_step", "decode_step"]
+__all__ = ["BeamState", "best_k", "first_step", "decode_step", "scratch_table"]
+
+_LOW31 = 0x7FFFFFFF
+SORT_MAX = 64
+"""`best_k` ranks rows this wide or narrower with one stable sort (the beams' re-rank over
+k*k candidates), wider ones with `topk` of an int64 key (a draft vocab row)."""
 
 
 @dataclass
@@ -117,6 +123,34 @@ def _rank_scale(temperature: torch.Tensor | None, rows: int, per: int) -> torch.
     return (t.repeat_interleave(per) if per > 1 else t).unsqueeze(1)
 
 
+def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices `[R, k]` int64 of the k best of each row of `scores [R, W]` (float), best first,
+    in `score_key`'s order exactly (higher first, equal scores the lower index first, -0.0
+    equal to 0.0, NaN as -inf), as `torch.topk(score_key(scores), k).indices` but in fewer
+    kernels: rows of `W <= SORT_MAX` by one stable descending sort (its tie rule is that
+    order), wider rows by `topk` of the same int64 key built in 7 ops instead of 12."""
+    s = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=float("inf"),
+                         neginf=float("-inf")).add_(0.0)          # NaN -> -inf, -0.0 -> +0.0
+    w = s.shape[-1]
+    if w <= SORT_MAX:
+        return torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ _LOW31, bits)             # order-preserving int
+    low = torch.arange(w - 1, -1, -1, device=s.device, dtype=torch.int64)
+    return torch.topk(torch.add(low, ordered, alpha=1 << 32), k, dim=-1).indices
+
+
+def scratch_table(spec: TreeSpec, base: int, bs: int, device: str | torch.device
+                  ) -> torch.Tensor:
+    """`[max(K-1, 1), bs*k]` int64: entry `[j - 1, r*k + b]` = `scratch(r, b, j)` for the
+    decode levels j = 1..K-1 (`TreeSpec.scratch_slot`); a row of level j is the contiguous
+    `[bs*k]` slot list of that level's queries, and `.view(bs, k)` the ancestor column."""
+    k, lv = spec.topk, max(spec.steps - 1, 1)
+    rb = torch.arange(bs * k, device=device, dtype=torch.int64)
+    j = torch.arange(lv, device=device, dtype=torch.int64).unsqueeze(1)
+    return base + rb * (spec.steps - 1) + j
+
+
 def _top(spec: TreeSpec, logits: torch.Tensor, scale: torch.Tensor | None = None
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of `logits [R, Vd]` -> (log-prob `[R, k]` fp32, draft index `[R, k]` int64) of the
@@ -127,7 +161,7 @@ def _top(spec: TreeSpec, logits: torch.Tensor, scale: torch.Tensor | None = None
     if spec.topk == 1:
         idx = argmax_with_map_ref(logits).unsqueeze(1)  # chain's exact selection
     else:
-        idx = torch.topk(score_key(lp), spec.topk, dim=-1).indices
+        idx = best_k(lp, spec.topk)
     return lp.gather(1, idx), idx
 
 
@@ -149,10 +183,12 @@ def _greedy(spec: TreeSpec, logits: torch.Tensor, greedy_ids: torch.Tensor
 def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
                hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
                greedy_ids: torch.Tensor | None = None,
-               temperature: torch.Tensor | None = None) -> None:
+               temperature: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> None:
     """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`.
     `temperature [B]` (optional): score the rows that sample (> 0) at their temperature
-    (module doc, "Scores")."""
+    (module doc, "Scores"). `scratch`: `scratch_table(spec, scratch_base, >= B, ...)`
+    precomputed (None: the slots are computed here)."""
     bs = _check(spec, st, logits, 1, "B", hot_token_ids)
     k = spec.topk
     if greedy_ids is not None:
@@ -168,20 +204,19 @@ def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
     st.cand_tok[:, :k].copy_(tok)
     st.cand_parent[:, :k].fill_(-1)
     if spec.steps > 1:
-        rows = torch.arange(bs, device=logits.device).unsqueeze(1)
-        beams = torch.arange(k, device=logits.device).unsqueeze(0)
-        st.anc[:, :, 0].copy_(spec.scratch_slot(scratch_base, rows, beams, 1))
+        st.anc[:, :, 0].copy_(_slots(spec, scratch, scratch_base, bs, 1, logits.device))
 
 
 def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
                 hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
                 hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None,
                 greedy_ids: torch.Tensor | None = None,
-                temperature: torch.Tensor | None = None) -> None:
+                temperature: torch.Tensor | None = None,
+                scratch: torch.Tensor | None = None) -> None:
     """Decode level `j` (1..K-1) from `logits [B*k, Vd]` (row `r*k + b` = beam b of row r);
     writes `st` (module doc). With `hid_out [B*k, H]` and `hid_next [B*k, H]` also gathers the
     next step's hidden input `hid_next[r*k + b] = hid_out[r*k + parent_beam[r, b]]`
-    (`hid_next` must not alias `hid_out`). `temperature [B]`: as `first_step`."""
+    (`hid_next` must not alias `hid_out`). `temperature [B]`, `scratch`: as `first_step`."""
     if not 1 <= j <= spec.steps - 1:
         raise ValueError(f"j: expected a decode level in 1..{spec.steps - 1}, got {j}")
     bs = _check(spec, st, logits, spec.topk, "B*k", hot_token_ids)
@@ -199,31 +234,43 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
     else:
         lp, idx = _top(spec, logits, _rank_scale(temperature, logits.shape[0], k))  # [B*k, k]
         tok = _map(idx, hot_token_ids)
-    lp, ct = lp.view(bs, k, k), tok.view(bs, k, k)
-    cum = st.beam_score.unsqueeze(2) + lp                          # [B, k, k]
-    off = spec.level_offset(j + 1)
-    st.cand_score[:, off:off + k * k].copy_(cum.view(bs, k * k))
-    st.cand_tok[:, off:off + k * k].copy_(ct.view(bs, k * k))
-    st.cand_parent[:, off:off + k * k].copy_(st.beam_cand.unsqueeze(2).expand(bs, k, k)
-                                             .reshape(bs, k * k))
+    off, kk = spec.level_offset(j + 1), k * k
+    # the level's candidates straight into the store (views of its columns: no staging copy)
+    flat = st.cand_score[:, off:off + kk]                           # cum: [B, k*k]
+    torch.add(st.beam_score.unsqueeze(2), lp.view(bs, k, k), out=flat.view(bs, k, k))
+    cand_tok = st.cand_tok[:, off:off + kk]
+    cand_tok.view(bs, k, k).copy_(tok.view(bs, k, k))  # tok [B*k, k] may be a strided view
+    st.cand_parent[:, off:off + kk].view(bs, k, k).copy_(
+        st.beam_cand.unsqueeze(2).expand(bs, k, k))
     if j == spec.steps - 1:
         return  # level K: no forward follows, no re-rank
-    flat = cum.view(bs, k * k)
     if k == 1:
         sel = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
     else:
-        sel = torch.topk(score_key(flat), k, dim=-1).indices       # [B, k], best first
-    pb = sel // k
-    st.beam_tok.copy_(ct.view(bs, k * k).gather(1, sel))
-    st.beam_score.copy_(flat.gather(1, sel))
-    st.beam_cand.copy_(sel + off)
-    st.parent_beam.copy_(pb)
+        sel = best_k(flat, k)                                       # [B, k], best first
+    pb = torch.floor_divide(sel, k, out=st.parent_beam)
+    torch.gather(cand_tok, 1, sel, out=st.beam_tok)
+    torch.gather(flat, 1, sel, out=st.beam_score)
+    torch.add(sel, off, out=st.beam_cand)
     kept = st.anc[:, :, :j].gather(1, pb.unsqueeze(2).expand(bs, k, j))
     st.anc[:, :, :j].copy_(kept)
-    rows = torch.arange(bs, device=dev).unsqueeze(1)
-    beams = torch.arange(k, device=dev).unsqueeze(0)
-    st.anc[:, :, j].copy_(spec.scratch_slot(scratch_base, rows, beams, j + 1))
+    st.anc[:, :, j].copy_(_slots(spec, scratch, scratch_base, bs, j + 1, dev))
     if hid_out is not None:
         h = hid_out.shape[1]
-        hid_next.view(bs, k, h).copy_(hid_out.view(bs, k, h)
-                                      .gather(1, pb.unsqueeze(2).expand(bs, k, h)))
+        torch.gather(hid_out.view(bs, k, h), 1, pb.unsqueeze(2).expand(bs, k, h),
+                     out=hid_next.view(bs, k, h))
+
+
+def _slots(spec: TreeSpec, scratch: torch.Tensor | None, base: int, bs: int, j: int,
+           device: torch.device) -> torch.Tensor:
+    """`[bs, k]` scratch slots of level j's queries: from the precomputed `scratch` table
+    (`scratch_table`), else computed."""
+    k = spec.topk
+    if scratch is not None:
+        if scratch.dim() != 2 or scratch.shape[1] < bs * k or scratch.shape[0] < j:
+            raise ValueError(f"scratch: expected a scratch_table of >= {bs} rows and "
+                             f"{spec.steps - 1} levels, got {tuple(scratch.shape)}")
+        return scratch[j - 1, : bs * k].view(bs, k)
+    rows = torch.arange(bs, device=device).unsqueeze(1)
+    beams = torch.arange(k, device=device).unsqueeze(0)
+    return spec.scratch_slot(base, rows, beams, j)

@@ -36,17 +36,34 @@ import torch
 
 from graphdraft import ops
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
-from graphdraft.kernels.cache_loc import kv_slots
+from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform, kv_slots
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.tree_build import TreeBuffers
 from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
-from graphdraft.runtime.beams import BeamState, decode_step, first_step
+from graphdraft.runtime.beams import BeamState, decode_step, first_step, scratch_table
 from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool
 from graphdraft.runtime.tree import TreeSpec, scratch_slots
 
-__all__ = ["TreeDrafter"]
+__all__ = ["TreeDrafter", "uniform_kv_slots"]
+
+
+def uniform_kv_slots(out: torch.Tensor, req_to_page: torch.Tensor, req: torch.Tensor,
+                     start: torch.Tensor, length: int, page_size: int,
+                     kernels: KernelConfig) -> None:
+    """`out [bs*length]` (contiguous, row-major `[bs, length]`) = the KV slots of positions
+    `start[r] + i`, i < length, of request slots `req [bs]` (`kv_slots`' rules: the dummy
+    slot 0 where unmapped): one launch on the Triton path (`compute_out_cache_loc_uniform`),
+    the torch formula otherwise."""
+    bs = req.shape[0]
+    if kernels.use_triton:
+        compute_out_cache_loc_uniform(out, req, start, req_to_page, page_size, length,
+                                      kernels=kernels)
+        return
+    i = torch.arange(length, device=out.device)
+    out.view(bs, length).copy_(kv_slots(req_to_page, req.long().unsqueeze(1),
+                                        start.long().unsqueeze(1) + i, page_size))
 
 
 class TreeDrafter:
@@ -62,9 +79,13 @@ class TreeDrafter:
     | first_ids, first_pos, first_loc | `[max_bs*P]` | int64 (first step's ids, rope positions, KV slots) |
     | first_hidden | `[max_bs*P, kH]` | head dtype (`hid_c`) |
     | gather | `[max_bs]` | int64 (the LM-head row of each request) |
+    | first_off, row_last | `[P]`, `[max_bs]` | int64 (constants 0 .. P-1 and r*P - 1) |
     | prefix | `[max_bs]` | int32 (`Ld`: the draft prefix every beam sees) |
     | hid1 | `[max_bs, H]` | head dtype (first step's output hidden) |
-    | beam_ids, beam_pos, beam_loc, beam_req | `[max_bs*k]` | int64 |
+    | beam_loc, beam_req | `[max_bs*k]` | int64 (k = 1: the step's KV slots; the beams' request slots) |
+    | step_pos | `[max(K-1, 1), max_bs*k]` | int64 (rope position of each decode step's queries, `Ld + j - 1`, all steps written before the first) |
+    | scratch | `[max(K-1, 1), max_bs*k]` | int64 (`runtime.beams.scratch_table`, constant: each step's own KV slots) |
+    | step_off | `[max(K-1, 1)]` | int64 (constant 0 .. K-2) |
     | beam_lens | `[max_bs*k]` | int32 (Ld per beam; k = 1: Ld + j) |
     | hid_in, hid_out | `[max_bs*k, H]` | head dtype (a step's hidden input / output) |
     | beams | `runtime.beams.BeamState` | |
@@ -101,10 +122,14 @@ class TreeDrafter:
         self.first_hidden = torch.zeros(max_bs * P, head.target_hidden_width, dtype=head.dtype,
                                         device=dev)
         self.gather = torch.zeros(max_bs, **i64)
+        self.first_off = torch.arange(P, **i64)
+        self.row_last = torch.arange(max_bs, **i64) * P - 1  # constant: r*P - 1
         self.prefix = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.hid1 = torch.zeros(max_bs, mc.hidden_size, dtype=head.dtype, device=dev)
-        self.beam_ids = torch.zeros(max_bs * k, **i64)
-        self.beam_pos = torch.zeros(max_bs * k, **i64)
+        lv = max(spec.steps - 1, 1)
+        self.step_pos = torch.zeros(lv, max_bs * k, **i64)
+        self.step_off = torch.arange(lv, **i64)
+        self.scratch = scratch_table(spec, self.scratch_base, max_bs, dev)
         self.beam_loc = torch.zeros(max_bs * k, **i64)
         self.beam_req = torch.zeros(max_bs * k, **i64)
         self.beam_lens = torch.ones(max_bs * k, dtype=torch.int32, device=dev)
@@ -144,14 +169,13 @@ class TreeDrafter:
         for name, t in (("req", req), ("prefix_len", prefix_len), ("accept_len", accept_len)):
             expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES)
         self._use_head_kernels()
-        d = torch.arange(P, device=self.device)
-        acc = accept_len.long().clamp(1, P)
-        pos = self.first_pos[: bs * P].view(bs, P)
-        torch.add(prefix_len.long().unsqueeze(1), d, out=pos)
-        self.first_loc[: bs * P].view(bs, P).copy_(
-            kv_slots(self.req_to_page, req.long().unsqueeze(1), pos, self.page_size))
-        torch.add(torch.arange(bs, device=self.device) * P - 1, acc, out=self.gather[:bs])
-        self.prefix[:bs].copy_(prefix_len.long() + acc)
+        acc = accept_len.clamp(1, P)
+        torch.add(prefix_len.unsqueeze(1), self.first_off,
+                  out=self.first_pos[: bs * P].view(bs, P))
+        uniform_kv_slots(self.first_loc[: bs * P], self.req_to_page, req, prefix_len, P,
+                         self.page_size, self.kernels)
+        torch.add(self.row_last[:bs], acc, out=self.gather[:bs])
+        torch.add(prefix_len, acc, out=self.prefix[:bs])
         meta = self.backend.bind_metadata(req, self.prefix[:bs])
         out = self.head(self.first_ids[: bs * P], self.first_pos[: bs * P],
                         self.first_hidden[: bs * P], self.first_loc[: bs * P], self.kv.layer(0),
@@ -186,7 +210,8 @@ class TreeDrafter:
         if ctl:  # the pick is redone from the transformed logits (chain: no head ids)
             self._controlled(logits, req, None, accepted)
         first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                   greedy_ids=ids if chain and not ctl else None, temperature=temp)
+                   greedy_ids=ids if chain and not ctl else None, temperature=temp,
+                   scratch=self.scratch)
         if ctl:
             self._window_start(bs)
         bk = bs * k
@@ -197,27 +222,32 @@ class TreeDrafter:
             ld = prefix.long()
             if k > 1:
                 self.beam_lens[:bk].view(bs, k).copy_(ld.unsqueeze(1).expand(bs, k))
+            # every step's rope positions at once: step j's queries sit at Ld + j - 1
+            lv = spec.steps - 1
+            torch.add(ld.view(1, bs, 1).expand(lv, bs, k), self.step_off[:lv].view(lv, 1, 1),
+                      out=self.step_pos[:lv, :bk].view(lv, bs, k))
         for j in range(1, spec.steps):
-            self.beam_ids[:bk].copy_(st.beam_tok.view(bk))
-            pos = self.beam_pos[:bk].view(bs, k)
-            pos.copy_((ld + (j - 1)).unsqueeze(1).expand(bs, k))
+            ids = st.beam_tok.view(bk)  # read by the head before this level's re-rank writes it
+            pos = self.step_pos[j - 1, :bk]
             if k == 1:  # chain: through the page table, attending [0, Ld + j)
-                self.beam_loc[:bk].copy_(kv_slots(self.req_to_page, self.beam_req[:bk],
-                                                  self.beam_pos[:bk], self.page_size))
+                self.beam_loc[:bk].copy_(kv_slots(self.req_to_page, self.beam_req[:bk], pos,
+                                                  self.page_size))
                 self.beam_lens[:bk].copy_(ld + j)
+                loc = self.beam_loc[:bk]
                 meta = self.backend.bind_metadata(self.beam_req[:bk], self.beam_lens[:bk])
-            else:       # own scratch slot; prefix + the j ancestor-or-self slots
-                self.beam_loc[:bk].view(bs, k).copy_(st.anc[:, :, j - 1])
+            else:       # own scratch slot (= anc[:, :, j - 1]); prefix + the j ancestor-or-self slots
+                loc = self.scratch[j - 1, :bk]
                 meta = BeamMetadata(self.beam_req[:bk], self.beam_lens[:bk],
                                     st.anc.view(bk, spec.anc_width), j)
-            out = self.head(self.beam_ids[:bk], self.beam_pos[:bk], hid_in, self.beam_loc[:bk],
-                            self.kv.layer(0), self.backend, meta, hidden_out=hid_out)
+            out = self.head(ids, pos, hid_in, loc, self.kv.layer(0), self.backend, meta,
+                            hidden_out=hid_out)
             if ctl:
                 self._controlled(out.logits, self.beam_req[:bk], self.beam_window[:bk, :j],
                                  accepted)
             decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
                         hid_out=hid_out, hid_next=hid_in,
-                        greedy_ids=out.ids if chain and not ctl else None, temperature=temp)
+                        greedy_ids=out.ids if chain and not ctl else None, temperature=temp,
+                        scratch=self.scratch)
             if ctl and j < spec.steps - 1:
                 self._window_follow(bs, j)
         tree = self.tree.rows(bs)

@@ -47,7 +47,7 @@ from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
 from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
-from graphdraft.runtime.tree_drafter import TreeDrafter
+from graphdraft.runtime.tree_drafter import TreeDrafter, uniform_kv_slots
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
 from graphdraft.serving.data_parallel import StepPlan
 from graphdraft.serving.request import Request
@@ -99,9 +99,17 @@ class SlotTrees:
 
     def __init__(self, spec: TreeSpec, num_slots: int, device: str | torch.device) -> None:
         self.spec = spec
+        self.num_slots = num_slots
+        # each table is the first num_slots rows of one with a spare last row, where `store`
+        # sends the rows it must not keep (one index for all tables instead of a select each)
+        self._full = {f: torch.zeros(num_slots + 1, spec.n, dtype=torch.int64, device=device)
+                      for f in self.TREE_FIELDS}
         for f in self.TREE_FIELDS:
-            setattr(self, f, torch.zeros(num_slots, spec.n, dtype=torch.int64, device=device))
+            setattr(self, f, self._full[f][:num_slots])
         i = torch.arange(spec.n, device=device)
+        self._retrieve = (torch.arange(num_slots, device=device).unsqueeze(1) * spec.n
+                          + i).contiguous()
+        """`[num_slots, n]` constant `r*n + i` (`load`'s retrieve_index)."""
         self.tokens.zero_()
         self.parents.copy_(torch.where(i == 0, -1, 0).expand_as(self.parents))
         self.depths.copy_((i > 0).long().expand_as(self.depths))
@@ -110,23 +118,24 @@ class SlotTrees:
         self.next_sibling.fill_(-1)
 
     def store(self, tree, slot_rows: torch.Tensor) -> None:
-        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]`."""
-        live = (slot_rows > 0).unsqueeze(1)
-        idx = slot_rows.long()
+        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]` (rows of
+        slot 0 land in the spare row: no table row changes)."""
+        idx = torch.where(slot_rows > 0, slot_rows.long(), self.num_slots)
         for f in self.TREE_FIELDS:
-            table = getattr(self, f)
-            src = torch.where(live, getattr(tree, f), table[0].unsqueeze(0))
-            table.index_copy_(0, idx, src)
+            self._full[f].index_copy_(0, idx, getattr(tree, f))
 
     def load(self, tree, slot_rows: torch.Tensor, prefix_len: torch.Tensor) -> None:
         """The tables' rows `slot_rows [bs]` into `tree` (TreeBuffers rows `[bs, n]`)."""
         idx = slot_rows.long()
         for f in self.TREE_FIELDS:
             torch.index_select(getattr(self, f), 0, idx, out=getattr(tree, f))
-        tree.positions.copy_(prefix_len.long().unsqueeze(1) + tree.depths)
+        torch.add(prefix_len.long().unsqueeze(1), tree.depths, out=tree.positions)
         bs, n = tree.tokens.shape
-        tree.retrieve_index.copy_(torch.arange(bs, device=idx.device).unsqueeze(1) * n
-                                  + torch.arange(n, device=idx.device))
+        if bs <= self.num_slots:
+            tree.retrieve_index.copy_(self._retrieve[:bs])
+        else:
+            tree.retrieve_index.copy_(torch.arange(bs, device=idx.device).unsqueeze(1) * n
+                                      + torch.arange(n, device=idx.device))
 
 
 class TreeCycle:
@@ -188,11 +197,9 @@ class TreeCycle:
     def verify(self, bs: int):
         """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`)."""
         n, tree = self.spec.n, self.drafter.tree.rows(bs)
-        i = torch.arange(n, device=self.req.device)
-        self.v_loc[: bs * n].view(bs, n).copy_(kv_slots(
-            self.backend.req_to_page, self.req[:bs].unsqueeze(1),
-            self.prefix_len[:bs].unsqueeze(1) + i, self.backend.page_size))
-        self.v_seq[:bs].copy_(self.prefix_len[:bs] + n)
+        uniform_kv_slots(self.v_loc[: bs * n], self.backend.req_to_page, self.req[:bs],
+                         self.prefix_len[:bs], n, self.backend.page_size, self.drafter.kernels)
+        torch.add(self.prefix_len[:bs], n, out=self.v_seq[:bs])
         meta = self.backend.uniform_row_metadata(self.req[:bs], self.v_seq[:bs], n,
                                                  mask_bits=tree.mask.view(bs * n))
         return self.target(tree.tokens.view(bs * n), tree.positions.view(bs * n),
@@ -202,7 +209,7 @@ class TreeCycle:
     def accept(self, bs: int, logits: torch.Tensor) -> None:
         """Tree acceptance over `logits [bs*n, V]` -> accept_len, accept_index, out_tokens, bonus."""
         n, tree = self.spec.n, self.drafter.tree.rows(bs)
-        self.target_ids[: bs * n].copy_(torch.argmax(logits, dim=-1))
+        torch.argmax(logits, dim=-1, out=self.target_ids[: bs * n])
         outs = dict(accept_len=self.accept_len[:bs], accept_index=self.accept_index[:bs],
                     out_tokens=self.out_tokens(bs), bonus=self.bonus[:bs])
         kc = self.drafter.kernels
@@ -597,6 +604,11 @@ class EngineTrees:
         self.cycles = {False: TreeCycle(target, self.drafter, kv, backend, sampling=False),
                        True: TreeCycle(target, self.drafter, kv, backend, sampling=True)}
         self.trees = SlotTrees(spec, slots.done.shape[0], self.drafter.device)
+        dev = self.drafter.device
+        self.node_index = torch.arange(spec.n, dtype=torch.int64, device=dev)
+        """Constant `[n]` 0 .. n-1 (`stop_cut`'s path positions)."""
+        self.row_base = torch.arange(cfg.max_bs, dtype=torch.int64, device=dev) * spec.n
+        """Constant `[max_bs]` r*n (`token_logprobs`' logits rows)."""
         self.slots, self.vcl, self.cb = slots, valid_cache_lengths, cycle_buffers
         self.graphs = {s: CapturedForward("tree_cycle_sampled" if s else "tree_cycle",
                                           functools.partial(self.run, sampled=s), schedule,
@@ -615,13 +627,13 @@ class EngineTrees:
         c, st, cb = self.cycles[sampled], self.slots, self.cb
         slots = cb.slot_rows[:bs]
         live = (slots > 0) & (st.done.index_select(0, slots) == 0)
-        req = torch.where(live, slots, torch.zeros_like(slots))
-        c.req[:bs].copy_(req)
-        c.prefix_len[:bs].copy_(torch.where(live, self.vcl.index_select(0, req).long(), 0))
-        c.temperature[:bs].copy_(st.temperature.index_select(0, req))
-        c.top_k[:bs].copy_(st.top_k.index_select(0, req))
-        c.top_p[:bs].copy_(st.top_p.index_select(0, req))
-        c.min_p[:bs].copy_(st.min_p.index_select(0, req))
+        req = torch.mul(slots, live, out=c.req[:bs])                    # dead rows: slot 0
+        torch.mul(self.vcl.index_select(0, req), live, out=c.prefix_len[:bs])
+        if sampled:  # the greedy cycle reads no sampling table
+            c.temperature[:bs].copy_(st.temperature.index_select(0, req))
+            c.top_k[:bs].copy_(st.top_k.index_select(0, req))
+            c.top_p[:bs].copy_(st.top_p.index_select(0, req))
+            c.min_p[:bs].copy_(st.min_p.index_select(0, req))
         tree = self.drafter.tree.rows(bs)
         self.trees.load(tree, c.req[:bs], c.prefix_len[:bs])
         if sampled:
@@ -662,19 +674,20 @@ class EngineTrees:
         st, cb, P = self.slots, self.cb, self.spec.P
         req = c.req[:bs]
         out = c.out_tokens(bs)                                           # [bs, P]
-        acc = c.accept_len[:bs].long()
-        j = torch.arange(P, device=out.device)
-        valid = j < acc.unsqueeze(1)
+        acc = c.accept_len[:bs]
         stops = st.stop_ids.index_select(0, req)                        # [bs, W]
-        is_stop = (out.unsqueeze(2) == stops.unsqueeze(1)).any(-1) & valid
-        room = (st.max_new.index_select(0, req) - st.emitted.index_select(0, req)).long()
-        is_len = (j + 1 >= room.unsqueeze(1)) & valid
-        js = torch.where(is_stop, j, P).amin(1)
-        jl = torch.where(is_len, j, P).amin(1)
-        cut = torch.minimum(acc, torch.minimum(js, jl) + 1)
-        fin = torch.where((js < P) & (js <= jl), FINISH_STOP, torch.where(jl < P, FINISH_LENGTH, 0))
-        cb.accept[:bs].copy_(torch.where(live, cut, 0))
-        cb.finish[:bs].copy_(torch.where(live, fin, 0))
+        is_stop = (out.unsqueeze(2) == stops.unsqueeze(1)).any(-1)
+        j = self.node_index[:P]
+        js = torch.where(is_stop & (j < acc.unsqueeze(1)), j, P).amin(1)  # first stop, P: none
+        # the first j < acc with j + 1 >= room (room = max_new - emitted), P: none
+        room = st.max_new.index_select(0, req) - st.emitted.index_select(0, req)
+        jl = (room - 1).clamp_(min=0)
+        jl = torch.where(jl < acc, jl, P)
+        first = torch.minimum(js, jl)
+        cut = torch.minimum(acc, first + 1)
+        fin = torch.where(first >= P, 0, torch.where(js == first, FINISH_STOP, FINISH_LENGTH))
+        torch.mul(cut, live, out=cb.accept[:bs])
+        torch.mul(fin, live, out=cb.finish[:bs])
         cb.err[:bs].zero_()
         c.accept_len[:bs].copy_(torch.where(live, cut, acc))
 
@@ -683,9 +696,8 @@ class EngineTrees:
         asked: `SlotState.logprobs` >= 0) into `CycleBuffers.logprobs[:bs]`: token d was
         chosen from the logits of the path's node `accept_index[r, d]`, row
         `r * n + accept_index[r, d]` of `logits [bs * n, V]` (the chain's rule per node)."""
-        n = self.spec.n
-        rows = (c.accept_index[:bs].clamp(min=0)  # -1: past the path (not read back)
-                + torch.arange(bs, device=logits.device).unsqueeze(1) * n)
+        rows = torch.add(c.accept_index[:bs].clamp(min=0),  # -1: past the path (not read back)
+                         self.row_base[:bs].unsqueeze(1))
         ops.token_logprobs(logits, c.out_tokens(bs), c.req[:bs], self.slots.logprobs,
                            out=self.cb.logprobs[:bs], k=self.cfg.max_logprobs, logit_rows=rows,
                            done=self.slots.done, kernels=self.drafter.kernels)
