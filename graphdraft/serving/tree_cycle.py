@@ -37,7 +37,8 @@ import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
 from graphdraft import ops
-from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP, philox4x32_ref
+from graphdraft.kernels import tree_stop_cut
+from graphdraft.kernels.accept import philox4x32_ref
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.models.attention import PagedAttentionBackend
@@ -605,8 +606,6 @@ class EngineTrees:
                        True: TreeCycle(target, self.drafter, kv, backend, sampling=True)}
         self.trees = SlotTrees(spec, slots.done.shape[0], self.drafter.device)
         dev = self.drafter.device
-        self.node_index = torch.arange(spec.n, dtype=torch.int64, device=dev)
-        """Constant `[n]` 0 .. n-1 (`stop_cut`'s path positions)."""
         self.row_base = torch.arange(cfg.max_bs, dtype=torch.int64, device=dev) * spec.n
         """Constant `[max_bs]` r*n (`token_logprobs`' logits rows)."""
         self.slots, self.vcl, self.cb = slots, valid_cache_lengths, cycle_buffers
@@ -670,26 +669,12 @@ class EngineTrees:
     def stop_cut(self, bs: int, c: TreeCycle, live: torch.Tensor) -> None:
         """Cut `c.accept_len[:bs]` at the first emitted stop id (finish 1) or where emitted
         reaches max_new (finish 2; a stop wins at the same position); writes the Engine's
-        accept (0 on dead rows), finish and err (0) of rows [0, bs)."""
-        st, cb, P = self.slots, self.cb, self.spec.P
-        req = c.req[:bs]
-        out = c.out_tokens(bs)                                           # [bs, P]
-        acc = c.accept_len[:bs]
-        stops = st.stop_ids.index_select(0, req)                        # [bs, W]
-        is_stop = (out.unsqueeze(2) == stops.unsqueeze(1)).any(-1)
-        j = self.node_index[:P]
-        js = torch.where(is_stop & (j < acc.unsqueeze(1)), j, P).amin(1)  # first stop, P: none
-        # the first j < acc with j + 1 >= room (room = max_new - emitted), P: none
-        room = st.max_new.index_select(0, req) - st.emitted.index_select(0, req)
-        jl = (room - 1).clamp_(min=0)
-        jl = torch.where(jl < acc, jl, P)
-        first = torch.minimum(js, jl)
-        cut = torch.minimum(acc, first + 1)
-        fin = torch.where(first >= P, 0, torch.where(js == first, FINISH_STOP, FINISH_LENGTH))
-        torch.mul(cut, live, out=cb.accept[:bs])
-        torch.mul(fin, live, out=cb.finish[:bs])
-        cb.err[:bs].zero_()
-        c.accept_len[:bs].copy_(torch.where(live, cut, acc))
+        accept (0 on dead rows), finish and err (0) of rows [0, bs)
+        (`kernels.tree_stop_cut`: one launch on the Triton path)."""
+        st, cb = self.slots, self.cb
+        fn = tree_stop_cut.stop_cut if self.drafter.use_triton else tree_stop_cut.stop_cut_ref
+        fn(c.out_tokens(bs), c.accept_len[:bs], c.req[:bs], live, st.stop_ids, st.max_new,
+           st.emitted, cb.accept[:bs], cb.finish[:bs], cb.err[:bs])
 
     def token_logprobs(self, bs: int, c: TreeCycle, logits: torch.Tensor) -> None:
         """Log-probabilities of the accepted path's tokens `out_tokens [bs, P]` (rows that
