@@ -311,7 +311,7 @@ def profile_cycle(fn: Callable[[], object], stack: _PhaseStack) -> tuple[Counter
     from torch.profiler import ProfilerActivity, profile
     stack.profile = True
     try:
-        with tempfile.TemporaryDirectory() as tmp, labelled(stack):
+        with tempfile.TemporaryDirectory() as tmp, labelled(stack), torch.inference_mode():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()
