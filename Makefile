@@ -38,8 +38,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# TEST_WORKERS pytest-xdist processes (whole files each: module fixtures stay in one process);
+# TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTEST_CPU) -q -m "not gpu and not slow" -p no:cacheprovider --benchmark-disable tests
+	$(PYTEST_CPU) -q -m "not gpu and not slow" -p no:cacheprovider --benchmark-disable \
+		-n $(TEST_WORKERS) --dist loadfile tests
 
 # The real model's slow CPU checks (tests/test_real_model.py: transformers' GGUF tokenizer and
 # logits, greedy speculative == target-only with the shipped SmolLM2 head; minutes on 2 cores).

@@ -8,8 +8,9 @@ interpreter's re-patching at every nested helper call.
 Without CUDA, every process a test starts (servers, engine processes, ranks, precompile
 workers) runs one torch thread (OMP_NUM_THREADS=1, unless the environment names a count): on
 a 2-core machine their threads otherwise contend with the test process's own two. The test
-process keeps its threads (one thread for it too made a fresh-clone `make test` slower:
-15.7 against ~14 minutes).
+process keeps its threads (one thread for it too made a single-process fresh-clone `make test`
+slower: 15.7 against ~14 minutes), except `make test`'s pytest-xdist workers, one per core,
+which run one thread each.
 """
 
 import os
@@ -19,8 +20,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # (torch read its thread count at import: this process keeps its own)
+    # (torch read its thread count at import: this process keeps its own, unless it is one
+    # of `make test`'s pytest-xdist workers, one per core)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
