@@ -25,6 +25,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `ngram_propose` | `kernels/ngram.py` (`ngram_propose_ref`) |
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
 | `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
+| `tree_stop_cut` | `kernels/tree_stop_cut.py` (`stop_cut` / `stop_cut_ref`) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
@@ -64,6 +65,7 @@ from graphdraft.kernels import (
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
+from graphdraft.kernels import tree_stop_cut as tree_stop_cut_kernel
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import resolve as _kc  # kernels, or the default config
 from graphdraft.kernels.fused_inputs import SplitK
@@ -77,7 +79,8 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
            "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
-           "rope_cos_sin_cache", "stage_decode_inputs", "token_logprobs", "tree_accept"]
+           "rope_cos_sin_cache", "stage_decode_inputs", "token_logprobs", "tree_accept",
+           "tree_stop_cut"]
 
 
 # ---------------------------------------------------------------------------
@@ -221,23 +224,26 @@ def argmax_with_map(logits: torch.Tensor, hot_token_ids: torch.Tensor | None = N
 def out_cache_loc_uniform(out: torch.Tensor, req_pool_indices: torch.Tensor,
                           cache_start: torch.Tensor, req_to_page: torch.Tensor, page_size: int,
                           length: int, *, positions_out: torch.Tensor | None = None,
-                          seq_lens_out: torch.Tensor | None = None,
+                          seq_lens_out: torch.Tensor | None = None, row_major: bool = False,
                           kernels: KernelConfig | None = None) -> None:
-    """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`; given
-    `positions_out` int64 / `seq_lens_out` int32 `[bs]`, also `cache_start` and `cache_start + 1`
-    there (the first decode step's position and KV length)."""
+    """Write slots of positions `cache_start[r] + j` into `out` laid out `[length, bs]`
+    (`row_major`: `[bs, length]`); given `positions_out` int64 / `seq_lens_out` int32 `[bs]`,
+    also `cache_start` and `cache_start + 1` there (the first decode step's position and KV
+    length)."""
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
     kc = _kc(kernels)
+    strides = dict(out_stride_req=length, out_stride_tok=1) if row_major else dict(
+        out_stride_req=1, out_stride_tok=bs)
     if kc.use_triton:
         cache_loc.compute_out_cache_loc_uniform(
-            out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req=1,
-            out_stride_tok=bs, positions_out=positions_out, seq_lens_out=seq_lens_out, kernels=kc)
+            out, req_pool_indices, cache_start, req_to_page, page_size, length, **strides,
+            positions_out=positions_out, seq_lens_out=seq_lens_out, kernels=kc)
         return
     cache_loc.compute_out_cache_loc_uniform_ref(
-        out, req_pool_indices, cache_start, req_to_page, page_size, length, out_stride_req=1,
-        out_stride_tok=bs, positions_out=positions_out, seq_lens_out=seq_lens_out)
+        out, req_pool_indices, cache_start, req_to_page, page_size, length, **strides,
+        positions_out=positions_out, seq_lens_out=seq_lens_out)
 
 
 def advance_positions_and_seq_lens(seq_lens: torch.Tensor, positions: torch.Tensor, delta: int = 1,
@@ -527,6 +533,18 @@ def tree_accept(spec, tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
         tree_accept_kernel.tree_accept(spec, tokens, first_child, next_sibling, kernels=kc, **io)
     else:
         tree_accept_kernel.tree_accept_ref(spec, tokens, first_child, next_sibling, **io)
+
+
+def tree_stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tensor,
+                  live: torch.Tensor, stop_ids: torch.Tensor, max_new: torch.Tensor,
+                  emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
+                  err_out: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
+    """The tree cycle's stop-id / max_new cut of `accept_len [B]` over the accepted paths
+    `out_tokens [B, P]`; writes accept_out / finish_out / err_out `[B]`
+    (`graphdraft.kernels.tree_stop_cut`)."""
+    fn = tree_stop_cut_kernel.stop_cut if _kc(kernels).use_triton else tree_stop_cut_kernel.stop_cut_ref
+    fn(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out, finish_out,
+       err_out)
 
 
 def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],

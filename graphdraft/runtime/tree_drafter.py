@@ -36,7 +36,7 @@ import torch
 
 from graphdraft import ops
 from graphdraft.checks import INDEX_DTYPES, expect_tensor
-from graphdraft.kernels.cache_loc import compute_out_cache_loc_uniform, kv_slots
+from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.tree_build import TreeBuffers
 from graphdraft.models.attention import BeamMetadata, PagedAttentionBackend
@@ -46,24 +46,7 @@ from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool
 from graphdraft.runtime.tree import TreeSpec, scratch_slots
 
-__all__ = ["TreeDrafter", "uniform_kv_slots"]
-
-
-def uniform_kv_slots(out: torch.Tensor, req_to_page: torch.Tensor, req: torch.Tensor,
-                     start: torch.Tensor, length: int, page_size: int,
-                     kernels: KernelConfig) -> None:
-    """`out [bs*length]` (contiguous, row-major `[bs, length]`) = the KV slots of positions
-    `start[r] + i`, i < length, of request slots `req [bs]` (`kv_slots`' rules: the dummy
-    slot 0 where unmapped): one launch on the Triton path (`compute_out_cache_loc_uniform`),
-    the torch formula otherwise."""
-    bs = req.shape[0]
-    if kernels.use_triton:
-        compute_out_cache_loc_uniform(out, req, start, req_to_page, page_size, length,
-                                      kernels=kernels)
-        return
-    i = torch.arange(length, device=out.device)
-    out.view(bs, length).copy_(kv_slots(req_to_page, req.long().unsqueeze(1),
-                                        start.long().unsqueeze(1) + i, page_size))
+__all__ = ["TreeDrafter"]
 
 
 class TreeDrafter:
@@ -172,8 +155,8 @@ class TreeDrafter:
         acc = accept_len.clamp(1, P)
         torch.add(prefix_len.unsqueeze(1), self.first_off,
                   out=self.first_pos[: bs * P].view(bs, P))
-        uniform_kv_slots(self.first_loc[: bs * P], self.req_to_page, req, prefix_len, P,
-                         self.page_size, self.kernels)
+        ops.out_cache_loc_uniform(self.first_loc[: bs * P], req, prefix_len, self.req_to_page,
+                                  self.page_size, P, row_major=True, kernels=self.kernels)
         torch.add(self.row_last[:bs], acc, out=self.gather[:bs])
         torch.add(prefix_len, acc, out=self.prefix[:bs])
         meta = self.backend.bind_metadata(req, self.prefix[:bs])

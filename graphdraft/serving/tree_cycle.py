@@ -37,7 +37,6 @@ import torch
 
 from capture import CapturedForward, GraphPool, batch_size_schedule, eager_forced, padded_batch_size
 from graphdraft import ops
-from graphdraft.kernels import tree_stop_cut
 from graphdraft.kernels.accept import philox4x32_ref
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
@@ -48,7 +47,7 @@ from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
 from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.kv_cache import KVPool, PageTable
 from graphdraft.runtime.tree import TreeSpec
-from graphdraft.runtime.tree_drafter import TreeDrafter, uniform_kv_slots
+from graphdraft.runtime.tree_drafter import TreeDrafter
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
 from graphdraft.serving.data_parallel import StepPlan
 from graphdraft.serving.request import Request
@@ -198,8 +197,9 @@ class TreeCycle:
     def verify(self, bs: int):
         """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`)."""
         n, tree = self.spec.n, self.drafter.tree.rows(bs)
-        uniform_kv_slots(self.v_loc[: bs * n], self.backend.req_to_page, self.req[:bs],
-                         self.prefix_len[:bs], n, self.backend.page_size, self.drafter.kernels)
+        ops.out_cache_loc_uniform(self.v_loc[: bs * n], self.req[:bs], self.prefix_len[:bs],
+                                  self.backend.req_to_page, self.backend.page_size, n,
+                                  row_major=True, kernels=self.drafter.kernels)
         torch.add(self.prefix_len[:bs], n, out=self.v_seq[:bs])
         meta = self.backend.uniform_row_metadata(self.req[:bs], self.v_seq[:bs], n,
                                                  mask_bits=tree.mask.view(bs * n))
@@ -672,9 +672,9 @@ class EngineTrees:
         accept (0 on dead rows), finish and err (0) of rows [0, bs)
         (`kernels.tree_stop_cut`: one launch on the Triton path)."""
         st, cb = self.slots, self.cb
-        fn = tree_stop_cut.stop_cut if self.drafter.use_triton else tree_stop_cut.stop_cut_ref
-        fn(c.out_tokens(bs), c.accept_len[:bs], c.req[:bs], live, st.stop_ids, st.max_new,
-           st.emitted, cb.accept[:bs], cb.finish[:bs], cb.err[:bs])
+        ops.tree_stop_cut(c.out_tokens(bs), c.accept_len[:bs], c.req[:bs], live, st.stop_ids,
+                          st.max_new, st.emitted, cb.accept[:bs], cb.finish[:bs], cb.err[:bs],
+                          kernels=self.drafter.kernels)
 
     def token_logprobs(self, bs: int, c: TreeCycle, logits: torch.Tensor) -> None:
         """Log-probabilities of the accepted path's tokens `out_tokens [bs, P]` (rows that
