@@ -309,9 +309,9 @@ def test_decode_batch_padded_to_schedule_with_neutral_rows():
     seen = []
     original = s.drafter._first_step
 
-    def spy(bs, num_tokens, num_extends, hidden):
+    def spy(bs, num_tokens, hidden):
         seen.append((bs, num_tokens))
-        return original(bs, num_tokens, num_extends, hidden)
+        return original(bs, num_tokens, hidden)
 
     s.drafter._first_step = spy
     loop.step()

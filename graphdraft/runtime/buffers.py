@@ -55,6 +55,11 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+ROW_PREFILL, ROW_DECODE, ROW_PAD = 0, 1, 2
+"""`DraftBuffers.row_kind` values: a prefill row (its chunk's tokens), a decode row (N tokens),
+a padded row (no token: the dummy request)."""
+
+
 @dataclass
 class InputBuffers:
     """The target forward's inputs, filled by the engine; the draft's first step reuses them.
@@ -194,6 +199,10 @@ class DraftBuffers:
                                               a cycle of k < S drafts: columns past max(k, 1)
                                               repeat that column, filler)
     err               [1] int32               deferred validation's error word (bits: EagleDrafter.ERR_BITS)
+    row_kind          [max_bs] int32          a prefill / mixed step's first step: each row's kind
+                                              (`ROW_PREFILL`, `ROW_DECODE`, `ROW_PAD`: a padded row
+                                              of no token), so the per-row indices are computed for
+                                              every row at once, whatever the prefill rows' count
     """
 
     first_input_ids: torch.Tensor
@@ -208,6 +217,7 @@ class DraftBuffers:
     hidden: torch.Tensor
     next_tokens: torch.Tensor
     err: torch.Tensor
+    row_kind: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: RuntimeConfig, hidden_size: int, target_hidden_width: int,
@@ -226,6 +236,7 @@ class DraftBuffers:
             hidden=_zeros((b, hidden_size), dtype, dev),
             next_tokens=_zeros((b, s + 1), torch.int32, dev),
             err=_zeros(1, torch.int32, dev),
+            row_kind=torch.full((b,), ROW_PAD, dtype=torch.int32, device=dev),
         )
 
     def pad_rows(self, start: int, stop: int, n: int) -> None:

@@ -25,8 +25,12 @@ The two forwards:
 Both forwards read and write only `DraftBuffers` / `InputBuffers`; `capture.CapturedForward`
 decides whether a call replays a CUDA graph or runs the same functions eagerly. Two graph
 sets per batch size: `decode_graphs` (a decode batch's whole draft: first step, then
-multi-step, one replay) and `multi_step_graphs` (multi-step alone, after the eager first
-step of a prefill/mixed batch). Around a decode replay the host issues two launches: staging
+multi-step, one replay) and `multi_step_graphs` (multi-step alone, after the first step of a
+prefill/mixed batch). A prefill/mixed batch's first step computes its rows' indices on the
+device from each row's kind (`DraftBuffers.row_kind`), so it depends on (rows, tokens) only:
+unpadded it runs eagerly at (bs, t); served padded to the target's (R, Tb) bucket
+(`pad_mixed`, `draft_mixed_padded`: rows of no token, padded tokens on the dummy KV slot)
+it replays `mixed_graphs[Tb]` at R. Around a decode replay the host issues two launches: staging
 the caller's inputs (`stage_decode_inputs`) and copying next_tokens out. Decode batches are
 always padded to the graph schedule (also when graphs are off), so `enforce_eager`
 reproduces graph numerics exactly.
@@ -39,6 +43,7 @@ graph; `decode_graphs` are then not captured (`bind`), `multi_step_graphs` are (
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -59,7 +64,15 @@ from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
 from graphdraft.runtime.batch import ForwardContext, ForwardMode
-from graphdraft.runtime.buffers import DraftBuffers, InputBuffers, RuntimeStates
+from graphdraft.runtime.buffers import (
+    NEUTRAL_DRAFT_TOKEN,
+    ROW_DECODE,
+    ROW_PAD,
+    ROW_PREFILL,
+    DraftBuffers,
+    InputBuffers,
+    RuntimeStates,
+)
 from graphdraft.runtime.deferred_kv import DeferredDraftKV
 from graphdraft.runtime.draft_controls import DraftControls
 from graphdraft.runtime.drafter_protocol import DraftBinding
@@ -105,6 +118,7 @@ class EagleDrafter:
         self.bufs = DraftBuffers.allocate(cfg, mc.hidden_size, head.target_hidden_width, head.dtype)
         self.schedule = batch_size_schedule(cfg.cuda_graph_max_bs, cfg.cuda_graph_bs)
         enabled = not (cfg.enforce_eager or eager_forced()) and self.device.type == "cuda"
+        self._graphs_on, self._on_oom = enabled, on_oom
         self.graph_pool = graph_pool or GraphPool()
         self.decode_graphs = CapturedForward(
             "draft_decode", self._decode, self.schedule, pool=self.graph_pool,
@@ -123,6 +137,12 @@ class EagleDrafter:
         self.deferred: DeferredDraftKV | None = None
         """The k = 0 cycles' deferred draft KV (`defer_kv`; None: `draft(bs, 0)` runs the
         KV-only step in every k = 0 cycle)."""
+        self.mixed_hidden: torch.Tensor | None = None
+        """`[Tb_max, kH]` (`pad_mixed`, allocated once): the target's aux hidden states of a
+        prefill / mixed step run padded to a (rows, tokens) bucket (the target's padded
+        forward writes them here: `aux_out`), the padded first step's input."""
+        self.mixed_graphs: dict[int, CapturedForward] = {}
+        """`pad_mixed`'s padded first steps by token bucket (captured with graphs on only)."""
 
     def _use_head_kernels(self) -> None:
         """Point the head's layers at this drafter's kernel path (a head shared by two drafters
@@ -157,6 +177,9 @@ class EagleDrafter:
         self.inputs.pad_tokens(0, mb * self.N)
         self._pad_draft_rows(0, mb)
         self.bufs.next_tokens.zero_()  # warm-up and capture drafted for inert rows
+        self.bufs.row_kind.fill_(ROW_PAD)
+        if self.mixed_hidden is not None:  # the padded first steps read up to max(tokens)
+            self.bufs.first_input_ids.fill_(NEUTRAL_DRAFT_TOKEN["first_input_ids"])
 
     def _pad_draft_rows(self, start: int, stop: int) -> None:
         self.bufs.pad_rows(start, stop, self.N)
@@ -164,42 +187,117 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     # The two forwards (run eagerly or captured; identical code)
     # ------------------------------------------------------------------
-    def _first_step(self, bs: int, num_tokens: int, num_extends: int, hidden: torch.Tensor,
-                    n: int | None = None, *, kv_only: bool = False):
-        """One draft forward over `num_tokens` tokens (decode rows of `n` tokens each, default
-        N); writes ids/hidden/write_start/next_tokens[:, :2]. `kv_only`: the head's
-        `store_kv` instead (the same indices and the same KV written, nothing drafted: writes
-        write_start/seq_lens/gather_ids and next_tokens[:, 0] only)."""
+    def _first_step(self, bs: int, num_tokens: int, hidden: torch.Tensor, n: int | None = None,
+                    *, kv_only: bool = False):
+        """One draft forward over a decode batch's `num_tokens` = bs * n tokens (rows of `n`
+        tokens each, default N; `hidden` `[num_tokens, kH]`); writes ids/hidden/write_start/
+        next_tokens[:, :2]. `kv_only`: the head's `store_kv` instead (the same indices and the
+        same KV written, nothing drafted: writes write_start/seq_lens/gather_ids and
+        next_tokens[:, 0] only)."""
         b, ib = self.bufs, self.inputs
         n = self.N if n is None else n
-        ne = num_extends
-        npt = num_tokens - (bs - ne) * n  # prefill tokens
-        req = ib.req_pool_indices[:bs]
-        acc = b.accept_lengths[:bs]
-        seq = ib.seq_lens[:bs]
         ids = b.first_input_ids[:num_tokens]
-        if ne < bs:  # decode rows (next_tokens[:, 0]: the last verified token, ids[gather])
-            ops.decode_draft_indices(acc[ne:], seq[ne:], req[ne:], self.states.valid_cache_lengths,
-                                     n, npt, b.gather_ids[ne:bs], b.seq_lens[ne:bs],
-                                     b.write_start[ne:bs], ids, b.next_tokens[ne:bs, 0],
-                                     kernels=self.cfg.kernels)
-        if ne > 0:  # prefill rows
-            torch.sub(torch.cumsum(ib.extend_lens[:ne], 0), 1, out=b.gather_ids[:ne])
-            b.seq_lens[:ne].copy_(seq[:ne])
-            b.write_start[:ne].copy_(seq[:ne])
-            b.next_tokens[:ne, 0].copy_(ids.index_select(0, b.gather_ids[:ne]))
+        # next_tokens[:, 0]: the last verified token, ids[gather]
+        ops.decode_draft_indices(b.accept_lengths[:bs], ib.seq_lens[:bs],
+                                 ib.req_pool_indices[:bs], self.states.valid_cache_lengths, n, 0,
+                                 b.gather_ids[:bs], b.seq_lens[:bs], b.write_start[:bs], ids,
+                                 b.next_tokens[:bs, 0], kernels=self.cfg.kernels)
         if kv_only:
             self.head.store_kv(ids, ib.positions[:num_tokens], hidden,
                                ib.out_cache_loc[:num_tokens], self.kv_pool.layer(0))
             return b.next_tokens[:bs]
-        metadata = self.backend.bind_metadata(req, b.seq_lens[:bs])
-        out = self.head(ids, ib.positions[:num_tokens], hidden, ib.out_cache_loc[:num_tokens],
-                        self.kv_pool.layer(0), self.backend, metadata, b.gather_ids[:bs],
-                        ids_out=b.ids[:bs], tokens_out=b.next_tokens[:bs, 1],
-                        hidden_out=b.hidden[:bs])
-        self._controlled_pick(out, req, None, b.next_tokens[:bs, 1],
-                              self._accepted(bs, n if ne == 0 else None))
-        return b.next_tokens[:bs]
+        return self._head_first(bs, num_tokens, hidden, self._accepted(bs, n))
+
+    def _head_first(self, rows: int, tokens: int, hidden: torch.Tensor,
+                    accepted: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The head over the first step's `tokens` tokens (ids `first_input_ids`, positions
+        and KV slots from `InputBuffers`, `hidden [tokens, kH]`; every token's KV written),
+        LM head at `gather_ids[:rows]`, attending over `seq_lens[:rows]`; the pick under the
+        controls (`accepted`: `_accepted`) -> ids/hidden/next_tokens[:rows, 1]. Returns
+        next_tokens[:rows] `[rows, S + 1]`. Graph-capturable."""
+        b, ib = self.bufs, self.inputs
+        req = ib.req_pool_indices[:rows]
+        metadata = self.backend.bind_metadata(req, b.seq_lens[:rows])
+        out = self.head(b.first_input_ids[:tokens], ib.positions[:tokens], hidden,
+                        ib.out_cache_loc[:tokens], self.kv_pool.layer(0), self.backend, metadata,
+                        b.gather_ids[:rows], ids_out=b.ids[:rows],
+                        tokens_out=b.next_tokens[:rows, 1], hidden_out=b.hidden[:rows])
+        self._controlled_pick(out, req, None, b.next_tokens[:rows, 1], accepted)
+        return b.next_tokens[:rows]
+
+    # ------------------------------------------------------------------
+    # The first step of a prefill / mixed batch. Its rows' kinds (`DraftBuffers.row_kind`:
+    # prefill, decode, padded) are staged on the host; every per-row index is computed on the
+    # device for all rows at once, so the step depends on (rows, tokens) only: run unpadded
+    # (rows = bs, tokens = t) or padded to a bucket (R, Tb) whose graph replays it.
+    # ------------------------------------------------------------------
+    def _mixed_first(self, ctx: ForwardContext, hidden: torch.Tensor,
+                     bucket: tuple[int, int] | None) -> None:
+        """Stage the rows' kinds and run the first step of a prefill / mixed batch (`bs` rows,
+        `t` tokens, `hidden [t, kH]`). `bucket` None: `_mixed_first_step(bs, t, hidden)`.
+        `bucket` (R, Tb) (`draft_mixed_padded`): tokens [t, Tb) id 0 (their positions and KV
+        slots are `InputBuffers`' neutral tokens, as the target's padded forward left them:
+        the dummy slot), rows [bs, R) neutral `InputBuffers` rows of kind `ROW_PAD`, the
+        hidden states `mixed_hidden[:Tb]`; `mixed_graphs[Tb]` replayed at R, or (graphs off,
+        none captured) the same `_mixed_first_step(R, Tb)` eagerly."""
+        b = self.bufs
+        bs, ne, t = ctx.bs, ctx.num_extends, ctx.input_num_tokens
+        if ne:
+            b.row_kind[:ne].fill_(ROW_PREFILL)
+        if ne < bs:
+            b.row_kind[ne:bs].fill_(ROW_DECODE)
+        if bucket is None:
+            self._mixed_first_step(bs, t, hidden)
+            return
+        rows, tokens = bucket
+        if rows > bs:
+            b.row_kind[bs:rows].fill_(ROW_PAD)
+            self.inputs.pad_rows(bs, rows)
+        if tokens > t:
+            b.first_input_ids[t:tokens].fill_(NEUTRAL_DRAFT_TOKEN["first_input_ids"])
+        fwd = self.mixed_graphs.get(tokens)
+        if fwd is not None:
+            fwd.run(rows, padded_bs=rows)
+        else:
+            self._mixed_first_step(rows, tokens)
+
+    def _mixed_first_step(self, rows: int, tokens: int, hidden: torch.Tensor | None = None):
+        """The first draft step over `tokens` tokens of `rows` rows of kinds `row_kind[:rows]`
+        (prefill rows' chunks, then decode rows of N tokens, then padded rows of none; tokens
+        past the rows' own are padded ones) and `hidden [tokens, kH]` (None:
+        `mixed_hidden[:tokens]`): the rows' indices (`_mixed_indices`), next_tokens[:, 0] =
+        the gathered ids, then the head (`_head_first`). Returns next_tokens[:rows]
+        `[rows, S + 1]`. Depends only on (rows, tokens): graph-capturable."""
+        b = self.bufs
+        hidden = self.mixed_hidden[:tokens] if hidden is None else hidden
+        self._mixed_indices(rows)
+        b.next_tokens[:rows, 0].copy_(b.first_input_ids.index_select(0, b.gather_ids[:rows]))
+        return self._head_first(rows, tokens, hidden, self._accepted(rows, None))
+
+    def _mixed_indices(self, rows: int) -> None:
+        """`gather_ids`, `seq_lens`, `write_start` `[rows]` of a prefill / mixed batch's rows
+        by kind (`row_kind`), no host value: a decode row's from `decode_draft_indices` (its
+        accepted prefix) shifted to its tokens' start; a prefill row gathers its last token
+        and attends over / writes from its seq len; a padded row (no token) gathers the token
+        before it (>= 0) with its neutral seq len (1). Tokens of a row: the cumsum of
+        `extend_lens` (0 for padded rows). Graph-capturable."""
+        b, ib, n = self.bufs, self.inputs, self.N
+        kind = b.row_kind[:rows]
+        seq = ib.seq_lens[:rows]
+        gather, seq_out, start = b.gather_ids[:rows], b.seq_lens[:rows], b.write_start[:rows]
+        # every row as a decode row whose N tokens start at token r * N (its last token too:
+        # the decode batches' kernel variant; `_mixed_first_step` gathers it again below)
+        ops.decode_draft_indices(b.accept_lengths[:rows], seq, ib.req_pool_indices[:rows],
+                                 self.states.valid_cache_lengths, n, 0, gather, seq_out, start,
+                                 b.first_input_ids, b.next_tokens[:rows, 0],
+                                 kernels=self.cfg.kernels)
+        ext = torch.where(kind == ROW_PAD, 0, ib.extend_lens[:rows])
+        end = torch.cumsum(ext, 0, dtype=torch.int64)  # each row's tokens end here
+        decode = kind == ROW_DECODE
+        shift = end - ext - torch.arange(0, rows * n, n, device=end.device)
+        torch.where(decode, gather + shift, (end - 1).clamp_(min=0), out=gather)
+        torch.where(decode, seq_out, seq, out=seq_out)
+        torch.where(decode, start, seq, out=start)
 
     def _accepted(self, bs: int, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's accepted tokens and their lengths `accept_lengths[:bs]`, which the
@@ -252,9 +350,9 @@ class EagleDrafter:
         w = k + 1
         hidden = self.bufs.first_hidden[: bs * w]
         if k == self.S:
-            self._first_step(bs, bs * w, 0, hidden)
+            self._first_step(bs, bs * w, hidden)
         else:
-            self._first_step(bs, bs * w, 0, hidden, n=w, kv_only=k == 0)
+            self._first_step(bs, bs * w, hidden, n=w, kv_only=k == 0)
         if k > 1:
             self._multi_step(bs, k, accepted_width=w)
         if k < self.S:
@@ -359,9 +457,12 @@ class EagleDrafter:
                                                 self.cfg.max_bs, self.device)
 
     def graphs(self) -> GraphRegistry:
-        """The multi-step chain (`draft_multi_step`) of prefill / mixed steps."""
+        """The multi-step chain (`draft_multi_step`) of prefill / mixed steps, then the
+        padded first steps (`pad_mixed`: ("draft_mixed", Tb), widest first)."""
         reg = GraphRegistry()
         reg.add("draft_multi_step", None, self.multi_step_graphs)
+        for tb, fwd in self.mixed_graphs.items():
+            reg.add("draft_mixed", tb, fwd)
         return reg
 
     def hidden_buffer(self, bs: int, n: int) -> torch.Tensor:
@@ -391,6 +492,55 @@ class EagleDrafter:
         shape checks, and `validation="sync"`'s value checks, still run."""
         return self._run(ctx, hidden_states, output_tokens, accept_lengths, False,
                          device_checks=False)
+
+    def pad_mixed(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Serve prefill / mixed steps whose target forward runs padded to a (R, Tb) bucket of
+        `rows` x `tokens` (`draft_mixed_padded`): allocates `mixed_hidden` `[max(tokens), kH]`
+        once and, with graphs on, one `CapturedForward` of the padded first step per token
+        bucket Tb over the row buckets R <= Tb (`draft_mixed_t{Tb}`; in `graphs()` as
+        ("draft_mixed", Tb), widest first). Returns `mixed_hidden`: the padded target forward
+        writes its aux hidden states there (its `aux_out`). Once, before capture."""
+        if self.mixed_hidden is not None:
+            raise ValueError("pad_mixed: this drafter already serves padded mixed steps")
+        for name, sizes, top in (("rows", rows, self.cfg.max_bs),
+                                 ("tokens", tokens, self.cfg.max_num_tokens)):
+            if not sizes or any(not isinstance(x, int) or not 1 <= x <= top for x in sizes):
+                raise ValueError(f"{name}: expected bucket sizes in 1..{top}, got {sizes!r}")
+        self.mixed_hidden = torch.zeros(max(tokens), self.head.target_hidden_width,
+                                        dtype=self.head.dtype, device=self.device)
+        if not self._graphs_on:
+            return self.mixed_hidden  # the same padded step, eagerly
+        for tb in sorted(set(tokens), reverse=True):
+            sizes = sorted({r for r in rows if r <= tb})
+            if sizes:
+                self.mixed_graphs[tb] = CapturedForward(
+                    f"draft_mixed_t{tb}", functools.partial(self._mixed_first_step, tokens=tb),
+                    sizes, pool=self.graph_pool, on_oom=self._on_oom)
+        return self.mixed_hidden
+
+    def draft_mixed_padded(self, ctx: ForwardContext, output_tokens: torch.Tensor,
+                           accept_lengths: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+        """`draft_mixed` of a step whose target forward ran padded to `bucket` (R, Tb) and
+        wrote its aux hidden states `[Tb, kH]` into `mixed_hidden` (`pad_mixed`), its padded
+        tokens [t, Tb) the dummy KV slot: the first step runs padded to the same bucket (a
+        graph replay), the multi-step as in `draft_mixed`. Returns next_tokens[:bs]
+        `[bs, S + 1]` (a view)."""
+        top = 0 if self.mixed_hidden is None else self.mixed_hidden.shape[0]
+        rows, tokens = bucket
+        if not (ctx.bs <= rows <= self.cfg.max_bs and ctx.input_num_tokens <= tokens <= top):
+            raise ValueError(f"bucket: expected (R, Tb) with bs={ctx.bs} <= R <= "
+                             f"{self.cfg.max_bs} and t={ctx.input_num_tokens} <= Tb <= {top} "
+                             f"(pad_mixed), got {bucket}")
+        return self._run(ctx, self.mixed_hidden[: ctx.input_num_tokens], output_tokens,
+                         accept_lengths, False, device_checks=False, bucket=(rows, tokens))
+
+    def zero_dummy_kv(self) -> None:
+        """The draft KV's dummy page zeroed (after captures over rows of no token, whose
+        hidden states are undefined: what they wrote there must not reach the inert rows that
+        read it)."""
+        ps = self.kv_pool.page_size
+        for t in self.kv_pool.layer(0):
+            t[:ps].zero_()
 
     def on_cycle(self, k: int) -> None:
         """Count a decode cycle (it drafted once, inside the Engine's cycle)."""
@@ -431,14 +581,15 @@ class EagleDrafter:
     @nvtx_range("drafter")
     def _run(self, ctx: ForwardContext, hidden_states: torch.Tensor,
              output_tokens: torch.Tensor, accept_lengths: torch.Tensor, copy_output: bool, *,
-             device_checks: bool) -> torch.Tensor:
-        """`run`; `device_checks`: the deferred mode's device value checks too."""
+             device_checks: bool, bucket: tuple[int, int] | None = None) -> torch.Tensor:
+        """`run`; `device_checks`: the deferred mode's device value checks too; `bucket`: a
+        prefill / mixed batch's first step padded to it (`draft_mixed_padded`)."""
         mode = self.cfg.validation_mode
         if mode == "sync":
             self.validate(ctx, hidden_states, output_tokens, accept_lengths)
         elif mode == "deferred":
             self.check_shapes(ctx, hidden_states, output_tokens, accept_lengths)
-        bs, ne, n = ctx.bs, ctx.num_extends, self.N
+        bs, n = ctx.bs, self.N
         self.stats.calls += 1
         if bs == 0:
             return self._output(0, copy_output)
@@ -471,7 +622,7 @@ class EagleDrafter:
 
         self.stats.mixed_calls += 1
         with nvtx_range("draft_first_step"):
-            self._first_step(bs, ctx.input_num_tokens, ne, hidden_states)
+            self._mixed_first(ctx, hidden_states, bucket)
         if self.S > 1 and not ctx.all_extends_mid_chunk:
             with nvtx_range("draft_multi_step"):
                 ib.pad_rows(bs, pbs)  # the first step ran at bs: neutral rows up to pbs

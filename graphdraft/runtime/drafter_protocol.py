@@ -15,7 +15,8 @@ per decode cycle of draft length k, inside one CUDA graph when `capturable`:
            buffers, `DraftBinding.inputs` (the rows' slots `req_pool_indices`, `seq_lens`)
            and `DraftBinding.states.valid_cache_lengths` (before this cycle's commit),
   commit   the Engine stores the drafts in the slot state for the next cycle's verify.
-Prefill and mixed steps run eagerly: `draft_mixed(ctx, hidden, output_tokens, accept)`.
+Prefill and mixed steps run eagerly: `draft_mixed(ctx, hidden, output_tokens, accept)` (a
+`PadsMixedDraft` drafter: padded to the target's bucket, `draft_mixed_padded`, replayed).
 The drafter's own captured forwards (if any) are in `graphs()`; the Engine captures them with
 its own. Nothing else of a drafter is read or written from outside.
 
@@ -151,6 +152,30 @@ class DefersDraftKV(Protocol):
 
     def rebuild_deferred_kv(self, bs: int) -> None:
         """Write the stashed draft KV of rows [0, bs) and clear them (graph-capturable)."""
+        ...
+
+
+@runtime_checkable
+class PadsMixedDraft(Protocol):
+    """A drafter whose prefill / mixed step's draft runs padded to the target's padded
+    forward's (R, Tb) bucket, so that it replays a graph (an optional capability beside
+    `Drafter`: `EagleDrafter` has it; the chain's mixed step uses it for the steps its
+    target forward ran padded)."""
+
+    def pad_mixed(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Once, before capture: serve the buckets `rows` x `tokens`; returns the
+        `[max(tokens), kH]` buffer the padded target forward writes its aux hidden states
+        into (its graphs, if any, are in `graphs()` from now on)."""
+        ...
+
+    def draft_mixed_padded(self, ctx: ForwardContext, output_tokens: torch.Tensor,
+                           accept_lengths: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+        """`draft_mixed` of a step whose target forward ran padded to `bucket` (R, Tb), its
+        aux hidden states in that buffer -> `[bs, S + 1]`."""
+        ...
+
+    def zero_dummy_kv(self) -> None:
+        """After capture: the drafter's dummy KV page zeroed."""
         ...
 
 

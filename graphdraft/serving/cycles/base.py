@@ -94,6 +94,9 @@ class DecodeMode:
     precompiles = True
     draft_hook = None  # benchmark only: `ChainMode.draft_hook`
     mixed_target: MixedTargetGraphs | None = None  # the mixed step's captured target forward
+    mixed_bucket: tuple[int, int] | None = None
+    """The (R, Tb) bucket the last `target_forward` ran padded to (None: unpadded), which the
+    step's draft follows."""
 
     def __init__(self, parts: CycleParts, n_row: int, steps: tuple[int, ...]) -> None:
         self.parts, self.n_row, self.steps = parts, n_row, steps
@@ -185,7 +188,8 @@ class DecodeMode:
         the prefill rows of `preqs` that asked `prompt_logprobs`, every chunk position whose
         next prompt token is known: `PromptLogprobs.score` reads those). With the mode's
         `mixed_target` active, a step within its buckets runs the padded captured forward
-        (`cycles.mixed_graphs`; not when prompt log-probabilities are scored)."""
+        (`cycles.mixed_graphs`; not when prompt log-probabilities are scored), and
+        `mixed_bucket` says which."""
         p = self.parts
         ib, bs = p.inputs, ctx.bs
         t = ctx.input_num_tokens
@@ -195,9 +199,11 @@ class DecodeMode:
                                      np.arange(npt, npt + decode_rows * self.n_row)])
         scored = self.prompt_scores.plan(rows, preqs, len(logit_rows))
         graphs = self.mixed_target
+        self.mixed_bucket = None
         if graphs is not None and graphs.active and not scored.token_rows:
             bucket = graphs.bucket(bs, t)
             if bucket is not None:  # the padded forward: a graph replay (`mixed_graphs`)
+                self.mixed_bucket = bucket
                 return graphs.run(bs, t, logit_rows, bucket)
         if scored.token_rows:
             logit_rows = np.concatenate([logit_rows, scored.token_rows])

@@ -36,7 +36,7 @@ import torch
 
 from capture import CapturedForward
 from graphdraft.runtime.batch import BatchRow, ForwardContext, write_batch
-from graphdraft.runtime.drafter_protocol import DefersDraftKV, Drafter
+from graphdraft.runtime.drafter_protocol import DefersDraftKV, Drafter, PadsMixedDraft
 from graphdraft.serving.cycles.base import CycleParts, DecodeMode
 from graphdraft.serving.cycles.mixed_graphs import MixedTargetGraphs
 from graphdraft.serving.data_parallel import StepPlan
@@ -69,6 +69,9 @@ class ChainMode(DecodeMode):
             parts, n_row, self.captures_aux,
             active=parts.inputs.input_ids.device.type == "cuda"
             and getattr(parts.target, "tp", None) is None and parts.cfg.dp_size == 1)
+        self.padded_draft = self._pad_mixed_draft(drafter)
+        """The mixed step's draft runs padded to its target forward's bucket (`PadsMixedDraft`;
+        its ("draft_mixed", Tb) graphs join the registry with the drafter's)."""
         top = max(steps)
         widest_first = sorted(steps, reverse=True)
         self.verify_by_k = {k: self._add("target_verify", k, top,
@@ -90,6 +93,18 @@ class ChainMode(DecodeMode):
                            for k in widest_first}
         self.fused = fused
         self._decode = self._fused_decode if fused else self._split_decode
+
+    def _pad_mixed_draft(self, drafter: Drafter | None) -> bool:
+        """With the padded target forward active and a `PadsMixedDraft` drafter whose hidden
+        states have the target's dtype: the drafter serves the same buckets (`pad_mixed`) and
+        the target writes its aux hidden states into the drafter's buffer. True then."""
+        mt = self.mixed_target
+        if not (mt.active and mt.rows and isinstance(drafter, PadsMixedDraft)):
+            return False
+        if drafter.hidden_buffer(0, 1).dtype != self.parts.target.embed_tokens.dtype:
+            return False  # (the target's aux_out takes its own dtype only)
+        mt.aux_out = drafter.pad_mixed(list(mt.rows), list(mt.tokens))
+        return True
 
     def _add(self, family: str, k: int, top: int, fn, enabled: bool) -> CapturedForward:
         p = self.parts
@@ -168,9 +183,12 @@ class ChainMode(DecodeMode):
 
     def capture(self, progress: bool) -> None:
         """Deferred draft KV written first (capture warm-ups stash inert rows and clear the
-        ring), then `DecodeMode.capture`."""
+        ring), then `DecodeMode.capture`; then, with `padded_draft`, the draft KV's dummy
+        page zeroed."""
         self.rebuild_deferred_kv()
         super().capture(progress)
+        if self.padded_draft:  # its captures read the target captures' undefined hidden states
+            self.drafter.zero_dummy_kv()
 
     def state_tables(self) -> dict[str, torch.Tensor]:
         return {} if self.deferred is None else self.deferred.state_tables()
@@ -197,7 +215,8 @@ class ChainMode(DecodeMode):
     def mixed(self, rows: list[BatchRow], preqs: list[Request], dreqs: list[Request],
               plan: StepPlan) -> None:
         """A prefill / mixed step, eager: prefill rows from the host, decode rows prepared on
-        device from the same state as the cycle; the same accept, commit and pack. A rank of
+        device from the same state as the cycle; the same accept, commit and pack (the target
+        forward and, `padded_draft`, the draft's first step replayed per padded bucket). A rank of
         an agreed data-parallel mixed step without prefill rows runs its decode rows through
         the split cycle (at its own padded size)."""
         p = self.parts
@@ -238,6 +257,8 @@ class ChainMode(DecodeMode):
                      tokens: torch.Tensor, bs: int, ne: int) -> torch.Tensor:
         accept = self.draft_accept(bs)  # the prefill rows' own: 1 (read by the draft only)
         accept[:ne].fill_(1)
+        if self.padded_draft and self.mixed_bucket is not None:  # the target's bucket
+            return self.drafter.draft_mixed_padded(ctx, tokens, accept, self.mixed_bucket)
         return self.drafter.draft_mixed(ctx, hidden, tokens, accept)
 
 

@@ -28,6 +28,13 @@ only with graphs on. On the CPU the unpadded forward runs (tests set `active` to
 padded one eagerly).
 Not taken (the unpadded eager forward): steps past the largest bucket, steps that score
 prompt log-probabilities.
+
+The chain's draft follows the same buckets: with a `PadsMixedDraft` drafter (the
+`EagleDrafter`) the forward writes its aux hidden states `[Tb, kH]` into the drafter's buffer
+(`aux_out`) and the drafter's first step over the step runs padded to the same (R, Tb)
+(`EagleDrafter.draft_mixed_padded`: its padded tokens are these padded tokens, its rows
+[bs, R) padded rows of no token), replayed from ("draft_mixed", Tb) in the drafter's
+`graphs()`: one small graph (one head layer) per target bucket; graphs off, eagerly.
 """
 
 from __future__ import annotations
@@ -93,6 +100,10 @@ class MixedTargetGraphs:
         self.req = torch.zeros(n, dtype=ib.req_pool_indices.dtype, device=dev)
         self.seq = torch.ones(n, dtype=ib.seq_lens.dtype, device=dev)
         self.ext = torch.zeros(n, dtype=ib.extend_lens.dtype, device=dev)
+        self.aux_out: torch.Tensor | None = None
+        """`[>= max(tokens), kH]`: where the forward writes its aux hidden states (set before
+        capture: a `PadsMixedDraft` drafter's `pad_mixed` buffer, whose padded first step
+        reads them there); None: the graph's own output."""
         self.by_tokens: dict[int, CapturedForward] = {}
         if not (active and parts.graphs_enabled):
             return  # (active: the same padded forward, eagerly)
@@ -169,5 +180,6 @@ class MixedTargetGraphs:
         n = rows + cover_rows(tokens, self.chunk)
         meta = p.backend.row_metadata(self.req[:n], self.seq[:n], self.ext[:n], tokens)
         idx = self.logit_rows[: self._logit_width(rows, tokens)]
+        aux = None if self.aux_out is None else self.aux_out[:tokens]
         return p.target(ib.input_ids[:tokens], ib.positions[:tokens], ib.out_cache_loc[:tokens],
-                        p.kv, p.backend, meta, idx, capture_aux=self.capture_aux)
+                        p.kv, p.backend, meta, idx, capture_aux=self.capture_aux, aux_out=aux)
