@@ -26,6 +26,10 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `build_tree` | `kernels/tree_build.py` (`build_tree_ref`) |
 | `tree_accept` | `kernels/tree_accept.py` (`tree_accept_ref`) |
 | `tree_stop_cut` | `kernels/tree_stop_cut.py` (`stop_cut` / `stop_cut_ref`) |
+| `tree_beam_level` | `kernels/tree_beams.py` (`beam_first` / `beam_decode`, `*_ref`) |
+| `tree_first_inputs` | `kernels/tree_first_inputs.py` (`first_inputs_ref`) |
+| `tree_load_rows`, `tree_store_rows` | `kernels/tree_slots.py` (`load_rows_ref`, `store_rows_ref`) |
+| `tree_move_accepted_kv` | `kernels/tree_kv_move.py` (`move_accepted_kv_all`; torch: `kv_move`'s ref) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
@@ -65,6 +69,10 @@ from graphdraft.kernels import (
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
+from graphdraft.kernels import tree_beams as tree_beams_kernel
+from graphdraft.kernels import tree_first_inputs as tree_first_inputs_kernel
+from graphdraft.kernels import tree_kv_move as tree_kv_move_kernel
+from graphdraft.kernels import tree_slots as tree_slots_kernel
 from graphdraft.kernels import tree_stop_cut as tree_stop_cut_kernel
 from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.config import resolve as _kc  # kernels, or the default config
@@ -80,7 +88,8 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
            "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
            "rope_cos_sin_cache", "stage_decode_inputs", "token_logprobs", "tree_accept",
-           "tree_stop_cut"]
+           "tree_beam_level", "tree_first_inputs", "tree_load_rows", "tree_move_accepted_kv", "tree_stop_cut",
+           "tree_store_rows"]
 
 
 # ---------------------------------------------------------------------------
@@ -547,6 +556,25 @@ def tree_stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch
        err_out)
 
 
+def tree_beam_level(spec, j: int, logits: torch.Tensor, st, *,
+                    kernels: KernelConfig | None = None, **io) -> None:
+    """One beam level into the beams' tables `st`: j = 0 the first draft step (`logits
+    [B, Vd]`), j = 1..K-1 a decode step (`logits [B*k, Vd]`); `io` the optional inputs and
+    outputs (`graphdraft.kernels.tree_beams`). The kernel serves k >= 2 (one launch a level);
+    k = 1 (the chain's argmax, `greedy_ids`) always takes the torch path."""
+    tb = tree_beams_kernel
+    if _kc(kernels).use_triton and spec.topk > 1 and io.get("greedy_ids") is None:
+        io.pop("greedy_ids", None)
+        if j == 0:
+            tb.beam_first(spec, logits, st, kernels=_kc(kernels), **io)
+        else:
+            tb.beam_decode(spec, j, logits, st, kernels=_kc(kernels), **io)
+    elif j == 0:
+        tb.beam_first_ref(spec, logits, st, **io)
+    else:
+        tb.beam_decode_ref(spec, j, logits, st, **io)
+
+
 def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
                      req_to_page: torch.Tensor, req: torch.Tensor, prefix_len: torch.Tensor,
                      accept_index: torch.Tensor, accept_len: torch.Tensor, page_size: int, *,
@@ -559,6 +587,61 @@ def move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
         kv_move.move_accepted_kv(*args, kernels=kc)
     else:
         kv_move.move_accepted_kv_ref(*args)
+
+
+def tree_first_inputs(req: torch.Tensor, prefix_len: torch.Tensor, accept_len: torch.Tensor,
+                      req_to_page: torch.Tensor, page_size: int, p: int, pos: torch.Tensor,
+                      loc: torch.Tensor, gather: torch.Tensor, prefix: torch.Tensor, *,
+                      kernels: KernelConfig | None = None) -> None:
+    """The tree drafter's first step inputs `[B*P]` / `[B]` (positions, KV slots, LM-head
+    rows, prefix; `graphdraft.kernels.tree_first_inputs`; one launch on the Triton path)."""
+    kc = _kc(kernels)
+    args = (req, prefix_len, accept_len, req_to_page, page_size, p, pos, loc, gather, prefix)
+    if kc.use_triton:
+        tree_first_inputs_kernel.first_inputs(*args, kernels=kc)
+    else:
+        tree_first_inputs_kernel.first_inputs_ref(*args)
+
+
+def tree_load_rows(slot_rows: torch.Tensor, done: torch.Tensor, vcl: torch.Tensor, tables,
+                   rows, positions: torch.Tensor, retrieve_index: torch.Tensor,
+                   live: torch.Tensor, req: torch.Tensor, prefix_len: torch.Tensor, *,
+                   kernels: KernelConfig | None = None, **io) -> None:
+    """The tree cycle's rows in: live / req / L of `slot_rows [B]`, their slots' trees
+    (`tables` -> `rows`, positions, retrieve_index), optional `columns` and the verify's KV
+    slots (`graphdraft.kernels.tree_slots`; one launch on the Triton path)."""
+    kc = _kc(kernels)
+    args = (slot_rows, done, vcl, tables, rows, positions, retrieve_index, live, req, prefix_len)
+    if kc.use_triton:
+        tree_slots_kernel.load_rows(*args, kernels=kc, **io)
+    else:
+        tree_slots_kernel.load_rows_ref(*args, **io)
+
+
+def tree_store_rows(rows, req: torch.Tensor, tables, *,
+                    kernels: KernelConfig | None = None) -> None:
+    """The cycle's trees `rows` (six `[B, n]`) into the slots' `tables` (`[R + 1, n]`, a
+    spare last row) at `req [B]`, rows of slot 0 storing nothing
+    (`graphdraft.kernels.tree_slots`; one launch on the Triton path)."""
+    if _kc(kernels).use_triton:
+        tree_slots_kernel.store_rows(rows, req, tables, kernels=_kc(kernels))
+    else:
+        tree_slots_kernel.store_rows_ref(rows, req, tables)
+
+
+def tree_move_accepted_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
+                          table: torch.Tensor, req_to_page: torch.Tensor, req: torch.Tensor,
+                          prefix_len: torch.Tensor, accept_index: torch.Tensor,
+                          accept_len: torch.Tensor, page_size: int, *,
+                          kernels: KernelConfig | None = None) -> None:
+    """`move_accepted_kv` in one launch for every layer (`table`: the layers' pointer table,
+    `graphdraft.kernels.tree_kv_move.kv_pointer_table`); the torch path is the same ref."""
+    kc = _kc(kernels)
+    rows = (req_to_page, req, prefix_len, accept_index, accept_len, page_size)
+    if kc.use_triton:
+        tree_kv_move_kernel.move_accepted_kv_all(k_layers, v_layers, table, *rows, kernels=kc)
+    else:
+        tree_kv_move_kernel.move_accepted_kv_ref(k_layers, v_layers, *rows)
 
 
 def gather_accepted_hidden(aux_hidden: torch.Tensor, accept_index: torch.Tensor,

@@ -509,8 +509,14 @@ def test_slot_trees_store_and_load(tiny):
     out = r.drafter.tree.rows(4)
     order = torch.tensor([2, 0, 1])
     rows = torch.cat([slots[order], torch.zeros(1, dtype=torch.int64)])
-    L = torch.cat([r.cycle.prefix_len[:3][order], torch.zeros(1, dtype=torch.int64)])
-    table.load(out, rows, L)
+    vcl = torch.zeros(7, dtype=torch.int32)
+    vcl[slots] = r.cycle.prefix_len[:3].int()
+    done = torch.zeros(7, dtype=torch.int32)
+    live = torch.ones(4, dtype=torch.bool)
+    req, L = torch.ones(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+    table.load(out, rows, done, vcl, live, req, L)
+    assert live.tolist() == [True, True, True, False] and torch.equal(req, rows)
+    assert torch.equal(L[:3], r.cycle.prefix_len[:3][order]) and int(L[3]) == 0
     for f in SlotTrees.TREE_FIELDS + ("positions",):
         assert torch.equal(getattr(out, f)[:3], want[f][order]), f
     for f in SlotTrees.TREE_FIELDS:

@@ -1,5 +1,5 @@
 """Compaction after tree acceptance: the accepted path's KV to the front, and the hidden gather
-(`graphdraft.kernels.kv_move`)."""
+(`graphdraft.kernels.kv_move`; every layer in one launch: `graphdraft.kernels.tree_kv_move`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,17 @@ from graphdraft.kernels.kv_move import (
     move_accepted_kv,
     move_accepted_kv_ref,
 )
+from graphdraft.kernels.tree_kv_move import kv_pointer_table, move_accepted_kv_all
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-MOVES = [move_accepted_kv, move_accepted_kv_ref]
+
+
+def move_all_layers(ks, vs, req_to_page, *rows):
+    """`move_accepted_kv_all` over the layers' pointer table (one launch)."""
+    move_accepted_kv_all(ks, vs, kv_pointer_table(ks, vs), req_to_page, *rows)
+
+
+MOVES = [move_accepted_kv, move_accepted_kv_ref, move_all_layers]
 
 
 def _pool(layers, slots, hkv, d, seed, dtype=torch.float32):
@@ -92,8 +100,9 @@ def test_random_paths_match_reference_and_serial(page_size):
         for a, b in zip(ks + vs, want_k + want_v, strict=True):
             assert torch.equal(a, b)
         results.append(ks + vs)
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_chain_path_moves_nothing():
@@ -136,3 +145,17 @@ def test_bad_inputs_named():
     with pytest.raises(ValueError, match="hid_c"):
         gather_accepted_hidden(torch.zeros(4, 8, device=DEV), path, one, 4,
                                torch.zeros(2, 8, device=DEV))
+
+
+def test_all_layers_table_checked():
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEV)
+    ks, vs = _pool(2, 16, 1, 4, 0)
+    one = torch.ones(1, dtype=torch.int64, device=DEV)
+    path = torch.zeros(1, 3, dtype=torch.int64, device=DEV)
+    ptrs = kv_pointer_table(ks, vs)
+    assert ptrs.tolist() == [t.data_ptr() for t in ks + vs]
+    with pytest.raises(ValueError, match="table"):
+        move_accepted_kv_all(ks, vs, ptrs[:3], table, one, one, path, one, 4)
+    with pytest.raises(ValueError, match="slot stride"):
+        spaced = torch.zeros(32, 1, 4, device=DEV)[::2]       # slot stride 8, not 4
+        move_accepted_kv_all(ks, [vs[0], spaced], ptrs, table, one, one, path, one, 4)

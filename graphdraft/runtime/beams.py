@@ -1,4 +1,4 @@
-"""Top-k beam bookkeeping of tree drafting, in fixed-shape torch.
+"""Top-k beam bookkeeping of tree drafting, in fixed shapes.
 
 Per draft level the drafter hands over its log-its; this module keeps the `k` beams of every
 row, their cumulative log-probabilities, the candidate store the tree is built from, and the
@@ -30,7 +30,11 @@ selection across depths change). The verify still decides: exactness does not de
 
 "The k best": the order of `graphdraft.runtime.tree.score_key` (higher first, ties to the lower index,
 NaN as -inf), so the tree build's tie rule and this one agree (`best_k`: that order in fewer
-launches than `topk(score_key(x))`, which a graph of a small model pays per kernel). With `k = 1` the token is
+launches than `topk(score_key(x))`, which a graph of a small model pays per kernel). Each
+level runs through `ops.tree_beam_level` (`kernels.tree_beams`): on the Triton path with
+k >= 2 one launch a level (log-softmax, the k best, the candidate store, the re-rank, the
+ancestors, the next hidden input and the controls' windows), else the torch path (about 20
+small ops a level). With `k = 1` the token is
 chain's selection exactly: argmax of the raw logits, lowest index on ties, NaN never the max
 (`graphdraft.kernels.argmax`), so `k = 1` drafts chain's tokens bit for bit. With `k = 1` a
 caller may hand the head's own greedy ids (`greedy_ids [R]`, target ids: the fused argmax
@@ -44,16 +48,16 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from graphdraft import ops
 from graphdraft.checks import expect_tensor
-from graphdraft.kernels.argmax import argmax_with_map_ref
+from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.tree_beams import SORT_MAX, best_k  # noqa: F401 - re-exported
 from graphdraft.runtime.tree import TreeSpec
 
 __all__ = ["BeamState", "best_k", "first_step", "decode_step", "scratch_table"]
 
-_LOW31 = 0x7FFFFFFF
-SORT_MAX = 64
-"""`best_k` ranks rows this wide or narrower with one stable sort (the beams' re-rank over
-k*k candidates), wider ones with `topk` of an int64 key (a draft vocab row)."""
+_TORCH = KernelConfig(backend="torch")
+"""`kernels=None`: the torch path (the beams' reference, whatever the environment says)."""
 
 
 @dataclass
@@ -112,34 +116,6 @@ def _check(spec: TreeSpec, st: BeamState, logits: torch.Tensor, rows_per_req: in
     return bs
 
 
-def _rank_scale(temperature: torch.Tensor | None, rows: int, per: int) -> torch.Tensor | None:
-    """`[rows, 1]` divisor of the logits: the request's temperature where it samples (> 0), 1
-    for greedy rows; `temperature [rows // per]` (per request; `per` rows each). None: None."""
-    if temperature is None:
-        return None
-    expect_tensor("temperature", temperature, shape=(rows // per,))
-    t = temperature.float()
-    t = torch.where(t > 0, t, torch.ones_like(t))
-    return (t.repeat_interleave(per) if per > 1 else t).unsqueeze(1)
-
-
-def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices `[R, k]` int64 of the k best of each row of `scores [R, W]` (float), best first,
-    in `score_key`'s order exactly (higher first, equal scores the lower index first, -0.0
-    equal to 0.0, NaN as -inf), as `torch.topk(score_key(scores), k).indices` but in fewer
-    kernels: rows of `W <= SORT_MAX` by one stable descending sort (its tie rule is that
-    order), wider rows by `topk` of the same int64 key built in 7 ops instead of 12."""
-    s = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=float("inf"),
-                         neginf=float("-inf")).add_(0.0)          # NaN -> -inf, -0.0 -> +0.0
-    w = s.shape[-1]
-    if w <= SORT_MAX:
-        return torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ _LOW31, bits)             # order-preserving int
-    low = torch.arange(w - 1, -1, -1, device=s.device, dtype=torch.int64)
-    return torch.topk(torch.add(low, ordered, alpha=1 << 32), k, dim=-1).indices
-
-
 def scratch_table(spec: TreeSpec, base: int, bs: int, device: str | torch.device
                   ) -> torch.Tensor:
     """`[max(K-1, 1), bs*k]` int64: entry `[j - 1, r*k + b]` = `scratch(r, b, j)` for the
@@ -151,60 +127,28 @@ def scratch_table(spec: TreeSpec, base: int, bs: int, device: str | torch.device
     return base + rb * (spec.steps - 1) + j
 
 
-def _top(spec: TreeSpec, logits: torch.Tensor, scale: torch.Tensor | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of `logits [R, Vd]` -> (log-prob `[R, k]` fp32, draft index `[R, k]` int64) of the
-    k best (module doc), best first. `scale [R, 1]`: log-probs of softmax(logits / scale)
-    (the same k tokens: only the scores change)."""
-    x = logits.float()
-    lp = torch.log_softmax(x if scale is None else x / scale, dim=-1)
-    if spec.topk == 1:
-        idx = argmax_with_map_ref(logits).unsqueeze(1)  # chain's exact selection
-    else:
-        idx = best_k(lp, spec.topk)
-    return lp.gather(1, idx), idx
-
-
-def _map(idx: torch.Tensor, hot_token_ids: torch.Tensor | None) -> torch.Tensor:
-    return idx if hot_token_ids is None else hot_token_ids[idx].to(torch.int64)
-
-
-def _greedy(spec: TreeSpec, logits: torch.Tensor, greedy_ids: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k = 1 with the caller's greedy ids: (row max of the log-probs `[R, 1]`, ids `[R, 1]`)."""
-    if spec.topk != 1:
-        raise ValueError(f"greedy_ids: expected only with speculative_eagle_topk=1, got "
-                         f"topk={spec.topk}")
-    expect_tensor("greedy_ids", greedy_ids, shape=(logits.shape[0],))
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return lp.amax(dim=-1, keepdim=True), greedy_ids.to(torch.int64).unsqueeze(1)
-
-
 def first_step(spec: TreeSpec, logits: torch.Tensor, st: BeamState, *,
                hot_token_ids: torch.Tensor | None = None, scratch_base: int = 0,
                greedy_ids: torch.Tensor | None = None,
                temperature: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None) -> None:
+               scratch: torch.Tensor | None = None, hid_src: torch.Tensor | None = None,
+               hid_dst: torch.Tensor | None = None, window: torch.Tensor | None = None,
+               setup: tuple | None = None, kernels: KernelConfig | None = None) -> None:
     """Level 1 from the first draft step's `logits [B, Vd]` (module doc); writes `st`.
     `temperature [B]` (optional): score the rows that sample (> 0) at their temperature
     (module doc, "Scores"). `scratch`: `scratch_table(spec, scratch_base, >= B, ...)`
-    precomputed (None: the slots are computed here)."""
-    bs = _check(spec, st, logits, 1, "B", hot_token_ids)
-    k = spec.topk
-    if greedy_ids is not None:
-        s, tok = _greedy(spec, logits, greedy_ids)
-    else:
-        s, idx = _top(spec, logits, _rank_scale(temperature, bs, 1))
-        tok = _map(idx, hot_token_ids)
-    st.beam_tok.copy_(tok)
-    st.beam_score.copy_(s)
-    st.beam_cand.copy_(torch.arange(k, device=logits.device).expand(bs, k))
-    st.parent_beam.zero_()
-    st.cand_score[:, :k].copy_(s)
-    st.cand_tok[:, :k].copy_(tok)
-    st.cand_parent[:, :k].fill_(-1)
-    if spec.steps > 1:
-        st.anc[:, :, 0].copy_(_slots(spec, scratch, scratch_base, bs, 1, logits.device))
+    precomputed (None: the slots are computed here). Optional, in the same launch on the
+    Triton path (`kernels.tree_beams.beam_first_ref`): the beam steps' hidden input
+    `hid_dst [B*k, H]` = `hid_src [B, H]` per beam, the controls' `window [B*k, K-1]`
+    int32 (each beam's path: its token, then -1), `setup` = (req [B], prefix [B],
+    beam_req [B*k], beam_lens [B*k] int32, step_pos [K-1, >= B*k]) the beam steps' request
+    slots, prefix lengths and rope positions. `kernels`: the Triton path for k >= 2
+    (`ops.tree_beam_level`; None: the torch path)."""
+    _check(spec, st, logits, 1, "B", hot_token_ids)
+    ops.tree_beam_level(spec, 0, logits, st, hot=hot_token_ids, temperature=temperature,
+                        greedy_ids=greedy_ids, scratch_base=scratch_base, scratch=scratch,
+                        hid_src=hid_src, hid_dst=hid_dst, window=window, setup=setup,
+                        kernels=_TORCH if kernels is None else kernels)
 
 
 def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
@@ -212,14 +156,17 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
                 hid_out: torch.Tensor | None = None, hid_next: torch.Tensor | None = None,
                 greedy_ids: torch.Tensor | None = None,
                 temperature: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None) -> None:
+                scratch: torch.Tensor | None = None, window: torch.Tensor | None = None,
+                kernels: KernelConfig | None = None) -> None:
     """Decode level `j` (1..K-1) from `logits [B*k, Vd]` (row `r*k + b` = beam b of row r);
     writes `st` (module doc). With `hid_out [B*k, H]` and `hid_next [B*k, H]` also gathers the
     next step's hidden input `hid_next[r*k + b] = hid_out[r*k + parent_beam[r, b]]`
-    (`hid_next` must not alias `hid_out`). `temperature [B]`, `scratch`: as `first_step`."""
+    (`hid_next` must not alias `hid_out`); with `window [B*k, K-1]` int32 (the controls'
+    beam paths) the same gather of the first j columns and the beam's token at column j.
+    `temperature [B]`, `scratch`, `kernels`: as `first_step`."""
     if not 1 <= j <= spec.steps - 1:
         raise ValueError(f"j: expected a decode level in 1..{spec.steps - 1}, got {j}")
-    bs = _check(spec, st, logits, spec.topk, "B*k", hot_token_ids)
+    _check(spec, st, logits, spec.topk, "B*k", hot_token_ids)
     if (hid_out is None) != (hid_next is None):
         raise ValueError("hid_out, hid_next: expected both or neither")
     if hid_out is not None and (hid_out.shape != hid_next.shape or hid_out.dim() != 2
@@ -228,49 +175,7 @@ def decode_step(spec: TreeSpec, j: int, logits: torch.Tensor, st: BeamState, *,
                          f"{tuple(hid_out.shape)} and {tuple(hid_next.shape)}")
     if hid_out is not None and hid_out.data_ptr() == hid_next.data_ptr():
         raise ValueError("hid_next: expected a buffer apart from hid_out")
-    k, dev = spec.topk, logits.device
-    if greedy_ids is not None:
-        lp, tok = _greedy(spec, logits, greedy_ids)
-    else:
-        lp, idx = _top(spec, logits, _rank_scale(temperature, logits.shape[0], k))  # [B*k, k]
-        tok = _map(idx, hot_token_ids)
-    off, kk = spec.level_offset(j + 1), k * k
-    # the level's candidates straight into the store (views of its columns: no staging copy)
-    flat = st.cand_score[:, off:off + kk]                           # cum: [B, k*k]
-    torch.add(st.beam_score.unsqueeze(2), lp.view(bs, k, k), out=flat.view(bs, k, k))
-    cand_tok = st.cand_tok[:, off:off + kk]
-    cand_tok.view(bs, k, k).copy_(tok.view(bs, k, k))  # tok [B*k, k] may be a strided view
-    st.cand_parent[:, off:off + kk].view(bs, k, k).copy_(
-        st.beam_cand.unsqueeze(2).expand(bs, k, k))
-    if j == spec.steps - 1:
-        return  # level K: no forward follows, no re-rank
-    if k == 1:
-        sel = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
-    else:
-        sel = best_k(flat, k)                                       # [B, k], best first
-    pb = torch.floor_divide(sel, k, out=st.parent_beam)
-    torch.gather(cand_tok, 1, sel, out=st.beam_tok)
-    torch.gather(flat, 1, sel, out=st.beam_score)
-    torch.add(sel, off, out=st.beam_cand)
-    kept = st.anc[:, :, :j].gather(1, pb.unsqueeze(2).expand(bs, k, j))
-    st.anc[:, :, :j].copy_(kept)
-    st.anc[:, :, j].copy_(_slots(spec, scratch, scratch_base, bs, j + 1, dev))
-    if hid_out is not None:
-        h = hid_out.shape[1]
-        torch.gather(hid_out.view(bs, k, h), 1, pb.unsqueeze(2).expand(bs, k, h),
-                     out=hid_next.view(bs, k, h))
-
-
-def _slots(spec: TreeSpec, scratch: torch.Tensor | None, base: int, bs: int, j: int,
-           device: torch.device) -> torch.Tensor:
-    """`[bs, k]` scratch slots of level j's queries: from the precomputed `scratch` table
-    (`scratch_table`), else computed."""
-    k = spec.topk
-    if scratch is not None:
-        if scratch.dim() != 2 or scratch.shape[1] < bs * k or scratch.shape[0] < j:
-            raise ValueError(f"scratch: expected a scratch_table of >= {bs} rows and "
-                             f"{spec.steps - 1} levels, got {tuple(scratch.shape)}")
-        return scratch[j - 1, : bs * k].view(bs, k)
-    rows = torch.arange(bs, device=device).unsqueeze(1)
-    beams = torch.arange(k, device=device).unsqueeze(0)
-    return spec.scratch_slot(base, rows, beams, j)
+    ops.tree_beam_level(spec, j, logits, st, hot=hot_token_ids, temperature=temperature,
+                        greedy_ids=greedy_ids, scratch_base=scratch_base, scratch=scratch,
+                        hid_src=hid_out, hid_dst=hid_next, window=window,
+                        kernels=_TORCH if kernels is None else kernels)

@@ -62,13 +62,11 @@ class TreeDrafter:
     | first_ids, first_pos, first_loc | `[max_bs*P]` | int64 (first step's ids, rope positions, KV slots) |
     | first_hidden | `[max_bs*P, kH]` | head dtype (`hid_c`) |
     | gather | `[max_bs]` | int64 (the LM-head row of each request) |
-    | first_off, row_last | `[P]`, `[max_bs]` | int64 (constants 0 .. P-1 and r*P - 1) |
     | prefix | `[max_bs]` | int32 (`Ld`: the draft prefix every beam sees) |
     | hid1 | `[max_bs, H]` | head dtype (first step's output hidden) |
     | beam_loc, beam_req | `[max_bs*k]` | int64 (k = 1: the step's KV slots; the beams' request slots) |
     | step_pos | `[max(K-1, 1), max_bs*k]` | int64 (rope position of each decode step's queries, `Ld + j - 1`, all steps written before the first) |
     | scratch | `[max(K-1, 1), max_bs*k]` | int64 (`runtime.beams.scratch_table`, constant: each step's own KV slots) |
-    | step_off | `[max(K-1, 1)]` | int64 (constant 0 .. K-2) |
     | beam_lens | `[max_bs*k]` | int32 (Ld per beam; k = 1: Ld + j) |
     | hid_in, hid_out | `[max_bs*k, H]` | head dtype (a step's hidden input / output) |
     | beams | `runtime.beams.BeamState` | |
@@ -105,13 +103,10 @@ class TreeDrafter:
         self.first_hidden = torch.zeros(max_bs * P, head.target_hidden_width, dtype=head.dtype,
                                         device=dev)
         self.gather = torch.zeros(max_bs, **i64)
-        self.first_off = torch.arange(P, **i64)
-        self.row_last = torch.arange(max_bs, **i64) * P - 1  # constant: r*P - 1
         self.prefix = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.hid1 = torch.zeros(max_bs, mc.hidden_size, dtype=head.dtype, device=dev)
         lv = max(spec.steps - 1, 1)
         self.step_pos = torch.zeros(lv, max_bs * k, **i64)
-        self.step_off = torch.arange(lv, **i64)
         self.scratch = scratch_table(spec, self.scratch_base, max_bs, dev)
         self.beam_loc = torch.zeros(max_bs * k, **i64)
         self.beam_req = torch.zeros(max_bs * k, **i64)
@@ -152,13 +147,9 @@ class TreeDrafter:
         for name, t in (("req", req), ("prefix_len", prefix_len), ("accept_len", accept_len)):
             expect_tensor(name, t, shape=(bs,), dtypes=INDEX_DTYPES)
         self._use_head_kernels()
-        acc = accept_len.clamp(1, P)
-        torch.add(prefix_len.unsqueeze(1), self.first_off,
-                  out=self.first_pos[: bs * P].view(bs, P))
-        ops.out_cache_loc_uniform(self.first_loc[: bs * P], req, prefix_len, self.req_to_page,
-                                  self.page_size, P, row_major=True, kernels=self.kernels)
-        torch.add(self.row_last[:bs], acc, out=self.gather[:bs])
-        torch.add(prefix_len, acc, out=self.prefix[:bs])
+        ops.tree_first_inputs(req, prefix_len, accept_len, self.req_to_page, self.page_size, P,
+                              self.first_pos[: bs * P], self.first_loc[: bs * P],
+                              self.gather[:bs], self.prefix[:bs], kernels=self.kernels)
         meta = self.backend.bind_metadata(req, self.prefix[:bs])
         out = self.head(self.first_ids[: bs * P], self.first_pos[: bs * P],
                         self.first_hidden[: bs * P], self.first_loc[: bs * P], self.kv.layer(0),
@@ -192,30 +183,23 @@ class TreeDrafter:
         ctl = self.controls is not None
         if ctl:  # the pick is redone from the transformed logits (chain: no head ids)
             self._controlled(logits, req, None, accepted)
-        first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
-                   greedy_ids=ids if chain and not ctl else None, temperature=temp,
-                   scratch=self.scratch)
-        if ctl:
-            self._window_start(bs)
         bk = bs * k
         hid_in, hid_out = self.hid_in[:bk], self.hid_out[:bk]
-        if spec.steps > 1:
-            hid_in.view(bs, k, -1).copy_(hidden.unsqueeze(1).expand(bs, k, hidden.shape[1]))
-            self.beam_req[:bk].view(bs, k).copy_(req.long().unsqueeze(1).expand(bs, k))
-            ld = prefix.long()
-            if k > 1:
-                self.beam_lens[:bk].view(bs, k).copy_(ld.unsqueeze(1).expand(bs, k))
-            # every step's rope positions at once: step j's queries sit at Ld + j - 1
-            lv = spec.steps - 1
-            torch.add(ld.view(1, bs, 1).expand(lv, bs, k), self.step_off[:lv].view(lv, 1, 1),
-                      out=self.step_pos[:lv, :bk].view(lv, bs, k))
+        window = self.beam_window[:bk] if ctl else None
+        more = spec.steps > 1  # the beam steps' inputs, written by level 1's launch
+        first_step(spec, logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
+                   greedy_ids=ids if chain and not ctl else None, temperature=temp,
+                   scratch=self.scratch, hid_src=hidden if more else None,
+                   hid_dst=hid_in if more else None, window=window,
+                   setup=(req, prefix, self.beam_req[:bk], self.beam_lens[:bk], self.step_pos)
+                   if more else None, kernels=self.kernels)
         for j in range(1, spec.steps):
             ids = st.beam_tok.view(bk)  # read by the head before this level's re-rank writes it
             pos = self.step_pos[j - 1, :bk]
             if k == 1:  # chain: through the page table, attending [0, Ld + j)
                 self.beam_loc[:bk].copy_(kv_slots(self.req_to_page, self.beam_req[:bk], pos,
                                                   self.page_size))
-                self.beam_lens[:bk].copy_(ld + j)
+                self.beam_lens[:bk].copy_(prefix.long() + j)
                 loc = self.beam_loc[:bk]
                 meta = self.backend.bind_metadata(self.beam_req[:bk], self.beam_lens[:bk])
             else:       # own scratch slot (= anc[:, :, j - 1]); prefix + the j ancestor-or-self slots
@@ -230,9 +214,7 @@ class TreeDrafter:
             decode_step(spec, j, out.logits, st, hot_token_ids=hot, scratch_base=self.scratch_base,
                         hid_out=hid_out, hid_next=hid_in,
                         greedy_ids=out.ids if chain and not ctl else None, temperature=temp,
-                        scratch=self.scratch)
-            if ctl and j < spec.steps - 1:
-                self._window_follow(bs, j)
+                        scratch=self.scratch, window=window, kernels=self.kernels)
         tree = self.tree.rows(bs)
         ops.build_tree(spec, st.cand_score, st.cand_tok, st.cand_parent, root, prefix, tree,
                        kernels=self.kernels)
@@ -250,21 +232,6 @@ class TreeDrafter:
         ops.apply_draft_logit_controls(logits, win, slots, c.slots, accepted=tok,
                                        accepted_len=lens, col_ids=c.col_ids, col_of=c.col_of,
                                        kernels=self.kernels)
-
-    def _window_start(self, bs: int) -> None:
-        """Each beam's path after level 1: its token."""
-        bk, st = bs * self.spec.topk, self.beams.rows(bs)
-        w = self.beam_window[:bk]
-        w.fill_(-1)
-        w[:, 0].copy_(st.beam_tok.reshape(bk))
-
-    def _window_follow(self, bs: int, j: int) -> None:
-        """After level j + 1's re-rank: beam b's path = its parent beam's path + its token."""
-        k, st = self.spec.topk, self.beams.rows(bs)
-        w = self.beam_window[: bs * k].view(bs, k, -1)
-        kept = w[:, :, :j].gather(1, st.parent_beam.unsqueeze(2).expand(bs, k, j))
-        w[:, :, :j].copy_(kept)
-        w[:, :, j].copy_(st.beam_tok)
 
     def draft(self, bs: int, req: torch.Tensor, prefix_len: torch.Tensor,
               accept_len: torch.Tensor, root: torch.Tensor) -> TreeBuffers:

@@ -11,8 +11,8 @@ data-dependent shape) and the same code runs eagerly:
   accept   `kernels.tree_accept`: greedy walk (argmax at every node) or, for rows with
            temperature > 0, sampled tree acceptance (exact: each emitted token follows the
            target's softmax(logits / T)); greedy rows in a sampled batch are one-hot rows
-  compact  `kernels.kv_move`: the accepted path's target KV moved to `L .. L+acc-1`
-           (overlap-safe), its aux hidden states gathered to `hid_c [B*P, kH]` (the drafter's
+  compact  `kernels.tree_kv_move`: the accepted path's target KV moved to `L .. L+acc-1`
+           (overlap-safe; every layer in one launch), its aux hidden states gathered to `hid_c [B*P, kH]` (the drafter's
            first-step hidden buffer: no copy), its tokens (`out_tokens`) written by accept
            straight into the drafter's first-step ids
   draft    `runtime.tree_drafter.TreeDrafter`: chain's first step of width P (so the next
@@ -40,6 +40,8 @@ from graphdraft import ops
 from graphdraft.kernels.accept import philox4x32_ref
 from graphdraft.kernels.cache_loc import kv_slots
 from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.tree_kv_move import kv_pointer_table
+from graphdraft.kernels.tree_slots import TREE_FIELDS
 from graphdraft.models.attention import PagedAttentionBackend
 from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
@@ -95,7 +97,7 @@ class SlotTrees:
     tree), `load` before the verify (positions = `prefix_len + depth`, retrieve_index
     `r*n + i` recomputed). Fixed shapes, no host sync."""
 
-    TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling")
+    TREE_FIELDS = TREE_FIELDS
 
     def __init__(self, spec: TreeSpec, num_slots: int, device: str | torch.device) -> None:
         self.spec = spec
@@ -107,9 +109,6 @@ class SlotTrees:
         for f in self.TREE_FIELDS:
             setattr(self, f, self._full[f][:num_slots])
         i = torch.arange(spec.n, device=device)
-        self._retrieve = (torch.arange(num_slots, device=device).unsqueeze(1) * spec.n
-                          + i).contiguous()
-        """`[num_slots, n]` constant `r*n + i` (`load`'s retrieve_index)."""
         self.tokens.zero_()
         self.parents.copy_(torch.where(i == 0, -1, 0).expand_as(self.parents))
         self.depths.copy_((i > 0).long().expand_as(self.depths))
@@ -117,25 +116,27 @@ class SlotTrees:
         self.first_child.fill_(-1)
         self.next_sibling.fill_(-1)
 
-    def store(self, tree, slot_rows: torch.Tensor) -> None:
-        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]` (rows of
-        slot 0 land in the spare row: no table row changes)."""
-        idx = torch.where(slot_rows > 0, slot_rows.long(), self.num_slots)
-        for f in self.TREE_FIELDS:
-            self._full[f].index_copy_(0, idx, getattr(tree, f))
+    def tables(self, spare: bool = False) -> list[torch.Tensor]:
+        """The `TREE_FIELDS` tables `[num_slots, n]` (spare: with the spare last row)."""
+        return [(self._full if spare else vars(self))[f] for f in self.TREE_FIELDS]
 
-    def load(self, tree, slot_rows: torch.Tensor, prefix_len: torch.Tensor) -> None:
-        """The tables' rows `slot_rows [bs]` into `tree` (TreeBuffers rows `[bs, n]`)."""
-        idx = slot_rows.long()
-        for f in self.TREE_FIELDS:
-            torch.index_select(getattr(self, f), 0, idx, out=getattr(tree, f))
-        torch.add(prefix_len.long().unsqueeze(1), tree.depths, out=tree.positions)
-        bs, n = tree.tokens.shape
-        if bs <= self.num_slots:
-            tree.retrieve_index.copy_(self._retrieve[:bs])
-        else:
-            tree.retrieve_index.copy_(torch.arange(bs, device=idx.device).unsqueeze(1) * n
-                                      + torch.arange(n, device=idx.device))
+    def store(self, tree, slot_rows: torch.Tensor, *, kernels: KernelConfig | None = None
+              ) -> None:
+        """`tree` (TreeBuffers rows `[bs, n]`) into the tables at `slot_rows [bs]` int64 (rows
+        of slot 0 store nothing; `ops.tree_store_rows`: one launch on the Triton path)."""
+        ops.tree_store_rows([getattr(tree, f) for f in self.TREE_FIELDS], slot_rows,
+                            self.tables(spare=True), kernels=kernels)
+
+    def load(self, tree, slot_rows: torch.Tensor, done: torch.Tensor, vcl: torch.Tensor,
+             live: torch.Tensor, req: torch.Tensor, prefix_len: torch.Tensor, *,
+             kernels: KernelConfig | None = None, **io) -> None:
+        """Rows `slot_rows [bs]` in (`ops.tree_load_rows`): `live`, `req` (dead rows: slot 0)
+        and `prefix_len` (L from `vcl`, 0 on dead rows) `[bs]`, the slots' trees into `tree`
+        (TreeBuffers rows `[bs, n]`: positions `L + depth`, retrieve_index `r*n + i`); `io`:
+        the optional `columns` and `verify` outputs of the same launch."""
+        ops.tree_load_rows(slot_rows, done, vcl, self.tables(),
+                           [getattr(tree, f) for f in self.TREE_FIELDS], tree.positions,
+                           tree.retrieve_index, live, req, prefix_len, kernels=kernels, **io)
 
 
 class TreeCycle:
@@ -144,6 +145,7 @@ class TreeCycle:
     | buffer | shape | dtype |
     |---|---|---|
     | req, prefix_len | `[max_bs]` | int64 (request slot; L) |
+    | live | `[max_bs]` | bool (the Engine's rows: a running request's slot, not done) |
     | temperature, top_p, min_p | `[max_bs]` | float32 (0: greedy row; 1: no nucleus filter; 0: no min_p) |
     | top_k | `[max_bs]` | int64 (0: off) |
     | v_loc | `[max_bs*n]` | int64 (verify KV slots of `L + i`) |
@@ -155,6 +157,7 @@ class TreeCycle:
     | accept_index | `[max_bs, P]` | int64 |
     | bonus | `[max_bs]` | int64 |
     | pack | `[max_bs, P + 1]` | int64 (out_tokens, accept_len) |
+    | kv_table | `[2 * layers]` | int64 (the target KV's layer addresses: `compact`'s one launch) |
     """
 
     def __init__(self, target: LlamaForCausalLM, drafter: TreeDrafter, kv: KVPool,
@@ -170,6 +173,7 @@ class TreeCycle:
         i64 = dict(dtype=torch.int64, device=dev)
         self.req = torch.zeros(mb, **i64)
         self.prefix_len = torch.zeros(mb, **i64)
+        self.live = torch.zeros(mb, dtype=torch.bool, device=dev)
         self.temperature = torch.zeros(mb, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(mb, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(mb, **i64)
@@ -184,6 +188,7 @@ class TreeCycle:
         self.accept_index = torch.zeros(mb, P, **i64)
         self.bonus = torch.zeros(mb, **i64)
         self.pack = torch.zeros(mb, P + 1, **i64)
+        self.kv_table = kv_pointer_table(kv.k, kv.v)
 
     @property
     def use_triton(self) -> bool:
@@ -194,13 +199,20 @@ class TreeCycle:
         return self.drafter.first_ids[: bs * self.spec.P].view(bs, self.spec.P)
 
     # --- stages -------------------------------------------------------------
-    def verify(self, bs: int):
-        """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`)."""
+    def verify_slots(self, bs: int) -> tuple:
+        """`SlotTrees.load`'s `verify` outputs: (req_to_page, page_size, v_loc, v_seq) rows."""
+        return (self.backend.req_to_page, self.backend.page_size,
+                self.v_loc[: bs * self.spec.n], self.v_seq[:bs])
+
+    def verify(self, bs: int, slots_ready: bool = False):
+        """The target's forward over the tree (module doc) -> TargetOutput (logits `[bs*n, V]`).
+        `slots_ready`: v_loc / v_seq already written (`verify_slots`, by the Engine's load)."""
         n, tree = self.spec.n, self.drafter.tree.rows(bs)
-        ops.out_cache_loc_uniform(self.v_loc[: bs * n], self.req[:bs], self.prefix_len[:bs],
-                                  self.backend.req_to_page, self.backend.page_size, n,
-                                  row_major=True, kernels=self.drafter.kernels)
-        torch.add(self.prefix_len[:bs], n, out=self.v_seq[:bs])
+        if not slots_ready:
+            ops.out_cache_loc_uniform(self.v_loc[: bs * n], self.req[:bs], self.prefix_len[:bs],
+                                      self.backend.req_to_page, self.backend.page_size, n,
+                                      row_major=True, kernels=self.drafter.kernels)
+            torch.add(self.prefix_len[:bs], n, out=self.v_seq[:bs])
         meta = self.backend.uniform_row_metadata(self.req[:bs], self.v_seq[:bs], n,
                                                  mask_bits=tree.mask.view(bs * n))
         return self.target(tree.tokens.view(bs * n), tree.positions.view(bs * n),
@@ -229,25 +241,30 @@ class TreeCycle:
         """Target KV of the accepted path to `L .. L+acc-1`; its aux hidden to `hid_c`."""
         n, P = self.spec.n, self.spec.P
         kc = self.drafter.kernels
-        ops.move_accepted_kv(self.kv.k, self.kv.v, self.backend.req_to_page, self.req[:bs],
-                             self.prefix_len[:bs], self.accept_index[:bs], self.accept_len[:bs],
-                             self.backend.page_size, kernels=kc)
+        ops.tree_move_accepted_kv(self.kv.k, self.kv.v, self.kv_table, self.backend.req_to_page,
+                                  self.req[:bs], self.prefix_len[:bs], self.accept_index[:bs],
+                                  self.accept_len[:bs], self.backend.page_size, kernels=kc)
         ops.gather_accepted_hidden(self.aux[: bs * n], self.accept_index[:bs],
                                    self.accept_len[:bs], n, self.drafter.first_hidden[: bs * P],
                                    kernels=kc)
 
-    def draft_and_commit(self, bs: int) -> torch.Tensor:
-        """The drafter's first step (L, accept_len), L += accept_len, the beam steps and tree
-        build (root = bonus; the logit controls, when set, count the accepted path
-        `out_tokens` within accept_len as emitted: the Engine counts it after this draft);
-        returns pack[:bs] `[bs, P + 1]`."""
-        d, P = self.drafter, self.spec.P
+    def draft(self, bs: int) -> None:
+        """The drafter's first step (L, accept_len), the beam steps and the tree build over
+        the prefix `L + accept_len` (root = bonus; the logit controls, when set, count the
+        accepted path `out_tokens` within accept_len as emitted: the Engine counts it after
+        this draft). `prefix_len` stays L (`draft_and_commit` advances it)."""
+        d = self.drafter
         logits, hidden, ids = d.first_step(bs, self.req[:bs], self.prefix_len[:bs],
                                            self.accept_len[:bs])
-        self.prefix_len[:bs].copy_(d.prefix[:bs])
-        d.expand(bs, logits, hidden, self.req[:bs], self.prefix_len[:bs], self.bonus[:bs], ids,
+        d.expand(bs, logits, hidden, self.req[:bs], d.prefix[:bs], self.bonus[:bs], ids,
                  temperature=self.temperature[:bs] if self.sampling else None,
                  accepted=(self.out_tokens(bs), self.accept_len[:bs]))
+
+    def draft_and_commit(self, bs: int) -> torch.Tensor:
+        """`draft`, then L += accept_len and the pack; returns pack[:bs] `[bs, P + 1]`."""
+        P = self.spec.P
+        self.draft(bs)
+        self.prefix_len[:bs].copy_(self.drafter.prefix[:bs])
         self.pack[:bs, :P].copy_(self.out_tokens(bs))
         self.pack[:bs, P].copy_(self.accept_len[:bs])
         return self.pack[:bs]
@@ -577,8 +594,8 @@ class EngineTrees:
                 accept kernel rules, a stop token winning over the length limit at one position)
       logprobs  rows that asked: the path's tokens scored from their nodes' logits
                 (`token_logprobs`) into `CycleBuffers.logprobs`
-      compact, draft_and_commit (TreeCycle: the beams' logit controls count the accepted
-                path within the cut as emitted), SlotTrees.store
+      compact, draft (TreeCycle: the beams' logit controls count the accepted path within
+                the cut as emitted), SlotTrees.store
       commit    `ops.count_tokens` of the out tokens within the cut (the penalties' counts,
                 only now: a cycle that fails before its commit counts nothing), then
                 `cycle_kernels.commit_pack` over the out tokens `[bs, P]` (L += accept,
@@ -623,29 +640,24 @@ class EngineTrees:
     def run(self, bs: int, sampled: bool = False) -> torch.Tensor:
         """The module's decode cycle over `cycle_buffers.slot_rows[:bs]` (graph-capturable);
         returns `pack[:bs]` `[bs, n + 3]` int32."""
-        c, st, cb = self.cycles[sampled], self.slots, self.cb
-        slots = cb.slot_rows[:bs]
-        live = (slots > 0) & (st.done.index_select(0, slots) == 0)
-        req = torch.mul(slots, live, out=c.req[:bs])                    # dead rows: slot 0
-        torch.mul(self.vcl.index_select(0, req), live, out=c.prefix_len[:bs])
-        if sampled:  # the greedy cycle reads no sampling table
-            c.temperature[:bs].copy_(st.temperature.index_select(0, req))
-            c.top_k[:bs].copy_(st.top_k.index_select(0, req))
-            c.top_p[:bs].copy_(st.top_p.index_select(0, req))
-            c.min_p[:bs].copy_(st.min_p.index_select(0, req))
+        c, st, cb, kc = self.cycles[sampled], self.slots, self.cb, self.drafter.kernels
         tree = self.drafter.tree.rows(bs)
-        self.trees.load(tree, c.req[:bs], c.prefix_len[:bs])
+        cols = [(getattr(st, f), getattr(c, f)[:bs]) for f in ("temperature", "top_k", "top_p",
+                                                              "min_p")] if sampled else ()
+        self.trees.load(tree, cb.slot_rows[:bs], st.done, self.vcl, c.live[:bs], c.req[:bs],
+                        c.prefix_len[:bs], columns=cols, verify=c.verify_slots(bs), kernels=kc)
+        live = c.live[:bs]
         if sampled:
             self.coins(bs, c)
-        out = c.verify(bs)
+        out = c.verify(bs, slots_ready=True)
         ops.apply_logit_controls(out.logits, tree.tokens, c.req[:bs], st, path=tree.mask,
                                  kernels=self.drafter.kernels)
         c.accept(bs, out.logits)
         self.stop_cut(bs, c, live)
         self.token_logprobs(bs, c, out.logits)
         c.compact(bs)
-        c.draft_and_commit(bs)
-        self.trees.store(self.drafter.tree.rows(bs), c.req[:bs])
+        c.draft(bs)  # the Engine's commit keeps L and the pack (commit_pack)
+        self.trees.store(self.drafter.tree.rows(bs), c.req[:bs], kernels=kc)
         ops.count_tokens(c.out_tokens(bs), cb.accept[:bs], c.req[:bs], st.token_counts,
                          kernels=self.drafter.kernels)
         ops.commit_pack(c.out_tokens(bs), None, accept=cb.accept[:bs], finish=cb.finish[:bs],
@@ -700,7 +712,7 @@ class EngineTrees:
         logits = head.logits_processor(head.norm(hidden), head.lm_head).next_token_logits
         tree = self.drafter.expand(m, logits, hidden, req, prefix, root,
                                    temperature=self.slots.temperature.index_select(0, req.long()))
-        self.trees.store(tree, req)
+        self.trees.store(tree, req.long(), kernels=self.drafter.kernels)
 
     def forwards(self) -> list[CapturedForward]:
         return list(self.graphs.values())

@@ -171,6 +171,7 @@ def phase_points() -> list[tuple[object, str, str]]:
         (tree_cycle.EngineTrees, "token_logprobs", "logprobs"),
         (tree_cycle.TreeCycle, "compact", "compaction"),
         (tree_cycle.TreeCycle, "draft_and_commit", "commit"),
+        (tree_cycle.TreeCycle, "draft", "draft setup"),
         (tree_drafter.TreeDrafter, "first_step", "draft setup"),
         (tree_drafter.TreeDrafter, "expand", "draft setup"),
         (tree_drafter, "first_step", "beams"), (tree_drafter, "decode_step", "beams"),
