@@ -547,13 +547,15 @@ def tree_accept(spec, tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
 def tree_stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tensor,
                   live: torch.Tensor, stop_ids: torch.Tensor, max_new: torch.Tensor,
                   emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
-                  err_out: torch.Tensor, *, kernels: KernelConfig | None = None) -> None:
+                  err_out: torch.Tensor, *, rows: tuple | None = None,
+                  kernels: KernelConfig | None = None) -> None:
     """The tree cycle's stop-id / max_new cut of `accept_len [B]` over the accepted paths
-    `out_tokens [B, P]`; writes accept_out / finish_out / err_out `[B]`
+    `out_tokens [B, P]`; writes accept_out / finish_out / err_out `[B]` and, given `rows`
+    (accept_index, n, logit_rows `[B, P]`), the path nodes' verify rows
     (`graphdraft.kernels.tree_stop_cut`)."""
     fn = tree_stop_cut_kernel.stop_cut if _kc(kernels).use_triton else tree_stop_cut_kernel.stop_cut_ref
     fn(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out, finish_out,
-       err_out)
+       err_out, rows=rows)
 
 
 def tree_beam_level(spec, j: int, logits: torch.Tensor, st, *,

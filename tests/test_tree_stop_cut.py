@@ -87,3 +87,16 @@ def test_bad_arguments_named():
         stop_cut_ref(args[0], args[1].long(), *args[2:], a, f, e)
     with pytest.raises(ValueError, match="live"):
         stop_cut_ref(*args[:3], args[3].int(), *args[4:], a, f, e)
+
+
+@pytest.mark.parametrize("fn", [stop_cut_ref, stop_cut] if TRITON else [stop_cut_ref])
+def test_logit_rows_are_the_path_nodes_verify_rows(fn):
+    args = _case(3, 5, 4, 2)
+    idx = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 6], [0, 4, -1, -1],
+                        [0, 1, 2, -1]], device=DEV)
+    rows = torch.full((5, 4), -9, dtype=torch.int64, device=DEV)
+    a, f, e = (torch.zeros(5, dtype=torch.int32, device=DEV) for _ in range(3))
+    fn(*args[:1], args[1].clone(), *args[2:], a, f, e, rows=(idx, 7, rows))
+    assert torch.equal(rows, idx.clamp(min=0) + 7 * torch.arange(5, device=DEV).unsqueeze(1))
+    with pytest.raises(ValueError, match="logit_rows"):
+        fn(*args[:1], args[1].clone(), *args[2:], a, f, e, rows=(idx, 7, rows[:, :3]))

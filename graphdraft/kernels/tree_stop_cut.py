@@ -11,7 +11,10 @@ Per row r of `B` (request slot `req[r]`, accepted path `out_tokens[r, :acc]`, ac
              FINISH_LENGTH when jl == first < js, else 0
     live rows: accept_out = cut, finish_out = finish, accept_len = cut;
     dead rows (`live` False): accept_out = 0, finish_out = 0, accept_len unchanged;
-    err_out = 0 on every row.
+    err_out = 0 on every row;
+    optionally (`rows` = (accept_index `[B, P]` int64, n, logit_rows `[B, P]` int64)) the
+    verify rows of the path's nodes for the log-probabilities: logit_rows[r, d] =
+    r*n + max(accept_index[r, d], 0) (-1, past the path: row r*n, never read back).
 
 Shapes: out_tokens `[B, P]` int64 (unit column stride), accept_len `[B]` int32 (read, then
 written), req `[B]` int64, live `[B]` bool, stop_ids `[R, W]` int64 (-1: unused), max_new /
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdraft.checks import expect_tensor
+from graphdraft.checks import expect_int, expect_tensor
 from graphdraft.kernels.accept import FINISH_LENGTH, FINISH_STOP
 
 __all__ = ["stop_cut", "stop_cut_ref"]
@@ -49,14 +52,28 @@ def _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept
     return bs, p
 
 
+def _check_rows(rows, bs: int, p: int, dev) -> tuple | None:
+    if rows is None:
+        return None
+    accept_index, n, logit_rows = rows
+    expect_int("n", n, 1)
+    for name, t in (("accept_index", accept_index), ("logit_rows", logit_rows)):
+        expect_tensor(name, t, shape=(bs, p), dtypes=torch.int64, device=dev, layout="contiguous")
+    return accept_index, n, logit_rows
+
+
 def stop_cut_ref(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tensor,
                  live: torch.Tensor, stop_ids: torch.Tensor, max_new: torch.Tensor,
                  emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
-                 err_out: torch.Tensor) -> None:
+                 err_out: torch.Tensor, *, rows: tuple | None = None) -> None:
     """Torch version (module doc), fixed shapes, no host sync."""
-    _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
-           finish_out, err_out)
-    p = out_tokens.shape[1]
+    bs, p = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
+                   finish_out, err_out)
+    rows = _check_rows(rows, bs, p, out_tokens.device)
+    if rows is not None:
+        accept_index, n, logit_rows = rows
+        base = torch.arange(bs, device=out_tokens.device).unsqueeze(1) * n
+        torch.add(accept_index.clamp(min=0), base, out=logit_rows)
     acc = accept_len
     stops = stop_ids.index_select(0, req)                                # [B, W]
     is_stop = (out_tokens.unsqueeze(2) == stops.unsqueeze(1)).any(-1)
@@ -77,10 +94,13 @@ def stop_cut_ref(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.
 @triton.jit
 def _stop_cut_kernel(out_ptr, stride_out, acc_ptr, req_ptr, live_ptr, stop_ptr, stride_stop,
                      max_new_ptr, emitted_ptr, accept_ptr, finish_ptr, err_ptr, P, W,
-                     FIN_STOP: tl.constexpr, FIN_LEN: tl.constexpr, PB: tl.constexpr,
-                     WB: tl.constexpr):
+                     idx_ptr, rows_ptr, n, FIN_STOP: tl.constexpr, FIN_LEN: tl.constexpr,
+                     PB: tl.constexpr, WB: tl.constexpr, HAS_ROWS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, PB)
+    if HAS_ROWS:
+        node = tl.load(idx_ptr + r * P + d, mask=d < P, other=0)
+        tl.store(rows_ptr + r * P + d, r * n + tl.maximum(node, 0), mask=d < P)
     w = tl.arange(0, WB)
     acc = tl.load(acc_ptr + r)
     row = tl.load(req_ptr + r)
@@ -105,10 +125,12 @@ def _stop_cut_kernel(out_ptr, stride_out, acc_ptr, req_ptr, live_ptr, stop_ptr, 
 def stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tensor,
              live: torch.Tensor, stop_ids: torch.Tensor, max_new: torch.Tensor,
              emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
-             err_out: torch.Tensor) -> None:
+             err_out: torch.Tensor, *, rows: tuple | None = None) -> None:
     """Triton version (module doc): one program per row."""
     bs, p = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
                    finish_out, err_out)
+    rows = _check_rows(rows, bs, p, out_tokens.device)
+    idx, logit_rows, n = (rows[0], rows[2], rows[1]) if rows is not None else (req, req, 1)
     if bs == 0:
         return
     if out_tokens.stride(1) != 1 or stop_ids.stride(1) != 1:
@@ -116,5 +138,6 @@ def stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tens
     w = stop_ids.shape[1]
     _stop_cut_kernel[(bs,)](out_tokens, out_tokens.stride(0), accept_len, req, live, stop_ids,
                             stop_ids.stride(0), max_new, emitted, accept_out, finish_out,
-                            err_out, p, w, FIN_STOP=FINISH_STOP, FIN_LEN=FINISH_LENGTH,
-                            PB=triton.next_power_of_2(p), WB=triton.next_power_of_2(max(w, 1)))
+                            err_out, p, w, idx, logit_rows, n, FIN_STOP=FINISH_STOP,
+                            FIN_LEN=FINISH_LENGTH, PB=triton.next_power_of_2(p),
+                            WB=triton.next_power_of_2(max(w, 1)), HAS_ROWS=rows is not None)

@@ -623,8 +623,9 @@ class EngineTrees:
                        True: TreeCycle(target, self.drafter, kv, backend, sampling=True)}
         self.trees = SlotTrees(spec, slots.done.shape[0], self.drafter.device)
         dev = self.drafter.device
-        self.row_base = torch.arange(cfg.max_bs, dtype=torch.int64, device=dev) * spec.n
-        """Constant `[max_bs]` r*n (`token_logprobs`' logits rows)."""
+        self.logit_rows = torch.zeros(cfg.max_bs, spec.P, dtype=torch.int64, device=dev)
+        """`[max_bs, P]` the accepted path's verify rows `r*n + node` (`stop_cut` writes them,
+        `token_logprobs` reads them)."""
         self.slots, self.vcl, self.cb = slots, valid_cache_lengths, cycle_buffers
         self.graphs = {s: CapturedForward("tree_cycle_sampled" if s else "tree_cycle",
                                           functools.partial(self.run, sampled=s), schedule,
@@ -682,21 +683,23 @@ class EngineTrees:
         """Cut `c.accept_len[:bs]` at the first emitted stop id (finish 1) or where emitted
         reaches max_new (finish 2; a stop wins at the same position); writes the Engine's
         accept (0 on dead rows), finish and err (0) of rows [0, bs)
-        (`kernels.tree_stop_cut`: one launch on the Triton path)."""
+        (`kernels.tree_stop_cut`: one launch on the Triton path), and `logit_rows[:bs]`, the
+        verify rows of the accepted path's nodes (`token_logprobs`)."""
         st, cb = self.slots, self.cb
         ops.tree_stop_cut(c.out_tokens(bs), c.accept_len[:bs], c.req[:bs], live, st.stop_ids,
                           st.max_new, st.emitted, cb.accept[:bs], cb.finish[:bs], cb.err[:bs],
+                          rows=(c.accept_index[:bs], self.spec.n, self.logit_rows[:bs]),
                           kernels=self.drafter.kernels)
 
     def token_logprobs(self, bs: int, c: TreeCycle, logits: torch.Tensor) -> None:
         """Log-probabilities of the accepted path's tokens `out_tokens [bs, P]` (rows that
         asked: `SlotState.logprobs` >= 0) into `CycleBuffers.logprobs[:bs]`: token d was
         chosen from the logits of the path's node `accept_index[r, d]`, row
-        `r * n + accept_index[r, d]` of `logits [bs * n, V]` (the chain's rule per node)."""
-        rows = torch.add(c.accept_index[:bs].clamp(min=0),  # -1: past the path (not read back)
-                         self.row_base[:bs].unsqueeze(1))
+        `r * n + accept_index[r, d]` of `logits [bs * n, V]` (the chain's rule per node;
+        `logit_rows`, written by `stop_cut`)."""
         ops.token_logprobs(logits, c.out_tokens(bs), c.req[:bs], self.slots.logprobs,
-                           out=self.cb.logprobs[:bs], k=self.cfg.max_logprobs, logit_rows=rows,
+                           out=self.cb.logprobs[:bs], k=self.cfg.max_logprobs,
+                           logit_rows=self.logit_rows[:bs],
                            done=self.slots.done, kernels=self.drafter.kernels)
 
     # --- after a prompt's last prefill chunk (eager) ---------------------------------
