@@ -1,5 +1,6 @@
 """Tree kernels on the GPU: Triton == torch reference at real sizes, and one CUDA graph of the
-whole tree tail (beams -> build -> accept -> KV move -> hidden gather) replays what eager
+whole tree tail (beams -> build -> accept -> KV move -> hidden gather; the beams and the KV
+move on the Triton path: `kernels.tree_beams`, `kernels.tree_kv_move`) replays what eager
 computes, bit for bit, with fresh data and after another batch size's graph.
 
 Run with `make test-gpu` (marker `gpu`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.kernels.kv_move import (
     gather_accepted_hidden,
     gather_accepted_hidden_ref,
@@ -18,12 +20,14 @@ from graphdraft.kernels.kv_move import (
 )
 from graphdraft.kernels.tree_accept import tree_accept, tree_accept_ref
 from graphdraft.kernels.tree_build import TreeBuffers, build_tree, build_tree_ref
+from graphdraft.kernels.tree_kv_move import kv_pointer_table, move_accepted_kv_all
 from graphdraft.runtime.beams import BeamState, decode_step, first_step
 from graphdraft.runtime.tree import TreeSpec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 FULL_VOCAB = 128256
+TRITON = KernelConfig(backend="triton")
 
 
 def _beams(spec, bs, vd, seed):
@@ -132,12 +136,52 @@ def test_kv_move_at_8b_shape(page_size):
     move_accepted_kv_ref(ks2, vs2, table, req, plen, path, alen, page_size)
     for x, y in zip(ks + vs, ks2 + vs2, strict=True):
         assert torch.equal(x, y)
+    ks3, vs3 = [t.clone() for t in ks2], [t.clone() for t in vs2]   # every layer, one launch
+    move_accepted_kv_all(ks3, vs3, kv_pointer_table(ks3, vs3), table, req, plen, path, alen,
+                         page_size)
+    move_accepted_kv_ref(ks2, vs2, table, req, plen, path, alen, page_size)
+    for x, y in zip(ks3 + vs3, ks2 + vs2, strict=True):
+        assert torch.equal(x, y)
     aux = torch.randn(bs * 16, 3 * 4096, device=DEV, generator=g).bfloat16()
     h1 = torch.empty(bs * P, 3 * 4096, device=DEV, dtype=torch.bfloat16)
     h2 = torch.empty_like(h1)
     gather_accepted_hidden(aux, path, alen, 16, h1)
     gather_accepted_hidden_ref(aux, path, alen, 16, h2)
     assert torch.equal(h1, h2)
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_beams_kernel_matches_torch_path_at_smollm2_size(bs):
+    """`kernels.tree_beams` at the SmolLM2 head's shape (draft vocab 8192, bf16 logits, tree
+    7/2/8, hot map, some rows sampling): the torch path's tokens, parents and ancestors, the
+    scores to fp32 rounding."""
+    spec, vd, h = TreeSpec(7, 2, 8), 8192, 576
+    g = torch.Generator(device=DEV).manual_seed(bs)
+    hot = torch.randperm(49152, device=DEV, generator=g)[:vd].sort().values
+    temp = torch.where(torch.arange(bs, device=DEV) % 2 == 1, 0.7, 0.0)
+    st = {s: BeamState.allocate(spec, bs, DEV) for s in ("ref", "tri")}
+    hid = {s: [torch.randn(bs * 2, h, device=DEV, generator=torch.Generator(device=DEV)
+                           .manual_seed(9)).bfloat16() for _ in range(2)] for s in st}
+    for j in range(spec.steps):
+        lg = (torch.randn(bs * (1 if j == 0 else 2), vd, device=DEV, generator=g) * 4).bfloat16()
+        for side, kc in (("ref", None), ("tri", TRITON)):
+            a, b = hid[side]
+            if j == 0:
+                first_step(spec, lg, st[side], hot_token_ids=hot, temperature=temp,
+                           scratch_base=5, hid_src=a[:bs], hid_dst=b, kernels=kc)
+            else:
+                decode_step(spec, j, lg, st[side], hot_token_ids=hot, temperature=temp,
+                            scratch_base=5, hid_out=a, hid_next=b, kernels=kc)
+            hid[side].reverse()
+        for f in ("beam_tok", "beam_cand", "parent_beam", "anc", "cand_tok", "cand_parent"):
+            assert torch.equal(getattr(st["ref"], f), getattr(st["tri"], f)), (j, f)
+        for f in ("beam_score", "cand_score"):
+            torch.testing.assert_close(getattr(st["ref"], f), getattr(st["tri"], f), rtol=1e-5,
+                                       atol=1e-5)
+        for x, y in zip(hid["ref"], hid["tri"], strict=True):
+            assert torch.equal(x, y)
+        for f in ("beam_score", "cand_score"):       # the next level from the same scores
+            getattr(st["tri"], f).copy_(getattr(st["ref"], f))
 
 
 class _Tail:
@@ -158,6 +202,7 @@ class _Tail:
         self.req = torch.arange(bs, device=DEV)
         self.ks = [z(bs * 8 * page_size + page_size, 2, 16) for _ in range(2)]
         self.vs = [z(bs * 8 * page_size + page_size, 2, 16) for _ in range(2)]
+        self.kv_table = kv_pointer_table(self.ks, self.vs)
 
     def fill(self, seed):
         g = torch.Generator(device=DEV).manual_seed(seed)
@@ -174,14 +219,14 @@ class _Tail:
 
     def run(self):
         s, st, t = self.spec, self.st, self.t
-        first_step(s, self.logits0, st, scratch_base=7)
+        first_step(s, self.logits0, st, scratch_base=7, kernels=TRITON)
         for j in range(1, s.steps):
-            decode_step(s, j, self.logits[j - 1], st, scratch_base=7)
+            decode_step(s, j, self.logits[j - 1], st, scratch_base=7, kernels=TRITON)
         build_tree(s, st.cand_score, st.cand_tok, st.cand_parent, self.root, self.plen, t)
         tree_accept(s, t.tokens, t.first_child, t.next_sibling, probs=self.probs, coins=self.coins,
                     final_coin=self.final, **self.o)
-        move_accepted_kv(self.ks, self.vs, self.table, self.req, self.plen, self.o["accept_index"],
-                         self.o["accept_len"], self.ps)
+        move_accepted_kv_all(self.ks, self.vs, self.kv_table, self.table, self.req, self.plen,
+                             self.o["accept_index"], self.o["accept_len"], self.ps)
         gather_accepted_hidden(self.aux, self.o["accept_index"], self.o["accept_len"], s.n,
                                self.hid_c)
 
