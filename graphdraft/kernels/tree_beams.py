@@ -486,9 +486,10 @@ def beam_first(shape, logits: torch.Tensor, st: BeamTables, *,
                scratch_base: int = 0, scratch: torch.Tensor | None = None,
                hid_src: torch.Tensor | None = None, hid_dst: torch.Tensor | None = None,
                window: torch.Tensor | None = None, setup: tuple | None = None,
-               block: int = 4096, kernels: KernelConfig | None = None) -> None:
+               block: int = 8192, kernels: KernelConfig | None = None) -> None:
     """Triton version of `beam_first_ref` (k >= 2; one program per row; `block`: the vocab
-    chunk). `scratch` is not read: the kernel computes the table's slots from `scratch_base`.
+    chunk, default a whole 8192-wide row: its later passes then read it from L1). `scratch`
+    is not read: the kernel computes the table's slots from `scratch_base`.
     `kernels`: the launch settings (None: the default; this launch reads none)."""
     bs, k = _check(shape, st, logits, 1, hot, temperature, hid_src, hid_dst, st.beam_tok.shape[0],
                    window)
@@ -521,7 +522,7 @@ def beam_decode(shape, j: int, logits: torch.Tensor, st: BeamTables, *,
                 hot: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                 scratch_base: int = 0, scratch: torch.Tensor | None = None,
                 hid_src: torch.Tensor | None = None, hid_dst: torch.Tensor | None = None,
-                window: torch.Tensor | None = None, block: int = 4096,
+                window: torch.Tensor | None = None, block: int = 8192,
                 kernels: KernelConfig | None = None) -> None:
     """Triton version of `beam_decode_ref` (k >= 2; one program per row; `block`: the vocab
     chunk; `scratch` not read, as `beam_first`)."""
