@@ -90,14 +90,10 @@ def move_accepted_kv_ref(k_layers: list[torch.Tensor], v_layers: list[torch.Tens
 
 
 @triton.jit
-def _move_kv_kernel(k_ptr, v_ptr, stride_slot, page_ptr, stride_page, max_pages, req_ptr, plen_ptr,
-                    idx_ptr, len_ptr, P, page_size, HD,
-                    PB: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
+def _path_moves(r, page_ptr, stride_page, max_pages, req_ptr, plen_ptr, idx_ptr, len_ptr, P,
+                page_size, PB: tl.constexpr):
+    """Row r's moves `[PB]` (module doc): (source slot, destination slot, whether to move)."""
     d = tl.arange(0, PB)
-    e = blk * BLOCK + tl.arange(0, BLOCK)
-    emask = e < HD
     L = tl.load(plen_ptr + r).to(tl.int64)
     acc = tl.load(len_ptr + r).to(tl.int64)
     row = tl.load(req_ptr + r).to(tl.int64)
@@ -112,7 +108,18 @@ def _move_kv_kernel(k_ptr, v_ptr, stride_slot, page_ptr, stride_page, max_pages,
     src = tl.where(sp < max_pages, s_page * page_size + src_pos % page_size, 0)
     dst = tl.where(dp < max_pages, d_page * page_size + dst_pos % page_size, 0)
     move = (d >= 1) & (d.to(tl.int64) < acc) & (src != dst)
-    m2 = move[:, None] & emask[None, :]
+    return src, dst, move
+
+
+@triton.jit
+def _move_kv_kernel(k_ptr, v_ptr, stride_slot, page_ptr, stride_page, max_pages, req_ptr, plen_ptr,
+                    idx_ptr, len_ptr, P, page_size, HD,
+                    PB: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src, dst, move = _path_moves(r, page_ptr, stride_page, max_pages, req_ptr, plen_ptr, idx_ptr,
+                                 len_ptr, P, page_size, PB)
+    m2 = move[:, None] & (e < HD)[None, :]
     s_off = src[:, None] * stride_slot + e[None, :]
     d_off = dst[:, None] * stride_slot + e[None, :]
     kk = tl.load(k_ptr + s_off, mask=m2)     # every source row loaded before any store

@@ -1,7 +1,7 @@
 """One beam level of tree drafting (`graphdraft.runtime.beams`) in one launch.
 
 The beams' bookkeeping of a level, per request row r of `B` (k beams, K levels, `M = k +
-(K-1)*k*k` candidates; `BeamTables` names the tables and their shapes):
+(K-1)*k*k` candidates; `BeamState` names the tables and their shapes):
 
 Step j = 0 (the first draft step, `logits [B, Vd]`, one row per request):
     lp = log_softmax(logits[r] / T_r) (fp32; T_r = temperature[r] where > 0, else 1; no
@@ -36,7 +36,7 @@ created by that rounding may resolve apart. Fixed shapes, host checks only: grap
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -45,8 +45,9 @@ import triton.language as tl
 from graphdraft.checks import INDEX_DTYPES, expect_int, expect_tensor
 from graphdraft.kernels.argmax import argmax_with_map_ref
 from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.tree_build import TreeShape
 
-__all__ = ["BeamTables", "SORT_MAX", "beam_decode", "beam_decode_ref", "beam_first",
+__all__ = ["BeamState", "SORT_MAX", "beam_decode", "beam_decode_ref", "beam_first",
            "beam_first_ref", "best_k", "rank_scale"]
 
 _LOW31 = 0x7FFFFFFF
@@ -55,11 +56,12 @@ SORT_MAX = 64
 k*k candidates), wider ones with `topk` of an int64 key (a draft vocab row)."""
 
 
-class BeamTables(Protocol):
-    """The beams' tables of `B` rows (`runtime.beams.BeamState` is one): beam_tok [B, k]
-    int64 (target ids), beam_score [B, k] float32, beam_cand / parent_beam [B, k] int64,
-    anc [B, k, max(K-1, 1)] int64, cand_score [B, M] float32, cand_tok / cand_parent
-    [B, M] int64 (each contiguous)."""
+@dataclass
+class BeamState:
+    """Beams and candidate store of `B` rows (`runtime.beams` re-exports it; shapes:
+    `graphdraft.runtime.tree` table): beam_tok [B, k] int64 (target ids), beam_score [B, k]
+    float32, beam_cand / parent_beam [B, k] int64, anc [B, k, max(K-1, 1)] int64,
+    cand_score [B, M] float32, cand_tok / cand_parent [B, M] int64 (each contiguous)."""
 
     beam_tok: torch.Tensor
     beam_score: torch.Tensor
@@ -69,6 +71,22 @@ class BeamTables(Protocol):
     cand_score: torch.Tensor
     cand_tok: torch.Tensor
     cand_parent: torch.Tensor
+
+    @classmethod
+    def allocate(cls, shape: TreeShape, bs: int, device: str | torch.device) -> BeamState:
+        """Zeroed buffers for `bs` rows (allocate once for the largest `B`, then `rows(B)`)."""
+        k, m = shape.topk, shape.M
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(beam_tok=torch.zeros(bs, k, **i64),
+                   beam_score=torch.zeros(bs, k, dtype=torch.float32, device=device),
+                   beam_cand=torch.zeros(bs, k, **i64), parent_beam=torch.zeros(bs, k, **i64),
+                   anc=torch.zeros(bs, k, max(shape.steps - 1, 1), **i64),
+                   cand_score=torch.zeros(bs, m, dtype=torch.float32, device=device),
+                   cand_tok=torch.zeros(bs, m, **i64), cand_parent=torch.zeros(bs, m, **i64))
+
+    def rows(self, bs: int) -> BeamState:
+        """Views of the first `bs` rows (the buffers a graph of padded size `bs` uses)."""
+        return BeamState(**{f.name: getattr(self, f.name)[:bs] for f in fields(self)})
 
 
 # --- torch path ---------------------------------------------------------------------------
@@ -150,7 +168,7 @@ def _setup_ref(shape, setup, bs: int) -> None:
               out=step_pos[:lv, : bs * k].view(lv, bs, k))
 
 
-def beam_first_ref(shape, logits: torch.Tensor, st: BeamTables, *,
+def beam_first_ref(shape, logits: torch.Tensor, st: BeamState, *,
                    hot: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                    greedy_ids: torch.Tensor | None = None, scratch_base: int = 0,
                    scratch: torch.Tensor | None = None, hid_src: torch.Tensor | None = None,
@@ -180,7 +198,7 @@ def beam_first_ref(shape, logits: torch.Tensor, st: BeamTables, *,
         _setup_ref(shape, setup, bs)
 
 
-def beam_decode_ref(shape, j: int, logits: torch.Tensor, st: BeamTables, *,
+def beam_decode_ref(shape, j: int, logits: torch.Tensor, st: BeamState, *,
                     hot: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                     greedy_ids: torch.Tensor | None = None, scratch_base: int = 0,
                     scratch: torch.Tensor | None = None, hid_src: torch.Tensor | None = None,
@@ -423,7 +441,7 @@ _TABLES = {"beam_tok": torch.int64, "beam_score": torch.float32, "beam_cand": to
            "cand_tok": torch.int64, "cand_parent": torch.int64}
 
 
-def _check(shape, st: BeamTables, logits: torch.Tensor, per: int, hot, temperature,
+def _check(shape, st: BeamState, logits: torch.Tensor, per: int, hot, temperature,
            hid_src, hid_dst, src_rows: int, window) -> tuple[int, int]:
     """Metadata checks of both wrappers -> (B, k)."""
     expect_tensor("beam_tok", st.beam_tok, shape=("B", shape.topk))
@@ -481,7 +499,7 @@ def _common(shape, st, logits, hot, temperature, hid_src, hid_dst, window, block
     return args, hid_args, meta
 
 
-def beam_first(shape, logits: torch.Tensor, st: BeamTables, *,
+def beam_first(shape, logits: torch.Tensor, st: BeamState, *,
                hot: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                scratch_base: int = 0, scratch: torch.Tensor | None = None,
                hid_src: torch.Tensor | None = None, hid_dst: torch.Tensor | None = None,
@@ -518,7 +536,7 @@ def beam_first(shape, logits: torch.Tensor, st: BeamTables, *,
                          **meta)
 
 
-def beam_decode(shape, j: int, logits: torch.Tensor, st: BeamTables, *,
+def beam_decode(shape, j: int, logits: torch.Tensor, st: BeamState, *,
                 hot: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
                 scratch_base: int = 0, scratch: torch.Tensor | None = None,
                 hid_src: torch.Tensor | None = None, hid_dst: torch.Tensor | None = None,

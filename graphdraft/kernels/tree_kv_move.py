@@ -23,7 +23,7 @@ import triton.language as tl
 
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.kv_move import _check_kv, _check_rows, move_accepted_kv_ref
+from graphdraft.kernels.kv_move import _check_kv, _check_rows, _path_moves, move_accepted_kv_ref
 
 __all__ = ["kv_pointer_table", "move_accepted_kv_all", "move_accepted_kv_ref"]
 
@@ -43,23 +43,10 @@ def _move_all_kernel(tab_ptr, ref_ptr, stride_slot, page_ptr, stride_page, max_p
                      plen_ptr, idx_ptr, len_ptr, P, page_size, HD,
                      PB: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     base = tl.load(tab_ptr + tl.program_id(2)).to(tl.pointer_type(ref_ptr.dtype.element_ty))
-    d = tl.arange(0, PB)
-    e = blk * BLOCK + tl.arange(0, BLOCK)
-    L = tl.load(plen_ptr + r).to(tl.int64)
-    acc = tl.load(len_ptr + r).to(tl.int64)
-    row = tl.load(req_ptr + r).to(tl.int64)
-    node = tl.maximum(tl.load(idx_ptr + r * P + d, mask=d < P, other=0), 0)
-    src_pos = L + node
-    dst_pos = L + d.to(tl.int64)
-    sp = src_pos // page_size
-    dp = dst_pos // page_size
-    s_page = tl.load(page_ptr + row * stride_page + tl.minimum(sp, max_pages - 1)).to(tl.int64)
-    d_page = tl.load(page_ptr + row * stride_page + tl.minimum(dp, max_pages - 1)).to(tl.int64)
-    src = tl.where(sp < max_pages, s_page * page_size + src_pos % page_size, 0)
-    dst = tl.where(dp < max_pages, d_page * page_size + dst_pos % page_size, 0)
-    move = (d >= 1) & (d.to(tl.int64) < acc) & (src != dst)
+    src, dst, move = _path_moves(r, page_ptr, stride_page, max_pages, req_ptr, plen_ptr, idx_ptr,
+                                 len_ptr, P, page_size, PB)
     m2 = move[:, None] & (e < HD)[None, :]
     x = tl.load(base + src[:, None] * stride_slot + e[None, :], mask=m2)
     tl.debug_barrier()                        # every source row loaded before any store

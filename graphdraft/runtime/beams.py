@@ -44,55 +44,18 @@ tokens and the row max of the log-probs their scores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from graphdraft import ops
 from graphdraft.checks import expect_tensor
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.tree_beams import SORT_MAX, best_k  # noqa: F401 - re-exported
+from graphdraft.kernels.tree_beams import SORT_MAX, BeamState, best_k  # noqa: F401 - re-exported
 from graphdraft.runtime.tree import TreeSpec
 
 __all__ = ["BeamState", "best_k", "first_step", "decode_step", "scratch_table"]
 
 _TORCH = KernelConfig(backend="torch")
 """`kernels=None`: the torch path (the beams' reference, whatever the environment says)."""
-
-
-@dataclass
-class BeamState:
-    """Beams and candidate store of `B` rows (shapes: `graphdraft.runtime.tree` table).
-
-    beam_tok [B, k] int64 (target ids), beam_score [B, k] float32, beam_cand [B, k] int64,
-    parent_beam [B, k] int64, anc [B, k, max(K-1, 1)] int64,
-    cand_score [B, M] float32, cand_tok [B, M] int64, cand_parent [B, M] int64.
-    """
-
-    beam_tok: torch.Tensor
-    beam_score: torch.Tensor
-    beam_cand: torch.Tensor
-    parent_beam: torch.Tensor
-    anc: torch.Tensor
-    cand_score: torch.Tensor
-    cand_tok: torch.Tensor
-    cand_parent: torch.Tensor
-
-    @classmethod
-    def allocate(cls, spec: TreeSpec, bs: int, device: str | torch.device) -> BeamState:
-        """Zeroed buffers for `bs` rows (allocate once for the largest `B`, then `rows(B)`)."""
-        k, m = spec.topk, spec.M
-        i64 = dict(dtype=torch.int64, device=device)
-        return cls(beam_tok=torch.zeros(bs, k, **i64),
-                   beam_score=torch.zeros(bs, k, dtype=torch.float32, device=device),
-                   beam_cand=torch.zeros(bs, k, **i64), parent_beam=torch.zeros(bs, k, **i64),
-                   anc=torch.zeros(bs, k, spec.anc_width, **i64),
-                   cand_score=torch.zeros(bs, m, dtype=torch.float32, device=device),
-                   cand_tok=torch.zeros(bs, m, **i64), cand_parent=torch.zeros(bs, m, **i64))
-
-    def rows(self, bs: int) -> BeamState:
-        """Views of the first `bs` rows (the buffers a graph of padded size `bs` uses)."""
-        return BeamState(**{f.name: getattr(self, f.name)[:bs] for f in fields(self)})
 
 
 def _check(spec: TreeSpec, st: BeamState, logits: torch.Tensor, rows_per_req: int, what: str,
