@@ -106,6 +106,16 @@ def test_kv_pool_shapes():
         KVPool(1, 1, 4, 2, 8, torch.float32, "cpu")
 
 
+def test_kv_pool_zero_dummy_page_touches_page_zero_only():
+    pool = KVPool(2, 3, 4, 2, 8, torch.float32, "cpu")
+    for t in (*pool.k, *pool.v):
+        t.fill_(7.0)
+    pool.zero_dummy_page()
+    for t in (*pool.k, *pool.v):
+        assert torch.count_nonzero(t[:4]) == 0
+        assert torch.all(t[4:] == 7.0)
+
+
 def test_logits_processor_maps_argmax_and_writes_outputs():
     hidden = torch.randn(5, 8)
     lm_head = torch.randn(11, 8)

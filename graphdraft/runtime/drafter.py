@@ -538,9 +538,7 @@ class EagleDrafter:
         """The draft KV's dummy page zeroed (after captures over rows of no token, whose
         hidden states are undefined: what they wrote there must not reach the inert rows that
         read it)."""
-        ps = self.kv_pool.page_size
-        for t in self.kv_pool.layer(0):
-            t[:ps].zero_()
+        self.kv_pool.zero_dummy_page()
 
     def on_cycle(self, k: int) -> None:
         """Count a decode cycle (it drafted once, inside the Engine's cycle)."""

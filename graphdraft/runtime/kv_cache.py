@@ -52,6 +52,14 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
 
+    def zero_dummy_page(self) -> None:
+        """Every layer's K and V on the dummy page (`DUMMY_PAGE`) back to zeros: after captures
+        over rows of no token, whose values are undefined (what they wrote there must not
+        reach the inert rows that read it)."""
+        page = slice(DUMMY_PAGE * self.page_size, (DUMMY_PAGE + 1) * self.page_size)
+        for t in (*self.k, *self.v):
+            t[page].zero_()
+
 
 @dataclass
 class _Request:

@@ -160,13 +160,8 @@ class MixedTargetGraphs:
         """After `fwd`'s capture: if it is one of these, the target's dummy KV page zeroed
         again (the captures ran over rows of no token, whose tokens' values are undefined:
         what they wrote there must not reach the inert rows that read it)."""
-        if fwd not in self.by_tokens.values():
-            return
-        p = self.parts
-        ps = p.kv.page_size
-        for k, v in zip(p.kv.k, p.kv.v, strict=True):
-            k[:ps].zero_()
-            v[:ps].zero_()
+        if fwd in self.by_tokens.values():
+            self.parts.kv.zero_dummy_page()
 
     # --- the captured function -----------------------------------------------------------
     def _logit_width(self, rows: int, tokens: int) -> int:
