@@ -35,7 +35,8 @@ __all__ = ["stop_cut", "stop_cut_ref"]
 
 
 def _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
-           finish_out, err_out) -> tuple[int, int]:
+           finish_out, err_out, rows) -> tuple[int, int, tuple | None]:
+    """(B, P, rows): the shapes, and `rows` checked (None: none asked)."""
     expect_tensor("out_tokens", out_tokens, shape=("B", "P"), dtypes=torch.int64)
     bs, p = out_tokens.shape
     dev = out_tokens.device
@@ -49,7 +50,7 @@ def _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept
     for name, t in (("accept_out", accept_out), ("finish_out", finish_out),
                     ("err_out", err_out)):
         expect_tensor(name, t, shape=(bs,), dtypes=torch.int32, device=dev)
-    return bs, p
+    return bs, p, _check_rows(rows, bs, p, dev)
 
 
 def _check_rows(rows, bs: int, p: int, dev) -> tuple | None:
@@ -67,9 +68,8 @@ def stop_cut_ref(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.
                  emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
                  err_out: torch.Tensor, *, rows: tuple | None = None) -> None:
     """Torch version (module doc), fixed shapes, no host sync."""
-    bs, p = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
-                   finish_out, err_out)
-    rows = _check_rows(rows, bs, p, out_tokens.device)
+    bs, p, rows = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted,
+                         accept_out, finish_out, err_out, rows)
     if rows is not None:
         accept_index, n, logit_rows = rows
         base = torch.arange(bs, device=out_tokens.device).unsqueeze(1) * n
@@ -127,9 +127,8 @@ def stop_cut(out_tokens: torch.Tensor, accept_len: torch.Tensor, req: torch.Tens
              emitted: torch.Tensor, accept_out: torch.Tensor, finish_out: torch.Tensor,
              err_out: torch.Tensor, *, rows: tuple | None = None) -> None:
     """Triton version (module doc): one program per row."""
-    bs, p = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted, accept_out,
-                   finish_out, err_out)
-    rows = _check_rows(rows, bs, p, out_tokens.device)
+    bs, p, rows = _check(out_tokens, accept_len, req, live, stop_ids, max_new, emitted,
+                         accept_out, finish_out, err_out, rows)
     idx, logit_rows, n = (rows[0], rows[2], rows[1]) if rows is not None else (req, req, 1)
     if bs == 0:
         return
