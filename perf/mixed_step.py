@@ -136,6 +136,24 @@ def profile_counts(engine, prompts, params, c: int, n: int) -> dict:
             "mixed_steps": r["mixed_steps"], **counts}
 
 
+def write_cprofile(engine, prompts, params, c: int, n: int, path: Path, top: int = 70) -> None:
+    """One closed loop under cProfile; `path` gets the `top` functions by own time, then by
+    cumulative time (host time: where the Python of a step goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    from perf.serve import closed_loop_offline
+
+    prof = cProfile.Profile()
+    prof.runcall(closed_loop_offline, engine, prompts, params, c, n)
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(buf.getvalue())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tiny", action="store_true", help="a CPU check of the script")
+    p.add_argument("--cprofile", metavar="TXT", help="also one closed loop at the largest level "
+                   "under cProfile: the top functions by own and by cumulative time into TXT")
     p.add_argument("server_flags", nargs=argparse.REMAINDER,
                    help="after --: `graphdraft serve` flags for the Engine")
     a = p.parse_args(argv)
@@ -185,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
               "per other step: " + "; ".join(
                   f"{k} {ph['mixed_ms'][k]:.2f} / {ph['other_ms'][k]:.2f}" for k in ph["mixed_ms"]),
               flush=True)
+    if a.cprofile:
+        write_cprofile(engine, prompts, params, max(levels), a.requests, Path(a.cprofile))
     if engine.device.type == "cuda":
         import torch
         report["device"] = torch.cuda.get_device_name()
