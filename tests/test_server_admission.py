@@ -1,6 +1,7 @@
 """The engine core's admission grouping (`engine_core.admit_now`, `--admission-group`): the
 rule's table, and an `EngineCore` over the shipped pair on the CPU driven turn by turn through
-its socket: a request arriving while the Engine only decodes waits at most one decode step,
+its socket: a request arriving while the Engine only decodes waits at most as many decode steps
+as a mixed step costs (`EngineCore.hold_steps`, measured; one step when set so),
 enough arrivals (or a step that prefills anyway) go at once, a held request can be aborted,
 and the held requests' outputs equal the Engine's own."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from graphdraft.serving.openai_api import engine_core
 from graphdraft.serving.openai_api.engine_core import (
     ADMISSION_GROUP_DEFAULT,
     EngineCore,
@@ -80,10 +82,12 @@ class Client:
 PROMPTS = {i: [ord(ch) for ch in f"def f{i}(x):\n    return x"] for i in range(9)}
 
 
-def test_held_requests_wait_at_most_one_decode_step(engine):
+def test_held_requests_wait_at_most_one_decode_step(engine, monkeypatch):
     http, theirs = socket_pair()
     theirs.setblocking(False)
     core, client = EngineCore(engine, theirs, admission_group=2), Client(http)
+    monkeypatch.setattr(engine_core, "STEP_COST_EMA", 0.0)  # the step costs stay as set
+    core.step_cost = {"mixed": 1.0, "decode": 1.0}  # a mixed step costs one decode step
     client.add(*[(i, PROMPTS[i]) for i in range(4)], max_tokens=24)  # running throughout
     core.turn()  # nothing ran: all four go to the Engine at once, in one prefill step
     assert not core.held and len(engine.running) == 4
@@ -118,6 +122,45 @@ def test_held_requests_wait_at_most_one_decode_step(engine):
     for i, w in zip(served, want, strict=True):
         assert client.ids[i][:6] == w, i
     assert engine.pages.num_free_pages == engine.pages.num_pages - 1
+    http.close()
+    theirs.close()
+
+
+def test_hold_steps_follow_the_measured_step_costs(engine, monkeypatch):
+    """A held request waits as many decode steps as a mixed step costs (rounded, 1..8)."""
+    http, theirs = socket_pair()
+    theirs.setblocking(False)
+    core, client = EngineCore(engine, theirs, admission_group=8), Client(http)
+    assert core.hold_steps == 1  # nothing measured yet
+    client.add(*[(i, PROMPTS[i]) for i in range(4)], max_tokens=120)  # running throughout
+    while not core.live or any(r.prefilling for r in engine.running) or engine.waiting:
+        core.turn()
+    core.turn()
+    assert core.step_cost["mixed"] > 0 and core.step_cost["decode"] > 0  # measured here
+    monkeypatch.setattr(engine_core, "STEP_COST_EMA", 0.0)
+    for mixed, want in ((100.0, engine_core.MAX_HOLD_STEPS), (0.4, 1), (2.6, 3)):
+        core.step_cost = {"mixed": mixed, "decode": 1.0}
+        assert core.hold_steps == want
+    prefilled = engine.stats.prefill_tokens
+    client.add((4, PROMPTS[4]), max_tokens=120)  # 1 >= ceil(4 / 8): at once
+    core.turn()
+    assert not core.held and engine.stats.prefill_tokens > prefilled
+    while any(r.prefilling for r in engine.running) or engine.waiting:
+        core.turn()
+    core.admission_group = 2  # ceil(5 / 2) = 3 needed to start at once
+    client.add((5, PROMPTS[5]), max_tokens=120)
+    held_turns = 0
+    while core.held or 5 not in core.live:
+        core.turn()
+        held_turns += bool(core.held)
+    assert held_turns == 3  # held three decode steps (2.6 rounds to 3), then admitted
+    while engine.has_work or core.held:
+        core.turn()
+    client.read()
+    assert all(client.finish[i] == "length" for i in range(6))
+    assert engine.pages.num_free_pages == engine.pages.num_pages - 1
+    with pytest.raises(ValueError, match="hold_steps"):
+        engine_core.admit_now(1, 0, 1, False, 2, 0)
     http.close()
     theirs.close()
 

@@ -46,10 +46,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "--max-running-requests; more answer 503")
     g.add_argument("--admission-group", type=int_at_least(0), default=ADMISSION_GROUP_DEFAULT,
                    metavar="D",
-                   help="requests that arrive while the engine only decodes are held for at "
-                        "most one decode step until ceil(running / D) of them can start "
-                        "together in one prefill step (0: each starts at once; engine_core's "
-                        "admit_now)")
+                   help="requests that arrive while the engine only decodes are held until "
+                        "ceil(running / D) of them can start together in one prefill step, "
+                        "for at most as many decode steps as one mixed step costs (measured; "
+                        "1 to 8) (0: each starts at once; engine_core's admit_now)")
     g.add_argument("--api-server-count", type=int_at_least(1), default=1, metavar="N",
                    help="HTTP processes sharing the port and the one engine process (one "
                         "Python event loop streams every response of a process: more serve "

@@ -18,10 +18,12 @@ graph-replayed decode cycle, and it costs about the same for one new prompt as f
 Over HTTP, successors arrive one by one as their clients' round trips end, so each would get
 a mixed step of its own. The core therefore holds requests that arrive while the Engine is
 only decoding, and hands them over together once ceil(running / D) are held, or once the
-oldest has waited one step, or at once when nothing runs or the next step is a prefill /
-mixed step anyway (`admit_now`): a request's first token comes at most one decode step later,
-and trickling arrivals share one mixed step. D = 0 (the default): every request goes to the
-Engine at once.
+oldest has waited as many decode steps as one mixed step costs (`EngineCore.hold_steps`: the
+ratio of the two step times the core measured, 1 to MAX_HOLD_STEPS; 1 before both were
+measured), or at once when nothing runs or the next step is a prefill / mixed step anyway
+(`admit_now`). So a held request waits at most about one mixed step's time (the cost that
+admitting it alone would put on every running request), and trickling arrivals share one
+mixed step. D = 0 (the default): every request goes to the Engine at once.
 
 An output is (rid, new ids, finish reason or None, the ids' (logprob, top) pairs or None,
 the prompt's scores or None): a request that asked `prompt_logprobs` gets its prompt's
@@ -85,6 +87,10 @@ from graphdraft.serving.verify import SamplingParams
 ADMISSION_GROUP_DEFAULT = 0
 """`EngineCoreSpec.admission_group`'s default (`admit_now`): off until a GPU run shows the hold
 pays (perf/RESULTS.md, 2026-12-06e)."""
+MAX_HOLD_STEPS = 8
+"""The most decode steps a held request waits (`EngineCore.hold_steps`)."""
+STEP_COST_EMA = 0.2
+"""Weight of the newest step in the core's running means of mixed and decode step times."""
 FOLD_INTERVAL_S = 0.5
 STATE_INTERVAL_S = 0.05
 IDLE_WAIT_S = 0.25
@@ -146,15 +152,17 @@ class EngineCoreSpec:
 
 
 def admit_now(held: int, waited_steps: int, running: int, mixed_anyway: bool,
-              group: int) -> bool:
+              group: int, hold_steps: int = 1) -> bool:
     """Whether the `held` requests (> 0) go to the Engine before its next step: always when
     `group` (D) is 0, nothing is `running` (no decode cycle to wait behind), the next step is
     a prefill / mixed one anyway (`mixed_anyway`: the Engine has requests waiting or
-    prefilling), the oldest has `waited_steps` >= 1, or `held` >= ceil(running / D); else
-    they wait one decode step for more to join them."""
+    prefilling), the oldest has `waited_steps` >= `hold_steps` (>= 1), or `held` >=
+    ceil(running / D); else they wait another decode step for more to join them."""
     if group < 0:
         raise ValueError(f"admission_group: expected an int >= 0, got {group}")
-    return (group == 0 or running == 0 or mixed_anyway or waited_steps >= 1
+    if hold_steps < 1:
+        raise ValueError(f"hold_steps: expected an int >= 1, got {hold_steps}")
+    return (group == 0 or running == 0 or mixed_anyway or waited_steps >= hold_steps
             or held >= -(-running // group))
 
 
@@ -260,6 +268,17 @@ class EngineCore:
         self.steps_folded = 0
         self.dirty = True  # the state changed since it was last sent
         self.times = CoreTimes(os.environ.get(CORE_TIMES_ENV))
+        self.step_cost: dict[str, float | None] = {"mixed": None, "decode": None}
+        """Running means (`STEP_COST_EMA`) of the mixed and decode steps' seconds here."""
+
+    @property
+    def hold_steps(self) -> int:
+        """How many decode steps a held request waits at most (`admit_now`): one mixed step's
+        time in decode steps, rounded, within [1, MAX_HOLD_STEPS]; 1 until both are measured."""
+        mixed, decode = self.step_cost["mixed"], self.step_cost["decode"]
+        if not mixed or not decode:
+            return 1
+        return max(1, min(MAX_HOLD_STEPS, round(mixed / decode)))
 
     def key(self, peer: Peer, rid: int) -> int:
         """The core's key of `peer`'s request `rid` (its rid when there is one peer)."""
@@ -301,7 +320,10 @@ class EngineCore:
                 "step_decode"
             self._step()
             tm.counts["steps_" + part[5:]] += 1
-            t = tm.add(part, t)
+            t0, t = t, tm.add(part, t)
+            last = self.step_cost[part[5:]]
+            self.step_cost[part[5:]] = t - t0 if last is None else (
+                last + STEP_COST_EMA * (t - t0 - last))
         self._collect()
         t = tm.add("collect", t)
         self._fold()
@@ -374,7 +396,8 @@ class EngineCore:
         e = self.engine
         waited = self.steps - next(iter(self.held.values()))[3]
         if not admit_now(len(self.held), waited, len(e.running), bool(e.waiting),
-                         self.admission_group) and not any(r.prefilling for r in e.running):
+                         self.admission_group, self.hold_steps) \
+                and not any(r.prefilling for r in e.running):
             return  # (a prefilling request: mixed anyway; looked for only when it decides)
         held, self.held = self.held, {}
         for key, (prompt, fields, seed_stream, _) in held.items():
