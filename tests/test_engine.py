@@ -177,8 +177,10 @@ def test_back_pressure_queues_and_rejects_impossible():
     eng = Engine(target, cfg, head)
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request([1] * 100, SamplingParams(max_new_tokens=50))  # can never fit
-    with pytest.raises(ValueError, match="prompt"):
-        eng.add_request([TARGET.vocab_size], SamplingParams())
+    for bad in ([TARGET.vocab_size], [], [3, -1, 4], [3, 1.0], [3, "4"], [2] * 50 + [None]):
+        with pytest.raises(ValueError, match=r"prompt: expected a non-empty list of token ids"):
+            eng.add_request(bad, SamplingParams())
+    assert not eng.waiting  # nothing queued by the rejected calls
     ps = prompts(4, 6, lo=10, hi=20)
     expected = target_only(target, runtime(), ps, 12)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12)) for p in ps]

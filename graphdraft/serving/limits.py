@@ -52,7 +52,7 @@ class EngineLimits:
         """ValueError naming the argument when `prompt` / `params` can never be served
         (`StopTableFullError`, a ValueError, for too many stop ids)."""
         vocab = self.vocab_size
-        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if not prompt or not _token_ids(prompt, vocab):
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
         bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
         if bad_bias:
@@ -76,3 +76,11 @@ class EngineLimits:
         pages = -(-need // self.page_size)
         if pages > self.pool_pages:
             raise ValueError(f"prompt: needs {pages} KV pages, the pool has {self.pool_pages}")
+
+
+def _token_ids(ids: list[int], vocab: int) -> bool:
+    """Whether every element of the non-empty `ids` is an int in [0, vocab) (C-level passes:
+    this runs for every prompt at admission)."""
+    if set(map(type, ids)) != {int}:  # bools, int subclasses, anything else: one by one
+        return all(isinstance(t, int) and 0 <= t < vocab for t in ids)
+    return min(ids) >= 0 and max(ids) < vocab
