@@ -31,6 +31,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `tree_load_rows`, `tree_store_rows` | `kernels/tree_slots.py` (`load_rows_ref`, `store_rows_ref`) |
 | `tree_move_accepted_kv` | `kernels/tree_kv_move.py` (`move_accepted_kv_all`; torch: `kv_move`'s ref) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
+| `admit_slot_rows` | `kernels/slot_admit.py` (`admit_rows_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
@@ -68,6 +69,7 @@ from graphdraft.kernels import (
     tree_build,
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
+from graphdraft.kernels import slot_admit as slot_admit_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels import tree_beams as tree_beams_kernel
 from graphdraft.kernels import tree_first_inputs as tree_first_inputs_kernel
@@ -80,7 +82,8 @@ from graphdraft.kernels.fused_inputs import SplitK
 from graphdraft.kernels.rope import rope_cos_sin_cache
 
 __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
-           "advance_positions_and_seq_lens", "apply_act", "apply_draft_logit_controls",
+           "admit_slot_rows", "advance_positions_and_seq_lens", "apply_act",
+           "apply_draft_logit_controls",
            "apply_logit_controls",
            "argmax_with_map", "build_tree", "commit_pack", "count_tokens",
            "decode_draft_indices", "gather_accepted_hidden", "linear",
@@ -618,6 +621,21 @@ def tree_load_rows(slot_rows: torch.Tensor, done: torch.Tensor, vcl: torch.Tenso
         tree_slots_kernel.load_rows(*args, kernels=kc, **io)
     else:
         tree_slots_kernel.load_rows_ref(*args, **io)
+
+
+def admit_slot_rows(tables, slots: torch.Tensor, stop: torch.Tensor, counted: torch.Tensor,
+                    counted_off: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor,
+                    bias_len: torch.Tensor, columns=(), *,
+                    kernels: KernelConfig | None = None) -> None:
+    """Admitted requests' rows of the `SlotState` tables (`tables` by name) at `slots [m]`:
+    state reset, stop ids, prompt flags, logit bias, sampling `columns`
+    (`graphdraft.kernels.slot_admit`; one launch on the Triton path)."""
+    kc = _kc(kernels)
+    args = (tables, slots, stop, counted, counted_off, bias_ids, bias_values, bias_len, columns)
+    if kc.use_triton:
+        slot_admit_kernel.admit_rows(*args, kernels=kc)
+    else:
+        slot_admit_kernel.admit_rows_ref(*args)
 
 
 def tree_store_rows(rows, req: torch.Tensor, tables, *,

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphdraft.kernels.logit_controls import PROMPT_FLAG
+from graphdraft import ops
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.staging import HostStaging
 from graphdraft.sampling import COLUMNS, MAX_LOGIT_BIAS
 
@@ -63,9 +64,11 @@ class SlotState:
     the instance dict holds the tables only (`vars(slots)`); the host-side members (the
     staging ring, pending admissions / releases) are slots."""
 
-    __slots__ = ("__dict__", "staging", "_admitting", "_releasing", "_batch_releases")
+    __slots__ = ("__dict__", "staging", "kernels", "_admitting", "_releasing",
+                 "_batch_releases")
 
-    def __init__(self, tables: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tables: dict[str, torch.Tensor], *,
+                 kernels: KernelConfig | None = None) -> None:
         want = set(_STATE_TABLES) | {c.name for c in COLUMNS}
         if set(tables) != want:
             raise ValueError(f"tables: expected {sorted(want)}, got {sorted(tables)}")
@@ -74,15 +77,19 @@ class SlotState:
         self.staging = HostStaging(self.done.device)
         """The pinned ring the host writes these tables through (the Engine's other small
         host -> device copies share it)."""
+        self.kernels = kernels
+        """The admission's op path (`ops.admit_slot_rows`; None: the default config)."""
         self._admitting: list[_Admission] | None = None  # inside `admitting()`
         self._releasing: list[int] = []
         self._batch_releases = False  # inside `releasing()`
 
     @classmethod
     def allocate(cls, num_slots: int, steps: int, stop_width: int,
-                 device: str | torch.device, *, vocab: int = 0) -> SlotState:
+                 device: str | torch.device, *, vocab: int = 0,
+                 kernels: KernelConfig | None = None) -> SlotState:
         """The tables for `num_slots` slots; `vocab`: token_counts' width (the target's vocab;
-        0: no counts, for callers that never apply the logit controls)."""
+        0: no counts, for callers that never apply the logit controls); `kernels`: the
+        admission's op path (None: the default config)."""
         def z(shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
         tables = dict(last_token=z(num_slots, torch.int64), drafts=z((num_slots, steps), torch.int64),
@@ -96,7 +103,7 @@ class SlotState:
                       bias_len=z(num_slots, torch.int32))
         for c in COLUMNS:
             tables[c.name] = torch.full((num_slots,), c.neutral, dtype=c.dtype, device=device)
-        return cls(tables)
+        return cls(tables, kernels=kernels)
 
     def tables(self) -> dict[str, torch.Tensor]:
         """Every table by name (state tables first, then the sampling columns)."""
@@ -161,45 +168,42 @@ class SlotState:
         if len(logit_bias) > self.bias_ids.shape[1]:
             raise ValueError(f"logit_bias: expected at most {self.bias_ids.shape[1]} entries, "
                              f"got {len(logit_bias)}")
-        for name, ids in (("prompt", list(prompt)), ("logit_bias", [t for t, _ in logit_bias])):
-            if ids and v and not all(0 <= t < v for t in ids):
-                raise ValueError(f"{name}: expected token ids in [0, {v}), got "
-                                 f"{[t for t in ids if not 0 <= t < v][:4]}")
+        for name, ids in (("prompt", prompt), ("logit_bias", [t for t, _ in logit_bias])):
+            bad = _outside(ids, v) if v and len(ids) else []
+            if bad:
+                raise ValueError(f"{name}: expected token ids in [0, {v}), got {bad}")
         if logit_bias and not v:
             raise ValueError("logit_bias: expected none on slot tables without token counts "
                              "(SlotState.allocate(vocab=0))")
 
     def _write_admissions(self, rows: list[_Admission]) -> None:
         """The admitted rows' tables (validated by `admit`): one staging copy of every host
-        value, then one indexed write per table."""
+        value, then `ops.admit_slot_rows` (one launch on the Triton path)."""
         m, w, v, nb_max = len(rows), self.stop_width, self.vocab, self.bias_ids.shape[1]
         slots = np.fromiter((r.slot for r in rows), np.int64, m)
         stop = np.full((m, w), -1, dtype=np.int64)
+        bias_ids = np.full((m, nb_max), -1, dtype=np.int32)
+        bias_values = np.zeros((m, nb_max), dtype=np.float32)
         for i, r in enumerate(rows):
             stop[i, : len(r.stop_ids)] = r.stop_ids
+            if r.logit_bias:
+                bias_ids[i, : len(r.logit_bias)] = [t for t, _ in r.logit_bias]
+                bias_values[i, : len(r.logit_bias)] = [b for _, b in r.logit_bias]
         counted = [np.asarray(r.prompt, dtype=np.int64) + r.slot * v for r in rows if len(r.prompt)]
-        bias_at = [r.slot * nb_max + j for r in rows for j in range(len(r.logit_bias))]
+        counted_off = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum([len(r.prompt) for r in rows], out=counted_off[1:])
         dev = self.staging.pack(
             (slots, torch.int64), (stop.reshape(-1), torch.int64),
-            (np.concatenate(counted) if counted else (), torch.int64), (bias_at, torch.int64),
-            ([t for r in rows for t, _ in r.logit_bias], torch.int32),
-            ([b for r in rows for _, b in r.logit_bias], torch.float32),
+            (np.concatenate(counted) if counted else (), torch.int64), (counted_off, torch.int64),
+            (bias_ids.reshape(-1), torch.int32), (bias_values.reshape(-1), torch.float32),
             ([len(r.logit_bias) for r in rows], torch.int32),
             *(([r.columns[c.name] for r in rows], c.dtype) for c in COLUMNS))
-        idx, stop_d, counted_d, bias_at_d, bias_ids, bias_values, bias_len = dev[:7]
-        for t in (self.last_token, self.drafts, self.emitted, self.done, self.token_counts):
-            t.index_fill_(0, idx, 0)
-        self.stop_ids.index_copy_(0, idx, stop_d.view(m, w))
-        for c, col in zip(COLUMNS, dev[7:], strict=True):
-            getattr(self, c.name).index_copy_(0, idx, col)
-        if counted_d.numel():
-            self.token_counts.view(-1).index_fill_(0, counted_d, PROMPT_FLAG)
-        self.bias_ids.index_fill_(0, idx, -1)
-        self.bias_values.index_fill_(0, idx, 0.0)
-        if bias_at_d.numel():
-            self.bias_ids.view(-1).index_copy_(0, bias_at_d, bias_ids)
-            self.bias_values.view(-1).index_copy_(0, bias_at_d, bias_values)
-        self.bias_len.index_copy_(0, idx, bias_len)
+        idx, stop_d, counted_d, off_d, bias_ids_d, bias_values_d, bias_len_d = dev[:7]
+        tables = {name: getattr(self, name) for name in _STATE_TABLES}
+        columns = [(getattr(self, c.name), col) for c, col in zip(COLUMNS, dev[7:], strict=True)]
+        ops.admit_slot_rows(tables, idx, stop_d.view(m, w), counted_d, off_d,
+                            bias_ids_d.view(m, nb_max), bias_values_d.view(m, nb_max), bias_len_d,
+                            columns, kernels=self.kernels)
 
     def release(self, slot: int) -> None:
         """Neutral row again (done, no stop, neutral sampling columns): a stale row is inert.
@@ -244,6 +248,15 @@ class SlotState:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables().values())
 
+
+
+def _outside(ids: Sequence[int], v: int) -> list[int]:
+    """The first (at most 4) of `ids` outside [0, v), in order: vectorised for an integer
+    sequence, element by element for anything numpy does not read as one."""
+    arr = np.asarray(ids)
+    if arr.ndim == 1 and arr.dtype.kind in "iu":
+        return arr[(arr < 0) | (arr >= v)][:4].tolist()
+    return [t for t in ids if not 0 <= t < v][:4]
 
 
 @dataclass

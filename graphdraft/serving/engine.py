@@ -113,10 +113,9 @@ def _check_model(name: str, model: torch.nn.Module, cfg: RuntimeConfig,
     if param.dtype != cfg.torch_dtype or model.dtype != cfg.torch_dtype:
         raise ValueError(f"{name}: expected dtype {cfg.torch_dtype} (RuntimeConfig.dtype), "
                          f"got {param.dtype}")
-    param_device = param.device
-    if param_device.type != device.type:
+    if param.device.type != device.type:
         raise ValueError(f"{name}: expected parameters on {device} (RuntimeConfig.device), "
-                         f"got {param_device}")
+                         f"got {param.device}")
 
 
 @dataclass
@@ -171,7 +170,8 @@ class Engine:
                          tc.num_key_value_heads, tc.head_dim, target.dtype, self.device)
         self.inputs, self.states = InputBuffers.allocate(cfg), RuntimeStates.allocate(cfg)
         self.slots = SlotState.allocate(cfg.max_running_requests + 1, cfg.speculative_num_steps,
-                                        cfg.stop_table_width, self.device, vocab=tc.vocab_size)
+                                        cfg.stop_table_width, self.device, vocab=tc.vocab_size,
+                                        kernels=cfg.kernels)
         n_row = 1 if head is None and drafter is None else (
             self.tree_spec.n if self.tree_spec is not None else cfg.spec_num_tokens)
         self.cycle = CycleBuffers.allocate(cfg, n_row)
