@@ -23,7 +23,7 @@ ratio of the two step times the core measured, 1 to MAX_HOLD_STEPS; 1 before bot
 measured), or at once when nothing runs or the next step is a prefill / mixed step anyway
 (`admit_now`). So a held request waits at most about one mixed step's time (the cost that
 admitting it alone would put on every running request), and trickling arrivals share one
-mixed step. D = 0 (the default): every request goes to the Engine at once.
+mixed step. D = 0: every request goes to the Engine at once (the default is 8).
 
 An output is (rid, new ids, finish reason or None, the ids' (logprob, top) pairs or None,
 the prompt's scores or None): a request that asked `prompt_logprobs` gets its prompt's
@@ -84,9 +84,11 @@ from typing import Any
 from graphdraft.serving.openai_api.wire import FrameReader, Outbox, PeerGone, encode
 from graphdraft.serving.verify import SamplingParams
 
-ADMISSION_GROUP_DEFAULT = 0
-"""`EngineCoreSpec.admission_group`'s default (`admit_now`): off until a GPU run shows the hold
-pays (perf/RESULTS.md, 2026-12-06e)."""
+ADMISSION_GROUP_DEFAULT = 8
+"""`EngineCoreSpec.admission_group`'s default (`admit_now`): with at most 8 running, nothing is
+held; above, up to ceil(running / 8) arrivals share one mixed step. Chosen from an A/B on one
+H100 (perf/RESULTS.md, 2026-12-07c: c = 128 served 1.23x (one HTTP process) and 1.31x (four)
+the tokens/s of D = 0)."""
 MAX_HOLD_STEPS = 8
 """The most decode steps a held request waits (`EngineCore.hold_steps`)."""
 STEP_COST_EMA = 0.2
