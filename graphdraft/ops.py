@@ -32,6 +32,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `tree_move_accepted_kv` | `kernels/tree_kv_move.py` (`move_accepted_kv_all`; torch: `kv_move`'s ref) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
 | `admit_slot_rows` | `kernels/slot_admit.py` (`admit_rows_ref`) |
+| `copy_segments` | `kernels/copy_segments.py` (`copy_segments_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
@@ -69,6 +70,7 @@ from graphdraft.kernels import (
     tree_build,
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
+from graphdraft.kernels import copy_segments as copy_segments_kernel
 from graphdraft.kernels import slot_admit as slot_admit_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels import tree_beams as tree_beams_kernel
@@ -85,7 +87,7 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "admit_slot_rows", "advance_positions_and_seq_lens", "apply_act",
            "apply_draft_logit_controls",
            "apply_logit_controls",
-           "argmax_with_map", "build_tree", "commit_pack", "count_tokens",
+           "argmax_with_map", "build_tree", "commit_pack", "copy_segments", "count_tokens",
            "decode_draft_indices", "gather_accepted_hidden", "linear",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
@@ -636,6 +638,15 @@ def admit_slot_rows(tables, slots: torch.Tensor, stop: torch.Tensor, counted: to
         slot_admit_kernel.admit_rows(*args, kernels=kc)
     else:
         slot_admit_kernel.admit_rows_ref(*args)
+
+
+def copy_segments(pairs, *, kernels: KernelConfig | None = None) -> None:
+    """`dst[:len(src)] = src` for each `(dst, src)` of `pairs` (1-D, up to 8;
+    `graphdraft.kernels.copy_segments`; one launch on the Triton path)."""
+    if _kc(kernels).use_triton:
+        copy_segments_kernel.copy_segments(pairs, kernels=_kc(kernels))
+    else:
+        copy_segments_kernel.copy_segments_ref(pairs)
 
 
 def tree_store_rows(rows, req: torch.Tensor, tables, *,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphdraft import ops
+from graphdraft.kernels.config import KernelConfig
 from graphdraft.runtime.staging import HostStaging
 
 
@@ -94,13 +96,15 @@ class BatchRow:
 
 
 def write_batch(buffers, page_table, rows: list[BatchRow], *,
-                staging: HostStaging | None = None) -> ForwardContext:
+                staging: HostStaging | None = None,
+                kernels: KernelConfig | None = None) -> ForwardContext:
     """Fill `InputBuffers` for `rows` (prefill rows must come first); returns the context.
 
     Slots are computed on the host (vectorised) from the page table's host-side page lists,
-    then copied in one stream-ordered transfer per buffer through `staging` (a pinned ring:
-    no host sync; None: a pinned copy per buffer). Every row's positions must already be
-    reserved."""
+    then copied through `staging` (a pinned ring: no host sync): with `kernels` on the
+    Triton path every buffer's values in one stream-ordered transfer, scattered into the
+    buffers by one `ops.copy_segments` launch; else one transfer per buffer (`staging`
+    None: a pinned copy per buffer). Every row's positions must already be reserved."""
     num_extends = sum(r.is_prefill for r in rows)
     if any(r.is_prefill for r in rows[num_extends:]):
         raise ValueError("rows: expected prefill rows before decode rows")
@@ -131,14 +135,18 @@ def write_batch(buffers, page_table, rows: list[BatchRow], *,
     shifted = list(itertools.chain.from_iterable(
         r.next_ids if r.next_ids is not None else [-1] * len(r.input_ids)
         for r in rows[:num_extends]))
-    put = staging.copy_into if staging is not None else _pinned_copy
-    put(buffers.input_ids, ids)
-    put(buffers.positions, positions)
-    put(buffers.out_cache_loc, locs)
-    put(buffers.shifted_prefill_ids, shifted)
-    put(buffers.seq_lens, starts + lens)
-    put(buffers.req_pool_indices, [r.slot for r in rows])
-    put(buffers.extend_lens, lens)
+    values = [(buffers.input_ids, ids), (buffers.positions, positions),
+              (buffers.out_cache_loc, locs), (buffers.shifted_prefill_ids, shifted),
+              (buffers.seq_lens, starts + lens), (buffers.req_pool_indices, [r.slot for r in rows]),
+              (buffers.extend_lens, lens)]
+    if staging is not None and kernels is not None and kernels.use_triton:
+        staged = staging.pack(*((v, dst.dtype) for dst, v in values))
+        ops.copy_segments([(dst, src) for (dst, _), src in zip(values, staged, strict=True)],
+                          kernels=kernels)
+    else:
+        put = staging.copy_into if staging is not None else _pinned_copy
+        for dst, v in values:
+            put(dst, v)
     mid_chunk = num_extends == bs and all(
         r.next_ids is not None and r.next_ids[-1] >= 0 for r in rows)
     return ForwardContext(bs=bs, num_extends=num_extends, input_num_tokens=t,

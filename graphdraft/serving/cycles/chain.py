@@ -229,7 +229,8 @@ class ChainMode(DecodeMode):
             return
         bs = ne + nd
         ib, cb = p.inputs, p.cycle
-        npt = write_batch(ib, p.pages, rows, staging=p.slots.staging).input_num_tokens
+        npt = write_batch(ib, p.pages, rows, staging=p.slots.staging,
+                          kernels=p.cfg.kernels).input_num_tokens
         p.stage_rows([r.slot for r in preqs] + [r.slot for r in dreqs])
         if nd:
             self.prepare(ne, npt, nd, n)
