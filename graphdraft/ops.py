@@ -33,6 +33,7 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
 | `admit_slot_rows` | `kernels/slot_admit.py` (`admit_rows_ref`) |
 | `copy_segments` | `kernels/copy_segments.py` (`copy_segments_ref`) |
+| `mixed_draft_inputs` | `kernels/mixed_draft_inputs.py` (`mixed_draft_inputs_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
@@ -71,6 +72,7 @@ from graphdraft.kernels import (
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
 from graphdraft.kernels import copy_segments as copy_segments_kernel
+from graphdraft.kernels import mixed_draft_inputs as mixed_draft_inputs_kernel
 from graphdraft.kernels import slot_admit as slot_admit_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels import tree_beams as tree_beams_kernel
@@ -89,7 +91,8 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "apply_logit_controls",
            "argmax_with_map", "build_tree", "commit_pack", "copy_segments", "count_tokens",
            "decode_draft_indices", "gather_accepted_hidden", "linear",
-           "linear_argmax", "linear_partials", "linear_residual_rms_norm", "move_accepted_kv",
+           "linear_argmax", "linear_partials", "linear_residual_rms_norm", "mixed_draft_inputs",
+           "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
            "rms_norm", "rms_norm_cat", "rope_and_store_kv", "rope_and_store_qkv",
            "rope_cos_sin_cache", "stage_decode_inputs", "token_logprobs", "tree_accept",
@@ -647,6 +650,20 @@ def copy_segments(pairs, *, kernels: KernelConfig | None = None) -> None:
         copy_segments_kernel.copy_segments(pairs, kernels=_kc(kernels))
     else:
         copy_segments_kernel.copy_segments_ref(pairs)
+
+
+def mixed_draft_inputs(ne: int, nd: int, n: int, npt: int, rows: int, tokens: int,
+                       shifted: torch.Tensor, extend_lens: torch.Tensor,
+                       output_tokens: torch.Tensor, accept: torch.Tensor, *,
+                       kernels: KernelConfig | None = None, **out) -> None:
+    """A prefill / mixed batch's first draft step inputs (ids, accept lengths, row kinds,
+    padding, accepted tokens; `out`: ids, accept_out, row_kind, accepted, kinds, pad_id),
+    `graphdraft.kernels.mixed_draft_inputs`; one launch on the Triton path."""
+    args = (ne, nd, n, npt, rows, tokens, shifted, extend_lens, output_tokens, accept)
+    if _kc(kernels).use_triton:
+        mixed_draft_inputs_kernel.mixed_draft_inputs(*args, kernels=_kc(kernels), **out)
+    else:
+        mixed_draft_inputs_kernel.mixed_draft_inputs_ref(*args, **out)
 
 
 def tree_store_rows(rows, req: torch.Tensor, tables, *,

@@ -233,28 +233,21 @@ class EagleDrafter:
     # ------------------------------------------------------------------
     def _mixed_first(self, ctx: ForwardContext, hidden: torch.Tensor,
                      bucket: tuple[int, int] | None) -> None:
-        """Stage the rows' kinds and run the first step of a prefill / mixed batch (`bs` rows,
-        `t` tokens, `hidden [t, kH]`). `bucket` None: `_mixed_first_step(bs, t, hidden)`.
-        `bucket` (R, Tb) (`draft_mixed_padded`): tokens [t, Tb) id 0 (their positions and KV
-        slots are `InputBuffers`' neutral tokens, as the target's padded forward left them:
-        the dummy slot), rows [bs, R) neutral `InputBuffers` rows of kind `ROW_PAD`, the
-        hidden states `mixed_hidden[:Tb]`; `mixed_graphs[Tb]` replayed at R, or (graphs off,
-        none captured) the same `_mixed_first_step(R, Tb)` eagerly."""
-        b = self.bufs
-        bs, ne, t = ctx.bs, ctx.num_extends, ctx.input_num_tokens
-        if ne:
-            b.row_kind[:ne].fill_(ROW_PREFILL)
-        if ne < bs:
-            b.row_kind[ne:bs].fill_(ROW_DECODE)
+        """Run the first step of a prefill / mixed batch (`bs` rows, `t` tokens, `hidden
+        [t, kH]`; its rows' kinds and ids staged by `_prepare_mixed_ids`). `bucket` None:
+        `_mixed_first_step(bs, t, hidden)`. `bucket` (R, Tb) (`draft_mixed_padded`): tokens
+        [t, Tb) id 0 (staged; their positions and KV slots are `InputBuffers`' neutral
+        tokens, as the target's padded forward left them: the dummy slot), rows [bs, R)
+        neutral `InputBuffers` rows of kind `ROW_PAD` (the kind staged), the hidden states
+        `mixed_hidden[:Tb]`; `mixed_graphs[Tb]` replayed at R, or (graphs off, none
+        captured) the same `_mixed_first_step(R, Tb)` eagerly."""
+        bs, t = ctx.bs, ctx.input_num_tokens
         if bucket is None:
             self._mixed_first_step(bs, t, hidden)
             return
         rows, tokens = bucket
         if rows > bs:
-            b.row_kind[bs:rows].fill_(ROW_PAD)
             self.inputs.pad_rows(bs, rows)
-        if tokens > t:
-            b.first_input_ids[t:tokens].fill_(NEUTRAL_DRAFT_TOKEN["first_input_ids"])
         fwd = self.mixed_graphs.get(tokens)
         if fwd is not None:
             fwd.run(rows, padded_bs=rows)
@@ -605,10 +598,7 @@ class EagleDrafter:
                     input_ids=ib.input_ids, positions=ib.positions, out_cache_loc=ib.out_cache_loc,
                     kernels=self.cfg.kernels)
             else:
-                b.accept_lengths[:bs].copy_(accept_lengths)
-                self._prepare_mixed_ids(ctx, output_tokens)
-                if self.controls is not None:
-                    self._stage_mixed_accepted(ctx, output_tokens)
+                self._prepare_mixed_ids(ctx, output_tokens, accept_lengths, bucket)
             if mode == "deferred" and device_checks:
                 self._device_checks(ctx)
 
@@ -636,25 +626,24 @@ class EagleDrafter:
         out = self.bufs.next_tokens[:bs]
         return out.clone() if copy else out
 
-    def _stage_mixed_accepted(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
-        """`mixed_accepted[:bs]` from a prefill / mixed step's `output_tokens` (a prefill
-        row's first token into column 0, a decode row's N tokens), read with
-        `accept_lengths` by the draft controls (`_accepted`)."""
-        ne, nd, n = ctx.num_extends, ctx.num_decodes, self.N
-        acc = self.mixed_accepted
-        acc[:ne, 0].copy_(output_tokens[:ne])
-        if nd:
-            acc[ne: ne + nd].copy_(output_tokens[ne: ne + nd * n].view(nd, n))
-
-    def _prepare_mixed_ids(self, ctx: ForwardContext, output_tokens: torch.Tensor) -> None:
-        """First-step ids of a prefill/mixed batch: shifted prompt ids, then decode rows' outputs."""
-        ne, n = ctx.num_extends, self.N
-        npt = ctx.input_num_tokens - ctx.num_decodes * n
-        ids = self.bufs.first_input_ids[: ctx.input_num_tokens]
-        ids[:npt].copy_(self.inputs.shifted_prefill_ids[:npt])
-        last = torch.cumsum(self.inputs.extend_lens[:ne].long(), 0) - 1
-        ids[last] = torch.where(ids[last] < 0, output_tokens[:ne].long(), ids[last])
-        ids[npt:].copy_(output_tokens[ne:])
+    def _prepare_mixed_ids(self, ctx: ForwardContext, output_tokens: torch.Tensor,
+                           accept_lengths: torch.Tensor, bucket: tuple[int, int] | None) -> None:
+        """A prefill / mixed batch's first-step inputs (`ops.mixed_draft_inputs`, one launch on
+        the Triton path): `first_input_ids` (shifted prompt ids, a final chunk's last one its
+        output token, then the decode rows' outputs; tokens up to the `bucket`'s Tb id 0),
+        `accept_lengths[:bs]`, `row_kind` (prefill, decode, then `ROW_PAD` up to the bucket's
+        R) and, with draft controls, `mixed_accepted` (a prefill row's first token into
+        column 0, a decode row's N tokens), read with `accept_lengths` by `_accepted`."""
+        ne, nd, n, b = ctx.num_extends, ctx.num_decodes, self.N, self.bufs
+        t = ctx.input_num_tokens
+        rows, tokens = bucket if bucket is not None else (ctx.bs, t)
+        ops.mixed_draft_inputs(
+            ne, nd, n, t - nd * n, rows, tokens, self.inputs.shifted_prefill_ids,
+            self.inputs.extend_lens, output_tokens.contiguous(), accept_lengths.contiguous(),
+            ids=b.first_input_ids, accept_out=b.accept_lengths, row_kind=b.row_kind,
+            accepted=self.mixed_accepted if self.controls is not None else None,
+            kinds=(ROW_PREFILL, ROW_DECODE, ROW_PAD),
+            pad_id=NEUTRAL_DRAFT_TOKEN["first_input_ids"], kernels=self.cfg.kernels)
 
     # ------------------------------------------------------------------
     # Validation. RuntimeConfig.validation: "sync" runs `validate` (host syncs, immediate
