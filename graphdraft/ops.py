@@ -644,7 +644,7 @@ def admit_slot_rows(tables, slots: torch.Tensor, stop: torch.Tensor, counted: to
 
 
 def copy_segments(pairs, *, kernels: KernelConfig | None = None) -> None:
-    """`dst[:len(src)] = src` for each `(dst, src)` of `pairs` (1-D, up to 8;
+    """`dst[:len(src)] = src` for each `(dst, src)` of `pairs` (1-D, up to 12;
     `graphdraft.kernels.copy_segments`; one launch on the Triton path)."""
     if _kc(kernels).use_triton:
         copy_segments_kernel.copy_segments(pairs, kernels=_kc(kernels))

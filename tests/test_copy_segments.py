@@ -22,7 +22,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
 DTYPES = (torch.int64, torch.int32, torch.float32, torch.int64, torch.int32, torch.int64,
-          torch.int64, torch.float32)
+          torch.int64, torch.float32, torch.int32, torch.int64, torch.int64, torch.int32)
 
 
 def _pairs(g, lens, dst_len=2100):
@@ -50,7 +50,7 @@ def test_ref_is_the_rule():
 
 @needs_triton
 @pytest.mark.parametrize("lens", [[1], [7, 0, 3], [0, 0], [2100, 1, 1025, 0, 64, 3, 1024, 9],
-                                  [3, 5, 0, 2, 1, 1, 4]])
+                                  [3, 5, 0, 2, 1, 1, 4], [4, 1, 0, 2, 9, 1, 3, 5, 1, 7, 0, 6]])
 def test_kernel_matches_ref(lens):
     g = torch.Generator().manual_seed(len(lens) * 31 + sum(lens))
     pairs = _pairs(g, lens)

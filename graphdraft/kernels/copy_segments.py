@@ -9,7 +9,7 @@ destinations must not overlap each other or any source.
 `copy_segments_ref` (torch: one copy per pair) is the torch path and the kernel's oracle;
 `copy_segments` (Triton) writes the same values in one launch whatever the lengths (they
 are runtime values, not specialised on, nor the sources' alignment: one compiled variant
-per number of pairs and dtype signature).
+per number of pairs and dtype signature, the destinations' offsets included).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from graphdraft.kernels.config import KernelConfig
 
 __all__ = ["MAX_PAIRS", "copy_segments", "copy_segments_ref"]
 
-MAX_PAIRS = 8
+MAX_PAIRS = 12
 _BLOCK = 1024
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -62,13 +62,14 @@ def _copy(dst_ptr, src_ptr, n, at):
     tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=mask), mask=mask)
 
 
-_RUNTIME = ["n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"]
+_IDS = range(MAX_PAIRS)
 
 
-@triton.jit(do_not_specialize=_RUNTIME,
-            do_not_specialize_on_alignment=["s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7"])
-def _segments_kernel(d0, d1, d2, d3, d4, d5, d6, d7, s0, s1, s2, s3, s4, s5, s6, s7,
-                     n0, n1, n2, n3, n4, n5, n6, n7,
+@triton.jit(do_not_specialize=[f"n{i}" for i in _IDS],  # views at any offset: one variant
+            do_not_specialize_on_alignment=[f"{c}{i}" for c in "ds" for i in _IDS])
+def _segments_kernel(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11,
+                     s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11,
+                     n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11,
                      NPAIR: tl.constexpr, BLOCK: tl.constexpr):
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if NPAIR > 0:
@@ -87,6 +88,14 @@ def _segments_kernel(d0, d1, d2, d3, d4, d5, d6, d7, s0, s1, s2, s3, s4, s5, s6,
         _copy(d6, s6, n6, at)
     if NPAIR > 7:
         _copy(d7, s7, n7, at)
+    if NPAIR > 8:
+        _copy(d8, s8, n8, at)
+    if NPAIR > 9:
+        _copy(d9, s9, n9, at)
+    if NPAIR > 10:
+        _copy(d10, s10, n10, at)
+    if NPAIR > 11:
+        _copy(d11, s11, n11, at)
 
 
 def copy_segments(pairs: Pairs, *, kernels: KernelConfig | None = None) -> None:
