@@ -1,7 +1,8 @@
 """The mixed step's fused host-to-device set-up, end to end: an Engine on the Triton path
 (`write_batch` and the padded target forward through `ops.copy_segments`, the admission
-through `ops.admit_slot_rows`, the draft's set-up through `ops.mixed_draft_inputs`) equals
-the same Engine with those three ops on their torch references, bit for bit on every state
+through `ops.admit_slot_rows`, the draft's set-up through `ops.mixed_draft_inputs`, its
+padded rows through `ops.fill_segments`) equals the same Engine with those ops on their
+torch references, bit for bit on every state
 tensor after every step (every other kernel the same on both: TRITON_INTERPRET=1 on the CPU),
 through joins while others decode, the padded target forward and padded draft on, sampled
 under penalties and logit_bias (the draft controls' accepted tokens)."""
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import copy_segments, mixed_draft_inputs, slot_admit
+from graphdraft.kernels import copy_segments, fill_segments, mixed_draft_inputs, slot_admit
 from graphdraft.serving.engine import Engine
 from tests.engine_harness import make_models, runtime
 from tests.test_mixed_draft_graphs import PARAMS, _padded
@@ -26,6 +27,7 @@ from tests.test_mixed_graphs import _state
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED = ("copy_segments", "fill_segments", "admit_slot_rows", "mixed_draft_inputs")
 
 
 def _ref(fn):
@@ -36,10 +38,10 @@ def _ref(fn):
 
 @contextlib.contextmanager
 def _torch_references():
-    """The three fused ops on their torch paths for the block."""
-    saved = {n: getattr(ops, n) for n in ("copy_segments", "admit_slot_rows",
-                                          "mixed_draft_inputs")}
+    """The fused ops on their torch paths for the block."""
+    saved = {n: getattr(ops, n) for n in FUSED}
     ops.copy_segments = _ref(copy_segments.copy_segments_ref)
+    ops.fill_segments = _ref(fill_segments.fill_segments_ref)
     ops.admit_slot_rows = _ref(slot_admit.admit_rows_ref)
     ops.mixed_draft_inputs = _ref(mixed_draft_inputs.mixed_draft_inputs_ref)
     try:
@@ -64,7 +66,7 @@ def test_fused_mixed_step_set_up_equals_the_torch_references(monkeypatch):
     engines = [Engine(target, cfg, head, seed=7) for _ in range(2)]
     seen = [_padded(e, draft=True) for e in engines]
     calls = collections.Counter()
-    for name in ("copy_segments", "admit_slot_rows", "mixed_draft_inputs"):
+    for name in FUSED:
         monkeypatch.setattr(ops, name, _counted(calls, name, getattr(ops, name)))
     reqs, step = [[], []], 0
     while step in JOINS or any(e.has_work for e in engines):
@@ -82,6 +84,7 @@ def test_fused_mixed_step_set_up_equals_the_torch_references(monkeypatch):
     assert any(tb > t for _, _, t, _, tb in seen[0]) and any(bs > ne for bs, ne, *_ in seen[0])
     assert calls["admit_slot_rows"] >= 2 and calls["mixed_draft_inputs"] == len(seen[0])
     assert calls["copy_segments"] >= 2 * len(seen[0])  # write_batch and the padded forward
+    assert calls["fill_segments"] >= 1  # padded rows of the draft
 
 
 def _counted(calls, name, fn):
