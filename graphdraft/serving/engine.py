@@ -783,7 +783,7 @@ class Engine:
         data = wire[:, : n + 3].tolist()
         if step.prompt_scores is not None:
             step.prompt_scores.apply()
-        finished, errors = [], []
+        finished, errors, now = [], [], time.perf_counter()  # every row's tokens known now
         observed: dict[int, list[int]] = {}  # real drafts verified -> accept lengths
         real = step.real_drafts
         for i, (r, decode, emits, row) in enumerate(zip(step.reqs, step.decode, step.emits, data,
@@ -812,7 +812,7 @@ class Engine:
                 r.output.extend(new)
                 r.last_verified = new[-1]
                 self.stats.emitted_tokens += len(new)
-                self.metrics.on_tokens(r.rid, len(new), time.perf_counter())
+                self.metrics.on_tokens(r.rid, len(new), now)
             if fin:
                 r.finish_reason = "stop" if fin == FINISH_STOP else "length"
                 assert fin in (FINISH_STOP, FINISH_LENGTH)
