@@ -32,9 +32,9 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `tree_move_accepted_kv` | `kernels/tree_kv_move.py` (`move_accepted_kv_all`; torch: `kv_move`'s ref) |
 | `move_accepted_kv`, `gather_accepted_hidden` | `kernels/kv_move.py` (`*_ref`) |
 | `admit_slot_rows` | `kernels/slot_admit.py` (`admit_rows_ref`) |
-| `copy_segments` | `kernels/copy_segments.py` (`copy_segments_ref`) |
+| `copy_segments` | `kernels/segments.py` (`copy_segments_ref`) |
 | `mixed_draft_inputs` | `kernels/mixed_draft_inputs.py` (`mixed_draft_inputs_ref`) |
-| `fill_segments` | `kernels/fill_segments.py` (`fill_segments_ref`) |
+| `fill_segments` | `kernels/segments.py` (`fill_segments_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
@@ -72,9 +72,8 @@ from graphdraft.kernels import (
     tree_build,
 )
 from graphdraft.kernels import accept_control as accept_control_kernel
-from graphdraft.kernels import copy_segments as copy_segments_kernel
-from graphdraft.kernels import fill_segments as fill_segments_kernel
 from graphdraft.kernels import mixed_draft_inputs as mixed_draft_inputs_kernel
+from graphdraft.kernels import segments as segments_kernel
 from graphdraft.kernels import slot_admit as slot_admit_kernel
 from graphdraft.kernels import tree_accept as tree_accept_kernel
 from graphdraft.kernels import tree_beams as tree_beams_kernel
@@ -647,11 +646,11 @@ def admit_slot_rows(tables, slots: torch.Tensor, stop: torch.Tensor, counted: to
 
 def copy_segments(pairs, *, kernels: KernelConfig | None = None) -> None:
     """`dst[:len(src)] = src` for each `(dst, src)` of `pairs` (1-D, up to 12;
-    `graphdraft.kernels.copy_segments`; one launch on the Triton path)."""
+    `graphdraft.kernels.segments`; one launch on the Triton path)."""
     if _kc(kernels).use_triton:
-        copy_segments_kernel.copy_segments(pairs, kernels=_kc(kernels))
+        segments_kernel.copy_segments(pairs, kernels=_kc(kernels))
     else:
-        copy_segments_kernel.copy_segments_ref(pairs)
+        segments_kernel.copy_segments_ref(pairs)
 
 
 def mixed_draft_inputs(ne: int, nd: int, n: int, npt: int, rows: int, tokens: int,
@@ -670,11 +669,11 @@ def mixed_draft_inputs(ne: int, nd: int, n: int, npt: int, rows: int, tokens: in
 
 def fill_segments(fills, *, kernels: KernelConfig | None = None) -> None:
     """`dst.fill_(value)` for each `(dst, value)` of `fills` (1-D views, int values, up to
-    12; `graphdraft.kernels.fill_segments`; one launch on the Triton path)."""
+    12; `graphdraft.kernels.segments`; one launch on the Triton path)."""
     if _kc(kernels).use_triton:
-        fill_segments_kernel.fill_segments(fills, kernels=_kc(kernels))
+        segments_kernel.fill_segments(fills, kernels=_kc(kernels))
     else:
-        fill_segments_kernel.fill_segments_ref(fills)
+        segments_kernel.fill_segments_ref(fills)
 
 
 def tree_store_rows(rows, req: torch.Tensor, tables, *,

@@ -1,4 +1,4 @@
-"""kernels/copy_segments.py (several small 1-D copies in one launch): the kernel
+"""kernels/segments.py (several small 1-D copies in one launch): the kernel
 (TRITON_INTERPRET=1 on the CPU) writes what the torch path writes, the torch path what the
 module doc says; `write_batch` through it (Triton path) fills the same buffers as one copy
 per buffer."""
@@ -12,7 +12,8 @@ import torch
 
 from graphdraft.config import RuntimeConfig
 from graphdraft.kernels.config import KernelConfig
-from graphdraft.kernels.copy_segments import MAX_PAIRS, copy_segments, copy_segments_ref
+from graphdraft.kernels.segments import MAX_SEGMENTS as MAX_PAIRS
+from graphdraft.kernels.segments import copy_segments, copy_segments_ref
 from graphdraft.runtime.batch import BatchRow, write_batch
 from graphdraft.runtime.buffers import InputBuffers
 from graphdraft.runtime.kv_cache import PageTable

@@ -1,4 +1,4 @@
-"""kernels/fill_segments.py (several constant fills in one launch): the kernel
+"""kernels/segments.py (several constant fills in one launch): the kernel
 (TRITON_INTERPRET=1 on the CPU) writes what the torch path writes, the torch path what
 `fill_` writes; `buffers.neutral_fills` through it writes what `fill_neutral` writes."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from graphdraft.config import RuntimeConfig
-from graphdraft.kernels.fill_segments import MAX_FILLS, fill_segments, fill_segments_ref
+from graphdraft.kernels.segments import MAX_SEGMENTS as MAX_FILLS
+from graphdraft.kernels.segments import fill_segments, fill_segments_ref
 from graphdraft.runtime.buffers import (
     NEUTRAL_DRAFT_ROW,
     NEUTRAL_DRAFT_TOKEN,

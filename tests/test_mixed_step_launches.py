@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from graphdraft import ops
-from graphdraft.kernels import copy_segments, fill_segments, mixed_draft_inputs, slot_admit
+from graphdraft.kernels import mixed_draft_inputs, segments, slot_admit
 from graphdraft.serving.engine import Engine
 from tests.engine_harness import make_models, runtime
 from tests.test_mixed_draft_graphs import PARAMS, _padded
@@ -41,8 +41,8 @@ def _ref(fn):
 def _torch_references():
     """The fused ops on their torch paths for the block."""
     saved = {n: getattr(ops, n) for n in FUSED}
-    ops.copy_segments = _ref(copy_segments.copy_segments_ref)
-    ops.fill_segments = _ref(fill_segments.fill_segments_ref)
+    ops.copy_segments = _ref(segments.copy_segments_ref)
+    ops.fill_segments = _ref(segments.fill_segments_ref)
     ops.admit_slot_rows = _ref(slot_admit.admit_rows_ref)
     ops.mixed_draft_inputs = _ref(mixed_draft_inputs.mixed_draft_inputs_ref)
     try:
