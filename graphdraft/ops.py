@@ -34,7 +34,6 @@ one. Both paths are CUDA-graph capturable: no host sync, no data-dependent shape
 | `admit_slot_rows` | `kernels/slot_admit.py` (`admit_rows_ref`) |
 | `copy_segments` | `kernels/segments.py` (`copy_segments_ref`) |
 | `mixed_draft_inputs` | `kernels/mixed_draft_inputs.py` (`mixed_draft_inputs_ref`) |
-| `fill_segments` | `kernels/segments.py` (`fill_segments_ref`) |
 | `accept_control` (benchmarks' accept-rate control) | `kernels/accept_control.py` (`accept_control_ref`) |
 
 Shapes: T query/token rows, B gathered rows, Hq/Hkv heads, D head_dim.
@@ -91,7 +90,7 @@ __all__ = ["KernelConfig", "SplitK", "accept_control", "accept_tokens",
            "apply_draft_logit_controls",
            "apply_logit_controls",
            "argmax_with_map", "build_tree", "commit_pack", "copy_segments", "count_tokens",
-           "decode_draft_indices", "fill_segments", "gather_accepted_hidden", "linear",
+           "decode_draft_indices", "gather_accepted_hidden", "linear",
            "linear_argmax", "linear_partials", "linear_residual_rms_norm", "mixed_draft_inputs",
            "move_accepted_kv",
            "out_cache_loc_uniform", "paged_attention", "paged_extend_attention", "prepare_rows",
@@ -665,15 +664,6 @@ def mixed_draft_inputs(ne: int, nd: int, n: int, npt: int, rows: int, tokens: in
         mixed_draft_inputs_kernel.mixed_draft_inputs(*args, kernels=_kc(kernels), **out)
     else:
         mixed_draft_inputs_kernel.mixed_draft_inputs_ref(*args, **out)
-
-
-def fill_segments(fills, *, kernels: KernelConfig | None = None) -> None:
-    """`dst.fill_(value)` for each `(dst, value)` of `fills` (1-D views, int values, up to
-    12; `graphdraft.kernels.segments`; one launch on the Triton path)."""
-    if _kc(kernels).use_triton:
-        segments_kernel.fill_segments(fills, kernels=_kc(kernels))
-    else:
-        segments_kernel.fill_segments_ref(fills)
 
 
 def tree_store_rows(rows, req: torch.Tensor, tables, *,

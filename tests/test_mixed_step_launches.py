@@ -1,7 +1,6 @@
 """The mixed step's fused host-to-device set-up, end to end: an Engine on the Triton path
 (`write_batch` and the padded target forward through `ops.copy_segments`, the admission
-through `ops.admit_slot_rows`, the draft's set-up through `ops.mixed_draft_inputs`, its
-padded rows through `ops.fill_segments`) equals the same Engine with those ops on their
+through `ops.admit_slot_rows`, the draft's set-up through `ops.mixed_draft_inputs`) equals the same Engine with those ops on their
 torch references, bit for bit on every state
 tensor after every step (every other kernel the same on both: TRITON_INTERPRET=1 on the CPU),
 through joins while others decode, the padded target forward and padded draft on, sampled
@@ -28,7 +27,7 @@ from tests.test_mixed_graphs import _state
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu"  # the padded path forced on as tests/test_mixed_draft_graphs.py does on the CPU
 # (on CUDA the GPU tests of test_mixed_graphs / test_mixed_draft_graphs run these kernels)
-FUSED = ("copy_segments", "fill_segments", "admit_slot_rows", "mixed_draft_inputs")
+FUSED = ("copy_segments", "admit_slot_rows", "mixed_draft_inputs")
 
 
 def _ref(fn):
@@ -42,7 +41,6 @@ def _torch_references():
     """The fused ops on their torch paths for the block."""
     saved = {n: getattr(ops, n) for n in FUSED}
     ops.copy_segments = _ref(segments.copy_segments_ref)
-    ops.fill_segments = _ref(segments.fill_segments_ref)
     ops.admit_slot_rows = _ref(slot_admit.admit_rows_ref)
     ops.mixed_draft_inputs = _ref(mixed_draft_inputs.mixed_draft_inputs_ref)
     try:
@@ -85,7 +83,6 @@ def test_fused_mixed_step_set_up_equals_the_torch_references(monkeypatch):
     assert any(tb > t for _, _, t, _, tb in seen[0]) and any(bs > ne for bs, ne, *_ in seen[0])
     assert calls["admit_slot_rows"] >= 2 and calls["mixed_draft_inputs"] == len(seen[0])
     assert calls["copy_segments"] >= 2 * len(seen[0])  # write_batch and the padded forward
-    assert calls["fill_segments"] >= 1  # padded rows of the draft
 
 
 def _counted(calls, name, fn):

@@ -51,17 +51,6 @@ def fill_neutral(buffers: object, neutral: dict[str, int], start: int, stop: int
         getattr(buffers, name)[start:stop] = value
 
 
-def neutral_fills(buffers: object, neutral: dict[str, int], start: int,
-                  stop: int) -> list[tuple[torch.Tensor, int]]:
-    """`fill_neutral`'s writes as `(view, value)` pairs for `ops.fill_segments` (one launch
-    for many): rows [start, stop) of each named field, a 2-D field's rows as one 1-D view
-    (the fields are contiguous); none when stop <= start."""
-    if stop <= start:
-        return []
-    return [(getattr(buffers, name)[start:stop].view(-1), value)
-            for name, value in neutral.items()]
-
-
 def _zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -65,16 +65,13 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.nvtx import nvtx_range
 from graphdraft.runtime.batch import ForwardContext, ForwardMode
 from graphdraft.runtime.buffers import (
-    NEUTRAL_DRAFT_ROW,
     NEUTRAL_DRAFT_TOKEN,
-    NEUTRAL_ROW,
     ROW_DECODE,
     ROW_PAD,
     ROW_PREFILL,
     DraftBuffers,
     InputBuffers,
     RuntimeStates,
-    neutral_fills,
 )
 from graphdraft.runtime.deferred_kv import DeferredDraftKV
 from graphdraft.runtime.draft_controls import DraftControls
@@ -187,15 +184,6 @@ class EagleDrafter:
     def _pad_draft_rows(self, start: int, stop: int) -> None:
         self.bufs.pad_rows(start, stop, self.N)
 
-    def _pad_multi_step_rows(self, start: int, stop: int) -> None:
-        """`InputBuffers.pad_rows` and `_pad_draft_rows` over rows [start, stop) in one
-        `ops.fill_segments` (one launch on the Triton path; the same values)."""
-        n, b = self.N, self.bufs
-        fills = (neutral_fills(self.inputs, NEUTRAL_ROW, start, stop)
-                 + neutral_fills(b, NEUTRAL_DRAFT_TOKEN, start * n, stop * n)
-                 + neutral_fills(b, NEUTRAL_DRAFT_ROW, start, stop))
-        ops.fill_segments(fills, kernels=self.cfg.kernels)
-
     # ------------------------------------------------------------------
     # The two forwards (run eagerly or captured; identical code)
     # ------------------------------------------------------------------
@@ -258,9 +246,8 @@ class EagleDrafter:
             self._mixed_first_step(bs, t, hidden)
             return
         rows, tokens = bucket
-        if rows > bs:  # InputBuffers.pad_rows, one launch on the Triton path
-            ops.fill_segments(neutral_fills(self.inputs, NEUTRAL_ROW, bs, rows),
-                              kernels=self.cfg.kernels)
+        if rows > bs:
+            self.inputs.pad_rows(bs, rows)
         fwd = self.mixed_graphs.get(tokens)
         if fwd is not None:
             fwd.run(rows, padded_bs=rows)
@@ -626,7 +613,8 @@ class EagleDrafter:
             self._mixed_first(ctx, hidden_states, bucket)
         if self.S > 1 and not ctx.all_extends_mid_chunk:
             with nvtx_range("draft_multi_step"):
-                self._pad_multi_step_rows(bs, pbs)  # the first step ran at bs: neutral rows
+                ib.pad_rows(bs, pbs)  # the first step ran at bs: neutral rows up to pbs
+                self._pad_draft_rows(bs, pbs)
                 self.multi_step_graphs.run(pbs, padded_bs=pbs)
         elif self.S > 1:
             self.stats.skipped_multi_step += 1
