@@ -41,12 +41,9 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from capture import CapturedForward
-from graphdraft import ops
-from graphdraft.kernels.neutral import NEUTRAL_TOKEN
 from graphdraft.models.llama import TargetOutput
 
 MIN_TOKENS = 64
@@ -129,63 +126,28 @@ class MixedTargetGraphs:
         R - bs rows of no token, then the rows covering the padded tokens [t, Tb) (each a
         row of the dummy request over at most max_context_len tokens: every token's
         attention reads written KV, so every value stays finite)."""
+        p = self.parts
         r, tb = bucket
+        ib, staging = p.inputs, p.slots.staging
+        self.req[:bs].copy_(ib.req_pool_indices[:bs])
+        self.seq[:bs].copy_(ib.seq_lens[:bs])
+        self.ext[:bs].copy_(ib.extend_lens[:bs])
+        pad, c = tb - t, self.chunk
+        tail = [0] * (r - bs) + [min(c, max(0, pad - i * c)) for i in range(cover_rows(tb, c))]
+        staging.copy_into(self.ext[bs:], tail)
+        staging.copy_into(self.seq[bs:], [max(1, e) for e in tail])
+        self.req[bs: bs + len(tail)].zero_()
+        if tb > t:
+            ib.pad_tokens(t, tb)
         n = len(logit_rows)
-        if self.parts.cfg.kernels.use_triton:
-            self._stage_packed(bs, t, logit_rows, bucket)
-        else:
-            self._stage(bs, t, logit_rows, bucket)
+        staging.copy_into(self.logit_rows, logit_rows)
+        width = self._logit_width(r, tb)
+        if width > n:
+            self.logit_rows[n:width].zero_()
         fwd = self.by_tokens.get(tb)
         out = fwd.run(r, padded_bs=r) if fwd is not None else self._forward(r, tokens=tb)
         return TargetOutput(out.logits[:n], None if out.aux_hidden is None
                             else out.aux_hidden[:t])
-
-    def _tail(self, bs: int, t: int, bucket: tuple[int, int]) -> list[int]:
-        """extend lens of rows [bs, ...): R - bs rows of no token, then the rows covering the
-        padded tokens [t, Tb), `chunk` each at most."""
-        (r, tb), c = bucket, self.chunk
-        pad = tb - t
-        return [0] * (r - bs) + [min(c, max(0, pad - i * c)) for i in range(cover_rows(tb, c))]
-
-    def _stage(self, bs: int, t: int, logit_rows, bucket: tuple[int, int]) -> None:
-        """`run`'s inputs: req / seq / ext (the step's rows, then `_tail`'s, of the dummy
-        request, seq len max(1, ext)), `InputBuffers`' neutral tokens [t, Tb), logit_rows
-        then zeros up to the bucket's logits width; a launch or copy per piece."""
-        p = self.parts
-        ib, staging, tail = p.inputs, p.slots.staging, self._tail(bs, t, bucket)
-        self.req[:bs].copy_(ib.req_pool_indices[:bs])
-        self.seq[:bs].copy_(ib.seq_lens[:bs])
-        self.ext[:bs].copy_(ib.extend_lens[:bs])
-        staging.copy_into(self.ext[bs:], tail)
-        staging.copy_into(self.seq[bs:], [max(1, e) for e in tail])
-        self.req[bs: bs + len(tail)].zero_()
-        if bucket[1] > t:
-            ib.pad_tokens(t, bucket[1])
-        n = len(logit_rows)
-        staging.copy_into(self.logit_rows, logit_rows)
-        width = self._logit_width(*bucket)
-        if width > n:
-            self.logit_rows[n:width].zero_()
-
-    def _stage_packed(self, bs: int, t: int, logit_rows, bucket: tuple[int, int]) -> None:
-        """`_stage`'s values, the same bits: every host value through one staging copy, then
-        one `ops.copy_segments` launch (the Triton path)."""
-        p = self.parts
-        ib, tail = p.inputs, np.asarray(self._tail(bs, t, bucket), dtype=np.int64)
-        rows = np.zeros(max(len(logit_rows), self._logit_width(*bucket)), dtype=np.int64)
-        rows[: len(logit_rows)] = logit_rows
-        pad = max(0, bucket[1] - t)
-        neutral = [(getattr(ib, name), value) for name, value in NEUTRAL_TOKEN.items()]
-        staged = p.slots.staging.pack(
-            (tail, self.ext.dtype), (np.maximum(tail, 1), self.seq.dtype),
-            (np.zeros(len(tail), dtype=np.int64), self.req.dtype), (rows, self.logit_rows.dtype),
-            *((np.full(pad, value, dtype=np.int64), buf.dtype) for buf, value in neutral))
-        pairs = [(self.req[:bs], ib.req_pool_indices[:bs]), (self.seq[:bs], ib.seq_lens[:bs]),
-                 (self.ext[:bs], ib.extend_lens[:bs]), (self.ext[bs:], staged[0]),
-                 (self.seq[bs:], staged[1]), (self.req[bs:], staged[2]),
-                 (self.logit_rows, staged[3])]
-        pairs += [(buf[t:], src) for (buf, _), src in zip(neutral, staged[4:], strict=True)]
-        ops.copy_segments(pairs, kernels=p.cfg.kernels)
 
     def reset_neutral(self) -> None:
         """Rows of no token (what the captures run over), logits rows 0."""
