@@ -852,7 +852,11 @@ def test_gpu_workers_fill_the_cache_and_the_main_pass_builds_nothing(monkeypatch
     from graphdraft.serving.verify import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    graph_out = e.generate(prompts, params)
+    from capture.compiles import triton_builds
+
+    built = triton_builds()
+    graph_out = e.generate(prompts, params)  # prefill (padded mixed graphs), decode cycles
+    assert triton_builds() == built, "the first requests built kernels the plan lacks"
     monkeypatch.setenv("GRAPHDRAFT_EAGER", "1")
     eager_out = e.generate(prompts, params)
     monkeypatch.delenv("GRAPHDRAFT_EAGER")
