@@ -75,12 +75,8 @@ def count(decoding: int, admitted: int, padded: bool) -> tl.Counts:
         eng.step()
     add(admitted)
     stack = tl._PhaseStack()
-    saved, tl.phase_points = tl.phase_points, phase_points
-    try:
-        with tl.labelled(stack), tl.launch_counter(stack) as counts:
-            eng.step()
-    finally:
-        tl.phase_points = saved
+    with tl.labelled(stack, phase_points()), tl.launch_counter(stack) as counts:
+        eng.step()
     return counts
 
 

@@ -186,11 +186,13 @@ def phase_points() -> list[tuple[object, str, str]]:
 
 
 @contextlib.contextmanager
-def labelled(stack: _PhaseStack) -> Iterator[None]:
-    """`phase_points` wrapped for the block, restored after it."""
+def labelled(stack: _PhaseStack, points: list[tuple[object, str, str]] | None = None
+             ) -> Iterator[None]:
+    """`points` ((owner, attribute, phase) as `phase_points` gives them; None: those) wrapped
+    for the block, restored after it."""
     saved = []
     try:
-        for owner, attr, label in phase_points():
+        for owner, attr, label in phase_points() if points is None else points:
             orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
             saved.append((owner, attr, orig))
             setattr(owner, attr, _wrap(getattr(owner, attr), label, stack))
