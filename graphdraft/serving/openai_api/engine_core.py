@@ -87,7 +87,7 @@ from graphdraft.serving.verify import SamplingParams
 ADMISSION_GROUP_DEFAULT = 8
 """`EngineCoreSpec.admission_group`'s default (`admit_now`): with at most 8 running, nothing is
 held; above, up to ceil(running / 8) arrivals share one mixed step. Chosen from an A/B on one
-H100 (perf/RESULTS.md, 2026-12-07c: c = 128 served 1.23x (one HTTP process) and 1.31x (four)
+H100 (perf/RESULTS.md, 2026-12-07d: c = 128 served 1.23x (one HTTP process) and 1.31x (four)
 the tokens/s of D = 0)."""
 MAX_HOLD_STEPS = 8
 """The most decode steps a held request waits (`EngineCore.hold_steps`)."""
@@ -318,13 +318,12 @@ class EngineCore:
             t = tm.add("admit", t)
         if self.engine.has_work:
             e = self.engine
-            part = "step_mixed" if e.waiting or any(r.prefilling for r in e.running) else \
-                "step_decode"
+            kind = "mixed" if e.waiting or any(r.prefilling for r in e.running) else "decode"
             self._step()
-            tm.counts["steps_" + part[5:]] += 1
-            t0, t = t, tm.add(part, t)
-            last = self.step_cost[part[5:]]
-            self.step_cost[part[5:]] = t - t0 if last is None else (
+            tm.counts["steps_" + kind] += 1
+            t0, t = t, tm.add("step_" + kind, t)
+            last = self.step_cost[kind]
+            self.step_cost[kind] = t - t0 if last is None else (
                 last + STEP_COST_EMA * (t - t0 - last))
         self._collect()
         t = tm.add("collect", t)
