@@ -42,6 +42,7 @@ import torch
 
 from graphdraft import ops
 from graphdraft.kernels.config import KernelConfig
+from graphdraft.kernels.slot_admit import TABLES as ADMITTED_TABLES
 from graphdraft.runtime.staging import HostStaging
 from graphdraft.sampling import COLUMNS, MAX_LOGIT_BIAS
 
@@ -50,8 +51,7 @@ class StopTableFullError(ValueError):
     """A request has more stop token ids than the device stop table holds."""
 
 
-_STATE_TABLES = ("last_token", "drafts", "stop_ids", "emitted", "done", "token_counts",
-                 "bias_ids", "bias_values", "bias_len")
+_STATE_TABLES = tuple(ADMITTED_TABLES)  # the admission writes every state table
 
 
 def table_names() -> list[str]:
