@@ -76,9 +76,9 @@ def test_bad_pairs_name_themselves():
 
 
 def _world():
-    cfg = RuntimeConfig(device="cpu", page_size=4, max_running_requests=4, max_context_len=32,
+    cfg = RuntimeConfig(device=DEV, page_size=4, max_running_requests=4, max_context_len=32,
                         max_num_batched_tokens=32, cuda_graph_max_bs=4)
-    pt = PageTable(4, cfg.max_pages_per_req, cfg.total_kv_pages, 4, "cpu")
+    pt = PageTable(4, cfg.max_pages_per_req, cfg.total_kv_pages, 4, DEV)
     a, b, c = pt.alloc_slot(), pt.alloc_slot(), pt.alloc_slot()
     for s in (a, b, c):
         pt.reserve(s, 14)
@@ -93,7 +93,7 @@ def test_write_batch_through_one_launch_fills_the_same_buffers():
     got = []
     for kernels in (None, KernelConfig(backend="triton")):
         ib = InputBuffers.allocate(cfg)
-        ctx = write_batch(ib, pt, rows, staging=HostStaging("cpu"), kernels=kernels)
+        ctx = write_batch(ib, pt, rows, staging=HostStaging(DEV), kernels=kernels)
         got.append((ctx, ib))
     (c0, ib0), (c1, ib1) = got
     assert c0 == c1 and (c1.bs, c1.num_extends, c1.input_num_tokens) == (3, 2, 9)

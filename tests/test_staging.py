@@ -104,6 +104,19 @@ def test_engine_steps_write_no_scalar_into_a_device_tensor(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_ring_pack_places_empty_pieces_anywhere_in_the_list():
+    """Empty pieces first, between and last (an empty view's data_ptr() is 0): every piece
+    keeps its values and dtype, through the ring's one copy."""
+    st = HostStaging("cuda")
+    for pieces in ([((), torch.int64), ([1, 2, 3], torch.int32), ((), torch.float32)],
+                   [([5], torch.int64), ((), torch.int32), ([0.5, 1.5], torch.float32)]):
+        got = st.pack(*pieces)
+        assert [g.dtype for g in got] == [dt for _, dt in pieces]
+        assert [g.tolist() for g in got] == [list(v) for v, _ in pieces]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_ring_reuse_waits_for_the_copies_still_queued():
     """Many staged copies queued behind a long kernel: every one lands with its own values
     (a region is rewritten only after its copies ran)."""

@@ -81,17 +81,15 @@ class HostStaging:
             return [torch.empty(0, dtype=dt, device=self.device) for _, dt in pieces]
         if not self._is_ring(staged[0]):  # over one segment: each its own pinned tensor
             return [s.to(self.device, non_blocking=True) for s in staged]
-        first = staged[0]
-        start = first.data_ptr() - self._buf.data_ptr()
-        end = max(s.data_ptr() + s.nbytes for s in staged) - self._buf.data_ptr()
+        # byte offsets in the ring from storage offsets (an empty view's data_ptr() is 0)
+        offs = [s.storage_offset() * s.element_size() for s in staged]
+        start = offs[0]
+        end = max(o + s.nbytes for o, s in zip(offs, staged, strict=True))
         dev = torch.empty(end - start, dtype=torch.uint8, device=self.device)
         dev.copy_(self._buf[start:end], non_blocking=True)
         self._used()
-        out = []
-        for s, (_, dt) in zip(staged, pieces, strict=True):
-            o = s.data_ptr() - self._buf.data_ptr() - start
-            out.append(dev[o: o + s.nbytes].view(dt))
-        return out
+        return [dev[o - start: o - start + s.nbytes].view(dt)
+                for o, s, (_, dt) in zip(offs, staged, pieces, strict=True)]
 
     # --- the ring ---------------------------------------------------------------------------
     def _stage(self, pieces) -> list[torch.Tensor]:
