@@ -135,7 +135,13 @@ demo-gpu:
 # "--lm-head target --draft-vocab 8192 --ffn 768 --deadline-minutes 8" before those became the
 # recipe). TRAIN_REAL_FLAGS overrides the recipe, e.g. the head shipped before's own LM head and
 # sizes: TRAIN_REAL_FLAGS="--lm-head own --draft-vocab 1536 --ffn 192" (see graphdraft.train.real;
-# --max-head-bytes bounds the head's file).
+# --max-head-bytes bounds the head's file). A longer training over several back-to-back calls
+# (graphdraft.train.resume; the machine keeps its /tmp between them): the first call with
+# TRAIN_REAL_FLAGS="--responses-cache DIR/responses --checkpoint DIR/state --total-minutes T"
+# (T: training minutes over all calls, the cosine's span), each next one with the same flags
+# and "--resume --max-minutes M" (responses loaded, not generated; training goes on from the
+# state exactly; M: this call's cap, about 8.6 with nothing generated); each call writes the
+# head so far, the one that reaches T the finished head.
 TRAIN_REAL_FLAGS ?=
 train-real:
 	mkdir -p $(OUT)

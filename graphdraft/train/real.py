@@ -30,6 +30,16 @@
 Time: `gen_max_minutes` caps generation, `max_minutes` training, and `deadline_minutes` the
 whole run (`_deadlines`). Progress lines carry the UTC time and the seconds since the start.
 
+Over several calls (a lent GPU runs one command for minutes; its /tmp stays between calls):
+`responses_cache` DIR keeps the responses (step 2) and a later run whose key matches
+(`responses.responses_key`: target identity, prompts, sampling settings, seed) loads them
+instead of generating; `checkpoint` DIR saves the training state when training stops
+(`graphdraft.train.resume`: fp32 weights, AdamW, step, schedule position, draft vocabulary,
+data order) and `resume` goes on from it exactly (N steps then M more == N + M in one run);
+`total_minutes` spans the cosine over every call's training minutes (each call keeps its own
+`max_minutes` / `deadline_minutes`) and `call_steps` caps one call's steps. `init_from` DIR
+starts from a saved head's weights and draft vocabulary (a fresh optimizer and schedule).
+
 `python -m graphdraft.train real --target DIR_OR_GGUF --out DIR --recipe gpu` runs it.
 """
 
@@ -51,10 +61,21 @@ from graphdraft.models.eagle3 import Eagle3DraftHead
 from graphdraft.models.llama import LlamaForCausalLM
 from graphdraft.train.chat_prompts import training_prompts
 from graphdraft.train.forward import head_ttt_forward, target_forward
-from graphdraft.train.responses import Samples, generate_samples
+from graphdraft.train.responses import (
+    Samples,
+    cached_key,
+    generate_samples,
+    load_responses,
+    responses_key,
+    samples_digest,
+    save_responses,
+    target_identity,
+)
+from graphdraft.train.resume import TrainState, check_state, load_state, plan_of, save_state
 from graphdraft.train.train import (
     SUMMARY_NAME,
     HeadTraining,
+    LoopStart,
     _hardware,
     _optimizer,
     _round,
@@ -115,6 +136,27 @@ class RealHeadRun(HeadTraining):
     deadline_minutes: float | None = None
     """The whole run's wall cap from its start: generation stops adding responses at half of
     it, and training stops early enough to evaluate and save before it."""
+    responses_cache: str | None = None
+    """A directory for the responses (`responses.save_responses`): a run whose responses key
+    (`responses.responses_key`) matches the one there loads them instead of generating; else
+    it generates and writes them there. None: generate, keep nothing."""
+    checkpoint: str | None = None
+    """A directory for the training state (`graphdraft.train.resume`), written when training
+    stops (deadline, caps or the end), before the head is evaluated and saved."""
+    resume: bool = False
+    """Go on from `checkpoint`'s state (the same plan, target and responses: `resume.check_state`)
+    instead of a fresh head and optimizer."""
+    total_minutes: float | None = None
+    """Training minutes the learning-rate schedule spans over every call of a checkpointed
+    training (the cosine's time fraction counts them all; training ends once they are
+    reached). None: each call's own time cap, as a run of one call."""
+    call_steps: int | None = None
+    """Steps this call trains at most (`steps` stays the whole training's, the schedule's
+    length); a checkpointed run goes on with `resume`."""
+    init_from: str | None = None
+    """A head directory to start from (a fresh optimizer and schedule): its weights and its
+    draft vocabulary (d2t / t2d) instead of a new head and the responses' most frequent ids;
+    its MLP width and draft vocabulary size must be the run's `ffn` and `draft_vocab`."""
 
 
 def hot_token_ids(samples: Samples, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
@@ -372,11 +414,27 @@ def _deadlines(run: RealHeadRun, log: RunLog) -> tuple[float, float | None]:
     return min(gen, log.t0 + 30 * run.deadline_minutes), end - FINISH_RESERVE_S
 
 
+def _restore(state: TrainState, opt: torch.optim.Optimizer, batches: LengthBatches,
+             gen: torch.Generator, start: LoopStart) -> LoopStart:
+    """Put a checkpoint's optimizer state, epoch queue and data generator back (after
+    `LengthBatches` drew its epoch count) -> the loop's start at the checkpoint's step."""
+    opt.load_state_dict(state.optimizer)
+    batches.queue.clear()
+    batches.queue.extend(state.queue)
+    batches.epochs = state.epochs
+    gen.set_state(state.gen_state)
+    return replace(start, step=state.step, ema=state.ema, trained_seconds=state.trained_seconds)
+
+
 def train_stage(run: RealHeadRun, target: LlamaForCausalLM, head: Eagle3DraftHead,
                 labels: DraftLabels, train: Samples, device: torch.device, precision: str,
-                gen: torch.Generator, stop_at: float | None, log: RunLog) -> dict:
-    """Train `head` on `train` (module docstring, step 4) until `run.steps`, `run.max_minutes`
-    or `stop_at` (perf_counter) -> `_train_loop`'s record, plus epochs and the cap used."""
+                gen: torch.Generator, stop_at: float | None, log: RunLog,
+                resume: TrainState | None = None, record: dict | None = None) -> dict:
+    """Train `head` on `train` (module docstring, step 4) until `run.steps`, `run.call_steps`
+    more, `run.total_minutes` of training over every call, `run.max_minutes` or `stop_at`
+    (perf_counter) -> `_train_loop`'s record, plus epochs and the cap used. `resume`: go on
+    from that checkpoint's state (`head` holds its weights already); `run.checkpoint`: save
+    the state there when the loop stops, with `record` (what it belongs to)."""
     params = trained_parameters(head)  # lm_head "target": the LM head stays frozen
     for p in params.values():
         p.requires_grad_(True)
@@ -393,22 +451,37 @@ def train_stage(run: RealHeadRun, target: LlamaForCausalLM, head: Eagle3DraftHea
         return ttt_loss(outs, greedy, run.decay, probs, pmask)
 
     batches = LengthBatches(train, run.batch, run.batch_tokens, device, gen)
+    start = LoopStart(total_minutes=run.total_minutes, call_steps=run.call_steps)
+    if resume is not None:
+        start = _restore(resume, opt, batches, gen, start)
     cap = run.max_minutes
     if stop_at is not None:
         left = max(0.0, stop_at - time.perf_counter()) / 60
         cap = left if cap is None else min(cap, left)
-    log(f"head: training for at most {run.steps} steps / {cap if cap is None else round(cap, 2)} "
-        f"min, {batches.batches_per_epoch} batches an epoch (~{batches.mean_tokens:,.0f} "
-        f"tokens each)")
+    since = f" (from step {start.step})" if start.step else ""
+    log(f"head: training for at most {run.steps - start.step} steps{since} / "
+        f"{cap if cap is None else round(cap, 2)} min, {batches.batches_per_epoch} batches an "
+        f"epoch (~{batches.mean_tokens:,.0f} tokens each)")
     step_fn = torch.compile(loss_fn) if run.compile else loss_fn
     with matmul_precision(precision):
         res = _train_loop("head", replace(run, max_minutes=cap), device, params, opt, step_fn,
-                          loss_fn, batches, int(batches.mean_tokens))
+                          loss_fn, batches, int(batches.mean_tokens), start)
     for p in params.values():
         p.requires_grad_(False)
-    res["epochs"] = round(res["steps"] / batches.batches_per_epoch, 2)
+    if run.checkpoint is not None:
+        save_state(run.checkpoint, TrainState(
+            res["next_step"], res["trained_seconds"], res["ema"], batches.epochs,
+            {n: p.detach() for n, p in params.items()}, head.hot_token_ids, opt.state_dict(),
+            gen.get_state(), [list(b) for b in batches.queue],
+            dict(record or {}, history=list(run.history))))
+        of = "" if run.total_minutes is None else f" of the schedule's {run.total_minutes}"
+        more = ("" if res["stopped_by"] in ("steps", "total minutes")
+                else "; its schedule is not done: go on with --resume")
+        log(f"head: training state at step {res['next_step']} ({res['trained_seconds'] / 60:.2f}"
+            f"{of} training minutes) saved to {run.checkpoint}{more}")
+    res["epochs"] = round(res["next_step"] / batches.batches_per_epoch, 2)
     res["cap_minutes"] = None if cap is None else round(cap, 2)
-    res["tokens_seen"] = int(res["steps"] * batches.mean_tokens)
+    res["tokens_seen"] = int(res["next_step"] * batches.mean_tokens)
     return res
 
 
@@ -425,6 +498,115 @@ def _save(run: RealHeadRun, head: Eagle3DraftHead, target: LlamaForCausalLM,
     return ev, (out / "model.safetensors").stat().st_size
 
 
+def _responses(run: RealHeadRun, target: LlamaForCausalLM, tokenizer,
+               prompts: list[tuple[str, str]], target_id: dict | None, gen: torch.Generator,
+               gen_stop: float, log: RunLog) -> tuple[Samples, dict]:
+    """`generate_samples`, or with `run.responses_cache` the cached responses when their key
+    matches (the generator set to its state after their generation) and else generated and
+    written there."""
+    if run.responses_cache is None:
+        return generate_samples(target, tokenizer, prompts, run, gen, gen_stop, log)
+    key, where = responses_key(target_id, prompts, run), run.responses_cache
+    have = cached_key(where)
+    if have == key:
+        t0 = time.perf_counter()
+        samples, data, gen_state = load_responses(where)
+        gen.set_state(gen_state)
+        data = dict(data, responses_cache={"dir": str(where), "loaded": True,
+                                           "load_seconds": round(time.perf_counter() - t0, 1)})
+        log(f"responses: {samples.ids.shape[0]} loaded from the cache {where} "
+            f"({data['responses_cache']['load_seconds']} s; generated in {data['seconds']} s)")
+        return samples, data
+    have = have or {}
+    differ = sorted(k for k in key.keys() | have.keys() if key.get(k) != have.get(k))
+    if run.resume:  # other responses than the first call's: check_state would refuse them
+        raise ValueError(f"responses_cache {where}: resume needs the first call's responses, "
+                         + (f"those there have another key ({', '.join(differ)} differ)"
+                            if have else "none are there"))
+    if not have:
+        log(f"responses: no cached responses in {where}: generating")
+    else:
+        log(f"responses: the cache {where} holds responses of another key ({', '.join(differ)} "
+            f"differ): generating anew")
+    samples, data = generate_samples(target, tokenizer, prompts, run, gen, gen_stop, log)
+    save_responses(where, key, samples, data, tokenizer.eos_token_ids[0], gen.get_state())
+    data = dict(data, responses_cache={"dir": str(where), "loaded": False})
+    log(f"responses: saved to the cache {where}")
+    return samples, data
+
+
+def _copy_trained(head: Eagle3DraftHead, weights: dict[str, torch.Tensor], what: str) -> None:
+    """`head`'s trained parameters from `weights` (by name); ValueError naming `what` when
+    the names or shapes differ."""
+    params = trained_parameters(head)
+    have = {n: tuple(t.shape) for n, t in weights.items()  # an LM head kept frozen: not copied
+            if n != "lm_head" or n in params}
+    want = {n: tuple(p.shape) for n, p in params.items()}
+    if have != want:
+        diff = sorted(n for n in have.keys() | want.keys() if have.get(n) != want.get(n))
+        raise ValueError(f"{what}: its weights do not fit this run's head: "
+                         + "; ".join(f"{n} {have.get(n)} there, {want.get(n)} here" for n in diff))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.device, p.dtype))
+
+
+def _warm_start(run: RealHeadRun, target: LlamaForCausalLM) -> tuple[torch.Tensor, dict]:
+    """`run.init_from`'s draft vocabulary `[Vd]` and weights (fp32 on the host); ValueError
+    naming init_from when its MLP, draft vocabulary or aux layers differ from the run's."""
+    from graphdraft.io.checkpoint import load_eagle3_head
+    loaded = load_eagle3_head(run.init_from, target=target)
+    cfg, vocab = loaded.config, target.config.vocab_size
+    problems = [f"{name} {have} there, {want} here" for name, have, want in (
+        ("ffn", cfg.intermediate_size, run.ffn),
+        ("draft_vocab", cfg.output_vocab_size, run.draft_vocab),
+        ("aux layers", tuple(cfg.aux_layer_ids()), tuple(target.aux_layer_ids))) if have != want]
+    if problems:
+        raise ValueError(f"init_from {run.init_from}: another head's shape: "
+                         + "; ".join(problems))
+    hot = loaded.hot_token_ids
+    hot = torch.arange(vocab) if hot is None else hot.detach().cpu()
+    weights = {n: p.detach().float().cpu() for n, p in loaded.named_parameters()
+               if n != "embed_tokens"}
+    return hot, weights
+
+
+def _initial_head(run: RealHeadRun, target: LlamaForCausalLM, train: Samples, tokenizer,
+                  state: TrainState | None, log: RunLog) -> Eagle3DraftHead:
+    """The head training starts from: a checkpoint's (`state`), `run.init_from`'s, or a new
+    one over the training responses' most frequent ids."""
+    device = target.embed_tokens.device
+    weights, what = None, None
+    if state is not None:
+        hot, weights, what = state.hot, state.head, f"checkpoint {run.checkpoint} (--resume)"
+        if run.init_from is not None:
+            log(f"head: init_from {run.init_from} not used: resuming from {run.checkpoint}")
+    elif run.init_from is not None:
+        (hot, weights), what = _warm_start(run, target), f"init_from {run.init_from}"
+    else:
+        hot = hot_token_ids(train, target.config.vocab_size, run.draft_vocab,
+                            list(tokenizer.eos_token_ids))
+    head = new_chat_head(target, hot.to(device), run.ffn, run.seed + 1, run.lm_head)
+    if weights is not None:
+        _copy_trained(head, weights, what)
+        log(f"head: weights and draft vocabulary from {what}")
+    return head
+
+
+def _resume_state(run: RealHeadRun, target_id: dict | None) -> TrainState | None:
+    """`run.checkpoint`'s state when `run.resume` (checked against the run's plan and target
+    before any response is generated), else None; ValueError naming the flags when resume
+    has no checkpoint."""
+    if not run.resume:
+        return None
+    if run.checkpoint is None:
+        raise ValueError("resume: needs --checkpoint DIR (the directory the first call wrote)")
+    state = load_state(run.checkpoint)
+    check_state(run.checkpoint, state, plan=plan_of(run), target=target_id)
+    run.history[:] = state.record.get("history", [])
+    return state
+
+
 def train_real_head(run: RealHeadRun) -> dict:
     """The whole recipe of the module docstring -> the summary written as training.json."""
     log = RunLog()
@@ -435,41 +617,62 @@ def train_real_head(run: RealHeadRun) -> dict:
     phases = {"load_seconds": round(log.elapsed(), 1)}
     log(f"target: {target_dir} ({target.dtype}, {device})")
     check_head_size(run, target.config)
+    keep = run.responses_cache is not None or run.checkpoint is not None
+    target_id = target_identity(run.target) if keep else None
+    state = _resume_state(run, target_id)
     prompts = training_prompts(run.code_prompts, run.prose_prompts, run.seed,
                                run.typed_problems, run.forms_per_function)
     phases["prompts_seconds"] = round(log.elapsed() - phases["load_seconds"], 1)
     log(f"prompts: {len(prompts)} built")
     gen_stop, train_stop = _deadlines(run, log)
-    samples, data = generate_samples(target, tokenizer, prompts, run, gen, gen_stop, log)
+    samples, data = _responses(run, target, tokenizer, prompts, target_id, gen, gen_stop, log)
     held, train = split_heldout(samples, run, gen)
-    hot = hot_token_ids(train, target.config.vocab_size, run.draft_vocab,
-                        list(tokenizer.eos_token_ids)).to(device)
-    labels = DraftLabels(hot, target.config.vocab_size)
+    record = None
+    if run.checkpoint is not None:
+        record = {"target": target_id, "plan": plan_of(run), "responses": {
+            "digest": samples_digest(samples), "heldout": held.prompt.tolist()}}
+        if state is not None:
+            check_state(run.checkpoint, state, plan=record["plan"], responses=record["responses"])
+    head = _initial_head(run, target, train, tokenizer, state, log)
+    labels = DraftLabels(head.hot_token_ids, target.config.vocab_size)
     data["draft_vocab_coverage"] = labels.coverage(train)
-    head = new_chat_head(target, hot, run.ffn, run.seed + 1, run.lm_head)
     n_params = sum(p.numel() for p in trained_parameters(head).values())
-    log(f"head: {n_params:,} trained parameters, draft vocab {hot.numel()} (covers "
-        f"{data['draft_vocab_coverage']:.1%} of response tokens), LM head {run.lm_head}, "
-        f"{head.config}")
-    res = train_stage(run, target, head, labels, train, device, precision, gen, train_stop, log)
+    log(f"head: {n_params:,} trained parameters, draft vocab {head.hot_token_ids.numel()} "
+        f"(covers {data['draft_vocab_coverage']:.1%} of response tokens), LM head "
+        f"{run.lm_head}, {head.config}")
+    res = train_stage(run, target, head, labels, train, device, precision, gen, train_stop, log,
+                      state, record)
     ev, size = _save(run, head, target, held, labels, precision, log)
     _sync(device)
-    summary = {"model": "eagle3_head", "target": str(run.target),
-               "target_config": json.loads((target_dir / "config.json").read_text()),
-               "parameters_trained": n_params, "safetensors_bytes": size, "data": data,
-               "steps": res["steps"], "epochs": res["epochs"], "tokens_seen": res["tokens_seen"],
-               "ttt_steps": run.ttt_steps, "final_train_loss_ema": res["ema"], "heldout": ev,
-               "heldout_sequences": int(held.ids.shape[0]),
-               "train_seconds": round(res["seconds"], 1), "train_cap_minutes": res["cap_minutes"],
-               "first_step_seconds": _round(res["first_step_seconds"]),
-               "stopped_by": res["stopped_by"], **phases,
-               "wall_seconds": round(log.elapsed(), 1), "device": str(device),
-               "precision": precision, "hardware": _hardware(device),
-               "python": platform.python_version(), "run": asdict(run)}
+    summary = _summary(run, target_dir, n_params, size, data, res, ev, held, phases, log,
+                       device, precision, state)
     (Path(run.out) / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     log(f"head: wrote {run.out} ({res['steps']} steps, {res['seconds']:.1f} s, "
         f"{size:,} bytes of weights)")
     return summary
+
+
+def _summary(run: RealHeadRun, target_dir: Path, n_params: int, size: int, data: dict,
+             res: dict, ev: dict, held: Samples, phases: dict, log: RunLog,
+             device: torch.device, precision: str, state: TrainState | None) -> dict:
+    """training.json: the data, the run, the held-out agreement, each phase's seconds; a
+    checkpointed run's steps and training seconds count every call ("steps_this_call")."""
+    out = {"model": "eagle3_head", "target": str(run.target),
+           "target_config": json.loads((target_dir / "config.json").read_text()),
+           "parameters_trained": n_params, "safetensors_bytes": size, "data": data,
+           "steps": res["next_step"], "epochs": res["epochs"], "tokens_seen": res["tokens_seen"],
+           "ttt_steps": run.ttt_steps, "final_train_loss_ema": res["ema"], "heldout": ev,
+           "heldout_sequences": int(held.ids.shape[0]),
+           "train_seconds": round(res["seconds"], 1), "train_cap_minutes": res["cap_minutes"],
+           "first_step_seconds": _round(res["first_step_seconds"]),
+           "stopped_by": res["stopped_by"], **phases,
+           "wall_seconds": round(log.elapsed(), 1), "device": str(device),
+           "precision": precision, "hardware": _hardware(device),
+           "python": platform.python_version(), "run": asdict(run)}
+    if run.checkpoint is not None or state is not None:
+        out |= {"steps_this_call": res["steps"], "resumed_from_step": state.step if state else 0,
+                "trained_seconds_all_calls": round(res["trained_seconds"], 1)}
+    return out
 
 
 GPU_RECIPE = {"device": "cuda", "code_prompts": 40000, "forms_per_function": 6,
@@ -509,14 +712,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True, help="converted target directory or .gguf file")
     ap.add_argument("--out", required=True, help="directory for the head")
     ap.add_argument("--recipe", choices=sorted(REAL_RECIPES), default="gpu")
-    skip = {"target", "out", "history"}
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from --checkpoint DIR's training state (graphdraft.train.resume)")
+    skip = {"target", "out", "history", "resume"}
     fields = {f.name: f for f in dataclasses.fields(RealHeadRun) if f.name not in skip}
     for name, f in fields.items():
         kind = {int: int, float: float, str: str, bool: int}.get(type(f.default), float)
+        if f.default is None and str(f.type).startswith(("str", "int")):
+            kind = str if str(f.type).startswith("str") else int  # (other None defaults: float)
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                         help=f"default {f.default!r} (the recipe may set it)")
     a = ap.parse_args(argv)
-    values = dict(REAL_RECIPES[a.recipe])
+    values = dict(REAL_RECIPES[a.recipe], resume=a.resume)
     values |= {k: getattr(a, k) for k in fields if getattr(a, k) is not None}
     for k in ("compile", "gen_graphs"):
         if k in values:

@@ -11,13 +11,24 @@ quarter of it has finished (each top-up is one or a few eager prefill steps; the
 graph replays at 3/4 to full batch). If building, capturing or running the graph engine
 fails, the remaining jobs run on an eager Engine over the torch kernels (slower, same
 tokens' distribution) and the run records why.
+
+The responses cache (`save_responses` / `load_responses`, `--responses-cache DIR` of
+`graphdraft.train.real`): the samples unpadded (int32 ids back to back, lengths, prompt
+indices, kinds) in safetensors, and a JSON record holding the key that produced them
+(`responses_key`: the target's identity, the prompts' sha256, the sampling settings), the
+generation's data record and the sampling generator's state after generation, so a run that
+loads them goes on exactly as the run that generated them did.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -231,3 +242,120 @@ def generate_samples(target: LlamaForCausalLM, tokenizer, prompts: list[tuple[st
     data["response_tokens_per_s"] = round(data["response_tokens"] / max(info["seconds"], 1e-9))
     log(f"responses: {data}")
     return samples, data
+
+
+# ---------------------------------------------------------------------------
+# The responses cache (`--responses-cache DIR`): generate once, train over several calls
+# ---------------------------------------------------------------------------
+CACHE_FORMAT = 1
+CACHE_TENSORS = "responses.safetensors"
+CACHE_RECORD = "responses.json"
+IDENTITY_BYTES = 16 << 20
+"""A target file's identity: its size and the sha256 of its first 16 MiB."""
+
+
+def _file_identity(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(IDENTITY_BYTES))
+    return {"bytes": path.stat().st_size, "sha256_first_16mib": digest.hexdigest()}
+
+
+def target_identity(path: str | os.PathLike) -> dict:
+    """What a target is, cheaply: a file (a .gguf) its `_file_identity`; a converted directory
+    each of its config / tokenizer / weight files' (by name). Renaming or moving it keeps it."""
+    p = Path(path)
+    if p.is_file():
+        return _file_identity(p)
+    if not p.is_dir():
+        raise ValueError(f"target {path}: neither a file nor a directory")
+    names = sorted(f.name for f in p.iterdir() if f.is_file() and (
+        f.suffix in (".safetensors", ".gguf") or f.name in ("config.json", "tokenizer.json",
+                                                             "tokenizer_config.json")))
+    return {n: _file_identity(p / n) for n in names}
+
+
+def responses_key(target_id: dict, prompts: list[tuple[str, str]], run: ResponseSettings) -> dict:
+    """What produced a response set: the target's identity, the prompts ((kind, text), by
+    sha256) and the settings that shape the responses (seed, responses per prompt, sampling
+    temperature, prompt and response lengths). Caps on time or batch are not in it: a cache
+    written under a shorter cap (fewer responses) is reused as it is."""
+    text = json.dumps(prompts, ensure_ascii=False).encode()
+    return {"format": CACHE_FORMAT, "target": target_id, "prompts": len(prompts),
+            "prompts_sha256": hashlib.sha256(text).hexdigest(), "seed": run.seed,
+            "responses_per_prompt": run.responses_per_prompt,
+            "sample_temperature": run.sample_temperature,
+            "max_prompt_tokens": run.max_prompt_tokens, "max_new_tokens": run.max_new_tokens}
+
+
+def _packed(samples: Samples) -> dict[str, torch.Tensor]:
+    """The samples' tensors without padding: the sequences' ids back to back, int32."""
+    keep = torch.arange(samples.ids.shape[1])[None, :] < samples.lens[:, None]
+    names = sorted(set(samples.kinds))
+    return {"tokens": samples.ids[keep].to(torch.int32), "lens": samples.lens.long(),
+            "prompt_lens": samples.prompt_lens.long(), "prompt": samples.prompt.long(),
+            "sampled": samples.sampled.to(torch.uint8),
+            "kinds": torch.tensor([names.index(k) for k in samples.kinds], dtype=torch.int64)}
+
+
+def samples_digest(samples: Samples) -> str:
+    """sha256 of the samples' unpadded ids, lengths, prompts and kinds (equal samples, equal
+    digest, whatever the padding)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(_packed(samples).items()):
+        digest.update(name.encode())
+        digest.update(t.contiguous().numpy().tobytes())
+    digest.update(json.dumps(sorted(set(samples.kinds))).encode())
+    return digest.hexdigest()
+
+
+def save_responses(cache_dir: str | os.PathLike, key: dict, samples: Samples, data: dict,
+                   pad_id: int, gen_state: torch.Tensor) -> None:
+    """Write `samples` (unpadded, `_packed`), the generation's data record, the pad id and
+    `gen_state` (the generator after generation, `torch.Generator.get_state()`) under `key`:
+    safetensors and JSON, each written to a temporary name and renamed, the record last."""
+    from safetensors.torch import save_file
+    d = Path(cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = _packed(samples) | {"gen_state": gen_state.to(torch.uint8)}
+    save_file(tensors, str(d / (CACHE_TENSORS + ".tmp")))
+    os.replace(d / (CACHE_TENSORS + ".tmp"), d / CACHE_TENSORS)
+    record = {"key": key, "pad_id": int(pad_id), "kinds": sorted(set(samples.kinds)),
+              "digest": samples_digest(samples), "data": data}
+    (d / (CACHE_RECORD + ".tmp")).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(d / (CACHE_RECORD + ".tmp"), d / CACHE_RECORD)
+
+
+def cached_key(cache_dir: str | os.PathLike) -> dict | None:
+    """The key of the responses in `cache_dir` (None: none there, or not readable)."""
+    path = Path(cache_dir) / CACHE_RECORD
+    if not path.is_file() or not (Path(cache_dir) / CACHE_TENSORS).is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("key")
+    except (OSError, ValueError):
+        return None
+
+
+def load_responses(cache_dir: str | os.PathLike) -> tuple[Samples, dict, torch.Tensor]:
+    """(samples as `generate_samples` returned them, its data record, the generator state
+    after generation) from `cache_dir`; ValueError naming responses_cache when the files
+    disagree with their record (a damaged cache)."""
+    from safetensors.torch import load_file
+    d = Path(cache_dir)
+    record = json.loads((d / CACHE_RECORD).read_text(encoding="utf-8"))
+    t = load_file(str(d / CACHE_TENSORS))
+    lens = t["lens"]
+    width = int(lens.max())
+    keep = torch.arange(width)[None, :] < lens[:, None]
+    if int(keep.sum()) != t["tokens"].numel():
+        raise ValueError(f"responses_cache {d}: {t['tokens'].numel()} tokens stored, the "
+                         f"lengths say {int(keep.sum())} (a damaged cache: delete it)")
+    ids = torch.full((lens.numel(), width), record["pad_id"], dtype=torch.long)
+    ids[keep] = t["tokens"].long()
+    samples = Samples(ids, t["prompt_lens"], lens, t["prompt"], t["sampled"].bool(),
+                      [record["kinds"][i] for i in t["kinds"].tolist()])
+    if samples_digest(samples) != record["digest"]:
+        raise ValueError(f"responses_cache {d}: the samples' digest differs from the record's "
+                         f"(a damaged cache: delete it)")
+    return samples, record["data"], t["gen_state"]

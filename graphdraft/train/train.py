@@ -182,15 +182,26 @@ class _Clock:
     The cap counts from the stage's first step, the torch.compile warm-up included, so it
     bounds the stage's wall time (the first step always runs, however long it takes). The fraction counts from the end of that first step to the
     cap, so the learning-rate schedule spans the steps that actually train.
+
+    `total_minutes` (a training spread over several calls, `LoopStart`): the fraction is
+    instead the training seconds of every call so far (`trained_seconds` before this one,
+    then this call's, its first step included) over `total_minutes`, whatever this call's cap.
     """
 
-    def __init__(self, max_minutes: float | None) -> None:
+    def __init__(self, max_minutes: float | None, trained_seconds: float = 0.0,
+                 total_minutes: float | None = None) -> None:
         self.t0 = time.perf_counter()
         self.cap = None if max_minutes is None else 60.0 * max_minutes
         self.t_first: float | None = None
+        self.before = trained_seconds
+        self.total = None if total_minutes is None else 60.0 * total_minutes
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+    def trained(self) -> float:
+        """Training seconds of every call so far, this one's included."""
+        return self.before + self.elapsed()
 
     def first_step_done(self) -> None:
         if self.t_first is None:
@@ -199,11 +210,35 @@ class _Clock:
     def expired(self) -> bool:
         return self.cap is not None and self.elapsed() > self.cap
 
+    def total_reached(self) -> bool:
+        return self.total is not None and self.trained() >= self.total
+
     def fraction(self) -> float | None:
+        if self.total is not None:
+            return min(1.0, self.trained() / self.total)
         if self.cap is None or self.t_first is None:
             return None
         left = self.t0 + self.cap - self.t_first
         return 1.0 if left <= 0 else (time.perf_counter() - self.t_first) / left
+
+
+@dataclass
+class LoopStart:
+    """Where `_train_loop` starts and how far one call goes: the defaults are a whole run in
+    one call; a run spread over several calls (`graphdraft.train.resume`) starts each later
+    call where the checkpoint of the one before stopped."""
+
+    step: int = 0
+    """The first step's index (steps 0 .. step - 1 ran in earlier calls)."""
+    ema: float | None = None
+    """The loss EMA the earlier calls ended with (None: none ran)."""
+    trained_seconds: float = 0.0
+    """Training seconds of the earlier calls (`_Clock`)."""
+    total_minutes: float | None = None
+    """Training minutes the schedule's time fraction spans over every call, which stop once
+    they are reached (None: this call's time cap, as a run of one call)."""
+    call_steps: int | None = None
+    """Steps this call runs at most (None: up to the run's `steps`)."""
 
 
 def _hardware(device: torch.device | None = None) -> str:
@@ -220,27 +255,66 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+def _stop_reason(clock: _Clock, done: int, run) -> tuple[str, str] | None:
+    """Why the loop stops before its next step, (record, words): the schedule's total
+    training time reached, or this call's time cap (never before this call's first step);
+    None: it goes on."""
+    if clock.total_reached():
+        return "total minutes", f"the schedule's {clock.total / 60:g} training minutes are reached"
+    if done and clock.expired():  # the first step always runs
+        return "time cap", f"the time cap ({run.max_minutes} min) is reached"
+    return None
+
+
+def _log_step(tag: str, step: int, loss, ema, lr: float, extra, clock: _Clock, run,
+              last: tuple[float, int], tokens_per_step: int) -> tuple[float, int]:
+    """One progress line and its `run.history` entry (`loss.item()`: the loop's only sync);
+    the rate since `last` (seconds, step of the line before) -> this line's (seconds, step)."""
+    lv, ev = loss.item(), ema.item()
+    el = clock.elapsed()
+    last_t, last_step = last
+    rate = ((step - last_step) * tokens_per_step / (el - last_t)
+            if step > 0 and el > last_t else None)
+    entry = {"step": step, "loss": round(lv, 4), "ema_loss": round(ev, 4),
+             "lr": float(f"{lr:.3e}"), "seconds": round(el, 1)}
+    line = f"{tag} step {step:5d}  loss {lv:.4f}  ema {ev:.4f}  lr {lr:.2e}"
+    if extra is not None:
+        accs = extra.tolist()
+        entry["step_top1"] = [round(a, 3) for a in accs]
+        line += f"  top1/step {' '.join(f'{a:.3f}' for a in accs)}"
+    if rate is not None:
+        entry["tokens_per_s"] = round(rate)
+        line += f"  {rate:,.0f} tok/s"
+    run.history.append(entry)
+    print(f"{line}  {el:7.1f} s", flush=True)
+    return el, step
+
+
 def _train_loop(tag: str, run, device: torch.device, params: dict[str, torch.nn.Parameter],
                 opt: torch.optim.Optimizer, loss_fn, eager_loss_fn, next_batch,
-                tokens_per_step: int) -> dict:
+                tokens_per_step: int, start: LoopStart | None = None) -> dict:
     """The shared optimisation loop of both stages.
 
     `loss_fn(batch)` -> (loss, per-step agreement or None); `eager_loss_fn` is the same
     function uncompiled: if the compiled one fails on the first step (forward or backward),
     the loop says so and trains eagerly. Syncs with the device only at log steps (and after
-    the first step, to time the warm-up). -> steps, final EMA loss, seconds, first-step
-    seconds, why it stopped.
+    the first step, to time the warm-up). `start` (`LoopStart`; None: a fresh run of one
+    call): the first step's index, the EMA and training time so far, the schedule's total
+    minutes and this call's step cap. -> steps (this call's), final EMA loss, seconds, first-step
+    seconds, why it stopped, the next step's index and the training seconds of every call.
     """
-    clock = _Clock(run.max_minutes)
+    start = start or LoopStart()
+    clock = _Clock(run.max_minutes, start.trained_seconds, start.total_minutes)
     fn = loss_fn
-    ema, done, stop = None, 0, "steps"
-    first_s = None
-    last_t, last_step = 0.0, -1
-    for step in range(run.steps):
-        if done and clock.expired():  # the first step always runs
-            print(f"{tag}: stopping at step {step}: the time cap ({run.max_minutes} min) is reached",
-                  flush=True)
-            stop = "time cap"
+    ema = None if start.ema is None else torch.tensor(start.ema, device=device)
+    done, stop, first_s = 0, "steps", None
+    last = (0.0, start.step - 1)  # the last progress line's seconds and step
+    end = run.steps if start.call_steps is None else min(run.steps, start.step + start.call_steps)
+    for step in range(start.step, end):
+        why = _stop_reason(clock, done, run)
+        if why is not None:
+            stop = why[0]
+            print(f"{tag}: stopping at step {step}: {why[1]}", flush=True)
             break
         lr = _lr_at(step, run.steps, run.lr, run.warmup, clock.fraction())
         for g in opt.param_groups:
@@ -264,34 +338,21 @@ def _train_loop(tag: str, run, device: torch.device, params: dict[str, torch.nn.
         done += 1
         ld = loss.detach().float()
         ema = ld.clone() if ema is None else ema.mul_(0.95).add_(ld, alpha=0.05)
-        if step == 0:
+        if done == 1:
             _sync(device)
             clock.first_step_done()
             first_s = clock.elapsed()
             print(f"{tag}: first step {first_s:.1f} s"
                   f"{' (torch.compile warm-up)' if fn is not eager_loss_fn else ''}", flush=True)
         if step % run.log_every == 0 or step == run.steps - 1:
-            lv, ev = loss.item(), ema.item()  # the loop's only sync
-            el = clock.elapsed()
-            rate = ((step - last_step) * tokens_per_step / (el - last_t)
-                    if step > 0 and el > last_t else None)
-            last_t, last_step = el, step
-            entry = {"step": step, "loss": round(lv, 4), "ema_loss": round(ev, 4),
-                     "lr": float(f"{lr:.3e}"), "seconds": round(el, 1)}
-            line = f"{tag} step {step:5d}  loss {lv:.4f}  ema {ev:.4f}  lr {lr:.2e}"
-            if extra is not None:
-                accs = extra.tolist()
-                entry["step_top1"] = [round(a, 3) for a in accs]
-                line += f"  top1/step {' '.join(f'{a:.3f}' for a in accs)}"
-            if rate is not None:
-                entry["tokens_per_s"] = round(rate)
-                line += f"  {rate:,.0f} tok/s"
-            run.history.append(entry)
-            print(f"{line}  {el:7.1f} s", flush=True)
+            last = _log_step(tag, step, loss, ema, lr, extra, clock, run, last, tokens_per_step)
+    else:
+        stop = "steps" if end == run.steps else "call steps"
     _sync(device)
     final = None if ema is None else ema.item()
     return {"steps": done, "ema": final, "seconds": clock.elapsed(), "first_step_seconds": first_s,
-            "stopped_by": stop, "compiled": fn is not eager_loss_fn}
+            "stopped_by": stop, "compiled": fn is not eager_loss_fn,
+            "next_step": start.step + done, "trained_seconds": clock.trained()}
 
 
 @dataclass
