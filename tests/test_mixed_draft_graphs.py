@@ -6,6 +6,7 @@ step run eagerly (enforce_eager), every state tensor after every step."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -50,15 +51,18 @@ JOINS = {0: [0, 1, 2], 1: [3], 3: [4, 5], 4: [6], 6: [7, 8, 9], 8: [10], 9: [11,
 
 
 def _lockstep(engines: list[Engine], ps: list[list[int]], params: SamplingParams,
-              tol: float | None) -> list[list[list[int]]]:
-    """Both engines step together, `JOINS` adding requests; after every step their state
+              tol: float | None, *, joins: dict[int, list[int]] = JOINS,
+              second=contextlib.nullcontext) -> list[list[list[int]]]:
+    """Both engines step together, `joins` adding requests (step -> prompt indices), the
+    second engine's steps inside the context `second()` makes; after every step their state
     (`test_mixed_graphs._state`) equal: bit for bit, or floating tensors within `tol`.
     Returns each engine's outputs."""
     reqs, step = [[], []], 0
-    while step in JOINS or any(e.has_work for e in engines):
+    while step in joins or any(e.has_work for e in engines):
         for i, e in enumerate(engines):
-            reqs[i].extend(e.add_request(ps[j], params) for j in JOINS.get(step, []))
-            e.step()
+            reqs[i].extend(e.add_request(ps[j], params) for j in joins.get(step, []))
+            with second() if i else contextlib.nullcontext():
+                e.step()
         if engines[0].device.type == "cuda":
             torch.cuda.synchronize()
         a, b = _state(engines[0]), _state(engines[1])

@@ -21,8 +21,7 @@ from graphdraft import ops
 from graphdraft.kernels import mixed_draft_inputs, segments, slot_admit
 from graphdraft.serving.engine import Engine
 from tests.engine_harness import make_models, runtime
-from tests.test_mixed_draft_graphs import PARAMS, _padded
-from tests.test_mixed_graphs import _state
+from tests.test_mixed_draft_graphs import PARAMS, _lockstep, _padded
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu"  # the padded path forced on as tests/test_mixed_draft_graphs.py does on the CPU
@@ -67,18 +66,9 @@ def test_fused_mixed_step_set_up_equals_the_torch_references(monkeypatch):
     calls = collections.Counter()
     for name in FUSED:
         monkeypatch.setattr(ops, name, _counted(calls, name, getattr(ops, name)))
-    reqs, step = [[], []], 0
-    while step in JOINS or any(e.has_work for e in engines):
-        for i, e in enumerate(engines):
-            reqs[i].extend(e.add_request(ps[j], params) for j in JOINS.get(step, []))
-            with _torch_references() if i else contextlib.nullcontext():
-                e.step()
-        a, b = _state(engines[0]), _state(engines[1])
-        for k in a:
-            assert torch.equal(a[k], b[k]), (step, k)
-        step += 1
-    assert [r.output for r in reqs[0]] == [r.output for r in reqs[1]]
-    assert all(len(r.output) == 4 for r in reqs[0])
+    outs = _lockstep(engines, ps, params, None, joins=JOINS, second=_torch_references)
+    assert outs[0] == outs[1]
+    assert all(len(o) == 4 for o in outs[0])
     assert seen[0] == seen[1] and any(r > bs for bs, _, _, r, _ in seen[0])
     assert any(tb > t for _, _, t, _, tb in seen[0]) and any(bs > ne for bs, ne, *_ in seen[0])
     assert calls["admit_slot_rows"] >= 2 and calls["mixed_draft_inputs"] == len(seen[0])
